@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine (see README.md): `make quickstart` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+OUT    ?= out/quickstart
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install quickstart test clean
+
+install: $(STAMP)
+
+# torch first, pinned: on these CPU machines 2.13.0 lies on disk; anything else pulls a CUDA build.
+$(STAMP): pyproject.toml setup.py csrc/sample_index.cpp
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[eval,test]"
+	touch $(STAMP)
+
+quickstart: install
+	$(BIN)/mlmclm quickstart --out $(OUT)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info megatron_mlmclm/*.so

@@ -1,0 +1,78 @@
+"""The `mlmclm` command: one entry point, one module per subcommand.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int | None`. Modules are
+imported only when their subcommand runs, so `mlmclm --help` stays fast and a heavy dependency of
+one subcommand (megatron-core, sentence-transformers) never slows down another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from megatron_mlmclm.errors import EXIT_USAGE, UsageError
+
+# name -> (module, one-line help). Order is the order of the user's flow.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "tokenize": ("megatron_mlmclm.data.tokenizer", "load or train a tokenizer with bos/eos/pad/mask"),
+    "preprocess": ("megatron_mlmclm.data.preprocess", "raw text -> Megatron .bin/.idx shards"),
+    "index": ("megatron_mlmclm.data.dataset", "build (and cache) the packed sample index"),
+    "pretrain": ("megatron_mlmclm.training.pretrain", "pretrain with CLM / MLM phases"),
+    "convert": ("megatron_mlmclm.convert.cli", "megatron <-> Hugging Face checkpoints"),
+    "evaluate": ("megatron_mlmclm.eval.cli", "fine-tune HF encoders over an LR x seed grid"),
+    "report": ("megatron_mlmclm.eval.report", "tables, confidence intervals and plots"),
+    "plan": ("megatron_mlmclm.plan", "write the study's grid of configs and jobs"),
+    "quickstart": ("megatron_mlmclm.quickstart", "small end-to-end run on CPU"),
+}
+
+
+def available_commands() -> dict[str, tuple[str, str]]:
+    """Subcommands whose module is present in this install."""
+    out = {}
+    for name, (module, help_) in COMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            out[name] = (module, help_)
+    return out
+
+
+def _top_help(commands) -> str:
+    lines = ["usage: mlmclm COMMAND [ARGS ...]", "", "commands:"]
+    lines += [f"  {n:<11} {h}" for n, (_, h) in commands.items()]
+    lines += ["", "Run `mlmclm COMMAND --help` for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = available_commands()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_top_help(commands))
+        return 0 if argv else EXIT_USAGE
+    name = argv[0]
+    if name not in commands:
+        print(f"mlmclm: error: unknown command '{name}'; choose one of {', '.join(commands)}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    module_name, help_ = commands[name]
+    parser = argparse.ArgumentParser(prog=f"mlmclm {name}", description=help_)
+    try:
+        module = importlib.import_module(module_name)
+        module.add_arguments(parser)
+        args = parser.parse_args(argv[1:])
+        rc = module.run(args)
+    except UsageError as e:
+        print(f"mlmclm {name}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"mlmclm {name}: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+def entry() -> None:  # pragma: no cover - thin wrapper for console_scripts
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # the spawn Manager of dist_checkpointing needs a __main__ guard
+    entry()

@@ -1,0 +1,462 @@
+"""Typed run configuration: YAML file + dotted `key.sub=value` overrides, validated before any work.
+
+A run config is a tree of dataclasses (RunConfig at the root). `load_config(path, overrides)` reads
+YAML, applies overrides, converts to dataclasses with type checks, fills model presets and validates
+the cross-field rules (heads divide hidden, TP divides heads, phases fill the budget, ...). Every
+problem raises UsageError naming the dotted key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from megatron_mlmclm.errors import UsageError
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass
+class ModelConfig:
+    """Encoder/decoder trunk (EuroBERT/Llama style). `preset` fills any field left unset."""
+
+    preset: Optional[str] = "tiny"
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None  # KV heads (GQA)
+    kv_channels: Optional[int] = None  # head dim
+    seq_length: Optional[int] = None
+    vocab_size: Optional[int] = None  # None: taken from the tokenizer
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    qk_layernorm: bool = False  # Qwen3-style q/k RMSNorm
+    tie_embeddings: bool = False  # the study unties input and output embeddings
+
+
+@dataclass
+class PhaseConfig:
+    """One phase of a run: an objective for a share (fraction of train.steps) or a step count."""
+
+    objective: str = "mlm"  # "clm" or "mlm"
+    share: Optional[float] = None
+    steps: Optional[int] = None
+    mask_ratio: float = 0.4
+    mask_replace: str = "mask"  # "mask" (the study) or "80-10-10" (BERT)
+
+
+@dataclass
+class DataConfig:
+    """Megatron .bin/.idx shards. `train`/`valid` are prefixes, optionally with blend weights:
+    ["0.7", "corpusA_text_document", "0.3", "corpusB_text_document"] or just prefixes."""
+
+    train: list[str] = field(default_factory=list)
+    valid: list[str] = field(default_factory=list)
+    tokenizer: Optional[str] = None
+    seed: int = 1234
+    cache_dir: Optional[str] = None  # sample-index cache; default: <first prefix dir>/cache
+    mock: bool = False  # synthetic tokens, no files needed (smoke tests)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    use_distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    lr: float = 5e-4
+    min_lr: float = 0.0
+    warmup_steps: int = 10
+    decay_steps: int = 10  # WSD: linear decay over the last `decay_steps`
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-5
+    clip_grad: float = 1.0
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    fp8: Optional[str] = None  # None | delayed | current | mxfp8 (Transformer Engine only)
+    recompute: Optional[str] = None  # None | selective | full
+    init_from: Optional[str] = None  # weights only: continued pretraining from a checkpoint
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None  # default: <output_dir>/checkpoints
+    save_interval: int = 0  # 0: only at the end
+    keep_last: int = 2
+    resume: bool = True  # resume from the latest complete checkpoint in dir
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    eval_interval: int = 0  # 0: only at the end
+    eval_iters: int = 4
+    tensorboard: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs/run"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig()])
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets (PAPER.md). `tiny` is ours: a few M parameters for CPU runs and tests.
+
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(num_layers=4, hidden_size=128, ffn_hidden_size=384, num_attention_heads=4,
+                 num_query_groups=2, kv_channels=32, seq_length=128),
+    "210m": dict(num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12,
+                 num_query_groups=12, kv_channels=64, seq_length=2048),
+    "610m": dict(num_layers=26, hidden_size=1152, ffn_hidden_size=4096, num_attention_heads=18,
+                 num_query_groups=6, kv_channels=64, seq_length=2048),
+    "1b": dict(num_layers=28, hidden_size=1728, ffn_hidden_size=5120, num_attention_heads=18,
+               num_query_groups=6, kv_channels=96, seq_length=2048),
+}
+
+OBJECTIVES = ("clm", "mlm")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (), cls=RunConfig):
+    """YAML file (or None for defaults) + `a.b=value` overrides -> validated dataclass tree."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_yaml(path)
+    for item in overrides:
+        apply_override(raw, item)
+    cfg = from_dict(cls, raw, prefix="")
+    if isinstance(cfg, RunConfig):
+        finalize_run_config(cfg)
+    return cfg
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file {p} does not exist; pass the path of a YAML config")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"config file {p}{where} is not valid YAML: {getattr(e, 'problem', e)}")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UsageError(f"config file {p} must hold a mapping of sections, not {type(raw).__name__}")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """`train.steps=50`, `phases.1.mask_ratio=0.3`, `data.train=[a,b]` (values parsed as YAML)."""
+    if "=" not in item:
+        raise UsageError(f"override {item!r} must look like key.sub=value")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise UsageError(f"override {item!r} has an empty key part; use e.g. train.steps=50")
+    try:
+        value = yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError:
+        value = text
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            node = node[_list_index(node, part, key)]
+            continue
+        if part not in node or node[part] is None:
+            # Phases default to one entry; an override on phases.N needs that list to exist.
+            node[part] = [] if nxt.isdigit() else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last) if last.isdigit() else None
+        if idx is None or idx > len(node):
+            raise UsageError(f"override {key}: index {last} out of range (list has {len(node)})")
+        if idx == len(node):
+            node.append(value)
+        else:
+            node[idx] = value
+    else:
+        node[last] = value
+
+
+def _list_index(node: list, part: str, key: str) -> int:
+    if not part.isdigit():
+        raise UsageError(f"override {key}: {part!r} must be a list index")
+    idx = int(part)
+    if idx == len(node):
+        node.append({})
+    if idx >= len(node):
+        raise UsageError(f"override {key}: index {idx} out of range (list has {len(node)})")
+    return idx
+
+
+def from_dict(cls, raw: Any, prefix: str):
+    """Build dataclass `cls` from `raw` with strict key and type checks."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UsageError(f"{prefix or 'config'} must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        key = f"{prefix}{unknown[0]}"
+        raise UsageError(f"unknown config key '{key}'; valid keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name in names:
+        if name in raw:
+            kwargs[name] = _convert(hints[name], raw[name], f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _convert(tp, value, key: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, key)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, f"{key}.")
+    if origin is list:
+        (item_tp,) = args
+        if not isinstance(value, list):
+            if item_tp is str and isinstance(value, str):
+                return [value]
+            raise UsageError(f"config key '{key}' must be a list, got {value!r}")
+        return [_convert(item_tp, v, f"{key}.{i}") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise UsageError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise UsageError(f"config key '{key}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 5e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UsageError(f"config key '{key}' must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UsageError(f"config key '{key}' must be a string, got {value!r}")
+    return value
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+
+
+def finalize_run_config(cfg: RunConfig) -> RunConfig:
+    """Fill presets and derived values, then check every cross-field rule."""
+    resolve_model(cfg.model)
+    validate_model(cfg.model, cfg.parallel)
+    validate_parallel(cfg)
+    validate_train(cfg.train)
+    resolve_phase_steps(cfg.phases, cfg.train.steps)
+    if cfg.checkpoint.dir is None:
+        cfg.checkpoint.dir = str(Path(cfg.output_dir) / "checkpoints")
+    if cfg.checkpoint.save_interval < 0 or cfg.checkpoint.keep_last < 1:
+        raise UsageError("checkpoint.save_interval must be >= 0 and checkpoint.keep_last >= 1")
+    if not cfg.data.mock and not cfg.data.train:
+        raise UsageError("data.train is empty; give shard prefixes (mlmclm preprocess writes them) "
+                         "or set data.mock=true")
+    return cfg
+
+
+def resolve_model(m: ModelConfig) -> None:
+    if m.preset is not None:
+        if m.preset not in MODEL_PRESETS:
+            raise UsageError(f"model.preset '{m.preset}' is unknown; choose one of "
+                             f"{', '.join(MODEL_PRESETS)} or set every model field")
+        for k, v in MODEL_PRESETS[m.preset].items():
+            if getattr(m, k) is None:
+                setattr(m, k, v)
+    if m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
+    if m.kv_channels is None and m.hidden_size and m.num_attention_heads:
+        m.kv_channels = m.hidden_size // m.num_attention_heads
+    missing = [k for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                           "seq_length") if getattr(m, k) is None]
+    if missing:
+        raise UsageError(f"model.{missing[0]} is not set; set it or choose a model.preset")
+
+
+def validate_model(m: ModelConfig, p: ParallelConfig) -> None:
+    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "kv_channels", "seq_length"):
+        if getattr(m, k) <= 0:
+            raise UsageError(f"model.{k} must be positive, got {getattr(m, k)}")
+    if m.vocab_size is not None and m.vocab_size <= 0:
+        raise UsageError(f"model.vocab_size must be positive, got {m.vocab_size}")
+    if m.hidden_size % m.num_attention_heads:
+        raise UsageError(f"model.num_attention_heads ({m.num_attention_heads}) must divide "
+                         f"model.hidden_size ({m.hidden_size})")
+    if m.num_attention_heads % m.num_query_groups:
+        raise UsageError(f"model.num_query_groups ({m.num_query_groups}) must divide "
+                         f"model.num_attention_heads ({m.num_attention_heads})")
+    tp = p.tensor_model_parallel_size
+    if m.num_attention_heads % tp:
+        raise UsageError(f"parallel.tensor_model_parallel_size ({tp}) must divide "
+                         f"model.num_attention_heads ({m.num_attention_heads})")
+    if m.num_query_groups % tp:
+        raise UsageError(f"parallel.tensor_model_parallel_size ({tp}) must divide "
+                         f"model.num_query_groups ({m.num_query_groups}, the KV heads)")
+    if m.ffn_hidden_size % tp:
+        raise UsageError(f"parallel.tensor_model_parallel_size ({tp}) must divide "
+                         f"model.ffn_hidden_size ({m.ffn_hidden_size})")
+    if m.rotary_base <= 0 or m.norm_epsilon <= 0 or m.init_method_std <= 0:
+        raise UsageError("model.rotary_base, model.norm_epsilon and model.init_method_std must be > 0")
+
+
+def validate_parallel(cfg: RunConfig) -> None:
+    p, m = cfg.parallel, cfg.model
+    for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(p, k) < 1:
+            raise UsageError(f"parallel.{k} must be >= 1, got {getattr(p, k)}")
+    pp = p.pipeline_model_parallel_size
+    if pp > m.num_layers:
+        raise UsageError(f"parallel.pipeline_model_parallel_size ({pp}) is larger than "
+                         f"model.num_layers ({m.num_layers}); use at most {m.num_layers}")
+    vpp = p.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        if vpp < 1 or pp < 2:
+            raise UsageError("parallel.virtual_pipeline_model_parallel_size needs "
+                             "pipeline_model_parallel_size >= 2 and a value >= 1")
+        if m.num_layers % (pp * vpp):
+            raise UsageError(f"model.num_layers ({m.num_layers}) must be divisible by "
+                             f"pipeline x virtual pipeline size ({pp * vpp})")
+    elif m.num_layers % pp:
+        raise UsageError(f"parallel.pipeline_model_parallel_size ({pp}) must divide "
+                         f"model.num_layers ({m.num_layers})")
+
+
+def validate_train(t: TrainConfig) -> None:
+    if t.steps < 1:
+        raise UsageError(f"train.steps must be >= 1, got {t.steps}")
+    if t.micro_batch_size < 1 or t.global_batch_size < 1:
+        raise UsageError("train.micro_batch_size and train.global_batch_size must be >= 1")
+    if t.global_batch_size % t.micro_batch_size:
+        raise UsageError(f"train.micro_batch_size ({t.micro_batch_size}) must divide "
+                         f"train.global_batch_size ({t.global_batch_size})")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise UsageError(f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr")
+    if t.warmup_steps < 0 or t.decay_steps < 0 or t.warmup_steps + t.decay_steps > t.steps:
+        raise UsageError(f"train.warmup_steps ({t.warmup_steps}) + train.decay_steps "
+                         f"({t.decay_steps}) must fit in train.steps ({t.steps})")
+    if t.precision not in ("auto", "fp32", "bf16"):
+        raise UsageError(f"train.precision '{t.precision}' must be auto, fp32 or bf16")
+    if t.fp8 not in (None, "delayed", "current", "mxfp8"):
+        raise UsageError(f"train.fp8 '{t.fp8}' must be null, delayed, current or mxfp8")
+    if t.recompute not in (None, "selective", "full"):
+        raise UsageError(f"train.recompute '{t.recompute}' must be null, selective or full")
+    if not 0.0 <= t.adam_beta1 < 1.0 or not 0.0 <= t.adam_beta2 < 1.0 or t.adam_eps <= 0:
+        raise UsageError("train.adam_beta1/adam_beta2 must be in [0, 1) and train.adam_eps > 0")
+
+
+def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
+    """Check phases and turn shares into integer step counts that sum exactly to `total`.
+
+    Each phase gives `share` (fraction of the budget) or `steps`, not both. Shares are rounded so
+    that the phase boundaries are round(cumulative share x total): 25%/75% of 42000 -> 10500/31500.
+    The resolved counts are written back to `phase.steps`.
+    """
+    if not phases:
+        raise UsageError("phases is empty; give at least one phase, e.g. [{objective: mlm}]")
+    for i, ph in enumerate(phases):
+        key = f"phases.{i}"
+        if ph.objective not in OBJECTIVES:
+            raise UsageError(f"{key}.objective '{ph.objective}' must be one of {', '.join(OBJECTIVES)}")
+        if ph.objective == "mlm" and not 0.0 < ph.mask_ratio < 1.0:
+            raise UsageError(f"{key}.mask_ratio {ph.mask_ratio} must be in (0, 1), e.g. 0.4")
+        if ph.mask_replace not in ("mask", "80-10-10"):
+            raise UsageError(f"{key}.mask_replace '{ph.mask_replace}' must be mask or 80-10-10")
+        if ph.share is not None and ph.steps is not None:
+            raise UsageError(f"{key} gives both share and steps; keep one")
+        if ph.share is not None and not 0.0 <= ph.share <= 1.0:
+            raise UsageError(f"{key}.share {ph.share} must be in [0, 1]")
+        if ph.steps is not None and ph.steps < 0:
+            raise UsageError(f"{key}.steps must be >= 0")
+    if len(phases) == 1 and phases[0].share is None and phases[0].steps is None:
+        phases[0].steps = total
+        return [total]
+    unset = [i for i, ph in enumerate(phases) if ph.share is None and ph.steps is None]
+    if unset:
+        raise UsageError(f"phases.{unset[0]} needs share or steps (several phases share the budget)")
+    shares = [ph.share if ph.share is not None else ph.steps / total for ph in phases]
+    if not math.isclose(sum(shares), 1.0, abs_tol=1e-6):
+        given = " + ".join(f"{s:g}" for s in shares)
+        raise UsageError(f"phase shares must sum to the budget (train.steps={total}): "
+                         f"{given} = {sum(shares):g}; adjust phases.N.share or phases.N.steps")
+    counts, cum, prev = [], 0.0, 0
+    for ph, s in zip(phases, shares):
+        cum += s
+        boundary = ph.steps + prev if ph.steps is not None else int(round(cum * total))
+        counts.append(boundary - prev)
+        prev = boundary
+    counts[-1] += total - prev
+    for ph, c in zip(phases, counts):
+        ph.steps = c
+    return counts
+
+
+def phase_at(phases: list[PhaseConfig], step: int) -> tuple[int, PhaseConfig]:
+    """The (index, phase) that owns 0-based training step `step` (phase.steps resolved)."""
+    end = 0
+    for i, ph in enumerate(phases):
+        end += ph.steps
+        if step < end:
+            return i, ph
+    return len(phases) - 1, phases[-1]
