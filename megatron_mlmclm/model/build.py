@@ -1,0 +1,192 @@
+"""The encoder as a megatron-core GPTModel: config, layer spec, and a head that pays only for labels.
+
+Architecture (PAPER.md): RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings. The same trunk is
+trained causally (CLM) or bidirectionally (MLM); the attention kind is a property of the batch
+(the mask), not of the model, so one model switches objective between phases.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_mlmclm.config import ModelConfig, RunConfig
+from megatron_mlmclm.model.attention import SDPAttention
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Pad to a multiple of 128 (divisible by every power-of-two TP, so checkpoints reshard)."""
+    multiple = 128 if 128 % tp == 0 else 128 * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def use_bf16(cfg: RunConfig) -> bool:
+    if cfg.train.precision == "auto":
+        return torch.cuda.is_available()
+    return cfg.train.precision == "bf16"
+
+
+def transformer_config(cfg: RunConfig) -> TransformerConfig:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    bf16 = use_bf16(cfg)
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=m.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        sequence_parallel=False,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # The loss is a mean over all label-carrying tokens of the global batch (megatron's
+        # per-token convention): the schedule divides by the token count summed over micro-batches
+        # and DP ranks, so every parallel layout computes the same loss.
+        calculate_per_token_loss=True,
+        # Initialise full weights on the CPU and slice them, so TP layouts start from one model.
+        use_cpu_initialization=not on_gpu,
+        # Fusions need CUDA kernels; gloo P2P batching gives wrong results with PP (DESIGN.md).
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        batch_p2p_comm=False if not on_gpu else True,
+        cross_entropy_loss_fusion=False,
+    )
+    if t.recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif t.recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    if t.fp8 is not None:
+        if not have_transformer_engine():
+            from megatron_mlmclm.errors import UsageError
+
+            raise UsageError(f"train.fp8={t.fp8} needs Transformer Engine, which is not installed; "
+                             "set train.fp8=null or use the NGC PyTorch image")
+        kwargs.update(fp8="hybrid", fp8_recipe={"delayed": "delayed", "current": "tensorwise",
+                                                 "mxfp8": "mxfp8"}[t.fp8])
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """Transformer Engine's spec when TE imports and CUDA is present, else local + SDPA."""
+    if have_transformer_engine() and torch.cuda.is_available():
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
+        return spec
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
+    return spec
+
+
+class EncoderLM(GPTModel):
+    """GPTModel whose loss path computes output logits only where a label exists.
+
+    With labels, the last stage returns `(per_token_loss [n], correct [n])` over the n positions
+    whose loss_mask is set, in (sequence, batch) order. MLM at 40% therefore pays 40% of the
+    output-layer matmul (the largest one at vocab 128k); CLM pays for all positions.
+    Without labels it returns logits [b, s, vocab/tp] as GPTModel does.
+    """
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args,
+                     loss_mask: Optional[torch.Tensor] = None, **kwargs):
+        if not self.post_process or labels is None:
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
+                                        loss_mask=loss_mask, **kwargs)
+        keep = (loss_mask if loss_mask is not None else labels >= 0).transpose(0, 1).bool()
+        hidden = hidden_states[keep].unsqueeze(1)  # [n, 1, h]
+        targets = labels.transpose(0, 1)[keep]  # [n]
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=weight)  # [n, 1, V/tp]
+        loss = self.compute_language_model_loss(targets.unsqueeze(0), logits).view(-1)
+        with torch.no_grad():
+            correct = vocab_parallel_argmax_matches(logits.squeeze(1), targets)
+        return loss, correct
+
+
+def vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """1.0 where argmax over the (TP-sharded) vocabulary equals the target, without gathering."""
+    logits = logits.float()
+    group = parallel_state.get_tensor_model_parallel_group()
+    local_max = logits.max(dim=-1).values
+    global_max = local_max.clone()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=group)
+    part = logits.size(-1)
+    start = parallel_state.get_tensor_model_parallel_rank() * part
+    local = targets - start
+    in_range = (local >= 0) & (local < part)
+    target_logit = logits.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
+    hit = (in_range & (target_logit >= global_max)).float()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(hit, group=group)
+    return hit
+
+
+def build_model_chunk(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
+                      pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
+    m: ModelConfig = cfg.model
+    return EncoderLM(
+        config=config,
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=m.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(m.rotary_base),
+        vp_stage=vp_stage,
+    )
+
+
+def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:
+    """Model chunks for this rank (one, or several with virtual pipeline parallelism)."""
+    from megatron.core.enums import ModelType
+
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for stage in range(vpp or 1):
+        vp_stage = stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        chunk = build_model_chunk(cfg, config, vocab_size, pre, post, vp_stage)
+        chunk.model_type = ModelType.encoder_or_decoder
+        chunks.append(chunk)
+    return chunks

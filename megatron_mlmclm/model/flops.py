@@ -1,0 +1,44 @@
+"""Model FLOPs for MFU: matmuls of the trunk, attention and the output head, forward x 3.
+
+Attention is counted over the full sequence (document masking does less work, but the convention
+of published MFU figures counts it in full); causal attention counts half of bidirectional. The
+output head is counted only at positions that carry a label, which is what the sparse MLM head
+computes.
+"""
+
+from __future__ import annotations
+
+from megatron_mlmclm.config import ModelConfig
+
+
+def trunk_flops_per_token(m: ModelConfig, seq_length: int, causal: bool) -> float:
+    """Forward FLOPs per token of all transformer layers (matmuls only, 2 FLOPs per MAC)."""
+    h, hd = m.hidden_size, m.kv_channels
+    q, kv = m.num_attention_heads * hd, m.num_query_groups * hd
+    linear = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * m.ffn_hidden_size
+    attention = 2 * 2 * seq_length * q * (0.5 if causal else 1.0)
+    return m.num_layers * (linear + attention)
+
+
+def train_step_flops(m: ModelConfig, vocab_size: int, seq_length: int, sequences: int,
+                     labelled_tokens: int, causal: bool) -> float:
+    """Training FLOPs (forward + backward = 3 x forward) of one optimizer step."""
+    forward = sequences * seq_length * trunk_flops_per_token(m, seq_length, causal)
+    forward += labelled_tokens * 2 * m.hidden_size * vocab_size
+    return 3.0 * forward
+
+
+# Dense bf16 peak per device, for MFU. CPU has no meaningful peak: MFU is reported only on GPU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def device_peak_flops() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, peak in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return peak
+    return None

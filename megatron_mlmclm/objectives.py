@@ -1,0 +1,83 @@
+"""CLM and MLM batches from packed samples: inputs, labels, loss mask, attention mask.
+
+Both objectives read the same packed sample (seq_length + 1 tokens with per-token document ids):
+- CLM: inputs tokens[:-1], labels tokens[1:], causal attention inside each document; a label that
+  belongs to the next document (the token after an eos) carries no loss.
+- MLM: inputs tokens[:-1] with a fraction of the non-special tokens replaced, labels at those
+  positions only, bidirectional attention inside each document.
+
+MLM masks are a pure function of (seed, global sample index): identical after a resume and under
+any parallel layout, since no RNG state is involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron_mlmclm.config import PhaseConfig
+from megatron_mlmclm.model.attention import document_attention_mask
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """What the objectives need to know about the tokenizer."""
+
+    vocab_size: int
+    mask_id: int
+    special_ids: tuple[int, ...]  # never masked (bos, eos, pad, mask, ...)
+
+
+def mlm_mask(tokens: np.ndarray, sample_index: int, seed: int, ratio: float, spec: TokenSpec,
+             replace: str = "mask") -> tuple[np.ndarray, np.ndarray]:
+    """Mask round(ratio * #eligible) positions of one sample. Returns (inputs, labels)."""
+    rng = np.random.default_rng([seed, sample_index, 0x4D4C4D])  # MLM stream of this sample
+    eligible = np.flatnonzero(~np.isin(tokens, spec.special_ids))
+    n = int(round(ratio * eligible.size))
+    chosen = np.sort(rng.choice(eligible, size=n, replace=False)) if n else eligible[:0]
+    inputs = tokens.copy()
+    labels = np.full_like(tokens, IGNORE)
+    labels[chosen] = tokens[chosen]
+    if replace == "mask":
+        inputs[chosen] = spec.mask_id
+    else:  # BERT's 80% mask / 10% random token / 10% unchanged
+        u = rng.random(n)
+        inputs[chosen[u < 0.8]] = spec.mask_id
+        rand = chosen[(u >= 0.8) & (u < 0.9)]
+        inputs[rand] = rng.integers(0, spec.vocab_size, size=rand.size)
+    return inputs, labels
+
+
+def make_batch(samples: list[dict], sample_indices: list[int], phase: PhaseConfig,
+               spec: TokenSpec, seed: int, device=None) -> dict[str, torch.Tensor]:
+    """Stack packed samples into one micro-batch for `phase.objective`."""
+    tokens = np.stack([s["tokens"] for s in samples]).astype(np.int64)
+    docs = np.stack([s["document_ids"] for s in samples])
+    positions = np.stack([s["position_ids"] for s in samples]).astype(np.int64)[:, :-1]
+    if phase.objective == "clm":
+        inputs, labels = tokens[:, :-1], tokens[:, 1:].copy()
+        loss_mask = docs[:, :-1] == docs[:, 1:]
+        labels[~loss_mask] = IGNORE
+        causal = True
+    else:
+        pairs = [mlm_mask(t[:-1], i, seed, phase.mask_ratio, spec, phase.mask_replace)
+                 for t, i in zip(tokens, sample_indices)]
+        inputs = np.stack([p[0] for p in pairs])
+        labels = np.stack([p[1] for p in pairs])
+        loss_mask = labels != IGNORE
+        causal = False
+    doc_ids = torch.from_numpy(np.ascontiguousarray(docs[:, :-1]))
+    batch = {
+        "tokens": torch.from_numpy(np.ascontiguousarray(inputs)),
+        "labels": torch.from_numpy(np.ascontiguousarray(labels)),
+        "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask)).float(),
+        "position_ids": torch.from_numpy(np.ascontiguousarray(positions)),
+        "attention_mask": document_attention_mask(doc_ids, causal=causal),
+    }
+    if device is not None:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,188 @@
+"""Run megatron-core 0.16 on machines without CUDA (gloo + CPU tensors), with no source edits.
+
+megatron-core has no CPU path: it asks for `torch.cuda.current_device()`, creates tensors with a
+literal `device="cuda"`, keeps CUDA RNG states and checks `tensor.type() == 'torch.cuda.FloatTensor'`.
+Everything needed to redirect those to the CPU lives in this one module and is applied only when
+CUDA is unavailable (`apply()` is a no-op otherwise). `PATCH_TARGETS` lists every object we replace
+so that a test can prove each still exists in the installed megatron-core: when an upgrade moves one,
+that test fails instead of training silently going wrong.
+
+`apply_megatron_fixes()` holds fixes for megatron bugs that are not CPU-specific (they bite any run
+without Apex/Transformer Engine) and is applied everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import types
+
+import torch
+
+# Modules that call tensor factories with a literal device="cuda"; their module-global `torch` is
+# replaced by a proxy that maps a CUDA device to the CPU.
+CUDA_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.utils",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
+
+# (module, attribute) pairs replaced by apply(); checked by tests/test_cpu_support.py.
+PATCH_TARGETS = (
+    ("torch.cuda", "current_device"),
+    ("torch.cuda", "synchronize"),
+    ("torch.cuda", "get_rng_state"),
+    ("torch.cuda", "set_rng_state"),
+    ("torch.cuda", "manual_seed"),
+    ("torch.cuda.random", "get_rng_state"),
+    ("torch", "Tensor.cuda"),
+    ("torch", "Tensor.type"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+) + tuple((m, "torch") for m in CUDA_LITERAL_MODULES)
+
+# Megatron bugs fixed everywhere (not only on CPU).
+FIX_TARGETS = (
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict"),
+    ("megatron.core.optimizer.distrib_optimizer", "HAVE_APEX_OR_TE"),
+)
+
+_FACTORIES = frozenset(
+    "tensor zeros ones empty full arange rand randn randint empty_like zeros_like ones_like "
+    "full_like as_tensor eye linspace".split()
+)
+
+_applied = False
+_fixes_applied = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _CpuTorch(types.ModuleType):
+    """Stands in for `torch` inside CUDA_LITERAL_MODULES: same names, CPU factories."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        return _cpu_factory(attr) if name in _FACTORIES else attr
+
+
+def _resolve(module: str, attr: str):
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_targets() -> list[str]:
+    """Targets that no longer exist in the installed torch/megatron-core (empty when all good)."""
+    missing = []
+    for module, attr in PATCH_TARGETS + FIX_TARGETS:
+        try:
+            _resolve(module, attr)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{attr}")
+    return missing
+
+
+def apply() -> bool:
+    """Patch torch/megatron-core for CPU execution. Returns True when patches were applied."""
+    global _applied
+    apply_megatron_fixes()
+    if cuda_available() or _applied:
+        return _applied
+    missing = check_targets()
+    if missing:
+        raise RuntimeError(f"megatron-core CPU support: patch targets missing: {missing}")
+
+    cpu = torch.device("cpu")
+    torch.cuda.current_device = lambda: cpu
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+
+    # .cuda() on a CPU tensor stays on the CPU (it returns self, as .cuda() does on a CUDA tensor).
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    # `param.type() == 'torch.cuda.FloatTensor'` guards in the optimizers: answer as if on CUDA.
+    original_type = torch.Tensor.type
+
+    def type_as_cuda(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original_type(self)
+            return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_as_cuda
+
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state)
+    )
+
+    proxy = _CpuTorch()
+    for name in CUDA_LITERAL_MODULES:
+        importlib.import_module(name).torch = proxy
+    _applied = True
+    return True
+
+
+def apply_megatron_fixes() -> None:
+    """Fix megatron-core bugs that affect every run without Apex/TE (CPU or GPU)."""
+    global _fixes_applied
+    if _fixes_applied:
+        return
+    dopt = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    if not dopt.HAVE_APEX_OR_TE:
+        # Without Apex/TE, load_state_dict gives every parameter the *same* Adam `step` tensor;
+        # torch's AdamW then increments it once per parameter per step, so bias correction is
+        # wrong after resume and training silently diverges. Give each parameter its own copy.
+        original = dopt.DistributedOptimizer.load_state_dict
+
+        @functools.wraps(original)
+        def load_state_dict(self, state_dict):
+            result = original(self, state_dict)
+            for state in self.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
+            return result
+
+        dopt.DistributedOptimizer.load_state_dict = load_state_dict
+    _fixes_applied = True

@@ -1,0 +1,70 @@
+"""Process groups and megatron parallel state, the same way on CPU (gloo) and GPU (NCCL).
+
+Under torchrun the usual RANK/WORLD_SIZE/MASTER_ADDR variables are set; a plain `mlmclm pretrain`
+runs as a world of one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_mlmclm.runtime import cpu_support
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> None:
+    """Create the default group and megatron's TP/PP/DP groups; seed megatron's RNG tracker."""
+    cpu_support.apply()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        from megatron_mlmclm.errors import UsageError
+
+        raise UsageError(f"world size {world} is not divisible by tensor x pipeline parallel size "
+                         f"({tp} x {pp}); launch a multiple of {tp * pp} processes")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+        )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")

@@ -1,0 +1,168 @@
+"""Distributed checkpoints (megatron dist_checkpointing), atomic, keep-last-K, reshardable.
+
+Layout of a run's checkpoint folder:
+    checkpoints/
+      iter_0000200/          one complete checkpoint (dist_checkpointing format + common.pt)
+      iter_0000400/
+      latest                 text file: the name of the newest complete checkpoint
+A checkpoint is written as `iter_N.tmp` and renamed only after every rank finished writing, so a
+killed run never leaves a folder that looks complete. The model and optimizer are stored in
+megatron's reshardable formats (model: sharded tensors; distributed optimizer:
+`fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout loads at another.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_mlmclm.errors import UsageError
+
+FORMAT_VERSION = 1
+_ITER_RE = re.compile(r"^iter_(\d{7})$")
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `ckpt_dir`, oldest first (temporary folders are ignored)."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        return []
+    found = [p for p in d.iterdir() if p.is_dir() and _ITER_RE.match(p.name)
+             and (p / "metadata.json").is_file()]
+    return sorted(found, key=lambda p: int(_ITER_RE.match(p.name).group(1)))
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
+    ckpts = complete_checkpoints(ckpt_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run's checkpoints folder (-> its latest complete checkpoint)."""
+    p = Path(path)
+    if (p / "metadata.json").is_file() and (p / "common.pt").is_file():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise UsageError(f"{p} holds no complete checkpoint (expected iter_NNNNNNN/ folders with "
+                         "metadata.json); check the path or let the run finish a save")
+    return latest
+
+
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _rng_state() -> ShardedObject:
+    """Per-rank RNG state, stored under the (pp, tp, dp) coordinates of the rank."""
+    state = {"torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    pp, tp, dp = (parallel_state.get_pipeline_model_parallel_rank(),
+                  parallel_state.get_tensor_model_parallel_rank(),
+                  parallel_state.get_data_parallel_rank())
+    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_data_parallel_world_size())
+    return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
+
+
+def layout() -> dict[str, int]:
+    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size(),
+            "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 0}
+
+
+def save_checkpoint(ckpt_dir: str | Path, iteration: int, chunks, optimizer, scheduler,
+                    trainer_state: dict[str, Any], keep_last: int) -> Path:
+    """Save model, optimizer, scheduler, trainer state and RNG; atomic; prune to keep_last."""
+    ckpt_dir = Path(ckpt_dir)
+    final = ckpt_dir / iter_name(iteration)
+    tmp = ckpt_dir / (iter_name(iteration) + ".tmp")
+    if dist.get_rank() == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # a leftover of a run killed mid-save
+        tmp.mkdir()
+    dist.barrier()
+    state = model_sharded_state_dict(chunks)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPTIMIZER_METADATA)
+    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    state["trainer"] = dict(trainer_state, iteration=iteration, format_version=FORMAT_VERSION,
+                            layout=layout())
+    state["rng_state"] = _rng_state()
+    dist_checkpointing.save(state, str(tmp), content_metadata=dict(OPTIMIZER_METADATA))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tmp_latest = ckpt_dir / "latest.tmp"
+        tmp_latest.write_text(final.name + "\n")
+        os.replace(tmp_latest, ckpt_dir / "latest")
+        for old in complete_checkpoints(ckpt_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """The common (non-sharded) part of a checkpoint, readable without process groups."""
+    common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    if "trainer" not in common:
+        raise UsageError(f"{ckpt} is not a megatron_mlmclm checkpoint (no trainer state)")
+    return common
+
+
+def load_checkpoint(ckpt: Path, chunks, optimizer=None, scheduler=None,
+                    load_rng: bool = True) -> dict[str, Any]:
+    """Load into model chunks (and optimizer/scheduler when given). Returns the trainer state.
+
+    With optimizer=None only the weights are read (continued pretraining: fresh optimizer and
+    schedule). RNG states are restored only when the parallel layout is unchanged.
+    """
+    common = read_trainer_state(ckpt)
+    saved_layout = common["trainer"].get("layout", {})
+    state = model_sharded_state_dict(chunks)
+    same_layout = saved_layout == layout()
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
+                                                          metadata=OPTIMIZER_METADATA)
+    if load_rng and same_layout:
+        state["rng_state"] = _rng_state()
+    try:
+        loaded = dist_checkpointing.load(state, str(ckpt))
+    except Exception as e:  # corrupt or partial shards: one clear line for the user
+        raise UsageError(f"cannot load checkpoint {ckpt}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, c in enumerate(chunks):
+            c.load_state_dict(loaded[f"model{i}"], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None and loaded.get("scheduler") is not None:
+        scheduler.load_state_dict(loaded["scheduler"])
+    if "rng_state" in loaded:
+        rng = loaded["rng_state"]
+        torch.set_rng_state(rng["torch"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return loaded["trainer"]

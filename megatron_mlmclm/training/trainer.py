@@ -1,0 +1,349 @@
+"""The pretraining loop: phases of CLM/MLM on megatron-core (TP x PP x DP), resumable at any step.
+
+One optimizer step consumes one global batch: samples [step x GBS, (step + 1) x GBS) of the packed
+sample stream, split contiguously over DP ranks and micro-batches. The objective of a step is the
+phase that owns it, so a run's data order, masks and phase switch depend only on the step number:
+that is what makes resume (and a change of parallel layout) continue exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel as DDP
+from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.model.build import build_model, transformer_config, use_bf16
+from megatron_mlmclm.model.flops import device_peak_flops, train_step_flops
+from megatron_mlmclm.objectives import TokenSpec, make_batch
+from megatron_mlmclm.runtime import distributed as rt
+from megatron_mlmclm.training import checkpoint as ckpt
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
+    """Special ids and vocabulary size from the tokenizer (or synthetic ones for mock data)."""
+    if cfg.data.tokenizer is None:
+        if not cfg.data.mock:
+            raise UsageError("data.tokenizer is not set; give the folder written by `mlmclm tokenize`")
+        vocab = cfg.model.vocab_size or 1024
+        return TokenSpec(vocab_size=vocab, mask_id=3, special_ids=(0, 1, 2, 3))
+    from megatron_mlmclm.data.tokenizer import load_tokenizer, special_token_ids
+
+    tok = load_tokenizer(cfg.data.tokenizer)
+    ids = special_token_ids(tok)
+    vocab = len(tok)
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
+        raise UsageError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer "
+                         f"({vocab}); remove model.vocab_size to take it from the tokenizer")
+    specials = tuple(sorted({int(v) for v in ids.values() if v is not None}
+                            | set(getattr(tok, "all_special_ids", []))))
+    return TokenSpec(vocab_size=cfg.model.vocab_size or vocab, mask_id=int(ids["mask_id"]),
+                     special_ids=specials)
+
+
+def build_datasets(cfg: RunConfig, spec: TokenSpec):
+    """(train, valid-or-None) datasets; rank 0 builds the sample-index cache first."""
+    seq, gbs = cfg.model.seq_length, cfg.train.global_batch_size
+    n_train = cfg.train.steps * gbs
+    n_valid = cfg.logging.eval_iters * gbs
+    if cfg.data.mock:
+        from megatron_mlmclm.data.mock import MockPackedDataset
+
+        return (MockPackedDataset(n_train, seq, spec.vocab_size, cfg.data.seed),
+                MockPackedDataset(n_valid, seq, spec.vocab_size, cfg.data.seed + 1))
+    from megatron_mlmclm.data.dataset import build_train_dataset
+
+    def build():
+        train = build_train_dataset(cfg.data.train, seq, n_train, cfg.data.seed, cfg.data.cache_dir)
+        valid = (build_train_dataset(cfg.data.valid, seq, n_valid, cfg.data.seed, cfg.data.cache_dir)
+                 if cfg.data.valid else None)
+        return train, valid
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if rt.is_main():
+            out = build()
+        dist.barrier()
+        if not rt.is_main():
+            out = build()
+        return out
+    return build()
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.step = 0
+        self.writer = None
+        self.metrics_file = None
+
+    # ---------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        p, t = cfg.parallel, cfg.train
+        # Everything that can fail on user input is checked before process groups and models.
+        self.spec = token_spec_and_vocab(cfg)
+        rt.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                            p.virtual_pipeline_model_parallel_size, t.seed)
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        if t.global_batch_size % (t.micro_batch_size * self.dp):
+            raise UsageError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                             f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {self.dp})")
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp)
+        self.train_ds, self.valid_ds = build_datasets(cfg, self.spec)
+
+        self.tconfig = transformer_config(cfg)
+        chunks = build_model(cfg, self.tconfig, self.spec.vocab_size)
+        if torch.cuda.is_available():
+            chunks = [c.cuda() for c in chunks]
+        self.model_chunks = chunks  # unwrapped: what checkpoints and conversion see
+        wrapped = chunks
+        if self.tconfig.bf16:
+            wrapped = [Float16Module(self.tconfig, c) for c in wrapped]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=p.use_distributed_optimizer)
+        self.model = [DDP(self.tconfig, ddp_config, c, disable_bucketing=i > 0)
+                      for i, c in enumerate(wrapped)]
+        self.tconfig.no_sync_func = [m.no_sync for m in self.model]
+        if len(self.model) == 1:
+            self.tconfig.no_sync_func = self.tconfig.no_sync_func[0]
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad, bf16=self.tconfig.bf16, params_dtype=self.tconfig.params_dtype,
+            use_distributed_optimizer=p.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(opt_config, self.model)
+        self.scheduler = self.new_scheduler()
+        self.restore()
+        self.open_logs()
+
+    def new_scheduler(self) -> OptimizerParamScheduler:
+        """Warmup-stable-decay over the whole run, whatever its phases (PAPER.md)."""
+        t = self.cfg.train
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
+            lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.steps, lr_decay_style="WSD",
+            start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps,
+            wd_incr_style="constant", wsd_decay_steps=t.decay_steps, lr_wsd_decay_style="linear")
+
+    def restore(self) -> None:
+        """Resume from the run's latest complete checkpoint, else start from train.init_from."""
+        cfg = self.cfg
+        latest = ckpt.latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
+        if latest is not None:
+            state = ckpt.load_checkpoint(latest, self.model_chunks, self.optimizer, self.scheduler)
+            self.step = int(state["iteration"])
+            self.log(f"resumed from {latest} at step {self.step}")
+        elif cfg.train.init_from:
+            source = ckpt.resolve_checkpoint(cfg.train.init_from)
+            ckpt.load_checkpoint(source, self.model_chunks, optimizer=None, scheduler=None,
+                                 load_rng=False)
+            self.log(f"initialised weights from {source} (fresh optimizer and schedule)")
+
+    def open_logs(self) -> None:
+        if not rt.is_main():
+            return
+        out = Path(self.cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        dump_yaml(self.cfg, out / "config.yaml")
+        self.metrics_file = open(out / "metrics.jsonl", "a", encoding="utf-8")
+        if self.cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=self.step + 1)
+
+    def log(self, message: str) -> None:
+        if rt.is_main():
+            from tqdm import tqdm
+
+            tqdm.write(f"[mlmclm] {message}", file=sys.stderr)
+
+    # ------------------------------------------------------------------------------ one step
+    def microbatches(self, dataset, first_sample: int, phase) -> list[dict[str, torch.Tensor]]:
+        """This DP rank's micro-batches of the global batch that starts at `first_sample`."""
+        t = self.cfg.train
+        per_rank = t.global_batch_size // self.dp
+        start = first_sample + self.dp_rank * per_rank
+        out = []
+        for j in range(self.num_microbatches):
+            idx = list(range(start + j * t.micro_batch_size, start + (j + 1) * t.micro_batch_size))
+            samples = [dataset[i] for i in idx]
+            out.append(make_batch(samples, idx, phase, self.spec, self.cfg.data.seed, rt.device()))
+        return out
+
+    def run_schedule(self, batches, forward_only: bool) -> torch.Tensor:
+        """megatron's forward/backward schedule over micro-batches -> [loss_sum, tokens, correct]."""
+        vpp = len(self.model)
+        iters = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters,
+            model=self.model if vpp > 1 else self.model[0],
+            num_microbatches=len(batches), seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size, forward_only=forward_only)
+        totals = torch.zeros(3, dtype=torch.float64, device=rt.device())
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            for out in outputs:
+                totals += out["lm loss"].to(totals.dtype)
+        # Sum over DP ranks, then make the last stage's figures known to every stage.
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
+        return totals
+
+    def train_step(self, phase) -> dict[str, float]:
+        t = self.cfg.train
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        batches = self.microbatches(self.train_ds, self.step * t.global_batch_size, phase)
+        totals = self.run_schedule(batches, forward_only=False)
+        loss_sum, tokens, correct = totals.tolist()
+        loss = loss_sum / max(tokens, 1)
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"loss is {loss} at step {self.step + 1} ({phase.objective}); stopping without "
+                f"saving. The last good checkpoint in {self.cfg.checkpoint.dir} is intact: lower "
+                "train.lr or raise train.warmup_steps and resume")
+        self.scheduler.step(1)  # the LR of step k is the schedule's value at k + 1
+        ok, grad_norm, _ = self.optimizer.step()
+        return {"loss": loss, "accuracy": correct / max(tokens, 1), "tokens": tokens,
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "lr": self.optimizer.param_groups[0]["lr"], "skipped": not ok}
+
+    @torch.no_grad()
+    def evaluate(self, phase) -> Optional[float]:
+        if self.valid_ds is None:
+            return None
+        for m in self.model:
+            m.eval()
+        t = self.cfg.train
+        totals = torch.zeros(3, dtype=torch.float64, device=rt.device())
+        for i in range(self.cfg.logging.eval_iters):
+            totals += self.run_schedule(self.microbatches(self.valid_ds, i * t.global_batch_size,
+                                                          phase), forward_only=True)
+        for m in self.model:
+            m.train()
+        return float(totals[0] / totals[1].clamp(min=1))
+
+    # --------------------------------------------------------------------------------- loop
+    def train(self) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        tokens_per_step = t.global_batch_size * cfg.model.seq_length
+        peak = device_peak_flops()
+        world = dist.get_world_size()
+        bar = None
+        if rt.is_main():
+            from tqdm import tqdm
+
+            bar = tqdm(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
+                       dynamic_ncols=True, file=sys.stderr)
+        last = {}
+        while self.step < t.steps:
+            phase_index, phase = phase_at(cfg.phases, self.step)
+            start = time.perf_counter()
+            stats = self.train_step(phase)
+            self.step += 1
+            elapsed = time.perf_counter() - start
+            flops = train_step_flops(cfg.model, self.spec.vocab_size, cfg.model.seq_length,
+                                     t.global_batch_size, int(stats["tokens"]),
+                                     causal=phase.objective == "clm")
+            stats.update(step=self.step, phase=phase_index, objective=phase.objective,
+                         step_time_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
+                         tokens_per_s_per_device=tokens_per_step / elapsed / world)
+            if peak:
+                stats["mfu"] = flops / elapsed / world / peak
+            if cfg.logging.eval_interval and self.step % cfg.logging.eval_interval == 0 \
+                    or self.step == t.steps:
+                val = self.evaluate(phase)
+                if val is not None:
+                    stats["val_loss"] = val
+            self.record(stats, bar)
+            last = stats
+            interval = cfg.checkpoint.save_interval
+            if interval and self.step % interval == 0 or self.step == t.steps:
+                self.save()
+        if bar is not None:
+            bar.close()
+        return last
+
+    def save(self) -> None:
+        state = {"config": to_dict(self.cfg), "consumed_samples":
+                 self.step * self.cfg.train.global_batch_size}
+        path = ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model_chunks,
+                                    self.optimizer, self.scheduler, state,
+                                    self.cfg.checkpoint.keep_last)
+        self.log(f"saved {path}")
+
+    def record(self, stats: dict[str, Any], bar) -> None:
+        if not rt.is_main():
+            return
+        obj = stats["objective"]
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps(stats) + "\n")
+            self.metrics_file.flush()
+        if self.writer is not None:
+            s = stats["step"]
+            self.writer.add_scalar(f"train/{obj}_loss", stats["loss"], s)
+            self.writer.add_scalar(f"train/{obj}_accuracy", stats["accuracy"], s)
+            self.writer.add_scalar("train/lr", stats["lr"], s)
+            self.writer.add_scalar("train/grad_norm", stats["grad_norm"], s)
+            self.writer.add_scalar("throughput/tokens_per_s", stats["tokens_per_s"], s)
+            if "mfu" in stats:
+                self.writer.add_scalar("throughput/mfu", stats["mfu"], s)
+            if "val_loss" in stats:
+                self.writer.add_scalar(f"val/{obj}_loss", stats["val_loss"], s)
+        if bar is not None:
+            bar.update(1)
+            post = {"obj": obj, "loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}",
+                    "tok/s": f"{stats['tokens_per_s']:.0f}"}
+            if "val_loss" in stats:
+                post["val"] = f"{stats['val_loss']:.4f}"
+            bar.set_postfix(post)
+            if stats["step"] % self.cfg.logging.log_interval == 0:
+                extra = f" val_loss {stats['val_loss']:.4f}" if "val_loss" in stats else ""
+                bar.write(f"step {stats['step']:>6} {obj} loss {stats['loss']:.5f} acc "
+                          f"{stats['accuracy']:.4f} lr {stats['lr']:.3e} grad_norm "
+                          f"{stats['grad_norm']:.3f}{extra}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"], loss_mask=batch["loss_mask"])
+    return output, loss_func
+
+
+def loss_func(output):
+    """Per-token convention: (sum of losses, token count, logged [sum, count, correct])."""
+    per_token_loss, correct = output
+    total = per_token_loss.sum()
+    count = torch.tensor(per_token_loss.numel(), dtype=torch.int, device=total.device)
+    logged = torch.stack([total.detach().float(), count.float(), correct.sum().float()])
+    return total, count, {"lm loss": logged}
