@@ -1,0 +1,147 @@
+"""Sample-index build: ours (C++ shuffle + sample_idx + document boundaries) vs megatron-core.
+
+Baseline, as GPTDataset does it for one epoch: numpy.random.RandomState(seed).shuffle of an int32
+arange document index, then megatron.core.datasets.helpers.build_sample_idx (C++). Ours:
+megatron_mlmclm.data.sample_index.build_sample_index (no cache), which also returns the per-sample
+document boundaries that the baseline does not compute.
+
+Time: best of --repeats in this process, the two builders alternating. Memory: each builder runs
+once more in its own fresh subprocess, which loads the same lengths from a .npy file and reports
+peak RSS growth (VmHWM after the build minus VmRSS before it, from /proc/self/status): everything
+the build allocates and touches, numpy or C++.
+
+    python benchmarks/sample_index.py              # 10M documents, ~2.4B tokens, seq 2048
+    python benchmarks/sample_index.py --docs 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def make_lengths(num_docs: int) -> np.ndarray:
+    """Geometric document lengths, mean ~240 tokens (10M docs -> ~2.4B tokens), with zeros."""
+    rng = np.random.default_rng(1234)
+    lengths = rng.geometric(1.0 / 241.0, size=num_docs) - 1  # support 0, 1, 2, ...; mean 240
+    return lengths.astype(np.int32)
+
+
+def ours(lengths, seq_length, seed):
+    from megatron_mlmclm.data.sample_index import build_sample_index
+
+    return build_sample_index(lengths, seq_length, seed, num_epochs=1)
+
+
+def baseline(lengths, seq_length, seed):
+    from megatron.core.datasets.helpers import build_sample_idx
+
+    doc_idx = np.arange(lengths.shape[0], dtype=np.int32)
+    np.random.RandomState(seed).shuffle(doc_idx)
+    tokens_per_epoch = int(lengths.sum(dtype=np.int64))
+    sample_idx = build_sample_idx(lengths, doc_idx, seq_length, 1, tokens_per_epoch, True, True)
+    return doc_idx, sample_idx
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def child(which: str, path: str, seq_length: int, seed: int) -> None:
+    """Run one builder once in this fresh process and print its peak RSS growth in MiB."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    lengths = np.load(path)
+    fn = ours if which == "ours" else baseline
+    if which == "baseline":
+        import megatron.core.datasets.helpers  # noqa: F401  (imports are not the build)
+    else:
+        import megatron_mlmclm.data.sample_index  # noqa: F401
+    before = _status_kb("VmRSS")
+    result = fn(lengths, seq_length, seed)
+    peak = _status_kb("VmHWM")
+    del result
+    print(f"{(peak - before) / 1024:.1f}")
+
+
+def peak_mib(which: str, path: str, seq_length: int, seed: int) -> float:
+    out = subprocess.run([sys.executable, __file__, "--child", which, "--lengths-file", path,
+                          "--seq-length", str(seq_length), "--seed", str(seed)],
+                         check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", type=int, default=10_000_000, help="number of documents")
+    ap.add_argument("--seq-length", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", choices=["ours", "baseline"], help=argparse.SUPPRESS)
+    ap.add_argument("--lengths-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.lengths_file, args.seq_length, args.seed)
+        return
+
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import megatron.core.datasets.helpers  # noqa: F401  (import outside the timed region)
+
+    lengths = make_lengths(args.docs)
+    total = int(lengths.sum(dtype=np.int64))
+    print(f"documents={args.docs} tokens={total} (mean {total / args.docs:.1f}, "
+          f"{int((lengths == 0).sum())} empty) seq_length={args.seq_length} epochs=1")
+
+    t_ours, t_base = [], []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        idx = ours(lengths, args.seq_length, args.seed)
+        t_ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        doc_b, sample_b = baseline(lengths, args.seq_length, args.seed)
+        t_base.append(time.perf_counter() - t0)
+        del doc_b, sample_b
+
+    # Same packing as megatron on our document order (megatron's row 0 may name a leading empty
+    # document; ours names the first document holding a token).
+    from megatron.core.datasets.helpers import build_sample_idx
+
+    ref = build_sample_idx(lengths, idx.doc_idx, args.seq_length, 1, total, True, True)
+    assert ref.shape == idx.sample_idx.shape, (ref.shape, idx.sample_idx.shape)
+    assert np.array_equal(ref[1:], idx.sample_idx[1:]), "sample_idx differs from megatron's"
+    print(f"samples={idx.num_samples} boundaries={idx.boundary_offsets.shape[0]} "
+          f"({idx.boundary_offsets.shape[0] / idx.num_samples:.2f}/sample); "
+          f"sample_idx equals megatron build_sample_idx on the same order")
+    print(f"ours_s runs: {' '.join(f'{t:.3f}' for t in t_ours)}; "
+          f"baseline_s runs: {' '.join(f'{t:.3f}' for t in t_base)}")
+    del idx, ref
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "lengths.npy")
+        np.save(path, lengths)
+        mem_ours = peak_mib("ours", path, args.seq_length, args.seed)
+        mem_base = peak_mib("baseline", path, args.seq_length, args.seed)
+    print(f"PEAK_MEMORY (peak RSS growth during the build, fresh subprocess each) "
+          f"ours_mib={mem_ours:.1f} baseline_mib={mem_base:.1f} ratio={mem_ours / mem_base:.2f}")
+    o, b = min(t_ours), min(t_base)
+    print(f"RESULT sample_index ratio={o / b:.3f} ours_s={o:.3f} baseline_s={b:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+// Packed sample index for megatron_mlmclm (C++17, pybind11).
+//
+// Documents (lengths[d] tokens each, zeros allowed) are shuffled per epoch and laid end to end in
+// one flat token stream. Sample i covers flat positions [i*S, i*S + S] (S + 1 tokens: inputs and
+// shifted targets), so consecutive samples share one token, exactly like Megatron's GPTDataset.
+//
+// Outputs (all built with the GIL released, no Python loop anywhere):
+//   doc_idx          int32  [E*D]     the shuffled document order, epoch after epoch
+//   sample_idx       int64  [N+1, 2]  (position in doc_idx, token offset in that document) of the
+//                                     first token of sample i; row N is the last sample's final
+//                                     token. The position always names a document that contains
+//                                     the token (leading/in-between empty documents are skipped),
+//                                     which is Megatron's layout for every row but its row 0.
+//   boundary_ptr     int64  [N+1]     CSR row pointers into boundary_offsets
+//   boundary_offsets int32  [nnz]     offsets in 1..S inside sample i's window where a new
+//                                     (non-empty) document starts; offset 0 is never stored.
+//
+// Shuffle: Fisher-Yates driven by splitmix64 seeded from (seed, epoch), bounded draws by Lemire's
+// multiply-shift with rejection; integer-only, so identical on every machine and rank.
+//
+// Blending: build_blend_index places blended samples by Tijdeman's chairman-assignment rule
+// (earliest due date among released datasets), so every prefix of n samples holds n * w[d]
+// samples of dataset d to within 1 - 1/(2k-2) < 1 sample.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <stdexcept>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+inline uint64_t splitmix64_next(uint64_t &state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+inline uint64_t mix_seed(uint64_t seed, uint64_t epoch) {
+  uint64_t s = seed ^ 0x6A09E667F3BCC909ULL;
+  uint64_t a = splitmix64_next(s);
+  uint64_t t = epoch ^ a ^ 0xBB67AE8584CAA73BULL;
+  return splitmix64_next(t);
+}
+
+// Uniform integer in [0, range) (range >= 1), Lemire's nearly divisionless method.
+inline uint64_t bounded(uint64_t &state, uint64_t range) {
+  uint64_t x = splitmix64_next(state);
+  __uint128_t m = static_cast<__uint128_t>(x) * range;
+  uint64_t low = static_cast<uint64_t>(m);
+  if (low < range) {
+    const uint64_t threshold = (0 - range) % range;
+    while (low < threshold) {
+      x = splitmix64_next(state);
+      m = static_cast<__uint128_t>(x) * range;
+      low = static_cast<uint64_t>(m);
+    }
+  }
+  return static_cast<uint64_t>(m >> 64);
+}
+
+void shuffle_epoch(int32_t *out, int64_t n, uint64_t seed, uint64_t epoch) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(i);
+  uint64_t state = mix_seed(seed, epoch);
+  // The swap targets do not depend on the array contents, so draw them kLead steps ahead and
+  // prefetch their cache lines: the permutation is the plain Fisher-Yates one, only faster.
+  constexpr int64_t kLead = 32;
+  int64_t ring[kLead];
+  const int64_t first = n - 1;
+  int64_t drawn = 0;  // draws made so far; draw t belongs to i = first - t
+  for (; drawn < kLead && first - drawn > 0; ++drawn) {
+    const int64_t i = first - drawn;
+    const int64_t j = static_cast<int64_t>(bounded(state, static_cast<uint64_t>(i + 1)));
+    ring[drawn % kLead] = j;
+    __builtin_prefetch(out + j, 1);
+  }
+  for (int64_t t = 0; first - t > 0; ++t) {
+    const int64_t i = first - t;
+    const int64_t j = ring[t % kLead];
+    if (first - drawn > 0) {
+      const int64_t ii = first - drawn;
+      const int64_t jj = static_cast<int64_t>(bounded(state, static_cast<uint64_t>(ii + 1)));
+      ring[drawn % kLead] = jj;
+      __builtin_prefetch(out + jj, 1);
+      ++drawn;
+    }
+    const int32_t tmp = out[i];
+    out[i] = out[j];
+    out[j] = tmp;
+  }
+}
+
+template <typename T>
+py::array_t<T> owned_array(T *data, std::vector<py::ssize_t> shape) {
+  py::capsule owner(data, [](void *p) { std::free(p); });
+  return py::array_t<T>(shape, data, owner);
+}
+
+// Number of epochs and samples. tokens_per_epoch > 0 is checked by the caller.
+void plan(int64_t tokens_per_epoch, int64_t seq_length, int64_t num_samples, int64_t num_epochs,
+          int64_t &epochs_out, int64_t &samples_out) {
+  if (num_samples >= 0) {
+    // Smallest E with E*T >= N*S + 1 (the last sample needs its extra target token).
+    const __int128 need = static_cast<__int128>(num_samples) * seq_length + 1;
+    const __int128 e = (need + tokens_per_epoch - 1) / tokens_per_epoch;
+    if (e > std::numeric_limits<int32_t>::max()) throw std::invalid_argument("too many epochs");
+    epochs_out = static_cast<int64_t>(e);
+    samples_out = num_samples;
+  } else {
+    const __int128 total = static_cast<__int128>(num_epochs) * tokens_per_epoch;
+    epochs_out = num_epochs;
+    samples_out = static_cast<int64_t>((total - 1) / seq_length);
+  }
+}
+
+py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array::forcecast> lengths_,
+                            int64_t seq_length, uint64_t seed, int64_t num_samples,
+                            int64_t num_epochs) {
+  if (lengths_.ndim() != 1) throw std::invalid_argument("lengths must be 1-D");
+  if (seq_length < 1) throw std::invalid_argument("seq_length must be >= 1");
+  if ((num_samples < 0) == (num_epochs < 0))
+    throw std::invalid_argument("give exactly one of num_samples and num_epochs");
+  if (num_epochs == 0) throw std::invalid_argument("num_epochs must be >= 1");
+  const int64_t num_docs = lengths_.shape(0);
+  if (num_docs > std::numeric_limits<int32_t>::max())
+    throw std::invalid_argument("more than 2^31-1 documents");
+  const int32_t *lengths = lengths_.data();
+
+  int64_t tokens_per_epoch = 0;
+  for (int64_t d = 0; d < num_docs; ++d) {
+    if (lengths[d] < 0) throw std::invalid_argument("document lengths must be >= 0");
+    tokens_per_epoch += lengths[d];
+  }
+  if (tokens_per_epoch == 0) throw std::invalid_argument("the corpus has no tokens");
+
+  int64_t epochs = 0, n = 0;
+  plan(tokens_per_epoch, seq_length, num_samples, num_epochs, epochs, n);
+  const int64_t doc_total = epochs * num_docs;
+
+  // Allocations: untouched pages of the over-sized boundary buffer cost no memory, and the final
+  // realloc gives them back.
+  int32_t *doc_idx = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * std::max<int64_t>(doc_total, 1)));
+  int64_t *sample_idx = static_cast<int64_t *>(std::malloc(sizeof(int64_t) * 2 * (n + 1)));
+  int64_t *ptr = static_cast<int64_t *>(std::malloc(sizeof(int64_t) * (n + 1)));
+  int32_t *offs = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * std::max<int64_t>(doc_total, 1)));
+  if (!doc_idx || !sample_idx || !ptr || !offs) {
+    std::free(doc_idx); std::free(sample_idx); std::free(ptr); std::free(offs);
+    throw std::bad_alloc();
+  }
+
+  int64_t nnz = 0;
+  {
+    py::gil_scoped_release release;
+    for (int64_t e = 0; e < epochs; ++e) shuffle_epoch(doc_idx + e * num_docs, num_docs, seed, e);
+
+    const int64_t last = n * seq_length;  // flat position of the final token (row N)
+    int64_t next_start = 0;               // next sample_idx row to fill (its position: k*S)
+    int64_t next_start_pos = 0;
+    int64_t ptr_filled = 0;               // rows of ptr written so far
+    int64_t win = 0;                      // sample whose window (win*S, win*S+S] holds p
+    int64_t win_end = seq_length;
+    int64_t p = 0;                        // flat position of the current document's first token
+    constexpr int64_t kAhead = 16;  // prefetch distance for the random reads of lengths[]
+    for (int64_t j = 0; j < doc_total && p <= last; ++j) {
+      if (j + kAhead < doc_total) __builtin_prefetch(lengths + doc_idx[j + kAhead], 0);
+      const int64_t len = lengths[doc_idx[j]];
+      if (len == 0) continue;
+      if (p > 0) {  // a document start inside (0, last]: a boundary of exactly one sample
+        while (p > win_end) { ++win; win_end += seq_length; }
+        while (ptr_filled <= win) ptr[ptr_filled++] = nnz;
+        offs[nnz++] = static_cast<int32_t>(p - win * seq_length);
+      }
+      const int64_t end = p + len;
+      while (next_start <= n && next_start_pos < end) {
+        sample_idx[2 * next_start] = j;
+        sample_idx[2 * next_start + 1] = next_start_pos - p;
+        ++next_start;
+        next_start_pos += seq_length;
+      }
+      p = end;
+    }
+    while (ptr_filled <= n) ptr[ptr_filled++] = nnz;
+  }
+
+  int32_t *shrunk = static_cast<int32_t *>(std::realloc(offs, sizeof(int32_t) * std::max<int64_t>(nnz, 1)));
+  if (shrunk) offs = shrunk;
+
+  py::dict out;
+  out["doc_idx"] = owned_array<int32_t>(doc_idx, {static_cast<py::ssize_t>(doc_total)});
+  out["sample_idx"] = owned_array<int64_t>(sample_idx, {static_cast<py::ssize_t>(n + 1), 2});
+  out["boundary_ptr"] = owned_array<int64_t>(ptr, {static_cast<py::ssize_t>(n + 1)});
+  out["boundary_offsets"] = owned_array<int32_t>(offs, {static_cast<py::ssize_t>(nnz)});
+  out["num_epochs"] = epochs;
+  out["num_samples"] = n;
+  out["tokens_per_epoch"] = tokens_per_epoch;
+  return out;
+}
+
+py::tuple build_blend_index(py::array_t<double, py::array::c_style | py::array::forcecast> weights_,
+                            int64_t size) {
+  if (weights_.ndim() != 1 || weights_.shape(0) < 1)
+    throw std::invalid_argument("weights must be a non-empty 1-D array");
+  if (size < 0) throw std::invalid_argument("size must be >= 0");
+  const int64_t k = weights_.shape(0);
+  if (k > std::numeric_limits<int32_t>::max()) throw std::invalid_argument("too many datasets");
+  std::vector<double> w(weights_.data(), weights_.data() + k);
+  double total = 0.0;
+  for (double x : w) {
+    if (!(x > 0.0) || x == std::numeric_limits<double>::infinity())
+      throw std::invalid_argument("weights must be finite and > 0");
+    total += x;
+  }
+  for (double &x : w) x /= total;
+
+  const bool small = k <= std::numeric_limits<int16_t>::max();
+  py::array out_index = small ? py::array(py::array_t<int16_t>(size)) : py::array(py::array_t<int32_t>(size));
+  py::array_t<int64_t> out_sample(size);
+  void *index_raw = out_index.mutable_data();
+  int64_t *sample = out_sample.mutable_data();
+  {
+    py::gil_scoped_release release;
+    std::vector<int64_t> count(k, 0);
+    // Tijdeman's chairman assignment: the c-th sample of dataset d may go at step n once
+    // c <= w[d]*n + lam and is due when w[d]*n > c - 1 + lam; earliest due date first keeps
+    // |count[d] - w[d]*n| <= lam = 1 - 1/(2k-2) < 1 at every n.
+    const double lam = k > 1 ? 1.0 - 1.0 / (2.0 * static_cast<double>(k) - 2.0) : 1.0;
+    for (int64_t i = 0; i < size; ++i) {
+      const double n = static_cast<double>(i + 1);
+      int64_t best = -1;
+      double best_due = std::numeric_limits<double>::infinity();
+      for (int64_t d = 0; d < k; ++d) {
+        const double c = static_cast<double>(count[d]);
+        if (c + 1.0 > w[d] * n + lam + 1e-9) continue;  // not released yet
+        const double due = (c + lam) / w[d];
+        if (due < best_due) { best_due = due; best = d; }
+      }
+      if (best < 0) {  // unreachable in exact arithmetic; fall back to the largest deficit
+        best = 0;
+        double best_err = -std::numeric_limits<double>::infinity();
+        for (int64_t d = 0; d < k; ++d) {
+          const double err = w[d] * n - static_cast<double>(count[d]);
+          if (err > best_err) { best_err = err; best = d; }
+        }
+      }
+      if (small) static_cast<int16_t *>(index_raw)[i] = static_cast<int16_t>(best);
+      else static_cast<int32_t *>(index_raw)[i] = static_cast<int32_t>(best);
+      sample[i] = count[best]++;
+    }
+  }
+  return py::make_tuple(out_index, out_sample);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_sample_index, m) {
+  m.doc() = "Packed sample index and blend index builders (see csrc/sample_index.cpp).";
+  m.def("build_sample_index", &build_sample_index, py::arg("lengths"), py::arg("seq_length"),
+        py::arg("seed"), py::arg("num_samples") = -1, py::arg("num_epochs") = -1,
+        "Shuffle documents per epoch and pack them into samples of seq_length+1 tokens.");
+  m.def("build_blend_index", &build_blend_index, py::arg("weights"), py::arg("size"),
+        "Greedy deficit-minimising assignment of blended samples to datasets.");
+  m.def("shuffle_epoch", [](int64_t n, uint64_t seed, uint64_t epoch) {
+    int32_t *buf = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * std::max<int64_t>(n, 1)));
+    if (!buf) throw std::bad_alloc();
+    {
+      py::gil_scoped_release release;
+      shuffle_epoch(buf, n, seed, epoch);
+    }
+    return owned_array<int32_t>(buf, {static_cast<py::ssize_t>(n)});
+  }, py::arg("n"), py::arg("seed"), py::arg("epoch"), "One epoch's permutation of range(n).");
+}

@@ -1,0 +1,273 @@
+"""Packed training samples over Megatron .bin/.idx shards, one stream for CLM and MLM alike.
+
+`PackedDataset` serves sample i of the packed sample index (data/sample_index.py) as numpy arrays
+of seq_length + 1 tokens: `tokens`, `document_ids` (0, 0, ..., 1, 1, ...: local document number,
++1 at each document start) and `position_ids` (position inside each document; a document that
+began in an earlier sample continues from its true offset). Objectives turn these into inputs,
+labels and masks, so every objective sees the same tokens in the same order.
+
+`BlendedPackedDataset` mixes several PackedDatasets in exact proportions; `build_train_dataset`
+reads Megatron-style prefix lists (["0.7", "a", "0.3", "b"] or ["a", "b"]).
+
+This module is also the `mlmclm index` subcommand (add_arguments / run): build and cache the index
+ahead of training and print a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megatron_mlmclm.data.sample_index import SampleIndex, build_blend_index, build_sample_index
+from megatron_mlmclm.errors import UsageError
+
+# --------------------------------------------------------------------------------------------------
+# Opening shards
+
+
+def open_indexed_dataset(prefix: str | os.PathLike):
+    """Open prefix.bin/.idx as a megatron IndexedDataset, or raise UsageError naming the problem."""
+    prefix = str(prefix)
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise UsageError(f"{path} does not exist; check the data prefix (give it without "
+                             f".bin/.idx) or write the shard with `mlmclm preprocess`")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
+    try:
+        ds = IndexedDataset(prefix)
+    except Exception as e:  # megatron asserts on a bad header, numpy fails on a short file
+        if os.path.getsize(bin_path) == 0:
+            raise UsageError(f"{bin_path} is empty (no tokens); preprocess a non-empty corpus or "
+                             f"drop the prefix from the data list")
+        raise UsageError(f"{idx_path} is corrupt or truncated ({type(e).__name__}: {e}); "
+                         f"rewrite the shard with `mlmclm preprocess`")
+    lengths = ds.sequence_lengths
+    expected = int(lengths.sum(dtype=np.int64)) * np.dtype(ds.index.dtype).itemsize
+    actual = os.path.getsize(bin_path)
+    if actual != expected:
+        raise UsageError(f"{bin_path} holds {actual} bytes but {idx_path} describes {expected}; "
+                         f"the shard is truncated or corrupt, rewrite it with `mlmclm preprocess`")
+    if lengths.size == 0 or expected == 0:
+        raise UsageError(f"{bin_path} has no tokens; preprocess a non-empty corpus or drop the "
+                         f"prefix from the data list")
+    return ds
+
+
+# --------------------------------------------------------------------------------------------------
+# Datasets
+
+
+class PackedDataset:
+    """Samples of seq_length + 1 packed tokens from one IndexedDataset (one document a sequence)."""
+
+    def __init__(self, prefix: str | os.PathLike, seq_length: int, num_samples: int, seed: int,
+                 cache_dir: Optional[str | os.PathLike] = None, *,
+                 num_epochs: Optional[int] = None):
+        if num_epochs is None and int(num_samples) < 1:
+            raise UsageError(f"num_samples must be >= 1, got {num_samples}")
+        if int(seq_length) < 1:
+            raise UsageError(f"seq_length must be >= 1, got {seq_length}")
+        self.prefix = str(prefix)
+        self.seq_length = int(seq_length)
+        self.indexed = open_indexed_dataset(prefix)
+        self.lengths = self.indexed.sequence_lengths  # a view of self.indexed's mmap
+        try:
+            self.index: SampleIndex = build_sample_index(
+                self.lengths, self.seq_length, seed,
+                num_samples=None if num_epochs is not None else int(num_samples),
+                num_epochs=num_epochs, cache_dir=cache_dir)
+        except ValueError as e:
+            raise UsageError(f"{self.prefix}: {e}")
+
+    def __len__(self) -> int:
+        return self.index.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        S = self.seq_length
+        doc_idx, sample_idx = self.index.doc_idx, self.index.sample_idx
+        j0, o0 = int(sample_idx[i, 0]), int(sample_idx[i, 1])
+        j1, o1 = int(sample_idx[i + 1, 0]), int(sample_idx[i + 1, 1])
+        get = self.indexed.get
+        if j0 == j1:
+            pieces = [get(int(doc_idx[j0]), o0, o1 - o0 + 1)]
+        else:
+            d0 = int(doc_idx[j0])
+            pieces = [get(d0, o0, int(self.lengths[d0]) - o0)]
+            for j in range(j0 + 1, j1):  # whole documents in between (empty ones skipped)
+                d = int(doc_idx[j])
+                if self.lengths[d]:
+                    pieces.append(get(d, 0, int(self.lengths[d])))
+            pieces.append(get(int(doc_idx[j1]), 0, o1 + 1))
+        tokens = np.concatenate(pieces).astype(np.int64, copy=False)
+        if tokens.shape[0] != S + 1:  # the index and the shard disagree: a bug or a swapped file
+            raise RuntimeError(f"{self.prefix}: sample {i} has {tokens.shape[0]} tokens, "
+                               f"expected {S + 1}; delete the sample-index cache and rebuild")
+
+        bounds = np.asarray(self.index.boundaries(i), dtype=np.int64)
+        starts = np.zeros(S + 1, dtype=np.int32)
+        starts[bounds] = 1
+        document_ids = np.cumsum(starts, dtype=np.int32)
+        seg_start = np.concatenate(([0], bounds))
+        position_ids = np.arange(S + 1, dtype=np.int64) - seg_start[document_ids]
+        first_end = int(bounds[0]) if bounds.size else S + 1
+        position_ids[:first_end] += o0
+        return {"tokens": tokens, "document_ids": document_ids, "position_ids": position_ids}
+
+
+class BlendedPackedDataset:
+    """Several datasets mixed in exact proportion to `weights` (normalised), deterministically."""
+
+    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int,
+                 seed: int = 0):
+        if len(datasets) != len(weights) or not datasets:
+            raise UsageError("give one blend weight per dataset")
+        try:
+            self.dataset_index, self.dataset_sample_index = build_blend_index(
+                weights, int(num_samples), seed)
+        except ValueError as e:
+            raise UsageError(str(e))
+        self.datasets = list(datasets)
+        self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+        counts = np.bincount(self.dataset_index, minlength=len(datasets))
+        for k, (ds, need) in enumerate(zip(self.datasets, counts)):
+            if len(ds) < need:
+                raise ValueError(f"dataset {k} has {len(ds)} samples, the blend needs {need}")
+
+    def __len__(self) -> int:
+        return int(self.dataset_index.shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        ds = self.datasets[int(self.dataset_index[i])]
+        return ds[int(self.dataset_sample_index[i])]
+
+
+# --------------------------------------------------------------------------------------------------
+# Prefix lists
+
+
+def parse_prefixes(items: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+    """["0.7", "a", "0.3", "b"] -> (["a", "b"], [0.7, 0.3]); ["a", "b"] -> (["a", "b"], None)."""
+    items = [str(x) for x in items]
+    if not items:
+        raise UsageError("no data prefix given; pass shard prefixes such as data/corpus_text_document")
+
+    def number(x: str) -> Optional[float]:
+        try:
+            return float(x)
+        except ValueError:
+            return None
+
+    if number(items[0]) is None:
+        if any(number(x) is not None for x in items):
+            raise UsageError(f"data prefixes {items} mix weights and plain prefixes; either give "
+                             f"'weight prefix' pairs for every prefix or no weights at all")
+        return items, None
+    if len(items) % 2:
+        raise UsageError(f"weighted data prefixes {items} must come in 'weight prefix' pairs")
+    weights = [number(x) for x in items[0::2]]
+    prefixes = items[1::2]
+    for w, p in zip(weights, prefixes):
+        if w is None:
+            raise UsageError(f"blend weight for {p} is not a number; use 'weight prefix' pairs")
+        if not (np.isfinite(w) and w > 0):
+            raise UsageError(f"blend weight {w} for {p} must be > 0")
+    return prefixes, weights
+
+
+def _resolve_weights(prefixes: list[str], weights: Optional[list[float]]):
+    """Open every shard (validating it); weights default to token counts."""
+    indexed = [open_indexed_dataset(p) for p in prefixes]
+    if weights is None:
+        weights = [float(ds.sequence_lengths.sum(dtype=np.int64)) for ds in indexed]
+    return weights
+
+
+def build_train_dataset(prefixes_with_optional_weights: Sequence[str], seq_length: int,
+                        num_samples: int, seed: int, cache_dir: Optional[str | os.PathLike] = None):
+    """One PackedDataset, or a BlendedPackedDataset when several prefixes are given.
+
+    Unweighted lists of several prefixes are blended in proportion to their token counts.
+    """
+    prefixes, weights = parse_prefixes(prefixes_with_optional_weights)
+    if int(num_samples) < 1:
+        raise UsageError(f"num_samples must be >= 1, got {num_samples}")
+    if len(prefixes) == 1:
+        return PackedDataset(prefixes[0], seq_length, num_samples, seed, cache_dir)
+    weights = _resolve_weights(prefixes, weights)
+    dataset_index, _ = build_blend_index(weights, int(num_samples), seed)
+    counts = np.bincount(dataset_index, minlength=len(prefixes))
+    datasets = [PackedDataset(p, seq_length, max(int(c), 1), seed, cache_dir)
+                for p, c in zip(prefixes, counts)]
+    return BlendedPackedDataset(datasets, weights, num_samples, seed)
+
+
+# --------------------------------------------------------------------------------------------------
+# `mlmclm index`
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-prefix", nargs="+", required=True, metavar="[WEIGHT] PREFIX",
+                        help="shard prefixes (no .bin/.idx), optionally as 'weight prefix' pairs")
+    parser.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--num-samples", type=int, help="samples in the (blended) index")
+    size.add_argument("--epochs", type=int, help="epochs over each prefix (no blending)")
+    parser.add_argument("--seed", type=int, default=1234, help="shuffle seed (default 1234)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="index cache directory (default: <first prefix dir>/cache)")
+
+
+def run(args: argparse.Namespace) -> int:
+    prefixes, weights = parse_prefixes(args.data_prefix)
+    if args.seq_length < 1:
+        raise UsageError(f"--seq-length must be >= 1, got {args.seq_length}")
+    if args.num_samples is not None and args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.epochs is not None and args.epochs < 1:
+        raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    cache_dir = args.cache_dir or str(Path(prefixes[0]).resolve().parent / "cache")
+    weights = _resolve_weights(prefixes, weights)
+    counts: list[Optional[int]] = [None] * len(prefixes)
+    if args.num_samples is not None:
+        dataset_index, _ = build_blend_index(weights, args.num_samples, args.seed)
+        counts = [max(int(c), 1) for c in np.bincount(dataset_index, minlength=len(prefixes))]
+    share = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+    for prefix, n, w in zip(prefixes, counts, share):
+        indexed = open_indexed_dataset(prefix)  # keep it alive: its mmap backs the lengths
+        lengths = indexed.sequence_lengths
+        t0 = time.perf_counter()
+        try:
+            index = build_sample_index(lengths, args.seq_length, args.seed, num_samples=n,
+                                       num_epochs=args.epochs if n is None else None,
+                                       cache_dir=cache_dir)
+        except ValueError as e:
+            raise UsageError(f"{prefix}: {e}")
+        seconds = time.perf_counter() - t0
+        per_sample = index.boundary_offsets.shape[0] / max(index.num_samples, 1)
+        how = "cache hit" if index.from_cache else "built"
+        print(f"{prefix}: weight {w:.4f}, {index.num_samples} samples of {args.seq_length}+1 "
+              f"tokens, {index.num_epochs} epoch(s), {index.num_documents} documents, "
+              f"{index.tokens_per_epoch} tokens/epoch, {per_sample:.2f} boundaries/sample, "
+              f"{how} in {seconds:.2f}s, cache {index.cache_path}")
+    return 0

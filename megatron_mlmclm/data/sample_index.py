@@ -1,0 +1,201 @@
+"""The packed sample index: which tokens make up each training sample, shared by CLM and MLM.
+
+`build_sample_index` shuffles the documents once per epoch and packs them end to end into samples
+of `seq_length + 1` tokens (inputs plus shifted targets; consecutive samples share one token, as in
+Megatron's GPTDataset). The work is done by the C++ extension `megatron_mlmclm._sample_index`
+(csrc/sample_index.cpp) with the GIL released; this module validates inputs and caches results.
+
+Arrays (see `SampleIndex`):
+    doc_idx           int32 [epochs * documents]  shuffled document order, epoch after epoch
+    sample_idx        int64 [N + 1, 2]  (position in doc_idx, token offset) of sample i's first
+                                        token; row N is the final token of the last sample
+    boundary_ptr      int64 [N + 1]     CSR rows: sample i's boundaries are
+    boundary_offsets  int32 [nnz]       boundary_offsets[boundary_ptr[i]:boundary_ptr[i + 1]],
+                                        offsets in 1..seq_length where a new document starts
+
+Cache layout (when `cache_dir` is given), key = sha256 over FORMAT_VERSION, seq_length, seed,
+num_samples / num_epochs and the bytes of the lengths array (first 16 hex digits):
+    <cache_dir>/sample_index-<key>.doc_idx.npy
+    <cache_dir>/sample_index-<key>.sample_idx.npy
+    <cache_dir>/sample_index-<key>.boundary_ptr.npy
+    <cache_dir>/sample_index-<key>.boundary_offsets.npy
+    <cache_dir>/sample_index-<key>.json        written last: its presence marks a complete entry
+Every file is written to a temporary name in the same directory, then os.replace'd into place, so
+concurrent builders (one per rank) never read a partial file. Hits are loaded with mmap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+FORMAT_VERSION = 1
+ARRAYS = ("doc_idx", "sample_idx", "boundary_ptr", "boundary_offsets")
+
+
+def _ext():
+    try:
+        from megatron_mlmclm import _sample_index
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "the C++ extension megatron_mlmclm._sample_index is not built; run "
+            "`python setup.py build_ext --inplace` (or pip install -e .)") from e
+    return _sample_index
+
+
+@dataclass
+class SampleIndex:
+    doc_idx: np.ndarray
+    sample_idx: np.ndarray
+    boundary_ptr: np.ndarray
+    boundary_offsets: np.ndarray
+    seq_length: int
+    num_samples: int
+    num_epochs: int
+    num_documents: int
+    tokens_per_epoch: int
+    cache_path: Optional[str] = None  # the .json marker of the cache entry, when cached
+    from_cache: bool = False
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def boundaries(self, i: int) -> np.ndarray:
+        """Offsets (1..seq_length) inside sample i where a new document starts."""
+        return self.boundary_offsets[self.boundary_ptr[i]:self.boundary_ptr[i + 1]]
+
+
+def _check_inputs(lengths, seq_length, seed, num_samples, num_epochs) -> np.ndarray:
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1:
+        raise ValueError("lengths must be a 1-D array of document lengths")
+    if lengths.size and (lengths.min() < 0 or lengths.max() > np.iinfo(np.int32).max):
+        raise ValueError("document lengths must be in [0, 2^31)")
+    lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+    if int(seq_length) < 1:
+        raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+    if (num_samples is None) == (num_epochs is None):
+        raise ValueError("give exactly one of num_samples and num_epochs")
+    if num_samples is not None and int(num_samples) < 0:
+        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+    if num_epochs is not None and int(num_epochs) < 1:
+        raise ValueError(f"num_epochs must be >= 1, got {num_epochs}")
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"seed must be in [0, 2^64), got {seed}")
+    return lengths
+
+
+def cache_key(lengths: np.ndarray, seq_length: int, seed: int, num_samples: Optional[int],
+              num_epochs: Optional[int]) -> str:
+    """Hash of every input that changes the index (and of the format version)."""
+    lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+    h = hashlib.sha256()
+    head = dict(v=FORMAT_VERSION, seq_length=int(seq_length), seed=int(seed),
+                num_samples=None if num_samples is None else int(num_samples),
+                num_epochs=None if num_epochs is None else int(num_epochs), n=int(lengths.size))
+    h.update(json.dumps(head, sort_keys=True).encode())
+    h.update(memoryview(lengths).cast("B"))
+    return h.hexdigest()[:16]
+
+
+def _paths(cache_dir: Path, key: str) -> tuple[Path, dict[str, Path]]:
+    stem = f"sample_index-{key}"
+    return cache_dir / f"{stem}.json", {a: cache_dir / f"{stem}.{a}.npy" for a in ARRAYS}
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _load(marker: Path, files: dict[str, Path], seq_length: int) -> Optional[SampleIndex]:
+    if not marker.is_file() or not all(p.is_file() for p in files.values()):
+        return None
+    try:
+        meta = json.loads(marker.read_text())
+        arrays = {a: np.load(p, mmap_mode="r") for a, p in files.items()}
+    except (OSError, ValueError):
+        return None  # unreadable entry: rebuild and overwrite it
+    if meta.get("format_version") != FORMAT_VERSION:
+        return None
+    return SampleIndex(**arrays, seq_length=seq_length, num_samples=meta["num_samples"],
+                       num_epochs=meta["num_epochs"], num_documents=meta["num_documents"],
+                       tokens_per_epoch=meta["tokens_per_epoch"], cache_path=str(marker),
+                       from_cache=True)
+
+
+def build_sample_index(lengths, seq_length: int, seed: int, num_samples: Optional[int] = None,
+                       num_epochs: Optional[int] = None,
+                       cache_dir: Optional[str | os.PathLike] = None) -> SampleIndex:
+    """Pack documents of `lengths` tokens into samples; exactly one of num_samples / num_epochs.
+
+    num_samples: as many epochs as needed (each fully shuffled and kept in doc_idx), exactly
+    num_samples samples. num_epochs: all whole samples those epochs hold (last partial dropped).
+    Raises ValueError for bad arguments and for a corpus with no tokens.
+    """
+    lengths = _check_inputs(lengths, seq_length, seed, num_samples, num_epochs)
+    if int(lengths.sum(dtype=np.int64)) == 0:
+        raise ValueError("the corpus has no tokens")
+    marker = files = None
+    if cache_dir is not None:
+        cache_dir = Path(cache_dir)
+        key = cache_key(lengths, seq_length, seed, num_samples, num_epochs)
+        marker, files = _paths(cache_dir, key)
+        hit = _load(marker, files, int(seq_length))
+        if hit is not None:
+            return hit
+
+    r = _ext().build_sample_index(lengths, int(seq_length), int(seed),
+                                  -1 if num_samples is None else int(num_samples),
+                                  -1 if num_epochs is None else int(num_epochs))
+    index = SampleIndex(doc_idx=r["doc_idx"], sample_idx=r["sample_idx"],
+                        boundary_ptr=r["boundary_ptr"], boundary_offsets=r["boundary_offsets"],
+                        seq_length=int(seq_length), num_samples=int(r["num_samples"]),
+                        num_epochs=int(r["num_epochs"]), num_documents=int(lengths.size),
+                        tokens_per_epoch=int(r["tokens_per_epoch"]))
+    if marker is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        for a, p in files.items():
+            arr = getattr(index, a)
+            _atomic_write(p, lambda f, arr=arr: np.save(f, arr, allow_pickle=False))
+        meta = dict(format_version=FORMAT_VERSION, seq_length=index.seq_length, seed=int(seed),
+                    num_samples=index.num_samples, num_epochs=index.num_epochs,
+                    num_documents=index.num_documents, tokens_per_epoch=index.tokens_per_epoch,
+                    requested_num_samples=num_samples, requested_num_epochs=num_epochs,
+                    num_boundaries=int(index.boundary_offsets.size))
+        _atomic_write(marker, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        index.cache_path = str(marker)
+    return index
+
+
+def build_blend_index(weights, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Assign `size` blended samples to datasets in exact proportion to `weights`.
+
+    Returns (dataset_index int16 (int32 beyond 32767 datasets), dataset_sample_index int64):
+    blended sample i is sample dataset_sample_index[i] of dataset dataset_index[i]. Weights are
+    normalised; greedy largest-deficit choice, so every prefix of length n holds
+    round-to-within-one-sample n * w[d] samples of dataset d. The assignment is deterministic and
+    needs no randomness: `seed` is accepted for API symmetry and does not change the result.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0:
+        raise ValueError("weights must be a non-empty list of numbers")
+    if not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ValueError(f"blend weights must be finite and > 0, got {w.tolist()}")
+    if int(size) < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    del seed
+    return _ext().build_blend_index(w / w.sum(), int(size))

@@ -1,0 +1,159 @@
+"""PackedDataset / BlendedPackedDataset over real IndexedDataset shards, against a naive reference."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from megatron_mlmclm.cli import main as cli_main
+from megatron_mlmclm.data.dataset import (BlendedPackedDataset, PackedDataset, build_train_dataset,
+                                          parse_prefixes)
+from megatron_mlmclm.errors import UsageError
+
+S = 8
+# 0-length documents, documents longer than a sample, one (30 tokens) spanning >= 3 samples
+LENGTHS_A = [5, 0, 30, 3, 17, 1, 9, 0, 12, 4, 2, 26, 7]
+LENGTHS_B = [11, 4, 0, 6, 20, 3]
+
+
+def doc_tokens(tag, d, n):
+    return np.arange(n, dtype=np.int64) + tag * 100_000 + d * 1000 + 1
+
+
+def write_shard(prefix, lengths, tag):
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
+    for d, n in enumerate(lengths):
+        builder.add_item(torch.from_numpy(doc_tokens(tag, d, n).astype(np.int32)))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    return write_shard(root / "a", LENGTHS_A, 1), write_shard(root / "b", LENGTHS_B, 2)
+
+
+def reference_samples(lengths, tag, doc_idx, n):
+    """Flatten token by token in doc_idx order; per token: (token, document, position)."""
+    toks, docs, pos = [], [], []
+    for d in doc_idx:
+        t = doc_tokens(tag, int(d), lengths[d])
+        toks += t.tolist()
+        docs += [int(d)] * lengths[d]
+        pos += list(range(lengths[d]))
+    out = []
+    for i in range(n):
+        sl = slice(i * S, i * S + S + 1)
+        p = pos[sl]
+        local, ids = 0, []
+        for k, q in enumerate(p):
+            if k > 0 and q == 0:
+                local += 1
+            ids.append(local)
+        out.append(dict(tokens=toks[sl], document_ids=ids, position_ids=p, docs=docs[sl]))
+    return out
+
+
+def check_dataset(ds, lengths, tag):
+    ref = reference_samples(lengths, tag, ds.index.doc_idx, len(ds))
+    for i, r in enumerate(ref):
+        item = ds[i]
+        assert item["tokens"].dtype == np.int64 and item["tokens"].shape == (S + 1,)
+        assert item["document_ids"].dtype == np.int32 and item["position_ids"].dtype == np.int64
+        assert item["tokens"].tolist() == r["tokens"], f"sample {i}"
+        assert item["document_ids"].tolist() == r["document_ids"], f"sample {i}"
+        assert item["position_ids"].tolist() == r["position_ids"], f"sample {i}"
+    return ref
+
+
+def test_packed_dataset_matches_reference(shards, tmp_path):
+    total = sum(LENGTHS_A)
+    n = (2 * total) // S + 3  # crosses into a third epoch
+    ds = PackedDataset(shards[0], S, n, seed=3, cache_dir=tmp_path)
+    assert len(ds) == n and ds.index.num_epochs == 3
+    ref = check_dataset(ds, LENGTHS_A, 1)
+    # the 30-token document (id 2) appears in at least 3 consecutive samples, one of them
+    # entirely inside it with positions continuing from its true offset
+    spans = [i for i, r in enumerate(ref[: total // S]) if 2 in r["docs"]]
+    assert len(spans) >= 3 and spans == list(range(spans[0], spans[0] + len(spans)))
+    middle = ds[spans[1]]
+    assert (middle["document_ids"] == 0).all() and middle["position_ids"][0] > 0
+    assert ds[-1]["tokens"].tolist() == ref[-1]["tokens"]
+    with pytest.raises(IndexError):
+        ds[n]
+    # the cached index serves the same samples
+    again = PackedDataset(shards[0], S, n, seed=3, cache_dir=tmp_path)
+    assert again.index.from_cache
+    assert again[5]["tokens"].tolist() == ds[5]["tokens"].tolist()
+
+
+def test_blended_dataset(shards):
+    ds = build_train_dataset(["0.7", shards[0], "0.3", shards[1]], S, 40, seed=1, cache_dir=None)
+    assert isinstance(ds, BlendedPackedDataset) and len(ds) == 40
+    counts = np.bincount(ds.dataset_index, minlength=2)
+    assert abs(counts[0] - 28) <= 1 and abs(counts[1] - 12) <= 1
+    for i in range(len(ds)):
+        k, j = int(ds.dataset_index[i]), int(ds.dataset_sample_index[i])
+        assert ds[i]["tokens"].tolist() == ds.datasets[k][j]["tokens"].tolist()
+    check_dataset(ds.datasets[0], LENGTHS_A, 1)
+    check_dataset(ds.datasets[1], LENGTHS_B, 2)
+    # no weights: proportional to token counts
+    ds2 = build_train_dataset([shards[0], shards[1]], S, 50, seed=1, cache_dir=None)
+    share = sum(LENGTHS_A) / (sum(LENGTHS_A) + sum(LENGTHS_B))
+    assert abs(ds2.weights[0] - share) < 1e-12
+    with pytest.raises(ValueError):
+        BlendedPackedDataset([ds.datasets[0]], [1.0], len(ds.datasets[0]) + 1)
+
+
+def test_parse_prefixes():
+    assert parse_prefixes(["a", "b"]) == (["a", "b"], None)
+    assert parse_prefixes(["0.7", "a", "0.3", "b"]) == (["a", "b"], [0.7, 0.3])
+    for bad in (["0.7", "a", "b"], ["a", "0.3"], ["0", "a"], [], ["-1", "a"]):
+        with pytest.raises(UsageError):
+            parse_prefixes(bad)
+
+
+def test_bad_shards_raise_usage_error(shards, tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        PackedDataset(str(tmp_path / "missing"), S, 4, 0)
+    src = shards[0]
+    for name, mangle in [
+        ("truncated_bin", lambda p: open(p + ".bin", "r+b").truncate(os.path.getsize(p + ".bin") - 4)),
+        ("long_bin", lambda p: open(p + ".bin", "ab").write(b"\0" * 8)),
+        ("corrupt_idx", lambda p: open(p + ".idx", "r+b").write(b"garbage!!")),
+        ("truncated_idx", lambda p: open(p + ".idx", "r+b").truncate(40)),
+        ("no_bin", lambda p: os.remove(p + ".bin")),
+        ("no_idx", lambda p: os.remove(p + ".idx")),
+    ]:
+        prefix = str(tmp_path / name)
+        for ext in (".bin", ".idx"):
+            with open(src + ext, "rb") as f, open(prefix + ext, "wb") as g:
+                g.write(f.read())
+        mangle(prefix)
+        with pytest.raises(UsageError) as e:
+            PackedDataset(prefix, S, 4, 0)
+        assert "\n" not in str(e.value) and name.split("_")[1] in str(e.value), name
+    empty = write_shard(tmp_path / "empty", [0, 0], 3)
+    with pytest.raises(UsageError, match="no tokens"):
+        build_train_dataset([empty], S, 4, 0, None)
+
+
+def test_index_cli(shards, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    argv = ["index", "--data-prefix", "0.5", shards[0], "0.5", shards[1], "--seq-length", str(S),
+            "--num-samples", "20", "--seed", "2", "--cache-dir", str(cache)]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("built") == 2 and "boundaries/sample" in out
+    assert len([f for f in os.listdir(cache) if f.endswith(".json")]) == 2
+    assert cli_main(argv) == 0
+    assert capsys.readouterr().out.count("cache hit") == 2
+    assert cli_main(["index", "--data-prefix", shards[1], "--seq-length", str(S), "--epochs", "2",
+                     "--cache-dir", str(cache)]) == 0
+    assert cli_main(["index", "--data-prefix", str(tmp_path / "nope"), "--seq-length", "8",
+                     "--epochs", "1"]) == 2

@@ -1,0 +1,235 @@
+"""The packed sample index against a naive pure-Python reference (token-by-token flattening)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from megatron_mlmclm.data import sample_index as si
+from megatron_mlmclm.data.sample_index import build_blend_index, build_sample_index
+
+MASK64 = (1 << 64) - 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Independent references
+
+
+def ref_splitmix(state):
+    state = (state + 0x9E3779B97F4A7C15) & MASK64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return state, z ^ (z >> 31)
+
+
+def ref_shuffle(n, seed, epoch):
+    """Fisher-Yates with splitmix64 seeded from (seed, epoch), Lemire bounded draws."""
+    s, a = ref_splitmix(seed ^ 0x6A09E667F3BCC909)
+    _, state_seed = ref_splitmix(epoch ^ a ^ 0xBB67AE8584CAA73B)
+    state = state_seed
+    out = list(range(n))
+    for i in range(n - 1, 0, -1):
+        r = i + 1
+        while True:
+            state, x = ref_splitmix(state)
+            m = x * r
+            if (m & MASK64) >= (-r % (1 << 64)) % r:
+                break
+        j = m >> 64
+        out[i], out[j] = out[j], out[i]
+    return out
+
+
+def ref_index(lengths, doc_idx, seq_length, num_samples=None, num_epochs=None):
+    """Flatten token by token: each token is (position in doc_idx, offset in its document)."""
+    T = int(sum(lengths))
+    if num_samples is None:
+        n = (num_epochs * T - 1) // seq_length
+    else:
+        n = num_samples
+    stream = []
+    for j, d in enumerate(doc_idx):
+        for o in range(lengths[d]):
+            stream.append((j, o))
+    assert len(stream) >= n * seq_length + 1
+    sample_idx = [stream[i * seq_length] for i in range(n + 1)]
+    bounds = [[k for k in range(1, seq_length + 1) if stream[i * seq_length + k][1] == 0]
+              for i in range(n)]
+    return n, np.array(sample_idx, dtype=np.int64).reshape(n + 1, 2), bounds
+
+
+def check_against_reference(lengths, seq_length, seed, num_samples=None, num_epochs=None):
+    lengths = np.asarray(lengths, dtype=np.int32)
+    idx = build_sample_index(lengths, seq_length, seed, num_samples=num_samples,
+                             num_epochs=num_epochs)
+    D = len(lengths)
+    T = int(lengths.sum())
+    if num_samples is not None:
+        epochs = -(-(num_samples * seq_length + 1) // T)
+    else:
+        epochs = num_epochs
+    assert idx.num_epochs == epochs
+    assert idx.doc_idx.dtype == np.int32 and idx.doc_idx.shape == (epochs * D,)
+    for e in range(epochs):
+        part = idx.doc_idx[e * D:(e + 1) * D]
+        assert sorted(part.tolist()) == list(range(D)), f"epoch {e} is not a permutation"
+        assert part.tolist() == ref_shuffle(D, seed, e)
+    n, ref_sample_idx, ref_bounds = ref_index(lengths.tolist(), idx.doc_idx.tolist(), seq_length,
+                                              num_samples, num_epochs)
+    assert idx.num_samples == n == len(idx)
+    assert idx.sample_idx.dtype == np.int64 and idx.boundary_ptr.dtype == np.int64
+    assert idx.boundary_offsets.dtype == np.int32
+    np.testing.assert_array_equal(idx.sample_idx, ref_sample_idx)
+    assert idx.boundary_ptr.shape == (n + 1,) and idx.boundary_ptr[0] == 0
+    assert idx.boundary_ptr[-1] == idx.boundary_offsets.shape[0]
+    for i in range(n):
+        assert idx.boundaries(i).tolist() == ref_bounds[i], f"sample {i}"
+    return idx
+
+
+# --------------------------------------------------------------------------------------------------
+# Sample index
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_random_lengths_with_empty_and_long_documents(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 40, size=60)
+    lengths[rng.choice(60, 12, replace=False)] = 0  # empty documents
+    lengths[:3] = [70, 0, 55]                        # longer than a sample
+    check_against_reference(lengths, 16, seed, num_epochs=1)
+    check_against_reference(lengths, 16, seed, num_epochs=3)
+
+
+def test_num_samples_needs_partial_epoch():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 30, size=40)
+    T = int(lengths.sum())
+    n = (2 * T) // 8 + 5  # two whole epochs and part of a third
+    idx = check_against_reference(lengths, 8, 11, num_samples=n)
+    assert idx.num_epochs == 3
+
+
+def test_single_document_and_exact_fit():
+    check_against_reference([100], 9, 1, num_epochs=1)
+    check_against_reference([100], 9, 1, num_samples=30)
+    check_against_reference([17], 8, 2, num_epochs=1)      # 17 = 2*8 + 1: exactly two samples
+    check_against_reference([0, 0, 8, 0, 9], 8, 5, num_epochs=2)
+    check_against_reference([1] * 50, 4, 3, num_epochs=1)  # a boundary at every offset
+
+
+def test_leading_empty_documents_and_boundary_at_window_end():
+    idx = check_against_reference([0, 0, 4, 0, 4, 4], 4, 9, num_epochs=1)
+    # documents of exactly seq_length tokens start at offset S of the previous window
+    assert idx.boundary_offsets.size > 0
+    assert (idx.boundary_offsets == 4).all()
+
+
+def test_zero_samples():
+    idx = build_sample_index([5, 3], 8, 0, num_samples=0)
+    assert idx.num_samples == 0 and idx.sample_idx.shape == (1, 2)
+    assert idx.boundary_ptr.tolist() == [0]
+
+
+def test_determinism_and_seed():
+    lengths = np.random.default_rng(0).integers(1, 50, size=500)
+    a = build_sample_index(lengths, 32, 5, num_epochs=2)
+    b = build_sample_index(lengths, 32, 5, num_epochs=2)
+    c = build_sample_index(lengths, 32, 6, num_epochs=2)
+    for name in si.ARRAYS:
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert not np.array_equal(a.doc_idx, c.doc_idx)
+    assert not np.array_equal(a.doc_idx[:500], a.doc_idx[500:])  # epochs differ
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="no tokens"):
+        build_sample_index([0, 0], 8, 0, num_epochs=1)
+    with pytest.raises(ValueError, match="exactly one"):
+        build_sample_index([5], 8, 0)
+    with pytest.raises(ValueError, match="exactly one"):
+        build_sample_index([5], 8, 0, num_samples=1, num_epochs=1)
+    with pytest.raises(ValueError):
+        build_sample_index([5, -1], 8, 0, num_epochs=1)
+    with pytest.raises(ValueError):
+        build_sample_index([5], 0, 0, num_epochs=1)
+
+
+def test_cache_hit_key_and_atomic_files(tmp_path):
+    lengths = np.random.default_rng(1).integers(0, 60, size=300).astype(np.int32)
+    a = build_sample_index(lengths, 32, 3, num_samples=200, cache_dir=tmp_path)
+    assert not a.from_cache and a.cache_path is not None
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 5 and not any(".tmp" in f for f in files), files
+    meta = json.loads(open(a.cache_path).read())
+    assert meta["num_samples"] == 200 and meta["format_version"] == si.FORMAT_VERSION
+
+    b = build_sample_index(lengths, 32, 3, num_samples=200, cache_dir=tmp_path)
+    assert b.from_cache and b.cache_path == a.cache_path
+    for name in si.ARRAYS:
+        arr = getattr(b, name)
+        assert isinstance(arr, np.memmap), name
+        np.testing.assert_array_equal(arr, getattr(a, name))
+    assert (b.num_samples, b.num_epochs, b.tokens_per_epoch) == (a.num_samples, a.num_epochs,
+                                                                 a.tokens_per_epoch)
+
+    key = si.cache_key(lengths, 32, 3, 200, None)
+    changed = lengths.copy()
+    changed[17] += 1
+    variants = [si.cache_key(changed, 32, 3, 200, None), si.cache_key(lengths, 33, 3, 200, None),
+                si.cache_key(lengths, 32, 4, 200, None), si.cache_key(lengths, 32, 3, 201, None),
+                si.cache_key(lengths, 32, 3, None, 200), si.cache_key(lengths[:-1], 32, 3, 200, None)]
+    assert len({key, *variants}) == len(variants) + 1
+    old = si.FORMAT_VERSION
+    try:
+        si.FORMAT_VERSION = old + 1
+        assert si.cache_key(lengths, 32, 3, 200, None) != key
+    finally:
+        si.FORMAT_VERSION = old
+
+    c = build_sample_index(changed, 32, 3, num_samples=200, cache_dir=tmp_path)
+    assert not c.from_cache and len(os.listdir(tmp_path)) == 10
+    assert not any(".tmp" in f for f in os.listdir(tmp_path))
+
+
+def test_incomplete_cache_entry_is_rebuilt(tmp_path):
+    lengths = np.arange(1, 50, dtype=np.int32)
+    a = build_sample_index(lengths, 16, 0, num_epochs=1, cache_dir=tmp_path)
+    os.remove(a.cache_path)  # no marker: as if the writer died before finishing
+    b = build_sample_index(lengths, 16, 0, num_epochs=1, cache_dir=tmp_path)
+    assert not b.from_cache and os.path.exists(b.cache_path)
+    np.testing.assert_array_equal(a.sample_idx, b.sample_idx)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blend index
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1, 1], [5, 0.1, 2.5, 1e-3, 3],
+                                     list(np.random.default_rng(0).random(7) + 0.01)])
+def test_blend_proportions_exact_at_every_prefix(weights):
+    size = 5000
+    di, dsi = build_blend_index(weights, size, seed=1)
+    assert di.dtype == np.int16 and dsi.dtype == np.int64 and di.shape == dsi.shape == (size,)
+    w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
+    onehot = np.zeros((size, len(w)), dtype=np.int64)
+    onehot[np.arange(size), di] = 1
+    counts = np.cumsum(onehot, axis=0)
+    n = np.arange(1, size + 1)[:, None]
+    # within one sample at every prefix (Tijdeman's bound 1 - 1/(2k-2) is even tighter)
+    lam = 1.0 - 1.0 / (2 * len(w) - 2) if len(w) > 1 else 0.0
+    assert np.abs(counts - n * w[None, :]).max() <= lam + 1e-9
+    # dataset_sample_index counts each dataset's samples in order
+    for d in range(len(w)):
+        assert dsi[di == d].tolist() == list(range(int((di == d).sum())))
+    di2, dsi2 = build_blend_index(weights, size, seed=1)
+    np.testing.assert_array_equal(di, di2)
+    np.testing.assert_array_equal(dsi, dsi2)
+
+
+def test_blend_rejects_bad_weights():
+    for bad in ([], [1.0, 0.0], [1.0, -2.0], [float("nan")], [float("inf"), 1.0]):
+        with pytest.raises(ValueError):
+            build_blend_index(bad, 10, 0)
