@@ -1,0 +1,258 @@
+"""Tokenizers with the four tokens pretraining needs: bos, eos, pad and mask.
+
+Two ways to get one (``mlmclm tokenize``):
+  * ``--from HF_FOLDER``: load a local Hugging Face tokenizer and guarantee the tokens. A missing
+    mask (then pad) token takes the first unused ``<|reserved_special_token_N|>`` of the vocab
+    (Llama-3 has 248), so the vocab size does not change; without one, ``<mask>`` / ``<pad>`` are
+    added and the vocab grows (reported). Pad is never eos: eos is a real training token (it ends
+    every document), so a pad equal to eos counts as missing. Missing bos/eos get ``<s>``/``</s>``.
+  * ``--train INPUT ...``: byte-level BPE trained with the ``tokenizers`` library on the corpus,
+    with ``<s>`` ``</s>`` ``<pad>`` ``<mask>`` as ids 0-3. No post-processor: the tokenizer never
+    adds bos/eos itself; ``mlmclm preprocess`` appends eos to each document explicitly.
+
+The output folder is a normal ``save_pretrained`` folder (``AutoTokenizer.from_pretrained(out)``
+gives back mask/pad/bos/eos) plus ``mlmclm_tokenizer.json``:
+``{bos_id, eos_id, pad_id, mask_id, vocab_size, source, mask_reserved_from, pad_reserved_from,
+added_tokens, vocab_grew}`` where ``vocab_size`` is ``len(tokenizer)``. The folder is written under
+a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from megatron_mlmclm.errors import UsageError
+
+METADATA_FILE = "mlmclm_tokenizer.json"
+REQUIRED = ("bos", "eos", "pad", "mask")
+_RESERVED = re.compile(r"^<\|reserved_special_token_(\d+)\|>$")
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def special_token_ids(tok) -> dict[str, int | None]:
+    """{'bos_id', 'eos_id', 'pad_id', 'mask_id'} of a HF tokenizer (None where missing)."""
+    return {f"{name}_id": getattr(tok, f"{name}_token_id", None) for name in REQUIRED}
+
+
+def _load_hf(path: str | os.PathLike):
+    p = Path(path)
+    if not p.is_dir():
+        raise UsageError(f"tokenizer folder {p} does not exist; give a local Hugging Face "
+                         "tokenizer folder (downloads are not done here)")
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except UsageError:
+        raise
+    except Exception as e:  # OSError / ValueError from transformers for bad folders
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"cannot load a tokenizer from {p}: {msg}") from None
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The HF tokenizer in ``path``, checked to have bos, eos, pad (distinct from eos) and mask."""
+    tok = _load_hf(path)
+    missing = [n for n in ("mask", "pad", "bos", "eos")
+               if getattr(tok, f"{n}_token_id", None) is None]
+    if missing:
+        raise UsageError(f"tokenizer folder {path} has no {' / '.join(missing)} token; run "
+                         f"`mlmclm tokenize --from {path} --out NEW_DIR` to reserve one")
+    if tok.pad_token_id == tok.eos_token_id:
+        raise UsageError(f"tokenizer folder {path} uses eos as pad; run "
+                         f"`mlmclm tokenize --from {path} --out NEW_DIR` to reserve a distinct pad")
+    return tok
+
+
+def read_metadata(path: str | os.PathLike) -> dict | None:
+    f = Path(path) / METADATA_FILE
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def _prepare_out(out_dir: str | os.PathLike, force: bool) -> Path:
+    out = Path(out_dir)
+    if out.exists():
+        if not out.is_dir():
+            raise UsageError(f"--out {out} exists and is not a folder; choose another path")
+        if any(out.iterdir()) and not force:
+            raise UsageError(f"--out {out} is not empty; choose another folder or pass --force")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    """Replace ``out`` by the completed ``tmp`` folder."""
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(tmp, out)
+
+
+def _save(tok, out_dir: Path, source: str, reserved: dict, added: list[str], force: bool) -> Path:
+    out = _prepare_out(out_dir, force)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tok.save_pretrained(str(tmp))
+        meta = dict(special_token_ids(tok), vocab_size=len(tok), source=str(source),
+                    mask_reserved_from=reserved.get("mask"), pad_reserved_from=reserved.get("pad"),
+                    added_tokens=added, vocab_grew=bool(added))
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        _commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# From an existing HF tokenizer
+
+
+def _unused_reserved(tok) -> list[str]:
+    """``<|reserved_special_token_N|>`` in the vocab, by N, minus those already in a named role."""
+    used = {getattr(tok, f"{n}_token", None) for n in
+            ("bos", "eos", "unk", "pad", "mask", "cls", "sep")}
+    found = []
+    for t in tok.get_vocab():
+        m = _RESERVED.match(t)
+        if m and t not in used:
+            found.append((int(m.group(1)), t))
+    return [t for _, t in sorted(found)]
+
+
+def prepare_tokenizer(source: str | os.PathLike, out_dir: str | os.PathLike,
+                      force: bool = False, verbose: bool = True) -> Path:
+    """Load the HF tokenizer in ``source``, guarantee bos/eos/pad/mask, save it to ``out_dir``."""
+    tok = _load_hf(source)
+    before = len(tok)
+    free = _unused_reserved(tok)
+    reserved: dict[str, str] = {}
+    added: list[str] = []
+    assign: dict[str, str] = {}
+    if tok.bos_token_id is None:
+        assign["bos_token"] = "<s>"
+    if tok.eos_token_id is None:
+        assign["eos_token"] = "</s>"
+    for name, new in (("mask", "<mask>"), ("pad", "<pad>")):
+        cur = getattr(tok, f"{name}_token_id")
+        if cur is not None and not (name == "pad" and cur == tok.eos_token_id):
+            continue
+        if free:
+            reserved[name] = assign[f"{name}_token"] = free.pop(0)
+        else:
+            assign[f"{name}_token"] = new
+    vocab = tok.get_vocab()
+    added = [t for t in assign.values() if t not in vocab]
+    if assign:
+        tok.add_special_tokens(assign)
+    if verbose:
+        for name in ("mask", "pad"):
+            if name in reserved:
+                print(f"{name} token: reserved {reserved[name]} (vocab size unchanged)")
+        if added:
+            print(f"added tokens {', '.join(added)}: vocab grew {before} -> {len(tok)}")
+    return _save(tok, Path(out_dir), str(source), reserved, added, force)
+
+
+# --------------------------------------------------------------------------------------------------
+# Byte-level BPE trained on the corpus
+
+
+def train_tokenizer(inputs: Sequence[str], out_dir: str | os.PathLike, vocab_size: int,
+                    text_key: str = "text", min_frequency: int = 2,
+                    max_documents: int | None = None, txt_split_lines: bool = False,
+                    force: bool = False, progress: bool = True) -> Path:
+    """Train a byte-level BPE of ``vocab_size`` tokens (specials included) and save it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tqdm import tqdm
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_mlmclm.data.text_sources import expand_inputs, iter_texts
+
+    specials = ["<s>", "</s>", "<pad>", "<mask>"]
+    if vocab_size < 256 + len(specials):
+        raise UsageError(f"--vocab-size {vocab_size} is too small for byte-level BPE; use at least "
+                         f"{256 + len(specials)}")
+    if max_documents is not None and max_documents < 1:
+        raise UsageError("--max-documents must be >= 1")
+    _prepare_out(out_dir, force)  # fail before reading the corpus
+    expand_inputs(inputs)  # missing inputs fail before the trainer starts
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=specials,
+                                  show_progress=progress and sys.stderr.isatty(),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    count = {"docs": 0}
+
+    def texts():
+        bar = tqdm(desc="reading", unit="doc", disable=None if progress else True,
+                   total=max_documents)
+        for t in iter_texts(inputs, text_key, txt_split_lines, max_documents):
+            count["docs"] += 1
+            bar.update(1)
+            yield t
+        bar.close()
+
+    bpe.train_from_iterator(texts(), trainer)
+    if count["docs"] == 0:
+        raise UsageError(f"the corpus {' '.join(map(str, inputs))} has no non-empty document "
+                         f"under key '{text_key}'")
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", mask_token="<mask>",
+                                  clean_up_tokenization_spaces=False)
+    if len(tok) < vocab_size and progress:
+        print(f"note: the corpus gave only {len(tok)} tokens (asked {vocab_size}); "
+              "train on more text or lower --min-frequency")
+    source = "bpe:" + ",".join(map(str, inputs))
+    return _save(tok, Path(out_dir), source, {}, [], force)
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_mutually_exclusive_group(required=True)
+    g.add_argument("--from", dest="source", metavar="HF_FOLDER",
+                   help="local Hugging Face tokenizer folder to complete with bos/eos/pad/mask")
+    g.add_argument("--train", nargs="+", metavar="INPUT",
+                   help="train a byte-level BPE on these inputs (jsonl[.gz], json, txt, parquet, "
+                        "folder)")
+    parser.add_argument("--out", required=True, help="output folder (save_pretrained format)")
+    parser.add_argument("--vocab-size", type=int,
+                        help="BPE vocab size, specials included (--train)")
+    parser.add_argument("--json-key", "--json-keys", dest="json_key", default="text",
+                        help="text field of json/jsonl/parquet records (default: text)")
+    parser.add_argument("--min-frequency", type=int, default=2, help="BPE min pair frequency")
+    parser.add_argument("--max-documents", type=int, help="train on at most this many documents")
+    parser.add_argument("--txt-split-lines", action="store_true",
+                        help="each non-empty line of a .txt input is a document (default: the "
+                             "whole file is one document)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+
+
+def run(args) -> int:
+    if args.train:
+        if not args.vocab_size:
+            raise UsageError("--train needs --vocab-size N (e.g. 32768)")
+        out = train_tokenizer(args.train, args.out, args.vocab_size, text_key=args.json_key,
+                              min_frequency=args.min_frequency, max_documents=args.max_documents,
+                              txt_split_lines=args.txt_split_lines, force=args.force)
+    else:
+        out = prepare_tokenizer(args.source, args.out, force=args.force)
+    meta = read_metadata(out)
+    print(f"tokenizer saved to {out}: vocab_size={meta['vocab_size']} bos={meta['bos_id']} "
+          f"eos={meta['eos_id']} pad={meta['pad_id']} mask={meta['mask_id']}")
+    return 0
