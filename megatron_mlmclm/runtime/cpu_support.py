@@ -49,6 +49,11 @@ PATCH_TARGETS = (
 # Megatron bugs fixed everywhere (not only on CPU).
 FIX_TARGETS = (
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.sharded_state_dict"),
+    ("megatron.core.optimizer.distrib_optimizer",
+     "DistributedOptimizer._init_optimizer_states_with_dummy_values"),
+    ("megatron.core.optimizer.distrib_optimizer",
+     "DistributedOptimizer._set_main_param_and_optimizer_states"),
     ("megatron.core.optimizer.distrib_optimizer", "HAVE_APEX_OR_TE"),
 )
 
@@ -185,4 +190,43 @@ def apply_megatron_fixes() -> None:
             return result
 
         dopt.DistributedOptimizer.load_state_dict = load_state_dict
+
+        # Loading into a fresh optimizer calls state_dict(), which without Apex/TE asserts that
+        # the (still empty) Adam state has exactly one `step`. Create the state first with a
+        # zero-gradient step at lr = wd = 0 (parameters unchanged); loading then overwrites it.
+        original_ssd = dopt.DistributedOptimizer.sharded_state_dict
+
+        @functools.wraps(original_ssd)
+        def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *a, **k):
+            if is_loading and len(self.optimizer.state) == 0:
+                saved = [(g["lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
+                for g in self.optimizer.param_groups:
+                    g["lr"], g["weight_decay"] = 0.0, 0.0
+                self._init_optimizer_states_with_dummy_values()
+                for g, (lr, wd) in zip(self.optimizer.param_groups, saved):
+                    g["lr"], g["weight_decay"] = lr, wd
+            return original_ssd(self, model_sharded_state_dict or {}, is_loading, *a, **k)
+
+        dopt.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+        # The fully_reshardable load path copies every Adam state tensor of a parameter from the
+        # checkpoint, `step` included, but the checkpoint (rightly) carries `step` only in the
+        # param groups: KeyError. Leave `step` out of the copy; load_state_dict has set it.
+        original_set = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+
+        @functools.wraps(original_set)
+        def set_states(self, model_param, tensors):
+            if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                return original_set(self, model_param, tensors)
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            step = state.pop("step", None)
+            try:
+                return original_set(self, model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        dopt.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     _fixes_applied = True

@@ -1,0 +1,45 @@
+"""Test helpers: launching `mlmclm pretrain` as a real (torchrun) job and reading its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def job_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share 2 cores
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def pretrain_cmd(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "megatron_mlmclm", "pretrain"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", "-m", "megatron_mlmclm", "pretrain"]
+
+
+def run_pretrain(config: Path, overrides: list[str], nproc: int = 1, check: bool = True,
+                 timeout: int = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(pretrain_cmd(nproc) + [str(config)] + overrides, env=job_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir)]
+
+
