@@ -1,0 +1,261 @@
+"""Readers: one per file format, each returning plain Python records for its family.
+
+- sc: [{"text_a", "text_b" (or None), "label": str}]
+- tc: [{"tokens": [str], "tags": [str]}]
+- qa: [{"id", "question", "context", "answers": {"text": [str], "answer_start": [int]}}]
+- ir: Beir(corpus {doc_id: text}, queries {qid: text}, qrels {qid: {doc_id: score}})
+
+`load_split(task, split, max_examples)` is the one entry point. It raises UsageError for a missing
+file, a missing column or an empty split, so `mlmclm evaluate` can check every task before the
+first run starts. A `max_examples` subset is a fixed random sample (seed 0, original order kept), the
+same for every run of the grid.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.tasks import Task
+
+
+def subsample(records: list, n: int | None) -> list:
+    if n is None or n <= 0 or len(records) <= n:
+        return records
+    keep = sorted(random.Random(0).sample(range(len(records)), n))
+    return [records[i] for i in keep]
+
+
+def _need(path: Path, task: Task) -> Path:
+    if not path.is_file():
+        raise UsageError(f"task '{task.name}': data file {path} not found "
+                         f"(set MLMCLM_DATA_DIR or fix `path`/`splits` of the task)")
+    return path
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8", newline="")
+
+
+# ---------------------------------------------------------------------------------------- sc
+
+def _sc_rows(task: Task, rows: list[dict], where: str) -> list[dict]:
+    if not rows:
+        return rows
+    for col in [task.text_a, task.label] + ([task.text_b] if task.text_b else []):
+        if col not in rows[0]:
+            raise UsageError(f"task '{task.name}': column '{col}' missing in {where} "
+                             f"(columns: {', '.join(map(str, rows[0]))})")
+    return [{"text_a": str(r[task.text_a]),
+             "text_b": str(r[task.text_b]) if task.text_b else None,
+             "label": str(r[task.label])} for r in rows]
+
+
+def read_glue_tsv(task: Task, path: Path) -> list[dict]:
+    with _open_text(_need(path, task)) as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    return _sc_rows(task, rows, str(path))
+
+
+def read_glue_json(task: Task, path: Path) -> list[dict]:
+    """A JSON object {"0": {...}, "1": ...}, a JSON list of objects, or JSON Lines."""
+    with _open_text(_need(path, task)) as f:
+        text = f.read()
+    try:
+        doc = json.loads(text)
+        rows = list(doc.values()) if isinstance(doc, dict) else list(doc)
+    except json.JSONDecodeError:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return _sc_rows(task, rows, str(path))
+
+
+# ---------------------------------------------------------------------------------------- tc
+
+def read_conll(task: Task, path: Path) -> list[dict]:
+    sentences, tokens, tags = [], [], []
+    with _open_text(_need(path, task)) as f:
+        for lineno, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts or parts[0] == "-DOCSTART-":
+                if tokens:
+                    sentences.append({"tokens": tokens, "tags": tags})
+                tokens, tags = [], []
+                continue
+            try:
+                tokens.append(parts[task.token_column])
+                tags.append(parts[task.tag_column])
+            except IndexError:
+                raise UsageError(f"task '{task.name}': {path}:{lineno} has {len(parts)} columns; "
+                                 f"token_column={task.token_column}, tag_column={task.tag_column}"
+                                 ) from None
+    if tokens:
+        sentences.append({"tokens": tokens, "tags": tags})
+    return sentences
+
+
+# ---------------------------------------------------------------------------------------- qa
+
+def read_squad(task: Task, path: Path) -> list[dict]:
+    with _open_text(_need(path, task)) as f:
+        doc = json.load(f)
+    if "data" not in doc:
+        raise UsageError(f"task '{task.name}': {path} is not SQuAD JSON (no 'data' key)")
+    out = []
+    for article in doc["data"]:
+        for para in article["paragraphs"]:
+            for qa in para["qas"]:
+                answers = [] if qa.get("is_impossible") else qa.get("answers", [])
+                out.append({"id": str(qa["id"]), "question": qa["question"], "context": para["context"],
+                            "answers": {"text": [a["text"] for a in answers],
+                                        "answer_start": [int(a["answer_start"]) for a in answers]}})
+    return out
+
+
+# ---------------------------------------------------------------------------------------- ir
+
+@dataclass
+class Beir:
+    corpus: dict[str, str]
+    queries: dict[str, str]
+    qrels: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(query text, relevant document text) for every positive judgement."""
+        return [(self.queries[q], self.corpus[d]) for q, docs in self.qrels.items()
+                for d, s in docs.items() if s > 0 and q in self.queries and d in self.corpus]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    with _open_text(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _beir_file(folder: Path, stem: str) -> Path | None:
+    for name in (f"{stem}.jsonl", f"{stem}.jsonl.gz"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def _in_holdout(qid: str, fraction: float) -> bool:
+    h = int(hashlib.md5(qid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return h < fraction
+
+
+_BEIR_CACHE: dict[str, tuple] = {}
+
+
+def _beir_base(task: Task) -> tuple[dict, dict]:
+    folder = task.folder()
+    key = str(folder)
+    if key not in _BEIR_CACHE:
+        corpus_f, queries_f = _beir_file(folder, "corpus"), _beir_file(folder, "queries")
+        if corpus_f is None or queries_f is None:
+            raise UsageError(f"task '{task.name}': {folder} needs corpus.jsonl[.gz] and queries.jsonl")
+        corpus = {}
+        for r in _read_jsonl(corpus_f):
+            title = (r.get("title") or "").strip()
+            corpus[str(r["_id"])] = f"{title} {r.get('text', '')}".strip() if title else r.get("text", "")
+        queries = {str(r["_id"]): r["text"] for r in _read_jsonl(queries_f)}
+        _BEIR_CACHE[key] = (corpus, queries)
+    return _BEIR_CACHE[key]
+
+
+def read_beir(task: Task, split: str) -> Beir:
+    corpus, queries = _beir_base(task)
+    qrels_f = _need(task.folder() / "qrels" / f"{task.splits[split]}.tsv", task)
+    qrels: dict[str, dict[str, int]] = {}
+    with open(qrels_f, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            parts = line.rstrip("\n").split("\t")
+            if i == 0 and not parts[-1].lstrip("-").isdigit():
+                continue  # header
+            if len(parts) < 3:
+                continue
+            qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+    frac = task.validation_holdout
+    if frac > 0 and task.splits["validation"] == task.splits["train"] and split in ("train", "validation"):
+        want = split == "validation"
+        qrels = {q: d for q, d in qrels.items() if _in_holdout(q, frac) == want}
+    return Beir(corpus=corpus, queries=queries, qrels=qrels)
+
+
+# ------------------------------------------------------------------------------------- hf hub
+
+def _read_hf(task: Task, split: str) -> list[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError(f"task '{task.name}' reads a Hugging Face dataset; "
+                         f"pip install datasets (and be online)") from None
+    try:
+        ds = datasets.load_dataset(task.hf_name, task.hf_config, split=task.splits[split])
+    except Exception as e:  # network, unknown name, unknown split
+        raise UsageError(f"task '{task.name}': cannot load {task.hf_name} split "
+                         f"{task.splits[split]}: {e}") from None
+    rows = list(ds)
+    if task.family == "sc":
+        feat = ds.features.get(task.label)
+        if hasattr(feat, "names"):
+            rows = [{**r, task.label: feat.names[r[task.label]]} for r in rows]
+        return _sc_rows(task, rows, f"{task.hf_name}:{split}")
+    if task.family == "tc":
+        feat = ds.features[task.tags_field].feature
+        names = getattr(feat, "names", None)
+        return [{"tokens": list(r[task.tokens_field]),
+                 "tags": [names[t] if names else str(t) for t in r[task.tags_field]]} for r in rows]
+    # qa: squad-style columns
+    return [{"id": str(r["id"]), "question": r["question"], "context": r["context"],
+             "answers": {"text": list(r["answers"]["text"]),
+                         "answer_start": list(r["answers"]["answer_start"])}} for r in rows]
+
+
+# ---------------------------------------------------------------------------------- dispatch
+
+_READERS = {"glue_tsv": read_glue_tsv, "glue_json": read_glue_json, "conll": read_conll,
+            "squad": read_squad}
+
+
+def load_split(task: Task, split: str, max_examples: int | None = None):
+    """Records of one split (see module docstring); UsageError when it is empty."""
+    if task.format == "beir":
+        data = read_beir(task, split)
+        if max_examples and split != "train":
+            keep = subsample(sorted(data.qrels), max_examples)
+            data.qrels = {q: data.qrels[q] for q in keep}
+        n = len(data.pairs()) if split == "train" else len(data.qrels)
+        if n == 0:
+            raise UsageError(f"task '{task.name}': split '{split}' has no judged queries")
+        return data
+    if task.format == "hf":
+        records = _read_hf(task, split)
+    else:
+        records = _READERS[task.format](task, task.file(split))
+    if not records:
+        raise UsageError(f"task '{task.name}': split '{split}' ({task.splits[split]}) is empty")
+    return subsample(records, max_examples)
+
+
+def label_list(task: Task, train_records: list[dict]) -> list[str]:
+    """Label vocabulary: the entry's `labels`, else sorted labels / tags seen in train."""
+    if task.family == "sc":
+        seen = sorted({r["label"] for r in train_records})
+        if task.labels:
+            extra = [x for x in seen if x not in task.labels]
+            if extra:
+                raise UsageError(f"task '{task.name}': train labels {extra} not in `labels`")
+            return list(task.labels)
+        return seen
+    if task.family == "tc":
+        tags = sorted({t for r in train_records for t in r["tags"]})
+        # "O" first so that index 0 is the outside tag.
+        return (["O"] if "O" in tags else []) + [t for t in tags if t != "O"]
+    return []

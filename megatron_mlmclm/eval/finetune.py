@@ -1,0 +1,283 @@
+"""One fine-tuning run: (model folder, task, learning rate, seed) -> result dict.
+
+The loop is shared by the four families; each family (megatron_mlmclm/eval/families/) supplies the
+model, the training items and their collate function, the loss and the evaluation (`Setup`).
+Protocol defaults (PAPER.md): batch 32, at most 1000 steps or one epoch, 10% warmup then linear
+decay, AdamW (0.9, 0.95, eps 1e-5), weight decay 0.1 (not on biases and norm weights), validation
+every 100 steps, bf16 autocast on GPU and fp32 on CPU, max length 0.99 x the model's positions.
+
+The test metric is computed once, on the final model; the validation curve (every `eval_every`
+steps and at the end) is kept in the result, and the final validation score is what the report
+uses to choose the learning rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_mlmclm.errors import UsageError
+
+RESULT_SCHEMA = 1
+
+
+@dataclass
+class RunConfig:
+    model: str
+    task: str
+    lr: float = 5e-5
+    seed: int = 0
+    model_name: Optional[str] = None  # label in results/report; default: the folder name
+    batch_size: int = 32
+    eval_batch_size: int = 64
+    max_steps: int = 1000
+    epochs: float = 1.0  # training stops at max_steps or after this many epochs, whichever is first
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-5
+    grad_clip: float = 1.0  # 0 disables
+    eval_every: int = 100
+    max_length: Optional[int] = None  # cap on the sequence length
+    max_length_ratio: float = 0.99  # of the model's max positions
+    max_train_examples: Optional[int] = None
+    max_eval_examples: Optional[int] = None
+    ir_mini_batch_size: int = 32  # CachedMNRL chunk size (memory only; the loss is the same)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    threads: Optional[int] = None  # torch CPU threads; None: leave torch's default
+    task_files: list[str] = field(default_factory=list)
+    progress: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.model_name or Path(self.model.rstrip("/")).name
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class Setup:
+    """What a family hands the shared loop."""
+
+    model: torch.nn.Module
+    train_items: list
+    collate: Callable[[list], Any]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module, str], dict]  # split name -> {metric: value}
+    info: dict = field(default_factory=dict)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def resolve_device(cfg: RunConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(cfg.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {cfg.device} asked for but CUDA is not available")
+    return dev
+
+
+def autocast_for(cfg: RunConfig, device: torch.device):
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    if bf16:
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def to_device(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and normalisation weights (1-D parameters)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"fused": True} if next(model.parameters()).is_cuda else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps, **kwargs)
+
+
+def linear_warmup_decay(optimizer, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(warmup, 1) if warmup else 1.0
+        return max(0.0, (total - step) / max(total - warmup, 1))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def num_steps(n_train: int, cfg: RunConfig) -> int:
+    per_epoch = math.ceil(n_train / cfg.batch_size)
+    return max(1, min(cfg.max_steps, math.ceil(per_epoch * cfg.epochs)))
+
+
+def batches(n: int, batch_size: int, steps: int, seed: int):
+    """`steps` index batches: seeded shuffles, epoch after epoch (the last batch of an epoch may be
+    short)."""
+    g = torch.Generator().manual_seed(seed)
+    done = 0
+    while done < steps:
+        perm = torch.randperm(n, generator=g).tolist()
+        for i in range(0, n, batch_size):
+            yield perm[i:i + batch_size]
+            done += 1
+            if done >= steps:
+                return
+
+
+def max_length_for(cfg: RunConfig) -> int:
+    from megatron_mlmclm.eval.heads import max_positions
+
+    length = int(cfg.max_length_ratio * max_positions(cfg.model))
+    if cfg.max_length:
+        length = min(length, cfg.max_length)
+    return max(length, 8)
+
+
+def build_setup(cfg: RunConfig, task, tokenizer, device) -> Setup:
+    from megatron_mlmclm.eval import families
+
+    return families.setup(task, tokenizer, cfg, max_length_for(cfg), device)
+
+
+def train(setup: Setup, cfg: RunConfig, device: torch.device, log=print) -> dict:
+    """The shared loop; returns steps, curve and timings."""
+    from tqdm.auto import tqdm
+
+    model = setup.model.to(device)
+    model.train()
+    steps = num_steps(len(setup.train_items), cfg)
+    optimizer = make_optimizer(model, cfg)
+    scheduler = linear_warmup_decay(optimizer, int(cfg.warmup_ratio * steps), steps)
+    autocast = autocast_for(cfg, device)
+    curve, losses, seen = [], [], 0
+    t0 = time.perf_counter()
+    eval_time = 0.0
+    bar = tqdm(total=steps, desc=f"{cfg.task} lr={cfg.lr:g} seed={cfg.seed}", disable=not cfg.progress,
+               leave=False)
+    for step, idx in enumerate(batches(len(setup.train_items), cfg.batch_size, steps, cfg.seed), 1):
+        batch = to_device(setup.collate([setup.train_items[i] for i in idx]), device)
+        with autocast():
+            loss = setup.loss(model, batch)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        seen += len(idx)
+        bar.update(1)
+        if step % cfg.eval_every == 0 or step == steps:
+            te = time.perf_counter()
+            model.eval()
+            with torch.no_grad(), autocast():
+                metrics = setup.evaluate(model, "validation")
+            model.train()
+            eval_time += time.perf_counter() - te
+            window = losses[-cfg.eval_every:]
+            curve.append({"step": step, "train_loss": sum(window) / len(window), **metrics})
+            bar.set_postfix(loss=f"{curve[-1]['train_loss']:.3f}")
+    bar.close()
+    total = time.perf_counter() - t0
+    return {"steps": steps, "examples_seen": seen, "validation_curve": curve,
+            "train_time_s": total - eval_time, "eval_time_s": eval_time,
+            "train_examples_per_s": seen / max(total - eval_time, 1e-9)}
+
+
+def run_finetune(cfg: RunConfig, log=print) -> dict:
+    """Fine-tune once and return the result dict (see docs/evaluate.md for its schema)."""
+    from megatron_mlmclm.eval.heads import load_tokenizer
+    from megatron_mlmclm.eval.tasks import get_task
+
+    t_start = time.perf_counter()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    task = get_task(cfg.task, cfg.task_files)
+    tokenizer = load_tokenizer(cfg.model)
+    device = resolve_device(cfg)
+    seed_everything(cfg.seed)
+    setup = build_setup(cfg, task, tokenizer, device)
+    out = train(setup, cfg, device, log=log)
+    model = setup.model
+    model.eval()
+    validation = {k: v for k, v in out["validation_curve"][-1].items() if k not in ("step", "train_loss")}
+    same_split = task.splits["test"] == task.splits["validation"] and task.validation_holdout == 0
+    if same_split:
+        test = dict(validation)
+    else:
+        with torch.no_grad(), autocast_for(cfg, device)():
+            test = setup.evaluate(model, "test")
+    import transformers
+
+    return {
+        "schema": RESULT_SCHEMA,
+        "status": "done",
+        "model": cfg.name,
+        "model_path": str(Path(cfg.model).resolve()),
+        "task": task.name,
+        "family": task.family,
+        "metric": task.metric,
+        "lr": cfg.lr,
+        "seed": cfg.seed,
+        "config": cfg.to_dict(),
+        "task_config": task.to_dict(),
+        "metrics": {"validation": validation, "test": test},
+        "validation_curve": out["validation_curve"],
+        "steps": out["steps"],
+        "train_examples": len(setup.train_items),
+        "examples_seen": out["examples_seen"],
+        "train_examples_per_s": out["train_examples_per_s"],
+        "train_time_s": out["train_time_s"],
+        "eval_time_s": out["eval_time_s"],
+        "wall_time_s": time.perf_counter() - t_start,
+        "device": str(device),
+        "precision": "bf16" if autocast_for(cfg, device) is not contextlib.nullcontext else "fp32",
+        "info": setup.info,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "host": platform.node(),
+        "pid": os.getpid(),
+    }
+
+
+def write_result(result: dict, path: Path) -> None:
+    """Atomic write: a crash never leaves a half-written result that would be skipped."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)

@@ -1,0 +1,123 @@
+"""The learning-rate x seed sweep: expand, check, skip what is done, run (in parallel processes or
+one SLURM array element), one result JSON per run.
+
+Layout: <out>/<model name>/<task>/lr<lr>_seed<seed>.json, written atomically when a run finishes,
+so an interrupted sweep resumes where it stopped. A run that raised leaves
+<...>.failed.json (traceback) and is retried next time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import traceback
+from pathlib import Path
+
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.finetune import RunConfig, run_finetune, write_result
+
+DEFAULT_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
+DEFAULT_SEEDS = (0, 1, 2, 3, 4)
+
+
+def expand(models: list[str], tasks: list[str], lrs, seeds, **overrides) -> list[RunConfig]:
+    """Grid order: model, task, lr, seed (stable, so an array index always names the same run)."""
+    return [RunConfig(model=m, task=t, lr=float(lr), seed=int(s), **overrides)
+            for m in models for t in tasks for lr in lrs for s in seeds]
+
+
+def result_path(out_dir: str | Path, cfg: RunConfig) -> Path:
+    return Path(out_dir) / cfg.name / cfg.task / f"lr{cfg.lr:g}_seed{cfg.seed}.json"
+
+
+def is_done(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("status") == "done"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def preflight(cfgs: list[RunConfig]) -> None:
+    """Every check that can fail on bad input, before the first run: task names, model folders,
+    tokenizers (present, with a pad token), data files, columns, non-empty splits."""
+    from megatron_mlmclm.eval.data import load_split
+    from megatron_mlmclm.eval.heads import load_tokenizer
+    from megatron_mlmclm.eval.tasks import get_task, load_registry
+
+    names = {}
+    for c in cfgs:
+        if names.setdefault(c.name, c.model) != c.model:
+            raise UsageError(f"two model folders share the name '{c.name}' "
+                             f"({names[c.name]}, {c.model}); rename one folder")
+    registry = load_registry(cfgs[0].task_files if cfgs else [])
+    for model in dict.fromkeys(c.model for c in cfgs):
+        load_tokenizer(model)
+    for name in dict.fromkeys(c.task for c in cfgs):
+        task = get_task(name, registry=registry)
+        limit = {"train": cfgs[0].max_train_examples}
+        for split in ("train", "validation", "test"):
+            load_split(task, split, limit.get(split, cfgs[0].max_eval_examples))
+
+
+def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
+    cfg = RunConfig(**cfg_dict)
+    failed = Path(path).with_suffix(".failed.json")
+    try:
+        result = run_finetune(cfg)
+    except Exception:  # keep the sweep going; the failure is recorded and retried next time
+        failed.parent.mkdir(parents=True, exist_ok=True)
+        failed.write_text(json.dumps({"status": "failed", "config": cfg_dict,
+                                      "traceback": traceback.format_exc()}, indent=1))
+        return path, traceback.format_exc(limit=3)
+    write_result(result, Path(path))
+    failed.unlink(missing_ok=True)
+    return path, None
+
+
+def run_grid(cfgs: list[RunConfig], out_dir: str | Path, workers: int = 1,
+             array_index: int | None = None, log=print) -> dict:
+    """Run the pending runs of the grid; returns {"ran", "skipped", "failed"} counts."""
+    from tqdm.auto import tqdm
+
+    if array_index is not None:
+        if not 0 <= array_index < len(cfgs):
+            raise UsageError(f"array index {array_index} outside the grid of {len(cfgs)} runs "
+                             f"(0..{len(cfgs) - 1})")
+        cfgs = [cfgs[array_index]]
+    preflight(cfgs)
+    todo = [(c, result_path(out_dir, c)) for c in cfgs if not is_done(result_path(out_dir, c))]
+    summary = {"total": len(cfgs), "skipped": len(cfgs) - len(todo), "ran": 0, "failed": 0}
+    log(f"evaluate: {len(cfgs)} runs, {summary['skipped']} already done, {len(todo)} to run "
+        f"with {workers} worker(s) -> {out_dir}")
+    if not todo:
+        return summary
+    workers = max(1, min(workers, len(todo)))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        todo = [(dataclasses.replace(c, progress=False, threads=c.threads or threads), p)
+                for c, p in todo]
+    bar = tqdm(total=len(todo), desc="runs", disable=len(todo) == 1)
+
+    def done(path, err):
+        bar.update(1)
+        if err:
+            summary["failed"] += 1
+            log(f"FAILED {path}:\n{err}")
+        else:
+            summary["ran"] += 1
+
+    if workers == 1:
+        for c, p in todo:
+            done(*_run_and_write(c.to_dict(), str(p)))
+    else:
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            futures = [pool.submit(_run_and_write, c.to_dict(), str(p)) for c, p in todo]
+            for f in cf.as_completed(futures):
+                done(*f.result())
+    bar.close()
+    return summary

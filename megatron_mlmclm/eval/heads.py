@@ -1,0 +1,213 @@
+"""Loading an encoder folder and putting a task head on it.
+
+Every model runs with bidirectional attention: `make_bidirectional` sets `config.is_causal=False`
+(the transformers masking utilities then build a bidirectional mask for Llama/Qwen3-style models)
+and clears `is_causal` on every attention module (SDPA would otherwise fall back to its causal
+kernel when the mask is elided). EuroBert is bidirectional already.
+
+Heads:
+- SC: `MeanPoolClassifier` (AutoModel + masked mean pooling + linear), the same for every
+  architecture. EuroBertForSequenceClassification has `classifier_pooling="mean"` and computes a
+  correct masked mean, but it adds a dense+GELU layer and only exists for EuroBert (Llama/Qwen3
+  classifiers pool the last token), so one small head of our own keeps the protocol identical
+  across architectures.
+- TC: AutoModelForTokenClassification where transformers has one, else `TokenTagger`.
+- QA: AutoModelForQuestionAnswering where transformers has one, else `SpanQAModel` (EuroBert has
+  none): a linear start/end head over AutoModel.
+Our heads save with `save_pretrained(dir)` (encoder files + head.safetensors + head_config.json)
+and load with `<Head>.from_pretrained(dir)`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from megatron_mlmclm.errors import UsageError
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise UsageError(f"model folder {model_dir} not found")
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"model folder {model_dir} has no config.json; pass an exported HF folder")
+    if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
+                                                  "tokenizer.model", "vocab.txt")):
+        raise UsageError(f"model folder {model_dir} has no tokenizer; save one there "
+                         f"(tokenizer.save_pretrained) or run `mlmclm tokenize`")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:
+        raise UsageError(f"cannot load the tokenizer of {model_dir}: {e}") from None
+    if tok.pad_token_id is None:
+        raise UsageError(f"the tokenizer in {model_dir} has no pad token; add one "
+                         f"(e.g. `mlmclm tokenize` adds bos/eos/pad/mask)")
+    if not getattr(tok, "is_fast", False):
+        raise UsageError(f"the tokenizer in {model_dir} is not a fast tokenizer; TC and QA need "
+                         f"offsets and word ids (save a tokenizer.json)")
+    return tok
+
+
+def make_bidirectional(model: nn.Module) -> nn.Module:
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    for cfg in configs.values():
+        try:
+            cfg.is_causal = False
+        except Exception:  # a frozen config attribute; the module flag below still applies
+            pass
+    for m in model.modules():
+        if hasattr(m, "is_causal") and isinstance(m.is_causal, bool):
+            m.is_causal = False
+    return model
+
+
+def max_positions(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 512
+
+
+def load_encoder(model_dir: str) -> nn.Module:
+    from transformers import AutoModel
+
+    return make_bidirectional(AutoModel.from_pretrained(model_dir))
+
+
+def _hidden_size(encoder: nn.Module) -> int:
+    cfg = encoder.config
+    return getattr(cfg, "hidden_size", None) or getattr(cfg, "d_model")
+
+
+def _masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+class _HeadModel(nn.Module):
+    """An AutoModel encoder plus a small head; saved as the encoder folder + head files."""
+
+    kind = ""
+
+    def __init__(self, encoder: nn.Module, **head_config):
+        super().__init__()
+        self.encoder = encoder
+        self.head_config = dict(head_config)
+        self.config = encoder.config
+
+    def _encode(self, input_ids, attention_mask):
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def save_pretrained(self, out_dir: str) -> None:
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.encoder.save_pretrained(out)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
+                 if not k.startswith("encoder.")}
+        save_file(state, str(out / "head.safetensors"))
+        (out / "head_config.json").write_text(json.dumps({"kind": self.kind, **self.head_config}))
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str):
+        from safetensors.torch import load_file
+
+        folder = Path(model_dir)
+        cfg = json.loads((folder / "head_config.json").read_text())
+        if cfg.pop("kind") != cls.kind:
+            raise UsageError(f"{model_dir} holds a different head than {cls.__name__}")
+        model = cls(load_encoder(model_dir), **cfg)
+        missing, unexpected = model.load_state_dict(load_file(str(folder / "head.safetensors")),
+                                                    strict=False)
+        bad = [k for k in missing if not k.startswith("encoder.")] + list(unexpected)
+        if bad:
+            raise UsageError(f"{model_dir}/head.safetensors does not match: {bad[:3]}")
+        return model
+
+
+class MeanPoolClassifier(_HeadModel):
+    kind = "mean_pool_classifier"
+
+    def __init__(self, encoder: nn.Module, num_labels: int):
+        super().__init__(encoder, num_labels=num_labels)
+        self.classifier = nn.Linear(_hidden_size(encoder), num_labels)
+
+    def forward(self, input_ids, attention_mask, labels=None, **_):
+        pooled = _masked_mean(self._encode(input_ids, attention_mask), attention_mask)
+        logits = self.classifier(pooled.to(self.classifier.weight.dtype))
+        loss = nn.functional.cross_entropy(logits.float(), labels) if labels is not None else None
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+class TokenTagger(_HeadModel):
+    kind = "token_tagger"
+
+    def __init__(self, encoder: nn.Module, num_labels: int):
+        super().__init__(encoder, num_labels=num_labels)
+        self.classifier = nn.Linear(_hidden_size(encoder), num_labels)
+
+    def forward(self, input_ids, attention_mask, labels=None, **_):
+        logits = self.classifier(self._encode(input_ids, attention_mask))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                               ignore_index=-100)
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+class SpanQAModel(_HeadModel):
+    kind = "span_qa"
+
+    def __init__(self, encoder: nn.Module):
+        super().__init__(encoder)
+        self.qa_outputs = nn.Linear(_hidden_size(encoder), 2)
+
+    def forward(self, input_ids, attention_mask, start_positions=None, end_positions=None, **_):
+        logits = self.qa_outputs(self._encode(input_ids, attention_mask)).float()
+        start, end = logits.unbind(-1)
+        mask = attention_mask == 0
+        start, end = start.masked_fill(mask, -1e4), end.masked_fill(mask, -1e4)
+        loss = None
+        if start_positions is not None:
+            loss = (nn.functional.cross_entropy(start, start_positions)
+                    + nn.functional.cross_entropy(end, end_positions)) / 2
+        return SimpleNamespace(loss=loss, start_logits=start, end_logits=end)
+
+
+def _auto_head(auto_cls, model_dir: str, **kwargs):
+    """transformers' own head for this architecture, or None when it has none."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir, **kwargs)
+    if type(cfg) not in auto_cls._model_mapping:
+        return None
+    return make_bidirectional(auto_cls.from_pretrained(model_dir, **kwargs))
+
+
+def build_model(family: str, model_dir: str, labels: list[str] | None = None) -> nn.Module:
+    """A fresh task model on the encoder in `model_dir` (random head; seed torch first)."""
+    from transformers import AutoModelForQuestionAnswering, AutoModelForTokenClassification
+
+    if family == "sc":
+        return MeanPoolClassifier(load_encoder(model_dir), num_labels=len(labels))
+    if family == "tc":
+        id2label = dict(enumerate(labels))
+        model = _auto_head(AutoModelForTokenClassification, model_dir, num_labels=len(labels),
+                           id2label=id2label, label2id={v: k for k, v in id2label.items()})
+        return model if model is not None else TokenTagger(load_encoder(model_dir), len(labels))
+    if family == "qa":
+        model = _auto_head(AutoModelForQuestionAnswering, model_dir)
+        return model if model is not None else SpanQAModel(load_encoder(model_dir))
+    raise ValueError(f"no head for family {family}")

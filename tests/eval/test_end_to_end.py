@@ -1,0 +1,53 @@
+"""Every family end to end through `mlmclm evaluate` (2 workers), skip/resume, one array element,
+and `mlmclm report` with its plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_mlmclm.cli import main
+
+TASKS = ["sst2", "mnli", "qqp", "conll2003", "squad", "scifact"]
+TINY = ["--max-steps", "3", "--batch-size", "8", "--eval-every", "2", "--max-train-examples", "48",
+        "--max-eval-examples", "16", "--max-length", "96", "--ir-mini-batch-size", "4",
+        "--threads", "1", "--no-progress"]
+
+
+def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys):
+    out = tmp_path / "results"
+    args = ["evaluate", "--model", tiny_model, "--task", *TASKS, "--lrs", "1e-3", "3e-4",
+            "--seeds", "0", "1", "--out", str(out), "--workers", "2", *TINY]
+    assert main(args) == 0
+    files = sorted(out.rglob("*.json"))
+    assert len(files) == len(TASKS) * 2 * 2
+    r = json.loads((out / "tiny-eurobert" / "squad" / "lr0.001_seed1.json").read_text())
+    for key in ("config", "metrics", "validation_curve", "wall_time_s", "train_examples_per_s",
+                "task_config", "versions"):
+        assert key in r
+    assert r["status"] == "done" and r["family"] == "qa" and r["config"]["lr"] == 1e-3
+    assert r["steps"] == 3 and [p["step"] for p in r["validation_curve"]] == [2, 3]
+    assert set(r["metrics"]["test"]) == {"exact_match", "f1"}
+    ir = json.loads((out / "tiny-eurobert" / "scifact" / "lr0.001_seed0.json").read_text())
+    assert 0 <= ir["metrics"]["test"]["ndcg@10"] <= 1 and "recall@100" in ir["metrics"]["validation"]
+
+    capsys.readouterr()
+    assert main(args) == 0  # resume: nothing left to run
+    assert "ran 0, skipped 24" in capsys.readouterr().out
+
+    # one SLURM array element of a larger grid
+    assert main(["evaluate", "--model", tiny_model, "--task", "sst2", "--lrs", "1e-3", "3e-4",
+                 "--seeds", "0", "1", "2", "--out", str(out), "--array-index", "2", *TINY]) == 0
+    assert "ran 1, skipped 0" in capsys.readouterr().out
+    assert (out / "tiny-eurobert" / "sst2" / "lr0.001_seed2.json").is_file()
+
+    rep = tmp_path / "report"
+    assert main(["report", str(out), "--out", str(rep)]) == 0
+    md = (rep / "report.md").read_text()
+    assert "## Family averages" in md and "scifact" in md and "stability" in md.lower()
+    for name in ("per_task.csv", "per_family.csv", "stability.csv", "lr_curves.csv",
+                 "plots/families.png", "plots/lr_sst2.png", "plots/lr_squad.png"):
+        assert (rep / name).stat().st_size > 0, name
+    assert (rep / "plots" / "families.png").read_bytes()[:4] == b"\x89PNG"
+    per_family = (rep / "per_family.csv").read_text().splitlines()
+    assert len(per_family) == 1 + 4  # header + sc, tc, qa, ir

@@ -1,0 +1,37 @@
+"""QA windows (doc stride) put the answer where it is, and v2 null-score handling."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_mlmclm.eval.families.qa import encode_eval, encode_train, postprocess
+from megatron_mlmclm.eval.heads import load_tokenizer
+
+CONTEXT = " ".join(f"w{i}" for i in range(60)) + " the answer is Paris France today ."
+RECORD = {"id": "q1", "question": "where is it ?", "context": CONTEXT,
+          "answers": {"text": ["Paris France"], "answer_start": [CONTEXT.index("Paris")]}}
+
+
+def test_doc_stride_windows_label_the_answer(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    feats = encode_train([RECORD], tok, max_length=32, stride=8)
+    assert len(feats) > 2  # long context -> several windows
+    hits = [f for f in feats if f["start_positions"] > 0]
+    assert hits and all(f["start_positions"] == 0 for f in feats if f not in hits)
+    for f in hits:
+        span = f["input_ids"][f["start_positions"]:f["end_positions"] + 1]
+        assert tok.decode(span) == "Paris France"
+
+    evals = encode_eval([RECORD], tok, max_length=32, stride=8)
+    f = next(i for i, e in enumerate(evals) if any(o and CONTEXT[o[0]:o[1]] == "Paris" for o in e["offsets"]))
+    s = next(i for i, o in enumerate(evals[f]["offsets"]) if o and CONTEXT[o[0]:o[1]] == "Paris")
+    starts = [torch.zeros(len(e["input_ids"])) for e in evals]
+    ends = [torch.zeros(len(e["input_ids"])) for e in evals]
+    starts[f][s], ends[f][s + 1] = 5.0, 5.0
+    assert postprocess([RECORD], evals, starts, ends, 1, 30, 0.0) == {"q1": "Paris France"}
+    # v2: the null score (position 0; the lowest over the windows, as in HF run_qa) above the
+    # best span -> no answer
+    for st, en in zip(starts, ends):
+        st[0], en[0] = 6.0, 6.0
+    assert postprocess([RECORD], evals, starts, ends, 2, 30, 0.0) == {"q1": ""}
+    assert postprocess([RECORD], evals, starts, ends, 2, 30, 5.0) == {"q1": "Paris France"}
