@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
+import warnings
 
 from megatron_mlmclm.errors import EXIT_USAGE, UsageError
 
@@ -44,7 +46,14 @@ def _top_help(commands) -> str:
     return "\n".join(lines)
 
 
+def quiet_optional_dependency_warnings() -> None:
+    """megatron-core warns at import about every absent Apex/TE fallback; we say it once."""
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"megatron\.core")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_optional_dependency_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = available_commands()
     if not argv or argv[0] in ("-h", "--help"):
@@ -63,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv[1:])
         rc = module.run(args)
     except UsageError as e:
-        print(f"mlmclm {name}: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank
+            print(f"mlmclm {name}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"mlmclm {name}: interrupted", file=sys.stderr)

@@ -220,16 +220,30 @@ class Trainer:
         totals = self.run_schedule(batches, forward_only=False)
         loss_sum, tokens, correct = totals.tolist()
         loss = loss_sum / max(tokens, 1)
-        if not math.isfinite(loss):
+        # Stop before a non-finite loss or gradient can reach the weights or a checkpoint.
+        bad = None if math.isfinite(loss) else f"loss is {loss}"
+        if bad is None and not self.gradients_finite():
+            bad = "a gradient is not finite"
+        if bad is not None:
             raise TrainingDiverged(
-                f"loss is {loss} at step {self.step + 1} ({phase.objective}); stopping without "
-                f"saving. The last good checkpoint in {self.cfg.checkpoint.dir} is intact: lower "
+                f"{bad} at step {self.step + 1} ({phase.objective}); stopping without saving. "
+                f"The last good checkpoint in {self.cfg.checkpoint.dir} is intact: lower "
                 "train.lr or raise train.warmup_steps and resume")
         self.scheduler.step(1)  # the LR of step k is the schedule's value at k + 1
         ok, grad_norm, _ = self.optimizer.step()
         return {"loss": loss, "accuracy": correct / max(tokens, 1), "tokens": tokens,
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "lr": self.optimizer.param_groups[0]["lr"], "skipped": not ok}
+
+    def gradients_finite(self) -> bool:
+        """All-reduced check of the reduced gradient buffers (cheap: one pass, no copies)."""
+        bad = torch.zeros(1, device=rt.device())
+        for m in self.model:
+            for buf in m.buffers + m.expert_parallel_buffers:
+                if not torch.isfinite(buf.grad_data).all():
+                    bad += 1
+        dist.all_reduce(bad)
+        return bad.item() == 0
 
     @torch.no_grad()
     def evaluate(self, phase) -> Optional[float]:
@@ -258,7 +272,19 @@ class Trainer:
 
             bar = tqdm(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
                        dynamic_ncols=True, file=sys.stderr)
+        try:
+            return self._train_loop(bar, tokens_per_step, peak, world)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _train_loop(self, bar, tokens_per_step, peak, world) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
         last = {}
+        if self.step == 0 and self.valid_ds is not None:  # the curve's starting point
+            _, first = phase_at(cfg.phases, 0)
+            self.record({"step": 0, "objective": first.objective,
+                         "val_loss": self.evaluate(first)}, None)
         while self.step < t.steps:
             phase_index, phase = phase_at(cfg.phases, self.step)
             start = time.perf_counter()
@@ -283,8 +309,6 @@ class Trainer:
             interval = cfg.checkpoint.save_interval
             if interval and self.step % interval == 0 or self.step == t.steps:
                 self.save()
-        if bar is not None:
-            bar.close()
         return last
 
     def save(self) -> None:
@@ -302,6 +326,10 @@ class Trainer:
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(stats) + "\n")
             self.metrics_file.flush()
+        if "loss" not in stats:  # a validation-only record (step 0)
+            if self.writer is not None:
+                self.writer.add_scalar(f"val/{obj}_loss", stats["val_loss"], stats["step"])
+            return
         if self.writer is not None:
             s = stats["step"]
             self.writer.add_scalar(f"train/{obj}_loss", stats["loss"], s)
