@@ -1,0 +1,238 @@
+"""Shared plumbing of the converters: reading global tensors, the in-process TP1 model, output folders.
+
+Megatron's dist checkpoints store *global* tensors (layers stacked on dim 0 under one key, e.g.
+``decoder.layers.self_attention.linear_qkv.weight`` of shape [L, qkv, h]), whatever TP/PP layout
+wrote them. The exporter reads those directly with torch.distributed.checkpoint (no process groups),
+so it never depends on the saved layout. The in-process model used for verification and import is
+the trainer's EncoderLM built at TP1/PP1 on a gloo world of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from megatron_mlmclm.errors import UsageError
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints on disk
+
+
+def resolve_source_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder, or a run's checkpoints folder, checked to be complete."""
+    from megatron_mlmclm.training.checkpoint import resolve_checkpoint
+
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"checkpoint {p} does not exist; give a run's checkpoints folder or one "
+                         "iter_NNNNNNN folder")
+    ckpt = resolve_checkpoint(p)
+    for name in ("metadata.json", "common.pt"):
+        if not (ckpt / name).is_file():
+            raise UsageError(f"checkpoint {ckpt} is incomplete (no {name}); use a complete "
+                             "iter_NNNNNNN folder")
+    if not any(ckpt.glob("*.distcp")):
+        raise UsageError(f"checkpoint {ckpt} is incomplete (no .distcp shard files)")
+    return ckpt
+
+
+def read_common(ckpt: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint (common.pt), one clear line if unreadable."""
+    from megatron_mlmclm.training.checkpoint import read_trainer_state
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            common = read_trainer_state(ckpt)
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(f"cannot read {ckpt / 'common.pt'}: {type(e).__name__}: "
+                         f"{_first_line(e)}") from None
+    if "config" not in common["trainer"]:
+        raise UsageError(f"{ckpt} has no run config in its trainer state; it was not written by "
+                         "mlmclm pretrain or convert")
+    return common["trainer"]
+
+
+def read_global_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a dist checkpoint as a global float32 tensor (any TP/PP layout)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        meta = FileSystemReader(str(ckpt)).read_metadata()
+        state = {k: torch.empty(v.size, dtype=v.properties.dtype)
+                 for k, v in meta.state_dict_metadata.items()
+                 if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.")
+                 and "_extra_state" not in k and not k.startswith("rng_state")}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
+    except (Exception, dcp.api.CheckpointException) as e:  # truncated/missing shards, bad metadata
+        raise UsageError(f"cannot read checkpoint {ckpt} (partial or corrupt?): "
+                         f"{type(e).__name__}: {_first_line(e)}") from None
+    out = {k: v.float() for k, v in state.items()}
+    for k, v in out.items():
+        if not torch.isfinite(v).all():
+            raise UsageError(f"checkpoint {ckpt} holds non-finite values in {k}; refusing to export")
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+# --------------------------------------------------------------------------------------------------
+# Run configs
+
+
+def run_config_from_dict(raw: dict[str, Any], mock: bool = True):
+    """RunConfig from a trainer-state dict, for an in-process TP1/PP1 float32 model."""
+    from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict
+
+    raw = copy.deepcopy(raw)
+    raw["parallel"] = {}
+    for ph in raw.get("phases") or []:  # saved configs hold resolved steps next to the shares
+        if isinstance(ph, dict) and ph.get("steps") is not None:
+            ph["share"] = None
+    raw.setdefault("train", {}).update(precision="fp32", fp8=None, recompute=None)
+    raw.setdefault("data", {})["mock"] = mock
+    raw.setdefault("checkpoint", {})["dir"] = None
+    cfg = from_dict(RunConfig, raw, prefix="")
+    return finalize_run_config(cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# The in-process model
+
+
+def init_single_process(seed: int = 1234) -> None:
+    from megatron.core import parallel_state
+
+    from megatron_mlmclm.runtime.distributed import init_distributed
+
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if (tp, pp) != (1, 1):
+            raise UsageError(f"convert runs at TP1/PP1 in one process, but this process already "
+                             f"has TP{tp}/PP{pp}; run it without torchrun")
+    init_distributed(1, 1, None, seed)
+
+
+def build_encoder(cfg, vocab_size: int, seed: int = 1234):
+    """The trainer's EncoderLM at TP1/PP1, float32, eval mode."""
+    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
+
+    init_single_process(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model_chunk(cfg, transformer_config(cfg), vocab_size, True, True)
+    return model.eval()
+
+
+def _local_to_global(model) -> dict[str, tuple[str, Optional[int]]]:
+    """state_dict name -> (dist-checkpoint key, layer index or None) of a TP1/PP1 model."""
+    out = {}
+    for name, sh in model.sharded_state_dict().items():
+        key = getattr(sh, "key", None)
+        if key is None or name.endswith("_extra_state") or not hasattr(sh, "data"):
+            continue
+        m = _LAYER.match(name)
+        out[name] = (key, int(m.group(1)) if m else None)
+    return out
+
+
+def model_global_tensors(model) -> dict[str, torch.Tensor]:
+    """Global tensors (dist-checkpoint keys, layers stacked) of a TP1/PP1 model."""
+    state = model.state_dict()
+    stacked: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for name, (key, layer) in _local_to_global(model).items():
+        t = state[name].detach().float().cpu()
+        if layer is None:
+            out[key] = t.clone()
+        else:
+            stacked.setdefault(key, {})[layer] = t
+    for key, layers in stacked.items():
+        out[key] = torch.stack([layers[i] for i in range(len(layers))])
+    return out
+
+
+def load_global_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy global tensors into a TP1/PP1 model; every model tensor must be given, no extras."""
+    mapping = _local_to_global(model)
+    wanted = {key for key, _ in mapping.values()}
+    missing, extra = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
+    if missing or extra:
+        raise UsageError(f"weights do not match the model: missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}")
+    state = model.state_dict()
+    new = {}
+    for name, (key, layer) in mapping.items():
+        src = tensors[key] if layer is None else tensors[key][layer]
+        if tuple(src.shape) != tuple(state[name].shape):
+            raise UsageError(f"weight {key} has shape {tuple(src.shape)}, the model expects "
+                             f"{tuple(state[name].shape)}")
+        new[name] = src.to(dtype=state[name].dtype, device=state[name].device)
+    model.load_state_dict(new, strict=False)
+
+
+def megatron_logits(model, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[b, s] tokens -> [b, s, padded vocab] float32 logits, bidirectional or causal."""
+    from megatron_mlmclm.model.attention import document_attention_mask
+
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    b, s = tokens.shape
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    mask = document_attention_mask(torch.zeros(b, s, dtype=torch.long, device=device), causal)
+    with torch.no_grad():
+        logits = model(tokens, positions, mask)
+    return logits.float().cpu()
+
+
+# --------------------------------------------------------------------------------------------------
+# Output folders: written under a temporary name, renamed when complete and verified
+
+
+def check_output(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise UsageError(f"output {out} exists; choose another path or pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output {out} exists and is not a folder; remove it or choose another path")
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces `out` (atomically renamed)."""
+    check_output(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,226 @@
+"""megatron checkpoint (any TP/PP layout) -> Hugging Face folder, verified before it is kept.
+
+`to_hf(CKPT, OUT)` reads the checkpoint's global tensors (layout-independent), maps them with the
+family table of `mapping.py`, writes ``model.safetensors`` + ``config.json`` + the tokenizer (with
+its mask token) into a temporary sibling of OUT, reloads that folder with plain transformers (no
+remote code) and compares its logits with the trainer's EncoderLM loaded from the checkpoint at TP1.
+Only then is the folder renamed to OUT.
+
+Architectures (``arch``):
+  eurobert  EuroBertForMaskedLM (native in transformers 5): AutoModel, AutoModelForMaskedLM,
+            AutoModelForSequenceClassification and AutoModelForTokenClassification all load it;
+            attention is bidirectional.
+  llama     LlamaConfig with ``is_causal: false`` (bidirectional), LlamaForCausalLM weights
+            (the lm_head gives MLM logits); for weights that came from a Llama-family model.
+  qwen3     Qwen3Config with ``is_causal: false``; needs qk-norm.
+The default is the family recorded when the weights were imported (``convert from-hf``), followed
+through ``train.init_from`` of continued runs, else eurobert (qwen3 when the model has qk-norm).
+``causal_lm=True`` writes a causal LlamaForCausalLM (Qwen3ForCausalLM with qk-norm) for generation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_mlmclm.convert import common, mapping
+from megatron_mlmclm.convert.verify import Verification
+from megatron_mlmclm.errors import UsageError
+
+ARCHS = ("eurobert", "llama", "qwen3")
+SOURCE_FILE = "mlmclm_source.json"  # sidecar written by from-hf next to the checkpoints folder
+EXPORT_FILE = "mlmclm_export.json"  # provenance written into every export
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    arch: str
+    causal_lm: bool
+    vocab_size: int
+    checkpoint: Path
+    verification: Verification
+
+
+def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> Optional[dict[str, Any]]:
+    """The HF source record of a checkpoint: its own, else that of its train.init_from chain."""
+    from megatron_mlmclm.training.checkpoint import resolve_checkpoint
+
+    seen = set()
+    for _ in range(hops):
+        if trainer.get("source"):
+            return trainer["source"]
+        for sidecar in (ckpt.parent.parent / SOURCE_FILE, ckpt.parent / SOURCE_FILE):
+            if sidecar.is_file():
+                return json.loads(sidecar.read_text())
+        init = (trainer.get("config") or {}).get("train", {}).get("init_from")
+        if not init or init in seen:
+            return None
+        seen.add(init)
+        try:
+            ckpt = resolve_checkpoint(init)
+            trainer = common.read_common(ckpt)
+        except (UsageError, OSError):
+            return None
+    return None
+
+
+def resolve_arch(arch: Optional[str], causal_lm: bool, qk_norm: bool,
+                 source: Optional[dict[str, Any]]) -> str:
+    if arch is None:
+        family = (source or {}).get("family")
+        arch = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}.get(family)
+        if arch is None:
+            arch = "qwen3" if qk_norm else ("llama" if causal_lm else "eurobert")
+    if arch not in ARCHS:
+        raise UsageError(f"--arch {arch} is unknown; choose one of {', '.join(ARCHS)}")
+    if causal_lm and arch == "eurobert":
+        raise UsageError("--causal-lm writes a decoder; use --arch llama (or qwen3 with qk-norm)")
+    if qk_norm and arch != "qwen3":
+        raise UsageError(f"this checkpoint has qk-norm (model.qk_layernorm=true), which {arch} "
+                         "lacks; export with --arch qwen3")
+    if arch == "qwen3" and not qk_norm:
+        raise UsageError("--arch qwen3 needs qk-norm, which this checkpoint lacks; use --arch "
+                         "eurobert or llama")
+    return arch
+
+
+def hf_config(arch: str, m, vocab_size: int, ids: dict[str, Optional[int]], causal_lm: bool,
+              max_positions: int, clf_pooling: str):
+    """The transformers config object for `arch` from a ModelConfig (CONFIG_FIELDS, reversed)."""
+    import transformers
+
+    kw: dict[str, Any] = {hf: getattr(m, ours) for hf, ours in mapping.CONFIG_FIELDS}
+    kw.update(
+        vocab_size=vocab_size,
+        # megatron builds RoPE from int(rotary_base); the export must use the same frequencies.
+        rope_parameters={"rope_type": "default", "rope_theta": float(int(m.rotary_base))},
+        max_position_embeddings=max_positions,
+        hidden_act="silu",
+        attention_bias=False,
+        bos_token_id=ids.get("bos_id"),
+        eos_token_id=ids.get("eos_id"),
+        pad_token_id=ids.get("pad_id"),
+    )
+    if arch == "eurobert":
+        return transformers.EuroBertConfig(**kw, mlp_bias=False, mask_token_id=ids["mask_id"],
+                                           classifier_pooling=clf_pooling,
+                                           architectures=["EuroBertForMaskedLM"])
+    if arch == "llama":
+        head = "LlamaForCausalLM"
+        cfg = transformers.LlamaConfig(**kw, mlp_bias=False, architectures=[head])
+    else:
+        head = "Qwen3ForCausalLM"
+        cfg = transformers.Qwen3Config(**kw, use_sliding_window=False, sliding_window=None,
+                                       architectures=[head])
+    cfg.is_causal = bool(causal_lm)
+    if ids.get("mask_id") is not None:
+        cfg.mask_token_id = ids["mask_id"]
+    return cfg
+
+
+def auto_class(arch: str) -> str:
+    return "AutoModelForMaskedLM" if arch == "eurobert" else "AutoModelForCausalLM"
+
+
+def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
+          tokenizer: Optional[str] = None, force: bool = False, clf_pooling: str = "late",
+          verbose: bool = True) -> ExportResult:
+    """Export a megatron checkpoint to a verified Hugging Face folder at `out`."""
+    from megatron_mlmclm.data.tokenizer import load_tokenizer, special_token_ids
+    from megatron_mlmclm.model.build import padded_vocab_size
+
+    out = Path(out).absolute()
+    common.check_output(out, force)
+    if clf_pooling not in ("late", "mean", "bos"):
+        raise UsageError(f"--clf-pooling {clf_pooling} must be late, mean or bos")
+    ckpt = common.resolve_source_checkpoint(checkpoint)
+    trainer = common.read_common(ckpt)
+    cfg = common.run_config_from_dict(trainer["config"])
+    m = cfg.model
+
+    tok_dir = tokenizer or cfg.data.tokenizer
+    if tok_dir is None:
+        raise UsageError(f"checkpoint {ckpt} was trained without a tokenizer (mock data); pass "
+                         "--tokenizer DIR (a folder written by `mlmclm tokenize`)")
+    tok = load_tokenizer(tok_dir)
+    vocab = trained_vocab_size(cfg, tok, verbose)
+    if len(tok) > vocab:
+        raise UsageError(f"tokenizer {tok_dir} has {len(tok)} tokens but the model's vocabulary "
+                         f"is {vocab}; pass the tokenizer the checkpoint was trained with")
+    ids = special_token_ids(tok)
+
+    source = find_source(ckpt, trainer)
+    arch = resolve_arch(arch, causal_lm, m.qk_layernorm, source)
+    family = arch
+    tensors = common.read_global_tensors(ckpt)
+    emb = tensors.get("embedding.word_embeddings.weight")
+    padded = padded_vocab_size(vocab, 1)
+    if emb is None or emb.shape[0] < vocab:
+        raise UsageError(f"checkpoint {ckpt} does not match its config: embedding "
+                         f"{None if emb is None else tuple(emb.shape)} for a vocabulary of {vocab}")
+    dims = mapping.Dims(num_layers=m.num_layers, num_heads=m.num_attention_heads,
+                        num_groups=m.num_query_groups, head_dim=m.kv_channels, vocab_size=vocab,
+                        padded_vocab_size=max(padded, emb.shape[0]), tied=m.tie_embeddings,
+                        qk_norm=m.qk_layernorm)
+    state = mapping.megatron_to_hf(tensors, family, dims)
+    max_pos = int((source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length)
+    hf_cfg = hf_config(arch, m, vocab, ids, causal_lm, max_pos, clf_pooling)
+    if verbose:
+        if arch != "eurobert" and arch == resolve_arch(None, causal_lm, m.qk_layernorm, source) \
+                and not causal_lm:
+            print(f"note: exporting as {arch} (the source family, is_causal=false); "
+                  "--arch eurobert gives the EuroBERT classes (AutoModelForMaskedLM)")
+        if not causal_lm and cfg.phases and cfg.phases[-1].objective == "clm":
+            print("note: the last phase of this run was CLM; --causal-lm exports it for generation")
+
+    with common.staged_output(out, force) as tmp:
+        from safetensors.torch import save_file
+
+        hf_cfg.save_pretrained(str(tmp))
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(str(tmp))
+        ver = _verify(ckpt, cfg, vocab, tmp, arch, causal_lm)
+        (tmp / EXPORT_FILE).write_text(json.dumps({
+            "checkpoint": str(ckpt), "iteration": trainer.get("iteration"), "arch": arch,
+            "causal_lm": causal_lm, "saved_layout": trainer.get("layout"),
+            "source": source, "verification": ver.__dict__,
+        }, indent=2, default=str) + "\n")
+    result = ExportResult(out, arch, causal_lm, vocab, ckpt, ver)
+    if verbose:
+        kind = "causal LM" if causal_lm else "bidirectional encoder"
+        print(f"{result.verification.line()}")
+        print(f"exported {ckpt} (saved at {_layout_text(trainer.get('layout'))}) to {out}: "
+              f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers")
+    return result
+
+
+def trained_vocab_size(cfg, tok, verbose: bool) -> int:
+    """The (unpadded) vocabulary the run trained with, as the trainer derived it."""
+    from megatron_mlmclm.training.trainer import token_spec_and_vocab
+
+    try:
+        return token_spec_and_vocab(cfg).vocab_size
+    except UsageError:  # the run's tokenizer folder is gone: trust the one given
+        if verbose:
+            print(f"note: the run's tokenizer {cfg.data.tokenizer} is not readable; taking the "
+                  f"vocabulary size ({len(tok)}) from --tokenizer")
+        return cfg.model.vocab_size or len(tok)
+
+
+def _verify(ckpt: Path, cfg, vocab: int, folder: Path, arch: str, causal_lm: bool) -> Verification:
+    from megatron_mlmclm.convert.verify import (SEQ, load_hf, megatron_from_checkpoint,
+                                                verify_pair)
+
+    megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
+    hf_model = load_hf(folder, auto_class(arch))
+    return verify_pair(megatron_model, hf_model, vocab, causal=causal_lm,
+                       seq=min(SEQ, cfg.model.seq_length), against=type(hf_model).__name__)
+
+
+def _layout_text(layout: Optional[dict]) -> str:
+    if not layout:
+        return "unknown layout"
+    return f"TP{layout.get('tp', 1)}/PP{layout.get('pp', 1)}/DP{layout.get('dp', 1)}"

@@ -1,0 +1,265 @@
+"""Hugging Face decoder (Llama family, Qwen3) or EuroBERT -> megatron checkpoint for continued MLM.
+
+`from_hf(HF_DIR, OUT)` writes, under a temporary sibling of OUT renamed only after verification:
+
+    OUT/checkpoints/iter_0000000/   megatron dist checkpoint (TP1/PP1 save, reshardable), whose
+                                    trainer state holds the run config (explicit model fields) and
+                                    the source record (family, HF config)
+    OUT/tokenizer/                  the source tokenizer with bos/eos/pad/mask guaranteed
+    OUT/config.yaml                 a ready run config: MLM at 40% masking, train.init_from set
+    OUT/mlmclm_source.json          the source record (read by `convert to-hf` for the default arch)
+
+Continue with ``mlmclm pretrain OUT/config.yaml data.train=[PREFIX]``. Supported: Llama 3.x with the
+default RoPE, SmolLM2-style tied embeddings, Mistral without sliding window, Qwen3 (qk-norm),
+EuroBERT and our own exports (``is_causal: false``). Refused with one line: other architectures,
+MoE, sliding window, attention/MLP biases, RoPE scaling, non-SiLU MLPs, a tokenizer larger than the
+model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_mlmclm.convert import common, mapping
+from megatron_mlmclm.convert.verify import Verification
+from megatron_mlmclm.errors import UsageError
+
+FAMILIES = ("llama", "mistral", "qwen3", "eurobert")
+MAX_SEQ_LENGTH = 2048  # default training length of the continued run (the weights do not care)
+
+
+@dataclass
+class ImportResult:
+    path: Path
+    checkpoint: Path
+    family: str
+    vocab_size: int
+    vocab_grew: bool
+    verification: Verification
+
+
+def read_hf_config(hf_dir: Path):
+    if not hf_dir.is_dir() or not (hf_dir / "config.json").is_file():
+        raise UsageError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
+    try:
+        raw = json.loads((hf_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{hf_dir / 'config.json'} is not valid JSON: {e}") from None
+    model_type = raw.get("model_type")
+    if _is_moe(raw):
+        raise UsageError(f"{hf_dir} is a mixture-of-experts model ({model_type}); MoE is not "
+                         f"supported (supported: {', '.join(FAMILIES)})")
+    if model_type not in FAMILIES:
+        raise UsageError(f"unknown architecture '{model_type}' in {hf_dir}; supported: "
+                         f"{', '.join(FAMILIES)}")
+    from transformers import AutoConfig
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except Exception as e:
+        raise UsageError(f"cannot read the config of {hf_dir}: {common._first_line(e)}") from None
+    return cfg
+
+
+def _is_moe(raw: dict[str, Any]) -> bool:
+    if "moe" in str(raw.get("model_type", "")) or raw.get("model_type") in ("mixtral", "dbrx"):
+        return True
+    return any((raw.get(k) or 0) > 1 for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def check_supported(cfg, hf_dir: Path) -> None:
+    """One line for the first feature this converter cannot carry over exactly."""
+    mt = cfg.model_type
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        raise UsageError(f"{hf_dir} uses attention or MLP biases, which our architecture lacks "
+                         "(no biases); not supported")
+    window = getattr(cfg, "sliding_window", None)
+    if mt == "mistral" and window is not None:
+        raise UsageError(f"{hf_dir} uses sliding-window attention (sliding_window={window}); "
+                         "only Mistral-style models without sliding window are supported")
+    if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (
+            getattr(cfg, "layer_types", None) or []):
+        raise UsageError(f"{hf_dir} uses sliding-window attention; not supported")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise UsageError(f"{hf_dir} uses hidden_act={act}; only SwiGLU (silu) MLPs are supported")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise UsageError(f"{hf_dir} uses RoPE scaling ({rope.get('rope_type')}), which our model "
+                         "does not implement; only the default RoPE is supported")
+    theta = rope_theta(cfg)
+    if float(theta) != int(theta):
+        raise UsageError(f"{hf_dir} has rope theta {theta}; megatron takes an integer rotary base")
+    if getattr(cfg, "head_dim", None) is None:
+        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+
+
+def rope_theta(cfg) -> float:
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", None))
+    return float(theta if theta is not None else 10000.0)
+
+
+def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF folder (safetensors, sharded or not; else pytorch_model*.bin)."""
+    files = sorted(hf_dir.glob("*.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    try:
+        if files:
+            from safetensors.torch import load_file
+
+            for f in files:
+                state.update(load_file(str(f)))
+        else:
+            bins = sorted(hf_dir.glob("pytorch_model*.bin"))
+            if not bins:
+                raise UsageError(f"{hf_dir} has no weights (*.safetensors or pytorch_model*.bin)")
+            for f in bins:
+                state.update(torch.load(str(f), map_location="cpu", weights_only=True))
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(f"cannot read the weights in {hf_dir} (corrupt or partial?): "
+                         f"{common._first_line(e)}") from None
+    # A bare model (AutoModel.save_pretrained) has no "model." prefix.
+    if not any(k.startswith("model.") for k in state):
+        state = {("model." + k if k != "lm_head.weight" else k): v for k, v in state.items()}
+    return {k: v.float() for k, v in state.items()}
+
+
+def model_fields(cfg, vocab_size: int) -> dict[str, Any]:
+    fields = {ours: getattr(cfg, hf) for hf, ours in mapping.CONFIG_FIELDS}
+    fields.update(preset=None, vocab_size=vocab_size, rotary_base=float(int(rope_theta(cfg))),
+                  seq_length=min(int(cfg.max_position_embeddings), MAX_SEQ_LENGTH),
+                  qk_layernorm=cfg.model_type == "qwen3")
+    fields["tie_embeddings"] = bool(fields["tie_embeddings"])
+    return fields
+
+
+def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Append rows initialised to the mean embedding."""
+    if t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.mean(dim=0, keepdim=True).expand(rows - t.shape[0], -1)], dim=0)
+
+
+def from_hf(hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = True) -> ImportResult:
+    """Convert a local HF model folder into a verified megatron checkpoint folder at `out`."""
+    from transformers import AutoTokenizer
+
+    from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
+    from megatron_mlmclm.data.tokenizer import prepare_tokenizer
+    from megatron_mlmclm.model.build import padded_vocab_size
+    from megatron_mlmclm.training.checkpoint import iter_name, save_checkpoint
+
+    hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
+    common.check_output(out, force)
+    hf_cfg = read_hf_config(hf_dir)
+    check_supported(hf_cfg, hf_dir)
+    family = hf_cfg.model_type
+    hf_vocab = int(hf_cfg.vocab_size)
+    try:
+        src_tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    except Exception as e:
+        raise UsageError(f"cannot load the tokenizer of {hf_dir}: {common._first_line(e)}") from None
+    if len(src_tok) > hf_vocab:
+        raise UsageError(f"the tokenizer of {hf_dir} has {len(src_tok)} tokens but the model's "
+                         f"vocabulary is {hf_vocab}; tokenizer and weights do not match")
+    state = read_hf_weights(hf_dir)
+    tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
+    if not tied and "lm_head.weight" not in state:
+        raise UsageError(f"{hf_dir} has untied embeddings but no lm_head.weight (a bare model?); "
+                         "convert the *ForCausalLM / *ForMaskedLM folder")
+
+    with common.staged_output(out, force) as tmp:
+        tok_dir = prepare_tokenizer(hf_dir, tmp / "tokenizer", verbose=verbose)
+        n_tok = len(AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True))
+        vocab = max(hf_vocab, n_tok)
+        grew = vocab > hf_vocab
+        if grew:
+            for k in ("model.embed_tokens.weight", "lm_head.weight"):
+                if k in state:
+                    state[k] = _grow(state[k], vocab)
+            if verbose:
+                print(f"vocabulary grew {hf_vocab} -> {vocab} (tokens added for bos/eos/pad/mask); "
+                      "new embedding rows start at the mean embedding")
+        fields = model_fields(hf_cfg, vocab)
+        dims = mapping.Dims(num_layers=fields["num_layers"], num_heads=fields["num_attention_heads"],
+                            num_groups=fields["num_query_groups"], head_dim=fields["kv_channels"],
+                            vocab_size=vocab, padded_vocab_size=padded_vocab_size(vocab, 1),
+                            tied=tied, qk_norm=fields["qk_layernorm"])
+        unused = mapping.unused_hf_keys(state, family, dims)
+        if unused:
+            raise UsageError(f"{hf_dir} has weights this converter cannot map (e.g. {unused[0]}); "
+                             "unsupported feature (biases, extra heads?)")
+        tensors = mapping.hf_to_megatron(state, family, dims)
+
+        raw = {
+            "name": out.name,
+            "output_dir": str(out.parent / f"{out.name}-mlm"),
+            "model": fields,
+            "phases": [{"objective": "mlm", "mask_ratio": 0.4}],
+            "data": {"tokenizer": str(out / "tokenizer"), "train": []},
+            "train": {"init_from": str(out / "checkpoints"), "seed": seed},
+        }
+        cfg = from_dict(RunConfig, json.loads(json.dumps(raw)), prefix="")
+        cfg.data.mock = True  # validation only: the checkpoint config has no data yet
+        finalize_run_config(cfg)
+        cfg.data.mock = False
+        source = json.loads(json.dumps({
+            "family": family, "model_type": family, "hf_dir": str(hf_dir),
+            "hf_config": hf_cfg.to_dict(), "vocab_size": hf_vocab, "vocab_grew": grew,
+            "attention": "causal" if _source_causal(hf_cfg) else "bidirectional",
+        }, default=str))
+        build_cfg = common.run_config_from_dict(to_dict(cfg))
+        model = common.build_encoder(build_cfg, vocab, seed)
+        common.load_global_tensors(model, tensors)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt = save_checkpoint(tmp / "checkpoints", 0, [model], None, None,
+                                   {"config": to_dict(cfg), "source": source,
+                                    "consumed_samples": 0}, keep_last=1)
+        del model
+        ver = _verify(hf_dir, hf_cfg, ckpt, build_cfg, vocab, hf_vocab)
+        (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        _write_run_config(tmp / "config.yaml", raw, hf_dir)
+    result = ImportResult(out, out / "checkpoints" / iter_name(0), family, vocab, grew, ver)
+    if verbose:
+        print(ver.line())
+        print(f"imported {family} from {hf_dir} to {out}: {fields['num_layers']} layers, hidden "
+              f"{fields['hidden_size']}, heads {fields['num_attention_heads']}/"
+              f"{fields['num_query_groups']} kv, vocab {vocab}, tied={tied}")
+        print(f"continue with MLM: mlmclm pretrain {out / 'config.yaml'} data.train=[PREFIX]")
+    return result
+
+
+def _source_causal(hf_cfg) -> bool:
+    return hf_cfg.model_type != "eurobert" and bool(getattr(hf_cfg, "is_causal", True))
+
+
+def _verify(hf_dir: Path, hf_cfg, ckpt: Path, cfg, vocab: int, hf_vocab: int) -> Verification:
+    from megatron_mlmclm.convert.verify import (SEQ, load_hf, megatron_from_checkpoint,
+                                                verify_pair)
+
+    auto = "AutoModelForMaskedLM" if hf_cfg.model_type == "eurobert" else "AutoModelForCausalLM"
+    megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
+    hf_model = load_hf(hf_dir, auto)
+    return verify_pair(megatron_model, hf_model, hf_vocab, causal=_source_causal(hf_cfg),
+                       seq=min(SEQ, cfg.model.seq_length), against=type(hf_model).__name__)
+
+
+def _write_run_config(path: Path, raw: dict[str, Any], hf_dir: Path) -> None:
+    import yaml
+
+    header = (f"# Continued MLM pretraining from {hf_dir} (written by mlmclm convert from-hf).\n"
+              "# Set data.train to your shard prefixes (mlmclm preprocess), then:\n"
+              f"#   mlmclm pretrain {path} data.train=[PREFIX] train.steps=N\n")
+    path.write_text(header + yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")

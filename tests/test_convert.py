@@ -1,0 +1,437 @@
+"""`mlmclm convert`: exact round trips, layout independence, plain-transformers loading, bad input.
+
+Everything is tiny (hidden 64, 2 layers, 4 heads / 2 KV heads, vocab ~300) and built locally: the
+tokenizer is a byte-level BPE trained on a generated corpus, HF models are random-initialised from
+configs, megatron checkpoints come from short `mlmclm pretrain` runs on mock data.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from jobs import job_env, run_pretrain
+from megatron_mlmclm.cli import main as cli_main
+from megatron_mlmclm.convert.common import read_global_tensors
+from megatron_mlmclm.convert.hf_export import to_hf
+from megatron_mlmclm.convert.hf_import import from_hf
+
+MODEL = {"preset": None, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
+         "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16, "seq_length": 64}
+HF_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+VOCAB_TOKENIZER = 300
+
+
+def _tree(path: Path) -> set[str]:
+    return {str(p.relative_to(path.parent)) for p in path.parent.glob(path.name + "*")}
+
+
+# --------------------------------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """Tokenizer, three HF decoders and megatron checkpoints at TP1, TP2 and PP2 (same weights)."""
+    from transformers import AutoTokenizer
+
+    from megatron_mlmclm.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("convert")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "encoder", "model", "token", "the", "of", "and"]
+    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(20))
+                                               for _ in range(200)))
+    tok_dir = root / "tok"
+    train_tokenizer([str(root / "corpus.txt")], tok_dir, VOCAB_TOKENIZER, txt_split_lines=True,
+                    progress=False, min_frequency=1)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    assert len(tok) == VOCAB_TOKENIZER
+
+    # megatron: TP1 trained 2 steps; TP2 and PP2 start from it and save after one step at
+    # lr 1e-30 (an fp32 no-op on weights of magnitude > 1e-22), so their iter_0000001 holds the TP1
+    # weights saved at another layout.
+    config = root / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "data": {"mock": True, "tokenizer": str(tok_dir)}, "model": MODEL,
+        "train": {"micro_batch_size": 1, "global_batch_size": 2},
+        "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
+        "logging": {"tensorboard": False}}))
+    run_pretrain(config, [f"output_dir={root / 'tp1'}", "train.steps=2", "train.warmup_steps=0",
+                          "train.decay_steps=0"])
+    lr0 = [f"train.init_from={root / 'tp1' / 'checkpoints'}", "train.steps=1",
+           "train.lr=1e-30", "train.warmup_steps=0", "train.decay_steps=0",
+           "phases=[{objective: mlm}]"]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "megatron_mlmclm", "pretrain", str(config), f"output_dir={root / name}",
+         f"parallel.{key}=2"] + lr0, env=job_env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+        for name, key in (("tp2", "tensor_model_parallel_size"),
+                          ("pp2", "pipeline_model_parallel_size"))]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+
+    hf = {}
+    for name, kind, extra in (
+            ("llama", "llama", dict(vocab_size=320, tie_word_embeddings=False)),
+            ("llama_tied", "llama", dict(vocab_size=300, tie_word_embeddings=True)),
+            ("qwen3", "qwen3", dict(vocab_size=320, tie_word_embeddings=False))):
+        hf[name] = make_hf(root / f"hf_{name}", kind, tok, **extra)
+    return {"root": root, "tok": tok_dir, "config": config, "hf": hf,
+            "ckpt": {"tp1": root / "tp1" / "checkpoints",
+                     "tp2": root / "tp2" / "checkpoints" / "iter_0000001",
+                     "pp2": root / "pp2" / "checkpoints" / "iter_0000001"}}
+
+
+def make_hf(path: Path, kind: str, tok, seed: int = 0, **extra) -> Path:
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(HF_DIMS, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+              pad_token_id=tok.pad_token_id, **extra)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw))
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():  # norms away from 1 so a mapping mistake shows in the logits
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def exported(ws):
+    """The TP1 checkpoint exported as EuroBERT (the default for our own models)."""
+    return to_hf(ws["ckpt"]["tp1"], ws["root"] / "export_tp1", verbose=False)
+
+
+def megatron_reference(ws, ckpt_dir: Path, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Logits of the trainer's model loaded the trainer's way, independent of the converter."""
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.model.attention import document_attention_mask
+    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
+    from megatron_mlmclm.runtime.distributed import init_distributed
+    from megatron_mlmclm.training.checkpoint import latest_checkpoint, load_checkpoint
+
+    cfg = load_config(ws["config"], ["train.precision=fp32", "train.steps=2",
+                                     "train.warmup_steps=0", "train.decay_steps=0"])
+    init_distributed(1, 1, None, 0)
+    model = build_model_chunk(cfg, transformer_config(cfg), VOCAB_TOKENIZER, True, True).eval()
+    load_checkpoint(latest_checkpoint(ckpt_dir), [model], load_rng=False)
+    b, s = tokens.shape
+    mask = document_attention_mask(torch.zeros(b, s, dtype=torch.long), causal)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(s).expand(b, s), mask)
+    return logits[..., :VOCAB_TOKENIZER].float()
+
+
+def pretrain_subprocess(config: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """`mlmclm pretrain` in a fresh world: drop the rendezvous variables that the in-process
+    conversions (a gloo world of one) put into this process's environment."""
+    env = job_env()
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config),
+                           *overrides], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli_main(["convert", *map(str, args)])
+    return rc, capsys.readouterr().err
+
+
+def assert_refused(capsys, out: Path, *args, match: str) -> None:
+    rc, err = run_cli(capsys, *args)
+    assert rc == 2, err
+    assert err.strip().count("\n") == 0 and match in err, err
+    assert not out.exists() and not list(out.parent.glob(out.name + ".tmp-*"))
+
+
+# --------------------------------------------------------------------------------------------------
+# megatron -> HF
+
+
+def test_export_loads_in_plain_transformers_and_matches_megatron(ws, exported):
+    import transformers
+
+    out = exported.path
+    assert exported.verification.max_abs_diff <= 1e-4
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "eurobert" and cfg["vocab_size"] == VOCAB_TOKENIZER
+    assert "auto_map" not in cfg
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok.mask_token_id is not None and tok.mask_token_id == cfg["mask_token_id"]
+
+    tokens = torch.randint(0, VOCAB_TOKENIZER, (2, 48), generator=torch.Generator().manual_seed(7))
+    ref_bi = megatron_reference(ws, ws["ckpt"]["tp1"], tokens, causal=False)
+    ref_causal = megatron_reference(ws, ws["ckpt"]["tp1"], tokens, causal=True)
+    mlm = transformers.AutoModelForMaskedLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = mlm(input_ids=tokens).logits
+    assert (got - ref_bi).abs().max().item() < 1e-4
+    assert (got - ref_causal).abs().max().item() > 1e-3  # really bidirectional
+
+    base = transformers.AutoModel.from_pretrained(str(out), dtype=torch.float32)
+    assert type(base).__name__ == "EuroBertModel"
+    for auto, head in ((transformers.AutoModelForSequenceClassification, ("dense", "classifier")),
+                       (transformers.AutoModelForTokenClassification, ("classifier",))):
+        model, info = auto.from_pretrained(str(out), num_labels=3, output_loading_info=True)
+        assert all(k.startswith(head) for k in info["missing_keys"]), info
+        with torch.no_grad():
+            assert torch.isfinite(model(input_ids=tokens).logits).all()
+
+
+def test_export_same_weights_from_any_layout(ws, exported):
+    ref = load_file(str(exported.path / "model.safetensors"))
+    for layout in ("tp2", "pp2"):
+        res = to_hf(ws["ckpt"][layout], ws["root"] / f"export_{layout}", verbose=False)
+        got = load_file(str(res.path / "model.safetensors"))
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), (layout, k)
+        saved = json.loads((res.path / "mlmclm_export.json").read_text())["saved_layout"]
+        assert saved[layout[:2]] == 2
+
+
+def test_megatron_hf_megatron_round_trip_is_exact(ws, exported):
+    back = from_hf(exported.path, ws["root"] / "reimport", verbose=False)
+    assert back.family == "eurobert" and not back.vocab_grew
+    src = read_global_tensors(exported.checkpoint)
+    got = read_global_tensors(back.checkpoint)
+    assert got.keys() == src.keys()
+    for k in src:
+        a, b = src[k], got[k]
+        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            a, b = a[:VOCAB_TOKENIZER], b[:VOCAB_TOKENIZER]  # rows past the vocab are padding
+        assert torch.equal(a, b), k
+
+
+def test_causal_lm_export(ws):
+    import transformers
+
+    res = to_hf(ws["ckpt"]["tp1"], ws["root"] / "export_clm", causal_lm=True, verbose=False)
+    assert res.arch == "llama"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(res.path), dtype=torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.is_causal
+    tokens = torch.randint(0, VOCAB_TOKENIZER, (1, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = model(input_ids=tokens).logits
+    ref = megatron_reference(ws, ws["ckpt"]["tp1"], tokens, causal=True)
+    assert (got - ref).abs().max().item() < 1e-4
+    out = model.generate(tokens[:, :4], max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 7)
+
+
+def test_sentence_transformers_mean_pooling(exported):
+    from sentence_transformers import SentenceTransformer, models
+
+    word = models.Transformer(str(exported.path))
+    pool = models.Pooling(word.get_word_embedding_dimension(), "mean")
+    st = SentenceTransformer(modules=[word, pool], device="cpu")
+    emb = st.encode(["alpha beta gamma", "the model of the encoder"], convert_to_tensor=True)
+    assert emb.shape == (2, 64) and torch.isfinite(emb).all()
+    assert not torch.allclose(emb[0], emb[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# HF -> megatron
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen3"])
+def test_hf_megatron_hf_round_trip_is_exact(ws, name):
+    from megatron_mlmclm.config import load_config
+
+    src_dir = ws["hf"][name]
+    imp = from_hf(src_dir, ws["root"] / f"imp_{name}", verbose=False)
+    assert imp.verification.max_abs_diff <= 1e-4 and not imp.vocab_grew
+    trainer = torch.load(imp.checkpoint / "common.pt", weights_only=False)["trainer"]
+    model_cfg = trainer["config"]["model"]
+    assert model_cfg["preset"] is None and model_cfg["tie_embeddings"] == (name == "llama_tied")
+    assert model_cfg["qk_layernorm"] == (name == "qwen3") and model_cfg["rotary_base"] == 500000.0
+    assert trainer["source"]["family"] == name.split("_")[0]
+    run = load_config(imp.path / "config.yaml", ["data.mock=true"])
+    assert run.train.init_from == str(imp.path / "checkpoints")
+    assert [p.objective for p in run.phases] == ["mlm"] and run.phases[0].mask_ratio == 0.4
+
+    exp = to_hf(imp.path / "checkpoints", ws["root"] / f"reexport_{name}", verbose=False)
+    assert exp.arch == ("qwen3" if name == "qwen3" else "llama")  # the source family by default
+    cfg = json.loads((exp.path / "config.json").read_text())
+    assert cfg["is_causal"] is False and cfg["tie_word_embeddings"] == (name == "llama_tied")
+    src, got = load_file(str(src_dir / "model.safetensors")), load_file(
+        str(exp.path / "model.safetensors"))
+    if name == "llama_tied":
+        src.pop("lm_head.weight", None)
+    assert got.keys() == src.keys()
+    for k in src:
+        assert torch.equal(got[k], src[k].float()), k
+
+
+def test_imported_checkpoint_continues_with_mlm(ws):
+    imp = ws["root"] / "imp_llama"
+    if not imp.exists():
+        from_hf(ws["hf"]["llama"], imp, verbose=False)
+    proc = pretrain_subprocess(imp / "config.yaml", [
+        "data.mock=true", f"output_dir={ws['root'] / 'continued'}", "model.seq_length=32",
+        "train.steps=1", "train.warmup_steps=0", "train.decay_steps=0",
+        "train.micro_batch_size=1", "train.global_batch_size=1", "logging.tensorboard=false"])
+    assert f"initialised weights from {imp / 'checkpoints'}" in proc.stderr
+    metrics = [m for m in map(json.loads, (ws["root"] / "continued" / "metrics.jsonl").read_text()
+                                  .splitlines()) if "loss" in m]
+    assert metrics[0]["objective"] == "mlm" and metrics[0]["loss"] == metrics[0]["loss"]
+    # The continued run's export still defaults to the source family (followed via init_from).
+    res = to_hf(ws["root"] / "continued" / "checkpoints", ws["root"] / "export_continued",
+                verbose=False)
+    assert res.arch == "llama"
+
+
+def test_vocab_grows_for_mask_token(tmp_path):
+    """A tokenizer without mask/pad gets them added; embeddings grow with mean rows."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(61)]
+    wl = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    wl.pre_tokenizer = pre_tokenizers.Whitespace()
+    small = PreTrainedTokenizerFast(tokenizer_object=wl, bos_token="<s>", eos_token="</s>",
+                                    unk_token="<unk>")
+    assert small.mask_token_id is None and len(small) == 64
+    src = make_hf(tmp_path / "hf", "llama", small, vocab_size=64, tie_word_embeddings=False)
+    res = from_hf(src, tmp_path / "imp", verbose=False)
+    assert res.vocab_grew and res.vocab_size == 66  # <mask> and <pad> added
+    state = read_global_tensors(res.checkpoint)
+    orig = load_file(str(src / "model.safetensors"))
+    for ours, theirs in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+                         ("output_layer.weight", "lm_head.weight")):
+        assert torch.equal(state[ours][:64], orig[theirs])
+        assert torch.allclose(state[ours][64], orig[theirs].mean(0))
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2, nothing left behind, nothing overwritten without --force
+
+
+def test_refuses_unsupported_hf_models(ws, capsys, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ws["tok"]))
+    out = tmp_path / "out"
+    cases = {
+        "sliding": (make_hf(tmp_path / "mistral", "mistral", tok, vocab_size=300,
+                            sliding_window=16), "sliding-window"),
+        "bias": (make_hf(tmp_path / "bias", "llama", tok, vocab_size=300, attention_bias=True),
+                 "biases"),
+        "vocab": (make_hf(tmp_path / "small", "llama", tok, vocab_size=256), "tokenizer"),
+    }
+    unknown = tmp_path / "gpt2"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    cases["unknown"] = (unknown, "unknown architecture")
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
+    cases["moe"] = (moe, "mixture-of-experts")
+    for name, (src, match) in cases.items():
+        assert_refused(capsys, out, "from-hf", src, out, match=match)
+    # Mistral without sliding window is supported.
+    ok = make_hf(tmp_path / "mistral_ok", "mistral", tok, vocab_size=300, sliding_window=None)
+    rc, err = run_cli(capsys, "from-hf", ok, out)
+    assert rc == 0, err
+
+
+def test_refuses_partial_or_corrupt_checkpoints(ws, capsys, tmp_path):
+    src = ws["ckpt"]["tp1"]
+    latest = (src / "latest").read_text().strip()
+    out = tmp_path / "out"
+    for case in ("metadata", "common", "truncated"):
+        bad = tmp_path / case / "checkpoints"
+        shutil.copytree(src, bad)
+        it = bad / latest
+        if case == "metadata":
+            (it / "metadata.json").unlink()
+        elif case == "common":
+            (it / "common.pt").unlink()
+        else:
+            for f in it.glob("*.distcp"):
+                f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+        for target in (bad, it):
+            assert_refused(capsys, out, "to-hf", target, out, "--tokenizer", ws["tok"],
+                           match="checkpoint")
+
+
+def test_output_exists_needs_force_and_failed_verification_leaves_nothing(ws, capsys, tmp_path,
+                                                                          monkeypatch):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out)
+    assert rc == 2 and "--force" in err and (out / "keep.txt").read_text() == "mine"
+    rc, err = run_cli(capsys, "from-hf", ws["hf"]["llama"], out)
+    assert rc == 2 and (out / "keep.txt").exists()
+    rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out, "--force")
+    assert rc == 0, err
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert not list(tmp_path.glob("exists.*"))  # no temporary or old folders left
+
+    import megatron_mlmclm.convert.verify as verify
+
+    monkeypatch.setattr(verify, "TOLERANCE", -1.0)  # any difference (even 0) fails
+    fresh = tmp_path / "fresh"
+    assert_refused(capsys, fresh, "to-hf", ws["ckpt"]["tp1"], fresh, match="verification failed")
+    assert_refused(capsys, fresh, "from-hf", ws["hf"]["qwen3"], fresh, match="verification failed")
+    rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out, "--force")
+    assert rc == 2 and (out / "model.safetensors").is_file()  # the old output survives a failure
+
+
+def test_tokenizer_larger_than_vocab_and_tools_script(ws, capsys, tmp_path):
+    from transformers import AutoTokenizer
+
+    big = AutoTokenizer.from_pretrained(str(ws["tok"]))
+    big.add_tokens([f"extra{i}" for i in range(20)])
+    big.save_pretrained(str(tmp_path / "big"))
+    out = tmp_path / "out"
+    assert_refused(capsys, out, "to-hf", ws["ckpt"]["tp1"], out, "--tokenizer", tmp_path / "big",
+                   match="vocabulary")
+    # The Megatron-style script runs the same code: exit 2 and one line on an existing output.
+    out.mkdir()
+    env = job_env()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "tools" /
+                                               "convert_checkpoint.py"),
+                           "--loader", "megatron", "--saver", "hf", "--load-dir",
+                           str(ws["ckpt"]["tp1"]), "--save-dir", str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "exists" in proc.stderr
+
+
+def test_wrong_arch_for_qk_norm_is_refused(ws, capsys, tmp_path):
+    imp = ws["root"] / "imp_qwen3"
+    if not imp.exists():
+        from_hf(ws["hf"]["qwen3"], imp, verbose=False)
+    out = tmp_path / "out"
+    assert_refused(capsys, out, "to-hf", imp / "checkpoints", out, "--arch", "eurobert",
+                   match="qk-norm")
+    assert_refused(capsys, out, "to-hf", ws["ckpt"]["tp1"], out, "--arch", "qwen3",
+                   match="qk-norm")
