@@ -13,6 +13,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def job_env() -> dict[str, str]:
     env = dict(os.environ)
+    # An in-process test may have made a world of one; a job must not inherit its address.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")  # several ranks share 2 cores
     env["PYTHONWARNINGS"] = "ignore"

@@ -48,6 +48,9 @@ PATCH_TARGETS = (
 
 # Megatron bugs fixed everywhere (not only on CPU).
 FIX_TARGETS = (
+    ("megatron.core.utils", "local_multi_tensor_scale"),
+    ("megatron.core.optimizer.clip_grads", "multi_tensor_scale_impl"),
+    ("megatron.core.optimizer.optimizer", "multi_tensor_scale_impl"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.sharded_state_dict"),
     ("megatron.core.optimizer.distrib_optimizer",
@@ -169,11 +172,27 @@ def apply() -> bool:
     return True
 
 
+def _inplace_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    src, dst = tensor_lists
+    if any(s is not d for s, d in zip(src, dst)):
+        torch._foreach_copy_(dst, src)
+    torch._foreach_mul_(dst, scale)
+
+
 def apply_megatron_fixes() -> None:
     """Fix megatron-core bugs that affect every run without Apex/TE (CPU or GPU)."""
     global _fixes_applied
     if _fixes_applied:
         return
+    # Without Apex/TE, gradient clipping scales every gradient through an out-of-place
+    # `dst.copy_(src * scale)` (an extra copy of all gradients per step, ~4% of a small CPU step).
+    # The in-place foreach version gives the same values.
+    core_utils = importlib.import_module("megatron.core.utils")
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        module = importlib.import_module(name)
+        if module.multi_tensor_scale_impl is core_utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = _inplace_multi_tensor_scale
+
     dopt = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     if not dopt.HAVE_APEX_OR_TE:
         # Without Apex/TE, load_state_dict gives every parameter the *same* Adam `step` tensor;

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
 from megatron_mlmclm.errors import UsageError
 
@@ -148,7 +149,7 @@ def load_checkpoint(ckpt: Path, chunks, optimizer=None, scheduler=None,
         state["rng_state"] = _rng_state()
     try:
         loaded = dist_checkpointing.load(state, str(ckpt))
-    except Exception as e:  # corrupt or partial shards: one clear line for the user
+    except (Exception, CheckpointException) as e:  # corrupt or partial shards: one clear line
         raise UsageError(f"cannot load checkpoint {ckpt}: {type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
     if len(chunks) == 1:

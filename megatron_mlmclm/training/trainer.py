@@ -94,6 +94,7 @@ class Trainer:
         self.step = 0
         self.writer = None
         self.metrics_file = None
+        self.source = None  # provenance of imported weights, carried into every save
 
     # ---------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -155,11 +156,14 @@ class Trainer:
         if latest is not None:
             state = ckpt.load_checkpoint(latest, self.model_chunks, self.optimizer, self.scheduler)
             self.step = int(state["iteration"])
+            self.source = state.get("source")
             self.log(f"resumed from {latest} at step {self.step}")
         elif cfg.train.init_from:
             source = ckpt.resolve_checkpoint(cfg.train.init_from)
-            ckpt.load_checkpoint(source, self.model_chunks, optimizer=None, scheduler=None,
-                                 load_rng=False)
+            origin = ckpt.load_checkpoint(source, self.model_chunks, optimizer=None,
+                                          scheduler=None, load_rng=False)
+            # Keep the record of an imported HF model (its family) through continued runs.
+            self.source = origin.get("source")
             self.log(f"initialised weights from {source} (fresh optimizer and schedule)")
 
     def open_logs(self) -> None:
@@ -314,6 +318,8 @@ class Trainer:
     def save(self) -> None:
         state = {"config": to_dict(self.cfg), "consumed_samples":
                  self.step * self.cfg.train.global_batch_size}
+        if self.source is not None:
+            state["source"] = self.source
         path = ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model_chunks,
                                     self.optimizer, self.scheduler, state,
                                     self.cfg.checkpoint.keep_last)

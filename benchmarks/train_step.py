@@ -1,0 +1,209 @@
+"""Our MLM training step vs a plain Hugging Face EuroBertForMaskedLM + torch.optim.AdamW loop, CPU.
+
+Same shapes on both sides: hidden, layers, heads, KV heads, head dim, FFN, vocabulary, sequence
+length, micro-batch; fp32; MLM with 40% masking (the same masks: both use
+megatron_mlmclm.objectives.mlm_mask on the same mock samples); AdamW with the same lr, betas, eps
+and weight decay; gradient clipping at 1.0; one micro-batch per optimizer step.
+
+- ours: `Trainer.train_step(mlm_phase)` (megatron-core EncoderLM + megatron DDP + megatron
+  optimizer + WSD schedule). Logits only at the masked positions. Attention is bidirectional
+  *inside each packed document*: an explicit [b, 1, s, s] bool mask goes to SDPA.
+- hf (the plain loop users would write): EuroBertForMaskedLM(attn_implementation="sdpa"),
+  logits at all b*s positions, cross-entropy over the masked positions (ignore_index=-100),
+  clip_grad_norm_(1.0), AdamW. The batch is padding-free with attention_mask all ones, so HF's
+  SDPA runs without a mask (cheaper than ours, and it does not respect document boundaries).
+- hf-gather (like-for-like head): the same HF model, but the final hidden states are gathered at
+  the masked positions before lm_head, as our head does.
+
+Each timed step includes building the batch from packed samples (masking; ours also builds the
+document mask), forward, backward, clipping and the optimizer step. Steps alternate between the
+three loops (rotating order each round); the headline is the median s/step.
+
+    PYTHONPATH=. python benchmarks/train_step.py [--quick] [--threads 1]
+
+Last line: RESULT train_step ratio=<ours_s/hf_s> ours_s=<..> baseline_s=<hf_s>
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
+
+LR, BETAS, EPS, WD, CLIP = 5e-4, (0.9, 0.95), 1e-5, 0.1, 1.0
+
+
+def build_ours(args):
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.training.trainer import Trainer
+
+    out = tempfile.mkdtemp(prefix="bench_train_step_")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    steps = 10 * (args.warmup + args.steps) + 10
+    overrides = [
+        f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.resume=false",
+        "logging.tensorboard=false", "data.mock=true",
+        f"model.vocab_size={args.vocab}", f"model.num_layers={args.layers}",
+        f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}",
+        f"model.num_attention_heads={args.heads}", f"model.num_query_groups={args.kv_heads}",
+        f"model.kv_channels={args.hidden // args.heads}", f"model.seq_length={args.seq}",
+        f"train.steps={steps}", "train.warmup_steps=0", "train.decay_steps=0",
+        f"train.lr={LR}", f"train.adam_beta1={BETAS[0]}", f"train.adam_beta2={BETAS[1]}",
+        f"train.adam_eps={EPS}", f"train.weight_decay={WD}", f"train.clip_grad={CLIP}",
+        f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
+        "train.precision=fp32",
+        "phases.0.objective=mlm", f"phases.0.mask_ratio={args.mask_ratio}",
+    ]
+    cfg = load_config(None, overrides)
+    trainer = Trainer(cfg)
+    trainer.setup()
+    return trainer, cfg
+
+
+def build_hf(args, seed: int):
+    from transformers import AutoModelForMaskedLM, EuroBertConfig
+
+    config = EuroBertConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        max_position_embeddings=max(args.seq, 512), hidden_act="silu", rms_norm_eps=1e-5,
+        initializer_range=0.02, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)
+    torch.manual_seed(seed)
+    model = AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa",
+                                             dtype=torch.float32)
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    return model, opt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps (about 30 s)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--mask-ratio", type=float, default=0.4)
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per loop")
+    args = p.parse_args()
+    if args.quick:
+        args.warmup, args.steps = 1, 4
+    torch.set_num_threads(args.threads)
+
+    from megatron_mlmclm.objectives import IGNORE, mlm_mask
+
+    trainer, cfg = build_ours(args)
+    phase, spec, seed = cfg.phases[0], trainer.spec, cfg.data.seed
+    hf_full, opt_full = build_hf(args, seed=0)
+    hf_gather, opt_gather = build_hf(args, seed=0)
+    n_ours = sum(p.numel() for c in trainer.model_chunks for p in c.parameters())
+    n_hf = sum(p.numel() for p in hf_full.parameters())
+
+    print(f"torch {torch.__version__}, torch threads = {torch.get_num_threads()} (set explicitly), "
+          f"device cpu, fp32")
+    print(f"shapes: vocab {args.vocab}, hidden {args.hidden}, ffn {args.ffn}, layers {args.layers}, "
+          f"heads {args.heads}, kv heads {args.kv_heads}, head dim {args.hidden // args.heads}, seq "
+          f"{args.seq}, micro-batch {args.micro_batch} (one micro-batch per step); parameters: ours "
+          f"{n_ours / 1e6:.3f}M, hf {n_hf / 1e6:.3f}M")
+    print(f"MLM mask ratio {args.mask_ratio}; AdamW lr {LR} betas {BETAS} eps {EPS} wd {WD}, clip "
+          f"{CLIP}; {args.warmup} warmup rounds + {args.steps} timed steps per loop, rotating order")
+    print("attention: ours = document-masked bidirectional (explicit [b,1,s,s] bool mask from "
+          "packed samples -> SDPA); hf = padding-free batch, attention_mask all ones, which HF turns "
+          "into no mask at all (SDPA unmasked: cheaper, and blind to document boundaries)")
+    print("note: megatron's optimizer skips weight decay on norms (and biases; there are none); "
+          "the plain AdamW loop decays every parameter")
+
+    def hf_batch(step: int):
+        """The same samples and masks as our step `step` (what a data collator would produce)."""
+        first = step * args.micro_batch
+        idx = list(range(first, first + args.micro_batch))
+        samples = [trainer.train_ds[i] for i in idx]
+        pairs = [mlm_mask(s["tokens"][:-1].astype(np.int64), i, seed, phase.mask_ratio, spec,
+                          phase.mask_replace) for s, i in zip(samples, idx)]
+        inputs = torch.from_numpy(np.stack([q[0] for q in pairs]))
+        labels = torch.from_numpy(np.stack([q[1] for q in pairs]))
+        return inputs, labels, torch.ones_like(inputs)
+
+    def step_hf_full(step: int):
+        inputs, labels, attn = hf_batch(step)
+        logits = hf_full(input_ids=inputs, attention_mask=attn).logits  # [b, s, V]
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1),
+                               ignore_index=IGNORE)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf_full.parameters(), CLIP)
+        opt_full.step()
+        opt_full.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def step_hf_gather(step: int):
+        inputs, labels, attn = hf_batch(step)
+        hidden = hf_gather.model(input_ids=inputs, attention_mask=attn).last_hidden_state
+        keep = labels != IGNORE
+        logits = hf_gather.lm_head(hidden[keep])  # [n_masked, V]
+        loss = F.cross_entropy(logits, labels[keep])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf_gather.parameters(), CLIP)
+        opt_gather.step()
+        opt_gather.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def step_ours(step: int):
+        trainer.step = step
+        return trainer.train_step(phase)["loss"]
+
+    loops = {"ours": step_ours, "hf": step_hf_full, "hf-gather": step_hf_gather}
+    names = list(loops)
+    times = {n: [] for n in names}
+    losses = {n: [] for n in names}
+    for r in range(args.warmup + args.steps):
+        order = names[r % 3:] + names[:r % 3]
+        for n in order:
+            t0 = time.perf_counter()
+            loss = loops[n](r)
+            dt = time.perf_counter() - t0
+            if r >= args.warmup:
+                times[n].append(dt)
+                losses[n].append(loss)
+
+    med = {n: statistics.median(times[n]) for n in names}
+    for n in names:
+        ts = times[n]
+        print(f"{n:>9}: median {med[n]:.4f} s/step, min {min(ts):.4f}, max {max(ts):.4f}, "
+              f"last loss {losses[n][-1]:.3f}")
+    tokens = args.micro_batch * args.seq
+    print(f"throughput: ours {tokens / med['ours']:.0f} tok/s, hf {tokens / med['hf']:.0f} tok/s, "
+          f"hf-gather {tokens / med['hf-gather']:.0f} tok/s")
+    print(f"like-for-like (HF gathers masked positions before lm_head): ratio ours/hf-gather = "
+          f"{med['ours'] / med['hf-gather']:.3f} ours_s={med['ours']:.4f} "
+          f"hf_gather_s={med['hf-gather']:.4f}")
+    paired = [a / b for a, b in zip(times["ours"], times["hf"])]
+    paired_g = [a / b for a, b in zip(times["ours"], times["hf-gather"])]
+    print(f"noise check: median of per-round ratios (same round, adjacent steps): ours/hf "
+          f"{statistics.median(paired):.3f}, ours/hf-gather {statistics.median(paired_g):.3f}; "
+          f"ratio of min times: ours/hf {min(times['ours']) / min(times['hf']):.3f}, ours/hf-gather "
+          f"{min(times['ours']) / min(times['hf-gather']):.3f}")
+    print(f"RESULT train_step ratio={med['ours'] / med['hf']:.3f} ours_s={med['ours']:.4f} "
+          f"baseline_s={med['hf']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
