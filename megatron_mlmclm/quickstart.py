@@ -1,0 +1,155 @@
+"""`mlmclm quickstart`: the whole flow, small, on CPU (what `make quickstart` runs).
+
+    tokenizer -> Gutenberg shards -> sample index -> three tiny models under one budget
+    (CLM; MLM 40%; CLM 25% then MLM 75%) -> Hugging Face exports -> fine-tuning on SST-2 and
+    CoNLL-2003 over a small LR x seed grid -> OUT/report.md and plots
+
+Every stage writes into OUT and is skipped when its output is already there, so a second run
+reuses what is done (and an interrupted one picks up where it stopped).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.paths import data_dir
+
+# The three models of the study's headline comparison, in miniature, under one step budget.
+MODELS = {
+    "tiny-clm": [{"objective": "clm"}],
+    "tiny-mlm40": [{"objective": "mlm", "mask_ratio": 0.4}],
+    "tiny-clm25-mlm40": [{"objective": "clm", "share": 0.25},
+                         {"objective": "mlm", "share": 0.75, "mask_ratio": 0.4}],
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default="out/quickstart", help="output folder (default %(default)s)")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with gutenberg_en/, sst2/, conll2003/ (default: "
+                             "$MLMCLM_DATA_DIR, else ../shared/data)")
+    parser.add_argument("--steps", type=int, default=200, help="pretraining steps per model")
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--tasks", nargs="+", default=["sst2", "conll2003"])
+    parser.add_argument("--lrs", nargs="+", type=float, default=[2e-4, 1e-3])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--finetune-steps", type=int, default=150)
+    parser.add_argument("--workers", type=int, default=2, help="parallel fine-tuning runs")
+
+
+def log(message: str) -> None:
+    print(f"[quickstart] {message}", file=sys.stderr, flush=True)
+
+
+def stage(name: str, done: bool) -> bool:
+    """Announce a stage; True when it must run."""
+    log(f"{name}: {'done already, reusing' if done else 'running'}")
+    return not done
+
+
+def run(args) -> int:
+    data = Path(args.data_dir) if args.data_dir else data_dir()
+    if data is None or not (data / "gutenberg_en" / "train.jsonl.gz").is_file():
+        raise UsageError("Gutenberg corpus not found: set MLMCLM_DATA_DIR (or --data-dir) to the "
+                         "folder holding gutenberg_en/, sst2/ and conll2003/")
+    if args.steps < 20:
+        raise UsageError("--steps must be at least 20 (warmup and decay take 10% each)")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    books = data / "gutenberg_en"
+
+    tokenizer = out / "tokenizer"
+    if stage("1/6 tokenizer (byte-level BPE on Gutenberg)", (tokenizer / "mlmclm_tokenizer.json").is_file()):
+        from megatron_mlmclm.data.tokenizer import train_tokenizer
+
+        train_tokenizer([str(books / "train.jsonl.gz")], tokenizer, vocab_size=args.vocab_size,
+                        max_documents=60)
+
+    shards = out / "shards"
+    prefixes = {split: shards / f"gutenberg_{split}" for split in ("train", "valid")}
+    for split, prefix in prefixes.items():
+        target = Path(f"{prefix}_text_document.idx")
+        if stage(f"2/6 shards: gutenberg {split}", target.is_file()):
+            from megatron_mlmclm.data.preprocess import preprocess
+
+            preprocess([str(books / f"{split}.jsonl.gz")], prefix, tokenizer, workers=2)
+
+    runs = out / "runs"
+    for name, phases in MODELS.items():
+        run_dir = runs / name
+        finished = (run_dir / "checkpoints" / f"iter_{args.steps:07d}").is_dir()
+        if stage(f"3/6 pretrain {name} ({args.steps} steps)", finished):
+            config = write_run_config(out, name, phases, args.steps, tokenizer, prefixes)
+            pretrain(config)
+
+    exports = out / "hf"
+    if importlib.util.find_spec("megatron_mlmclm.convert.cli") is None:
+        log("4/6 export: conversion is not installed in this version; stopping here")
+        return 0
+    for name in MODELS:
+        target = exports / name
+        if stage(f"4/6 export {name} to Hugging Face", (target / "config.json").is_file()):
+            cli(["convert", "to-hf", str(runs / name / "checkpoints"), str(target)])
+
+    results = out / "eval"
+    log(f"5/6 fine-tune on {', '.join(args.tasks)} over lr {args.lrs} x seeds {args.seeds} "
+        "(finished runs are skipped)")
+    cli(["evaluate", "--model", *[str(exports / n) for n in MODELS], "--task", *args.tasks,
+         "--out", str(results), "--lrs", *map(str, args.lrs), "--seeds", *map(str, args.seeds),
+         "--max-steps", str(args.finetune_steps), "--eval-every", "50", "--batch-size", "32",
+         "--max-length", "128", "--max-eval-examples", "1000", "--workers", str(args.workers),
+         "--threads", "1"])
+
+    log("6/6 report")
+    cli(["report", str(results), "--out", str(out)])
+    log(f"finished in {(time.time() - start) / 60:.1f} min: {out / 'report.md'}, plots in "
+        f"{out / 'plots'}, models in {exports}/")
+    return 0
+
+
+def write_run_config(out: Path, name: str, phases, steps: int, tokenizer: Path, prefixes) -> Path:
+    warm = max(1, steps // 10)
+    cfg = {
+        "name": name,
+        "output_dir": str(out / "runs" / name),
+        "model": {"preset": "tiny"},
+        "data": {"train": [f"{prefixes['train']}_text_document"],
+                 "valid": [f"{prefixes['valid']}_text_document"],
+                 "tokenizer": str(tokenizer), "cache_dir": str(out / "shards" / "cache")},
+        "phases": phases,
+        "train": {"steps": steps, "micro_batch_size": 16, "global_batch_size": 16, "lr": 2e-3,
+                  "warmup_steps": warm, "decay_steps": warm},
+        "checkpoint": {"save_interval": max(50, steps // 4), "keep_last": 1},
+        "logging": {"log_interval": max(1, steps // 4), "eval_interval": max(1, steps // 4),
+                    "eval_iters": 4},
+    }
+    path = out / "configs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def pretrain(config: Path) -> None:
+    """A separate process per run: the trainer owns process groups and torch's global state."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    proc = subprocess.run([sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config)],
+                          env=env)
+    if proc.returncode != 0:
+        raise SystemExit(proc.returncode)
+
+
+def cli(argv: list[str]) -> None:
+    from megatron_mlmclm.cli import main
+
+    rc = main(argv)
+    if rc:
+        raise SystemExit(rc)
