@@ -366,6 +366,9 @@ def validate_parallel(cfg: RunConfig) -> None:
     for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(p, k) < 1:
             raise UsageError(f"parallel.{k} must be >= 1, got {getattr(p, k)}")
+    if p.sequence_parallel:
+        raise UsageError("parallel.sequence_parallel is not supported yet (the sparse MLM head "
+                         "reads full sequences); set it to false")
     pp = p.pipeline_model_parallel_size
     if pp > m.num_layers:
         raise UsageError(f"parallel.pipeline_model_parallel_size ({pp}) is larger than "

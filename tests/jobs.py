@@ -43,6 +43,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def losses(run_dir: Path) -> list[float]:
-    return [m["loss"] for m in read_metrics(run_dir)]
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]  # skip step-0 validation
 
 

@@ -30,7 +30,7 @@ CONFIG = {
 
 def curve(run_dir) -> dict[int, float]:
     """step -> loss; a resumed run re-logs steps after its checkpoint: keep the last record."""
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
 
 
 def kill_after_checkpoint(cmd, run_dir, iteration: str, timeout=240):
