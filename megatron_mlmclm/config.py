@@ -43,6 +43,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     qk_layernorm: bool = False  # Qwen3-style q/k RMSNorm
     tie_embeddings: bool = False  # the study unties input and output embeddings
+    # Core attention: auto = Transformer Engine (packed THD on GPU) when it imports, else SDPA with
+    # a dense document mask; flex = FlexAttention document masking (CUDA only for training).
+    attention: str = "auto"
 
 
 @dataclass
@@ -357,6 +360,8 @@ def validate_model(m: ModelConfig, p: ParallelConfig) -> None:
     if m.ffn_hidden_size % tp:
         raise UsageError(f"parallel.tensor_model_parallel_size ({tp}) must divide "
                          f"model.ffn_hidden_size ({m.ffn_hidden_size})")
+    if m.attention not in ("auto", "sdpa", "flex"):
+        raise UsageError(f"model.attention '{m.attention}' must be auto, sdpa or flex")
     if m.rotary_base <= 0 or m.norm_epsilon <= 0 or m.init_method_std <= 0:
         raise UsageError("model.rotary_base, model.norm_epsilon and model.init_method_std must be > 0")
 

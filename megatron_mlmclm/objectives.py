@@ -71,13 +71,16 @@ def make_batch(samples: list[dict], sample_indices: list[int], phase: PhaseConfi
         loss_mask = labels != IGNORE
         causal = False
     doc_ids = torch.from_numpy(np.ascontiguousarray(docs[:, :-1]))
+    if device is not None:
+        doc_ids = doc_ids.to(device, non_blocking=True)  # build the mask where it is used
     batch = {
         "tokens": torch.from_numpy(np.ascontiguousarray(inputs)),
         "labels": torch.from_numpy(np.ascontiguousarray(labels)),
         "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask)).float(),
         "position_ids": torch.from_numpy(np.ascontiguousarray(positions)),
-        "attention_mask": document_attention_mask(doc_ids, causal=causal),
+        "document_ids": doc_ids,
     }
     if device is not None:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    batch["attention_mask"] = document_attention_mask(doc_ids, causal=causal)
     return batch

@@ -71,3 +71,138 @@ class SDPAttention(MegatronModule):
         )
         # [b, heads, s, d] -> [s, b, heads * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# FlexAttention with document masking (GPU path without Transformer Engine).
+#
+# FlexAttention skips the blocks of the score matrix that a block mask marks empty (other
+# documents, the future in CLM), so packed samples cost only their within-document attention.
+# It needs document ids, not a dense mask. FlexDocumentAttention takes them from either
+#   1. packed_seq_params with a `document_ids` field (model.packed.DocumentSeqParams, qkv_format
+#      "sbhd" so megatron does not reshape): the dense mask is then not needed at all; or
+#   2. the dense [b, 1, s, s] document mask that make_batch already builds, from which the ids are
+#      read back in O(s) (a document starts at i where i may not see i - 1) and the result is
+#      checked against the mask (a mask that is not a document mask is an error, never a silent
+#      approximation). This makes it a drop-in for SDPAttention with no other change.
+# The block mask is built once per micro-batch and shared by all layers (cached on the identity
+# and version of the source tensor).
+#
+# torch 2.13 runs flex_attention forward on CPU (eager) but has no CPU backward, eager or
+# compiled: on CPU this module serves inference and tests; training needs CUDA, where the
+# compiled kernel is used.
+# --------------------------------------------------------------------------------------------
+
+import weakref
+
+
+def documents_from_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """[b, 1, s, s] document mask (True = blocked) -> ([b, s] int32 document ids, causal)."""
+    m = attention_mask[:, 0]
+    b, s, _ = m.shape
+    starts = torch.zeros(b, s, dtype=torch.int32, device=m.device)
+    if s > 1:
+        starts[:, 1:] = m.diagonal(offset=-1, dim1=1, dim2=2).to(torch.int32)  # m[i, i-1]
+    doc = starts.cumsum(dim=1, dtype=torch.int32)
+    causal = False
+    if s > 1:
+        same = doc[:, :-1] == doc[:, 1:]  # i and i+1 in the same document
+        ahead = m.diagonal(offset=1, dim1=1, dim2=2)  # m[i, i+1]
+        causal = bool((ahead & same).any())
+    return doc, causal
+
+
+def document_block_mask(document_ids: torch.Tensor, causal: bool, heads: Optional[int] = None,
+                        block_size: int = 128, compile_mask: Optional[bool] = None):
+    """FlexAttention BlockMask: same document (and key <= query when causal)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = document_ids
+    b, s = doc.shape
+
+    if causal:
+        def mask_mod(bi, hi, qi, ki):
+            return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
+    else:
+        def mask_mod(bi, hi, qi, ki):
+            return doc[bi, qi] == doc[bi, ki]
+
+    if compile_mask is None:
+        compile_mask = doc.is_cuda
+    return create_block_mask(mask_mod, b, heads, s, s, device=doc.device, BLOCK_SIZE=block_size,
+                             _compile=compile_mask)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask, scale, enable_gqa):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if not q.is_cuda:  # eager reference (forward only on CPU)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+class _BlockMaskCache:
+    """One entry: the block mask of the latest source tensor (all layers of a step share it)."""
+
+    def __init__(self):
+        self.source = None  # weakref to the tensor the entry was built from
+        self.version = -1
+        self.key = None
+        self.value = None
+
+    def get(self, source: torch.Tensor, key, build):
+        if (self.source is not None and self.source() is source
+                and self.version == source._version and self.key == key):
+            return self.value
+        self.value = build()
+        self.source, self.version, self.key = weakref.ref(source), source._version, key
+        return self.value
+
+
+_BLOCK_MASKS = _BlockMaskCache()
+
+
+class FlexDocumentAttention(SDPAttention):
+    """Document-masked core attention on FlexAttention; SDPAttention's constructor and forward."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        assert attention_bias is None
+        if self.training and self.dropout > 0:
+            raise NotImplementedError("FlexDocumentAttention has no attention dropout")
+        sq, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask_type = attn_mask_type or self.attn_mask_type
+        doc_ids = getattr(packed_seq_params, "document_ids", None)
+        if doc_ids is not None:
+            assert packed_seq_params.qkv_format != "thd", "THD batches go to TE attention"
+            causal = bool(packed_seq_params.causal)
+            block_mask = _BLOCK_MASKS.get(
+                doc_ids, ("ids", causal, self.heads),
+                lambda: document_block_mask(doc_ids.to(q.device), causal))
+        elif attention_mask is not None:
+            assert packed_seq_params is None, "packed THD sequences need Transformer Engine"
+
+            def build():
+                doc, causal = documents_from_mask(attention_mask)
+                if not torch.equal(document_attention_mask(doc, causal), attention_mask.bool()):
+                    raise ValueError("FlexDocumentAttention needs a document mask "
+                                     "(document_attention_mask); got another kind of mask")
+                return document_block_mask(doc, causal)
+
+            block_mask = _BLOCK_MASKS.get(attention_mask, ("mask",), build)
+        else:
+            assert packed_seq_params is None, "packed THD sequences need Transformer Engine"
+            causal = mask_type == AttnMaskType.causal
+            block_mask = None
+            if causal:
+                ones = torch.zeros(b, sq, dtype=torch.int32, device=q.device)
+                block_mask = document_block_mask(ones, True)
+        out = _flex(q, k, v, block_mask, self.softmax_scale, self.heads != self.groups)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

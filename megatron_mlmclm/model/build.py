@@ -20,7 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mlmclm.config import ModelConfig, RunConfig
-from megatron_mlmclm.model.attention import SDPAttention
+from megatron_mlmclm.model.attention import FlexDocumentAttention, SDPAttention
 
 
 def have_transformer_engine() -> bool:
@@ -98,9 +98,13 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """Transformer Engine's spec when TE imports and CUDA is present, else local + SDPA."""
-    if have_transformer_engine() and torch.cuda.is_available():
+def use_te(m: ModelConfig) -> bool:
+    return m.attention == "auto" and have_transformer_engine() and torch.cuda.is_available()
+
+
+def layer_spec(config: TransformerConfig, m: ModelConfig) -> ModuleSpec:
+    """Transformer Engine's spec when TE imports and CUDA is present, else local + SDPA/Flex."""
+    if use_te(m):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
@@ -109,7 +113,8 @@ def layer_spec(config: TransformerConfig) -> ModuleSpec:
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
         return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    core = FlexDocumentAttention if m.attention == "flex" else SDPAttention
+    spec.submodules.self_attention.submodules.core_attention = core
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
     return spec
 
@@ -163,7 +168,7 @@ def build_model_chunk(cfg: RunConfig, config: TransformerConfig, vocab_size: int
     m: ModelConfig = cfg.model
     return EncoderLM(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, m),
         vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=m.seq_length,
         pre_process=pre_process,

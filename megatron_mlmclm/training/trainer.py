@@ -28,7 +28,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.model.build import build_model, transformer_config, use_bf16
+from megatron_mlmclm.model.build import build_model, transformer_config, use_te
 from megatron_mlmclm.model.flops import device_peak_flops, train_step_flops
 from megatron_mlmclm.objectives import TokenSpec, make_batch
 from megatron_mlmclm.runtime import distributed as rt
@@ -113,6 +113,9 @@ class Trainer:
         self.train_ds, self.valid_ds = build_datasets(cfg, self.spec)
 
         self.tconfig = transformer_config(cfg)
+        # Packed THD sequences (no padding, no [s, s] mask) need TE's fused attention; megatron's
+        # pipeline passes [s, b, h] activations between stages, so THD is used without PP only.
+        self.thd = use_te(cfg.model) and p.pipeline_model_parallel_size == 1
         chunks = build_model(cfg, self.tconfig, self.spec.vocab_size)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
@@ -190,11 +193,23 @@ class Trainer:
         t = self.cfg.train
         per_rank = t.global_batch_size // self.dp
         start = first_sample + self.dp_rank * per_rank
+        if self.thd:
+            from megatron.core.transformer.enums import AttnMaskType
+
+            from megatron_mlmclm.model.packed import set_attention_mask_type
+
+            set_attention_mask_type(self.model_chunks, AttnMaskType.causal
+                                    if phase.objective == "clm" else AttnMaskType.no_mask)
         out = []
         for j in range(self.num_microbatches):
             idx = list(range(start + j * t.micro_batch_size, start + (j + 1) * t.micro_batch_size))
             samples = [dataset[i] for i in idx]
-            out.append(make_batch(samples, idx, phase, self.spec, self.cfg.data.seed, rt.device()))
+            batch = make_batch(samples, idx, phase, self.spec, self.cfg.data.seed, rt.device())
+            if self.thd:
+                from megatron_mlmclm.model.packed import flatten_for_thd
+
+                batch = flatten_for_thd(batch, batch["document_ids"])
+            out.append(batch)
         return out
 
     def run_schedule(self, batches, forward_only: bool) -> torch.Tensor:
@@ -369,8 +384,9 @@ class Trainer:
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"], loss_mask=batch["loss_mask"])
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"], loss_mask=batch["loss_mask"],
+                   packed_seq_params=batch.get("packed_seq_params"))
     return output, loss_func
 
 

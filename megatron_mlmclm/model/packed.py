@@ -1,0 +1,103 @@
+"""Packed samples without padding: megatron-core PackedSeqParams for the THD layout.
+
+A micro-batch of packed samples [b, s] holds several documents per sample, identified by per-token
+document ids. Transformer Engine's fused attention consumes the THD layout: the batch flattened to
+one stream of b*s tokens ([t, 1, h] in megatron) and `cu_seqlens`, the cumulative lengths of the
+sequences in that stream, so each token attends only inside its own sequence, with no padding and
+no [s, s] mask.
+
+Sequences are the maximal runs of equal document id *inside each sample*, in order, sample after
+sample: a document that spans the boundary between two samples is split there, and its two pieces
+are separate sequences (the dense-mask path does the same, since it masks per sample).
+
+RoPE: in THD megatron restarts rotary positions at every cu_seqlens boundary (document-relative
+positions), while the dense path rotates by the position in the sample. Attention never crosses a
+sequence, and RoPE scores depend only on the distance between query and key, so both give the
+same attention in exact arithmetic (rounding of cos/sin at large angles differs, within bf16
+tolerance).
+
+Pure torch; runs on CPU (unit-tested) and on the GPU where the batch lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+def sequence_lengths(document_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] document ids -> int32 lengths of the runs of equal id, per sample, in order."""
+    if document_ids.dim() != 2:
+        raise ValueError(f"document_ids must be [b, s], got shape {tuple(document_ids.shape)}")
+    b, s = document_ids.shape
+    start = torch.ones(b, s, dtype=torch.bool, device=document_ids.device)
+    start[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]  # each sample's first token starts
+    flat_starts = start.reshape(-1).nonzero().squeeze(1)  # positions in the flattened b*s stream
+    ends = torch.cat([flat_starts[1:], flat_starts.new_tensor([b * s])])
+    return (ends - flat_starts).to(torch.int32)
+
+
+def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[b, s] document ids -> (cu_seqlens int32 [n + 1] starting at 0, max sequence length)."""
+    lengths = sequence_lengths(document_ids)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=document_ids.device)
+    torch.cumsum(lengths, dim=0, out=cu[1:])
+    return cu, int(lengths.max().item())
+
+
+def thd_packed_seq_params(document_ids: torch.Tensor) -> PackedSeqParams:
+    """PackedSeqParams(qkv_format="thd") for TE fused attention over the flattened batch.
+
+    The model must then see the batch flattened to one row: tokens, labels, loss_mask and
+    position_ids reshaped [b, s] -> [1, b*s] (see `flatten_for_thd`), attention_mask None.
+    """
+    cu, max_len = cu_seqlens_from_document_ids(document_ids)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+def flatten_for_thd(batch: dict[str, torch.Tensor], document_ids: torch.Tensor) -> dict:
+    """A make_batch micro-batch -> the THD form: [1, b*s] tensors + packed_seq_params, no mask."""
+    out = {k: v.reshape(1, -1) for k, v in batch.items()
+           if k in ("tokens", "labels", "loss_mask", "position_ids")}
+    out["attention_mask"] = None
+    out["packed_seq_params"] = thd_packed_seq_params(document_ids.to(batch["tokens"].device))
+    return out
+
+
+@dataclass
+class DocumentSeqParams(PackedSeqParams):
+    """Carries per-token document ids to FlexDocumentAttention through megatron's forward.
+
+    qkv_format stays "sbhd" (megatron reshapes only for "thd") and max_seqlen_q/kv equal the
+    sample length (GPTModel sizes RoPE from them whenever packed_seq_params is given).
+    """
+
+    document_ids: Optional[torch.Tensor] = None  # [b, s]
+    causal: bool = False
+
+
+def document_seq_params(document_ids: torch.Tensor, causal: bool) -> DocumentSeqParams:
+    s = document_ids.size(1)
+    return DocumentSeqParams(qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s,
+                             document_ids=document_ids, causal=causal)
+
+
+def set_attention_mask_type(model_chunks, mask_type) -> None:
+    """Set the attention kind of every self-attention layer (megatron fixes it at build time).
+
+    TE's THD kernels take the mask kind, not a mask: `AttnMaskType.causal` for CLM phases
+    (TE turns it into padding_causal), `AttnMaskType.no_mask` for MLM (-> padding).
+    """
+    from megatron.core.transformer.attention import SelfAttention
+
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, SelfAttention):
+                module.attn_mask_type = mask_type
+                core = getattr(module, "core_attention", None)
+                if core is not None and hasattr(core, "attn_mask_type"):
+                    core.attn_mask_type = mask_type

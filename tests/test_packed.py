@@ -1,0 +1,280 @@
+"""Packed samples on the GPU paths: THD cu_seqlens for TE, FlexAttention document masking.
+
+CPU checks what CPU can: the THD parameters against a hand-computed example, and FlexAttention's
+forward (torch 2.13 has no FlexAttention backward on CPU) against SDPA with the dense mask, layer
+by layer and through the whole model. The backward comparison runs where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_mlmclm.model.attention import (
+    FlexDocumentAttention,
+    SDPAttention,
+    document_attention_mask,
+    document_block_mask,
+    documents_from_mask,
+)
+from megatron_mlmclm.model.packed import (
+    cu_seqlens_from_document_ids,
+    document_seq_params,
+    flatten_for_thd,
+    thd_packed_seq_params,
+)
+
+
+# ------------------------------------------------------------------------------ THD cu_seqlens
+def test_cu_seqlens_hand_example():
+    # Sample 0: docs 0 (2 tokens), 1 (3), 2 (1, continues into sample 1);
+    # sample 1: doc 2 (2 tokens: the piece after the boundary), doc 3 (4).
+    docs = torch.tensor([[0, 0, 1, 1, 1, 2],
+                         [2, 2, 3, 3, 3, 3]])
+    cu, max_len = cu_seqlens_from_document_ids(docs)
+    assert cu.dtype == torch.int32
+    assert cu.tolist() == [0, 2, 5, 6, 8, 12]  # the spanning document is split at the boundary
+    assert max_len == 4
+    p = thd_packed_seq_params(docs)
+    assert p.qkv_format == "thd"
+    assert p.cu_seqlens_q.tolist() == p.cu_seqlens_kv.tolist() == [0, 2, 5, 6, 8, 12]
+    assert p.cu_seqlens_q.dtype == p.cu_seqlens_kv.dtype == torch.int32
+    assert p.max_seqlen_q == p.max_seqlen_kv == 4
+
+
+def test_cu_seqlens_equal_ids_in_adjacent_samples_are_separate():
+    # Same id in consecutive samples (dataset ids restart per sample): still two sequences.
+    docs = torch.tensor([[0, 0, 0], [0, 0, 0], [0, 1, 1]])
+    cu, max_len = cu_seqlens_from_document_ids(docs)
+    assert cu.tolist() == [0, 3, 6, 7, 9]
+    assert max_len == 3
+
+
+def test_cu_seqlens_matches_dense_mask_on_mock_samples():
+    from megatron_mlmclm.data.mock import MockPackedDataset
+
+    ds = MockPackedDataset(4, 300, 1000, seed=3, mean_document_length=40)
+    docs = torch.stack([torch.from_numpy(ds[i]["document_ids"][:-1]) for i in range(4)])
+    cu, max_len = cu_seqlens_from_document_ids(docs)
+    assert cu[-1].item() == docs.numel()
+    # Rebuild the block-diagonal mask of the flattened stream from cu_seqlens; per sample it must
+    # be exactly the dense document mask.
+    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1), (cu[1:] - cu[:-1]).long())
+    seq = seq.view(4, 300)
+    assert torch.equal(document_attention_mask(seq, causal=False),
+                       document_attention_mask(docs, causal=False))
+    assert max_len == int((cu[1:] - cu[:-1]).max())
+
+
+def test_flatten_for_thd():
+    docs = torch.tensor([[0, 0, 1, 1], [1, 2, 2, 2]])
+    batch = {"tokens": torch.arange(8).view(2, 4), "labels": torch.arange(8).view(2, 4),
+             "loss_mask": torch.ones(2, 4), "position_ids": torch.arange(4).repeat(2, 1),
+             "attention_mask": document_attention_mask(docs, causal=True)}
+    out = flatten_for_thd(batch, docs)
+    assert out["tokens"].tolist() == [list(range(8))]
+    assert out["attention_mask"] is None
+    assert out["packed_seq_params"].cu_seqlens_q.tolist() == [0, 2, 4, 5, 8]
+
+
+# -------------------------------------------------------------------------- FlexAttention path
+def attention_config(heads=4, groups=2, d=16):
+    return TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                             num_query_groups=groups, kv_channels=d, attention_dropout=0.0)
+
+
+def random_docs(b, s, seed, mean=50):
+    g = torch.Generator().manual_seed(seed)
+    starts = (torch.rand(b, s, generator=g) < 1.0 / mean).int()
+    starts[:, 0] = 0
+    return starts.cumsum(1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_documents_from_mask_round_trip(causal):
+    docs = random_docs(3, 97, seed=1, mean=10)
+    got, got_causal = documents_from_mask(document_attention_mask(docs, causal))
+    assert got_causal == causal
+    assert torch.equal(document_attention_mask(got, causal), document_attention_mask(docs, causal))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_mask_matches_dense_mask(causal):
+    docs = random_docs(2, 300, seed=2, mean=60)  # s not a multiple of the 128 block size
+    bm = document_block_mask(docs, causal)
+    dense_allowed = ~document_attention_mask(docs, causal)[:, 0]
+    b, s = docs.shape
+    qi = torch.arange(s).view(s, 1)
+    ki = torch.arange(s).view(1, s)
+    for bi in range(b):
+        got = bm.mask_mod(torch.tensor(bi), torch.tensor(0), qi, ki)
+        assert torch.equal(got, dense_allowed[bi])
+    # Blocks of other documents are skipped (the point of the block mask): with 128-token
+    # documents aligned to the blocks, each query block visits exactly one key block.
+    aligned = (torch.arange(512) // 128).repeat(2, 1)
+    bm = document_block_mask(aligned, causal)
+    visited = bm.kv_num_blocks + (bm.full_kv_num_blocks if bm.full_kv_num_blocks is not None else 0)
+    assert visited.tolist() == [[[1, 1, 1, 1]]] * 2
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("via", ["dense_mask", "document_ids"])
+def test_flex_matches_sdpa_forward(causal, via):
+    torch.manual_seed(0)
+    config = attention_config()
+    kind = AttnMaskType.arbitrary
+    sdpa = SDPAttention(config, 1, kind, "self").eval()
+    flex = FlexDocumentAttention(config, 1, kind, "self").eval()
+    s, b, d = 200, 3, 16
+    query = torch.randn(s, b, 4, d)
+    key, value = torch.randn(s, b, 2, d), torch.randn(s, b, 2, d)
+    docs = random_docs(b, s, seed=3, mean=40)
+    assert all(len(set(row.tolist())) >= 3 for row in docs)  # several documents per sample
+    mask = document_attention_mask(docs, causal)
+    with torch.no_grad():
+        ref = sdpa(query, key, value, mask)
+        if via == "dense_mask":
+            out = flex(query, key, value, mask)
+        else:
+            out = flex(query, key, value, None, packed_seq_params=document_seq_params(docs, causal))
+    assert out.shape == ref.shape == (s, b, 4 * d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_rejects_a_mask_that_is_not_a_document_mask():
+    config = attention_config()
+    flex = FlexDocumentAttention(config, 1, AttnMaskType.arbitrary, "self").eval()
+    s, b = 16, 1
+    q = torch.randn(s, b, 4, 16)
+    kv = torch.randn(s, b, 2, 16)
+    mask = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    mask[0, 0, 3, 10] = True  # one arbitrary blocked pair
+    with torch.no_grad(), pytest.raises(ValueError, match="document mask"):
+        flex(q, kv, kv, mask)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.model.build import build_model, transformer_config
+    from megatron_mlmclm.runtime.distributed import init_distributed
+
+    cfg = load_config(None, ["data.mock=true", "model.vocab_size=256", "model.seq_length=160",
+                             "model.num_layers=2"])
+    init_distributed(1, 1, None, seed=7)
+    (m,) = build_model(cfg, transformer_config(cfg), 256)
+    return m.eval()
+
+
+def swap_core_attention(model, cls):
+    for layer in model.decoder.layers:
+        old = layer.self_attention.core_attention
+        new = cls(old.config, 1, old.attn_mask_type, "self")
+        new.train(old.training)
+        layer.self_attention.core_attention = new
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_whole_model_flex_matches_sdpa(model, causal):
+    """Through GPTModel: dense mask, and document ids carried by packed_seq_params (sbhd)."""
+    tokens = torch.randint(4, 256, (2, 160), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(160).expand_as(tokens)
+    docs = random_docs(2, 160, seed=6, mean=40)
+    mask = document_attention_mask(docs, causal)
+    try:
+        with torch.no_grad():
+            swap_core_attention(model, SDPAttention)
+            ref = model(tokens, positions, mask)
+            swap_core_attention(model, FlexDocumentAttention)
+            out_mask = model(tokens, positions, mask)
+            out_ids = model(tokens, positions, None,
+                            packed_seq_params=document_seq_params(docs, causal))
+    finally:
+        swap_core_attention(model, SDPAttention)
+    torch.testing.assert_close(out_mask, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_ids, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="FlexAttention backward exists only on CUDA in torch 2.13")
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_matches_sdpa_backward_cuda(causal):
+    torch.manual_seed(0)
+    config = attention_config()
+    sdpa = SDPAttention(config, 1, AttnMaskType.arbitrary, "self")
+    flex = FlexDocumentAttention(config, 1, AttnMaskType.arbitrary, "self")
+    s, b, d = 512, 2, 16
+    base = [torch.randn(s, b, n, d, device="cuda") for n in (4, 2, 2)]
+    docs = random_docs(b, s, seed=3, mean=100).cuda()
+    mask = document_attention_mask(docs, causal)
+    grads = []
+    for core in (sdpa, flex):
+        inputs = [t.clone().requires_grad_() for t in base]
+        out = core(*inputs, mask)
+        out.square().sum().backward()
+        grads.append([out.detach()] + [t.grad for t in inputs])
+    for ref, got in zip(*grads):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------- THD through megatron (reference core on CPU)
+class VarlenReferenceAttention(SDPAttention):
+    """THD core attention for CPU tests: SDPA per cu_seqlens sequence (what TE fused computes)."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        assert attention_mask is None and packed_seq_params.qkv_format == "thd"
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        cu = packed_seq_params.cu_seqlens_q.tolist()
+        outs = []
+        for a, b in zip(cu[:-1], cu[1:]):  # query/key/value: [t, heads, d]
+            q, k, v = (x[a:b].transpose(0, 1) for x in (query, key, value))
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, scale=self.softmax_scale,
+                enable_gqa=self.heads != self.groups).transpose(0, 1))
+        return torch.cat(outs)  # [t, heads, d]; megatron reshapes to [t, 1, h]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_thd_through_the_model_matches_dense_mask(model, causal):
+    """flatten_for_thd + megatron's THD handling (per-sequence RoPE restart) == dense masking.
+
+    RoPE restarts at each cu_seqlens boundary in THD but runs over the whole sample with the
+    dense mask; attention never crosses a document and RoPE is relative, so the two agree.
+    """
+    from megatron_mlmclm.model.packed import set_attention_mask_type
+
+    b, s = 2, 160
+    tokens = torch.randint(4, 256, (b, s), generator=torch.Generator().manual_seed(8))
+    docs = random_docs(b, s, seed=9, mean=40)
+    labels = torch.randint(4, 256, (b, s), generator=torch.Generator().manual_seed(10))
+    loss_mask = (torch.rand(b, s, generator=torch.Generator().manual_seed(11)) < 0.4).float()
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+             "position_ids": torch.arange(s).expand(b, s),
+             "attention_mask": document_attention_mask(docs, causal)}
+    thd = flatten_for_thd(batch, docs)
+    kind = AttnMaskType.causal if causal else AttnMaskType.no_mask
+    try:
+        with torch.no_grad():
+            swap_core_attention(model, SDPAttention)
+            ref_logits = model(tokens, batch["position_ids"], batch["attention_mask"])
+            ref_loss, _ = model(tokens, batch["position_ids"], batch["attention_mask"],
+                                labels=labels, loss_mask=loss_mask)
+            swap_core_attention(model, VarlenReferenceAttention)
+            set_attention_mask_type([model], kind)
+            logits = model(thd["tokens"], thd["position_ids"], None,
+                           packed_seq_params=thd["packed_seq_params"])
+            loss, _ = model(thd["tokens"], thd["position_ids"], None, labels=thd["labels"],
+                            loss_mask=thd["loss_mask"], packed_seq_params=thd["packed_seq_params"])
+    finally:
+        set_attention_mask_type([model], AttnMaskType.arbitrary)
+        swap_core_attention(model, SDPAttention)
+    torch.testing.assert_close(logits.view(b, s, -1), ref_logits, rtol=1e-5, atol=1e-5)
+    # Per-token losses come in (sequence, batch) order on the dense path, flattened on THD.
+    order = torch.arange(b * s).view(b, s).t()[loss_mask.t().bool()]
+    flat_keep = loss_mask.view(-1).bool()
+    thd_by_flat = torch.full((b * s,), float("nan"))
+    thd_by_flat[flat_keep] = loss
+    torch.testing.assert_close(thd_by_flat[order], ref_loss, rtol=1e-5, atol=1e-5)
