@@ -29,6 +29,7 @@ LAYOUTS = {
                    "parallel.pipeline_model_parallel_size=2"]),
     "dp2": (2, []),
     "dp2_distopt": (2, ["parallel.use_distributed_optimizer=true"]),
+    "recompute_full": (1, ["train.recompute=full"]),
 }
 
 
