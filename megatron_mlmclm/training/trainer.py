@@ -102,6 +102,8 @@ class Trainer:
         p, t = cfg.parallel, cfg.train
         # Everything that can fail on user input is checked before process groups and models.
         self.spec = token_spec_and_vocab(cfg)
+        if t.init_from:
+            ckpt.resolve_checkpoint(t.init_from)
         rt.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                             p.virtual_pipeline_model_parallel_size, t.seed)
         self.dp = parallel_state.get_data_parallel_world_size()
