@@ -81,10 +81,11 @@ def test_sigkill_and_resume_is_exact(config, tmp_path, nproc, overrides):
 
 
 @pytest.mark.slow
-def test_save_at_tp2_resume_at_tp1(config, tmp_path):
-    ref, resumed = tmp_path / "tp2", tmp_path / "tp1"
-    run_pretrain(config, [f"output_dir={ref}", "parallel.tensor_model_parallel_size=2",
-                          "checkpoint.keep_last=4"], nproc=2)
+@pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=2",
+                                    "parallel.pipeline_model_parallel_size=2"], ids=["tp2", "pp2"])
+def test_save_in_parallel_resume_in_one_process(config, tmp_path, layout):
+    ref, resumed = tmp_path / "parallel", tmp_path / "single"
+    run_pretrain(config, [f"output_dir={ref}", layout, "checkpoint.keep_last=4"], nproc=2)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref / "checkpoints" / "iter_0000004", resumed / "checkpoints" / "iter_0000004")
     run_pretrain(config, [f"output_dir={resumed}"], nproc=1)
@@ -92,3 +93,13 @@ def test_save_at_tp2_resume_at_tp1(config, tmp_path):
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(expected[step], abs=1e-5)
+
+
+def test_resume_with_the_other_optimizer_kind_is_refused(config, tmp_path):
+    run = tmp_path / "run"
+    run_pretrain(config, [f"output_dir={run}", "train.steps=2", "train.warmup_steps=0",
+                          "train.decay_steps=0"])
+    proc = run_pretrain(config, [f"output_dir={run}", "train.steps=4",
+                                 "parallel.use_distributed_optimizer=true"], check=False)
+    assert proc.returncode == 2
+    assert "was saved without the distributed optimizer" in proc.stderr

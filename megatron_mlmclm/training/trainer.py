@@ -102,7 +102,8 @@ class Trainer:
         p, t = cfg.parallel, cfg.train
         # Everything that can fail on user input is checked before process groups and models.
         self.spec = token_spec_and_vocab(cfg)
-        if t.init_from:
+        self.resume_from = self.find_resume_checkpoint()
+        if t.init_from and self.resume_from is None:
             ckpt.resolve_checkpoint(t.init_from)
         rt.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                             p.virtual_pipeline_model_parallel_size, t.seed)
@@ -154,10 +155,25 @@ class Trainer:
             start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps,
             wd_incr_style="constant", wsd_decay_steps=t.decay_steps, lr_wsd_decay_style="linear")
 
+    def find_resume_checkpoint(self) -> Optional[Path]:
+        """The run's latest complete checkpoint, checked against this run's optimizer kind."""
+        cfg = self.cfg
+        latest = ckpt.latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
+        if latest is not None:
+            saved = ckpt.read_trainer_state(latest)["trainer"].get("config", {})
+            was = saved.get("parallel", {}).get("use_distributed_optimizer")
+            if was is not None and was != cfg.parallel.use_distributed_optimizer:
+                # The two optimizers store different state (the distributed one keeps main params).
+                raise UsageError(
+                    f"{latest} was saved {'with' if was else 'without'} the distributed optimizer; "
+                    f"resume with parallel.use_distributed_optimizer={str(was).lower()}, or start "
+                    f"a new run from its weights with train.init_from={latest}")
+        return latest
+
     def restore(self) -> None:
         """Resume from the run's latest complete checkpoint, else start from train.init_from."""
         cfg = self.cfg
-        latest = ckpt.latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
+        latest = self.resume_from
         if latest is not None:
             state = ckpt.load_checkpoint(latest, self.model_chunks, self.optimizer, self.scheduler)
             self.step = int(state["iteration"])
