@@ -65,6 +65,11 @@ def preflight(cfgs: list[RunConfig]) -> None:
 
 
 def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
+    # Adding a task head prints transformers' "LOAD REPORT" (newly initialised classifier) for
+    # every one of thousands of runs; it is expected, so keep only errors.
+    import transformers
+
+    transformers.logging.set_verbosity_error()
     cfg = RunConfig(**cfg_dict)
     failed = Path(path).with_suffix(".failed.json")
     try:
