@@ -255,3 +255,28 @@ def test_gutenberg_valid_split(tmp_path, tok_dir, books):
     assert (s["documents"], s["empty_dropped"], s["tokens"]) == (7, 0, want)
     info = inspect_shard(tmp_path / "valid_text_document")
     assert info == {"documents": 7, "sequences": 7, "tokens": want, "dtype": "uint16"}
+
+
+def test_hugging_face_dataset_name(tmp_path, tok_dir, docs, monkeypatch):
+    """`org/name:split` goes through datasets.load_dataset(streaming=True). The hub cannot be
+    reached here, so a stand-in `datasets` module serves the documents: this checks our side
+    (name parsing, split, streaming iteration, text key) against the jsonl path's tokens."""
+    import importlib.machinery
+    import sys
+    import types
+
+    calls = []
+
+    def load_dataset(name, split, streaming):
+        calls.append((name, split, streaming))
+        return iter([{"text": t, "id": i} for i, t in enumerate(docs)])
+
+    fake = types.ModuleType("datasets")
+    fake.__spec__ = importlib.machinery.ModuleSpec("datasets", None)
+    fake.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    s = preprocess(["someorg/books:validation"], tmp_path / "hf", tok_dir, progress=False)
+    assert calls == [("someorg/books", "validation", True)]
+    tok = load_tokenizer(tok_dir)
+    assert _read_docs(tmp_path / "hf_text_document") == _reference(tok, docs)
+    assert s["empty_dropped"] == 1
