@@ -400,7 +400,7 @@ def validate_train(t: TrainConfig) -> None:
         raise UsageError(f"train.micro_batch_size ({t.micro_batch_size}) must divide "
                          f"train.global_batch_size ({t.global_batch_size})")
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise UsageError(f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr")
+        raise UsageError("train.lr must be > 0 and 0 <= train.min_lr <= train.lr")
     if t.warmup_steps < 0 or t.decay_steps < 0 or t.warmup_steps + t.decay_steps > t.steps:
         raise UsageError(f"train.warmup_steps ({t.warmup_steps}) + train.decay_steps "
                          f"({t.decay_steps}) must fit in train.steps ({t.steps})")

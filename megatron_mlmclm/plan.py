@@ -32,7 +32,7 @@ from typing import Optional
 
 import yaml
 
-from megatron_mlmclm.config import MODEL_PRESETS, ModelConfig, load_config, resolve_model
+from megatron_mlmclm.config import ModelConfig, load_config, resolve_model
 from megatron_mlmclm.errors import UsageError
 
 # --------------------------------------------------------------------------------------------------

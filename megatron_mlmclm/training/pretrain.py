@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 from megatron_mlmclm.config import load_config
-from megatron_mlmclm.errors import UsageError
 
 
 def add_arguments(parser) -> None:

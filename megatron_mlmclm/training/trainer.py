@@ -12,7 +12,6 @@ import json
 import math
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 

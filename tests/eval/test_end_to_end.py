@@ -4,7 +4,6 @@ and `mlmclm report` with its plots."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from megatron_mlmclm.cli import main
 

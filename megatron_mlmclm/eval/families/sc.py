@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from megatron_mlmclm.eval import metrics
 from megatron_mlmclm.eval.data import label_list, load_split
