@@ -22,6 +22,11 @@ import yaml
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.paths import data_dir
 
+# Without a local data folder (and with `datasets` installed and a network), the same flow reads
+# Project Gutenberg books (PG-19) and the fine-tuning tasks from the Hugging Face hub.
+HF_CORPUS = {"train": "deepmind/pg19:validation", "valid": "deepmind/pg19:test"}
+HF_TASKS = {"sst2": "sst2_hf", "conll2003": "conll2003_hf"}
+
 # The three models of the study's headline comparison, in miniature, under one step budget.
 MODELS = {
     "tiny-clm": [{"objective": "clm"}],
@@ -35,7 +40,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", default="out/quickstart", help="output folder (default %(default)s)")
     parser.add_argument("--data-dir", default=None,
                         help="folder with gutenberg_en/, sst2/, conll2003/ (default: "
-                             "$MLMCLM_DATA_DIR, else ../shared/data)")
+                             "$MLMCLM_DATA_DIR, else ../shared/data, else the Hugging Face hub "
+                             "when `datasets` is installed)")
     parser.add_argument("--steps", type=int, default=200, help="pretraining steps per model")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--tasks", nargs="+", default=["sst2", "conll2003"])
@@ -55,23 +61,35 @@ def stage(name: str, done: bool) -> bool:
     return not done
 
 
-def run(args) -> int:
+def resolve_sources(args) -> tuple[dict[str, str], list[str]]:
+    """(corpus inputs for the train/valid shards, evaluation task names): local files when a
+    data folder exists, else the Hugging Face hub when `datasets` is installed."""
     data = Path(args.data_dir) if args.data_dir else data_dir()
-    if data is None or not (data / "gutenberg_en" / "train.jsonl.gz").is_file():
-        raise UsageError("Gutenberg corpus not found: set MLMCLM_DATA_DIR (or --data-dir) to the "
-                         "folder holding gutenberg_en/, sst2/ and conll2003/")
+    if data is not None and (data / "gutenberg_en" / "train.jsonl.gz").is_file():
+        books = data / "gutenberg_en"
+        return {s: str(books / f"{s}.jsonl.gz") for s in ("train", "valid")}, list(args.tasks)
+    if args.data_dir is None and importlib.util.find_spec("datasets") is not None:
+        log("no local data folder: reading the corpus and tasks from the Hugging Face hub "
+            f"({HF_CORPUS['train']}, {', '.join(HF_TASKS.get(t, t) for t in args.tasks)})")
+        return dict(HF_CORPUS), [HF_TASKS.get(t, t) for t in args.tasks]
+    raise UsageError("Gutenberg corpus not found: set MLMCLM_DATA_DIR (or --data-dir) to the "
+                     "folder holding gutenberg_en/, sst2/ and conll2003/, or install `datasets` "
+                     "and run online")
+
+
+def run(args) -> int:
     if args.steps < 20:
         raise UsageError("--steps must be at least 20 (warmup and decay take 10% each)")
+    corpus, tasks = resolve_sources(args)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    books = data / "gutenberg_en"
 
     tokenizer = out / "tokenizer"
     if stage("1/6 tokenizer (byte-level BPE on Gutenberg)", (tokenizer / "mlmclm_tokenizer.json").is_file()):
         from megatron_mlmclm.data.tokenizer import train_tokenizer
 
-        train_tokenizer([str(books / "train.jsonl.gz")], tokenizer, vocab_size=args.vocab_size,
+        train_tokenizer([corpus["train"]], tokenizer, vocab_size=args.vocab_size,
                         max_documents=60)
 
     shards = out / "shards"
@@ -81,7 +99,7 @@ def run(args) -> int:
         if stage(f"2/6 shards: gutenberg {split}", target.is_file()):
             from megatron_mlmclm.data.preprocess import preprocess
 
-            preprocess([str(books / f"{split}.jsonl.gz")], prefix, tokenizer, workers=2)
+            preprocess([corpus[split]], prefix, tokenizer, workers=2)
 
     runs = out / "runs"
     for name, phases in MODELS.items():
@@ -101,9 +119,9 @@ def run(args) -> int:
             cli(["convert", "to-hf", str(runs / name / "checkpoints"), str(target)])
 
     results = out / "eval"
-    log(f"5/6 fine-tune on {', '.join(args.tasks)} over lr {args.lrs} x seeds {args.seeds} "
+    log(f"5/6 fine-tune on {', '.join(tasks)} over lr {args.lrs} x seeds {args.seeds} "
         "(finished runs are skipped)")
-    cli(["evaluate", "--model", *[str(exports / n) for n in MODELS], "--task", *args.tasks,
+    cli(["evaluate", "--model", *[str(exports / n) for n in MODELS], "--task", *tasks,
          "--out", str(results), "--lrs", *map(str, args.lrs), "--seeds", *map(str, args.seeds),
          "--max-steps", str(args.finetune_steps), "--eval-every", "50", "--batch-size", "32",
          "--max-length", "128", "--max-eval-examples", "1000", "--workers", str(args.workers),
