@@ -20,57 +20,28 @@ Last line: RESULT mlm_vs_clm_step ratio=<mlm_s/clm_s> ours_s=<mlm_s> baseline_s=
 from __future__ import annotations
 
 import argparse
-import atexit
-import shutil
 import statistics
-import tempfile
 import time
 import warnings
 
 import torch
 
+from _engine import add_shape_arguments, build_trainer
+
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
 
-def build_trainer(args):
-    from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.training.trainer import Trainer
-
-    out = tempfile.mkdtemp(prefix="bench_mlm_vs_clm_")
-    atexit.register(shutil.rmtree, out, ignore_errors=True)
-    steps = 10 * (args.warmup + args.steps) + 10
-    overrides = [
-        f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.resume=false",
-        "logging.tensorboard=false", "data.mock=true",
-        f"model.vocab_size={args.vocab}", f"model.num_layers={args.layers}",
-        f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}",
-        f"model.num_attention_heads={args.heads}", f"model.num_query_groups={args.kv_heads}",
-        f"model.kv_channels={args.hidden // args.heads}", f"model.seq_length={args.seq}",
-        f"train.steps={steps}", "train.warmup_steps=1", "train.decay_steps=1",
-        f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
-        "train.precision=fp32",
+def build(args):
+    return build_trainer(args, [
+        "train.warmup_steps=1", "train.decay_steps=1",
         "phases.0.objective=clm", "phases.0.share=0.5",
         "phases.1.objective=mlm", "phases.1.share=0.5", f"phases.1.mask_ratio={args.mask_ratio}",
-    ]
-    cfg = load_config(None, overrides)
-    trainer = Trainer(cfg)
-    trainer.setup()
-    return trainer, cfg
+    ], prefix="bench_mlm_vs_clm_")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps (about 30 s)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--mask-ratio", type=float, default=0.4)
+    add_shape_arguments(p)
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds per objective")
     p.add_argument("--steps", type=int, default=16, help="timed steps per objective")
     p.add_argument("--forward-reps", type=int, default=6, help="timed forward-only passes (0: skip)")
@@ -80,7 +51,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    trainer, cfg = build_trainer(args)
+    trainer, cfg = build(args)
     clm, mlm = cfg.phases[0], cfg.phases[1]
     n_params = sum(p.numel() for c in trainer.model_chunks for p in c.parameters())
     print(f"torch {torch.__version__}, torch threads = {torch.get_num_threads()} (set explicitly), "

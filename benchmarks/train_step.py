@@ -27,10 +27,7 @@ Last line: RESULT train_step ratio=<ours_s/hf_s> ours_s=<..> baseline_s=<hf_s>
 from __future__ import annotations
 
 import argparse
-import atexit
-import shutil
 import statistics
-import tempfile
 import time
 import warnings
 
@@ -38,36 +35,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from _engine import add_shape_arguments, build_trainer
+
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
 LR, BETAS, EPS, WD, CLIP = 5e-4, (0.9, 0.95), 1e-5, 0.1, 1.0
 
 
 def build_ours(args):
-    from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.training.trainer import Trainer
-
-    out = tempfile.mkdtemp(prefix="bench_train_step_")
-    atexit.register(shutil.rmtree, out, ignore_errors=True)
-    steps = 10 * (args.warmup + args.steps) + 10
-    overrides = [
-        f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.resume=false",
-        "logging.tensorboard=false", "data.mock=true",
-        f"model.vocab_size={args.vocab}", f"model.num_layers={args.layers}",
-        f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}",
-        f"model.num_attention_heads={args.heads}", f"model.num_query_groups={args.kv_heads}",
-        f"model.kv_channels={args.hidden // args.heads}", f"model.seq_length={args.seq}",
-        f"train.steps={steps}", "train.warmup_steps=0", "train.decay_steps=0",
+    return build_trainer(args, [
+        "train.warmup_steps=0", "train.decay_steps=0",
         f"train.lr={LR}", f"train.adam_beta1={BETAS[0]}", f"train.adam_beta2={BETAS[1]}",
         f"train.adam_eps={EPS}", f"train.weight_decay={WD}", f"train.clip_grad={CLIP}",
-        f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
-        "train.precision=fp32",
         "phases.0.objective=mlm", f"phases.0.mask_ratio={args.mask_ratio}",
-    ]
-    cfg = load_config(None, overrides)
-    trainer = Trainer(cfg)
-    trainer.setup()
-    return trainer, cfg
+    ], prefix="bench_train_step_")
 
 
 def build_hf(args, seed: int):
@@ -91,17 +72,7 @@ def build_hf(args, seed: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps (about 30 s)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--mask-ratio", type=float, default=0.4)
+    add_shape_arguments(p)
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
     p.add_argument("--steps", type=int, default=12, help="timed steps per loop")
     args = p.parse_args()

@@ -1,0 +1,46 @@
+"""Shared by the engine benchmarks: the model-shape flags and an in-process Trainer on mock data."""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+
+
+def add_shape_arguments(p) -> None:
+    p.add_argument("--quick", action="store_true", help="fewer steps (about 30 s)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--mask-ratio", type=float, default=0.4)
+
+
+def build_trainer(args, extra_overrides: list[str], prefix: str):
+    """A set-up Trainer (world of one, fp32) at the shapes in `args`, writing to a temp dir."""
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.training.trainer import Trainer
+
+    out = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    steps = 10 * (args.warmup + args.steps) + 10
+    overrides = [
+        f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.resume=false",
+        "logging.tensorboard=false", "data.mock=true",
+        f"model.vocab_size={args.vocab}", f"model.num_layers={args.layers}",
+        f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}",
+        f"model.num_attention_heads={args.heads}", f"model.num_query_groups={args.kv_heads}",
+        f"model.kv_channels={args.hidden // args.heads}", f"model.seq_length={args.seq}",
+        f"train.steps={steps}",
+        f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
+        "train.precision=fp32",
+    ] + extra_overrides
+    cfg = load_config(None, overrides)
+    trainer = Trainer(cfg)
+    trainer.setup()
+    return trainer, cfg
