@@ -66,6 +66,16 @@ def open_indexed_dataset(prefix: str | os.PathLike):
 # Datasets
 
 
+def _sample_position(i: int, n: int) -> int:
+    """Python-style index (negative counts from the end) -> position, IndexError when outside."""
+    i = int(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"sample {i} out of range for {n} samples")
+    return i
+
+
 class PackedDataset:
     """Samples of seq_length + 1 packed tokens from one IndexedDataset (one document a sequence)."""
 
@@ -92,11 +102,7 @@ class PackedDataset:
         return self.index.num_samples
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        i = int(i)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i = _sample_position(i, len(self))
         S = self.seq_length
         doc_idx, sample_idx = self.index.doc_idx, self.index.sample_idx
         j0, o0 = int(sample_idx[i, 0]), int(sample_idx[i, 1])
@@ -151,11 +157,7 @@ class BlendedPackedDataset:
         return int(self.dataset_index.shape[0])
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        i = int(i)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i = _sample_position(i, len(self))
         ds = self.datasets[int(self.dataset_index[i])]
         return ds[int(self.dataset_sample_index[i])]
 
