@@ -53,7 +53,8 @@ def mlm_mask(tokens: np.ndarray, sample_index: int, seed: int, ratio: float, spe
 
 
 def make_batch(samples: list[dict], sample_indices: list[int], phase: PhaseConfig,
-               spec: TokenSpec, seed: int, device=None) -> dict[str, torch.Tensor]:
+               spec: TokenSpec, seed: int, device=None,
+               dense_mask: bool = True) -> dict[str, torch.Tensor]:
     """Stack packed samples into one micro-batch for `phase.objective`."""
     tokens = np.stack([s["tokens"] for s in samples]).astype(np.int64)
     docs = np.stack([s["document_ids"] for s in samples])
@@ -70,17 +71,15 @@ def make_batch(samples: list[dict], sample_indices: list[int], phase: PhaseConfi
         labels = np.stack([p[1] for p in pairs])
         loss_mask = labels != IGNORE
         causal = False
-    doc_ids = torch.from_numpy(np.ascontiguousarray(docs[:, :-1]))
-    if device is not None:
-        doc_ids = doc_ids.to(device, non_blocking=True)  # build the mask where it is used
     batch = {
         "tokens": torch.from_numpy(np.ascontiguousarray(inputs)),
         "labels": torch.from_numpy(np.ascontiguousarray(labels)),
         "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask)).float(),
         "position_ids": torch.from_numpy(np.ascontiguousarray(positions)),
-        "document_ids": doc_ids,
+        "document_ids": torch.from_numpy(np.ascontiguousarray(docs[:, :-1])),
     }
     if device is not None:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    batch["attention_mask"] = document_attention_mask(doc_ids, causal=causal)
+    if dense_mask:  # built where it is used; the packed (THD) path needs none
+        batch["attention_mask"] = document_attention_mask(batch["document_ids"], causal=causal)
     return batch

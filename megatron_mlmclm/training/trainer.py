@@ -23,12 +23,14 @@ from megatron.core.distributed import DistributedDataParallelConfig, finalize_mo
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
 
 from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, transformer_config, use_te
 from megatron_mlmclm.model.flops import device_peak_flops, train_step_flops
+from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_type
 from megatron_mlmclm.objectives import TokenSpec, make_batch
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import checkpoint as ckpt
@@ -211,20 +213,15 @@ class Trainer:
         per_rank = t.global_batch_size // self.dp
         start = first_sample + self.dp_rank * per_rank
         if self.thd:
-            from megatron.core.transformer.enums import AttnMaskType
-
-            from megatron_mlmclm.model.packed import set_attention_mask_type
-
             set_attention_mask_type(self.model_chunks, AttnMaskType.causal
                                     if phase.objective == "clm" else AttnMaskType.no_mask)
         out = []
         for j in range(self.num_microbatches):
             idx = list(range(start + j * t.micro_batch_size, start + (j + 1) * t.micro_batch_size))
             samples = [dataset[i] for i in idx]
-            batch = make_batch(samples, idx, phase, self.spec, self.cfg.data.seed, rt.device())
+            batch = make_batch(samples, idx, phase, self.spec, self.cfg.data.seed, rt.device(),
+                               dense_mask=not self.thd)
             if self.thd:
-                from megatron_mlmclm.model.packed import flatten_for_thd
-
                 batch = flatten_for_thd(batch, batch["document_ids"])
             out.append(batch)
         return out
