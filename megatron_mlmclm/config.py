@@ -132,7 +132,7 @@ class RunConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# Presets (PAPER.md). `tiny` is ours: a few M parameters for CPU runs and tests.
+# Presets (docs/study.md). `tiny` is ours: a few M parameters for CPU runs and tests.
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(num_layers=4, hidden_size=128, ffn_hidden_size=384, num_attention_heads=4,

@@ -1,6 +1,6 @@
 """`mlmclm plan`: write the study's grid of run configs, their jobs, and a compute summary.
 
-    mlmclm plan --out plans/study                       # the whole grid of PAPER.md (60 runs)
+    mlmclm plan --out plans/study                       # the whole grid of docs/study.md (60 runs)
     mlmclm plan --out plans/small --sizes 210m --budgets 12000 --mask-ratios 0.4 \
         --clm-shares --cpt-steps                        # 2 runs
 
@@ -36,7 +36,7 @@ from megatron_mlmclm.config import ModelConfig, load_config, resolve_model
 from megatron_mlmclm.errors import UsageError
 
 # --------------------------------------------------------------------------------------------------
-# The study's recipe (PAPER.md) and the parallel layouts (docs/parallelism.md)
+# The study's recipe (docs/study.md) and the parallel layouts (docs/parallelism.md)
 
 STUDY_TRAIN = dict(lr=5.0e-4, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
                    adam_eps=1.0e-5, clip_grad=1.0, precision="auto")
@@ -64,7 +64,7 @@ EVAL_LRS, EVAL_SEEDS = 6, 5  # mlmclm evaluate's default grid: 6 learning rates 
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="plan folder (must be empty or absent, or --force)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    g = p.add_argument_group("grid (defaults: the study, PAPER.md)")
+    g = p.add_argument_group("grid (defaults: the study, docs/study.md)")
     g.add_argument("--sizes", nargs="*", default=["210m", "610m", "1b"])
     g.add_argument("--budgets", nargs="*", type=int, default=[12000, 22000, 42000],
                    help="train.steps of the from-scratch runs")

@@ -18,7 +18,7 @@ EXAMPLES = REPO / "examples"
 
 
 def expected_names() -> set[str]:
-    """The grid of PAPER.md, written out independently of megatron_mlmclm.plan."""
+    """The grid of docs/study.md, written out independently of megatron_mlmclm.plan."""
     names = set()
     for size in ("210m", "610m", "1b"):
         for b in (12, 22, 42):

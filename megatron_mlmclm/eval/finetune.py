@@ -2,7 +2,7 @@
 
 The loop is shared by the four families; each family (megatron_mlmclm/eval/families/) supplies the
 model, the training items and their collate function, the loss and the evaluation (`Setup`).
-Protocol defaults (PAPER.md): batch 32, at most 1000 steps or one epoch, 10% warmup then linear
+Protocol defaults (docs/study.md): batch 32, at most 1000 steps or one epoch, 10% warmup then linear
 decay, AdamW (0.9, 0.95, eps 1e-5), weight decay 0.1 (not on biases and norm weights), validation
 every 100 steps, bf16 autocast on GPU and fp32 on CPU, max length 0.99 x the model's positions.
 

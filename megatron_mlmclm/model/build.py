@@ -1,6 +1,6 @@
 """The encoder as a megatron-core GPTModel: config, layer spec, and a head that pays only for labels.
 
-Architecture (PAPER.md): RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings. The same trunk is
+Architecture (docs/study.md): RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings. The same trunk is
 trained causally (CLM) or bidirectionally (MLM); the attention kind is a property of the batch
 (the mask), not of the model, so one model switches objective between phases.
 """
@@ -73,7 +73,7 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         calculate_per_token_loss=True,
         # Initialise full weights on the CPU and slice them, so TP layouts start from one model.
         use_cpu_initialization=not on_gpu,
-        # Fusions need CUDA kernels; gloo P2P batching gives wrong results with PP (DESIGN.md).
+        # Fusions need CUDA kernels; gloo P2P batching gives wrong results with PP (docs/parallelism.md).
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

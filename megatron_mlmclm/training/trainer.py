@@ -148,7 +148,7 @@ class Trainer:
         self.open_logs()
 
     def new_scheduler(self) -> OptimizerParamScheduler:
-        """Warmup-stable-decay over the whole run, whatever its phases (PAPER.md)."""
+        """Warmup-stable-decay over the whole run, whatever its phases (docs/study.md)."""
         t = self.cfg.train
         return OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
