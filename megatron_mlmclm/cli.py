@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import types
 import warnings
 
 from megatron_mlmclm.errors import EXIT_USAGE, UsageError
@@ -39,6 +40,24 @@ def available_commands() -> dict[str, tuple[str, str]]:
     return out
 
 
+def command_parser(name: str) -> tuple[types.ModuleType, argparse.ArgumentParser]:
+    """The module of subcommand `name` and its argument parser."""
+    module_name, help_ = COMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"mlmclm {name}", description=help_)
+    module = importlib.import_module(module_name)
+    module.add_arguments(parser)
+    return module, parser
+
+
+def parse_command_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Flags may sit between positionals (`pretrain CONFIG --dry-run key=value`); parsers with
+    sub-commands cannot be parsed that way and are parsed as usual."""
+    try:
+        return parser.parse_intermixed_args(argv)
+    except TypeError:  # argparse: sub-parsers (nargs=A...) are not intermixable
+        return parser.parse_args(argv)
+
+
 def _top_help(commands) -> str:
     lines = ["usage: mlmclm COMMAND [ARGS ...]", "", "commands:"]
     lines += [f"  {n:<11} {h}" for n, (_, h) in commands.items()]
@@ -64,12 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlmclm: error: unknown command '{name}'; choose one of {', '.join(commands)}",
               file=sys.stderr)
         return EXIT_USAGE
-    module_name, help_ = commands[name]
-    parser = argparse.ArgumentParser(prog=f"mlmclm {name}", description=help_)
     try:
-        module = importlib.import_module(module_name)
-        module.add_arguments(parser)
-        args = parser.parse_args(argv[1:])
+        module, parser = command_parser(name)
+        args = parse_command_args(parser, argv[1:])
         rc = module.run(args)
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank

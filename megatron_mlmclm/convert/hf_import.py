@@ -230,7 +230,7 @@ def from_hf(hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = 
         del model
         ver = _verify(hf_dir, hf_cfg, ckpt, build_cfg, vocab, hf_vocab)
         (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
-        _write_run_config(tmp / "config.yaml", raw, hf_dir)
+        _write_run_config(tmp / "config.yaml", raw, hf_dir, final=out / "config.yaml")
     result = ImportResult(out, out / "checkpoints" / iter_name(0), family, vocab, grew, ver)
     if verbose:
         print(ver.line())
@@ -256,10 +256,11 @@ def _verify(hf_dir: Path, hf_cfg, ckpt: Path, cfg, vocab: int, hf_vocab: int) ->
                        seq=min(SEQ, cfg.model.seq_length), against=type(hf_model).__name__)
 
 
-def _write_run_config(path: Path, raw: dict[str, Any], hf_dir: Path) -> None:
+def _write_run_config(path: Path, raw: dict[str, Any], hf_dir: Path, final: Path) -> None:
+    """Write the run config at `path` (staged); its header names where it will live, `final`."""
     import yaml
 
     header = (f"# Continued MLM pretraining from {hf_dir} (written by mlmclm convert from-hf).\n"
               "# Set data.train to your shard prefixes (mlmclm preprocess), then:\n"
-              f"#   mlmclm pretrain {path} data.train=[PREFIX] train.steps=N\n")
+              f"#   mlmclm pretrain {final} data.train=[PREFIX] train.steps=N\n")
     path.write_text(header + yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
