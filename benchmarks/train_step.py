@@ -21,7 +21,8 @@ three loops (rotating order each round); the headline is the median s/step.
 
     PYTHONPATH=. python benchmarks/train_step.py [--quick] [--threads 1]
 
-Last line: RESULT train_step ratio=<ours_s/hf_s> ours_s=<..> baseline_s=<hf_s>
+Last line (the headline is like for like): RESULT train_step ratio=<ours_s/hf_gather_s> ours_s=<..>
+baseline_s=<hf_gather_s>; the ratio against the plain loop is printed above it, for information.
 """
 
 from __future__ import annotations
@@ -163,17 +164,16 @@ def main() -> None:
     tokens = args.micro_batch * args.seq
     print(f"throughput: ours {tokens / med['ours']:.0f} tok/s, hf {tokens / med['hf']:.0f} tok/s, "
           f"hf-gather {tokens / med['hf-gather']:.0f} tok/s")
-    print(f"like-for-like (HF gathers masked positions before lm_head): ratio ours/hf-gather = "
-          f"{med['ours'] / med['hf-gather']:.3f} ours_s={med['ours']:.4f} "
-          f"hf_gather_s={med['hf-gather']:.4f}")
+    print(f"info, against the plain loop (HF logits at every position): ratio ours/hf = "
+          f"{med['ours'] / med['hf']:.3f} ours_s={med['ours']:.4f} hf_s={med['hf']:.4f}")
     paired = [a / b for a, b in zip(times["ours"], times["hf"])]
     paired_g = [a / b for a, b in zip(times["ours"], times["hf-gather"])]
     print(f"noise check: median of per-round ratios (same round, adjacent steps): ours/hf "
           f"{statistics.median(paired):.3f}, ours/hf-gather {statistics.median(paired_g):.3f}; "
           f"ratio of min times: ours/hf {min(times['ours']) / min(times['hf']):.3f}, ours/hf-gather "
           f"{min(times['ours']) / min(times['hf-gather']):.3f}")
-    print(f"RESULT train_step ratio={med['ours'] / med['hf']:.3f} ours_s={med['ours']:.4f} "
-          f"baseline_s={med['hf']:.4f}")
+    print(f"RESULT train_step ratio={med['ours'] / med['hf-gather']:.3f} ours_s={med['ours']:.4f} "
+          f"baseline_s={med['hf-gather']:.4f}")
 
 
 if __name__ == "__main__":
