@@ -42,7 +42,7 @@ def stand_in_datasets(calls):
             return iter([{"text": book, "short_book_title": f"b{i}"} for i in range(3)])
         if name == "stanfordnlp/sst2":
             return FakeSplit([{"idx": i, "sentence": f"good film {i}", "label": i % 2}
-                              for i in range(6)], {"label": label})
+                              for i in range(30)], {"label": label})
         if name == "eriktks/conll2003":
             return FakeSplit([{"id": "0", "tokens": ["Ann", "went", "to", "Rome"],
                                "ner_tags": [1, 0, 0, 3]}], {"ner_tags": ner})
@@ -76,8 +76,14 @@ def test_without_local_data_the_hub_serves_corpus_and_tasks(tmp_path, monkeypatc
     summary = preprocess([corpus["valid"]], tmp_path / "valid", tok, progress=False)
     assert summary["documents"] == 3
     assert ("deepmind/pg19", "validation") in calls and ("deepmind/pg19", "test") in calls
-    sst2 = load_split(get_task("sst2_hf"), "train")
-    assert len(sst2) == 6 and {r["label"] for r in sst2} == {"negative", "positive"}
+    task = get_task("sst2_hf")
+    sst2 = load_split(task, "train")
+    assert len(sst2) == 29 and {r["label"] for r in sst2} == {"negative", "positive"}
+    # validation is carved out of the hub's train split by `idx` (md5("27") / 2^32 = 0.011 < 0.05),
+    # and the reported test split is the hub's labelled validation split
+    assert [r["id"] for r in load_split(task, "validation")] == ["27"]
+    assert calls[-1] == ("stanfordnlp/sst2", "train")
+    assert len(load_split(task, "test")) == 30 and calls[-1] == ("stanfordnlp/sst2", "validation")
     conll = load_split(get_task("conll2003_hf"), "test")
     assert conll[0]["tags"] == ["B-PER", "O", "O", "B-LOC"]
 

@@ -55,7 +55,7 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
 
 
 def run(args) -> int:
-    from megatron_mlmclm.eval.grid import expand, is_done, result_path, run_grid
+    from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid
     from megatron_mlmclm.eval.tasks import load_registry
 
     if args.list_tasks:
@@ -88,8 +88,8 @@ def run(args) -> int:
                   precision=args.precision, threads=args.threads, task_files=args.task_file,
                   progress=not args.no_progress)
     if args.list:
-        for i, c in enumerate(cfgs):
-            state = "done" if is_done(result_path(args.out, c)) else "todo"
+        for i, (c, path) in enumerate(zip(cfgs, result_paths(cfgs, args.out))):
+            state = "done" if is_done(path) else "todo"
             print(f"{i}\t{state}\t{c.name}\t{c.task}\tlr={c.lr:g}\tseed={c.seed}")
         return 0
     index = args.array_index

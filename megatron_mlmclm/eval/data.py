@@ -1,6 +1,6 @@
 """Readers: one per file format, each returning plain Python records for its family.
 
-- sc: [{"text_a", "text_b" (or None), "label": str}]
+- sc: [{"text_a", "text_b" (or None), "label": str, "id" (only when the source has an id column)}]
 - tc: [{"tokens": [str], "tags": [str]}]
 - qa: [{"id", "question", "context", "answers": {"text": [str], "answer_start": [int]}}]
 - ir: Beir(corpus {doc_id: text}, queries {qid: text}, qrels {qid: {doc_id: score}})
@@ -9,6 +9,9 @@
 file, a missing column or an empty split, so `mlmclm evaluate` can check every task before the
 first run starts. A `max_examples` subset is a fixed random sample (seed 0, original order kept), the
 same for every run of the grid.
+
+`validation_holdout` (any family) is applied here, in one place (`holdout`): the validation split is
+the train examples whose key hashes below the fraction, and train loses them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ def _open_text(path: Path):
 
 # ---------------------------------------------------------------------------------------- sc
 
+ID_COLUMNS = ("idx", "id", "guid")  # an SC example's id, when the source has one
+
+
 def _sc_rows(task: Task, rows: list[dict], where: str) -> list[dict]:
     if not rows:
         return rows
@@ -54,9 +60,11 @@ def _sc_rows(task: Task, rows: list[dict], where: str) -> list[dict]:
         if col not in rows[0]:
             raise UsageError(f"task '{task.name}': column '{col}' missing in {where} "
                              f"(columns: {', '.join(map(str, rows[0]))})")
+    id_col = next((c for c in ID_COLUMNS if c in rows[0]), None)
     return [{"text_a": str(r[task.text_a]),
              "text_b": str(r[task.text_b]) if task.text_b else None,
-             "label": str(r[task.label])} for r in rows]
+             "label": str(r[task.label]),
+             **({"id": str(r[id_col])} if id_col else {})} for r in rows]
 
 
 def read_glue_tsv(task: Task, path: Path) -> list[dict]:
@@ -145,11 +153,6 @@ def _beir_file(folder: Path, stem: str) -> Path | None:
     return None
 
 
-def _in_holdout(qid: str, fraction: float) -> bool:
-    h = int(hashlib.md5(qid.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return h < fraction
-
-
 _BEIR_CACHE: dict[str, tuple] = {}
 
 
@@ -181,11 +184,40 @@ def read_beir(task: Task, split: str) -> Beir:
             if len(parts) < 3:
                 continue
             qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
-    frac = task.validation_holdout
-    if frac > 0 and task.splits["validation"] == task.splits["train"] and split in ("train", "validation"):
-        want = split == "validation"
-        qrels = {q: d for q, d in qrels.items() if _in_holdout(q, frac) == want}
+    qrels = dict(holdout(task, split, list(qrels.items()), key=lambda qd: qd[0]))  # query id
     return Beir(corpus=corpus, queries=queries, qrels=qrels)
+
+
+# ------------------------------------------------------------------------------------ holdout
+
+def in_holdout(key: str, fraction: float) -> bool:
+    """Stable: md5 of the key, so the same examples are held out on every machine and run."""
+    h = int(hashlib.md5(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return h < fraction
+
+
+def holdout_key(task: Task, record: dict) -> str:
+    """The example's id where the source has one; else its input text, so exact duplicates land on
+    the same side. QA uses the paragraph: every question on it stays on one side (the official
+    SQuAD splits are by article), so validation contexts are unseen in training."""
+    if task.family == "qa":
+        return record["context"]
+    if record.get("id") is not None:
+        return str(record["id"])
+    if task.family == "tc":
+        return " ".join(record["tokens"])
+    return record["text_a"] if record["text_b"] is None else f"{record['text_a']}\t{record['text_b']}"
+
+
+def holdout(task: Task, split: str, items: list, key=None) -> list:
+    """With `validation_holdout` F > 0 both train and validation read the train split: validation
+    keeps the items whose key hashes below F, train keeps the rest. Other splits pass through."""
+    frac = task.validation_holdout
+    if frac <= 0 or split not in ("train", "validation"):
+        return items
+    key = key or (lambda r: holdout_key(task, r))
+    want = split == "validation"
+    return [x for x in items if in_holdout(key(x), frac) == want]
 
 
 # ------------------------------------------------------------------------------------- hf hub
@@ -239,6 +271,7 @@ def load_split(task: Task, split: str, max_examples: int | None = None):
         records = _read_hf(task, split)
     else:
         records = _READERS[task.format](task, task.file(split))
+    records = holdout(task, split, records)
     if not records:
         raise UsageError(f"task '{task.name}': split '{split}' ({task.splits[split]}) is empty")
     return subsample(records, max_examples)

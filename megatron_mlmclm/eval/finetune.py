@@ -9,12 +9,17 @@ every 100 steps, bf16 autocast on GPU and fp32 on CPU, max length 0.99 x the mod
 The test metric is computed once, on the final model; the validation curve (every `eval_every`
 steps and at the end) is kept in the result, and the final validation score is what the report
 uses to choose the learning rate.
+
+`protocol(cfg, task)` is everything that changes a run's score except (model, lr, seed): the
+fine-tuning settings in PROTOCOL_FIELDS (precision resolved) and the task entry. Its short hash
+names the result file, so a changed protocol never reuses an old result.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -29,7 +34,7 @@ import torch
 
 from megatron_mlmclm.errors import UsageError
 
-RESULT_SCHEMA = 1
+RESULT_SCHEMA = 2  # 2: protocol and grid fields, protocol id in the file name
 
 
 @dataclass
@@ -60,6 +65,9 @@ class RunConfig:
     threads: Optional[int] = None  # torch CPU threads; None: leave torch's default
     task_files: list[str] = field(default_factory=list)
     progress: bool = True
+    # the LR x seed grid this run belongs to: the report's seed set counts requested runs too
+    grid_lrs: list[float] = field(default_factory=list)
+    grid_seeds: list[int] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -67,6 +75,34 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# RunConfig fields that change a run's score (with precision resolved, see `protocol`). The others
+# do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe the
+# sweep, and eval_batch_size, eval_every (evaluation never touches the RNG or the weights),
+# ir_mini_batch_size (CachedMNRL: same loss), device, threads, task_files (the entry itself is
+# hashed) and progress are execution knobs. tests/eval/test_protocol.py checks every field is in
+# exactly one of the two sets.
+PROTOCOL_FIELDS = ("batch_size", "max_steps", "epochs", "warmup_ratio", "weight_decay", "adam_beta1",
+                   "adam_beta2", "adam_eps", "grad_clip", "max_length", "max_length_ratio",
+                   "max_train_examples", "max_eval_examples", "precision")
+NOT_PROTOCOL_FIELDS = ("model", "task", "lr", "seed", "model_name", "eval_batch_size", "eval_every",
+                       "ir_mini_batch_size", "device", "threads", "task_files", "progress",
+                       "grid_lrs", "grid_seeds")
+
+
+def _short_hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def protocol(cfg: RunConfig, task) -> dict:
+    """{"id", "run_id", "run", "task"}: `run` = the PROTOCOL_FIELDS (precision resolved to bf16 or
+    fp32 for this machine), `task` = the task entry (splits, holdout, ...); `run_id` hashes `run`
+    (one fine-tuning recipe across tasks), `id` hashes both (names the result file)."""
+    run = {k: getattr(cfg, k) for k in PROTOCOL_FIELDS}
+    run["precision"] = resolved_precision(cfg, resolve_device(cfg))
+    body = {"run": run, "task": task.to_dict()}
+    return {"id": _short_hash(body), "run_id": _short_hash(run), **body}
 
 
 @dataclass
@@ -79,6 +115,9 @@ class Setup:
     loss: Callable[[torch.nn.Module, Any], torch.Tensor]
     evaluate: Callable[[torch.nn.Module, str], dict]  # split name -> {metric: value}
     info: dict = field(default_factory=dict)
+    # per train item, the values no two items of one batch may share (IR: query and positive text,
+    # see no_duplicate_batches); None = plain shuffled batches
+    batch_keys: Optional[list[tuple]] = None
 
 
 def seed_everything(seed: int) -> None:
@@ -101,9 +140,13 @@ def resolve_device(cfg: RunConfig) -> torch.device:
     return dev
 
 
-def autocast_for(cfg: RunConfig, device: torch.device):
+def resolved_precision(cfg: RunConfig, device: torch.device) -> str:
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-    if bf16:
+    return "bf16" if bf16 else "fp32"
+
+
+def autocast_for(cfg: RunConfig, device: torch.device):
+    if resolved_precision(cfg, device) == "bf16":
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -140,8 +183,8 @@ def linear_warmup_decay(optimizer, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def num_steps(n_train: int, cfg: RunConfig) -> int:
-    per_epoch = math.ceil(n_train / cfg.batch_size)
+def num_steps(n_train: int, cfg: RunConfig, per_epoch: int | None = None) -> int:
+    per_epoch = per_epoch or math.ceil(n_train / cfg.batch_size)
     return max(1, min(cfg.max_steps, math.ceil(per_epoch * cfg.epochs)))
 
 
@@ -154,6 +197,39 @@ def batches(n: int, batch_size: int, steps: int, seed: int):
         perm = torch.randperm(n, generator=g).tolist()
         for i in range(0, n, batch_size):
             yield perm[i:i + batch_size]
+            done += 1
+            if done >= steps:
+                return
+
+
+def no_duplicate_epoch(keys: list[tuple], batch_size: int, g: torch.Generator) -> list[list[int]]:
+    """One epoch of batches in which no two items share a key value. With in-batch negatives (IR),
+    a repeated query or positive in a batch makes a correct document count as a negative. The
+    epoch is a seeded shuffle filled greedily: an item that clashes with the batch being filled
+    waits for a later batch (the rule of sentence-transformers' NoDuplicatesBatchSampler, which
+    needs a `datasets.Dataset`), so every item is seen once; the last batches may be short."""
+    remaining = torch.randperm(len(keys), generator=g).tolist()
+    out = []
+    while remaining:
+        batch, used, later = [], set(), []
+        for i in remaining:
+            if len(batch) < batch_size and used.isdisjoint(keys[i]):
+                batch.append(i)
+                used.update(keys[i])
+            else:
+                later.append(i)
+        out.append(batch)
+        remaining = later
+    return out
+
+
+def no_duplicate_batches(keys: list[tuple], batch_size: int, steps: int, seed: int):
+    """Like `batches`, epoch after epoch of `no_duplicate_epoch`."""
+    g = torch.Generator().manual_seed(seed)
+    done = 0
+    while True:
+        for batch in no_duplicate_epoch(keys, batch_size, g):
+            yield batch
             done += 1
             if done >= steps:
                 return
@@ -180,7 +256,14 @@ def train(setup: Setup, cfg: RunConfig, device: torch.device, log=print) -> dict
 
     model = setup.model.to(device)
     model.train()
-    steps = num_steps(len(setup.train_items), cfg)
+    n, keys = len(setup.train_items), setup.batch_keys
+    if keys is not None:  # an epoch may take more batches than n / batch_size: count the first
+        first = no_duplicate_epoch(keys, cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
+        steps = num_steps(n, cfg, per_epoch=len(first))
+        order = no_duplicate_batches(keys, cfg.batch_size, steps, cfg.seed)
+    else:
+        steps = num_steps(n, cfg)
+        order = batches(n, cfg.batch_size, steps, cfg.seed)
     optimizer = make_optimizer(model, cfg)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup_ratio * steps), steps)
     autocast = autocast_for(cfg, device)
@@ -189,7 +272,7 @@ def train(setup: Setup, cfg: RunConfig, device: torch.device, log=print) -> dict
     eval_time = 0.0
     bar = tqdm(total=steps, desc=f"{cfg.task} lr={cfg.lr:g} seed={cfg.seed}", disable=not cfg.progress,
                leave=False)
-    for step, idx in enumerate(batches(len(setup.train_items), cfg.batch_size, steps, cfg.seed), 1):
+    for step, idx in enumerate(order, 1):
         batch = to_device(setup.collate([setup.train_items[i] for i in idx]), device)
         with autocast():
             loss = setup.loss(model, batch)
@@ -236,12 +319,8 @@ def run_finetune(cfg: RunConfig, log=print) -> dict:
     model = setup.model
     model.eval()
     validation = {k: v for k, v in out["validation_curve"][-1].items() if k not in ("step", "train_loss")}
-    same_split = task.splits["test"] == task.splits["validation"] and task.validation_holdout == 0
-    if same_split:
-        test = dict(validation)
-    else:
-        with torch.no_grad(), autocast_for(cfg, device)():
-            test = setup.evaluate(model, "test")
+    with torch.no_grad(), autocast_for(cfg, device)():  # the registry keeps test apart from validation
+        test = setup.evaluate(model, "test")
     import transformers
 
     return {
@@ -254,6 +333,8 @@ def run_finetune(cfg: RunConfig, log=print) -> dict:
         "metric": task.metric,
         "lr": cfg.lr,
         "seed": cfg.seed,
+        "protocol": protocol(cfg, task),
+        "grid": {"lrs": list(cfg.grid_lrs) or [cfg.lr], "seeds": list(cfg.grid_seeds) or [cfg.seed]},
         "config": cfg.to_dict(),
         "task_config": task.to_dict(),
         "metrics": {"validation": validation, "test": test},
@@ -266,7 +347,7 @@ def run_finetune(cfg: RunConfig, log=print) -> dict:
         "eval_time_s": out["eval_time_s"],
         "wall_time_s": time.perf_counter() - t_start,
         "device": str(device),
-        "precision": "bf16" if autocast_for(cfg, device) is not contextlib.nullcontext else "fp32",
+        "precision": resolved_precision(cfg, device),
         "info": setup.info,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},

@@ -1,9 +1,10 @@
 """The learning-rate x seed sweep: expand, check, skip what is done, run (in parallel processes or
 one SLURM array element), one result JSON per run.
 
-Layout: <out>/<model name>/<task>/lr<lr>_seed<seed>.json, written atomically when a run finishes,
-so an interrupted sweep resumes where it stopped. A run that raised leaves
-<...>.failed.json (traceback) and is retried next time.
+Layout: <out>/<model name>/<task>/lr<lr>_seed<seed>_<protocol id>.json, written atomically when a
+run finishes, so an interrupted sweep resumes where it stopped. The protocol id (finetune.protocol)
+hashes the fine-tuning settings and the task entry: a run with other settings never counts as done.
+A run that raised leaves <...>.failed.json (traceback) and is retried next time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.finetune import RunConfig, run_finetune, write_result
+from megatron_mlmclm.eval.finetune import RunConfig, protocol, run_finetune, write_result
 
 DEFAULT_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
@@ -25,12 +26,22 @@ DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 
 def expand(models: list[str], tasks: list[str], lrs, seeds, **overrides) -> list[RunConfig]:
     """Grid order: model, task, lr, seed (stable, so an array index always names the same run)."""
-    return [RunConfig(model=m, task=t, lr=float(lr), seed=int(s), **overrides)
+    grid = {"grid_lrs": [float(x) for x in lrs], "grid_seeds": [int(x) for x in seeds]}
+    return [RunConfig(model=m, task=t, lr=float(lr), seed=int(s), **grid, **overrides)
             for m in models for t in tasks for lr in lrs for s in seeds]
 
 
-def result_path(out_dir: str | Path, cfg: RunConfig) -> Path:
-    return Path(out_dir) / cfg.name / cfg.task / f"lr{cfg.lr:g}_seed{cfg.seed}.json"
+def result_path(out_dir: str | Path, cfg: RunConfig, task) -> Path:
+    """`task`: the registry entry of cfg.task (its fields are part of the protocol id)."""
+    pid = protocol(cfg, task)["id"]
+    return Path(out_dir) / cfg.name / cfg.task / f"lr{cfg.lr:g}_seed{cfg.seed}_{pid}.json"
+
+
+def result_paths(cfgs: list[RunConfig], out_dir: str | Path) -> list[Path]:
+    from megatron_mlmclm.eval.tasks import load_registry
+
+    registry = load_registry(cfgs[0].task_files) if cfgs else {}
+    return [result_path(out_dir, c, registry[c.task]) for c in cfgs]
 
 
 def is_done(path: Path) -> bool:
@@ -95,7 +106,7 @@ def run_grid(cfgs: list[RunConfig], out_dir: str | Path, workers: int = 1,
                              f"(0..{len(cfgs) - 1})")
         cfgs = [cfgs[array_index]]
     preflight(cfgs)
-    todo = [(c, result_path(out_dir, c)) for c in cfgs if not is_done(result_path(out_dir, c))]
+    todo = [(c, p) for c, p in zip(cfgs, result_paths(cfgs, out_dir)) if not is_done(p)]
     summary = {"total": len(cfgs), "skipped": len(cfgs) - len(todo), "ran": 0, "failed": 0}
     log(f"evaluate: {len(cfgs)} runs, {summary['skipped']} already done, {len(todo)} to run "
         f"with {workers} worker(s) -> {out_dir}")

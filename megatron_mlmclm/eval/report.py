@@ -1,15 +1,26 @@
 """`mlmclm report RESULTS_DIR --out DIR`: the study's tables and plots from the result JSONs.
 
-Per (model, task): the learning rate with the best mean validation score over seeds is chosen;
-the reported score is the mean test score over the seeds at that learning rate, with a 95%
-confidence interval from the t-distribution (half-width t_{0.975, n-1} * sd / sqrt(n); 0 for one
-seed). Per family: the mean of the family's tasks; its interval treats each seed's
-task-average as one sample. Stability: the mean test score at every learning rate, its spread
-(best - worst) and standard deviation across the grid (a small spread = insensitive to the LR).
-Scores are in percent.
+One protocol at a time: every result carries its protocol (finetune.protocol: the fine-tuning
+settings and the task entry). Results of more than one fine-tuning recipe, or of one task under two
+task entries, are refused with one line naming them; `--protocol ID` picks the results to report.
 
-Writes report.md, per_task.csv, per_family.csv, stability.csv, lr_curves.csv,
-plots/lr_<task>.png (score vs LR per model) and plots/families.png (family averages with CI).
+Per (model, task), the seed set is every seed requested (the grid recorded in each result) or seen
+at any learning rate. Only an LR whose whole seed set finished is eligible; among those, the one
+with the best mean validation score over seeds is chosen (ties: the smaller LR), and the reported
+score is the mean test score over the seeds at that LR with a 95% confidence interval from the
+t-distribution (half-width t_{0.975, n-1} * sd / sqrt(n); 0 for one seed). Incomplete LRs are
+listed with their missing seeds; a (model, task) with no complete LR is not scored.
+
+Per family: the mean of the family's task scores (a model missing a task of the family gets none).
+The per-seed family score is the mean over the family's tasks of that seed's test score at each
+task's chosen LR (over the seeds every task has); its 95% t interval is the family's interval, and
+each model is compared with the family's best model by a paired two-sided t-test
+(scipy.stats.ttest_rel) on those per-seed scores, paired by fine-tuning seed, alpha 0.05: p >= alpha
+= tied with the best. Stability: the mean test score at every complete LR, its spread (best - worst)
+and standard deviation across the grid. Scores are in percent.
+
+Writes report.md, per_task.csv, per_family.csv, ties.csv, incomplete.csv, stability.csv,
+lr_curves.csv, plots/lr_<task>.png (score vs LR per model) and plots/families.png.
 """
 
 from __future__ import annotations
@@ -24,19 +35,24 @@ from pathlib import Path
 from megatron_mlmclm.errors import UsageError
 
 FAMILY_ORDER = ["sc", "tc", "qa", "ir"]
+ALPHA = 0.05  # two-sided, paired t-test against the family's best model
 
 
 def add_arguments(p) -> None:
     p.add_argument("results", help="folder of result JSONs written by `mlmclm evaluate`")
     p.add_argument("--out", default=None, help="report folder (default RESULTS/report)")
+    p.add_argument("--protocol", nargs="+", default=None, metavar="ID",
+                   help="report only results whose protocol id or run id starts with one of these "
+                        "(needed when the folder holds more than one protocol)")
     p.add_argument("--no-plots", action="store_true")
 
 
-def load_results(folder: str | Path) -> list[dict]:
+def load_results(folder: str | Path) -> tuple[list[dict], int]:
+    """(finished results that carry a protocol, number of finished results without one)."""
     root = Path(folder)
     if not root.is_dir():
         raise UsageError(f"results folder {folder} not found")
-    out = []
+    out, legacy = [], 0
     for f in sorted(root.rglob("*.json")):
         if f.name.endswith(".failed.json"):
             continue
@@ -45,10 +61,50 @@ def load_results(folder: str | Path) -> list[dict]:
         except (OSError, json.JSONDecodeError):
             continue
         if isinstance(r, dict) and r.get("status") == "done" and "metrics" in r:
-            out.append(r)
+            if "protocol" in r:
+                out.append(r)
+            else:
+                legacy += 1
     if not out:
-        raise UsageError(f"no finished result JSONs under {folder}; run `mlmclm evaluate` first")
-    return out
+        raise UsageError(f"no finished result JSONs with a protocol under {folder}; "
+                         f"run `mlmclm evaluate` first")
+    return out, legacy
+
+
+def _differing(dicts: list[dict]) -> list[str]:
+    keys = sorted({k for d in dicts for k in d})
+    return [k for k in keys if len({json.dumps(d.get(k), sort_keys=True) for d in dicts}) > 1]
+
+
+def _describe(results: list[dict], id_key: str, part: str) -> str:
+    """'id (n runs: field=value, ...)' per protocol, naming only the fields that differ."""
+    groups = defaultdict(list)
+    for r in results:
+        groups[r["protocol"][id_key]].append(r)
+    bodies = {i: g[0]["protocol"][part] for i, g in groups.items()}
+    diff = _differing(list(bodies.values()))
+    return "; ".join(f"{i} ({len(g)} runs: " + ", ".join(f"{k}={bodies[i].get(k)}" for k in diff) + ")"
+                     for i, g in sorted(groups.items()))
+
+
+def select_protocol(results: list[dict], wanted: list[str] | None = None) -> list[dict]:
+    """The results of one protocol, else a UsageError naming the protocols found."""
+    if wanted:
+        keep = [r for r in results if any(r["protocol"]["id"].startswith(w)
+                                          or r["protocol"]["run_id"].startswith(w) for w in wanted)]
+        if not keep:
+            raise UsageError(f"no results match --protocol {' '.join(wanted)}; fine-tuning protocols "
+                             f"here: {_describe(results, 'run_id', 'run')}")
+        results = keep
+    if len({r["protocol"]["run_id"] for r in results}) > 1:
+        raise UsageError(f"the results mix fine-tuning protocols: {_describe(results, 'run_id', 'run')}; "
+                         f"pass --protocol RUN_ID to report one")
+    for task in sorted({r["task"] for r in results}):
+        of_task = [r for r in results if r["task"] == task]
+        if len({r["protocol"]["id"] for r in of_task}) > 1:
+            raise UsageError(f"task {task} has results under more than one task entry: "
+                             f"{_describe(of_task, 'id', 'task')}; pass --protocol with the ids to keep")
+    return results
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
@@ -62,30 +118,61 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return m, float(stats.t.ppf(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n))
 
 
+def paired_t(a: list[float], b: list[float]) -> tuple[float, float]:
+    """(t, two-sided p) of scipy.stats.ttest_rel(a, b). Differences that are all equal have no
+    variance (scipy gives nan or inf): all zero -> (0, 1), else (+-inf, 0)."""
+    d = [x - y for x, y in zip(a, b)]
+    if max(d) - min(d) <= 1e-12:
+        m = statistics.mean(d)
+        return (0.0, 1.0) if abs(m) <= 1e-12 else (math.copysign(math.inf, m), 0.0)
+    from scipy import stats
+
+    res = stats.ttest_rel(a, b)
+    return float(res.statistic), float(res.pvalue)
+
+
 def summarize(results: list[dict]) -> dict:
-    """All numbers of the report (percent), without any formatting."""
+    """All numbers of the report (percent), without any formatting. `results`: one protocol."""
     runs = defaultdict(lambda: defaultdict(dict))  # (model, task) -> lr -> seed -> result
+    want_seeds, want_lrs = defaultdict(set), defaultdict(set)  # requested or seen
     family, metric = {}, {}
     for r in results:
-        runs[(r["model"], r["task"])][r["lr"]][r["seed"]] = r
+        key = (r["model"], r["task"])
+        runs[key][r["lr"]][r["seed"]] = r
+        want_seeds[key].update([r["seed"], *r["grid"]["seeds"]])
+        want_lrs[key].update([r["lr"], *r["grid"]["lrs"]])
         family[r["task"]], metric[r["task"]] = r["family"], r["metric"]
-    per_task, stability, curves = [], [], []
-    best_seed_scores = {}  # (model, task) -> {seed: test score at the best lr}
+    per_task, stability, curves, incomplete = [], [], [], []
+    seed_scores = {}  # (model, task) -> {seed: test score at the chosen lr}
     for (model, task), by_lr in sorted(runs.items()):
-        m = metric[task]
-        val = {lr: statistics.mean(100 * s["metrics"]["validation"][m] for s in seeds.values())
-               for lr, seeds in by_lr.items()}
-        test = {lr: [100 * s["metrics"]["test"][m] for s in seeds.values()] for lr, seeds in by_lr.items()}
+        m, seeds = metric[task], want_seeds[(model, task)]
+        complete = {}
+        for lr in sorted(want_lrs[(model, task)]):
+            lack = sorted(seeds - set(by_lr.get(lr, {})))
+            if lack:
+                incomplete.append({"model": model, "task": task, "lr": lr,
+                                   "missing_seeds": " ".join(map(str, lack)),
+                                   "seeds_done": len(by_lr.get(lr, {})), "seeds": len(seeds)})
+            else:
+                complete[lr] = by_lr[lr]
+        if not complete:
+            incomplete.append({"model": model, "task": task, "lr": "none complete",
+                               "missing_seeds": "", "seeds_done": 0, "seeds": len(seeds)})
+            continue
+        val = {lr: statistics.mean(100 * s["metrics"]["validation"][m] for s in done.values())
+               for lr, done in complete.items()}
+        test = {lr: {seed: 100 * s["metrics"]["test"][m] for seed, s in done.items()}
+                for lr, done in complete.items()}
         best_lr = max(val, key=lambda lr: (val[lr], -lr))
-        mean, ci = mean_ci(test[best_lr])
-        best_seed_scores[(model, task)] = {seed: 100 * s["metrics"]["test"][m]
-                                           for seed, s in by_lr[best_lr].items()}
+        mean, ci = mean_ci(list(test[best_lr].values()))
+        seed_scores[(model, task)] = test[best_lr]
         per_task.append({"model": model, "family": family[task], "task": task, "metric": m,
                          "best_lr": best_lr, "validation": val[best_lr], "score": mean, "ci95": ci,
-                         "seeds": len(test[best_lr]), "lrs": len(by_lr)})
-        lr_means = {lr: statistics.mean(v) for lr, v in test.items()}
-        for lr in sorted(by_lr):
-            lm, lci = mean_ci(test[lr])
+                         "seeds": len(test[best_lr]), "lrs": len(complete),
+                         "lrs_incomplete": len(want_lrs[(model, task)]) - len(complete)})
+        lr_means = {lr: statistics.mean(v.values()) for lr, v in test.items()}
+        for lr in sorted(complete):
+            lm, lci = mean_ci(list(test[lr].values()))
             curves.append({"model": model, "task": task, "lr": lr, "validation": val[lr],
                            "score": lm, "ci95": lci, "seeds": len(test[lr])})
         vals = list(lr_means.values())
@@ -95,22 +182,65 @@ def summarize(results: list[dict]) -> dict:
                           "spread": max(vals) - min(vals),
                           "sd_across_lrs": statistics.pstdev(vals),
                           "lrs_within_1pt": sum(v >= max(vals) - 1.0 for v in vals), "lrs": len(vals)})
-    per_family = []
-    models = sorted({row["model"] for row in per_task})
-    for model in models:
-        for fam in FAMILY_ORDER:
-            tasks = [row["task"] for row in per_task if row["model"] == model and row["family"] == fam]
-            if not tasks:
+    models = sorted({m for m, _ in runs})
+    per_family, family_seeds = _families(runs, family, seed_scores, per_task, models)
+    return {"per_task": per_task, "per_family": per_family,
+            "ties": _ties(per_family, family_seeds), "stability": stability, "lr_curves": curves,
+            "incomplete": incomplete, "models": models, "runs": len(results),
+            "protocol": results[0]["protocol"]["run"], "run_id": results[0]["protocol"]["run_id"],
+            "task_ids": {r["task"]: r["protocol"]["id"] for r in results}}
+
+
+def _families(runs, family, seed_scores, per_task, models):
+    """Family rows, and {(model, family): {seed: family score of that seed}}."""
+    score = {(r["model"], r["task"]): r["score"] for r in per_task}
+    rows, samples_of = [], {}
+    for fam in FAMILY_ORDER:
+        tasks = sorted(t for t, f in family.items() if f == fam)
+        for model in models:
+            if not tasks or not any((model, t) in runs for t in tasks):
                 continue
-            seeds = set.intersection(*(set(best_seed_scores[(model, t)]) for t in tasks))
-            samples = [statistics.mean(best_seed_scores[(model, t)][s] for t in tasks) for s in sorted(seeds)]
-            task_means = [row["score"] for row in per_task if row["model"] == model and row["family"] == fam]
-            _, ci = mean_ci(samples) if samples else (0.0, 0.0)
-            per_family.append({"model": model, "family": fam, "tasks": len(tasks),
-                               "score": statistics.mean(task_means), "ci95": ci,
-                               "task_names": " ".join(sorted(tasks))})
-    return {"per_task": per_task, "per_family": per_family, "stability": stability,
-            "lr_curves": curves, "models": models, "runs": len(results)}
+            row = {"model": model, "family": fam, "tasks": len(tasks), "task_names": " ".join(tasks),
+                   "score": None, "ci95": None, "seeds": 0, "note": ""}
+            lacking = [t for t in tasks if (model, t) not in seed_scores]
+            if lacking:
+                row["note"] = f"no score for {' '.join(lacking)}"
+                rows.append(row)
+                continue
+            seeds = sorted(set.intersection(*(set(seed_scores[(model, t)]) for t in tasks)))
+            samples = {s: statistics.mean(seed_scores[(model, t)][s] for t in tasks) for s in seeds}
+            row["score"] = statistics.mean(score[(model, t)] for t in tasks)
+            row["ci95"] = mean_ci(list(samples.values()))[1] if samples else 0.0
+            row["seeds"] = len(seeds)
+            samples_of[(model, fam)] = samples
+            rows.append(row)
+    return rows, samples_of
+
+
+def _ties(per_family, samples_of) -> list[dict]:
+    """Each scored model against its family's best, paired by seed (see the module docstring)."""
+    out = []
+    for fam in FAMILY_ORDER:
+        rows = [r for r in per_family if r["family"] == fam and r["score"] is not None]
+        if not rows:
+            continue
+        best = max(rows, key=lambda r: r["score"])
+        ref = samples_of[(best["model"], fam)]
+        for r in sorted(rows, key=lambda r: -r["score"]):
+            mine = samples_of[(r["model"], fam)]
+            common = sorted(set(mine) & set(ref))
+            t = p = math.nan
+            if r is best:
+                verdict = "best"
+            elif len(common) < 2:
+                verdict = "untested (< 2 paired seeds)"
+            else:
+                t, p = paired_t([mine[s] for s in common], [ref[s] for s in common])
+                verdict = "tied" if p >= ALPHA else "below"
+            out.append({"family": fam, "model": r["model"], "best": best["model"], "score": r["score"],
+                        "diff": r["score"] - best["score"], "pairs": len(common), "t": t, "p": p,
+                        "verdict": verdict})
+    return out
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -127,8 +257,14 @@ def _md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> list[str]:
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |",
              "|" + "|".join("---" if f == "s" else "---:" for _, _, f in cols) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(format(r[k], f) if f != "s" else str(r[k]) for k, _, f in cols) + " |")
+        lines.append("| " + " | ".join(_fmt(r[k], f) for k, _, f in cols) + " |")
     return lines
+
+
+def _fmt(value, f: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return str(value) if f == "s" or isinstance(value, str) else format(value, f)
 
 
 def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
@@ -138,24 +274,57 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
         row = {"model": model}
         fams = {r["family"]: r for r in s["per_family"] if r["model"] == model}
         for f in fam_cols:
-            row[f] = f"{fams[f]['score']:.2f} ± {fams[f]['ci95']:.2f}" if f in fams else "-"
-        row["avg"] = f"{statistics.mean(r['score'] for r in fams.values()):.2f}"
+            r = fams.get(f)
+            row[f] = f"{r['score']:.2f} ± {r['ci95']:.2f}" if r and r["score"] is not None else "-"
+        scored = [r["score"] for r in fams.values() if r["score"] is not None]
+        row["avg"] = f"{statistics.mean(scored):.2f}" if scored and len(scored) == len(fam_cols) else "-"
         overview.append(row)
+    run = ", ".join(f"{k}={v}" for k, v in s["protocol"].items())
+    tasks = ", ".join(f"{t} `{i}`" for t, i in sorted(s["task_ids"].items()))
     lines = ["# Fine-tuning report", "",
              f"{s['runs']} runs, {len(s['models'])} model(s). Scores in percent; ± is the 95% "
              "confidence interval (t-distribution) over seeds at the learning rate chosen on "
-             "validation (mean over seeds).", "",
-             "## Family averages", ""]
+             "validation (mean over seeds), among the LRs whose whole seed set finished.", "",
+             f"Protocol `{s['run_id']}`: {run}. Task entries (protocol ids): {tasks}.", "",
+             "## Family averages", "",
+             "Family score = mean of the family's task scores; its interval treats each seed's "
+             "family score (mean over the family's tasks of that seed's test score at each task's "
+             "chosen LR) as one sample. A model missing a task of the family has none.", ""]
     lines += _md_table(overview, [("model", "model", "s")] + [(f, f.upper(), "s") for f in fam_cols]
                        + [("avg", "average", "s")])
+    lines += ["", "## Ties with the best model per family", "",
+              f"Test: paired two-sided t-test (scipy.stats.ttest_rel) of each model's per-seed family "
+              f"scores against the best model's, paired by fine-tuning seed (the seeds both have for "
+              f"every task of the family), alpha = {ALPHA}. tied = p ≥ {ALPHA}: not distinguishable "
+              f"from the best; below = significantly lower.", ""]
+    for fam in fam_cols:
+        rows = [r for r in s["ties"] if r["family"] == fam]
+        if rows:
+            tied = [r["model"] for r in rows if r["verdict"] in ("best", "tied")]
+            lines.append(f"- {fam.upper()}: best {rows[0]['best']}; statistically tied with the "
+                         f"best: {', '.join(tied)}")
+    lines += [""] + _md_table(s["ties"], [("family", "family", "s"), ("model", "model", "s"),
+                                          ("score", "score", ".2f"), ("diff", "Δ vs best", "+.2f"),
+                                          ("pairs", "paired seeds", "d"), ("t", "t", ".3f"),
+                                          ("p", "p", ".4f"), ("verdict", "verdict", "s")])
     lines += ["", "## Per task", ""]
     lines += _md_table(s["per_task"], [("model", "model", "s"), ("task", "task", "s"),
                                        ("metric", "metric", "s"), ("best_lr", "best LR", "g"),
                                        ("validation", "validation", ".2f"), ("score", "score", ".2f"),
-                                       ("ci95", "± 95% CI", ".2f"), ("seeds", "seeds", "d")])
+                                       ("ci95", "± 95% CI", ".2f"), ("seeds", "seeds", "d"),
+                                       ("lrs", "complete LRs", "d")])
+    if s["incomplete"]:
+        lines += ["", "## Incomplete learning rates (not eligible for the LR choice)", ""]
+        for r in s["incomplete"]:
+            if r["lr"] == "none complete":
+                lines.append(f"- {r['model']} / {r['task']}: no learning rate has all {r['seeds']} "
+                             f"seeds; not scored")
+            else:
+                lines.append(f"- {r['model']} / {r['task']} / lr {r['lr']:g}: missing seeds "
+                             f"{r['missing_seeds']}")
     lines += ["", "## Learning-rate sensitivity (stability)", "",
-              "Mean test score per LR across the grid: spread = best - worst LR, sd across LRs, and "
-              "how many LRs land within 1 point of the best. Smaller spread = more stable.", ""]
+              "Mean test score per complete LR across the grid: spread = best - worst LR, sd across "
+              "LRs, and how many LRs land within 1 point of the best. Smaller spread = more stable.", ""]
     lines += _md_table(s["stability"], [("model", "model", "s"), ("task", "task", "s"),
                                         ("best", "best", ".2f"), ("worst", "worst", ".2f"),
                                         ("worst_lr", "worst LR", "g"), ("spread", "spread", ".2f"),
@@ -198,7 +367,7 @@ def write_plots(s: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(1.5 + 1.5 * len(fams), 3.5))
     width = 0.8 / max(len(s["models"]), 1)
     for i, model in enumerate(s["models"]):
-        rows = {r["family"]: r for r in s["per_family"] if r["model"] == model}
+        rows = {r["family"]: r for r in s["per_family"] if r["model"] == model and r["score"] is not None}
         xs = [j + i * width for j, f in enumerate(fams) if f in rows]
         ax.bar(xs, [rows[f]["score"] for f in fams if f in rows], width,
                yerr=[rows[f]["ci95"] for f in fams if f in rows], capsize=3, label=model)
@@ -214,19 +383,27 @@ def write_plots(s: dict, out: Path) -> list[str]:
     return written
 
 
-def make_report(results_dir: str | Path, out_dir: str | Path | None = None, plots: bool = True) -> Path:
-    results = load_results(results_dir)
+def make_report(results_dir: str | Path, out_dir: str | Path | None = None, plots: bool = True,
+                protocol: list[str] | None = None, log=print) -> Path:
+    results, legacy = load_results(results_dir)
+    results = select_protocol(results, protocol)
+    if legacy:
+        log(f"report: ignored {legacy} result(s) without a protocol (written before results were "
+            f"keyed by protocol); re-run them with `mlmclm evaluate`")
     out = Path(out_dir) if out_dir else Path(results_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     s = summarize(results)
-    for key in ("per_task", "per_family", "stability", "lr_curves"):
+    for key in ("per_task", "per_family", "ties", "incomplete", "stability", "lr_curves"):
         _write_csv(out / f"{key}.csv", s[key])
     written = write_plots(s, out) if plots else []
     write_markdown(s, out / "report.md", written)
+    if s["incomplete"]:
+        log(f"report: {len(s['incomplete'])} incomplete learning rate(s) left out of the LR choice "
+            f"(listed in report.md)")
     return out
 
 
 def run(args) -> int:
-    out = make_report(args.results, args.out, plots=not args.no_plots)
+    out = make_report(args.results, args.out, plots=not args.no_plots, protocol=args.protocol)
     print(f"report: {out / 'report.md'}")
     return 0

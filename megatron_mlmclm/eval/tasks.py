@@ -5,6 +5,11 @@ Entries ship in `megatron_mlmclm/eval/tasks/*.yaml` (one file per family); more 
 `--task-file FILE.yaml` or $MLMCLM_EVAL_TASKS (paths separated by os.pathsep). A later entry with the
 same name replaces an earlier one. The fields of an entry are those of `Task`; anything not listed
 there is a UsageError, so a typo never silently falls back to a default.
+
+Validation is never the reported test split: an entry whose validation and test name the same split
+is refused. Where a release has no labelled test split, the public dev split becomes `test` and
+`validation_holdout: F` carves the validation split out of train (a stable hash, see
+data.in_holdout; `splits.validation` then names the train split), removing it from training.
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ class Task:
     doc_stride: int = 128
     max_answer_tokens: int = 30
     null_threshold: float = 0.0
-    # ir
+    # every family: fraction of train carved out (by a hash) as the validation split; 0 = none
     validation_holdout: float = 0.0
+    # ir
     corpus: str = "judged"
     # hf datasets (online only)
     hf_name: Optional[str] = None
@@ -106,7 +112,27 @@ def _parse(name: str, entry: Any, source: Path) -> Task:
         task.labels = [str(x) for x in task.labels]
     if task.corpus not in ("judged", "full"):
         raise UsageError(f"task '{name}': corpus must be 'judged' or 'full'")
+    _check_splits(task, source)
     return task
+
+
+def _check_splits(task: Task, source: Path) -> None:
+    """Choosing the LR on the split whose score is reported would overstate it: refuse."""
+    sp = {k: os.path.normpath(str(v)) for k, v in task.splits.items()}
+    where = f"task '{task.name}' in {source}"
+    if not 0 <= task.validation_holdout < 1:
+        raise UsageError(f"{where}: validation_holdout must be in [0, 1)")
+    if task.validation_holdout > 0:
+        if sp["validation"] != sp["train"]:
+            raise UsageError(f"{where}: validation_holdout carves validation out of train; set "
+                             f"splits.validation to the train split ({task.splits['train']})")
+        if sp["test"] == sp["train"]:
+            raise UsageError(f"{where}: test is the train split; point test at a held-out split")
+    elif sp["validation"] == sp["test"]:
+        raise UsageError(f"{where}: validation and test are the same split "
+                         f"({task.splits['test']}), so the LR would be chosen on the reported "
+                         f"score; set `validation_holdout: 0.1` and splits.validation to the train "
+                         f"split, or give validation its own split")
 
 
 def load_registry(extra_files: list[str] | None = None) -> dict[str, Task]:

@@ -24,14 +24,19 @@ def test_bad_inputs_exit_2_with_one_line(tiny_model, tmp_path, capsys, data):
     (tmp_path / "empty.tsv").write_text("sentence\tlabel\n")
     (tmp_path / "tasks.yaml").write_text(json.dumps({
         "sst2_nolabel": {"family": "sc", "format": "glue_tsv", "path": str(data / "sst2"),
-                         "splits": {"train": "train.tsv", "validation": "dev.tsv", "test": "dev.tsv"},
-                         "text_a": "sentence", "label": "polarity"},
+                         "splits": {"train": "train.tsv", "validation": "train.tsv", "test": "dev.tsv"},
+                         "validation_holdout": 0.05, "text_a": "sentence", "label": "polarity"},
         "sst2_empty": {"family": "sc", "format": "glue_tsv", "path": str(tmp_path),
-                       "splits": {"train": "empty.tsv", "validation": "empty.tsv", "test": "empty.tsv"},
-                       "text_a": "sentence", "label": "label"}}))
+                       "splits": {"train": "empty.tsv", "validation": "empty.tsv", "test": "dev.tsv"},
+                       "validation_holdout": 0.1, "text_a": "sentence", "label": "label"}}))
     tf = ["--task-file", str(tmp_path / "tasks.yaml")]
     _check(base + tf + ["--task", "sst2_nolabel"], capsys, "column 'polarity' missing")
     _check(base + tf + ["--task", "sst2_empty"], capsys, "is empty")
+    (tmp_path / "same.yaml").write_text(json.dumps({"sst2_same": {
+        "family": "sc", "format": "glue_tsv", "path": str(data / "sst2"), "text_a": "sentence",
+        "splits": {"train": "train.tsv", "validation": "dev.tsv", "test": "dev.tsv"}}}))
+    _check(base + ["--task-file", str(tmp_path / "same.yaml"), "--task", "sst2"], capsys,
+           "task 'sst2_same'")
 
     no_tok = tmp_path / "no-tokenizer"
     no_tok.mkdir()

@@ -20,14 +20,19 @@ def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys
     assert main(args) == 0
     files = sorted(out.rglob("*.json"))
     assert len(files) == len(TASKS) * 2 * 2
-    r = json.loads((out / "tiny-eurobert" / "squad" / "lr0.001_seed1.json").read_text())
+    [squad] = (out / "tiny-eurobert" / "squad").glob("lr0.001_seed1_*.json")
+    r = json.loads(squad.read_text())
     for key in ("config", "metrics", "validation_curve", "wall_time_s", "train_examples_per_s",
-                "task_config", "versions"):
+                "task_config", "versions", "protocol", "grid"):
         assert key in r
+    assert squad.name == f"lr0.001_seed1_{r['protocol']['id']}.json"
+    assert r["protocol"]["run"]["max_steps"] == 3 and r["protocol"]["task"]["validation_holdout"] == 0.1
+    assert r["grid"] == {"lrs": [1e-3, 3e-4], "seeds": [0, 1]}
     assert r["status"] == "done" and r["family"] == "qa" and r["config"]["lr"] == 1e-3
     assert r["steps"] == 3 and [p["step"] for p in r["validation_curve"]] == [2, 3]
     assert set(r["metrics"]["test"]) == {"exact_match", "f1"}
-    ir = json.loads((out / "tiny-eurobert" / "scifact" / "lr0.001_seed0.json").read_text())
+    [ir] = (out / "tiny-eurobert" / "scifact").glob("lr0.001_seed0_*.json")
+    ir = json.loads(ir.read_text())
     assert 0 <= ir["metrics"]["test"]["ndcg@10"] <= 1 and "recall@100" in ir["metrics"]["validation"]
 
     capsys.readouterr()
@@ -38,12 +43,15 @@ def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys
     assert main(["evaluate", "--model", tiny_model, "--task", "sst2", "--lrs", "1e-3", "3e-4",
                  "--seeds", "0", "1", "2", "--out", str(out), "--array-index", "2", *TINY]) == 0
     assert "ran 1, skipped 0" in capsys.readouterr().out
-    assert (out / "tiny-eurobert" / "sst2" / "lr0.001_seed2.json").is_file()
+    assert len(list((out / "tiny-eurobert" / "sst2").glob("lr0.001_seed2_*.json"))) == 1
 
     rep = tmp_path / "report"
     assert main(["report", str(out), "--out", str(rep)]) == 0
     md = (rep / "report.md").read_text()
     assert "## Family averages" in md and "scifact" in md and "stability" in md.lower()
+    # sst2 now asks for seeds 0-2: lr 3e-4 lacks seed 2, so only lr 1e-3 is eligible
+    assert "- tiny-eurobert / sst2 / lr 0.0003: missing seeds 2" in md
+    assert "## Ties with the best model per family" in md
     for name in ("per_task.csv", "per_family.csv", "stability.csv", "lr_curves.csv",
                  "plots/families.png", "plots/lr_sst2.png", "plots/lr_squad.png"):
         assert (rep / name).stat().st_size > 0, name

@@ -1,6 +1,9 @@
 """Retrieval: a SentenceTransformer (models.Transformer on the local folder + mean Pooling),
 contrastive fine-tuning on (query, relevant document) pairs with in-batch negatives
 (CachedMultipleNegativesRankingLoss), evaluated with NDCG@10 and recall@100 by cosine similarity.
+A training batch never holds the same query or the same positive twice (finetune.no_duplicate_batches):
+a query with two relevant documents, or a document relevant to two queries, would otherwise make a
+relevant document one of the query's in-batch negatives.
 
 The evaluated corpus is either the documents judged in the split's qrels (`corpus: judged`, as in
 the study) or the whole corpus (`corpus: full`).
@@ -88,5 +91,6 @@ def setup(task, tokenizer, cfg, max_length, device):
                 "recall@100": metrics.recall_at_k(run, data.qrels, 100)}
 
     return Setup(model=model, train_items=pairs, collate=collate, loss=loss, evaluate=evaluate,
+                 batch_keys=[(f"q:{q}", f"d:{d}") for q, d in pairs],
                  info={"max_length": max_length, "train_pairs": len(pairs), "corpus": task.corpus,
                        "eval_queries": {s: len(d.qrels) for s, d in evals.items()}})

@@ -1,0 +1,56 @@
+"""Results are keyed by the protocol: a changed fine-tuning setting or task entry never reuses an
+old result, while execution knobs (eval cadence, threads) do not change the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from megatron_mlmclm.cli import main
+from megatron_mlmclm.eval.finetune import NOT_PROTOCOL_FIELDS, PROTOCOL_FIELDS, RunConfig, protocol
+from megatron_mlmclm.eval.grid import expand, result_path
+from megatron_mlmclm.eval.tasks import load_registry
+
+
+def test_every_run_field_is_classified_once():
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    assert set(PROTOCOL_FIELDS) | set(NOT_PROTOCOL_FIELDS) == fields
+    assert not set(PROTOCOL_FIELDS) & set(NOT_PROTOCOL_FIELDS)
+
+
+def test_protocol_id_follows_settings_and_task_entry():
+    task = load_registry()["sst2"]
+    base = RunConfig(model="m", task="sst2")
+    pid = protocol(base, task)["id"]
+    changed = dict(max_steps=500, batch_size=16, epochs=2.0, warmup_ratio=0.06, weight_decay=0.0,
+                   max_length=128, max_train_examples=100, max_eval_examples=100, precision="bf16",
+                   grad_clip=0.0)
+    for k, v in changed.items():
+        assert protocol(dataclasses.replace(base, **{k: v}), task)["id"] != pid, k
+    # execution knobs keep the id; on this CPU machine "auto" precision means fp32
+    for k, v in dict(eval_every=7, threads=1, eval_batch_size=8, progress=False, device="cpu",
+                     precision="fp32", lr=1.0, seed=3).items():
+        assert protocol(dataclasses.replace(base, **{k: v}), task)["id"] == pid, k
+    other = dataclasses.replace(task, validation_holdout=0.1)
+    assert protocol(base, other)["id"] != pid
+    assert protocol(base, other)["run_id"] == protocol(base, task)["run_id"]  # same recipe
+
+
+def test_evaluate_does_not_reuse_a_result_of_another_protocol(tmp_path, capsys):
+    out = tmp_path / "res"
+    [cfg] = expand(["models/tiny"], ["sst2"], [1e-3], [0], max_steps=3)
+    path = result_path(out, cfg, load_registry()["sst2"])
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"status": "done"}))
+
+    def state(*flags):
+        capsys.readouterr()
+        assert main(["evaluate", "--model", "models/tiny", "--task", "sst2", "--lrs", "1e-3",
+                     "--seeds", "0", "--out", str(out), "--list", *flags]) == 0
+        return capsys.readouterr().out.split("\t")[1]
+
+    assert state("--max-steps", "3") == "done"
+    assert state("--max-steps", "3", "--eval-every", "7", "--threads", "1") == "done"
+    assert state("--max-steps", "4") == "todo"
+    assert state("--max-steps", "3", "--batch-size", "16") == "todo"
+    assert state("--max-steps", "3", "--max-length", "64") == "todo"

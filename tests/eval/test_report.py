@@ -1,0 +1,152 @@
+"""`mlmclm report` on a hand-made results folder, against numbers computed here by hand: the LR
+choice among complete LRs only, the mean and t interval, family means and the paired-t ties; and
+the refusal to mix protocols."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_mlmclm.cli import main
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.report import make_report
+
+T975_DF2 = 4.302652729749464  # t_{0.975, 2}: two-sided 95% critical value for 3 seeds (t table)
+LRS, SEEDS = (1e-4, 1e-3), (0, 1, 2)
+
+# (model, task, lr) -> {seed: (validation accuracy, test accuracy)}; both tasks are SC.
+GRID = {
+    # A/t1: lr 1e-3 has the best validation but seed 2 never finished -> 1e-4 must be chosen
+    ("A", "t1", 1e-4): {0: (.80, .85), 1: (.81, .86), 2: (.82, .87)},
+    ("A", "t1", 1e-3): {0: (.90, .95), 1: (.91, .96)},
+    ("A", "t2", 1e-4): {0: (.70, .70), 1: (.70, .72), 2: (.70, .71)},
+    ("A", "t2", 1e-3): {0: (.75, .76), 1: (.76, .77), 2: (.74, .78)},
+    # B: close to A, noisy -> tied; chosen by validation even where the other LR tests higher
+    ("B", "t1", 1e-4): {0: (.80, .84), 1: (.80, .87), 2: (.80, .855)},
+    ("B", "t1", 1e-3): {0: (.70, .90), 1: (.70, .91), 2: (.70, .92)},
+    ("B", "t2", 1e-4): {0: (.72, .77), 1: (.72, .75), 2: (.72, .79)},
+    ("B", "t2", 1e-3): {0: (.71, .80), 1: (.71, .81), 2: (.71, .82)},
+    # C: about 5 points below A on every seed -> significantly below
+    ("C", "t1", 1e-4): {0: (.60, .800), 1: (.60, .810), 2: (.60, .820)},
+    ("C", "t1", 1e-3): {0: (.65, .805), 1: (.65, .812), 2: (.65, .818)},
+    ("C", "t2", 1e-4): {0: (.66, .700), 1: (.66, .715), 2: (.66, .726)},
+    ("C", "t2", 1e-3): {0: (.64, .900), 1: (.64, .900), 2: (.64, .900)},
+}
+
+
+def result(model, task, lr, seed, val, test, run_id="r1", seeds=SEEDS, lrs=LRS):
+    return {"schema": 2, "status": "done", "model": model, "task": task, "family": "sc",
+            "metric": "accuracy", "lr": lr, "seed": seed,
+            "protocol": {"id": f"{run_id}-{task}", "run_id": run_id,
+                         "run": {"max_steps": 1000 if run_id == "r1" else 50}, "task": {"name": task}},
+            "grid": {"lrs": list(lrs), "seeds": list(seeds)},
+            "metrics": {"validation": {"accuracy": val}, "test": {"accuracy": test}}}
+
+
+def write(folder: Path, results: list[dict]) -> Path:
+    for r in results:
+        f = folder / r["model"] / r["task"] / f"lr{r['lr']:g}_seed{r['seed']}_{r['protocol']['id']}.json"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps(r))
+    return folder
+
+
+def grid_results(**kw) -> list[dict]:
+    return [result(m, t, lr, s, v, x, **kw) for (m, t, lr), seeds in GRID.items()
+            for s, (v, x) in seeds.items()]
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def sd(xs):
+    m = mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def rows(csv_path: Path) -> list[dict]:
+    import csv
+
+    with open(csv_path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_report_matches_hand_computation(tmp_path):
+    out = make_report(write(tmp_path / "res", grid_results()), tmp_path / "rep", plots=False,
+                      log=lambda *_: None)
+    per_task = {(r["model"], r["task"]): r for r in rows(out / "per_task.csv")}
+
+    # LR choice by mean validation among complete LRs (A/t1 1e-3 lacks seed 2)
+    chosen = {("A", "t1"): 1e-4, ("A", "t2"): 1e-3, ("B", "t1"): 1e-4, ("B", "t2"): 1e-4,
+              ("C", "t1"): 1e-3, ("C", "t2"): 1e-4}
+    for key, lr in chosen.items():
+        assert float(per_task[key]["best_lr"]) == lr, key
+        scores = [100 * GRID[(*key, lr)][s][1] for s in SEEDS]
+        assert float(per_task[key]["score"]) == pytest.approx(mean(scores))
+        assert float(per_task[key]["ci95"]) == pytest.approx(T975_DF2 * sd(scores) / math.sqrt(3))
+    assert float(per_task[("A", "t1")]["score"]) == pytest.approx(86.0)
+    assert float(per_task[("A", "t1")]["ci95"]) == pytest.approx(T975_DF2 / math.sqrt(3))  # sd = 1
+
+    # family score = mean of the task scores; per-seed family score = mean over tasks of the seed
+    per_seed = {m: [mean([100 * GRID[(m, t, chosen[(m, t)])][s][1] for t in ("t1", "t2")])
+                    for s in SEEDS] for m in "ABC"}
+    assert per_seed["A"] == pytest.approx([80.5, 81.5, 82.5])
+    fam = {r["model"]: r for r in rows(out / "per_family.csv")}
+    for m in "ABC":
+        assert float(fam[m]["score"]) == pytest.approx(mean(per_seed[m]))
+        assert float(fam[m]["ci95"]) == pytest.approx(T975_DF2 * sd(per_seed[m]) / math.sqrt(3))
+
+    # ties: paired t on per-seed family scores vs the best (A), two-sided alpha 0.05, df 2
+    ties = {r["model"]: r for r in rows(out / "ties.csv")}
+    assert ties["A"]["verdict"] == "best"
+    for m, verdict in (("B", "tied"), ("C", "below")):
+        d = [x - y for x, y in zip(per_seed[m], per_seed["A"])]
+        t = mean(d) / (sd(d) / math.sqrt(3))
+        assert float(ties[m]["t"]) == pytest.approx(t)
+        assert (abs(t) < T975_DF2) == (verdict == "tied")
+        assert ties[m]["verdict"] == verdict
+    assert float(ties["B"]["t"]) == pytest.approx(-math.sqrt(3))  # d = 0, -0.5, -0.25
+
+    md = (out / "report.md").read_text()
+    assert "- A / t1 / lr 0.001: missing seeds 2" in md
+    assert "- SC: best A; statistically tied with the best: A, B" in md
+    assert "scipy.stats.ttest_rel" in md and "alpha = 0.05" in md
+    assert "Protocol `r1`" in md
+
+
+def test_no_complete_lr_is_named_not_scored(tmp_path):
+    res = grid_results()
+    # D asked for seeds 0-3; seed 3 never ran, and the LRs miss different seeds
+    res += [result("D", "t1", lr, s, .9, .9, seeds=(0, 1, 2, 3)) for lr, s in
+            ((1e-4, 0), (1e-4, 1), (1e-4, 2), (1e-3, 0), (1e-3, 2))]
+    res += [result("D", "t2", lr, s, .9, .9) for lr in LRS for s in SEEDS]
+    out = make_report(write(tmp_path / "res", res), tmp_path / "rep", plots=False, log=lambda *_: None)
+    md = (out / "report.md").read_text()
+    assert "- D / t1 / lr 0.0001: missing seeds 3" in md
+    assert "- D / t1 / lr 0.001: missing seeds 1 3" in md
+    assert "- D / t1: no learning rate has all 4 seeds; not scored" in md
+    assert ("D", "t1") not in {(r["model"], r["task"]) for r in rows(out / "per_task.csv")}
+    fam = {r["model"]: r for r in rows(out / "per_family.csv")}
+    assert fam["D"]["score"] == "" and "t1" in fam["D"]["note"]
+    assert "D" not in {r["model"] for r in rows(out / "ties.csv")}
+
+
+def test_mixed_protocols_are_refused_unless_one_is_picked(tmp_path, capsys):
+    res = grid_results() + [result("A", "t1", 1e-4, s, .5, .5, run_id="r2") for s in SEEDS]
+    folder = write(tmp_path / "res", res)
+    capsys.readouterr()
+    assert main(["report", str(folder), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mix fine-tuning protocols" in err
+    assert "r1 (35 runs: max_steps=1000)" in err and "r2 (3 runs: max_steps=50)" in err
+    assert not (folder / "report").exists()
+
+    assert main(["report", str(folder), "--no-plots", "--protocol", "r1"]) == 0
+    per_task = {(r["model"], r["task"]): r for r in rows(folder / "report" / "per_task.csv")}
+    assert float(per_task[("A", "t1")]["score"]) == pytest.approx(86.0)  # r2 runs left out
+    with pytest.raises(UsageError, match="no results match --protocol r9"):
+        make_report(folder, plots=False, protocol=["r9"])
