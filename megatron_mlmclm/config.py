@@ -108,6 +108,9 @@ class CheckpointConfig:
     save_interval: int = 0  # 0: only at the end
     keep_last: int = 2
     resume: bool = True  # resume from the latest complete checkpoint in dir
+    # Resume even though the data stream or masks changed (batch size, data, seed, phases): the
+    # run continues from the checkpoint's consumed_samples in the new stream (docs/pretrain.md).
+    allow_data_change: bool = False
 
 
 @dataclass
@@ -417,9 +420,10 @@ def validate_train(t: TrainConfig) -> None:
 def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
     """Check phases and turn shares into integer step counts that sum exactly to `total`.
 
-    Each phase gives `share` (fraction of the budget) or `steps`, not both. Shares are rounded so
-    that the phase boundaries are round(cumulative share x total): 25%/75% of 42000 -> 10500/31500.
-    The resolved counts are written back to `phase.steps`.
+    Each phase gives `share` (fraction of the budget) or `steps`. Shares are rounded so that the
+    phase boundaries are round(cumulative share x total): 25%/75% of 42000 -> 10500/31500. The
+    resolved counts are written back to `phase.steps`, so a dumped config holds both; a phase that
+    gives both is accepted when the steps are what the share resolves to (the config round trip).
     """
     if not phases:
         raise UsageError("phases is empty; give at least one phase, e.g. [{objective: mlm}]")
@@ -431,8 +435,6 @@ def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
             raise UsageError(f"{key}.mask_ratio {ph.mask_ratio} must be in (0, 1), e.g. 0.4")
         if ph.mask_replace not in ("mask", "80-10-10"):
             raise UsageError(f"{key}.mask_replace '{ph.mask_replace}' must be mask or 80-10-10")
-        if ph.share is not None and ph.steps is not None:
-            raise UsageError(f"{key} gives both share and steps; keep one")
         if ph.share is not None and not 0.0 <= ph.share <= 1.0:
             raise UsageError(f"{key}.share {ph.share} must be in [0, 1]")
         if ph.steps is not None and ph.steps < 0:
@@ -451,11 +453,14 @@ def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
     counts, cum, prev = [], 0.0, 0
     for ph, s in zip(phases, shares):
         cum += s
-        boundary = ph.steps + prev if ph.steps is not None else int(round(cum * total))
+        boundary = int(round(cum * total)) if ph.share is not None else ph.steps + prev
         counts.append(boundary - prev)
         prev = boundary
     counts[-1] += total - prev
-    for ph, c in zip(phases, counts):
+    for i, (ph, c) in enumerate(zip(phases, counts)):
+        if ph.share is not None and ph.steps is not None and ph.steps != c:
+            raise UsageError(f"phases.{i} gives share {ph.share:g} (= {c} of train.steps={total}) "
+                             f"and steps {ph.steps}, which disagree; keep one")
         ph.steps = c
     return counts
 

@@ -7,7 +7,8 @@ Both objectives read the same packed sample (seq_length + 1 tokens with per-toke
   positions only, bidirectional attention inside each document.
 
 MLM masks are a pure function of (seed, global sample index): identical after a resume and under
-any parallel layout, since no RNG state is involved.
+any parallel layout, since no RNG state is involved. BERT's random replacement draws uniformly from
+the non-special ids: a mask, pad or bos token never appears as a "random word".
 """
 
 from __future__ import annotations
@@ -48,8 +49,20 @@ def mlm_mask(tokens: np.ndarray, sample_index: int, seed: int, ratio: float, spe
         u = rng.random(n)
         inputs[chosen[u < 0.8]] = spec.mask_id
         rand = chosen[(u >= 0.8) & (u < 0.9)]
-        inputs[rand] = rng.integers(0, spec.vocab_size, size=rand.size)
+        specials = np.unique([i for i in spec.special_ids if 0 <= i < spec.vocab_size])
+        r = rng.integers(0, spec.vocab_size - specials.size, size=rand.size)
+        inputs[rand] = regular_ids(r, specials)
     return inputs, labels
+
+
+def regular_ids(r: np.ndarray, specials: np.ndarray) -> np.ndarray:
+    """The r-th non-special id (0-based) of the vocabulary; `specials` sorted and unique.
+
+    That id is r plus the number of specials below it; the j-th special s_j has s_j - j regular ids
+    below it, so the count is #{j : s_j - j <= r}.
+    """
+    specials = np.asarray(specials, dtype=np.int64)
+    return r + np.searchsorted(specials - np.arange(specials.size), r, side="right")
 
 
 def make_batch(samples: list[dict], sample_indices: list[int], phase: PhaseConfig,

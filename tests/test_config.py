@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from megatron_mlmclm.cli import COMMANDS, main
-from megatron_mlmclm.config import load_config, phase_at, resolve_phase_steps, PhaseConfig
+from megatron_mlmclm.config import dump_yaml, load_config, phase_at, resolve_phase_steps, PhaseConfig
 from megatron_mlmclm.errors import UsageError
 
 MOCK = ["data.mock=true"]
@@ -48,6 +48,8 @@ def test_overrides_parse_yaml_values_and_list_indices(tmp_path):
     (["model.preset=huge"], "model.preset 'huge' is unknown"),
     (["data.mock=false"], "data.train is empty"),
     (["train.steps"], "must look like key.sub=value"),
+    (["phases=[{objective: clm, share: 0.5, steps: 40}, {objective: mlm, share: 0.5}]"],
+     "phases.0 gives share 0.5 (= 50 of train.steps=100) and steps 40, which disagree"),
 ])
 def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(UsageError) as e:
@@ -66,6 +68,27 @@ def test_phase_steps_sum_exactly_and_zero_share_phases_are_skipped():
     phases = [PhaseConfig("clm", steps=10), PhaseConfig("mlm", share=0.5)]
     assert resolve_phase_steps(phases, 20) == [10, 10]
     assert [phase_at(phases, s)[1].objective for s in (0, 9, 10, 19)] == ["clm", "clm", "mlm", "mlm"]
+
+
+def test_dumped_and_dry_run_configs_load_back_unchanged(tmp_path, capsys):
+    """A run's config.yaml and the --dry-run output are valid configs of the same run."""
+    src = tmp_path / "c.yaml"
+    src.write_text(yaml.safe_dump({
+        "data": {"mock": True, "valid": ["0.3", "v1", "0.7", "v2"]},
+        "train": {"steps": 31, "warmup_steps": 3, "decay_steps": 3, "lr": "5e-4"},
+        "phases": [{"objective": "clm", "share": 1 / 3}, {"objective": "mlm", "steps": 10},
+                   {"objective": "mlm", "share": 1 - 1 / 3 - 10 / 31, "mask_ratio": 0.2,
+                    "mask_replace": "80-10-10"}]}))
+    cfg = load_config(src, ["model.preset=610m", "checkpoint.allow_data_change=true"])
+    # Resolved: shares and steps side by side (what used to be refused on reload).
+    assert [(p.share, p.steps) for p in cfg.phases] == [(1 / 3, 10), (None, 10),
+                                                        (1 - 1 / 3 - 10 / 31, 11)]
+    dump_yaml(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+    assert main(["pretrain", str(src), "model.preset=610m", "checkpoint.allow_data_change=true",
+                 "--dry-run"]) == 0
+    (tmp_path / "dry.yaml").write_text(capsys.readouterr().out)
+    assert load_config(tmp_path / "dry.yaml") == cfg
 
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path, capsys):

@@ -62,3 +62,23 @@ def test_mlm_batch_is_bidirectional_within_documents():
     m = b["attention_mask"][0, 0]
     assert not m[0, 3] and not m[3, 0] and m[0, 4] and m[4, 3]
     assert b["loss_mask"].sum().item() == (b["labels"] != IGNORE).sum().item() == 4
+
+
+def test_bert_random_replacements_are_uniform_over_non_special_ids():
+    # Half of this vocabulary is special; every token of the input is the regular id 5, so a
+    # masked position holding anything but 5 or the mask id is a random replacement.
+    spec = TokenSpec(vocab_size=12, mask_id=3, special_ids=(0, 1, 2, 3, 7, 11))
+    regular = [4, 5, 6, 8, 9, 10]
+    tokens = np.full(64, 5)
+    drawn = []
+    for i in range(3000):
+        inputs, labels = mlm_mask(tokens, i, seed=9, ratio=0.5, spec=spec, replace="80-10-10")
+        again = mlm_mask(tokens, i, seed=9, ratio=0.5, spec=spec, replace="80-10-10")[0]
+        assert (again == inputs).all()  # still a pure function of (seed, sample index)
+        got = inputs[labels != IGNORE]
+        drawn.extend(got[(got != 5) & (got != spec.mask_id)].tolist())
+    assert set(drawn) <= set(regular), sorted(set(drawn) - set(regular))
+    # 3000 x 32 x 10% x 5/6 = 8000 draws over 5 visible ids: 1600 each, sd ~37.
+    counts = np.bincount(drawn, minlength=12)[[4, 6, 8, 9, 10]]
+    assert counts.sum() == pytest.approx(8000, rel=0.05)
+    assert np.abs(counts - counts.mean()).max() < 0.1 * counts.mean(), counts

@@ -1,21 +1,35 @@
 """Kill -9 mid-run and restart: the loss curve continues exactly (bitwise on CPU).
 
 Covers the CLM -> MLM switch, the distributed optimizer (whose resume silently diverges without the
-fix in runtime/cpu_support.py), and a checkpoint saved at TP2 resumed at TP1.
+fix in runtime/cpu_support.py), and a checkpoint saved at TP2 resumed at TP1. Then the guard: a
+resume that would change the data stream or masks is refused (exit 2, nothing written), unless
+checkpoint.allow_data_change, which continues from the saved consumed_samples.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import signal
 import subprocess
 import time
 
+import numpy as np
 import psutil
 import pytest
+import torch
 import yaml
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from jobs import job_env, pretrain_cmd, read_metrics, run_pretrain
+from megatron_mlmclm.cli import main
+from megatron_mlmclm.config import load_config
+from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
+from megatron_mlmclm.runtime import distributed as rt
+from megatron_mlmclm.training.checkpoint import read_trainer_state
+from megatron_mlmclm.training.resume import check_resume
+from megatron_mlmclm.training.trainer import Trainer
 
 CONFIG = {
     "data": {"mock": True},
@@ -103,3 +117,146 @@ def test_resume_with_the_other_optimizer_kind_is_refused(config, tmp_path):
                                  "parallel.use_distributed_optimizer=true"], check=False)
     assert proc.returncode == 2
     assert "was saved without the distributed optimizer" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# The resume guard, on two tiny real shards (the data fingerprint hashes their .idx files)
+
+GBS = 4  # of the run in the fixture; it saves at steps 1, 2 and 3
+
+
+def write_shard(prefix, vocab, seed):
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
+    for n in rng.integers(5, 60, size=40):
+        builder.add_item(torch.from_numpy(rng.integers(4, vocab, size=n).astype(np.int32)))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+
+
+@pytest.fixture(scope="module")
+def shard_run(tmp_path_factory):
+    """(config path, folder): a 3-step MLM run on shard `a`, checkpointed at every step."""
+    root = tmp_path_factory.mktemp("shard_run")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"line {i} of a small corpus, word {i * 7}"})
+                              + "\n" for i in range(200)))
+    tok = train_tokenizer([str(corpus)], root / "tok", 300, progress=False)
+    vocab = len(load_tokenizer(tok))
+    write_shard(root / "a", vocab, seed=1)
+    write_shard(root / "b", vocab, seed=2)
+    cfg = {"output_dir": str(root / "run"), "model": {"preset": "tiny", "seq_length": 32},
+           "phases": [{"objective": "mlm"}],
+           "data": {"train": [str(root / "a")], "tokenizer": str(tok)},
+           "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": GBS,
+                     "warmup_steps": 0, "decay_steps": 0},
+           "checkpoint": {"save_interval": 1, "keep_last": 3},
+           "logging": {"tensorboard": False}}
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_pretrain(path, [])
+    return path, root
+
+
+def snapshot(folder):
+    """Every file under `folder` with its modification time and content hash."""
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes())
+                                         .hexdigest()) for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.global_batch_size=8", "train.global_batch_size = 4 but this run has 8"),
+    ("model.seq_length=64", "model.seq_length = 32 but this run has 64"),
+    ("data.seed=7", "data.seed = 1234 but this run has 7"),
+    ("data.train=[{root}/b]", "data.train = [{root}/a (idx "),
+    ("phases=[{{objective: clm, share: 0.5}}, {{objective: mlm, share: 0.5}}]",
+     "phases = [mlm steps 0-3 (mask_ratio 0.4, mask_replace mask)] but this run has "
+     "[clm steps 0-2, mlm steps 2-3 (mask_ratio 0.4, mask_replace mask)]"),
+], ids=["gbs", "seq_length", "seed", "train_prefix", "phases"])
+def test_resume_that_changes_the_data_is_refused(shard_run, capsys, override, expected):
+    path, root = shard_run
+    before = snapshot(root / "run")
+    assert main(["pretrain", str(path), override.format(root=root)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"mlmclm pretrain: error: {root}/run/checkpoints/iter_0000003 was saved "
+                          "with "), err
+    assert expected.format(root=root) in err
+    # The fix names the option and where the stream would continue: 3 steps x 4 samples.
+    assert "set checkpoint.allow_data_change=true to continue from sample 12 anyway" in err
+    assert snapshot(root / "run") == before
+
+
+def train_and_record(config, overrides) -> list[int]:
+    """Run the trainer in this process; the train-set sample indices it reads, in order."""
+    trainer = Trainer(load_config(config, overrides))
+    seen = []
+    try:
+        trainer.setup()
+        dataset = trainer.train_ds
+
+        class Recorder:
+            def __len__(self):
+                return len(dataset)
+
+            def __getitem__(self, i):
+                seen.append(i)
+                return dataset[i]
+
+        trainer.train_ds = Recorder()
+        trainer.train()
+    finally:
+        trainer.close()
+        rt.destroy_distributed()
+    return seen
+
+
+def resumable_copy(root, tmp_path, last_step):
+    """A copy of the fixture's run dir whose latest checkpoint is `last_step`."""
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    for p in (run / "checkpoints").glob("iter_*"):
+        if int(p.name[5:]) > last_step:
+            shutil.rmtree(p)
+    return run
+
+
+def test_unchanged_resume_reads_step_times_gbs_and_the_data_may_move(shard_run, tmp_path):
+    path, root = shard_run
+    run = resumable_copy(root, tmp_path, 2)
+    moved = tmp_path / "staged"  # the same shard at another path (data staged per job)
+    moved.mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(root / f"a{ext}", moved / f"a{ext}")
+    seen = train_and_record(path, [f"output_dir={run}", f"data.train=[{moved}/a]"])
+    assert seen == list(range(2 * GBS, 3 * GBS))  # step 3 reads samples [8, 12)
+
+
+def test_allow_data_change_continues_from_consumed_samples(shard_run, tmp_path):
+    path, root = shard_run
+    run = resumable_copy(root, tmp_path, 2)
+    # Saved at step 2 after 2 x 4 = 8 samples; steps 3 and 4 at GBS 8 read [8, 16) and [16, 24)
+    # (not [16, 24) and [24, 32) as step x GBS would).
+    seen = train_and_record(path, [f"output_dir={run}", "train.global_batch_size=8",
+                                   "train.steps=4", "checkpoint.allow_data_change=true"])
+    assert seen == list(range(8, 24))
+    states = {s: read_trainer_state(run / "checkpoints" / f"iter_000000{s}")["trainer"]
+              for s in (3, 4)}
+    assert [states[s]["consumed_samples"] for s in (3, 4)] == [16, 24]
+    assert states[4]["data_fingerprint"]["train.global_batch_size"] == 8
+    # A later plain resume from the run's own config.yaml keeps reading from consumed_samples.
+    shutil.rmtree(run / "checkpoints" / "iter_0000004")
+    seen = train_and_record(run / "config.yaml", ["checkpoint.allow_data_change=false"])
+    assert seen == list(range(16, 24))
+
+
+def test_checkpoint_without_fingerprint_resumes_with_a_warning(shard_run):
+    path, root = shard_run
+    ckpt = root / "run" / "checkpoints" / "iter_0000003"
+    state = dict(read_trainer_state(ckpt)["trainer"])
+    del state["data_fingerprint"]  # as saved before fingerprints existed
+    cfg = load_config(path, ["train.global_batch_size=8"])
+    consumed, notes = check_resume(ckpt, state, cfg, {"train.global_batch_size": 8})
+    assert consumed == 3 * GBS
+    assert len(notes) == 1 and notes[0].startswith("warning: ") and "no data fingerprint" in notes[0]

@@ -3,7 +3,9 @@
 One optimizer step consumes one global batch: samples [step x GBS, (step + 1) x GBS) of the packed
 sample stream, split contiguously over DP ranks and micro-batches. The objective of a step is the
 phase that owns it, so a run's data order, masks and phase switch depend only on the step number:
-that is what makes resume (and a change of parallel layout) continue exactly.
+that is what makes resume (and a change of parallel layout) continue exactly. A resume that would
+change them is refused unless checkpoint.allow_data_change (training/resume.py); the stream then
+continues from the checkpoint's consumed_samples.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_typ
 from megatron_mlmclm.objectives import TokenSpec, make_batch
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import checkpoint as ckpt
+from megatron_mlmclm.training.resume import check_resume, fingerprint
 
 
 class TrainingDiverged(RuntimeError):
@@ -61,10 +64,14 @@ def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
                      special_ids=specials)
 
 
-def build_datasets(cfg: RunConfig, spec: TokenSpec):
-    """(train, valid-or-None) datasets; rank 0 builds the sample-index cache first."""
+def build_datasets(cfg: RunConfig, spec: TokenSpec, sample_offset: int = 0):
+    """(train, valid-or-None) datasets; rank 0 builds the sample-index cache first.
+
+    The train set holds every sample the run reads: steps x GBS, shifted by `sample_offset` when a
+    resume with checkpoint.allow_data_change continues the stream from consumed_samples.
+    """
     seq, gbs = cfg.model.seq_length, cfg.train.global_batch_size
-    n_train = cfg.train.steps * gbs
+    n_train = max(cfg.train.steps * gbs + sample_offset, gbs)
     n_valid = cfg.logging.eval_iters * gbs
     if cfg.data.mock:
         from megatron_mlmclm.data.mock import MockPackedDataset
@@ -96,6 +103,10 @@ class Trainer:
         self.writer = None
         self.metrics_file = None
         self.source = None  # provenance of imported weights, carried into every save
+        # Step k reads samples from k x GBS + sample_offset: 0 unless a resume continued the data
+        # stream from a consumed_samples that is not step x GBS (checkpoint.allow_data_change).
+        self.sample_offset = 0
+        self.resume_notes: list[str] = []
 
     # ---------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -103,6 +114,7 @@ class Trainer:
         p, t = cfg.parallel, cfg.train
         # Everything that can fail on user input is checked before process groups and models.
         self.spec = token_spec_and_vocab(cfg)
+        self.fingerprint = fingerprint(cfg, self.spec)
         self.resume_from = self.find_resume_checkpoint()
         if t.init_from and self.resume_from is None:
             ckpt.resolve_checkpoint(t.init_from)
@@ -114,7 +126,7 @@ class Trainer:
             raise UsageError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
                              f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {self.dp})")
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp)
-        self.train_ds, self.valid_ds = build_datasets(cfg, self.spec)
+        self.train_ds, self.valid_ds = build_datasets(cfg, self.spec, self.sample_offset)
 
         self.tconfig = transformer_config(cfg)
         # Packed THD sequences (no padding, no [s, s] mask) need TE's fused attention; megatron's
@@ -157,18 +169,14 @@ class Trainer:
             wd_incr_style="constant", wsd_decay_steps=t.decay_steps, lr_wsd_decay_style="linear")
 
     def find_resume_checkpoint(self) -> Optional[Path]:
-        """The run's latest complete checkpoint, checked against this run's optimizer kind."""
+        """The run's latest complete checkpoint, checked against this run (optimizer kind, data
+        fingerprint) before process groups exist; sets where the data stream continues."""
         cfg = self.cfg
         latest = ckpt.latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
         if latest is not None:
-            saved = ckpt.read_trainer_state(latest)["trainer"].get("config", {})
-            was = saved.get("parallel", {}).get("use_distributed_optimizer")
-            if was is not None and was != cfg.parallel.use_distributed_optimizer:
-                # The two optimizers store different state (the distributed one keeps main params).
-                raise UsageError(
-                    f"{latest} was saved {'with' if was else 'without'} the distributed optimizer; "
-                    f"resume with parallel.use_distributed_optimizer={str(was).lower()}, or start "
-                    f"a new run from its weights with train.init_from={latest}")
+            state = ckpt.read_trainer_state(latest)["trainer"]
+            consumed, self.resume_notes = check_resume(latest, state, cfg, self.fingerprint)
+            self.sample_offset = consumed - int(state["iteration"]) * cfg.train.global_batch_size
         return latest
 
     def restore(self) -> None:
@@ -179,6 +187,8 @@ class Trainer:
             state = ckpt.load_checkpoint(latest, self.model_chunks, self.optimizer, self.scheduler)
             self.step = int(state["iteration"])
             self.source = state.get("source")
+            for note in self.resume_notes:
+                self.log(note)
             self.log(f"resumed from {latest} at step {self.step}")
         elif cfg.train.init_from:
             source = ckpt.resolve_checkpoint(cfg.train.init_from)
@@ -249,7 +259,7 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        batches = self.microbatches(self.train_ds, self.step * t.global_batch_size, phase)
+        batches = self.microbatches(self.train_ds, self.consumed_samples(), phase)
         totals = self.run_schedule(batches, forward_only=False)
         loss_sum, tokens, correct = totals.tolist()
         loss = loss_sum / max(tokens, 1)
@@ -344,9 +354,13 @@ class Trainer:
                 self.save()
         return last
 
+    def consumed_samples(self) -> int:
+        """Samples of the stream read before step `self.step`: where its global batch starts."""
+        return self.step * self.cfg.train.global_batch_size + self.sample_offset
+
     def save(self) -> None:
-        state = {"config": to_dict(self.cfg), "consumed_samples":
-                 self.step * self.cfg.train.global_batch_size}
+        state = {"config": to_dict(self.cfg), "consumed_samples": self.consumed_samples(),
+                 "data_fingerprint": self.fingerprint}
         if self.source is not None:
             state["source"] = self.source
         path = ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model_chunks,

@@ -1,0 +1,123 @@
+"""What a checkpoint must agree with to be resumed: the data stream, the masks, the optimizer kind.
+
+Sample i of the packed stream is fixed by the data shards, model.seq_length and data.seed (it does
+not depend on the run length); its MLM mask by (data.seed, i), the tokenizer's special ids and the
+phase that trains on it. Step k of a run reads the global batch at samples
+`consumed + (k - resume_step) x GBS`, where `consumed` is the checkpoint's consumed_samples (0 for
+a fresh run): `k x GBS` for a run whose batch size never changed. Every checkpoint stores a
+fingerprint of all of this; a resume that would change it stops with one line, unless
+checkpoint.allow_data_change=true says the change is on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_mlmclm.config import RunConfig
+from megatron_mlmclm.data.dataset import parse_prefixes
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.objectives import TokenSpec
+
+
+def shard_list(items: list[str]) -> list[dict[str, Any]]:
+    """Each prefix of a data list with its normalised blend weight and its .idx size and sha256."""
+    prefixes, weights = parse_prefixes(items)
+    total = sum(weights) if weights else None
+    out = []
+    for k, prefix in enumerate(prefixes):
+        idx = prefix + ".idx"
+        if not os.path.isfile(idx):
+            raise UsageError(f"{idx} does not exist; check the data prefix (give it without "
+                             f".bin/.idx) or write the shard with `mlmclm preprocess`")
+        digest = hashlib.sha256()
+        with open(idx, "rb") as f:  # document lengths and offsets: small next to the .bin
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        out.append({"prefix": prefix, "weight": weights[k] / total if weights else None,
+                    "idx_bytes": os.path.getsize(idx), "idx_sha256": digest.hexdigest()})
+    return out
+
+
+def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
+    """Everything that decides which tokens and masks step k trains on, keyed by config key."""
+    d = cfg.data
+    if d.mock:
+        train = valid = f"mock (vocab {spec.vocab_size})"
+    else:
+        train, valid = shard_list(d.train), shard_list(d.valid) if d.valid else []
+    phases, start = [], 0
+    for ph in cfg.phases:
+        if ph.steps:  # a phase of no steps trains nothing
+            end = start + ph.steps
+            mlm = f" (mask_ratio {ph.mask_ratio:g}, mask_replace {ph.mask_replace})"
+            phases.append(f"{ph.objective} steps {start}-{end}"
+                          + (mlm if ph.objective == "mlm" else ""))
+            start = end
+    return {
+        "data.train": train,
+        "data.valid": valid,
+        "data.seed": d.seed,
+        "data.tokenizer": f"mask {spec.mask_id}, specials {list(spec.special_ids)}",
+        "model.seq_length": cfg.model.seq_length,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "phases": "[" + ", ".join(phases) + "]",
+    }
+
+
+def _same(a, b) -> bool:
+    """Shards compare by content and weight, not by path: moved or staged data resumes."""
+    if isinstance(a, list) and isinstance(b, list):
+        return [_content(e) for e in a] == [_content(e) for e in b]
+    return a == b
+
+
+def _content(entry: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k != "prefix"}
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(f"{e['prefix']} (idx {e['idx_bytes']} B, sha256 "
+                               f"{e['idx_sha256'][:12]})" for e in value) + "]"
+    return str(value)
+
+
+def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict[str, Any]
+                 ) -> tuple[int, list[str]]:
+    """Check a checkpoint's trainer state against this run before anything is built.
+
+    Returns (consumed_samples of the checkpoint, notes to log). Raises UsageError, one line, when
+    the optimizer kind differs or, without checkpoint.allow_data_change, the fingerprint does.
+    """
+    saved_cfg = state.get("config", {})
+    was = saved_cfg.get("parallel", {}).get("use_distributed_optimizer")
+    if was is not None and was != cfg.parallel.use_distributed_optimizer:
+        # The two optimizers store different state (the distributed one keeps main params).
+        raise UsageError(
+            f"{ckpt} was saved {'with' if was else 'without'} the distributed optimizer; resume "
+            f"with parallel.use_distributed_optimizer={str(was).lower()}, or start a new run from "
+            f"its weights with train.init_from={ckpt}")
+    step = int(state["iteration"])
+    gbs = saved_cfg.get("train", {}).get("global_batch_size", cfg.train.global_batch_size)
+    consumed = int(state.get("consumed_samples", step * gbs))
+    saved_fp: Optional[dict[str, Any]] = state.get("data_fingerprint")
+    if saved_fp is None:
+        return consumed, [f"warning: {ckpt} holds no data fingerprint (saved by an older version); "
+                          "resuming without checking the data, batch size and phases against it"]
+    changed = [k for k in new_fp if not _same(saved_fp.get(k), new_fp[k])]
+    if not changed:
+        return consumed, []
+    if cfg.checkpoint.allow_data_change:
+        return consumed, [f"checkpoint.allow_data_change: {k} was {_show(saved_fp.get(k))}, now "
+                          f"{_show(new_fp[k])}" for k in changed] + [
+            f"continuing the data stream at sample {consumed} (the checkpoint's consumed_samples)"]
+    k = changed[0]
+    also = f" (also changed: {', '.join(changed[1:])})" if len(changed) > 1 else ""
+    raise UsageError(
+        f"{ckpt} was saved with {k} = {_show(saved_fp.get(k))} but this run has "
+        f"{_show(new_fp[k])}{also}; resuming would change the training data or masks: restore "
+        f"{k}, set checkpoint.allow_data_change=true to continue from sample {consumed} anyway, "
+        f"or use a new output_dir")
