@@ -1,9 +1,12 @@
-"""Sample-index build: ours (C++ shuffle + sample_idx + document boundaries) vs megatron-core.
+"""Sample-index build: ours (C++ document shuffle + sample_idx + boundaries + sample shuffle) vs
+megatron-core's whole GPTDataset index build.
 
-Baseline, as GPTDataset does it for one epoch: numpy.random.RandomState(seed).shuffle of an int32
-arange document index, then megatron.core.datasets.helpers.build_sample_idx (C++). Ours:
-megatron_mlmclm.data.sample_index.build_sample_index (no cache), which also returns the per-sample
-document boundaries that the baseline does not compute.
+Baseline, GPTDataset._build_document_shuffle_sample_index for one epoch with megatron's own
+functions: gpt_dataset._build_document_index (numpy.random.RandomState(seed).shuffle of the
+document index), megatron.core.datasets.helpers.build_sample_idx (the C++ helper shipped compiled
+in the megatron-core wheel), gpt_dataset._build_shuffle_index (the sample permutation, numpy).
+Ours: megatron_mlmclm.data.sample_index.build_sample_index (no cache): document shuffle, packing,
+per-sample document boundaries (which megatron does not compute) and the sample shuffle.
 
 Time: best of --repeats in this process, the two builders alternating. Memory: each builder runs
 once more in its own fresh subprocess, which loads the same lengths from a .npy file and reports
@@ -43,13 +46,18 @@ def ours(lengths, seq_length, seed):
 
 
 def baseline(lengths, seq_length, seed):
+    """GPTDataset's document, sample and shuffle index for one epoch (num_samples=None)."""
+    from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
     from megatron.core.datasets.helpers import build_sample_idx
 
-    doc_idx = np.arange(lengths.shape[0], dtype=np.int32)
-    np.random.RandomState(seed).shuffle(doc_idx)
+    random_state = np.random.RandomState(seed)
+    documents = np.arange(lengths.shape[0], dtype=np.int32)
+    doc_idx = _build_document_index(documents, 1, random_state, False)
     tokens_per_epoch = int(lengths.sum(dtype=np.int64))
     sample_idx = build_sample_idx(lengths, doc_idx, seq_length, 1, tokens_per_epoch, True, True)
-    return doc_idx, sample_idx
+    n = sample_idx.shape[0] - 1
+    shuffle_idx = _build_shuffle_index(n, n, random_state)
+    return doc_idx, sample_idx, shuffle_idx
 
 
 def _status_kb(field: str) -> int:
@@ -68,7 +76,8 @@ def child(which: str, path: str, seq_length: int, seed: int) -> None:
     lengths = np.load(path)
     fn = ours if which == "ours" else baseline
     if which == "baseline":
-        import megatron.core.datasets.helpers  # noqa: F401  (imports are not the build)
+        import megatron.core.datasets.gpt_dataset  # noqa: F401  (imports are not the build)
+        import megatron.core.datasets.helpers  # noqa: F401
     else:
         import megatron_mlmclm.data.sample_index  # noqa: F401
     before = _status_kb("VmRSS")
@@ -101,7 +110,8 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    import megatron.core.datasets.helpers  # noqa: F401  (import outside the timed region)
+    import megatron.core.datasets.gpt_dataset  # noqa: F401  (imports outside the timed region)
+    import megatron.core.datasets.helpers  # noqa: F401
 
     lengths = make_lengths(args.docs)
     total = int(lengths.sum(dtype=np.int64))
@@ -114,9 +124,9 @@ def main() -> None:
         idx = ours(lengths, args.seq_length, args.seed)
         t_ours.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        doc_b, sample_b = baseline(lengths, args.seq_length, args.seed)
+        base = baseline(lengths, args.seq_length, args.seed)
         t_base.append(time.perf_counter() - t0)
-        del doc_b, sample_b
+        del base
 
     # Same packing as megatron on our document order (megatron's row 0 may name a leading empty
     # document; ours names the first document holding a token).
@@ -125,9 +135,11 @@ def main() -> None:
     ref = build_sample_idx(lengths, idx.doc_idx, args.seq_length, 1, total, True, True)
     assert ref.shape == idx.sample_idx.shape, (ref.shape, idx.sample_idx.shape)
     assert np.array_equal(ref[1:], idx.sample_idx[1:]), "sample_idx differs from megatron's"
+    assert np.array_equal(np.sort(idx.shuffle_idx), np.arange(idx.num_samples)), "not a permutation"
     print(f"samples={idx.num_samples} boundaries={idx.boundary_offsets.shape[0]} "
           f"({idx.boundary_offsets.shape[0] / idx.num_samples:.2f}/sample); "
-          f"sample_idx equals megatron build_sample_idx on the same order")
+          f"sample_idx equals megatron build_sample_idx on the same order; "
+          f"shuffle_idx is a permutation ({idx.shuffle_idx.dtype})")
     print(f"ours_s runs: {' '.join(f'{t:.3f}' for t in t_ours)}; "
           f"baseline_s runs: {' '.join(f'{t:.3f}' for t in t_base)}")
     del idx, ref

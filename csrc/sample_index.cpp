@@ -1,22 +1,35 @@
 // Packed sample index for megatron_mlmclm (C++17, pybind11).
 //
 // Documents (lengths[d] tokens each, zeros allowed) are shuffled per epoch and laid end to end in
-// one flat token stream. Sample i covers flat positions [i*S, i*S + S] (S + 1 tokens: inputs and
-// shifted targets), so consecutive samples share one token, exactly like Megatron's GPTDataset.
+// one flat token stream. Packed sample i covers flat positions [i*S, i*S + S] (S + 1 tokens:
+// inputs and shifted targets), so consecutive packed samples share one token, exactly like
+// Megatron's GPTDataset. Every epoch is packed in full (M = (E*T - 1) / S samples for E epochs of
+// T tokens), even when fewer samples are asked for, so that the sample shuffle below can draw the
+// first stream positions from the whole of the last epoch, as Megatron does.
 //
 // Outputs (all built with the GIL released, no Python loop anywhere):
 //   doc_idx          int32  [E*D]     the shuffled document order, epoch after epoch
-//   sample_idx       int64  [N+1, 2]  (position in doc_idx, token offset in that document) of the
-//                                     first token of sample i; row N is the last sample's final
-//                                     token. The position always names a document that contains
-//                                     the token (leading/in-between empty documents are skipped),
-//                                     which is Megatron's layout for every row but its row 0.
-//   boundary_ptr     int64  [N+1]     CSR row pointers into boundary_offsets
-//   boundary_offsets int32  [nnz]     offsets in 1..S inside sample i's window where a new
+//   sample_idx       int64  [M+1, 2]  (position in doc_idx, token offset in that document) of the
+//                                     first token of packed sample i; row M is the last sample's
+//                                     final token. The position always names a document that
+//                                     contains the token (leading/in-between empty documents are
+//                                     skipped), which is Megatron's layout for every row but row 0.
+//   boundary_ptr     int64  [M+1]     CSR row pointers into boundary_offsets
+//   boundary_offsets int32  [nnz]     offsets in 1..S inside packed sample i's window where a new
 //                                     (non-empty) document starts; offset 0 is never stored.
+//   shuffle_idx      int32  [M]       (int64 beyond 2^31-1 samples) stream position k reads packed
+//                                     sample shuffle_idx[k]
 //
-// Shuffle: Fisher-Yates driven by splitmix64 seeded from (seed, epoch), bounded draws by Lemire's
-// multiply-shift with rejection; integer-only, so identical on every machine and rank.
+// Two shuffles, both Fisher-Yates driven by splitmix64 with bounded draws by Lemire's
+// multiply-shift with rejection; integer-only, so identical on every machine and rank:
+//   documents, per epoch, seeded from (seed, epoch, kDocStream): which documents follow which;
+//   samples, per epoch, seeded from (seed, epoch, kSampleStream): without it adjacent stream
+//     positions are adjacent windows of one token stream, so every global batch is a stretch of
+//     one or two long documents. Epoch e's block is the packed samples whose first token lies in
+//     epoch e, [ceil(e*T/S), ceil((e+1)*T/S)) (the last block ends at M); each block is permuted
+//     in place, so the stream still finishes epoch e before it starts epoch e + 1 (a document is
+//     not seen twice before every other was seen once), and a stream that stops inside the last
+//     epoch reads a uniform sample of that whole epoch.
 //
 // Blending: build_blend_index places blended samples by Tijdeman's chairman-assignment rule
 // (earliest due date among released datasets), so every prefix of n samples holds n * w[d]
@@ -44,10 +57,17 @@ inline uint64_t splitmix64_next(uint64_t &state) {
   return z ^ (z >> 31);
 }
 
-inline uint64_t mix_seed(uint64_t seed, uint64_t epoch) {
-  uint64_t s = seed ^ 0x6A09E667F3BCC909ULL;
+// The two independent permutation families: words of the SHA-512 initial hash value.
+struct Stream {
+  uint64_t a, b;
+};
+constexpr Stream kDocStream{0x6A09E667F3BCC909ULL, 0xBB67AE8584CAA73BULL};
+constexpr Stream kSampleStream{0x3C6EF372FE94F82BULL, 0xA54FF53A5F1D36F1ULL};
+
+inline uint64_t mix_seed(uint64_t seed, uint64_t epoch, Stream stream) {
+  uint64_t s = seed ^ stream.a;
   uint64_t a = splitmix64_next(s);
-  uint64_t t = epoch ^ a ^ 0xBB67AE8584CAA73BULL;
+  uint64_t t = epoch ^ a ^ stream.b;
   return splitmix64_next(t);
 }
 
@@ -67,9 +87,10 @@ inline uint64_t bounded(uint64_t &state, uint64_t range) {
   return static_cast<uint64_t>(m >> 64);
 }
 
-void shuffle_epoch(int32_t *out, int64_t n, uint64_t seed, uint64_t epoch) {
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(i);
-  uint64_t state = mix_seed(seed, epoch);
+// out[0..n) = base + a Fisher-Yates permutation of range(n), drawn from `state`.
+template <typename I>
+void permute(I *out, int64_t n, int64_t base, uint64_t state) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<I>(base + i);
   // The swap targets do not depend on the array contents, so draw them kLead steps ahead and
   // prefetch their cache lines: the permutation is the plain Fisher-Yates one, only faster.
   constexpr int64_t kLead = 32;
@@ -92,9 +113,25 @@ void shuffle_epoch(int32_t *out, int64_t n, uint64_t seed, uint64_t epoch) {
       __builtin_prefetch(out + jj, 1);
       ++drawn;
     }
-    const int32_t tmp = out[i];
+    const I tmp = out[i];
     out[i] = out[j];
     out[j] = tmp;
+  }
+}
+
+// Epoch e's block of packed samples, [first, end): those whose first token i*S lies in epoch e.
+template <typename I>
+void shuffle_samples(I *out, int64_t packed, int64_t epochs, int64_t tokens_per_epoch,
+                     int64_t seq_length, uint64_t seed) {
+  auto block_start = [&](int64_t e) -> int64_t {
+    const __int128 t = static_cast<__int128>(e) * tokens_per_epoch;
+    const __int128 b = (t + seq_length - 1) / seq_length;
+    return b < packed ? static_cast<int64_t>(b) : packed;
+  };
+  for (int64_t e = 0; e < epochs; ++e) {
+    const int64_t first = block_start(e);
+    const int64_t end = e + 1 == epochs ? packed : block_start(e + 1);
+    permute(out + first, end - first, first, mix_seed(seed, e, kSampleStream));
   }
 }
 
@@ -104,21 +141,25 @@ py::array_t<T> owned_array(T *data, std::vector<py::ssize_t> shape) {
   return py::array_t<T>(shape, data, owner);
 }
 
-// Number of epochs and samples. tokens_per_epoch > 0 is checked by the caller.
+// Epochs E, packed samples M (every whole sample of E epochs) and stream length N (num_samples,
+// or M). tokens_per_epoch > 0 is checked by the caller.
 void plan(int64_t tokens_per_epoch, int64_t seq_length, int64_t num_samples, int64_t num_epochs,
-          int64_t &epochs_out, int64_t &samples_out) {
+          int64_t &epochs_out, int64_t &packed_out, int64_t &stream_out) {
   if (num_samples >= 0) {
     // Smallest E with E*T >= N*S + 1 (the last sample needs its extra target token).
     const __int128 need = static_cast<__int128>(num_samples) * seq_length + 1;
     const __int128 e = (need + tokens_per_epoch - 1) / tokens_per_epoch;
     if (e > std::numeric_limits<int32_t>::max()) throw std::invalid_argument("too many epochs");
     epochs_out = static_cast<int64_t>(e);
-    samples_out = num_samples;
   } else {
-    const __int128 total = static_cast<__int128>(num_epochs) * tokens_per_epoch;
     epochs_out = num_epochs;
-    samples_out = static_cast<int64_t>((total - 1) / seq_length);
   }
+  const __int128 total = static_cast<__int128>(epochs_out) * tokens_per_epoch;
+  const __int128 packed = (total - 1) / seq_length;
+  if (packed >= std::numeric_limits<int64_t>::max() / 2)
+    throw std::invalid_argument("too many samples");
+  packed_out = static_cast<int64_t>(packed);
+  stream_out = num_samples >= 0 ? num_samples : packed_out;
 }
 
 py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array::forcecast> lengths_,
@@ -141,9 +182,11 @@ py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array:
   }
   if (tokens_per_epoch == 0) throw std::invalid_argument("the corpus has no tokens");
 
-  int64_t epochs = 0, n = 0;
-  plan(tokens_per_epoch, seq_length, num_samples, num_epochs, epochs, n);
+  int64_t epochs = 0, n = 0, stream = 0;  // n: packed samples (M above); stream: N
+  plan(tokens_per_epoch, seq_length, num_samples, num_epochs, epochs, n, stream);
   const int64_t doc_total = epochs * num_docs;
+  const bool wide = n > std::numeric_limits<int32_t>::max();  // shuffle_idx needs int64
+  const size_t shuffle_item = wide ? sizeof(int64_t) : sizeof(int32_t);
 
   // Allocations: untouched pages of the over-sized boundary buffer cost no memory, and the final
   // realloc gives them back.
@@ -151,17 +194,20 @@ py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array:
   int64_t *sample_idx = static_cast<int64_t *>(std::malloc(sizeof(int64_t) * 2 * (n + 1)));
   int64_t *ptr = static_cast<int64_t *>(std::malloc(sizeof(int64_t) * (n + 1)));
   int32_t *offs = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * std::max<int64_t>(doc_total, 1)));
-  if (!doc_idx || !sample_idx || !ptr || !offs) {
+  void *shuffle = std::malloc(shuffle_item * std::max<int64_t>(n, 1));
+  if (!doc_idx || !sample_idx || !ptr || !offs || !shuffle) {
     std::free(doc_idx); std::free(sample_idx); std::free(ptr); std::free(offs);
+    std::free(shuffle);
     throw std::bad_alloc();
   }
 
   int64_t nnz = 0;
   {
     py::gil_scoped_release release;
-    for (int64_t e = 0; e < epochs; ++e) shuffle_epoch(doc_idx + e * num_docs, num_docs, seed, e);
+    for (int64_t e = 0; e < epochs; ++e)
+      permute(doc_idx + e * num_docs, num_docs, 0, mix_seed(seed, e, kDocStream));
 
-    const int64_t last = n * seq_length;  // flat position of the final token (row N)
+    const int64_t last = n * seq_length;  // flat position of the final token (row M)
     int64_t next_start = 0;               // next sample_idx row to fill (its position: k*S)
     int64_t next_start_pos = 0;
     int64_t ptr_filled = 0;               // rows of ptr written so far
@@ -188,6 +234,10 @@ py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array:
       p = end;
     }
     while (ptr_filled <= n) ptr[ptr_filled++] = nnz;
+
+    const int64_t T = tokens_per_epoch;
+    if (wide) shuffle_samples(static_cast<int64_t *>(shuffle), n, epochs, T, seq_length, seed);
+    else shuffle_samples(static_cast<int32_t *>(shuffle), n, epochs, T, seq_length, seed);
   }
 
   int32_t *shrunk = static_cast<int32_t *>(std::realloc(offs, sizeof(int32_t) * std::max<int64_t>(nnz, 1)));
@@ -198,8 +248,11 @@ py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array:
   out["sample_idx"] = owned_array<int64_t>(sample_idx, {static_cast<py::ssize_t>(n + 1), 2});
   out["boundary_ptr"] = owned_array<int64_t>(ptr, {static_cast<py::ssize_t>(n + 1)});
   out["boundary_offsets"] = owned_array<int32_t>(offs, {static_cast<py::ssize_t>(nnz)});
+  const std::vector<py::ssize_t> m{static_cast<py::ssize_t>(n)};
+  if (wide) out["shuffle_idx"] = owned_array<int64_t>(static_cast<int64_t *>(shuffle), m);
+  else out["shuffle_idx"] = owned_array<int32_t>(static_cast<int32_t *>(shuffle), m);
   out["num_epochs"] = epochs;
-  out["num_samples"] = n;
+  out["num_samples"] = stream;
   out["tokens_per_epoch"] = tokens_per_epoch;
   return out;
 }
@@ -264,16 +317,8 @@ PYBIND11_MODULE(_sample_index, m) {
   m.doc() = "Packed sample index and blend index builders (see csrc/sample_index.cpp).";
   m.def("build_sample_index", &build_sample_index, py::arg("lengths"), py::arg("seq_length"),
         py::arg("seed"), py::arg("num_samples") = -1, py::arg("num_epochs") = -1,
-        "Shuffle documents per epoch and pack them into samples of seq_length+1 tokens.");
+        "Shuffle documents per epoch, pack them into samples of seq_length+1 tokens, shuffle "
+        "the samples per epoch.");
   m.def("build_blend_index", &build_blend_index, py::arg("weights"), py::arg("size"),
         "Greedy deficit-minimising assignment of blended samples to datasets.");
-  m.def("shuffle_epoch", [](int64_t n, uint64_t seed, uint64_t epoch) {
-    int32_t *buf = static_cast<int32_t *>(std::malloc(sizeof(int32_t) * std::max<int64_t>(n, 1)));
-    if (!buf) throw std::bad_alloc();
-    {
-      py::gil_scoped_release release;
-      shuffle_epoch(buf, n, seed, epoch);
-    }
-    return owned_array<int32_t>(buf, {static_cast<py::ssize_t>(n)});
-  }, py::arg("n"), py::arg("seed"), py::arg("epoch"), "One epoch's permutation of range(n).");
 }

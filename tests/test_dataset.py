@@ -12,6 +12,7 @@ from megatron_mlmclm.cli import main as cli_main
 from megatron_mlmclm.data.dataset import (BlendedPackedDataset, PackedDataset, build_train_dataset,
                                           parse_prefixes)
 from megatron_mlmclm.errors import UsageError
+from test_sample_index import adjacent_fraction, ref_shuffle_idx
 
 S = 8
 # 0-length documents, documents longer than a sample, one (30 tokens) spanning >= 3 samples
@@ -59,15 +60,24 @@ def reference_samples(lengths, tag, doc_idx, n):
     return out
 
 
-def check_dataset(ds, lengths, tag):
-    ref = reference_samples(lengths, tag, ds.index.doc_idx, len(ds))
+def check_item(item, r, what):
+    assert item["tokens"].dtype == np.int64 and item["tokens"].shape == (S + 1,)
+    assert item["document_ids"].dtype == np.int32 and item["position_ids"].dtype == np.int64
+    assert item["tokens"].tolist() == r["tokens"], what
+    assert item["document_ids"].tolist() == r["document_ids"], what
+    assert item["position_ids"].tolist() == r["position_ids"], what
+
+
+def check_dataset(ds, lengths, tag, seed):
+    """Packed samples against the flattening reference; stream position k against the reference
+    sample shuffle. Returns the reference in packed order."""
+    m = ds.index.num_packed
+    ref = reference_samples(lengths, tag, ds.index.doc_idx, m)
     for i, r in enumerate(ref):
-        item = ds[i]
-        assert item["tokens"].dtype == np.int64 and item["tokens"].shape == (S + 1,)
-        assert item["document_ids"].dtype == np.int32 and item["position_ids"].dtype == np.int64
-        assert item["tokens"].tolist() == r["tokens"], f"sample {i}"
-        assert item["document_ids"].tolist() == r["document_ids"], f"sample {i}"
-        assert item["position_ids"].tolist() == r["position_ids"], f"sample {i}"
+        check_item(ds.packed_sample(i), r, f"packed sample {i}")
+    order = ref_shuffle_idx(sum(lengths), S, m, seed)
+    for k in range(len(ds)):
+        check_item(ds[k], ref[order[k]], f"stream position {k}")
     return ref
 
 
@@ -75,21 +85,46 @@ def test_packed_dataset_matches_reference(shards, tmp_path):
     total = sum(LENGTHS_A)
     n = (2 * total) // S + 3  # crosses into a third epoch
     ds = PackedDataset(shards[0], S, n, seed=3, cache_dir=tmp_path)
-    assert len(ds) == n and ds.index.num_epochs == 3
-    ref = check_dataset(ds, LENGTHS_A, 1)
-    # the 30-token document (id 2) appears in at least 3 consecutive samples, one of them
+    assert len(ds) == n and ds.index.num_epochs == 3 and ds.index.num_packed == (3 * total - 1) // S
+    ref = check_dataset(ds, LENGTHS_A, 1, seed=3)
+    # the 30-token document (id 2) appears in at least 3 consecutive packed samples, one of them
     # entirely inside it with positions continuing from its true offset
     spans = [i for i, r in enumerate(ref[: total // S]) if 2 in r["docs"]]
     assert len(spans) >= 3 and spans == list(range(spans[0], spans[0] + len(spans)))
-    middle = ds[spans[1]]
+    middle = ds.packed_sample(spans[1])
     assert (middle["document_ids"] == 0).all() and middle["position_ids"][0] > 0
-    assert ds[-1]["tokens"].tolist() == ref[-1]["tokens"]
+    assert ds[-1]["tokens"].tolist() == ref[int(ds.index.shuffle_idx[n - 1])]["tokens"]
     with pytest.raises(IndexError):
         ds[n]
-    # the cached index serves the same samples
+    # the cached index serves the same samples in the same order
     again = PackedDataset(shards[0], S, n, seed=3, cache_dir=tmp_path)
     assert again.index.from_cache
-    assert again[5]["tokens"].tolist() == ds[5]["tokens"].tolist()
+    for k in range(n):
+        assert again[k]["tokens"].tolist() == ds[k]["tokens"].tolist()
+
+
+def test_long_documents_are_not_served_as_consecutive_windows(tmp_path):
+    # 12 documents of 2000 tokens, every token unique: samples k and k+1 are contiguous windows
+    # exactly when the last token of k is the first token of k+1
+    prefix = str(tmp_path / "long")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for d in range(12):
+        builder.add_item(torch.arange(d * 2000, (d + 1) * 2000, dtype=torch.int32))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    ds = PackedDataset(prefix, S, 0, seed=7, num_epochs=1)
+    m = len(ds)
+    assert m == ds.index.num_packed == (12 * 2000 - 1) // S
+
+    def contiguous(get):
+        last = np.array([get(k)["tokens"][-1] for k in range(m)])
+        first = np.array([get(k)["tokens"][0] for k in range(m)])
+        return float(np.mean(last[:-1] == first[1:]))
+
+    assert contiguous(ds.packed_sample) == 1.0  # packed order: one token stream
+    # shuffled stream: chance level, (m - 1) / m expected pairs of a uniform permutation
+    frac = contiguous(ds.__getitem__)
+    assert frac == adjacent_fraction(ds.index.shuffle_idx) and frac <= 8 / m
 
 
 def test_blended_dataset(shards):
@@ -97,11 +132,16 @@ def test_blended_dataset(shards):
     assert isinstance(ds, BlendedPackedDataset) and len(ds) == 40
     counts = np.bincount(ds.dataset_index, minlength=2)
     assert abs(counts[0] - 28) <= 1 and abs(counts[1] - 12) <= 1
+    # blended position i -> dataset k, its stream position j -> its packed sample shuffle_k[j]
+    shuffles = [ref_shuffle_idx(sum(lengths), S, d.index.num_packed, 1)
+                for d, lengths in zip(ds.datasets, (LENGTHS_A, LENGTHS_B))]
     for i in range(len(ds)):
         k, j = int(ds.dataset_index[i]), int(ds.dataset_sample_index[i])
-        assert ds[i]["tokens"].tolist() == ds.datasets[k][j]["tokens"].tolist()
-    check_dataset(ds.datasets[0], LENGTHS_A, 1)
-    check_dataset(ds.datasets[1], LENGTHS_B, 2)
+        packed = ds.datasets[k].packed_sample(shuffles[k][j])
+        for key in ("tokens", "document_ids", "position_ids"):
+            assert ds[i][key].tolist() == packed[key].tolist(), (i, key)
+    check_dataset(ds.datasets[0], LENGTHS_A, 1, seed=1)
+    check_dataset(ds.datasets[1], LENGTHS_B, 2, seed=1)
     # no weights: proportional to token counts
     ds2 = build_train_dataset([shards[0], shards[1]], S, 50, seed=1, cache_dir=None)
     share = sum(LENGTHS_A) / (sum(LENGTHS_A) + sum(LENGTHS_B))

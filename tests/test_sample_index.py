@@ -24,11 +24,14 @@ def ref_splitmix(state):
     return state, z ^ (z >> 31)
 
 
-def ref_shuffle(n, seed, epoch):
-    """Fisher-Yates with splitmix64 seeded from (seed, epoch), Lemire bounded draws."""
-    s, a = ref_splitmix(seed ^ 0x6A09E667F3BCC909)
-    _, state_seed = ref_splitmix(epoch ^ a ^ 0xBB67AE8584CAA73B)
-    state = state_seed
+DOC_STREAM = (0x6A09E667F3BCC909, 0xBB67AE8584CAA73B)
+SAMPLE_STREAM = (0x3C6EF372FE94F82B, 0xA54FF53A5F1D36F1)
+
+
+def ref_permutation(n, seed, epoch, stream):
+    """Fisher-Yates with splitmix64 seeded from (seed, epoch, stream), Lemire bounded draws."""
+    _, a = ref_splitmix(seed ^ stream[0])
+    _, state = ref_splitmix(epoch ^ a ^ stream[1])
     out = list(range(n))
     for i in range(n - 1, 0, -1):
         r = i + 1
@@ -42,13 +45,28 @@ def ref_shuffle(n, seed, epoch):
     return out
 
 
-def ref_index(lengths, doc_idx, seq_length, num_samples=None, num_epochs=None):
-    """Flatten token by token: each token is (position in doc_idx, offset in its document)."""
+def ref_shuffle(n, seed, epoch):
+    return ref_permutation(n, seed, epoch, DOC_STREAM)
+
+
+def ref_shuffle_idx(tokens_per_epoch, seq_length, packed, seed):
+    """Group packed samples by the epoch of their first token; permute each group on its own."""
+    groups = {}
+    for i in range(packed):
+        groups.setdefault(i * seq_length // tokens_per_epoch, []).append(i)
+    out = []
+    for e in sorted(groups):
+        block = groups[e]
+        out += [block[p] for p in ref_permutation(len(block), seed, e, SAMPLE_STREAM)]
+    return out
+
+
+def ref_index(lengths, doc_idx, seq_length, epochs):
+    """Flatten token by token: each token is (position in doc_idx, offset in its document).
+
+    Every whole sample of the epochs is packed: M = (epochs * T - 1) // seq_length."""
     T = int(sum(lengths))
-    if num_samples is None:
-        n = (num_epochs * T - 1) // seq_length
-    else:
-        n = num_samples
+    n = (epochs * T - 1) // seq_length
     stream = []
     for j, d in enumerate(doc_idx):
         for o in range(lengths[d]):
@@ -76,16 +94,19 @@ def check_against_reference(lengths, seq_length, seed, num_samples=None, num_epo
         part = idx.doc_idx[e * D:(e + 1) * D]
         assert sorted(part.tolist()) == list(range(D)), f"epoch {e} is not a permutation"
         assert part.tolist() == ref_shuffle(D, seed, e)
-    n, ref_sample_idx, ref_bounds = ref_index(lengths.tolist(), idx.doc_idx.tolist(), seq_length,
-                                              num_samples, num_epochs)
-    assert idx.num_samples == n == len(idx)
+    m, ref_sample_idx, ref_bounds = ref_index(lengths.tolist(), idx.doc_idx.tolist(), seq_length,
+                                              epochs)
+    assert idx.num_packed == m
+    assert idx.num_samples == len(idx) == (m if num_samples is None else num_samples)
     assert idx.sample_idx.dtype == np.int64 and idx.boundary_ptr.dtype == np.int64
     assert idx.boundary_offsets.dtype == np.int32
     np.testing.assert_array_equal(idx.sample_idx, ref_sample_idx)
-    assert idx.boundary_ptr.shape == (n + 1,) and idx.boundary_ptr[0] == 0
+    assert idx.boundary_ptr.shape == (m + 1,) and idx.boundary_ptr[0] == 0
     assert idx.boundary_ptr[-1] == idx.boundary_offsets.shape[0]
-    for i in range(n):
+    for i in range(m):
         assert idx.boundaries(i).tolist() == ref_bounds[i], f"sample {i}"
+    assert idx.shuffle_idx.dtype == np.int32 and idx.shuffle_idx.shape == (m,)
+    assert idx.shuffle_idx.tolist() == ref_shuffle_idx(T, seq_length, m, seed)
     return idx
 
 
@@ -130,7 +151,45 @@ def test_leading_empty_documents_and_boundary_at_window_end():
 def test_zero_samples():
     idx = build_sample_index([5, 3], 8, 0, num_samples=0)
     assert idx.num_samples == 0 and idx.sample_idx.shape == (1, 2)
-    assert idx.boundary_ptr.tolist() == [0]
+    assert idx.boundary_ptr.tolist() == [0] and idx.shuffle_idx.shape == (0,)
+    idx = check_against_reference([50, 30], 8, 4, num_samples=0)  # the epoch is still packed
+    assert len(idx) == 0 and idx.num_packed == 9
+
+
+def test_short_run_draws_from_the_whole_epoch():
+    # 10 of 999 samples: they come from all over the epoch, not from its first 10 windows
+    lengths = np.full(20, 800, dtype=np.int32)
+    idx = check_against_reference(lengths, 16, 2, num_samples=10)
+    assert idx.num_packed == (20 * 800 - 1) // 16 and idx.shuffle_idx[:10].max() > 100
+
+
+def test_each_epoch_is_finished_before_the_next():
+    lengths = np.random.default_rng(5).integers(0, 90, size=80)
+    idx = check_against_reference(lengths, 12, 8, num_epochs=4)
+    T = int(lengths.sum())
+    epoch_of_sample = idx.shuffle_idx.astype(np.int64) * 12 // T
+    assert (np.diff(epoch_of_sample) >= 0).all() and epoch_of_sample[-1] == 3
+
+
+def adjacent_fraction(shuffle_idx):
+    """Fraction of stream positions k whose sample k+1 starts where sample k ends."""
+    s = np.asarray(shuffle_idx, dtype=np.int64)
+    return float(np.mean(s[1:] == s[:-1] + 1))
+
+
+def test_adjacent_stream_samples_are_contiguous_only_by_chance():
+    # 40 documents of 5000 tokens, 16-token samples: 12,499 samples, a boundary in only 39
+    lengths = np.full(40, 5000, dtype=np.int32)
+    idx = build_sample_index(lengths, 16, 1234, num_epochs=1)
+    m = idx.num_packed
+    # in packed order nearly every neighbour continues the same document
+    assert adjacent_fraction(np.arange(m)) == 1.0
+    assert np.mean(np.diff(idx.boundary_ptr) == 0) > 0.99
+    # a uniform permutation has (m - 1) / m such pairs on average, Poisson(1): 8 or more has
+    # probability ~1e-5, so the bound is 8 / m
+    assert adjacent_fraction(idx.shuffle_idx) <= 8 / m
+    assert sorted(idx.shuffle_idx.tolist()) == list(range(m))
+    np.testing.assert_array_equal(idx.shuffle_idx, ref_shuffle_idx(int(lengths.sum()), 16, m, 1234))
 
 
 def test_determinism_and_seed():
@@ -141,7 +200,10 @@ def test_determinism_and_seed():
     for name in si.ARRAYS:
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     assert not np.array_equal(a.doc_idx, c.doc_idx)
+    assert not np.array_equal(a.shuffle_idx, c.shuffle_idx)
     assert not np.array_equal(a.doc_idx[:500], a.doc_idx[500:])  # epochs differ
+    # the sample shuffle is its own stream, not the document shuffle again
+    assert ref_permutation(500, 5, 0, SAMPLE_STREAM) != ref_shuffle(500, 5, 0)
 
 
 def test_bad_inputs():
@@ -162,9 +224,11 @@ def test_cache_hit_key_and_atomic_files(tmp_path):
     a = build_sample_index(lengths, 32, 3, num_samples=200, cache_dir=tmp_path)
     assert not a.from_cache and a.cache_path is not None
     files = sorted(os.listdir(tmp_path))
-    assert len(files) == 5 and not any(".tmp" in f for f in files), files
+    assert len(files) == len(si.ARRAYS) + 1 and not any(".tmp" in f for f in files), files
+    assert any(f.endswith(".shuffle_idx.npy") for f in files)
     meta = json.loads(open(a.cache_path).read())
     assert meta["num_samples"] == 200 and meta["format_version"] == si.FORMAT_VERSION
+    assert meta["num_packed"] == a.num_packed > 200
 
     b = build_sample_index(lengths, 32, 3, num_samples=200, cache_dir=tmp_path)
     assert b.from_cache and b.cache_path == a.cache_path
@@ -174,6 +238,7 @@ def test_cache_hit_key_and_atomic_files(tmp_path):
         np.testing.assert_array_equal(arr, getattr(a, name))
     assert (b.num_samples, b.num_epochs, b.tokens_per_epoch) == (a.num_samples, a.num_epochs,
                                                                  a.tokens_per_epoch)
+    assert b.num_packed == a.num_packed
 
     key = si.cache_key(lengths, 32, 3, 200, None)
     changed = lengths.copy()
@@ -190,7 +255,7 @@ def test_cache_hit_key_and_atomic_files(tmp_path):
         si.FORMAT_VERSION = old
 
     c = build_sample_index(changed, 32, 3, num_samples=200, cache_dir=tmp_path)
-    assert not c.from_cache and len(os.listdir(tmp_path)) == 10
+    assert not c.from_cache and len(os.listdir(tmp_path)) == 2 * (len(si.ARRAYS) + 1)
     assert not any(".tmp" in f for f in os.listdir(tmp_path))
 
 
@@ -201,6 +266,18 @@ def test_incomplete_cache_entry_is_rebuilt(tmp_path):
     b = build_sample_index(lengths, 16, 0, num_epochs=1, cache_dir=tmp_path)
     assert not b.from_cache and os.path.exists(b.cache_path)
     np.testing.assert_array_equal(a.sample_idx, b.sample_idx)
+    np.testing.assert_array_equal(a.shuffle_idx, b.shuffle_idx)
+
+
+def test_old_format_cache_entry_is_rebuilt(tmp_path):
+    lengths = np.arange(1, 50, dtype=np.int32)
+    a = build_sample_index(lengths, 16, 0, num_epochs=1, cache_dir=tmp_path)
+    meta = json.loads(open(a.cache_path).read())
+    meta["format_version"] = 1  # an entry written before the sample shuffle existed
+    open(a.cache_path, "w").write(json.dumps(meta))
+    b = build_sample_index(lengths, 16, 0, num_epochs=1, cache_dir=tmp_path)
+    assert not b.from_cache
+    np.testing.assert_array_equal(a.shuffle_idx, b.shuffle_idx)
 
 
 # --------------------------------------------------------------------------------------------------

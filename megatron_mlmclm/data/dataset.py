@@ -1,13 +1,16 @@
 """Packed training samples over Megatron .bin/.idx shards, one stream for CLM and MLM alike.
 
-`PackedDataset` serves sample i of the packed sample index (data/sample_index.py) as numpy arrays
-of seq_length + 1 tokens: `tokens`, `document_ids` (0, 0, ..., 1, 1, ...: local document number,
+`PackedDataset` serves stream position k, which is packed sample `shuffle_idx[k]` of the sample
+index (data/sample_index.py: documents and samples both shuffled), as numpy arrays of
+seq_length + 1 tokens: `tokens`, `document_ids` (0, 0, ..., 1, 1, ...: local document number,
 +1 at each document start) and `position_ids` (position inside each document; a document that
 began in an earlier sample continues from its true offset). Objectives turn these into inputs,
 labels and masks, so every objective sees the same tokens in the same order.
 
-`BlendedPackedDataset` mixes several PackedDatasets in exact proportions; `build_train_dataset`
-reads Megatron-style prefix lists (["0.7", "a", "0.3", "b"] or ["a", "b"]).
+`BlendedPackedDataset` mixes several PackedDatasets in exact proportions: blended position i is
+stream position c of dataset d, so it reads that dataset's packed sample shuffle_d[c]; MLM masks
+are keyed by the blended position (objectives.make_batch), never by the packed sample.
+`build_train_dataset` reads Megatron-style prefix lists (["0.7", "a", "0.3", "b"] or ["a", "b"]).
 
 This module is also the `mlmclm index` subcommand (add_arguments / run): build and cache the index
 ahead of training and print a summary.
@@ -101,8 +104,14 @@ class PackedDataset:
     def __len__(self) -> int:
         return self.index.num_samples
 
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        i = _sample_position(i, len(self))
+    def __getitem__(self, k: int) -> dict[str, np.ndarray]:
+        """Stream position k: packed sample shuffle_idx[k]."""
+        k = _sample_position(k, len(self))
+        return self.packed_sample(int(self.index.shuffle_idx[k]))
+
+    def packed_sample(self, i: int) -> dict[str, np.ndarray]:
+        """Packed sample i, in token-stream order (flat positions i*S .. i*S + S)."""
+        i = _sample_position(i, self.index.num_packed)
         S = self.seq_length
         doc_idx, sample_idx = self.index.doc_idx, self.index.sample_idx
         j0, o0 = int(sample_idx[i, 0]), int(sample_idx[i, 1])
@@ -266,10 +275,11 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(f"{prefix}: {e}")
         seconds = time.perf_counter() - t0
-        per_sample = index.boundary_offsets.shape[0] / max(index.num_samples, 1)
+        per_sample = index.boundary_offsets.shape[0] / max(index.num_packed, 1)
         how = "cache hit" if index.from_cache else "built"
         print(f"{prefix}: weight {w:.4f}, {index.num_samples} samples of {args.seq_length}+1 "
-              f"tokens, {index.num_epochs} epoch(s), {index.num_documents} documents, "
+              f"tokens (drawn from {index.num_packed} packed, shuffled), {index.num_epochs} "
+              f"epoch(s), {index.num_documents} documents, "
               f"{index.tokens_per_epoch} tokens/epoch, {per_sample:.2f} boundaries/sample, "
               f"{how} in {seconds:.2f}s, cache {index.cache_path}")
     return 0

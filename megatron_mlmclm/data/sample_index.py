@@ -1,17 +1,25 @@
 """The packed sample index: which tokens make up each training sample, shared by CLM and MLM.
 
-`build_sample_index` shuffles the documents once per epoch and packs them end to end into samples
-of `seq_length + 1` tokens (inputs plus shifted targets; consecutive samples share one token, as in
-Megatron's GPTDataset). The work is done by the C++ extension `megatron_mlmclm._sample_index`
-(csrc/sample_index.cpp) with the GIL released; this module validates inputs and caches results.
+`build_sample_index` shuffles the documents once per epoch, packs them end to end into samples of
+`seq_length + 1` tokens (inputs plus shifted targets; consecutive packed samples share one token,
+as in Megatron's GPTDataset), then shuffles the packed samples once per epoch, so that stream
+position k reads packed sample `shuffle_idx[k]`. Without the second shuffle, adjacent stream
+positions are adjacent windows of one token stream and a global batch is a stretch of one or two
+long documents. Every epoch is packed in full even when fewer samples are asked for, so a short run
+still draws its samples from the whole of its last epoch (Megatron does the same); each epoch's
+samples are permuted among themselves, so the stream finishes an epoch before starting the next.
+The work is done by the C++ extension `megatron_mlmclm._sample_index` (csrc/sample_index.cpp)
+with the GIL released; this module validates inputs and caches results.
 
-Arrays (see `SampleIndex`):
+Arrays (see `SampleIndex`; M packed samples, N = num_samples stream positions, N <= M):
     doc_idx           int32 [epochs * documents]  shuffled document order, epoch after epoch
-    sample_idx        int64 [N + 1, 2]  (position in doc_idx, token offset) of sample i's first
-                                        token; row N is the final token of the last sample
-    boundary_ptr      int64 [N + 1]     CSR rows: sample i's boundaries are
+    sample_idx        int64 [M + 1, 2]  (position in doc_idx, token offset) of packed sample i's
+                                        first token; row M is the final token of the last sample
+    boundary_ptr      int64 [M + 1]     CSR rows: packed sample i's boundaries are
     boundary_offsets  int32 [nnz]       boundary_offsets[boundary_ptr[i]:boundary_ptr[i + 1]],
                                         offsets in 1..seq_length where a new document starts
+    shuffle_idx       int32 [M]         (int64 beyond 2^31 - 1 samples) stream position k reads
+                                        packed sample shuffle_idx[k]; positions >= N are unused
 
 Cache layout (when `cache_dir` is given), key = sha256 over FORMAT_VERSION, seq_length, seed,
 num_samples / num_epochs and the bytes of the lengths array (first 16 hex digits):
@@ -19,9 +27,11 @@ num_samples / num_epochs and the bytes of the lengths array (first 16 hex digits
     <cache_dir>/sample_index-<key>.sample_idx.npy
     <cache_dir>/sample_index-<key>.boundary_ptr.npy
     <cache_dir>/sample_index-<key>.boundary_offsets.npy
+    <cache_dir>/sample_index-<key>.shuffle_idx.npy
     <cache_dir>/sample_index-<key>.json        written last: its presence marks a complete entry
 Every file is written to a temporary name in the same directory, then os.replace'd into place, so
 concurrent builders (one per rank) never read a partial file. Hits are loaded with mmap.
+FORMAT_VERSION 2 added the sample shuffle: version-1 entries have other keys and are rebuilt.
 """
 
 from __future__ import annotations
@@ -36,8 +46,8 @@ from typing import Optional
 
 import numpy as np
 
-FORMAT_VERSION = 1
-ARRAYS = ("doc_idx", "sample_idx", "boundary_ptr", "boundary_offsets")
+FORMAT_VERSION = 2
+ARRAYS = ("doc_idx", "sample_idx", "boundary_ptr", "boundary_offsets", "shuffle_idx")
 
 
 def _ext():
@@ -56,8 +66,9 @@ class SampleIndex:
     sample_idx: np.ndarray
     boundary_ptr: np.ndarray
     boundary_offsets: np.ndarray
+    shuffle_idx: np.ndarray
     seq_length: int
-    num_samples: int
+    num_samples: int  # stream positions (the dataset's length); num_packed >= num_samples
     num_epochs: int
     num_documents: int
     tokens_per_epoch: int
@@ -67,8 +78,13 @@ class SampleIndex:
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def num_packed(self) -> int:
+        """Packed samples: every whole sample of num_epochs epochs."""
+        return int(self.sample_idx.shape[0]) - 1
+
     def boundaries(self, i: int) -> np.ndarray:
-        """Offsets (1..seq_length) inside sample i where a new document starts."""
+        """Offsets (1..seq_length) inside packed sample i where a new document starts."""
         return self.boundary_offsets[self.boundary_ptr[i]:self.boundary_ptr[i + 1]]
 
 
@@ -142,8 +158,9 @@ def build_sample_index(lengths, seq_length: int, seed: int, num_samples: Optiona
                        cache_dir: Optional[str | os.PathLike] = None) -> SampleIndex:
     """Pack documents of `lengths` tokens into samples; exactly one of num_samples / num_epochs.
 
-    num_samples: as many epochs as needed (each fully shuffled and kept in doc_idx), exactly
-    num_samples samples. num_epochs: all whole samples those epochs hold (last partial dropped).
+    num_samples: as many epochs as needed (each fully shuffled, kept in doc_idx and packed),
+    exactly num_samples stream positions. num_epochs: all whole samples those epochs hold (last
+    partial dropped). Stream position k is packed sample index.shuffle_idx[k].
     Raises ValueError for bad arguments and for a corpus with no tokens.
     """
     lengths = _check_inputs(lengths, seq_length, seed, num_samples, num_epochs)
@@ -163,6 +180,7 @@ def build_sample_index(lengths, seq_length: int, seed: int, num_samples: Optiona
                                   -1 if num_epochs is None else int(num_epochs))
     index = SampleIndex(doc_idx=r["doc_idx"], sample_idx=r["sample_idx"],
                         boundary_ptr=r["boundary_ptr"], boundary_offsets=r["boundary_offsets"],
+                        shuffle_idx=r["shuffle_idx"],
                         seq_length=int(seq_length), num_samples=int(r["num_samples"]),
                         num_epochs=int(r["num_epochs"]), num_documents=int(lengths.size),
                         tokens_per_epoch=int(r["tokens_per_epoch"]))
@@ -172,7 +190,8 @@ def build_sample_index(lengths, seq_length: int, seed: int, num_samples: Optiona
             arr = getattr(index, a)
             _atomic_write(p, lambda f, arr=arr: np.save(f, arr, allow_pickle=False))
         meta = dict(format_version=FORMAT_VERSION, seq_length=index.seq_length, seed=int(seed),
-                    num_samples=index.num_samples, num_epochs=index.num_epochs,
+                    num_samples=index.num_samples, num_packed=index.num_packed,
+                    num_epochs=index.num_epochs,
                     num_documents=index.num_documents, tokens_per_epoch=index.tokens_per_epoch,
                     requested_num_samples=num_samples, requested_num_epochs=num_epochs,
                     num_boundaries=int(index.boundary_offsets.size))
