@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -17,23 +16,24 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_mlmclm.runtime import cpu_support
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> None:
     """Create the default group and megatron's TP/PP/DP groups; seed megatron's RNG tracker."""
     cpu_support.apply()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+        timeout = datetime.timedelta(minutes=30)
+        if "RANK" not in os.environ:
+            # A world of one needs no rendezvous: an in-process store cannot lose a race for a
+            # TCP port to another job on the machine (it did, with many runs side by side).
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            if backend == "nccl":
+                torch.cuda.set_device(0)
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
+                                    world_size=1, timeout=timeout)
+        else:
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp):
         from megatron_mlmclm.errors import UsageError
