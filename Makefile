@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart test clean
+.PHONY: install quickstart test slurm-deps clean
 
 install: $(STAMP)
 
@@ -21,8 +21,17 @@ $(STAMP): pyproject.toml setup.py csrc/sample_index.cpp
 quickstart: install
 	$(BIN)/mlmclm quickstart --out $(OUT)
 
-test: install
+test: install slurm-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# tests/test_slurm.py starts a private one-node SLURM cluster: Debian's slurm-wlm daemons and munge.
+SLURM_PKGS := slurmctld slurmd slurm-client munge
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+slurm-deps:
+	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && \
+	  command -v sbatch >/dev/null && command -v munged >/dev/null || { \
+	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	    --no-install-recommends $(SLURM_PKGS); }
 
 clean:
 	rm -rf $(VENV) build *.egg-info megatron_mlmclm/*.so

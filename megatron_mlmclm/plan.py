@@ -93,6 +93,10 @@ def add_arguments(p) -> None:
     r.add_argument("--hf-dir", default=None, help="where exports go (default OUT/hf)")
     r.add_argument("--results-dir", default=None, help="evaluation results (default OUT/results)")
     r.add_argument("--eval-tasks", nargs="*", default=list(DEFAULT_EVAL_TASKS))
+    r.add_argument("--eval-lrs", nargs="*", type=float, default=[],
+                   help=f"fine-tuning learning rates (default: evaluate's {EVAL_LRS})")
+    r.add_argument("--eval-seeds", nargs="*", type=int, default=[],
+                   help=f"fine-tuning seeds (default: evaluate's {EVAL_SEEDS})")
     r.add_argument("--save-interval", type=int, default=1000, help="checkpoint.save_interval")
     c = p.add_argument_group("cluster and compute estimate")
     c.add_argument("--throughput-tokens-per-gpu-s", "--throughput", dest="throughput", nargs="*",
@@ -341,11 +345,11 @@ def compute_row(run: Run, lay: dict, throughput: float) -> dict:
 
 
 def job_script(run: Run, cfg_path: Path, runs_dir: Path, hf_dir: Path, results: Path,
-               tasks: list[str], lay: dict, gpus_per_node: int) -> str:
+               tasks: list[str], grid: list[str], lay: dict, gpus_per_node: int) -> str:
     q = shlex.quote
     ckpt = runs_dir / run.name / "checkpoints"
     export = hf_dir / run.name
-    task_args = " ".join(q(t) for t in tasks)
+    eval_args = " ".join(q(t) for t in tasks + grid)  # task names, then --lrs/--seeds
     return f"""#!/usr/bin/env bash
 # {run.name}: {run.kind} run, {run.steps} steps{f', continues {run.depends_on}' if run.depends_on else ''}.
 # Written by `mlmclm plan`. Usage: bash {run.name}.sh pretrain|convert|evaluate|all [extra args]
@@ -360,7 +364,7 @@ LAUNCH=${{LAUNCH:-"torchrun --standalone --nproc_per_node {gpus_per_node}"}}
 
 pretrain() {{ $LAUNCH -m megatron_mlmclm pretrain "$CONFIG" "$@"; }}
 convert() {{ mlmclm convert to-hf {q(str(ckpt))} {q(str(export))} --force "$@"; }}
-evaluate() {{ mlmclm evaluate --model {q(str(export))} --task {task_args} --out {q(str(results / 'eval'))} "$@"; }}
+evaluate() {{ mlmclm evaluate --model {q(str(export))} --task {eval_args} --out {q(str(results / 'eval'))} "$@"; }}
 
 case "$STEP" in
   pretrain) pretrain "$@" ;;
@@ -372,24 +376,55 @@ esac
 """
 
 
+def eval_grid_args(args) -> list[str]:
+    """--lrs/--seeds for `mlmclm evaluate` when the plan narrows its default grid."""
+    out = []
+    if args.eval_lrs:
+        out += ["--lrs", *[f"{lr:g}" for lr in args.eval_lrs]]
+    if args.eval_seeds:
+        out += ["--seeds", *[str(sd) for sd in args.eval_seeds]]
+    return out
+
+
+def eval_array_size(args) -> int:
+    return (len(args.eval_tasks) * (len(args.eval_lrs) if args.eval_lrs else EVAL_LRS)
+            * (len(args.eval_seeds) if args.eval_seeds else EVAL_SEEDS))
+
+
 def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path, results: Path,
-                  tasks: list[str], layouts: dict, gpus_per_node: int, slurm_dir: Path) -> str:
+                  args, layouts: dict, slurm_dir: Path) -> str:
     q = shlex.quote
-    n_eval = len(tasks) * EVAL_LRS * EVAL_SEEDS
+    n_eval = eval_array_size(args)
+    gpn = args.gpus_per_node
     lines = [
         "#!/usr/bin/env bash",
         "# Submit every run of the plan to SLURM: pretrain -> convert -> evaluation array, and",
-        "# continued-pretraining runs after their source. Written by `mlmclm plan`.",
-        "# Extra sbatch options for every job: SBATCH_EXTRA=\"--account X --partition Y\".",
-        "# Templates: $SLURM_DIR (default: this checkout's examples/slurm).",
+        "# continued-pretraining runs after their source; the report after every array.",
+        "# Written by `mlmclm plan`. Variables (all optional):",
+        f"#   GPUS_PER_NODE   GPUs requested per node for pretraining ({gpn}); 0 on CPU-only nodes",
+        "#                   (convert and evaluate jobs then ask for no GPU, else for one)",
+        "#   SBATCH_EXTRA    sbatch options for every job, e.g. \"--account X --partition Y\"",
+        "#   PRETRAIN_SBATCH, CONVERT_SBATCH, EVAL_SBATCH, REPORT_SBATCH  sbatch options per kind",
+        "#   PRETRAIN_ARGS   config overrides appended to every pretraining run (key.sub=value ...)",
+        "#   EVAL_ARGS       options appended to every `mlmclm evaluate` (e.g. --max-steps 500)",
+        "#   SLURM_DIR       the sbatch templates (default: this checkout's examples/slurm)",
+        "# The jobs read MLMCLM_PYTHON, CONTAINER_ARGS, MASTER_PORT, MLMCLM_DATA_DIR from this",
+        "# environment (sbatch exports it); see docs/cluster.md.",
         "set -euo pipefail",
         f"SLURM_DIR=${{SLURM_DIR:-{q(str(slurm_dir))}}}",
+        f"GPUS_PER_NODE=${{GPUS_PER_NODE-{gpn}}}",
         "SBATCH_EXTRA=${SBATCH_EXTRA:-}",
+        "PRETRAIN_SBATCH=${PRETRAIN_SBATCH:-} CONVERT_SBATCH=${CONVERT_SBATCH:-}",
+        "EVAL_SBATCH=${EVAL_SBATCH:-} REPORT_SBATCH=${REPORT_SBATCH:-}",
+        "PRETRAIN_ARGS=${PRETRAIN_ARGS:-} EVAL_ARGS=${EVAL_ARGS:-}",
         "sub() { sbatch --parsable $SBATCH_EXTRA \"$@\"; }",
+        "gpus() { if [ \"$GPUS_PER_NODE\" -gt 0 ]; then echo \"--gpus-per-node=$1\"; fi; }",
         "declare -A PRETRAIN",
+        "EVALS=",
         "",
     ]
-    task_args = " ".join(q(t) for t in tasks)
+    task_args = " ".join(q(t) for t in args.eval_tasks)
+    grid = "".join(" " + q(a) for a in eval_grid_args(args))
     for i, run in enumerate(runs):
         lay = layouts[run.name]
         var = f"j{i}"
@@ -398,20 +433,28 @@ def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path
         lines += [
             f"# {run.name}",
             f"{var}=$(sub{dep} --job-name {q('pt-' + run.name)} --nodes {lay['nodes']} "
-            f"--gpus-per-node {gpus_per_node} \"$SLURM_DIR/pretrain.sbatch\" "
-            f"{q(str(cfg_paths[run.name]))})",
+            f"$(gpus \"$GPUS_PER_NODE\") --export=ALL,NPROC_PER_NODE={gpn} $PRETRAIN_SBATCH "
+            f"\"$SLURM_DIR/pretrain.sbatch\" {q(str(cfg_paths[run.name]))} $PRETRAIN_ARGS)",
             f"PRETRAIN[{q(run.name)}]=${var}",
-            f"c{i}=$(sub --dependency=afterok:${var} --job-name {q('cv-' + run.name)} "
-            f"\"$SLURM_DIR/convert.sbatch\" {q(str(ckpt))} {q(str(export))} --force)",
-            f"sub --dependency=afterok:$c{i} --job-name {q('ev-' + run.name)} "
-            f"--array=0-{n_eval - 1} \"$SLURM_DIR/evaluate_array.sbatch\" --model {q(str(export))} "
-            f"--task {task_args} --out {q(str(results / 'eval'))} >/dev/null",
-            f"echo \"submitted {run.name}: pretrain ${var}, convert $c{i}, evaluate array of "
-            f"{n_eval}\"",
+            f"c{i}=$(sub --dependency=afterok:${var} --job-name {q('cv-' + run.name)} $(gpus 1) "
+            f"$CONVERT_SBATCH \"$SLURM_DIR/convert.sbatch\" {q(str(ckpt))} {q(str(export))} "
+            "--force)",
+            f"e{i}=$(sub --dependency=afterok:$c{i} --job-name {q('ev-' + run.name)} $(gpus 1) "
+            f"--array=0-{n_eval - 1} $EVAL_SBATCH \"$SLURM_DIR/evaluate_array.sbatch\" "
+            f"--model {q(str(export))} --task {task_args}{grid} "
+            f"--out {q(str(results / 'eval'))} $EVAL_ARGS)",
+            f"EVALS=$EVALS:$e{i}",
+            f"echo \"submitted {run.name}: pretrain ${var}, convert $c{i}, evaluate array $e{i} "
+            f"of {n_eval}\"",
             "",
         ]
-    lines.append(f"echo \"when every array is done: mlmclm report {q(str(results / 'eval'))} "
-                 f"--out {q(str(results / 'report'))}\"")
+    lines += [
+        "# the report over whatever finished (afterany: a failed element does not block it)",
+        "r=$(sub --dependency=afterany$EVALS --job-name report $REPORT_SBATCH "
+        f"\"$SLURM_DIR/report.sbatch\" {q(str(results / 'eval'))} "
+        f"--out {q(str(results / 'report'))})",
+        f"echo \"submitted the report $r: {q(str(results / 'report'))}\"",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -495,11 +538,12 @@ def run(args) -> int:
         for r in runs:
             s = tmp / "jobs" / f"{r.name}.sh"
             s.write_text(job_script(r, cfg_paths[r.name], runs_dir, hf_dir, results,
-                                    args.eval_tasks, layouts[r.name], args.gpus_per_node))
+                                    args.eval_tasks, eval_grid_args(args), layouts[r.name],
+                                    args.gpus_per_node))
             s.chmod(0o755)
         sub = tmp / "submit_slurm.sh"
-        sub.write_text(submit_script(runs, cfg_paths, runs_dir, hf_dir, results, args.eval_tasks,
-                                     layouts, args.gpus_per_node, slurm_dir))
+        sub.write_text(submit_script(runs, cfg_paths, runs_dir, hf_dir, results, args, layouts,
+                                     slurm_dir))
         sub.chmod(0o755)
 
         rows = [r.row for r in runs]
@@ -512,7 +556,7 @@ def run(args) -> int:
                   "model_pflop": round(sum(r["model_pflop"] for r in rows), 1)}
         (tmp / "SUMMARY.md").write_text(summary_md(rows, totals, args, throughput),
                                         encoding="utf-8")
-        n_eval = len(args.eval_tasks) * EVAL_LRS * EVAL_SEEDS
+        n_eval = eval_array_size(args)
         with open(tmp / "manifest.tsv", "w", encoding="utf-8") as f:
             f.write("index\tname\tkind\tnodes\tgpus_per_node\tconfig\tcheckpoints\thf_dir\t"
                     "depends_on\teval_array_size\n")

@@ -15,3 +15,12 @@ def data_dir() -> Path:
     if d is None:
         pytest.fail("real data folder not found: set MLMCLM_DATA_DIR (CI has ../shared/data)")
     return d
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A private one-node SLURM cluster (tests/slurm_cluster.py), stopped after the session."""
+    from slurm_cluster import Cluster
+
+    with Cluster() as cluster:
+        yield cluster

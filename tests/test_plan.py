@@ -125,7 +125,7 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
     subprocess.run(["bash", "-c", fake, "_", str(plan_dir / "submit_slurm.sh")], check=True,
                    env=env, capture_output=True)
     lines = log.read_text().splitlines()
-    assert len(lines) == 3 * 60
+    assert len(lines) == 3 * 60 + 1  # pretrain, convert, evaluate per run; one report
     job = {}  # job id (line number) -> sbatch line
     for i, line in enumerate(lines, 1):
         job[str(i)] = line
@@ -138,6 +138,12 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
         assert job[dep].endswith(f"/configs/{src}")
     evals = [ln for ln in lines if "evaluate_array.sbatch" in ln]
     assert all("--array=0-179" in ln for ln in evals) and len(evals) == 60
+    for ln in evals:  # each array waits for its run's export
+        assert "convert.sbatch" in job[ln.split("--dependency=afterok:")[1].split()[0]]
+    # the report waits for every array; GPUs are asked for on the command line
+    deps = lines[-1].split("--dependency=afterany:")[1].split()[0].split(":")
+    assert "report.sbatch" in lines[-1] and sorted(job[d] for d in deps) == sorted(evals)
+    assert all("--gpus-per-node=8" in ln for ln in lines if "pretrain.sbatch" in ln)
 
 
 def test_subset_and_rounding(tmp_path):

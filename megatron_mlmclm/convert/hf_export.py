@@ -60,7 +60,7 @@ def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> Optional[
             return None
         seen.add(init)
         try:
-            ckpt = resolve_checkpoint(init)
+            ckpt = resolve_checkpoint(init, verify=False)  # provenance only
             trainer = common.read_common(ckpt)
         except (UsageError, OSError):
             return None

@@ -5,17 +5,24 @@ Layout of a run's checkpoint folder:
       iter_0000200/          one complete checkpoint (dist_checkpointing format + common.pt)
       iter_0000400/
       latest                 text file: the name of the newest complete checkpoint
-A checkpoint is written as `iter_N.tmp` and renamed only after every rank finished writing, so a
-killed run never leaves a folder that looks complete. The model and optimizer are stored in
+A checkpoint is written as `iter_N.tmp`, its files and folder are fsynced, a manifest of per-file
+sizes and SHA-256 checksums is written last (`manifest.json`), and only then is it renamed to
+`iter_N`: a killed run never leaves a folder that looks complete, and a checkpoint damaged later
+(truncated, flipped bytes) fails `verify_checkpoint`. Resume takes the newest checkpoint that
+verifies, saying so when it skips one. The model and optimizer are stored in
 megatron's reshardable formats (model: sharded tensors; distributed optimizer:
 `fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout loads at another.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
+import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron_mlmclm.errors import UsageError
 
 FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -51,16 +59,118 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
     return ckpts[-1] if ckpts else None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run's checkpoints folder (-> its latest complete checkpoint)."""
+def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
+    """A checkpoint folder, or a run's checkpoints folder (-> its latest complete checkpoint),
+    refused (UsageError) when it fails verification."""
     p = Path(path)
     if (p / "metadata.json").is_file() and (p / "common.pt").is_file():
-        return p
-    latest = latest_checkpoint(p)
-    if latest is None:
-        raise UsageError(f"{p} holds no complete checkpoint (expected iter_NNNNNNN/ folders with "
-                         "metadata.json); check the path or let the run finish a save")
-    return latest
+        ckpt = p
+    else:
+        ckpt = latest_checkpoint(p)
+        if ckpt is None:
+            raise UsageError(f"{p} holds no complete checkpoint (expected iter_NNNNNNN/ folders "
+                             "with metadata.json); check the path or let the run finish a save")
+    problem = verify_checkpoint(ckpt) if verify else None
+    if problem is not None:
+        raise UsageError(f"checkpoint {ckpt} fails verification: {problem}; give an earlier "
+                         "iter_NNNNNNN folder")
+    return ckpt
+
+
+# --------------------------------------------------------------------------------------------------
+# Integrity: fsync, manifest of sizes and checksums, verification
+
+
+def _say(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # also before process groups exist: one line per job
+        print(f"[mlmclm] {message}", file=sys.stderr, flush=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digest(path: Path, sync: bool = False) -> dict[str, Any]:
+    """Size and SHA-256 of a file, read in 16 MiB chunks; with sync, fsynced first."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if sync:
+            os.fsync(f.fileno())
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+        return {"size": f.tell(), "sha256": h.hexdigest()}
+
+
+def write_manifest(folder: Path) -> None:
+    """Collective: fsync and checksum every file of `folder` (each rank a share), then rank 0
+    writes manifest.json last and fsyncs it and the folders."""
+    names = [sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
+             if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)  # rank 0's listing is the one the manifest lists
+    names = names[0]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {n: _digest(folder / n, sync=True) for n in names[rank::world]}
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        files = {n: d for share in shares for n, d in share.items()}
+        out = folder / MANIFEST
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"algorithm": "sha256", "files": dict(sorted(files.items()))}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        for d in {(folder / n).parent for n in names} | {folder}:
+            _fsync_dir(d)
+
+
+_VERIFIED: set[tuple] = set()  # checkpoints (path and every file's size and mtime) verified here
+
+
+def verify_checkpoint(ckpt: str | Path) -> Optional[str]:
+    """None when every file in the checkpoint's manifest has its size and checksum, else what is
+    wrong (one line). A checkpoint without a manifest predates manifests and is accepted."""
+    ckpt = Path(ckpt)
+    manifest = ckpt / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST} ({type(e).__name__})"
+    for name, want in files.items():  # sizes first: cheap, and catches truncation
+        f = ckpt / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {want['size']}"
+    key = (str(ckpt.resolve()),) + tuple((n, (ckpt / n).stat().st_mtime_ns) for n in files)
+    if key in _VERIFIED:  # e.g. train.init_from, resolved twice by one process
+        return None
+    for name, want in files.items():
+        if _digest(ckpt / name)["sha256"] != want["sha256"]:
+            return f"{name} does not match its checksum"
+    _VERIFIED.add(key)
+    return None
+
+
+def latest_verified_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint that verifies. Each one that fails is reported in one line
+    and left on disk as it is; when checkpoints exist but none verifies, UsageError."""
+    ckpts = complete_checkpoints(ckpt_dir)
+    for ck in reversed(ckpts):
+        problem = verify_checkpoint(ck)
+        if problem is None:
+            return ck
+        _say(f"checkpoint {ck} fails verification ({problem}); left on disk untouched, "
+             "trying the previous one")
+    if ckpts:
+        raise UsageError(f"no checkpoint in {ckpt_dir} passes verification; move the folder "
+                         "away to start over, or restore a good copy")
+    return None
 
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
@@ -110,13 +220,23 @@ def save_checkpoint(ckpt_dir: str | Path, iteration: int, chunks, optimizer, sch
     state["rng_state"] = _rng_state()
     dist_checkpointing.save(state, str(tmp), content_metadata=dict(OPTIMIZER_METADATA))
     dist.barrier()
+    write_manifest(tmp)  # last: a folder with a manifest is complete and durable
     if dist.get_rank() == 0:
         if final.exists():
-            shutil.rmtree(final)
+            if verify_checkpoint(final) is None:
+                shutil.rmtree(final)
+            else:  # a damaged one that resume skipped: keep it for inspection, out of the way
+                aside = final.with_name(f"{final.name}.corrupt-{int(time.time())}")
+                os.replace(final, aside)
+                _say(f"moved the damaged {final.name} aside to {aside.name}")
         os.replace(tmp, final)
         tmp_latest = ckpt_dir / "latest.tmp"
-        tmp_latest.write_text(final.name + "\n")
+        with open(tmp_latest, "w", encoding="utf-8") as f:
+            f.write(final.name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp_latest, ckpt_dir / "latest")
+        _fsync_dir(ckpt_dir)  # the renames themselves
         for old in complete_checkpoints(ckpt_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()

@@ -36,6 +36,7 @@ def run(args) -> int:
 
 def pretrain(cfg) -> int:
     from megatron_mlmclm.runtime import distributed as rt
+    from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted
     from megatron_mlmclm.training.trainer import Trainer, TrainingDiverged
 
     trainer = Trainer(cfg)
@@ -46,6 +47,10 @@ def pretrain(cfg) -> int:
         if rt.is_main():
             print(f"mlmclm pretrain: error: {e}", file=sys.stderr)
         return 1
+    except Preempted as e:
+        if rt.is_main():
+            print(f"mlmclm pretrain: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     finally:
         trainer.close()
         rt.destroy_distributed()

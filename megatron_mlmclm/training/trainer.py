@@ -36,6 +36,7 @@ from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_typ
 from megatron_mlmclm.objectives import TokenSpec, make_batch
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import checkpoint as ckpt
+from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from megatron_mlmclm.training.resume import check_resume, fingerprint
 
 
@@ -172,7 +173,8 @@ class Trainer:
         """The run's latest complete checkpoint, checked against this run (optimizer kind, data
         fingerprint) before process groups exist; sets where the data stream continues."""
         cfg = self.cfg
-        latest = ckpt.latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
+        latest = (ckpt.latest_verified_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume
+                  else None)
         if latest is not None:
             state = ckpt.read_trainer_state(latest)["trainer"]
             consumed, self.resume_notes = check_resume(latest, state, cfg, self.fingerprint)
@@ -315,9 +317,12 @@ class Trainer:
 
             bar = tqdm(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
                        dynamic_ncols=True, file=sys.stderr)
+        self.stop = StopSignals()  # SIGTERM / SIGUSR1: save after the step in flight, then stop
+        self.stop.install()
         try:
             return self._train_loop(bar, tokens_per_step, peak, world)
         finally:
+            self.stop.restore()
             if bar is not None:
                 bar.close()
 
@@ -350,8 +355,12 @@ class Trainer:
             self.record(stats, bar)
             last = stats
             interval = cfg.checkpoint.save_interval
-            if interval and self.step % interval == 0 or self.step == t.steps:
+            stop = self.step < t.steps and self.stop.agreed(rt.device())
+            if interval and self.step % interval == 0 or self.step == t.steps or stop:
                 self.save()
+            if stop:
+                raise Preempted(f"stop signal: saved at step {self.step} of {t.steps}; exit "
+                                f"{EXIT_PREEMPTED}, start the same run again to resume")
         return last
 
     def consumed_samples(self) -> int:

@@ -1,0 +1,183 @@
+"""The project's sbatch scripts on a real (private, one-node) SLURM cluster, CPU only.
+
+* pretrain.sbatch (torchrun, 2 processes, DP2) on Gutenberg shards: SIGUSR1 to the batch shell
+  mid-run (what `--signal=B:USR1@300` sends before the time limit) -> the trainer saves at the step
+  in flight, exits 75, the script requeues the job, the requeued job resumes; every step's loss
+  equals that of an uninterrupted run, bitwise.
+* the submit script `mlmclm plan` writes, on a one-run grid: pretrain -> convert -> an
+  evaluate_array.sbatch array -> report, in that order (dependencies), every job completed.
+Only documented variables change the scripts (NPROC_PER_NODE, MLMCLM_PYTHON, MASTER_PORT,
+GPUS_PER_NODE, *_SBATCH, PRETRAIN_ARGS, EVAL_ARGS) and sbatch command-line options.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import sys
+import time
+from datetime import datetime
+
+import pytest
+import yaml
+
+from jobs import REPO, job_env, read_metrics, run_pretrain
+from megatron_mlmclm.cli import main
+from slurm_cluster import free_port
+
+SLURM_DIR = REPO / "examples" / "slurm"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, data_dir):
+    """A 1000-token BPE and shards of three Gutenberg books (the first 200K characters of each)."""
+    from megatron_mlmclm.data.preprocess import preprocess
+    from megatron_mlmclm.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("gutenberg")
+    with gzip.open(data_dir / "gutenberg_en" / "valid.jsonl.gz", "rt", encoding="utf-8") as f:
+        books = [json.loads(line)["text"][:200_000] for _, line in zip(range(3), f)]
+    src = root / "books.jsonl"
+    src.write_text("".join(json.dumps({"text": b}) + "\n" for b in books))
+    tok = train_tokenizer([str(src)], root / "tok", 1000, progress=False)
+    preprocess([str(src)], root / "gutenberg", tok, progress=False)
+    return {"train": str(root / "gutenberg_text_document"), "tokenizer": str(tok),
+            "cache": str(root / "cache")}
+
+
+def job_environment(**extra) -> dict[str, str]:
+    return {**job_env(), "MLMCLM_PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **extra}
+
+
+def curve(run_dir) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
+def until(ready, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not ready():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def when(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp)
+
+
+def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run(
+        slurm, shards, tmp_path):
+    cfg = {"model": {"preset": "tiny", "seq_length": 64},
+           "phases": [{"objective": "mlm", "mask_ratio": 0.4}],
+           "data": {"train": [shards["train"]], "tokenizer": shards["tokenizer"],
+                    "cache_dir": shards["cache"]},
+           "train": {"steps": 16, "micro_batch_size": 4, "global_batch_size": 16,
+                     "warmup_steps": 2, "decay_steps": 2},
+           "checkpoint": {"save_interval": 0, "keep_last": 2},
+           "logging": {"tensorboard": False}}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    (tmp_path / "logs").mkdir()
+    run = tmp_path / "run"
+    env = job_environment(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    job = slurm.sbatch("--cpus-per-task=2", str(SLURM_DIR / "pretrain.sbatch"), str(config),
+                       f"output_dir={run}", env=env, cwd=tmp_path)
+    metrics = run / "metrics.jsonl"
+    until(lambda: metrics.is_file() and '"step": 3,' in metrics.read_text(), 240, "step 3")
+    slurm.run(["scancel", "--signal=USR1", "--batch", job])
+    # The script requeues the job; SLURM holds a requeued job ~2 minutes: release it now.
+    until(lambda: slurm.jobs(job)[0].get("Restarts") == "1", 120, "the requeue")
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+
+    # Meanwhile, the same run uninterrupted, as a plain torchrun job on this machine.
+    ref = tmp_path / "ref"
+    run_pretrain(config, [f"output_dir={ref}"], nproc=2)
+    slurm.wait([job], timeout=300)
+    log = (tmp_path / "logs" / f"mlmclm-pretrain-{job}.out").read_text()
+    info = slurm.jobs(job)[0]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log
+
+    stopped = int(log.split("stop signal: saved at step ")[1].split()[0])
+    assert 3 <= stopped < 16, log  # step 3 was logged when the signal went out
+    assert "SIGUSR1: asking the trainer to save and stop" in log
+    assert f"requeueing job {job}" in log and "restart 1:" in log
+    assert f"resumed from {run / 'checkpoints' / f'iter_{stopped:07d}'} at step {stopped}" in log
+    got, expected = curve(run), curve(ref)
+    assert sorted(got) == list(range(1, 17))
+    assert got == expected  # bitwise, across the stop and the requeue
+
+
+def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(slurm, shards, tmp_path,
+                                                                          data_dir):
+    plan = tmp_path / "plan"
+    assert main(["plan", "--out", str(plan), "--sizes", "tiny", "--budgets", "4000",
+                 "--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps",
+                 "--nodes", "1", "--gpus-per-node", "2", "--data", shards["train"],
+                 "--tokenizer", shards["tokenizer"], "--eval-tasks", "sst2",
+                 "--eval-lrs", "1e-3", "--eval-seeds", "0", "1"]) == 0
+    (tmp_path / "logs").mkdir()
+    env = job_environment(
+        GPUS_PER_NODE="0", MASTER_PORT=str(free_port()), MLMCLM_DATA_DIR=str(data_dir),
+        PRETRAIN_SBATCH="--cpus-per-task=2", CONVERT_SBATCH="--cpus-per-task=1 --mem=1G",
+        EVAL_SBATCH="--cpus-per-task=1", REPORT_SBATCH="--cpus-per-task=1",
+        PRETRAIN_ARGS=("train.steps=4 train.global_batch_size=4 train.micro_batch_size=2 "
+                       "train.warmup_steps=1 train.decay_steps=1 model.seq_length=64 "
+                       f"data.cache_dir={shards['cache']} logging.tensorboard=false"),
+        EVAL_ARGS=("--max-steps 3 --eval-every 3 --batch-size 8 --eval-batch-size 16 "
+                   "--max-length 64 --max-train-examples 48 --max-eval-examples 32 --threads 1 "
+                   "--no-progress"))
+    out = slurm.run(["bash", str(plan / "submit_slurm.sh")], env=env, cwd=tmp_path).stdout
+    m = re.search(r"pretrain (\d+), convert (\d+), evaluate array (\d+) of 2\n"
+                  r"submitted the report (\d+):", out)
+    assert m, out
+    ids = list(m.groups())
+    slurm.wait(ids, timeout=400)
+    logs = "\n".join(p.read_text()[-1500:] for p in sorted((tmp_path / "logs").iterdir()))
+    jobs = {name: slurm.jobs(j) for name, j in zip(("pretrain", "convert", "evaluate", "report"),
+                                                   ids)}
+    for name, records in jobs.items():
+        assert [r["JobState"] for r in records] == ["COMPLETED"] * len(records), (name, logs)
+    assert len(jobs["evaluate"]) == 2  # sst2 x 1 LR x 2 seeds
+    # Each stage started only after the one it depends on had ended.
+    assert when(jobs["convert"][0]["StartTime"]) >= when(jobs["pretrain"][0]["EndTime"])
+    for element in jobs["evaluate"]:
+        assert when(element["StartTime"]) >= when(jobs["convert"][0]["EndTime"])
+        assert when(jobs["report"][0]["StartTime"]) >= when(element["EndTime"])
+    assert when(jobs["pretrain"][0]["EndTime"]) > when(jobs["pretrain"][0]["StartTime"])
+
+    run, hf = plan / "runs" / "tiny-mlm40-4k", plan / "hf" / "tiny-mlm40-4k"
+    assert max(curve(run)) == 4 and (hf / "config.json").is_file()
+    results = sorted(p.name for p in (plan / "results" / "eval").rglob("*.json"))
+    assert results == ["lr0.001_seed0.json", "lr0.001_seed1.json"], results
+    assert (plan / "results" / "report" / "report.md").is_file()
+
+
+STUB_PYTHON = """#!/bin/sh
+exec {python} -c '
+import pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))
+signal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))
+pathlib.Path("{started}").touch()
+time.sleep(120)
+'
+"""
+
+
+def test_scancel_stays_a_cancel(slurm, tmp_path):
+    """SIGTERM to pretrain.sbatch (scancel) is passed on but never requeues the job. A stand-in
+    for the trainer (MLMCLM_PYTHON) keeps this test to seconds."""
+    stub, started = tmp_path / "python", tmp_path / "started"
+    stub.write_text(STUB_PYTHON.format(python=sys.executable, started=started))
+    stub.chmod(0o755)
+    (tmp_path / "logs").mkdir()
+    job = slurm.sbatch("--cpus-per-task=1", str(SLURM_DIR / "pretrain.sbatch"), "cfg.yaml",
+                       env=job_environment(MLMCLM_PYTHON=str(stub)), cwd=tmp_path)
+    until(started.exists, 60, "the stand-in trainer")
+    slurm.run(["scancel", job])
+    until(lambda: slurm.state(job) != ["RUNNING"], 60, "the cancel")
+    time.sleep(3)  # a requeue would have turned it PENDING again by now
+    info = slurm.jobs(job)[0]
+    log = (tmp_path / "logs" / f"mlmclm-pretrain-{job}.out").read_text()
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log
+    assert "SIGTERM: asking the trainer to save and stop" in log and "requeue" not in log
