@@ -125,11 +125,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (optional package): the same scalars as TensorBoard, from rank 0."""
+
+    project: Optional[str] = None  # required when logging.wandb is set
+    name: Optional[str] = None  # default: the run's name
+    entity: Optional[str] = None  # default: the W&B account's default entity
+
+
+@dataclass
 class LoggingConfig:
     log_interval: int = 1
     eval_interval: int = 0  # 0: only at the end
     eval_iters: int = 4
     tensorboard: bool = True
+    wandb: Optional[WandbConfig] = None  # e.g. {project: encoders, name: mlm-210m}
 
 
 @dataclass
