@@ -190,6 +190,9 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
                         qk_norm=m.qk_layernorm)
     state = mapping.megatron_to_hf(tensors, family, dims)
     max_pos = int((source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length)
+    r = m.rope_scaling
+    if r is not None and max_pos <= r.original_max_position_embeddings:
+        max_pos = int(r.original_max_position_embeddings * r.factor)  # the context it scales to
     hf_cfg = hf_config(arch, m, vocab, ids, causal_lm, max_pos, clf_pooling)
     if verbose:
         if arch != "eurobert" and arch == resolve_arch(None, causal_lm, m.qk_layernorm, source) \
