@@ -26,6 +26,19 @@ from megatron_mlmclm.errors import UsageError
 
 
 @dataclass
+class RopeScalingConfig:
+    """Llama 3.1-style RoPE frequency scaling (Hugging Face `rope_type: llama3`): wavelengths above
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those below
+    original_max_position_embeddings / high_freq_factor are kept, the band between is interpolated."""
+
+    type: str = "llama3"  # the only kind supported
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
 class ModelConfig:
     """Encoder/decoder trunk (EuroBERT/Llama style). `preset` fills any field left unset."""
 
@@ -39,6 +52,7 @@ class ModelConfig:
     seq_length: Optional[int] = None
     vocab_size: Optional[int] = None  # None: taken from the tokenizer
     rotary_base: float = 10000.0
+    rope_scaling: Optional[RopeScalingConfig] = None  # None: plain RoPE
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     qk_layernorm: bool = False  # Qwen3-style q/k RMSNorm
@@ -114,11 +128,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (optional package): the same scalars as TensorBoard, from rank 0."""
+
+    project: Optional[str] = None  # required when logging.wandb is set
+    name: Optional[str] = None  # default: the run's name
+    entity: Optional[str] = None  # default: the W&B account's default entity
+
+
+@dataclass
 class LoggingConfig:
     log_interval: int = 1
     eval_interval: int = 0  # 0: only at the end
     eval_iters: int = 4
     tensorboard: bool = True
+    wandb: Optional[WandbConfig] = None  # e.g. {project: encoders, name: mlm-210m}
 
 
 @dataclass
@@ -367,6 +391,20 @@ def validate_model(m: ModelConfig, p: ParallelConfig) -> None:
         raise UsageError(f"model.attention '{m.attention}' must be auto, sdpa or flex")
     if m.rotary_base <= 0 or m.norm_epsilon <= 0 or m.init_method_std <= 0:
         raise UsageError("model.rotary_base, model.norm_epsilon and model.init_method_std must be > 0")
+    if m.rope_scaling is not None:
+        validate_rope_scaling(m.rope_scaling)
+
+
+def validate_rope_scaling(r: RopeScalingConfig) -> None:
+    if r.type != "llama3":
+        raise UsageError(f"model.rope_scaling.type '{r.type}' is not supported; only llama3")
+    if r.factor < 1.0:
+        raise UsageError(f"model.rope_scaling.factor must be >= 1, got {r.factor}")
+    if not 0.0 < r.low_freq_factor < r.high_freq_factor:
+        raise UsageError("model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                         f"{r.low_freq_factor} and {r.high_freq_factor}")
+    if r.original_max_position_embeddings < 1:
+        raise UsageError("model.rope_scaling.original_max_position_embeddings must be >= 1")
 
 
 def validate_parallel(cfg: RunConfig) -> None:

@@ -101,7 +101,8 @@ def make_hf(path: Path, kind: str, tok, seed: int = 0, **extra) -> Path:
     torch.manual_seed(seed)
     kw = dict(HF_DIMS, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-              pad_token_id=tok.pad_token_id, **extra)
+              pad_token_id=tok.pad_token_id)
+    kw.update(extra)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
     elif kind == "qwen3":
@@ -271,6 +272,7 @@ def test_hf_megatron_hf_round_trip_is_exact(ws, name):
     model_cfg = trainer["config"]["model"]
     assert model_cfg["preset"] is None and model_cfg["tie_embeddings"] == (name == "llama_tied")
     assert model_cfg["qk_layernorm"] == (name == "qwen3") and model_cfg["rotary_base"] == 500000.0
+    assert model_cfg["rope_scaling"] is None
     assert trainer["source"]["family"] == name.split("_")[0]
     run = load_config(imp.path / "config.yaml", ["data.mock=true"])
     assert run.train.init_from == str(imp.path / "checkpoints")
@@ -280,6 +282,7 @@ def test_hf_megatron_hf_round_trip_is_exact(ws, name):
     assert exp.arch == ("qwen3" if name == "qwen3" else "llama")  # the source family by default
     cfg = json.loads((exp.path / "config.json").read_text())
     assert cfg["is_causal"] is False and cfg["tie_word_embeddings"] == (name == "llama_tied")
+    assert cfg["rope_parameters"]["rope_type"] == "default" and "rope_scaling" not in cfg
     src, got = load_file(str(src_dir / "model.safetensors")), load_file(
         str(exp.path / "model.safetensors"))
     if name == "llama_tied":
@@ -287,6 +290,108 @@ def test_hf_megatron_hf_round_trip_is_exact(ws, name):
     assert got.keys() == src.keys()
     for k in src:
         assert torch.equal(got[k], src[k].float()), k
+
+
+# Llama 3.1-style RoPE scaling. original_max_position_embeddings=32 (not megatron's built-in 8192)
+# and factor 16 (not 8), so a converter that passed only the factor, or none, would be caught; the
+# logits are compared at 160 positions, far past 32, where the scaled low frequencies matter.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+LONG = 160
+
+
+def _megatron_run_logits(run_yaml: Path, tokens: torch.Tensor, causal: bool,
+                         overrides=()) -> torch.Tensor:
+    """Logits of the model a `mlmclm pretrain` of `run_yaml` would start from (its init_from)."""
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.model.attention import document_attention_mask
+    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
+    from megatron_mlmclm.runtime.distributed import init_distributed
+    from megatron_mlmclm.training.checkpoint import latest_checkpoint, load_checkpoint
+
+    cfg = load_config(run_yaml, ["data.mock=true", "train.precision=fp32",
+                                 f"model.seq_length={tokens.shape[1]}", *overrides])
+    init_distributed(1, 1, None, 0)
+    model = build_model_chunk(cfg, transformer_config(cfg), VOCAB_TOKENIZER, True, True).eval()
+    load_checkpoint(latest_checkpoint(cfg.train.init_from), [model], load_rng=False)
+    b, s = tokens.shape
+    mask = document_attention_mask(torch.zeros(b, s, dtype=torch.long), causal)
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(s).expand(b, s), mask)
+    return logits[..., :VOCAB_TOKENIZER].float()
+
+
+def _hf_logits(path: Path, tokens: torch.Tensor, auto: str = "AutoModelForCausalLM", **kw):
+    import transformers
+
+    model = getattr(transformers, auto).from_pretrained(str(path), dtype=torch.float32, **kw)
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits[..., :VOCAB_TOKENIZER].float()
+
+
+def test_llama3_rope_scaling_round_trip(ws, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ws["tok"]))
+    src = make_hf(tmp_path / "llama31", "llama", tok, vocab_size=320, tie_word_embeddings=False,
+                  rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=256)
+    tokens = torch.randint(0, VOCAB_TOKENIZER, (2, LONG), generator=torch.Generator().manual_seed(5))
+    ref = _hf_logits(src, tokens)  # HF's own forward, llama3 frequencies
+    plain = _hf_logits(src, tokens, rope_parameters={"rope_type": "default",
+                                                     "rope_theta": 500000.0})
+    assert (plain - ref).abs().max().item() > 1e-3  # the scaling matters (10x the tolerance)
+
+    imp = from_hf(src, tmp_path / "imp", verbose=False)
+    assert imp.verification.max_abs_diff <= 1e-4
+    model_cfg = yaml.safe_load((imp.path / "config.yaml").read_text())["model"]
+    assert model_cfg["rope_scaling"] == {
+        "type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}
+    ours = _megatron_run_logits(imp.path / "config.yaml", tokens, causal=True)
+    assert (ours - ref).abs().max().item() < 1e-4
+    unscaled = _megatron_run_logits(imp.path / "config.yaml", tokens, causal=True,
+                                    overrides=["model.rope_scaling=null"])
+    assert (unscaled - plain).abs().max().item() < 1e-4  # and without it, plain RoPE
+
+    # Back to HF: the causal export reproduces the source's forward; EuroBERT carries it too.
+    exp = to_hf(imp.path / "checkpoints", tmp_path / "exp", causal_lm=True, verbose=False)
+    cfg = json.loads((exp.path / "config.json").read_text())
+    assert cfg["rope_parameters"] == LLAMA3_ROPE and cfg["rope_theta"] == 500000.0
+    assert cfg["rope_scaling"] == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    assert (_hf_logits(exp.path, tokens) - ref).abs().max().item() < 1e-4
+    bert = to_hf(imp.path / "checkpoints", tmp_path / "bert", arch="eurobert", verbose=False)
+    assert json.loads((bert.path / "config.json").read_text())["rope_parameters"] == LLAMA3_ROPE
+    bidir = _megatron_run_logits(imp.path / "config.yaml", tokens, causal=False)
+    got = _hf_logits(bert.path, tokens, "AutoModelForMaskedLM")
+    assert (got - bidir).abs().max().item() < 1e-4
+
+
+def test_llama32_legacy_rope_scaling_config_and_bad_rope(ws, capsys, tmp_path):
+    """A config.json as Llama 3.2 ships it (`rope_scaling` + top-level `rope_theta`) imports the
+    same; other RoPE kinds and invalid llama3 fields are refused with one line."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ws["tok"]))
+    src = make_hf(tmp_path / "legacy", "llama", tok, vocab_size=300, tie_word_embeddings=True,
+                  rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=256)
+    raw = json.loads((src / "config.json").read_text())
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope.pop("rope_theta")
+    raw["rope_scaling"] = rope
+    (src / "config.json").write_text(json.dumps(raw))
+    imp = from_hf(src, tmp_path / "imp", verbose=False)
+    model_cfg = yaml.safe_load((imp.path / "config.yaml").read_text())["model"]
+    assert model_cfg["rope_scaling"]["original_max_position_embeddings"] == 32
+    assert model_cfg["rotary_base"] == 500000.0
+
+    out = tmp_path / "out"
+    for bad, match in (({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32}, "yarn"),
+                       (dict(LLAMA3_ROPE, high_freq_factor=0.5), "high_freq_factor")):
+        path = make_hf(tmp_path / bad["rope_type"], "llama", tok, vocab_size=300,
+                       rope_parameters=bad, max_position_embeddings=256)
+        assert_refused(capsys, out, "from-hf", path, out, match=match)
 
 
 def test_imported_checkpoint_continues_with_mlm(ws):

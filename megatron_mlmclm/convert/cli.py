@@ -3,6 +3,7 @@
     mlmclm convert to-hf CKPT OUT [--arch eurobert|llama|qwen3] [--causal-lm] [--tokenizer DIR]
                                   [--clf-pooling late|mean|bos] [--force]
     mlmclm convert from-hf HF_DIR OUT [--force] [--seed N]
+    mlmclm convert from-megatron-lm CKPT OUT --tokenizer DIR [--force] [--seed N]
 
 CKPT is a run's checkpoints folder (its latest complete checkpoint) or one iter_NNNNNNN folder,
 saved at any TP/PP layout. Bad input exits with status 2 and one line; nothing partial is left.
@@ -14,7 +15,7 @@ from megatron_mlmclm.errors import UsageError
 
 
 def add_arguments(parser) -> None:
-    sub = parser.add_subparsers(dest="direction", metavar="{to-hf,from-hf}")
+    sub = parser.add_subparsers(dest="direction", metavar="{to-hf,from-hf,from-megatron-lm}")
     sub.required = True
     p = sub.add_parser("to-hf", help="megatron checkpoint -> Hugging Face folder",
                        description="Export a megatron checkpoint (any TP/PP layout) to a Hugging "
@@ -43,6 +44,18 @@ def add_arguments(parser) -> None:
     q.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
     q.add_argument("--seed", type=int, default=1234, help="seed of the run config (default 1234)")
 
+    r = sub.add_parser("from-megatron-lm", help="Megatron-LM GPT checkpoint -> ours for MLM",
+                       description="Import a Megatron-LM GPT checkpoint (torch_dist format; "
+                                   "RMSNorm, SwiGLU, RoPE, no biases) as a megatron checkpoint "
+                                   "plus a run config for continued MLM pretraining; verified.")
+    r.add_argument("checkpoint", metavar="CKPT", help="Megatron-LM save dir (with "
+                   "latest_checkpointed_iteration.txt) or one iter_NNNNNNN folder")
+    r.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
+    r.add_argument("--tokenizer", metavar="DIR", help="required: the tokenizer the model was "
+                   "trained with, as a folder written by `mlmclm tokenize` (with a mask token)")
+    r.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
+    r.add_argument("--seed", type=int, default=1234, help="seed of the run config (default 1234)")
+
 
 def run(args) -> int:
     import warnings
@@ -57,6 +70,11 @@ def run(args) -> int:
         from megatron_mlmclm.convert.hf_import import from_hf
 
         from_hf(args.hf_dir, args.out, force=args.force, seed=args.seed)
+    elif args.direction == "from-megatron-lm":
+        from megatron_mlmclm.convert.megatron_lm import from_megatron_lm
+
+        from_megatron_lm(args.checkpoint, args.out, tokenizer=args.tokenizer, force=args.force,
+                         seed=args.seed)
     else:  # pragma: no cover - argparse enforces the choice
-        raise UsageError("choose to-hf or from-hf")
+        raise UsageError("choose to-hf, from-hf or from-megatron-lm")
     return 0

@@ -95,8 +95,7 @@ def hf_config(arch: str, m, vocab_size: int, ids: dict[str, Optional[int]], caus
     kw: dict[str, Any] = {hf: getattr(m, ours) for hf, ours in mapping.CONFIG_FIELDS}
     kw.update(
         vocab_size=vocab_size,
-        # megatron builds RoPE from int(rotary_base); the export must use the same frequencies.
-        rope_parameters={"rope_type": "default", "rope_theta": float(int(m.rotary_base))},
+        rope_parameters=rope_parameters(m),
         max_position_embeddings=max_positions,
         hidden_act="silu",
         attention_bias=False,
@@ -119,6 +118,30 @@ def hf_config(arch: str, m, vocab_size: int, ids: dict[str, Optional[int]], caus
     if ids.get("mask_id") is not None:
         cfg.mask_token_id = ids["mask_id"]
     return cfg
+
+
+def rope_parameters(m) -> dict[str, Any]:
+    """HF `rope_parameters` of a ModelConfig: default RoPE, or llama3 scaling (read by Llama, Qwen3
+    and EuroBERT alike through transformers' shared RoPE initialisers)."""
+    # megatron builds RoPE from int(rotary_base); the export must use the same frequencies.
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(int(m.rotary_base))}
+    r = m.rope_scaling
+    if r is not None:
+        rope.update(rope_type=r.type, factor=r.factor, low_freq_factor=r.low_freq_factor,
+                    high_freq_factor=r.high_freq_factor,
+                    original_max_position_embeddings=r.original_max_position_embeddings)
+    return rope
+
+
+def add_legacy_rope_keys(path: Path) -> None:
+    """Also write `rope_theta` (+ `rope_scaling` when scaled), the keys transformers 4.x and other
+    readers of Llama configs look for; transformers 5 reads either form the same."""
+    raw = json.loads(path.read_text())
+    rope = dict(raw.get("rope_parameters") or {})
+    raw["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        raw["rope_scaling"] = rope
+    path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
 
 def auto_class(arch: str) -> str:
@@ -167,6 +190,9 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
                         qk_norm=m.qk_layernorm)
     state = mapping.megatron_to_hf(tensors, family, dims)
     max_pos = int((source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length)
+    r = m.rope_scaling
+    if r is not None and max_pos <= r.original_max_position_embeddings:
+        max_pos = int(r.original_max_position_embeddings * r.factor)  # the context it scales to
     hf_cfg = hf_config(arch, m, vocab, ids, causal_lm, max_pos, clf_pooling)
     if verbose:
         if arch != "eurobert" and arch == resolve_arch(None, causal_lm, m.qk_layernorm, source) \
@@ -180,6 +206,7 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
         from safetensors.torch import save_file
 
         hf_cfg.save_pretrained(str(tmp))
+        add_legacy_rope_keys(tmp / "config.json")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(str(tmp))
         ver = _verify(ckpt, cfg, vocab, tmp, arch, causal_lm)

@@ -9,11 +9,12 @@
     OUT/config.yaml                 a ready run config: MLM at 40% masking, train.init_from set
     OUT/mlmclm_source.json          the source record (read by `convert to-hf` for the default arch)
 
-Continue with ``mlmclm pretrain OUT/config.yaml data.train=[PREFIX]``. Supported: Llama 3.x with the
-default RoPE, SmolLM2-style tied embeddings, Mistral without sliding window, Qwen3 (qk-norm),
-EuroBERT and our own exports (``is_causal: false``). Refused with one line: other architectures,
-MoE, sliding window, attention/MLP biases, RoPE scaling, non-SiLU MLPs, a tokenizer larger than the
-model's vocabulary.
+Continue with ``mlmclm pretrain OUT/config.yaml data.train=[PREFIX]``. Supported: Llama 3.x,
+SmolLM2-style tied embeddings, Mistral without sliding window, Qwen3 (qk-norm), EuroBERT and our own
+exports (``is_causal: false``), each with the default RoPE or Llama 3.1-style ``llama3`` RoPE scaling
+(Llama 3.1 / 3.2; carried into ``model.rope_scaling``). Refused with one line: other architectures,
+MoE, sliding window, attention/MLP biases, other RoPE scaling kinds, non-SiLU MLPs, a tokenizer
+larger than the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -91,15 +92,38 @@ def check_supported(cfg, hf_dir: Path) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise UsageError(f"{hf_dir} uses hidden_act={act}; only SwiGLU (silu) MLPs are supported")
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise UsageError(f"{hf_dir} uses RoPE scaling ({rope.get('rope_type')}), which our model "
-                         "does not implement; only the default RoPE is supported")
+    rope_scaling(cfg, hf_dir)
     theta = rope_theta(cfg)
     if float(theta) != int(theta):
         raise UsageError(f"{hf_dir} has rope theta {theta}; megatron takes an integer rotary base")
     if getattr(cfg, "head_dim", None) is None:
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+
+
+def rope_scaling(cfg, hf_dir: Path) -> Optional[dict[str, Any]]:
+    """model.rope_scaling for the HF RoPE parameters: None (default RoPE) or the llama3 fields."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise UsageError(f"{hf_dir} uses RoPE scaling '{kind}', which our model does not "
+                         "implement; supported: default RoPE and llama3 scaling")
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UsageError(f"{hf_dir} rotates only part of each head (partial_rotary_factor="
+                         f"{rope['partial_rotary_factor']}); not supported")
+    try:
+        fields = {"type": "llama3", "factor": float(rope["factor"]),
+                  "low_freq_factor": float(rope["low_freq_factor"]),
+                  "high_freq_factor": float(rope["high_freq_factor"]),
+                  "original_max_position_embeddings": int(rope["original_max_position_embeddings"])}
+    except (KeyError, TypeError, ValueError) as e:
+        raise UsageError(f"{hf_dir} has llama3 RoPE scaling with a missing or invalid field "
+                         f"({common._first_line(e)})") from None
+    from megatron_mlmclm.config import RopeScalingConfig, validate_rope_scaling
+
+    validate_rope_scaling(RopeScalingConfig(**fields))
+    return fields
 
 
 def rope_theta(cfg) -> float:
@@ -139,7 +163,7 @@ def model_fields(cfg, vocab_size: int) -> dict[str, Any]:
     fields = {ours: getattr(cfg, hf) for hf, ours in mapping.CONFIG_FIELDS}
     fields.update(preset=None, vocab_size=vocab_size, rotary_base=float(int(rope_theta(cfg))),
                   seq_length=min(int(cfg.max_position_embeddings), MAX_SEQ_LENGTH),
-                  qk_layernorm=cfg.model_type == "qwen3")
+                  qk_layernorm=cfg.model_type == "qwen3", rope_scaling=rope_scaling(cfg, ""))
     fields["tie_embeddings"] = bool(fields["tie_embeddings"])
     return fields
 
@@ -256,11 +280,12 @@ def _verify(hf_dir: Path, hf_cfg, ckpt: Path, cfg, vocab: int, hf_vocab: int) ->
                        seq=min(SEQ, cfg.model.seq_length), against=type(hf_model).__name__)
 
 
-def _write_run_config(path: Path, raw: dict[str, Any], hf_dir: Path, final: Path) -> None:
+def _write_run_config(path: Path, raw: dict[str, Any], hf_dir: Path, final: Path,
+                      command: str = "convert from-hf") -> None:
     """Write the run config at `path` (staged); its header names where it will live, `final`."""
     import yaml
 
-    header = (f"# Continued MLM pretraining from {hf_dir} (written by mlmclm convert from-hf).\n"
+    header = (f"# Continued MLM pretraining from {hf_dir} (written by mlmclm {command}).\n"
               "# Set data.train to your shard prefixes (mlmclm preprocess), then:\n"
               f"#   mlmclm pretrain {final} data.train=[PREFIX] train.steps=N\n")
     path.write_text(header + yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")

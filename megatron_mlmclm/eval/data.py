@@ -5,6 +5,10 @@
 - qa: [{"id", "question", "context", "answers": {"text": [str], "answer_start": [int]}}]
 - ir: Beir(corpus {doc_id: text}, queries {qid: text}, qrels {qid: {doc_id: score}})
 
+Besides the formats of the shipped tasks (glue_tsv, glue_json, conll, squad, beir), any sc, tc or qa
+table reads without code as ``csv``, ``tsv``, ``jsonl`` or ``parquet`` (`read_table`). Text files
+are UTF-8 with or without a byte-order mark, optionally gzipped.
+
 `load_split(task, split, max_examples)` is the one entry point. It raises UsageError for a missing
 file, a missing column or an empty split, so `mlmclm evaluate` can check every task before the
 first run starts. A `max_examples` subset is a fixed random sample (seed 0, original order kept), the
@@ -43,9 +47,10 @@ def _need(path: Path, task: Task) -> Path:
 
 
 def _open_text(path: Path):
+    # utf-8-sig: a byte-order mark (as Excel and some exporters write) is dropped, not read as text
     if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8", newline="")
+        return gzip.open(path, "rt", encoding="utf-8-sig", newline="")
+    return open(path, encoding="utf-8-sig", newline="")
 
 
 # ---------------------------------------------------------------------------------------- sc
@@ -53,13 +58,16 @@ def _open_text(path: Path):
 ID_COLUMNS = ("idx", "id", "guid")  # an SC example's id, when the source has one
 
 
-def _sc_rows(task: Task, rows: list[dict], where: str) -> list[dict]:
+def _sc_rows(task: Task, rows: list[dict], where: str, require_values: bool = False) -> list[dict]:
     if not rows:
         return rows
-    for col in [task.text_a, task.label] + ([task.text_b] if task.text_b else []):
+    cols = [task.text_a, task.label] + ([task.text_b] if task.text_b else [])
+    for col in cols:
         if col not in rows[0]:
             raise UsageError(f"task '{task.name}': column '{col}' missing in {where} "
                              f"(columns: {', '.join(map(str, rows[0]))})")
+    if require_values:
+        _check_values(task, rows, cols, where)
     id_col = next((c for c in ID_COLUMNS if c in rows[0]), None)
     return [{"text_a": str(r[task.text_a]),
              "text_b": str(r[task.text_b]) if task.text_b else None,
@@ -124,6 +132,128 @@ def read_squad(task: Task, path: Path) -> list[dict]:
                 out.append({"id": str(qa["id"]), "question": qa["question"], "context": para["context"],
                             "answers": {"text": [a["text"] for a in answers],
                                         "answer_start": [int(a["answer_start"]) for a in answers]}})
+    return out
+
+
+# ------------------------------------------------------------------------------------ tables
+# csv / tsv (standard quoting: quoted fields may hold the delimiter, newlines and doubled quotes),
+# jsonl (JSON Lines, or one JSON array of objects) and parquet, for sc, tc and qa. Read with the csv
+# module, json and pyarrow (already a dependency) rather than the `datasets` builders: the same
+# result whether or not `datasets` is installed, no cache folder, and no pandas type inference,
+# which would turn text such as "NA" or "null" into missing values and labels such as "01" into 1.
+
+TABLE_FORMATS = ("csv", "tsv", "jsonl", "parquet")
+
+
+def read_table(task: Task, path: Path) -> list[dict]:
+    """Rows (dicts) of a csv/tsv/jsonl/parquet file, converted to the records of the family."""
+    _need(path, task)
+    where = f"task '{task.name}': {path}"
+    try:
+        if task.format in ("csv", "tsv"):
+            with _open_text(path) as f:
+                reader = csv.DictReader(f, delimiter="," if task.format == "csv" else "\t")
+                rows = list(reader)
+        elif task.format == "jsonl":
+            rows = _json_rows(path)
+        else:
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(path).to_pylist()
+    except (csv.Error, ValueError, OSError, UnicodeDecodeError) as e:  # json/arrow errors too
+        raise UsageError(f"{where} is not readable as {task.format}: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if any(not isinstance(r, dict) for r in rows):
+        raise UsageError(f"{where}: every row must be an object with named fields")
+    if task.family == "sc":
+        return _sc_rows(task, rows, str(path), require_values=True)
+    return (_tc_rows if task.family == "tc" else _qa_rows)(task, rows, str(path))
+
+
+def _json_rows(path: Path) -> list:
+    with _open_text(path) as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _check_values(task: Task, rows: list[dict], cols: list[str], where: str) -> None:
+    """A short csv row (or a null) leaves a field empty: name the row instead of reading 'None'."""
+    for i, r in enumerate(rows, 1):
+        for c in cols:
+            if r.get(c) is None:
+                raise UsageError(f"task '{task.name}': row {i} of {where} has no value for "
+                                 f"'{c}'")
+
+
+def _as_list(value, what: str, where: str) -> list:
+    """A list cell: a list (jsonl, parquet), or in csv/tsv a JSON list or whitespace-separated."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, str):
+        if value.lstrip().startswith("["):
+            try:
+                return list(json.loads(value))
+            except ValueError:
+                raise UsageError(f"{where}: {what} {value[:40]!r} is not a JSON list") from None
+        return value.split()
+    raise UsageError(f"{where}: {what} must be a list, got {type(value).__name__}")
+
+
+def _tc_rows(task: Task, rows: list[dict], where: str) -> list[dict]:
+    cols = [task.tokens_field, task.tags_field]
+    if rows and any(c not in rows[0] for c in cols):
+        raise UsageError(f"task '{task.name}': fields '{cols[0]}' and '{cols[1]}' are needed in "
+                         f"{where} (fields: {', '.join(map(str, rows[0]))}; set tokens_field / "
+                         "tags_field)")
+    _check_values(task, rows, cols, where)
+    out = []
+    for i, r in enumerate(rows, 1):
+        at = f"task '{task.name}': row {i} of {where}"
+        tokens = [str(t) for t in _as_list(r[cols[0]], "tokens", at)]
+        tags = _as_list(r[cols[1]], "tags", at)
+        if tags and all(isinstance(t, int) or (isinstance(t, str) and t.isdigit()) for t in tags) \
+                and task.labels:  # tag ids (as Hugging Face exports them) -> names
+            try:
+                tags = [task.labels[int(t)] for t in tags]
+            except IndexError:
+                raise UsageError(f"{at}: tag id out of range of `labels`") from None
+        if len(tokens) != len(tags):
+            raise UsageError(f"{at}: {len(tokens)} tokens but {len(tags)} tags")
+        out.append({"tokens": tokens, "tags": [str(t) for t in tags]})
+    return out
+
+
+def _qa_rows(task: Task, rows: list[dict], where: str) -> list[dict]:
+    """SQuAD-style fields: id, question, context, answers {text: [...], answer_start: [...]} (in
+    csv/tsv a JSON object, or the flattened columns answers.text / answers.answer_start)."""
+    if rows and "answers" not in rows[0] and "answers.text" in rows[0]:
+        rows = [{**r, "answers": {"text": r["answers.text"],
+                                  "answer_start": r.get("answers.answer_start")}} for r in rows]
+    cols = ["question", "context", "answers"]
+    if rows and any(c not in rows[0] for c in cols):
+        raise UsageError(f"task '{task.name}': {where} needs SQuAD-style fields id, question, "
+                         f"context, answers (fields: {', '.join(map(str, rows[0]))})")
+    _check_values(task, rows, cols, where)
+    out = []
+    for i, r in enumerate(rows, 1):
+        at = f"task '{task.name}': row {i} of {where}"
+        ans = r["answers"]
+        if isinstance(ans, str):
+            try:
+                ans = json.loads(ans)
+            except ValueError:
+                raise UsageError(f"{at}: answers {ans[:40]!r} is not JSON") from None
+        if not isinstance(ans, dict) or "text" not in ans or "answer_start" not in ans:
+            raise UsageError(f"{at}: answers must hold 'text' and 'answer_start' lists")
+        texts = [str(t) for t in _as_list(ans["text"], "answers.text", at)]
+        starts = [int(x) for x in _as_list(ans["answer_start"], "answers.answer_start", at)]
+        if len(texts) != len(starts):
+            raise UsageError(f"{at}: {len(texts)} answer texts but {len(starts)} starts")
+        out.append({"id": str(r["id"]) if r.get("id") is not None else str(i),
+                    "question": str(r["question"]), "context": str(r["context"]),
+                    "answers": {"text": texts, "answer_start": starts}})
     return out
 
 
@@ -253,7 +383,7 @@ def _read_hf(task: Task, split: str) -> list[dict]:
 # ---------------------------------------------------------------------------------- dispatch
 
 _READERS = {"glue_tsv": read_glue_tsv, "glue_json": read_glue_json, "conll": read_conll,
-            "squad": read_squad}
+            "squad": read_squad, **{fmt: read_table for fmt in TABLE_FORMATS}}
 
 
 def load_split(task: Task, split: str, max_examples: int | None = None):

@@ -26,8 +26,9 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.paths import data_dir
 
 FAMILIES = {"sc": "accuracy", "tc": "f1", "qa": "f1", "ir": "ndcg@10"}  # family -> main metric
-FORMATS = {"sc": ("glue_tsv", "glue_json", "hf"), "tc": ("conll", "hf"), "qa": ("squad", "hf"),
-           "ir": ("beir",)}
+TABLES = ("csv", "tsv", "jsonl", "parquet")  # any sc / tc / qa table (eval/data.py read_table)
+FORMATS = {"sc": ("glue_tsv", "glue_json", "hf", *TABLES), "tc": ("conll", "hf", *TABLES),
+           "qa": ("squad", "hf", *TABLES), "ir": ("beir",)}
 SPLITS = ("train", "validation", "test")
 
 
@@ -46,8 +47,8 @@ class Task:
     # tc
     token_column: int = 0
     tag_column: int = -1
-    tokens_field: str = "tokens"  # hf
-    tags_field: str = "ner_tags"  # hf
+    tokens_field: str = "tokens"  # hf and tables (csv/tsv/jsonl/parquet)
+    tags_field: str = "ner_tags"  # hf and tables; integer tags are mapped through `labels`
     # qa
     version: int = 1
     doc_stride: int = 128

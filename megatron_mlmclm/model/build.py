@@ -166,7 +166,7 @@ def vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -
 def build_model_chunk(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
                       pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
     m: ModelConfig = cfg.model
-    return EncoderLM(
+    model = EncoderLM(
         config=config,
         transformer_layer_spec=layer_spec(config, m),
         vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
@@ -179,6 +179,22 @@ def build_model_chunk(cfg: RunConfig, config: TransformerConfig, vocab_size: int
         rotary_base=int(m.rotary_base),
         vp_stage=vp_stage,
     )
+    if m.rope_scaling is not None:
+        apply_rope_scaling(model, m)
+    return model
+
+
+def apply_rope_scaling(model: GPTModel, m: ModelConfig) -> None:
+    """Llama 3.1 frequency scaling with all four parameters. GPTModel's own `rope_scaling` passes
+    only the factor (low/high_freq_factor and original_max_position_embeddings are fixed at 1, 4
+    and 8192 there), so the unscaled frequencies it built are rescaled here with the configured
+    values by megatron's own `_apply_scaling`."""
+    r, rotary = m.rope_scaling, model.rotary_pos_emb
+    rotary.inv_freq = rotary._apply_scaling(
+        rotary.inv_freq, factor=r.factor, low_freq_factor=r.low_freq_factor,
+        high_freq_factor=r.high_freq_factor,
+        original_max_position_embeddings=r.original_max_position_embeddings)
+    model.rotary_scaling = True
 
 
 def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:

@@ -36,6 +36,7 @@ from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_typ
 from megatron_mlmclm.objectives import TokenSpec, make_batch
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import checkpoint as ckpt
+from megatron_mlmclm.training import sinks
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from megatron_mlmclm.training.resume import check_resume, fingerprint
 
@@ -101,7 +102,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.step = 0
-        self.writer = None
+        self.sinks = None  # TensorBoard / W&B (rank 0)
         self.metrics_file = None
         self.source = None  # provenance of imported weights, carried into every save
         # Step k reads samples from k x GBS + sample_offset: 0 unless a resume continued the data
@@ -114,6 +115,7 @@ class Trainer:
         cfg = self.cfg
         p, t = cfg.parallel, cfg.train
         # Everything that can fail on user input is checked before process groups and models.
+        sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
         self.fingerprint = fingerprint(cfg, self.spec)
         self.resume_from = self.find_resume_checkpoint()
@@ -207,10 +209,7 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         dump_yaml(self.cfg, out / "config.yaml")
         self.metrics_file = open(out / "metrics.jsonl", "a", encoding="utf-8")
-        if self.cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=self.step + 1)
+        self.sinks = sinks.Sinks(self.cfg, out, self.step)
 
     def log(self, message: str) -> None:
         if rt.is_main():
@@ -384,21 +383,10 @@ class Trainer:
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(stats) + "\n")
             self.metrics_file.flush()
+        if self.sinks is not None:
+            self.sinks.write(stats)
         if "loss" not in stats:  # a validation-only record (step 0)
-            if self.writer is not None:
-                self.writer.add_scalar(f"val/{obj}_loss", stats["val_loss"], stats["step"])
             return
-        if self.writer is not None:
-            s = stats["step"]
-            self.writer.add_scalar(f"train/{obj}_loss", stats["loss"], s)
-            self.writer.add_scalar(f"train/{obj}_accuracy", stats["accuracy"], s)
-            self.writer.add_scalar("train/lr", stats["lr"], s)
-            self.writer.add_scalar("train/grad_norm", stats["grad_norm"], s)
-            self.writer.add_scalar("throughput/tokens_per_s", stats["tokens_per_s"], s)
-            if "mfu" in stats:
-                self.writer.add_scalar("throughput/mfu", stats["mfu"], s)
-            if "val_loss" in stats:
-                self.writer.add_scalar(f"val/{obj}_loss", stats["val_loss"], s)
         if bar is not None:
             bar.update(1)
             post = {"obj": obj, "loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}",
@@ -413,8 +401,8 @@ class Trainer:
                           f"{stats['grad_norm']:.3f}{extra}", file=sys.stderr)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.sinks is not None:
+            self.sinks.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
 

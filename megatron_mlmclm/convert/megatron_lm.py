@@ -1,0 +1,296 @@
+"""Megatron-LM GPT checkpoint (torch_dist) -> our checkpoint for continued MLM, verified.
+
+`from_megatron_lm(CKPT, OUT, tokenizer=DIR)` reads a checkpoint written by Megatron-LM's
+``pretrain_gpt.py`` in the ``torch_dist`` format:
+
+    CKPT/latest_checkpointed_iteration.txt   "10" (or "release")
+    CKPT/iter_0000010/                       dist checkpoint: common.pt holds `args` (the run's
+                                             argparse.Namespace), `iteration`, `checkpoint_version`;
+                                             the model's tensors sit under megatron-core's own keys
+
+CKPT may also be one ``iter_NNNNNNN`` / ``release`` folder. The architecture comes from the saved
+`args` (num_layers, hidden_size, ffn_hidden_size, heads, num_query_groups, kv_channels, norm,
+swiglu, rotary_base, llama3 RoPE scaling, qk_layernorm, tied embeddings, padded vocab, seq_length);
+whatever our trunk cannot represent (LayerNorm, biases, learned absolute positions, GELU, MoE,
+multi-latent attention, sliding windows, ...) is refused with one line. Megatron-LM checkpoints
+carry no tokenizer: ``--tokenizer DIR`` (a folder from ``mlmclm tokenize``, with a mask token) is
+required and must fit the checkpoint's padded vocabulary; embedding rows are taken as they are
+(the mask/pad tokens that ``mlmclm tokenize`` adds start from the checkpoint's padding rows).
+
+Both sides share megatron-core's parameter layout (fused QKV grouped by KV head, fc1 = [gate; up]),
+so the tensors are copied by key; only the vocabulary padding changes. OUT gets the same files as
+``convert from-hf`` (checkpoints/, tokenizer/, config.yaml, mlmclm_source.json), written under a
+temporary name and kept only if our model, loaded from what was written, gives the logits of a
+reference: megatron-core's GPTModel built from the saved args with the local layer spec, loaded with
+the checkpoint's own tensors, run causally (float32, max |diff| <= 1e-4).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from argparse import Namespace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megatron_mlmclm.convert import common
+from megatron_mlmclm.convert.hf_import import ImportResult, _write_run_config
+from megatron_mlmclm.convert.verify import Verification
+from megatron_mlmclm.errors import UsageError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FAMILY = "megatron-lm"
+# Megatron-LM's RotaryEmbedding fixes these three llama3 parameters (only the factor is an arg).
+MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+
+def resolve(path) -> Path:
+    """The iteration folder of a Megatron-LM save dir (via its tracker file) or the folder itself."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"Megatron-LM checkpoint {p} does not exist; give its save dir "
+                         f"(with {TRACKER}) or one iter_NNNNNNN folder")
+    if (p / TRACKER).is_file():
+        text = (p / TRACKER).read_text().strip()
+        if text == "release":
+            p = p / "release"
+        elif text.isdigit():
+            p = p / f"iter_{int(text):07d}"
+        else:
+            raise UsageError(f"{p / TRACKER} holds {text!r}, not an iteration number or 'release'")
+    if any(p.glob("mp_rank_*")):
+        raise UsageError(f"{p} is a legacy (torch) Megatron-LM checkpoint; only the torch_dist "
+                         "format is supported: convert it with Megatron-LM's --ckpt-convert-format "
+                         "torch_dist first")
+    if not (p / "metadata.json").is_file() or not (p / "common.pt").is_file():
+        raise UsageError(f"{p} is not a complete torch_dist checkpoint (no metadata.json / "
+                         "common.pt); give the save dir or one iter_NNNNNNN folder")
+    return p
+
+
+def read_args(ckpt: Path) -> tuple[Namespace, dict[str, Any]]:
+    """The saved argparse.Namespace and the rest of the common state (iteration, version)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = dist_checkpointing.load_common_state_dict(str(ckpt))
+    except Exception as e:
+        raise UsageError(f"cannot read {ckpt / 'common.pt'}: {common._first_line(e)}") from None
+    if "trainer" in state:
+        raise UsageError(f"{ckpt} is an mlmclm checkpoint, not a Megatron-LM one; continue from it "
+                         "with train.init_from, or export it with `mlmclm convert to-hf`")
+    args = state.get("args")
+    if not isinstance(args, Namespace):
+        raise UsageError(f"{ckpt} has no saved Megatron-LM args (common state keys: "
+                         f"{', '.join(sorted(map(str, state))) or 'none'}); not a Megatron-LM "
+                         "checkpoint")
+    return args, {k: v for k, v in state.items() if k != "args" and not isinstance(v, dict)}
+
+
+def _arg(args: Namespace, name: str, default: Any = None) -> Any:
+    return getattr(args, name, default)
+
+
+def check_supported(args: Namespace, ckpt: Path) -> None:
+    """One line for the first setting our trunk (RMSNorm, SwiGLU, RoPE, no biases) cannot carry."""
+    checks = (
+        (_arg(args, "normalization", "LayerNorm") == "RMSNorm",
+         f"normalization={_arg(args, 'normalization', 'LayerNorm')}; only RMSNorm is supported"),
+        (_arg(args, "swiglu", False), "a non-SwiGLU MLP (swiglu=False); only SwiGLU is supported"),
+        (_arg(args, "position_embedding_type", "learned_absolute") == "rope",
+         f"position_embedding_type={_arg(args, 'position_embedding_type', 'learned_absolute')}; "
+         "only rope is supported"),
+        (not _arg(args, "add_bias_linear", True) and not _arg(args, "add_qkv_bias", False),
+         "linear biases (add_bias_linear / add_qkv_bias); our architecture has none "
+         "(Megatron-LM's --disable-bias-linear)"),
+        (not _arg(args, "num_experts"), f"a mixture of experts (num_experts="
+                                        f"{_arg(args, 'num_experts')}); MoE is not supported"),
+        (not _arg(args, "multi_latent_attention", False), "multi-latent attention; not supported"),
+        (not _arg(args, "apply_layernorm_1p", False), "zero-centred norms (apply_layernorm_1p)"),
+        (_arg(args, "window_size") is None, f"sliding-window attention (window_size="
+                                            f"{_arg(args, 'window_size')}); not supported"),
+        (float(_arg(args, "rotary_percent", 1.0)) == 1.0,
+         f"partial rotary embeddings (rotary_percent={_arg(args, 'rotary_percent')})"),
+        (not _arg(args, "rotary_interleaved", False), "interleaved rotary embeddings"),
+        (_arg(args, "rotary_seq_len_interpolation_factor") is None,
+         "rotary sequence-length interpolation (rotary_seq_len_interpolation_factor)"),
+        (not _arg(args, "mtp_num_layers"), "multi-token prediction layers (mtp_num_layers)"),
+        (not _arg(args, "heterogeneous_layers_config_path") and
+         not _arg(args, "heterogeneous_layers_config_encoded_json"), "heterogeneous layers"),
+        (not _arg(args, "attention_output_gate", False), "gated attention output"),
+    )
+    for ok, what in checks:
+        if not ok:
+            raise UsageError(f"{ckpt} uses {what}; cannot convert")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size",
+                 "seq_length"):
+        if not isinstance(_arg(args, name), int):
+            raise UsageError(f"{ckpt}: the saved args have no {name}; not a GPT checkpoint")
+
+
+def model_fields(args: Namespace, vocab_size: int) -> dict[str, Any]:
+    """ModelConfig fields from the saved args (after check_supported)."""
+    heads = args.num_attention_heads
+    groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention", False) else None
+    rope = None
+    if _arg(args, "use_rope_scaling", False):
+        rope = {"type": "llama3", "factor": float(_arg(args, "rope_scaling_factor", 8.0)),
+                **MEGATRON_LLAMA3}
+    return {
+        "preset": None,
+        "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "ffn_hidden_size": _arg(args, "ffn_hidden_size") or 4 * args.hidden_size,
+        "num_attention_heads": heads,
+        "num_query_groups": groups or heads,
+        "kv_channels": _arg(args, "kv_channels") or args.hidden_size // heads,
+        "seq_length": args.seq_length,
+        "vocab_size": vocab_size,
+        "rotary_base": float(int(_arg(args, "rotary_base", 10000))),
+        "rope_scaling": rope,
+        "norm_epsilon": float(_arg(args, "norm_epsilon", 1e-5)),
+        "init_method_std": float(_arg(args, "init_method_std", 0.02)),
+        "qk_layernorm": bool(_arg(args, "qk_layernorm", False)),
+        "tie_embeddings": not _arg(args, "untie_embeddings_and_output_weights", False),
+    }
+
+
+def _resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first `rows` rows (rows past the tokenizer are padding: zeros if the source has fewer)."""
+    if t.shape[0] >= rows:
+        return t[:rows].clone()
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def from_megatron_lm(checkpoint, out, tokenizer: Optional[str], force: bool = False,
+                     seed: int = 1234, verbose: bool = True) -> ImportResult:
+    """Convert a Megatron-LM torch_dist checkpoint into a verified checkpoint folder at `out`."""
+    from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
+    from megatron_mlmclm.data.tokenizer import load_tokenizer
+    from megatron_mlmclm.model.build import padded_vocab_size
+    from megatron_mlmclm.training.checkpoint import iter_name, save_checkpoint
+
+    out = Path(out).absolute()
+    common.check_output(out, force)
+    if not tokenizer:
+        raise UsageError("Megatron-LM checkpoints carry no tokenizer; pass --tokenizer DIR (a "
+                         "folder written by `mlmclm tokenize` from the tokenizer the model was "
+                         "trained with)")
+    tok_src = Path(tokenizer).absolute()
+    tok = load_tokenizer(tok_src)  # one line if it is not a folder with bos/eos/pad/mask
+    ckpt = resolve(checkpoint)
+    args, info = read_args(ckpt)
+    check_supported(args, ckpt)
+    vocab = len(tok)
+    if vocab > args.padded_vocab_size:
+        raise UsageError(f"tokenizer {tok_src} has {vocab} tokens but the checkpoint's padded "
+                         f"vocabulary is {args.padded_vocab_size}; pass the tokenizer the model "
+                         "was trained with")
+    fields = model_fields(args, vocab)
+    tensors = common.read_global_tensors(ckpt)
+    padded = padded_vocab_size(vocab, 1)
+    ours = {k: (_resize_vocab(v, padded) if k in ("embedding.word_embeddings.weight",
+                                                  "output_layer.weight") else v)
+            for k, v in tensors.items()}
+
+    with common.staged_output(out, force) as tmp:
+        shutil.copytree(tok_src, tmp / "tokenizer")
+        raw = {
+            "name": out.name,
+            "output_dir": str(out.parent / f"{out.name}-mlm"),
+            "model": fields,
+            "phases": [{"objective": "mlm", "mask_ratio": 0.4}],
+            "data": {"tokenizer": str(out / "tokenizer"), "train": []},
+            "train": {"init_from": str(out / "checkpoints"), "seed": seed},
+        }
+        cfg = from_dict(RunConfig, json.loads(json.dumps(raw)), prefix="")
+        cfg.data.mock = True  # validation only: the checkpoint config has no data yet
+        finalize_run_config(cfg)
+        cfg.data.mock = False
+        source = json.loads(json.dumps({
+            "family": FAMILY, "checkpoint": str(ckpt), "attention": "causal",
+            "iteration": info.get("iteration"), "checkpoint_version": info.get("checkpoint_version"),
+            "megatron_lm_args": {k: v for k, v in vars(args).items()
+                                 if isinstance(v, (int, float, str, bool, type(None)))},
+        }, default=str))
+        build_cfg = common.run_config_from_dict(to_dict(cfg))
+        model = common.build_encoder(build_cfg, vocab, seed)
+        common.load_global_tensors(model, ours)  # one line if the keys are not our trunk's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            saved = save_checkpoint(tmp / "checkpoints", 0, [model], None, None,
+                                    {"config": to_dict(cfg), "source": source,
+                                     "consumed_samples": 0}, keep_last=1)
+        del model
+        ver = _verify(args, tensors, saved, build_cfg, vocab, seed)
+        (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        _write_run_config(tmp / "config.yaml", raw, ckpt, final=out / "config.yaml",
+                          command="convert from-megatron-lm")
+    result = ImportResult(out, out / "checkpoints" / iter_name(0), FAMILY, vocab, False, ver)
+    if verbose:
+        print(ver.line())
+        print(f"imported Megatron-LM iteration {info.get('iteration')} from {ckpt} to {out}: "
+              f"{fields['num_layers']} layers, hidden {fields['hidden_size']}, heads "
+              f"{fields['num_attention_heads']}/{fields['num_query_groups']} kv, vocab {vocab} "
+              f"(padded {args.padded_vocab_size} in the source), tied={fields['tie_embeddings']}")
+        print(f"continue with MLM: mlmclm pretrain {out / 'config.yaml'} data.train=[PREFIX]")
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Verification against megatron-core's GPTModel built from the saved args
+
+
+def reference_model(args: Namespace, tensors: dict[str, torch.Tensor]):
+    """megatron-core GPTModel as Megatron-LM builds it from `args` (local spec, float32), holding
+    the checkpoint's own tensors (every key must match: a check of the architecture too)."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    f = model_fields(args, args.padded_vocab_size)
+    config = TransformerConfig(
+        num_layers=f["num_layers"], hidden_size=f["hidden_size"],
+        ffn_hidden_size=f["ffn_hidden_size"], num_attention_heads=f["num_attention_heads"],
+        num_query_groups=f["num_query_groups"], kv_channels=f["kv_channels"],
+        normalization="RMSNorm", layernorm_epsilon=f["norm_epsilon"], gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
+        qk_layernorm=f["qk_layernorm"], hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, masked_softmax_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm",
+                                                            qk_layernorm=f["qk_layernorm"]),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=_arg(args, "max_position_embeddings") or args.seq_length,
+            share_embeddings_and_output_weights=f["tie_embeddings"],
+            position_embedding_type="rope", rotary_base=int(f["rotary_base"]),
+            rope_scaling=bool(_arg(args, "use_rope_scaling", False)),
+            rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)))
+    common.load_global_tensors(model, tensors)
+    return model.eval()
+
+
+def _verify(args: Namespace, tensors, saved: Path, cfg, vocab: int, seed: int) -> Verification:
+    from megatron_mlmclm.convert.verify import (SEQ, compare, megatron_from_checkpoint,
+                                                verification_tokens)
+
+    common.init_single_process(seed)
+    ref_model = reference_model(args, tensors)
+    tokens = verification_tokens(vocab, seq=min(SEQ, cfg.model.seq_length))
+    with torch.no_grad():
+        ref = ref_model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+    ours = common.megatron_logits(megatron_from_checkpoint(saved, cfg, vocab), tokens, causal=True)
+    return compare(ref.float()[..., :vocab], ours[..., :vocab], "megatron-core GPTModel "
+                   "(Megatron-LM args, local spec)", causal=True)
