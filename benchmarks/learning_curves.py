@@ -1,0 +1,148 @@
+"""Tiny-preset learning curves on the Gutenberg corpus: CLM, MLM 40%, CLM 25% -> MLM 40%, over seeds.
+
+Each (objective, seed) pair pretrains the tiny preset from scratch with `mlmclm pretrain` (a
+separate process per run) on the same shards; the seed sets the initial weights, the sample order
+and the MLM masks, so runs of different objectives with the same seed see the same samples.
+Validation uses `--eval-iters` x 16 samples of the valid books (the shuffled validation stream).
+
+Printed: each run's final validation loss, the mean over seeds with a 95% t-interval per
+objective, the cross-entropy of a unigram predictor (train-shard token frequencies, add-one
+smoothing) on the valid shard's non-special tokens (the floor a model that ignores context
+reaches on masked tokens), and the paired difference MLM vs CLM -> MLM (paired by seed) with its
+interval and a verdict. The last line is the usual RESULT line.
+
+    PYTHONPATH=. python benchmarks/learning_curves.py --work /tmp/curves [--steps 300] [--seeds 0 1 2]
+
+Needs $MLMCLM_DATA_DIR (gutenberg_en/). Tokenizer and shards are built into --work once (as the
+quickstart builds them) and reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+OBJECTIVES = {
+    "clm": [{"objective": "clm"}],
+    "mlm40": [{"objective": "mlm", "mask_ratio": 0.4}],
+    "clm25-mlm40": [{"objective": "clm", "share": 0.25},
+                    {"objective": "mlm", "share": 0.75, "mask_ratio": 0.4}],
+}
+
+
+def t_interval(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of the 95% t-interval); half-width nan for a single value."""
+    from scipy import stats
+
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return float(x.mean()), float("nan")
+    return float(x.mean()), float(stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
+
+
+def build_data(work: Path, vocab_size: int) -> tuple[Path, dict[str, str]]:
+    from megatron_mlmclm.data.preprocess import preprocess
+    from megatron_mlmclm.data.tokenizer import train_tokenizer
+    from megatron_mlmclm.paths import data_dir
+
+    books = data_dir(required=True) / "gutenberg_en"
+    tokenizer = work / "tokenizer"
+    if not (tokenizer / "mlmclm_tokenizer.json").is_file():
+        train_tokenizer([str(books / "train.jsonl.gz")], tokenizer, vocab_size=vocab_size,
+                        max_documents=60)
+    prefixes = {}
+    for split in ("train", "valid"):
+        prefix = work / "shards" / f"gutenberg_{split}"
+        if not Path(f"{prefix}_text_document.idx").is_file():
+            preprocess([str(books / f"{split}.jsonl.gz")], prefix, tokenizer, workers=2)
+        prefixes[split] = f"{prefix}_text_document"
+    return tokenizer, prefixes
+
+
+def unigram_cross_entropy(tokenizer: Path, prefixes: dict[str, str]) -> float:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    meta = json.loads((tokenizer / "mlmclm_tokenizer.json").read_text())
+    specials = [meta[k] for k in ("bos_id", "eos_id", "pad_id", "mask_id") if meta.get(k) is not None]
+    vocab = int(meta["vocab_size"])
+
+    def tokens(prefix):  # the whole shard: .bin is the documents' tokens end to end
+        return np.fromfile(prefix + ".bin", dtype=IndexedDataset(prefix).index.dtype).astype(np.int64)
+
+    train, valid = tokens(prefixes["train"]), tokens(prefixes["valid"])
+    counts = np.bincount(train, minlength=vocab).astype(np.float64) + 1.0
+    counts[specials] = 0.0  # masked positions never hold a special token
+    p = counts / counts.sum()
+    valid = valid[~np.isin(valid, specials)]
+    return float(-np.log(p[valid]).mean())
+
+
+def run_one(work: Path, name: str, phases, seed: int, steps: int, tokenizer: Path, prefixes,
+            eval_iters: int) -> float:
+    out = work / "runs" / f"{name}-s{seed}"
+    metrics = out / "metrics.jsonl"
+    if not (out / "checkpoints" / f"iter_{steps:07d}").is_dir():
+        warm = max(1, steps // 10)
+        cfg = {
+            "name": f"{name}-s{seed}", "output_dir": str(out), "model": {"preset": "tiny"},
+            "data": {"train": [prefixes["train"]], "valid": [prefixes["valid"]],
+                     "tokenizer": str(tokenizer), "seed": seed,
+                     "cache_dir": str(work / "shards" / "cache")},
+            "phases": phases,
+            "train": {"steps": steps, "micro_batch_size": 16, "global_batch_size": 16, "lr": 2e-3,
+                      "warmup_steps": warm, "decay_steps": warm, "seed": seed},
+            "checkpoint": {"save_interval": 0, "keep_last": 1},
+            "logging": {"log_interval": steps, "eval_interval": max(1, steps // 6),
+                        "eval_iters": eval_iters, "tensorboard": False},
+        }
+        path = work / "configs" / f"{name}-s{seed}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        metrics.unlink(missing_ok=True)
+        subprocess.run([sys.executable, "-m", "megatron_mlmclm", "pretrain", str(path)],
+                       check=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["val_loss"] for r in rows if "val_loss" in r][-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True, help="folder for tokenizer, shards and runs")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--eval-iters", type=int, default=16, help="validation batches of 16")
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    args = ap.parse_args()
+    work = Path(args.work).resolve()
+    tokenizer, prefixes = build_data(work, args.vocab_size)
+    unigram = unigram_cross_entropy(tokenizer, prefixes)
+    final = {name: [run_one(work, name, phases, s, args.steps, tokenizer, prefixes,
+                            args.eval_iters) for s in args.seeds]
+             for name, phases in OBJECTIVES.items()}
+    print(f"\ntiny preset, {args.steps} steps x 16 x 128 tokens, seeds {args.seeds}, validation "
+          f"{args.eval_iters} x 16 samples")
+    print(f"unigram predictor on valid non-special tokens: {unigram:.3f} nats")
+    for name, vals in final.items():
+        mean, hw = t_interval(vals)
+        runs = " ".join(f"{v:.3f}" for v in vals)
+        print(f"{name:>12}: final val loss {mean:.3f} +- {hw:.3f} (runs {runs})")
+    diff = [a - b for a, b in zip(final["mlm40"], final["clm25-mlm40"])]
+    mean, hw = t_interval(diff)
+    verdict = ("inconclusive" if not (hw == hw) or abs(mean) <= hw else
+               "CLM->MLM lower" if mean > 0 else "MLM lower")
+    print(f"paired by seed, MLM - (CLM->MLM) final MLM val loss: {mean:+.3f} +- {hw:.3f} -> {verdict}")
+    mlm_mean = t_interval(final["mlm40"])[0]
+    print(f"RESULT learning_curves mlm_below_unigram_nats={unigram - mlm_mean:.3f} "
+          f"mlm_minus_clm_mlm={mean:.3f} ci95={hw:.3f}")
+
+
+if __name__ == "__main__":
+    main()
