@@ -10,7 +10,7 @@ run's loader simply starts at its step: there is no iterator state to save.
 
 - `sync`: built in the training process when the step asks (the reference; validation uses it).
 - `workers`: torch DataLoader worker processes over "micro-batch m = s x num_microbatches + j",
-  persistent, about two steps ahead, pinned memory for non-blocking host-to-device copies.
+  persistent, about two steps ahead; with CUDA the batch is pinned for a non-blocking copy.
 - `dali`: an NVIDIA DALI pipeline: a parallel external_source in sample mode whose Python worker
   processes each build one row of a micro-batch (read the packed sample, shift it for CLM or mask
   it for MLM), DALI's prefetch queue, and the batch placed on the GPU when CUDA is present (a
@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import queue
 import signal
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,10 +74,13 @@ class Plan:
                  + j * self.micro_batch_size)
         return range(start, start + self.micro_batch_size)
 
-    def microbatch(self, dataset, first_sample: int, j: int, phase: PhaseConfig) -> dict:
+    def arrays(self, dataset, first_sample: int, j: int, phase: PhaseConfig) -> dict:
         idx = list(self.positions(first_sample, j))
-        arrays = batch_arrays([dataset[i] for i in idx], idx, phase, self.spec, self.seed)
-        return {k: torch.from_numpy(v) for k, v in arrays.items()}
+        return batch_arrays([dataset[i] for i in idx], idx, phase, self.spec, self.seed)
+
+    def microbatch(self, dataset, first_sample: int, j: int, phase: PhaseConfig) -> dict:
+        return {k: torch.from_numpy(v) for k, v in self.arrays(dataset, first_sample, j,
+                                                                 phase).items()}
 
     def microbatches(self, dataset, first_sample: int, phase: PhaseConfig) -> list[dict]:
         return [self.microbatch(dataset, first_sample, j, phase)
@@ -112,20 +117,71 @@ class SyncLoader:
 
 
 class _Ahead(SyncLoader):
-    """A stream of planned micro-batches from some step on; it seeks on a jump."""
+    """Planned micro-batches from some step on, taken off their source by a thread of this process
+    into a queue two steps deep, so the step finds them ready: receiving a micro-batch from worker
+    processes costs about 0.5 ms (pipes, context switches), as much as building two samples. A
+    jump (a step other than the next) restarts source and thread there."""
 
-    next_step: Optional[int] = None
+    def __init__(self, dataset, plan: Plan):
+        super().__init__(dataset, plan)
+        self.next_step: Optional[int] = None
+        self.thread: Optional[threading.Thread] = None
+        self.stopping = threading.Event()
+        self.ready: queue.Queue = queue.Queue()
 
     def get(self, step, first_sample, phase):
         if not self.plan.planned(step, first_sample, phase):
             return super().get(step, first_sample, phase)
         if step != self.next_step:
             self.seek(step)
-        out = [self.next_microbatch() for _ in range(self.plan.num_microbatches)]
+        out = []
+        for _ in range(self.plan.num_microbatches):
+            item = self.ready.get()
+            if isinstance(item, BaseException):
+                self.next_step = None  # the source failed: restart it on the next request
+                raise item
+            out.append(item)
         self.next_step = step + 1
         return out
 
     def seek(self, step: int) -> None:
+        self.stop()
+        self.start_source(step)
+        self.next_step, self.stopping = step, threading.Event()
+        self.ready = queue.Queue(maxsize=2 * self.plan.num_microbatches)
+        self.thread = threading.Thread(target=self.fetch, args=(self.ready, self.stopping),
+                                       name="mlmclm-loader", daemon=True)
+        self.thread.start()
+
+    def fetch(self, ready: queue.Queue, stopping: threading.Event) -> None:
+        self.init_thread()
+        while not stopping.is_set():
+            try:
+                item = self.next_microbatch()
+            except BaseException as e:  # StopIteration past the plan, or a failed source
+                item = e
+            while not stopping.is_set():  # a full queue waits for the step, or for stop()
+                try:
+                    ready.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if isinstance(item, BaseException):
+                return
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.stopping.set()
+            self.thread.join()
+            self.thread = None
+
+    def close(self) -> None:
+        self.stop()
+
+    def init_thread(self) -> None:
+        pass
+
+    def start_source(self, step: int) -> None:
         raise NotImplementedError
 
     def next_microbatch(self) -> dict:
@@ -149,8 +205,14 @@ def stop_signals_blocked():
 # workers: torch DataLoader
 
 
+def as_is(item):
+    return item
+
+
 class PlannedMicrobatches(torch.utils.data.Dataset):
-    """Map-style: item m is micro-batch j = m % num_microbatches of step s = m // num_microbatches."""
+    """Map-style: item m is micro-batch j = m % num_microbatches of step s = m // num_microbatches,
+    as numpy arrays: pickled, they cross to the trainer several times faster than torch tensors
+    (each of which would cost a shared-memory segment)."""
 
     def __init__(self, dataset, plan: Plan):
         self.dataset, self.plan = dataset, plan
@@ -160,8 +222,8 @@ class PlannedMicrobatches(torch.utils.data.Dataset):
 
     def __getitem__(self, m: int) -> dict:
         step, j = divmod(int(m), self.plan.num_microbatches)
-        return self.plan.microbatch(self.dataset, self.plan.first_sample(step), j,
-                                    self.plan.phase(step))
+        return self.plan.arrays(self.dataset, self.plan.first_sample(step), j,
+                                self.plan.phase(step))
 
 
 class _From(Sampler):
@@ -182,24 +244,30 @@ class WorkerLoader(_Ahead):
         super().__init__(dataset, plan)
         items = PlannedMicrobatches(dataset, plan)
         self.sampler = _From(len(items))
-        n = plan.num_microbatches
-        self.loader = DataLoader(
-            items, batch_size=None, sampler=self.sampler, num_workers=num_workers,
-            persistent_workers=True, prefetch_factor=max(2, math.ceil(2 * n / num_workers)),
-            pin_memory=torch.cuda.is_available())
+        self.loader = DataLoader(items, batch_size=None, sampler=self.sampler,
+                                 num_workers=num_workers, collate_fn=as_is,
+                                 persistent_workers=True, prefetch_factor=max(
+                                     2, math.ceil(2 * plan.num_microbatches / num_workers)))
         self.it = None
+        # With CUDA, micro-batches are pinned (by the fetch thread) for non-blocking copies.
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
-    def seek(self, step: int) -> None:
+    def start_source(self, step: int) -> None:
         self.sampler.start = step * self.plan.num_microbatches
         # The first iter() starts the persistent workers; later ones drop what is in flight.
         with stop_signals_blocked():
             self.it = iter(self.loader)
-        self.next_step = step
+
+    def init_thread(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
 
     def next_microbatch(self) -> dict:
-        return next(self.it)
+        out = {k: torch.from_numpy(v) for k, v in next(self.it).items()}
+        return out if self.device is None else {k: v.pin_memory() for k, v in out.items()}
 
     def close(self) -> None:
+        self.stop()
         it, self.it = self.it, None
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
@@ -237,12 +305,12 @@ class DaliLoader(_Ahead):
         # GPU placement: the pipeline's outputs land on this process's GPU.
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
-    def seek(self, step: int) -> None:
+    def start_source(self, step: int) -> None:
         """A new pipeline whose epoch starts at `step` (a DALI source cannot be moved)."""
         from nvidia.dali import fn, types
         from nvidia.dali.pipeline import Pipeline
 
-        self.close()
+        self.pipe = None
         n = self.plan.num_microbatches
         dtypes = {torch.int64: types.INT64, torch.int32: types.INT32, torch.float32: types.FLOAT}
         # Forking a process that holds a CUDA context is unsupported: spawn then (the source and
@@ -262,21 +330,25 @@ class DaliLoader(_Ahead):
         with stop_signals_blocked():
             pipe.start_py_workers()
         pipe.build()
-        self.pipe, self.next_step = pipe, step
+        self.pipe = pipe
+
+    def init_thread(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
 
     def next_microbatch(self) -> dict:
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
         out = {}
+        stream = torch.cuda.current_stream() if self.device is not None else None
         for (name, dtype), tensors in zip(FIELDS.items(), self.pipe.run()):
             dense = tensors.as_tensor()
-            if self.device is None:
-                t = torch.empty(dense.shape(), dtype=dtype)
-                out[name] = feed_ndarray(dense, t)
-            else:
-                t = torch.empty(dense.shape(), dtype=dtype, device=self.device)
-                out[name] = feed_ndarray(dense, t, cuda_stream=torch.cuda.current_stream())
+            t = torch.empty(dense.shape(), dtype=dtype, device=self.device)
+            out[name] = feed_ndarray(dense, t, cuda_stream=stream)
+        if stream is not None:
+            stream.synchronize()  # copies done before the training thread gets the batch
         return out
 
     def close(self) -> None:
+        self.stop()
         self.pipe = None  # the last reference: the pipeline shuts down with its worker pool
