@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py csrc/sample_index.cpp
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[eval,test,wandb]"
+	$(BIN)/python -m pip install -q -e ".[eval,test,wandb,dali]"
 	touch $(STAMP)
 
 quickstart: install

@@ -32,6 +32,7 @@ def build_trainer(args, extra_overrides: list[str], prefix: str):
     overrides = [
         f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.resume=false",
         "logging.tensorboard=false", "data.mock=true",
+        "data.loader=sync",  # the step as it was measured: batches built in it (data_loader.py)
         f"model.vocab_size={args.vocab}", f"model.num_layers={args.layers}",
         f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}",
         f"model.num_attention_heads={args.heads}", f"model.num_query_groups={args.kv_heads}",

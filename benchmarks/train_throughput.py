@@ -63,6 +63,7 @@ def build_ours(args, preset: str, seq: int, objective: str, precision: str, fp8,
     overrides = [
         f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.resume=false",
         "logging.tensorboard=false", "data.mock=true", f"model.preset={preset}",
+        "data.loader=sync",  # batches built in the step, as for hf (benchmarks/data_loader.py)
         f"model.vocab_size={args.vocab}", f"model.seq_length={seq}",
         f"train.steps={args.warmup + args.steps + 10}", "train.warmup_steps=0",
         "train.decay_steps=0", f"train.lr={LR}", f"train.adam_beta1={BETAS[0]}",

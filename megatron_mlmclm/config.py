@@ -84,6 +84,10 @@ class DataConfig:
     seed: int = 1234
     cache_dir: Optional[str] = None  # sample-index cache; default: <first prefix dir>/cache
     mock: bool = False  # synthetic tokens, no files needed (smoke tests)
+    # Who builds the training micro-batches (docs/data.md): sync (in the step), workers (torch
+    # DataLoader processes, steps ahead) or dali (an NVIDIA DALI pipeline; needs the dali extra).
+    loader: str = "workers"
+    num_workers: int = 2  # worker processes of `workers` and `dali`
 
 
 @dataclass
@@ -343,7 +347,24 @@ def finalize_run_config(cfg: RunConfig) -> RunConfig:
     if not cfg.data.mock and not cfg.data.train:
         raise UsageError("data.train is empty; give shard prefixes (mlmclm preprocess writes them) "
                          "or set data.mock=true")
+    validate_loader(cfg.data)
     return cfg
+
+
+LOADERS = ("sync", "workers", "dali")
+
+
+def validate_loader(d: DataConfig) -> None:
+    if d.loader not in LOADERS:
+        raise UsageError(f"data.loader '{d.loader}' must be one of {', '.join(LOADERS)}")
+    if d.num_workers < 1:
+        raise UsageError(f"data.num_workers must be >= 1, got {d.num_workers}")
+    if d.loader == "dali":
+        try:
+            import nvidia.dali  # noqa: F401  (optional: only this loader needs it)
+        except ImportError as e:
+            raise UsageError(f"data.loader=dali needs NVIDIA DALI, which does not import ({e}); "
+                             "pip install 'megatron_mlmclm[dali]' or use data.loader=workers")
 
 
 def resolve_model(m: ModelConfig) -> None:

@@ -65,10 +65,13 @@ def regular_ids(r: np.ndarray, specials: np.ndarray) -> np.ndarray:
     return r + np.searchsorted(specials - np.arange(specials.size), r, side="right")
 
 
-def make_batch(samples: list[dict], sample_indices: list[int], phase: PhaseConfig,
-               spec: TokenSpec, seed: int, device=None,
-               dense_mask: bool = True) -> dict[str, torch.Tensor]:
-    """Stack packed samples into one micro-batch for `phase.objective`."""
+def batch_arrays(samples: list[dict], sample_indices: list[int], phase: PhaseConfig,
+                 spec: TokenSpec, seed: int) -> dict[str, np.ndarray]:
+    """The host side of a micro-batch for `phase.objective`: numpy arrays, no attention mask.
+
+    Every row depends only on its own sample and stream position, so building a batch row by row
+    (data/loader.py's DALI source does) gives the same bits as building it at once.
+    """
     tokens = np.stack([s["tokens"] for s in samples]).astype(np.int64)
     docs = np.stack([s["document_ids"] for s in samples])
     positions = np.stack([s["position_ids"] for s in samples]).astype(np.int64)[:, :-1]
@@ -76,23 +79,38 @@ def make_batch(samples: list[dict], sample_indices: list[int], phase: PhaseConfi
         inputs, labels = tokens[:, :-1], tokens[:, 1:].copy()
         loss_mask = docs[:, :-1] == docs[:, 1:]
         labels[~loss_mask] = IGNORE
-        causal = True
     else:
         pairs = [mlm_mask(t[:-1], i, seed, phase.mask_ratio, spec, phase.mask_replace)
                  for t, i in zip(tokens, sample_indices)]
         inputs = np.stack([p[0] for p in pairs])
         labels = np.stack([p[1] for p in pairs])
         loss_mask = labels != IGNORE
-        causal = False
-    batch = {
-        "tokens": torch.from_numpy(np.ascontiguousarray(inputs)),
-        "labels": torch.from_numpy(np.ascontiguousarray(labels)),
-        "loss_mask": torch.from_numpy(np.ascontiguousarray(loss_mask)).float(),
-        "position_ids": torch.from_numpy(np.ascontiguousarray(positions)),
-        "document_ids": torch.from_numpy(np.ascontiguousarray(docs[:, :-1])),
+    return {
+        "tokens": np.ascontiguousarray(inputs),
+        "labels": np.ascontiguousarray(labels),
+        "loss_mask": loss_mask.astype(np.float32),
+        "position_ids": np.ascontiguousarray(positions),
+        "document_ids": np.ascontiguousarray(docs[:, :-1]),
     }
+
+
+def make_batch(samples: list[dict], sample_indices: list[int], phase: PhaseConfig,
+               spec: TokenSpec, seed: int, device=None,
+               dense_mask: bool = True) -> dict[str, torch.Tensor]:
+    """Stack packed samples into one micro-batch for `phase.objective`."""
+    arrays = batch_arrays(samples, sample_indices, phase, spec, seed)
+    return to_device({k: torch.from_numpy(v) for k, v in arrays.items()}, phase, device,
+                     dense_mask)
+
+
+def to_device(batch: dict[str, torch.Tensor], phase: PhaseConfig, device=None,
+              dense_mask: bool = True) -> dict[str, torch.Tensor]:
+    """A host micro-batch moved where it is used (non-blocking: loaders hand over pinned memory),
+    with the dense [b, 1, s, s] document mask built there: s bytes a token against 32 for the rest
+    of the batch, so it is never built on the host or copied (the packed THD path needs none)."""
     if device is not None:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    if dense_mask:  # built where it is used; the packed (THD) path needs none
-        batch["attention_mask"] = document_attention_mask(batch["document_ids"], causal=causal)
+    if dense_mask:
+        batch["attention_mask"] = document_attention_mask(batch["document_ids"],
+                                                          causal=phase.objective == "clm")
     return batch

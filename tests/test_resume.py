@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -189,12 +190,13 @@ def test_resume_that_changes_the_data_is_refused(shard_run, capsys, override, ex
 
 
 def train_and_record(config, overrides) -> list[int]:
-    """Run the trainer in this process; the train-set sample indices it reads, in order."""
-    trainer = Trainer(load_config(config, overrides))
+    """Run the trainer in this process; the train-set sample indices it reads, in order (the sync
+    loader reads them in this process, when the step asks)."""
+    trainer = Trainer(load_config(config, overrides + ["data.loader=sync"]))
     seen = []
     try:
         trainer.setup()
-        dataset = trainer.train_ds
+        dataset = trainer.loader.dataset
 
         class Recorder:
             def __len__(self):
@@ -204,11 +206,13 @@ def train_and_record(config, overrides) -> list[int]:
                 seen.append(i)
                 return dataset[i]
 
-        trainer.train_ds = Recorder()
+        trainer.loader.dataset = Recorder()
         trainer.train()
     finally:
         trainer.close()
         rt.destroy_distributed()
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # set for the world of one: a later
+            os.environ.pop(key, None)                    # one in this process would rendezvous
     return seen
 
 

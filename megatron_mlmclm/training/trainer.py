@@ -29,11 +29,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
 
 from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
+from megatron_mlmclm.data.loader import Plan, build_loader
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, transformer_config, use_te
 from megatron_mlmclm.model.flops import device_peak_flops, train_step_flops
 from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_type
-from megatron_mlmclm.objectives import TokenSpec, make_batch
+from megatron_mlmclm.objectives import TokenSpec, to_device
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import checkpoint as ckpt
 from megatron_mlmclm.training import sinks
@@ -109,6 +110,7 @@ class Trainer:
         # stream from a consumed_samples that is not step x GBS (checkpoint.allow_data_change).
         self.sample_offset = 0
         self.resume_notes: list[str] = []
+        self.loader = None  # data.loader, made by setup()
 
     # ---------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -160,6 +162,11 @@ class Trainer:
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         self.scheduler = self.new_scheduler()
         self.restore()
+        # Batches are a function of the step (data/loader.py): the loader starts at this one.
+        self.plan = Plan(tuple(cfg.phases), self.spec, cfg.data.seed, t.steps, t.global_batch_size,
+                         t.micro_batch_size, self.dp, self.dp_rank, self.sample_offset)
+        self.loader = build_loader(cfg.data.loader, self.train_ds, self.plan,
+                                   cfg.data.num_workers, start_step=self.step)
         self.open_logs()
 
     def new_scheduler(self) -> OptimizerParamScheduler:
@@ -218,20 +225,21 @@ class Trainer:
             tqdm.write(f"[mlmclm] {message}", file=sys.stderr)
 
     # ------------------------------------------------------------------------------ one step
-    def microbatches(self, dataset, first_sample: int, phase) -> list[dict[str, torch.Tensor]]:
-        """This DP rank's micro-batches of the global batch that starts at `first_sample`."""
-        t = self.cfg.train
-        per_rank = t.global_batch_size // self.dp
-        start = first_sample + self.dp_rank * per_rank
+    def microbatches(self, dataset, first_sample: int, phase,
+                     step: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
+        """This DP rank's micro-batches of the global batch that starts at `first_sample`, on the
+        device. Those of training step `step` come from data.loader, which prepared them ahead;
+        others (validation) are built here."""
+        if step is None:
+            host = self.plan.microbatches(dataset, first_sample, phase)
+        else:
+            host = self.loader.get(step, first_sample, phase)
         if self.thd:
             set_attention_mask_type(self.model_chunks, AttnMaskType.causal
                                     if phase.objective == "clm" else AttnMaskType.no_mask)
         out = []
-        for j in range(self.num_microbatches):
-            idx = list(range(start + j * t.micro_batch_size, start + (j + 1) * t.micro_batch_size))
-            samples = [dataset[i] for i in idx]
-            batch = make_batch(samples, idx, phase, self.spec, self.cfg.data.seed, rt.device(),
-                               dense_mask=not self.thd)
+        for batch in host:
+            batch = to_device(batch, phase, rt.device(), dense_mask=not self.thd)
             if self.thd:
                 batch = flatten_for_thd(batch, batch["document_ids"])
             out.append(batch)
@@ -260,7 +268,7 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        batches = self.microbatches(self.train_ds, self.consumed_samples(), phase)
+        batches = self.microbatches(self.train_ds, self.consumed_samples(), phase, self.step)
         totals = self.run_schedule(batches, forward_only=False)
         loss_sum, tokens, correct = totals.tolist()
         loss = loss_sum / max(tokens, 1)
@@ -401,6 +409,8 @@ class Trainer:
                           f"{stats['grad_norm']:.3f}{extra}", file=sys.stderr)
 
     def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
         if self.sinks is not None:
             self.sinks.close()
         if self.metrics_file is not None:
