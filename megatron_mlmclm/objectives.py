@@ -13,24 +13,14 @@ the non-special ids: a mask, pad or bos token never appears as a "random word".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from megatron_mlmclm.config import PhaseConfig
+from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.model.attention import document_attention_mask
 
 IGNORE = -100
-
-
-@dataclass(frozen=True)
-class TokenSpec:
-    """What the objectives need to know about the tokenizer."""
-
-    vocab_size: int
-    mask_id: int
-    special_ids: tuple[int, ...]  # never masked (bos, eos, pad, mask, ...)
 
 
 def mlm_mask(tokens: np.ndarray, sample_index: int, seed: int, ratio: float, spec: TokenSpec,

@@ -226,7 +226,7 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
 
 def trained_vocab_size(cfg, tok, verbose: bool) -> int:
     """The (unpadded) vocabulary the run trained with, as the trainer derived it."""
-    from megatron_mlmclm.training.trainer import token_spec_and_vocab
+    from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 
     try:
         return token_spec_and_vocab(cfg).vocab_size

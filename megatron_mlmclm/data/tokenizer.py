@@ -15,6 +15,10 @@ gives back mask/pad/bos/eos) plus ``mlmclm_tokenizer.json``:
 ``{bos_id, eos_id, pad_id, mask_id, vocab_size, source, mask_reserved_from, pad_reserved_from,
 added_tokens, vocab_grew}`` where ``vocab_size`` is ``len(tokenizer)``. The folder is written under
 a temporary name and renamed when complete.
+
+What training needs from the folder (`token_spec_and_vocab` -> `TokenSpec`): the mask id, the ids
+never masked and the vocabulary size (model.vocab_size when set, else ``len(tokenizer)``); the
+pretraining run, its resume fingerprint and `convert to-hf` all derive them here.
 """
 
 from __future__ import annotations
@@ -25,14 +29,48 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.errors import UsageError
 
 METADATA_FILE = "mlmclm_tokenizer.json"
 REQUIRED = ("bos", "eos", "pad", "mask")
 _RESERVED = re.compile(r"^<\|reserved_special_token_(\d+)\|>$")
+
+
+# --------------------------------------------------------------------------------------------------
+# What training needs to know about the tokenizer
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """What the objectives need to know about the tokenizer."""
+
+    vocab_size: int
+    mask_id: int
+    special_ids: tuple[int, ...]  # never masked (bos, eos, pad, mask, ...)
+
+
+def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
+    """Special ids and vocabulary size from the tokenizer (or synthetic ones for mock data)."""
+    if cfg.data.tokenizer is None:
+        if not cfg.data.mock:
+            raise UsageError("data.tokenizer is not set; give the folder written by `mlmclm tokenize`")
+        vocab = cfg.model.vocab_size or 1024
+        return TokenSpec(vocab_size=vocab, mask_id=3, special_ids=(0, 1, 2, 3))
+    tok = load_tokenizer(cfg.data.tokenizer)
+    ids = special_token_ids(tok)
+    vocab = len(tok)
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
+        raise UsageError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer "
+                         f"({vocab}); remove model.vocab_size to take it from the tokenizer")
+    specials = tuple(sorted({int(v) for v in ids.values() if v is not None}
+                            | set(getattr(tok, "all_special_ids", []))))
+    return TokenSpec(vocab_size=cfg.model.vocab_size or vocab, mask_id=int(ids["mask_id"]),
+                     special_ids=specials)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -29,11 +29,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
 
 from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
+from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, transformer_config, use_te
 from megatron_mlmclm.model.flops import device_peak_flops, train_step_flops
 from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_type
-from megatron_mlmclm.objectives import TokenSpec, make_batch
+from megatron_mlmclm.objectives import make_batch
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import checkpoint as ckpt
 from megatron_mlmclm.training import sinks
@@ -43,27 +44,6 @@ from megatron_mlmclm.training.resume import check_resume, fingerprint
 
 class TrainingDiverged(RuntimeError):
     pass
-
-
-def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
-    """Special ids and vocabulary size from the tokenizer (or synthetic ones for mock data)."""
-    if cfg.data.tokenizer is None:
-        if not cfg.data.mock:
-            raise UsageError("data.tokenizer is not set; give the folder written by `mlmclm tokenize`")
-        vocab = cfg.model.vocab_size or 1024
-        return TokenSpec(vocab_size=vocab, mask_id=3, special_ids=(0, 1, 2, 3))
-    from megatron_mlmclm.data.tokenizer import load_tokenizer, special_token_ids
-
-    tok = load_tokenizer(cfg.data.tokenizer)
-    ids = special_token_ids(tok)
-    vocab = len(tok)
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
-        raise UsageError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer "
-                         f"({vocab}); remove model.vocab_size to take it from the tokenizer")
-    specials = tuple(sorted({int(v) for v in ids.values() if v is not None}
-                            | set(getattr(tok, "all_special_ids", []))))
-    return TokenSpec(vocab_size=cfg.model.vocab_size or vocab, mask_id=int(ids["mask_id"]),
-                     special_ids=specials)
 
 
 def build_datasets(cfg: RunConfig, spec: TokenSpec, sample_offset: int = 0):
