@@ -18,9 +18,18 @@ import torch
 
 from megatron_mlmclm.config import PhaseConfig
 from megatron_mlmclm.data.tokenizer import TokenSpec
-from megatron_mlmclm.model.attention import document_attention_mask
 
 IGNORE = -100
+
+
+def document_attention_mask(document_ids: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[b, s] per-token document ids -> [b, 1, s, s] bool mask, True where attention is blocked
+    (megatron's convention), causal or not, never across documents."""
+    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
+    if causal:
+        s = document_ids.size(1)
+        same_doc &= torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril_()
+    return (~same_doc).unsqueeze(1)
 
 
 def mlm_mask(tokens: np.ndarray, sample_index: int, seed: int, ratio: float, spec: TokenSpec,

@@ -15,7 +15,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mlmclm.model.attention import (
     FlexDocumentAttention,
     SDPAttention,
-    document_attention_mask,
     document_block_mask,
     documents_from_mask,
 )
@@ -25,6 +24,7 @@ from megatron_mlmclm.model.packed import (
     flatten_for_thd,
     thd_packed_seq_params,
 )
+from megatron_mlmclm.objectives import document_attention_mask
 
 
 # ------------------------------------------------------------------------------ THD cu_seqlens

@@ -195,7 +195,7 @@ def load_global_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
 
 def megatron_logits(model, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
     """[b, s] tokens -> [b, s, padded vocab] float32 logits, bidirectional or causal."""
-    from megatron_mlmclm.model.attention import document_attention_mask
+    from megatron_mlmclm.objectives import document_attention_mask
 
     device = next(model.parameters()).device
     tokens = tokens.to(device)

@@ -4,9 +4,9 @@ megatron-core's local DotProductAttention materialises the score matrix in Pytho
 slower at seq 1024 on CPU); this module is a drop-in `core_attention` for the local layer spec that
 gives the same results through SDPA (fused kernels on CPU and GPU, native GQA).
 
-Masks follow megatron's convention: a bool tensor [b, 1, s, s] where True means "may not attend".
-Packed samples hold several documents; a token attends only inside its own document, causally in
-CLM phases and in both directions in MLM phases.
+Masks are the batches' (objectives.document_attention_mask, megatron's convention: a bool tensor
+[b, 1, s, s] where True means "may not attend"). Packed samples hold several documents; a token
+attends only inside its own document, causally in CLM phases and in both directions in MLM phases.
 """
 
 from __future__ import annotations
@@ -21,14 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-
-def document_attention_mask(document_ids: torch.Tensor, causal: bool) -> torch.Tensor:
-    """[b, s] per-token document ids -> [b, 1, s, s] bool mask, True where attention is blocked."""
-    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
-    if causal:
-        s = document_ids.size(1)
-        same_doc &= torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril_()
-    return (~same_doc).unsqueeze(1)
+from megatron_mlmclm.objectives import document_attention_mask
 
 
 class SDPAttention(MegatronModule):
