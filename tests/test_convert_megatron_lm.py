@@ -110,7 +110,7 @@ def ours_from_run_config(run_yaml: Path, tokens: torch.Tensor, causal: bool,
     from megatron_mlmclm.objectives import document_attention_mask
     from megatron_mlmclm.model.build import build_model_chunk, transformer_config
     from megatron_mlmclm.runtime.distributed import init_distributed
-    from megatron_mlmclm.training.checkpoint import latest_checkpoint, load_checkpoint
+    from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
 
     cfg = load_config(run_yaml, ["data.mock=true", "train.precision=fp32", *overrides])
     init_distributed(1, 1, None, 0)

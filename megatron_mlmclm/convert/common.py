@@ -32,7 +32,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 def resolve_source_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint folder, or a run's checkpoints folder, checked to be complete."""
-    from megatron_mlmclm.training.checkpoint import resolve_checkpoint
+    from megatron_mlmclm.checkpoint import resolve_checkpoint
 
     p = Path(path)
     if not p.exists():
@@ -50,7 +50,7 @@ def resolve_source_checkpoint(path: str | os.PathLike) -> Path:
 
 def read_common(ckpt: Path) -> dict[str, Any]:
     """The trainer state of a checkpoint (common.pt), one clear line if unreadable."""
-    from megatron_mlmclm.training.checkpoint import read_trainer_state
+    from megatron_mlmclm.checkpoint import read_trainer_state
 
     try:
         with warnings.catch_warnings():

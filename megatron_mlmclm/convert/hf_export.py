@@ -46,7 +46,7 @@ class ExportResult:
 
 def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> Optional[dict[str, Any]]:
     """The HF source record of a checkpoint: its own, else that of its train.init_from chain."""
-    from megatron_mlmclm.training.checkpoint import resolve_checkpoint
+    from megatron_mlmclm.checkpoint import resolve_checkpoint
 
     seen = set()
     for _ in range(hops):

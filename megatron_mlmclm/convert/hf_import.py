@@ -182,7 +182,7 @@ def from_hf(hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = 
     from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
     from megatron_mlmclm.data.tokenizer import prepare_tokenizer
     from megatron_mlmclm.model.build import padded_vocab_size
-    from megatron_mlmclm.training.checkpoint import iter_name, save_checkpoint
+    from megatron_mlmclm.checkpoint import iter_name, save_checkpoint
 
     hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
     common.check_output(out, force)

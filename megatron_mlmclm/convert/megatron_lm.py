@@ -174,7 +174,7 @@ def from_megatron_lm(checkpoint, out, tokenizer: Optional[str], force: bool = Fa
     from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
     from megatron_mlmclm.data.tokenizer import load_tokenizer
     from megatron_mlmclm.model.build import padded_vocab_size
-    from megatron_mlmclm.training.checkpoint import iter_name, save_checkpoint
+    from megatron_mlmclm.checkpoint import iter_name, save_checkpoint
 
     out = Path(out).absolute()
     common.check_output(out, force)

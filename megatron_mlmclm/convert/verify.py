@@ -90,7 +90,7 @@ def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 def megatron_from_checkpoint(ckpt: Path, cfg, vocab_size: int):
     """EncoderLM at TP1 loaded from a dist checkpoint through the trainer's load_checkpoint."""
     from megatron_mlmclm.convert.common import build_encoder
-    from megatron_mlmclm.training.checkpoint import load_checkpoint
+    from megatron_mlmclm.checkpoint import load_checkpoint
 
     model = build_encoder(cfg, vocab_size)
     with warnings.catch_warnings():

@@ -28,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
 
+from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
@@ -36,7 +37,6 @@ from megatron_mlmclm.model.flops import device_peak_flops, train_step_flops
 from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_type
 from megatron_mlmclm.objectives import make_batch
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training import checkpoint as ckpt
 from megatron_mlmclm.training import sinks
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from megatron_mlmclm.training.resume import check_resume, fingerprint

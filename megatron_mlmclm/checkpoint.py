@@ -12,6 +12,10 @@ sizes and SHA-256 checksums is written last (`manifest.json`), and only then is 
 verifies, saying so when it skips one. The model and optimizer are stored in
 megatron's reshardable formats (model: sharded tensors; distributed optimizer:
 `fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout loads at another.
+
+The trainer writes and resumes checkpoints; the converters read them (to-hf) and write them
+(from-hf, from-megatron-lm). This module is their shared home, below both, so that convert/ never
+imports training/ (docs/architecture.md).
 """
 
 from __future__ import annotations
