@@ -33,7 +33,7 @@ from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, transformer_config, use_te
-from megatron_mlmclm.model.flops import device_peak_flops, train_step_flops
+from megatron_mlmclm.model.flops import train_step_flops
 from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_type
 from megatron_mlmclm.objectives import make_batch
 from megatron_mlmclm.runtime import distributed as rt
@@ -288,7 +288,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
-        peak = device_peak_flops()
+        peak = rt.device_peak_flops()
         world = dist.get_world_size()
         bar = None
         if rt.is_main():
