@@ -1,8 +1,9 @@
-"""The `mlmclm` command: one entry point, one module per subcommand.
+"""The `mlmclm` command: one entry point, one module per subcommand (megatron_mlmclm/commands/).
 
 Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int | None`. Modules are
-imported only when their subcommand runs, so `mlmclm --help` stays fast and a heavy dependency of
-one subcommand (megatron-core, sentence-transformers) never slows down another.
+imported only when their subcommand runs (by name, from COMMANDS), so `mlmclm --help` stays fast
+and a heavy dependency of one subcommand (megatron-core, sentence-transformers) never slows down
+another.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megatron_mlmclm.errors import EXIT_USAGE, UsageError
 
 # name -> (module, one-line help). Order is the order of the user's flow.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "tokenize": ("megatron_mlmclm.data.tokenizer", "load or train a tokenizer with bos/eos/pad/mask"),
+    "tokenize": ("megatron_mlmclm.commands.tokenize", "load or train a tokenizer with bos/eos/pad/mask"),
     "preprocess": ("megatron_mlmclm.data.preprocess", "raw text -> Megatron .bin/.idx shards"),
     "index": ("megatron_mlmclm.data.dataset", "build (and cache) the packed sample index"),
     "pretrain": ("megatron_mlmclm.training.pretrain", "pretrain with CLM / MLM phases"),
