@@ -21,7 +21,7 @@ from megatron_mlmclm.errors import EXIT_USAGE, UsageError
 # name -> (module, one-line help). Order is the order of the user's flow.
 COMMANDS: dict[str, tuple[str, str]] = {
     "tokenize": ("megatron_mlmclm.commands.tokenize", "load or train a tokenizer with bos/eos/pad/mask"),
-    "preprocess": ("megatron_mlmclm.data.preprocess", "raw text -> Megatron .bin/.idx shards"),
+    "preprocess": ("megatron_mlmclm.commands.preprocess", "raw text -> Megatron .bin/.idx shards"),
     "index": ("megatron_mlmclm.data.dataset", "build (and cache) the packed sample index"),
     "pretrain": ("megatron_mlmclm.training.pretrain", "pretrain with CLM / MLM phases"),
     "convert": ("megatron_mlmclm.convert.cli", "megatron <-> Hugging Face; Megatron-LM -> megatron"),
