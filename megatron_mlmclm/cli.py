@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tokenize": ("megatron_mlmclm.commands.tokenize", "load or train a tokenizer with bos/eos/pad/mask"),
     "preprocess": ("megatron_mlmclm.commands.preprocess", "raw text -> Megatron .bin/.idx shards"),
     "index": ("megatron_mlmclm.commands.index", "build (and cache) the packed sample index"),
-    "pretrain": ("megatron_mlmclm.training.pretrain", "pretrain with CLM / MLM phases"),
+    "pretrain": ("megatron_mlmclm.commands.pretrain", "pretrain with CLM / MLM phases"),
     "convert": ("megatron_mlmclm.convert.cli", "megatron <-> Hugging Face; Megatron-LM -> megatron"),
     "evaluate": ("megatron_mlmclm.eval.cli", "fine-tune HF encoders over an LR x seed grid"),
     "report": ("megatron_mlmclm.eval.report", "tables, confidence intervals and plots"),
