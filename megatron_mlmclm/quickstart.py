@@ -110,7 +110,7 @@ def run(args) -> int:
             pretrain(config)
 
     exports = out / "hf"
-    if importlib.util.find_spec("megatron_mlmclm.convert.cli") is None:
+    if importlib.util.find_spec("megatron_mlmclm.commands.convert") is None:
         log("4/6 export: conversion is not installed in this version; stopping here")
         return 0
     for name in MODELS:
