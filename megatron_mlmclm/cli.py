@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("megatron_mlmclm.commands.convert", "megatron <-> Hugging Face; Megatron-LM -> megatron"),
     "evaluate": ("megatron_mlmclm.commands.evaluate", "fine-tune HF encoders over an LR x seed grid"),
     "report": ("megatron_mlmclm.commands.report", "tables, confidence intervals and plots"),
-    "plan": ("megatron_mlmclm.plan", "write the study's grid of configs and jobs"),
+    "plan": ("megatron_mlmclm.commands.plan", "write the study's grid of configs and jobs"),
     "quickstart": ("megatron_mlmclm.quickstart", "small end-to-end run on CPU"),
 }
 

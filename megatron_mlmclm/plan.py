@@ -1,4 +1,4 @@
-"""`mlmclm plan`: write the study's grid of run configs, their jobs, and a compute summary.
+"""The study's grid of run configs, their jobs, and a compute summary (`mlmclm plan`, commands/plan.py).
 
     mlmclm plan --out plans/study                       # the whole grid of docs/study.md (60 runs)
     mlmclm plan --out plans/small --sizes 210m --budgets 12000 --mask-ratios 0.4 \
@@ -61,52 +61,39 @@ DEFAULT_EVAL_TASKS = ("sst2", "mnli", "qqp", "conll2003", "squad", "scifact")
 EVAL_LRS, EVAL_SEEDS = 6, 5  # mlmclm evaluate's default grid: 6 learning rates x 5 seeds
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--out", required=True, help="plan folder (must be empty or absent, or --force)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    g = p.add_argument_group("grid (defaults: the study, docs/study.md)")
-    g.add_argument("--sizes", nargs="*", default=["210m", "610m", "1b"])
-    g.add_argument("--budgets", nargs="*", type=int, default=[12000, 22000, 42000],
-                   help="train.steps of the from-scratch runs")
-    g.add_argument("--objectives", nargs="*", default=["clm", "mlm"])
-    g.add_argument("--mask-ratios", nargs="*", type=float, default=[0.2, 0.3, 0.4, 0.5])
-    g.add_argument("--clm-shares", nargs="*", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0],
-                   help="CLM share of the budget in CLM -> MLM runs (empty: none)")
-    g.add_argument("--split-size", default="610m", help="size of the CLM -> MLM runs")
-    g.add_argument("--split-mask-ratio", type=float, default=0.4)
-    g.add_argument("--cpt-steps", nargs="*", type=int, default=[2000, 12000, 22000],
-                   help="MLM steps added by continued pretraining (empty: none)")
-    g.add_argument("--cpt-size", default=None, help="size of the CPT runs (default --split-size)")
-    g.add_argument("--cpt-budget", type=int, default=None,
-                   help="budget of the decayed source runs (default: the largest --budgets)")
-    g.add_argument("--cpt-from", nargs="*", default=["clm", "mlm"],
-                   help="source objectives of CPT runs (mlm sources use --cpt-mask-ratio)")
-    g.add_argument("--cpt-mask-ratio", type=float, default=0.4)
-    g.add_argument("--cpt-warmup-steps", type=int, default=200,
-                   help="warmup of a CPT run (its decay is min(2000, steps - warmup))")
-    r = p.add_argument_group("data and outputs")
-    r.add_argument("--data", nargs="*", default=["data/shards/fineweb_edu_text_document"],
-                   help="data.train prefixes (optionally with blend weights)")
-    r.add_argument("--valid", nargs="*", default=[], help="data.valid prefixes")
-    r.add_argument("--tokenizer", default="data/tokenizer", help="data.tokenizer folder")
-    r.add_argument("--runs-dir", default=None, help="where runs write (default OUT/runs)")
-    r.add_argument("--hf-dir", default=None, help="where exports go (default OUT/hf)")
-    r.add_argument("--results-dir", default=None, help="evaluation results (default OUT/results)")
-    r.add_argument("--eval-tasks", nargs="*", default=list(DEFAULT_EVAL_TASKS))
-    r.add_argument("--eval-lrs", nargs="*", type=float, default=[],
-                   help=f"fine-tuning learning rates (default: evaluate's {EVAL_LRS})")
-    r.add_argument("--eval-seeds", nargs="*", type=int, default=[],
-                   help=f"fine-tuning seeds (default: evaluate's {EVAL_SEEDS})")
-    r.add_argument("--save-interval", type=int, default=1000, help="checkpoint.save_interval")
-    c = p.add_argument_group("cluster and compute estimate")
-    c.add_argument("--throughput-tokens-per-gpu-s", "--throughput", dest="throughput", nargs="*",
-                   default=[], metavar="SIZE=N",
-                   help="tokens/s per GPU per size (defaults: " + ", ".join(
-                       f"{k}={v:,.0f}" for k, v in DEFAULT_THROUGHPUT.items()) + ")")
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--nodes", nargs="*", default=[], metavar="N|SIZE=N",
-                   help="nodes per run: one number for every size or SIZE=N (defaults: " +
-                        ", ".join(f"{k}={v['nodes']}" for k, v in LAYOUTS.items()) + ")")
+@dataclass
+class PlanOptions:
+    """What `mlmclm plan` plans (its flags, commands/plan.py); the defaults are the study's grid."""
+
+    # the grid
+    sizes: list[str] = field(default_factory=lambda: ["210m", "610m", "1b"])
+    budgets: list[int] = field(default_factory=lambda: [12000, 22000, 42000])
+    objectives: list[str] = field(default_factory=lambda: ["clm", "mlm"])
+    mask_ratios: list[float] = field(default_factory=lambda: [0.2, 0.3, 0.4, 0.5])
+    clm_shares: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    split_size: str = "610m"
+    split_mask_ratio: float = 0.4
+    cpt_steps: list[int] = field(default_factory=lambda: [2000, 12000, 22000])
+    cpt_size: Optional[str] = None  # default: split_size
+    cpt_budget: Optional[int] = None  # default: the largest budget
+    cpt_from: list[str] = field(default_factory=lambda: ["clm", "mlm"])
+    cpt_mask_ratio: float = 0.4
+    cpt_warmup_steps: int = 200
+    # data and outputs
+    data: list[str] = field(default_factory=lambda: ["data/shards/fineweb_edu_text_document"])
+    valid: list[str] = field(default_factory=list)
+    tokenizer: str = "data/tokenizer"
+    runs_dir: Optional[str] = None  # default: OUT/runs
+    hf_dir: Optional[str] = None  # default: OUT/hf
+    results_dir: Optional[str] = None  # default: OUT/results
+    eval_tasks: list[str] = field(default_factory=lambda: list(DEFAULT_EVAL_TASKS))
+    eval_lrs: list[float] = field(default_factory=list)  # empty: evaluate's default grid
+    eval_seeds: list[int] = field(default_factory=list)
+    save_interval: int = 1000
+    # cluster and compute estimate
+    throughput: list[str] = field(default_factory=list)  # SIZE=N overrides of DEFAULT_THROUGHPUT
+    gpus_per_node: int = 8
+    nodes: list[str] = field(default_factory=list)  # N or SIZE=N overrides of LAYOUTS' nodes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -492,10 +479,11 @@ def summary_md(rows: list[dict], totals: dict, args, throughput: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def run(args) -> int:
-    out = Path(args.out)
+def write_plan(out: str | Path, args: PlanOptions, force: bool = False) -> dict:
+    """Write the plan folder `out` (atomically: bad input leaves nothing). Returns the totals."""
+    out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not args.force:
+        if not force:
             raise UsageError(f"--out {out} exists and is not empty; pass --force to replace it")
     if args.gpus_per_node < 1:
         raise UsageError("--gpus-per-node must be >= 1")
@@ -571,7 +559,4 @@ def run(args) -> int:
     if root.exists():
         shutil.rmtree(root) if root.is_dir() else root.unlink()
     tmp.rename(root)
-    print(f"plan: {len(runs)} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
-          f"{totals['gpu_hours']:,.0f} GPU-hours at the stated throughput -> {out}")
-    print(f"  {out}/SUMMARY.md, {out}/submit_slurm.sh, {out}/jobs/<run>.sh, {out}/configs/")
-    return 0
+    return dict(totals, runs=len(runs))
