@@ -1,4 +1,4 @@
-"""`mlmclm plan`: write the study's grid of run configs, their jobs, and a compute summary (plan.py).
+"""`mlmclm plan`: write the study's grid of run configs, their jobs, and a compute summary (plan/).
 
     mlmclm plan --out plans/study                       # the whole grid of docs/study.md (60 runs)
     mlmclm plan --out plans/small --sizes 210m --budgets 12000 --mask-ratios 0.4 \
@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_mlmclm.plan import (DEFAULT_THROUGHPUT, EVAL_LRS, EVAL_SEEDS, LAYOUTS, PlanOptions,
-                                  write_plan)
+from megatron_mlmclm.plan.compute import DEFAULT_THROUGHPUT
+from megatron_mlmclm.plan.jobs import EVAL_LRS, EVAL_SEEDS
+from megatron_mlmclm.plan.layout import LAYOUTS
+from megatron_mlmclm.plan.options import PlanOptions
+from megatron_mlmclm.plan.write import write_plan
 
 
 def add_arguments(p) -> None:
