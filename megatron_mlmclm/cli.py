@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("megatron_mlmclm.commands.evaluate", "fine-tune HF encoders over an LR x seed grid"),
     "report": ("megatron_mlmclm.commands.report", "tables, confidence intervals and plots"),
     "plan": ("megatron_mlmclm.commands.plan", "write the study's grid of configs and jobs"),
-    "quickstart": ("megatron_mlmclm.quickstart", "small end-to-end run on CPU"),
+    "quickstart": ("megatron_mlmclm.commands.quickstart", "small end-to-end run on CPU"),
 }
 
 
