@@ -19,16 +19,17 @@ import warnings
 from megatron_mlmclm.errors import EXIT_USAGE, UsageError
 
 # name -> (module, one-line help). Order is the order of the user's flow.
+_PKG = "megatron_mlmclm.commands"
 COMMANDS: dict[str, tuple[str, str]] = {
-    "tokenize": ("megatron_mlmclm.commands.tokenize", "load or train a tokenizer with bos/eos/pad/mask"),
-    "preprocess": ("megatron_mlmclm.commands.preprocess", "raw text -> Megatron .bin/.idx shards"),
-    "index": ("megatron_mlmclm.commands.index", "build (and cache) the packed sample index"),
-    "pretrain": ("megatron_mlmclm.commands.pretrain", "pretrain with CLM / MLM phases"),
-    "convert": ("megatron_mlmclm.commands.convert", "megatron <-> Hugging Face; Megatron-LM -> megatron"),
-    "evaluate": ("megatron_mlmclm.commands.evaluate", "fine-tune HF encoders over an LR x seed grid"),
-    "report": ("megatron_mlmclm.commands.report", "tables, confidence intervals and plots"),
-    "plan": ("megatron_mlmclm.commands.plan", "write the study's grid of configs and jobs"),
-    "quickstart": ("megatron_mlmclm.commands.quickstart", "small end-to-end run on CPU"),
+    "tokenize": (f"{_PKG}.tokenize", "load or train a tokenizer with bos/eos/pad/mask"),
+    "preprocess": (f"{_PKG}.preprocess", "raw text -> Megatron .bin/.idx shards"),
+    "index": (f"{_PKG}.index", "build (and cache) the packed sample index"),
+    "pretrain": (f"{_PKG}.pretrain", "pretrain with CLM / MLM phases"),
+    "convert": (f"{_PKG}.convert", "megatron <-> Hugging Face; Megatron-LM -> megatron"),
+    "evaluate": (f"{_PKG}.evaluate", "fine-tune HF encoders over an LR x seed grid"),
+    "report": (f"{_PKG}.report", "tables, confidence intervals and plots"),
+    "plan": (f"{_PKG}.plan", "write the study's grid of configs and jobs"),
+    "quickstart": (f"{_PKG}.quickstart", "small end-to-end run on CPU"),
 }
 
 
