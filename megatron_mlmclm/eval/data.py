@@ -28,6 +28,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.tasks import Task
 
@@ -157,8 +159,6 @@ def read_table(task: Task, path: Path) -> list[dict]:
         elif task.format == "jsonl":
             rows = _json_rows(path)
         else:
-            import pyarrow.parquet as pq
-
             rows = pq.read_table(path).to_pylist()
     except (csv.Error, ValueError, OSError, UnicodeDecodeError) as e:  # json/arrow errors too
         raise UsageError(f"{where} is not readable as {task.format}: "
@@ -354,7 +354,7 @@ def holdout(task: Task, split: str, items: list, key=None) -> list:
 
 def _read_hf(task: Task, split: str) -> list[dict]:
     try:
-        import datasets
+        import datasets  # optional dependency: only tasks read from the hub need it
     except ImportError:
         raise UsageError(f"task '{task.name}' reads a Hugging Face dataset; "
                          f"pip install datasets (and be online)") from None

@@ -1,7 +1,7 @@
 """One fine-tuning run: (model folder, task, learning rate, seed) -> result dict.
 
 The loop is shared by the four families; each family (megatron_mlmclm/eval/families/) supplies the
-model, the training items and their collate function, the loss and the evaluation (`Setup`).
+model, the training items and their collate function, the loss and the evaluation (families.Setup).
 Protocol defaults (docs/study.md): batch 32, at most 1000 steps or one epoch, 10% warmup then linear
 decay, AdamW (0.9, 0.95, eps 1e-5), weight decay 0.1 (not on biases and norm weights), validation
 every 100 steps, bf16 autocast on GPU and fp32 on CPU, max length 0.99 x the model's positions.
@@ -28,11 +28,18 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
+import numpy as np
 import torch
+import transformers
+from tqdm.auto import tqdm
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval import families
+from megatron_mlmclm.eval.families import Setup
+from megatron_mlmclm.eval.heads import load_tokenizer, max_positions
+from megatron_mlmclm.eval.tasks import get_task
 
 RESULT_SCHEMA = 2  # 2: protocol and grid fields, protocol id in the file name
 
@@ -107,30 +114,10 @@ def protocol(cfg: FinetuneConfig, task) -> dict:
     return {"id": _short_hash(body), "run_id": _short_hash(run), **body}
 
 
-@dataclass
-class Setup:
-    """What a family hands the shared loop."""
-
-    model: torch.nn.Module
-    train_items: list
-    collate: Callable[[list], Any]
-    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
-    evaluate: Callable[[torch.nn.Module, str], dict]  # split name -> {metric: value}
-    info: dict = field(default_factory=dict)
-    # per train item, the values no two items of one batch may share (IR: query and positive text,
-    # see no_duplicate_batches); None = plain shuffled batches
-    batch_keys: Optional[list[tuple]] = None
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:  # pragma: no cover
-        pass
+    np.random.seed(seed)
 
 
 def resolve_device(cfg: FinetuneConfig) -> torch.device:
@@ -238,8 +225,6 @@ def no_duplicate_batches(keys: list[tuple], batch_size: int, steps: int, seed: i
 
 
 def max_length_for(cfg: FinetuneConfig) -> int:
-    from megatron_mlmclm.eval.heads import max_positions
-
     length = int(cfg.max_length_ratio * max_positions(cfg.model))
     if cfg.max_length:
         length = min(length, cfg.max_length)
@@ -247,15 +232,11 @@ def max_length_for(cfg: FinetuneConfig) -> int:
 
 
 def build_setup(cfg: FinetuneConfig, task, tokenizer, device) -> Setup:
-    from megatron_mlmclm.eval import families
-
     return families.setup(task, tokenizer, cfg, max_length_for(cfg), device)
 
 
 def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) -> dict:
     """The shared loop; returns steps, curve and timings."""
-    from tqdm.auto import tqdm
-
     model = setup.model.to(device)
     model.train()
     n, keys = len(setup.train_items), setup.batch_keys
@@ -306,9 +287,6 @@ def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) ->
 
 def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
     """Fine-tune once and return the result dict (see docs/evaluate.md for its schema)."""
-    from megatron_mlmclm.eval.heads import load_tokenizer
-    from megatron_mlmclm.eval.tasks import get_task
-
     t_start = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -323,8 +301,6 @@ def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
     validation = {k: v for k, v in out["validation_curve"][-1].items() if k not in ("step", "train_loss")}
     with torch.no_grad(), autocast_for(cfg, device)():  # the registry keeps test apart from validation
         test = setup.evaluate(model, "test")
-    import transformers
-
     return {
         "schema": RESULT_SCHEMA,
         "status": "done",

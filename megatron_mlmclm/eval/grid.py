@@ -17,8 +17,14 @@ import os
 import traceback
 from pathlib import Path
 
+import transformers
+from tqdm.auto import tqdm
+
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.data import load_split
 from megatron_mlmclm.eval.finetune import FinetuneConfig, protocol, run_finetune, write_result
+from megatron_mlmclm.eval.heads import load_tokenizer
+from megatron_mlmclm.eval.tasks import get_task, load_registry
 
 DEFAULT_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
@@ -38,8 +44,6 @@ def result_path(out_dir: str | Path, cfg: FinetuneConfig, task) -> Path:
 
 
 def result_paths(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[Path]:
-    from megatron_mlmclm.eval.tasks import load_registry
-
     registry = load_registry(cfgs[0].task_files) if cfgs else {}
     return [result_path(out_dir, c, registry[c.task]) for c in cfgs]
 
@@ -56,10 +60,6 @@ def is_done(path: Path) -> bool:
 def preflight(cfgs: list[FinetuneConfig]) -> None:
     """Every check that can fail on bad input, before the first run: task names, model folders,
     tokenizers (present, with a pad token), data files, columns, non-empty splits."""
-    from megatron_mlmclm.eval.data import load_split
-    from megatron_mlmclm.eval.heads import load_tokenizer
-    from megatron_mlmclm.eval.tasks import get_task, load_registry
-
     names = {}
     for c in cfgs:
         if names.setdefault(c.name, c.model) != c.model:
@@ -78,8 +78,6 @@ def preflight(cfgs: list[FinetuneConfig]) -> None:
 def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
     # Adding a task head prints transformers' "LOAD REPORT" (newly initialised classifier) for
     # every one of thousands of runs; it is expected, so keep only errors.
-    import transformers
-
     transformers.logging.set_verbosity_error()
     cfg = FinetuneConfig(**cfg_dict)
     failed = Path(path).with_suffix(".failed.json")
@@ -98,8 +96,6 @@ def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
 def run_grid(cfgs: list[FinetuneConfig], out_dir: str | Path, workers: int = 1,
              array_index: int | None = None, log=print) -> dict:
     """Run the pending runs of the grid; returns {"ran", "skipped", "failed"} counts."""
-    from tqdm.auto import tqdm
-
     if array_index is not None:
         if not 0 <= array_index < len(cfgs):
             raise UsageError(f"array index {array_index} outside the grid of {len(cfgs)} runs "

@@ -104,7 +104,7 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     m = sum(values) / n
     if n < 2:
         return m, 0.0
-    from scipy import stats
+    from scipy import stats  # optional: [eval] extra
 
     return m, float(stats.t.ppf(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n))
 
@@ -116,7 +116,7 @@ def paired_t(a: list[float], b: list[float]) -> tuple[float, float]:
     if max(d) - min(d) <= 1e-12:
         m = statistics.mean(d)
         return (0.0, 1.0) if abs(m) <= 1e-12 else (math.copysign(math.inf, m), 0.0)
-    from scipy import stats
+    from scipy import stats  # optional: [eval] extra
 
     res = stats.ttest_rel(a, b)
     return float(res.statistic), float(res.pvalue)
@@ -327,7 +327,7 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
 
 
 def write_plots(s: dict, out: Path) -> list[str]:
-    import matplotlib
+    import matplotlib  # optional: [eval] extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
