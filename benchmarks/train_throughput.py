@@ -79,15 +79,17 @@ def build_ours(args, preset: str, seq: int, objective: str, precision: str, fp8,
     trainer = Trainer(cfg)
     trainer.setup()
     if attention == "flex":
-        from megatron_mlmclm.model.attention import FlexDocumentAttention, SDPAttention
+        from megatron_mlmclm.model.attention import (DocumentMasks, FlexDocumentAttention,
+                                                     SDPAttention)
 
         for chunk in trainer.model_chunks:
+            masks = DocumentMasks()  # one block mask per micro-batch, shared by the layers
             for layer in chunk.decoder.layers:
                 old = layer.self_attention.core_attention
                 assert isinstance(old, SDPAttention), "flex replaces the local spec's SDPAttention"
                 # Core attention has no parameters: swapping it after setup changes nothing else.
                 layer.self_attention.core_attention = FlexDocumentAttention(
-                    old.config, layer.layer_number, old.attn_mask_type, "self")
+                    old.config, layer.layer_number, old.attn_mask_type, "self", masks=masks)
     return trainer, cfg, mb
 
 

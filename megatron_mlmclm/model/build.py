@@ -7,6 +7,7 @@ trained causally (CLM) or bidirectionally (MLM); the attention kind is a propert
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Optional
 
@@ -20,7 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mlmclm.config import ModelConfig, RunConfig
-from megatron_mlmclm.model.attention import FlexDocumentAttention, SDPAttention
+from megatron_mlmclm.model.attention import DocumentMasks, FlexDocumentAttention, SDPAttention
 
 
 def have_transformer_engine() -> bool:
@@ -113,7 +114,9 @@ def layer_spec(config: TransformerConfig, m: ModelConfig) -> ModuleSpec:
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
         return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
-    core = FlexDocumentAttention if m.attention == "flex" else SDPAttention
+    core = SDPAttention
+    if m.attention == "flex":  # one DocumentMasks for all layers: one block mask per micro-batch
+        core = functools.partial(FlexDocumentAttention, masks=DocumentMasks())
     spec.submodules.self_attention.submodules.core_attention = core
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
     return spec
