@@ -99,8 +99,9 @@ class Trainer:
         self.spec = token_spec_and_vocab(cfg)
         self.fingerprint = fingerprint(cfg, self.spec)
         self.resume_from = self.find_resume_checkpoint()
-        if t.init_from and self.resume_from is None:
-            ckpt.resolve_checkpoint(t.init_from)
+        # train.init_from, checked (and its checksums verified) once, before any work
+        self.init_source = (ckpt.resolve_checkpoint(t.init_from)
+                            if t.init_from and self.resume_from is None else None)
         rt.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                             p.virtual_pipeline_model_parallel_size, t.seed)
         self.dp = parallel_state.get_data_parallel_world_size()
@@ -165,7 +166,6 @@ class Trainer:
 
     def restore(self) -> None:
         """Resume from the run's latest complete checkpoint, else start from train.init_from."""
-        cfg = self.cfg
         latest = self.resume_from
         if latest is not None:
             state = ckpt.load_checkpoint(latest, self.model_chunks, self.optimizer, self.scheduler)
@@ -174,8 +174,8 @@ class Trainer:
             for note in self.resume_notes:
                 self.log(note)
             self.log(f"resumed from {latest} at step {self.step}")
-        elif cfg.train.init_from:
-            source = ckpt.resolve_checkpoint(cfg.train.init_from)
+        elif self.init_source is not None:
+            source = self.init_source
             origin = ckpt.load_checkpoint(source, self.model_chunks, optimizer=None,
                                           scheduler=None, load_rng=False)
             # Keep the record of an imported HF model (its family) through continued runs.
