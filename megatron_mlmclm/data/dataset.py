@@ -22,6 +22,7 @@ import time
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_mlmclm.data.sample_index import SampleIndex, build_blend_index, build_sample_index
 from megatron_mlmclm.errors import UsageError
@@ -38,8 +39,6 @@ def open_indexed_dataset(prefix: str | os.PathLike):
         if not os.path.isfile(path):
             raise UsageError(f"{path} does not exist; check the data prefix (give it without "
                              f".bin/.idx) or write the shard with `mlmclm preprocess`")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
     try:
         ds = IndexedDataset(prefix)

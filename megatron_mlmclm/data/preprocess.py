@@ -14,7 +14,7 @@ Parallelism (``--workers N``), identical output for any N:
     batch of the process) while a reader thread parses the next batch; measured the faster on CPU
     (see benchmarks/preprocess.py).
   * ``processes``: a spawn ``multiprocessing.Pool`` of N single-threaded tokenizers fed in order
-    with ``imap``.
+    with ``imap`` (data/encode.py).
 
 Outputs are written under temporary names and renamed only when every input was read and
 validated, so a bad input (see text_sources.py) leaves nothing behind.
@@ -22,6 +22,7 @@ validated, so a bad input (see text_sources.py) leaves nothing behind.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import queue
 import struct
@@ -32,7 +33,12 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from tqdm import tqdm
 
+from megatron_mlmclm.data.encode import encode_texts, pack, worker_encode, worker_init
+from megatron_mlmclm.data.text_sources import expand_inputs, iter_documents
+from megatron_mlmclm.data.tokenizer import load_tokenizer
 from megatron_mlmclm.errors import UsageError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -98,8 +104,6 @@ def inspect_shard(prefix: str | os.PathLike) -> dict:
 
 
 def _batches(inputs, keys, txt_split_lines) -> Iterator[list[dict[str, str]]]:
-    from megatron_mlmclm.data.text_sources import iter_documents
-
     batch, chars = [], 0
     for doc in iter_documents(inputs, keys, txt_split_lines):
         batch.append(doc)
@@ -146,37 +150,6 @@ def _prefetch(it: Iterator, depth: int = 4) -> Iterator:
         stop.set()
 
 
-def _pack(encoded_ids: list[list[int]], eos: int | None, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Flat token array (eos appended per document) and per-document lengths."""
-    if eos is not None:
-        for ids in encoded_ids:
-            ids.append(eos)
-    lengths = np.fromiter((len(x) for x in encoded_ids), dtype=np.int64, count=len(encoded_ids))
-    flat = np.fromiter((t for ids in encoded_ids for t in ids), dtype=dtype,
-                       count=int(lengths.sum()))
-    return flat, lengths
-
-
-def _encode_texts(tok_backend, texts: list[str]) -> list[list[int]]:
-    return [e.ids for e in tok_backend.encode_batch_fast(texts, add_special_tokens=False)]
-
-
-_WORKER_TOK = None
-
-
-def _worker_init(tokenizer_json: str) -> None:
-    global _WORKER_TOK
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
-
-    _WORKER_TOK = Tokenizer.from_str(tokenizer_json)
-
-
-def _worker_encode(job):
-    texts, eos, dtype = job
-    return _pack(_encode_texts(_WORKER_TOK, texts), eos, dtype)
-
-
 def _split_batch(batch, keys):
     """Per key: the non-empty texts of the batch and the number of dropped empty ones."""
     out = {}
@@ -204,9 +177,6 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
                force: bool = False, backend: str = "threads", log_interval: int = 10000,
                progress: bool = True) -> dict:
     """Tokenize ``inputs`` into Megatron shards; returns the summary (also printed as one line)."""
-    from megatron_mlmclm.data.text_sources import expand_inputs
-    from megatron_mlmclm.data.tokenizer import load_tokenizer
-
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     if backend not in ("threads", "processes"):
@@ -229,9 +199,6 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
     if backend == "processes" and backend_tok is None:
         raise UsageError("--backend processes needs a fast (tokenizer.json) tokenizer")
 
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-    from tqdm import tqdm
-
     dtype = DType.optimal_dtype(len(tok))
     eos = tok.eos_token_id if append_eod else None
     parent = Path(str(output_prefix)).parent
@@ -251,9 +218,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
             builders[k] = IndexedDatasetBuilder(str(tmp[k][0]), dtype=dtype)
         batches = _batches(inputs, keys, txt_split_lines)
         if backend == "processes":
-            import multiprocessing as mp
-
-            pool = mp.get_context("spawn").Pool(workers, _worker_init,
+            pool = mp.get_context("spawn").Pool(workers, worker_init,
                                                 (backend_tok.to_str(),))
 
             def jobs():
@@ -272,7 +237,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
                     yield texts, eos, dtype
 
             def results():
-                for packed in pool.imap(_worker_encode, texts_only(), chunksize=1):
+                for packed in pool.imap(worker_encode, texts_only(), chunksize=1):
                     k, n, dropped = side.get()
                     yield k, n, dropped, packed
         else:
@@ -280,11 +245,11 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
                 for batch in _prefetch(batches):
                     for k, (texts, dropped) in _split_batch(batch, keys).items():
                         if backend_tok is not None:
-                            ids = _encode_texts(backend_tok, texts)
+                            ids = encode_texts(backend_tok, texts)
                         else:  # slow (python) tokenizer
                             enc = tok(texts, add_special_tokens=False)["input_ids"]
                             ids = [list(x) for x in enc]
-                        yield k, len(batch), dropped, _pack(ids, eos, dtype)
+                        yield k, len(batch), dropped, pack(ids, eos, dtype)
 
         for k, n, dropped, (flat, lengths) in results():
             keep = lengths > (0 if eos is None else 1)  # no token besides eos: empty

@@ -33,7 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
 from megatron_mlmclm.config import RunConfig
+from megatron_mlmclm.data.text_sources import expand_inputs, iter_texts
 from megatron_mlmclm.errors import UsageError
 
 METADATA_FILE = "mlmclm_tokenizer.json"
@@ -88,8 +93,6 @@ def _load_hf(path: str | os.PathLike):
         raise UsageError(f"tokenizer folder {p} does not exist; give a local Hugging Face "
                          "tokenizer folder (downloads are not done here)")
     try:
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except UsageError:
         raise
@@ -210,12 +213,6 @@ def train_tokenizer(inputs: Sequence[str], out_dir: str | os.PathLike, vocab_siz
                     max_documents: int | None = None, txt_split_lines: bool = False,
                     force: bool = False, progress: bool = True) -> Path:
     """Train a byte-level BPE of ``vocab_size`` tokens (specials included) and save it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from tqdm import tqdm
-    from transformers import PreTrainedTokenizerFast
-
-    from megatron_mlmclm.data.text_sources import expand_inputs, iter_texts
-
     specials = ["<s>", "</s>", "<pad>", "<mask>"]
     if vocab_size < 256 + len(specials):
         raise UsageError(f"--vocab-size {vocab_size} is too small for byte-level BPE; use at least "
