@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import cpu_support
 
 
@@ -36,8 +37,6 @@ def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> None:
             dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp):
-        from megatron_mlmclm.errors import UsageError
-
         raise UsageError(f"world size {world} is not divisible by tensor x pipeline parallel size "
                          f"({tp} x {pp}); launch a multiple of {tp * pp} processes")
     if not parallel_state.model_parallel_is_initialized():

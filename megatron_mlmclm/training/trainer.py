@@ -27,9 +27,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
+from tqdm import tqdm
 
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
+from megatron_mlmclm.data.dataset import build_train_dataset
+from megatron_mlmclm.data.mock import MockPackedDataset
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, transformer_config, use_te
@@ -56,11 +59,8 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, sample_offset: int = 0):
     n_train = max(cfg.train.steps * gbs + sample_offset, gbs)
     n_valid = cfg.logging.eval_iters * gbs
     if cfg.data.mock:
-        from megatron_mlmclm.data.mock import MockPackedDataset
-
         return (MockPackedDataset(n_train, seq, spec.vocab_size, cfg.data.seed),
                 MockPackedDataset(n_valid, seq, spec.vocab_size, cfg.data.seed + 1))
-    from megatron_mlmclm.data.dataset import build_train_dataset
 
     def build():
         train = build_train_dataset(cfg.data.train, seq, n_train, cfg.data.seed, cfg.data.cache_dir)
@@ -193,8 +193,6 @@ class Trainer:
 
     def log(self, message: str) -> None:
         if rt.is_main():
-            from tqdm import tqdm
-
             tqdm.write(f"[mlmclm] {message}", file=sys.stderr)
 
     # ------------------------------------------------------------------------------ one step
@@ -292,8 +290,6 @@ class Trainer:
         world = dist.get_world_size()
         bar = None
         if rt.is_main():
-            from tqdm import tqdm
-
             bar = tqdm(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
                        dynamic_ncols=True, file=sys.stderr)
         self.stop = StopSignals()  # SIGTERM / SIGUSR1: save after the step in flight, then stop
