@@ -184,7 +184,8 @@ def test_violations_are_found_with_file_line_and_import(tmp_path):
         "(docs/architecture.md)",
         f"{PKG}/eval/heads.py:1: `import megatron_mlmclm.model.build as build`: eval may not "
         "import model (docs/architecture.md)",
-        f"{PKG}/newpkg/__init__.py: package 'newpkg' has no row in the rule table of docs/architecture.md",
+        f"{PKG}/newpkg/__init__.py: package 'newpkg' has no row in the rule table of "
+        "docs/architecture.md",
         f"{PKG}/objectives.py:1: `from megatron_mlmclm import checkpoint, data`: objectives may "
         "not import checkpoint (docs/architecture.md)",
         f"{PKG}/plan/compute.py:3: `from megatron_mlmclm.model import build`: plan may not "

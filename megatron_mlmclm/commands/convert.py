@@ -1,5 +1,5 @@
-"""`mlmclm convert`: megatron <-> Hugging Face checkpoints, each conversion verified before it is kept
-(convert/).
+"""`mlmclm convert`: megatron <-> Hugging Face checkpoints, each conversion verified before it is
+kept (convert/).
 
     mlmclm convert to-hf CKPT OUT [--arch eurobert|llama|qwen3] [--causal-lm] [--tokenizer DIR]
                                   [--clf-pooling late|mean|bos] [--force]

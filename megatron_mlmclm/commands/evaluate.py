@@ -1,4 +1,5 @@
-"""`mlmclm evaluate`: fine-tune HF encoder folders on tasks over a learning-rate x seed grid (eval/).
+"""`mlmclm evaluate`: fine-tune HF encoder folders on tasks over a learning-rate x seed grid
+(eval/).
 
     mlmclm evaluate --model exports/610m-mlm40 exports/610m-clm --task sst2 conll2003 squad scifact \
         --out results/eval --workers 4

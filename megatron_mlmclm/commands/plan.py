@@ -69,7 +69,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    options = PlanOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PlanOptions)})
+    fields = dataclasses.fields(PlanOptions)
+    options = PlanOptions(**{f.name: getattr(args, f.name) for f in fields})
     totals = write_plan(args.out, options, force=args.force)
     out = args.out
     print(f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "

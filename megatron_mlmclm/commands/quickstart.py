@@ -1,4 +1,5 @@
-"""`mlmclm quickstart`: the whole flow, small, on CPU (quickstart.py; what `make quickstart` runs)."""
+"""`mlmclm quickstart`: the whole flow, small, on CPU (quickstart.py; what `make quickstart`
+runs)."""
 
 from __future__ import annotations
 
