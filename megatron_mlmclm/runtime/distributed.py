@@ -26,7 +26,6 @@ def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> None:
         if "RANK" not in os.environ:
             # A world of one needs no rendezvous: an in-process store cannot lose a race for a
             # TCP port to another job on the machine (it did, with many runs side by side).
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             if backend == "nccl":
                 torch.cuda.set_device(0)
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
