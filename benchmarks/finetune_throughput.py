@@ -33,8 +33,8 @@ def main() -> None:
 
     from transformers import Trainer, TrainingArguments
 
-    from megatron_mlmclm.eval.families import collate_ids
-    from megatron_mlmclm.eval.finetune import RunConfig, Setup, seed_everything, train
+    from megatron_mlmclm.eval.families import Setup, collate_ids
+    from megatron_mlmclm.eval.finetune import FinetuneConfig, seed_everything, train
     from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder, load_tokenizer
     from megatron_mlmclm.eval.families.sc import encode
     from megatron_mlmclm.eval.data import load_split
@@ -49,8 +49,9 @@ def main() -> None:
     task = get_task("sst2")
     n = args.steps * args.batch_size
     features = encode(load_split(task, "train", n), tok, 252, {"0": 0, "1": 1})
-    cfg = RunConfig(model=model_dir, task="sst2", lr=1e-4, batch_size=args.batch_size,
-                    max_steps=args.steps, eval_every=10 ** 9, threads=args.threads, progress=False)
+    cfg = FinetuneConfig(model=model_dir, task="sst2", lr=1e-4, batch_size=args.batch_size,
+                         max_steps=args.steps, eval_every=10 ** 9, threads=args.threads,
+                         progress=False)
     pad_id = tok.pad_token_id
     collate = lambda items: collate_ids(items, pad_id)  # noqa: E731
     print(f"{len(features)} SST-2 examples, {args.steps} steps x batch {args.batch_size}, "

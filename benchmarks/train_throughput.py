@@ -14,7 +14,8 @@ For each preset x sequence length x objective x precision, in one process:
 
 MFU = model FLOPs (megatron_mlmclm.model.flops.train_step_flops: attention counted in full, half
 for causal; output head at labelled positions) / step time / dense bf16 peak of the device
-(device_peak_flops). The same FLOP count is used for hf, so MFU ratios equal throughput ratios.
+(megatron_mlmclm.runtime.distributed.device_peak_flops). The same FLOP count is used for hf, so MFU
+ratios equal throughput ratios.
 On CPU the peak is unknown and MFU prints n/a.
 
     PYTHONPATH=. python benchmarks/train_throughput.py          # GPU: presets, bf16 (+FP8 w/ TE)
@@ -79,15 +80,17 @@ def build_ours(args, preset: str, seq: int, objective: str, precision: str, fp8,
     trainer = Trainer(cfg)
     trainer.setup()
     if attention == "flex":
-        from megatron_mlmclm.model.attention import FlexDocumentAttention, SDPAttention
+        from megatron_mlmclm.model.attention import (DocumentMasks, FlexDocumentAttention,
+                                                     SDPAttention)
 
         for chunk in trainer.model_chunks:
+            masks = DocumentMasks()  # one block mask per micro-batch, shared by the layers
             for layer in chunk.decoder.layers:
                 old = layer.self_attention.core_attention
                 assert isinstance(old, SDPAttention), "flex replaces the local spec's SDPAttention"
                 # Core attention has no parameters: swapping it after setup changes nothing else.
                 layer.self_attention.core_attention = FlexDocumentAttention(
-                    old.config, layer.layer_number, old.attn_mask_type, "self")
+                    old.config, layer.layer_number, old.attn_mask_type, "self", masks=masks)
     return trainer, cfg, mb
 
 
@@ -163,8 +166,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from megatron_mlmclm.model.build import have_transformer_engine
-    from megatron_mlmclm.model.flops import device_peak_flops, train_step_flops
+    from megatron_mlmclm.model.flops import train_step_flops
     from megatron_mlmclm.objectives import IGNORE, mlm_mask
+    from megatron_mlmclm.runtime.distributed import device_peak_flops
 
     gpu = on_gpu()
     te = have_transformer_engine() and gpu

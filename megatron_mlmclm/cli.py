@@ -1,8 +1,9 @@
-"""The `mlmclm` command: one entry point, one module per subcommand.
+"""The `mlmclm` command: one entry point, one module per subcommand (megatron_mlmclm/commands/).
 
 Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int | None`. Modules are
-imported only when their subcommand runs, so `mlmclm --help` stays fast and a heavy dependency of
-one subcommand (megatron-core, sentence-transformers) never slows down another.
+imported only when their subcommand runs (by name, from COMMANDS), so `mlmclm --help` stays fast
+and a heavy dependency of one subcommand (megatron-core, sentence-transformers) never slows down
+another.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import warnings
 from megatron_mlmclm.errors import EXIT_USAGE, UsageError
 
 # name -> (module, one-line help). Order is the order of the user's flow.
+_PKG = "megatron_mlmclm.commands"
 COMMANDS: dict[str, tuple[str, str]] = {
-    "tokenize": ("megatron_mlmclm.data.tokenizer", "load or train a tokenizer with bos/eos/pad/mask"),
-    "preprocess": ("megatron_mlmclm.data.preprocess", "raw text -> Megatron .bin/.idx shards"),
-    "index": ("megatron_mlmclm.data.dataset", "build (and cache) the packed sample index"),
-    "pretrain": ("megatron_mlmclm.training.pretrain", "pretrain with CLM / MLM phases"),
-    "convert": ("megatron_mlmclm.convert.cli", "megatron <-> Hugging Face; Megatron-LM -> megatron"),
-    "evaluate": ("megatron_mlmclm.eval.cli", "fine-tune HF encoders over an LR x seed grid"),
-    "report": ("megatron_mlmclm.eval.report", "tables, confidence intervals and plots"),
-    "plan": ("megatron_mlmclm.plan", "write the study's grid of configs and jobs"),
-    "quickstart": ("megatron_mlmclm.quickstart", "small end-to-end run on CPU"),
+    "tokenize": (f"{_PKG}.tokenize", "load or train a tokenizer with bos/eos/pad/mask"),
+    "preprocess": (f"{_PKG}.preprocess", "raw text -> Megatron .bin/.idx shards"),
+    "index": (f"{_PKG}.index", "build (and cache) the packed sample index"),
+    "pretrain": (f"{_PKG}.pretrain", "pretrain with CLM / MLM phases"),
+    "convert": (f"{_PKG}.convert", "megatron <-> Hugging Face; Megatron-LM -> megatron"),
+    "evaluate": (f"{_PKG}.evaluate", "fine-tune HF encoders over an LR x seed grid"),
+    "report": (f"{_PKG}.report", "tables, confidence intervals and plots"),
+    "plan": (f"{_PKG}.plan", "write the study's grid of configs and jobs"),
+    "quickstart": (f"{_PKG}.quickstart", "small end-to-end run on CPU"),
 }
 
 

@@ -13,24 +13,23 @@ the non-special ids: a mask, pad or bos token never appears as a "random word".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from megatron_mlmclm.config import PhaseConfig
-from megatron_mlmclm.model.attention import document_attention_mask
+from megatron_mlmclm.data.tokenizer import TokenSpec
 
 IGNORE = -100
 
 
-@dataclass(frozen=True)
-class TokenSpec:
-    """What the objectives need to know about the tokenizer."""
-
-    vocab_size: int
-    mask_id: int
-    special_ids: tuple[int, ...]  # never masked (bos, eos, pad, mask, ...)
+def document_attention_mask(document_ids: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[b, s] per-token document ids -> [b, 1, s, s] bool mask, True where attention is blocked
+    (megatron's convention), causal or not, never across documents."""
+    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
+    if causal:
+        s = document_ids.size(1)
+        same_doc &= torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril_()
+    return (~same_doc).unsqueeze(1)
 
 
 def mlm_mask(tokens: np.ndarray, sample_index: int, seed: int, ratio: float, spec: TokenSpec,
@@ -70,7 +69,7 @@ def batch_arrays(samples: list[dict], sample_indices: list[int], phase: PhaseCon
     """The host side of a micro-batch for `phase.objective`: numpy arrays, no attention mask.
 
     Every row depends only on its own sample and stream position, so building a batch row by row
-    (data/loader.py's DALI source does) gives the same bits as building it at once.
+    (training/loader.py's DALI source does) gives the same bits as building it at once.
     """
     tokens = np.stack([s["tokens"] for s in samples]).astype(np.int64)
     docs = np.stack([s["document_ids"] for s in samples])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from megatron_mlmclm.errors import UsageError
+
 
 def data_dir(required: bool = False) -> Path | None:
     env = os.environ.get("MLMCLM_DATA_DIR")
@@ -15,8 +17,6 @@ def data_dir(required: bool = False) -> Path | None:
         if c.is_dir():
             return c
     if required:
-        from megatron_mlmclm.errors import UsageError
-
         raise UsageError("no data folder found; set MLMCLM_DATA_DIR to the folder holding "
                          "gutenberg_en/, sst2/, conll2003/ ...")
     return None

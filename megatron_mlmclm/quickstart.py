@@ -1,4 +1,4 @@
-"""`mlmclm quickstart`: the whole flow, small, on CPU (what `make quickstart` runs).
+"""The whole flow, small, on CPU (`mlmclm quickstart`, commands/quickstart.py; `make quickstart`).
 
     tokenizer -> Gutenberg shards -> sample index -> three tiny models under one budget
     (CLM; MLM 40%; CLM 25% then MLM 75%) -> Hugging Face exports -> fine-tuning on SST-2 and
@@ -16,9 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 
+from megatron_mlmclm.cli import main
+from megatron_mlmclm.data.preprocess import preprocess
+from megatron_mlmclm.data.tokenizer import train_tokenizer
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.paths import data_dir
 
@@ -36,21 +40,6 @@ MODELS = {
 }
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--out", default="out/quickstart", help="output folder (default %(default)s)")
-    parser.add_argument("--data-dir", default=None,
-                        help="folder with gutenberg_en/, sst2/, conll2003/ (default: "
-                             "$MLMCLM_DATA_DIR, else ../shared/data, else the Hugging Face hub "
-                             "when `datasets` is installed)")
-    parser.add_argument("--steps", type=int, default=200, help="pretraining steps per model")
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--tasks", nargs="+", default=["sst2", "conll2003"])
-    parser.add_argument("--lrs", nargs="+", type=float, default=[2e-4, 1e-3])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--finetune-steps", type=int, default=150)
-    parser.add_argument("--workers", type=int, default=2, help="parallel fine-tuning runs")
-
-
 def log(message: str) -> None:
     print(f"[quickstart] {message}", file=sys.stderr, flush=True)
 
@@ -61,35 +50,38 @@ def stage(name: str, done: bool) -> bool:
     return not done
 
 
-def resolve_sources(args) -> tuple[dict[str, str], list[str]]:
+def resolve_sources(data_folder: str | None,
+                    tasks: Sequence[str]) -> tuple[dict[str, str], list[str]]:
     """(corpus inputs for the train/valid shards, evaluation task names): local files when a
-    data folder exists, else the Hugging Face hub when `datasets` is installed."""
-    data = Path(args.data_dir) if args.data_dir else data_dir()
+    data folder exists (`data_folder`, else $MLMCLM_DATA_DIR or ../shared/data), else the Hugging
+    Face hub when `datasets` is installed."""
+    data = Path(data_folder) if data_folder else data_dir()
     if data is not None and (data / "gutenberg_en" / "train.jsonl.gz").is_file():
         books = data / "gutenberg_en"
-        return {s: str(books / f"{s}.jsonl.gz") for s in ("train", "valid")}, list(args.tasks)
-    if args.data_dir is None and importlib.util.find_spec("datasets") is not None:
+        return {s: str(books / f"{s}.jsonl.gz") for s in ("train", "valid")}, list(tasks)
+    if data_folder is None and importlib.util.find_spec("datasets") is not None:
         log("no local data folder: reading the corpus and tasks from the Hugging Face hub "
-            f"({HF_CORPUS['train']}, {', '.join(HF_TASKS.get(t, t) for t in args.tasks)})")
-        return dict(HF_CORPUS), [HF_TASKS.get(t, t) for t in args.tasks]
+            f"({HF_CORPUS['train']}, {', '.join(HF_TASKS.get(t, t) for t in tasks)})")
+        return dict(HF_CORPUS), [HF_TASKS.get(t, t) for t in tasks]
     raise UsageError("Gutenberg corpus not found: set MLMCLM_DATA_DIR (or --data-dir) to the "
                      "folder holding gutenberg_en/, sst2/ and conll2003/, or install `datasets` "
                      "and run online")
 
 
-def run(args) -> int:
-    if args.steps < 20:
-        raise UsageError("--steps must be at least 20 (warmup and decay take 10% each)")
-    corpus, tasks = resolve_sources(args)
-    out = Path(args.out).resolve()
+def run_quickstart(out: str | Path, data_folder: str | None = None, steps: int = 200,
+                   vocab_size: int = 8192, tasks: Sequence[str] = ("sst2", "conll2003"),
+                   lrs: Sequence[float] = (2e-4, 1e-3), seeds: Sequence[int] = (0, 1),
+                   finetune_steps: int = 150, workers: int = 2) -> Path:
+    """Run (or finish) every stage into `out`; returns the folder. A failing stage exits with its
+    command's status (SystemExit)."""
+    corpus, tasks = resolve_sources(data_folder, tasks)
+    out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
 
     tokenizer = out / "tokenizer"
     if stage("1/6 tokenizer (byte-level BPE on Gutenberg)", (tokenizer / "mlmclm_tokenizer.json").is_file()):
-        from megatron_mlmclm.data.tokenizer import train_tokenizer
-
-        train_tokenizer([corpus["train"]], tokenizer, vocab_size=args.vocab_size,
+        train_tokenizer([corpus["train"]], tokenizer, vocab_size=vocab_size,
                         max_documents=60)
 
     shards = out / "shards"
@@ -97,41 +89,39 @@ def run(args) -> int:
     for split, prefix in prefixes.items():
         target = Path(f"{prefix}_text_document.idx")
         if stage(f"2/6 shards: gutenberg {split}", target.is_file()):
-            from megatron_mlmclm.data.preprocess import preprocess
-
             preprocess([corpus[split]], prefix, tokenizer, workers=2)
 
     runs = out / "runs"
     for name, phases in MODELS.items():
         run_dir = runs / name
-        finished = (run_dir / "checkpoints" / f"iter_{args.steps:07d}").is_dir()
-        if stage(f"3/6 pretrain {name} ({args.steps} steps)", finished):
-            config = write_run_config(out, name, phases, args.steps, tokenizer, prefixes)
+        finished = (run_dir / "checkpoints" / f"iter_{steps:07d}").is_dir()
+        if stage(f"3/6 pretrain {name} ({steps} steps)", finished):
+            config = write_run_config(out, name, phases, steps, tokenizer, prefixes)
             pretrain(config)
 
     exports = out / "hf"
-    if importlib.util.find_spec("megatron_mlmclm.convert.cli") is None:
+    if importlib.util.find_spec("megatron_mlmclm.commands.convert") is None:
         log("4/6 export: conversion is not installed in this version; stopping here")
-        return 0
+        return out
     for name in MODELS:
         target = exports / name
         if stage(f"4/6 export {name} to Hugging Face", (target / "config.json").is_file()):
             cli(["convert", "to-hf", str(runs / name / "checkpoints"), str(target)])
 
     results = out / "eval"
-    log(f"5/6 fine-tune on {', '.join(tasks)} over lr {args.lrs} x seeds {args.seeds} "
+    log(f"5/6 fine-tune on {', '.join(tasks)} over lr {list(lrs)} x seeds {list(seeds)} "
         "(finished runs are skipped)")
     cli(["evaluate", "--model", *[str(exports / n) for n in MODELS], "--task", *tasks,
-         "--out", str(results), "--lrs", *map(str, args.lrs), "--seeds", *map(str, args.seeds),
-         "--max-steps", str(args.finetune_steps), "--eval-every", "50", "--batch-size", "32",
-         "--max-length", "128", "--max-eval-examples", "1000", "--workers", str(args.workers),
+         "--out", str(results), "--lrs", *map(str, lrs), "--seeds", *map(str, seeds),
+         "--max-steps", str(finetune_steps), "--eval-every", "50", "--batch-size", "32",
+         "--max-length", "128", "--max-eval-examples", "1000", "--workers", str(workers),
          "--threads", "1"])
 
     log("6/6 report")
     cli(["report", str(results), "--out", str(out)])
     log(f"finished in {(time.time() - start) / 60:.1f} min: {out / 'report.md'}, plots in "
         f"{out / 'plots'}, models in {exports}/")
-    return 0
+    return out
 
 
 def write_run_config(out: Path, name: str, phases, steps: int, tokenizer: Path, prefixes) -> Path:
@@ -166,8 +156,7 @@ def pretrain(config: Path) -> None:
 
 
 def cli(argv: list[str]) -> None:
-    from megatron_mlmclm.cli import main
-
+    """Run a later stage exactly as `mlmclm ARGV` would (same checks, messages and exit status)."""
     rc = main(argv)
     if rc:
         raise SystemExit(rc)

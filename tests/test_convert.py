@@ -129,10 +129,10 @@ def exported(ws):
 def megatron_reference(ws, ckpt_dir: Path, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
     """Logits of the trainer's model loaded the trainer's way, independent of the converter."""
     from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.model.attention import document_attention_mask
+    from megatron_mlmclm.objectives import document_attention_mask
     from megatron_mlmclm.model.build import build_model_chunk, transformer_config
     from megatron_mlmclm.runtime.distributed import init_distributed
-    from megatron_mlmclm.training.checkpoint import latest_checkpoint, load_checkpoint
+    from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
 
     cfg = load_config(ws["config"], ["train.precision=fp32", "train.steps=2",
                                      "train.warmup_steps=0", "train.decay_steps=0"])
@@ -305,10 +305,10 @@ def _megatron_run_logits(run_yaml: Path, tokens: torch.Tensor, causal: bool,
                          overrides=()) -> torch.Tensor:
     """Logits of the model a `mlmclm pretrain` of `run_yaml` would start from (its init_from)."""
     from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.model.attention import document_attention_mask
+    from megatron_mlmclm.objectives import document_attention_mask
     from megatron_mlmclm.model.build import build_model_chunk, transformer_config
     from megatron_mlmclm.runtime.distributed import init_distributed
-    from megatron_mlmclm.training.checkpoint import latest_checkpoint, load_checkpoint
+    from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
 
     cfg = load_config(run_yaml, ["data.mock=true", "train.precision=fp32",
                                  f"model.seq_length={tokens.shape[1]}", *overrides])

@@ -107,10 +107,10 @@ def ours_from_run_config(run_yaml: Path, tokens: torch.Tensor, causal: bool,
     """Logits of the model `mlmclm pretrain run_yaml` starts from (its init_from), loaded the
     trainer's way."""
     from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.model.attention import document_attention_mask
+    from megatron_mlmclm.objectives import document_attention_mask
     from megatron_mlmclm.model.build import build_model_chunk, transformer_config
     from megatron_mlmclm.runtime.distributed import init_distributed
-    from megatron_mlmclm.training.checkpoint import latest_checkpoint, load_checkpoint
+    from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
 
     cfg = load_config(run_yaml, ["data.mock=true", "train.precision=fp32", *overrides])
     init_distributed(1, 1, None, 0)

@@ -20,7 +20,7 @@ import yaml
 
 from jobs import job_env, pretrain_cmd, read_metrics, run_pretrain
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.training.checkpoint import (MANIFEST, complete_checkpoints,
+from megatron_mlmclm.checkpoint import (MANIFEST, complete_checkpoints,
                                                  resolve_checkpoint, verify_checkpoint)
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED
 

@@ -26,7 +26,7 @@ from jobs import read_metrics
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import PhaseConfig, load_config
 from megatron_mlmclm.data.dataset import PackedDataset
-from megatron_mlmclm.data.loader import FIELDS, Plan, build_loader
+from megatron_mlmclm.training.loader import FIELDS, Plan, build_loader
 from megatron_mlmclm.objectives import TokenSpec, make_batch
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training.trainer import Trainer

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from megatron_mlmclm.config import load_config
-from megatron_mlmclm.model.attention import document_attention_mask
-from megatron_mlmclm.objectives import IGNORE
+from megatron_mlmclm.objectives import IGNORE, document_attention_mask
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from megatron_mlmclm.config import PhaseConfig
-from megatron_mlmclm.objectives import IGNORE, TokenSpec, make_batch, mlm_mask
+from megatron_mlmclm.data.tokenizer import TokenSpec
+from megatron_mlmclm.objectives import IGNORE, make_batch, mlm_mask
 
 SPEC = TokenSpec(vocab_size=500, mask_id=3, special_ids=(0, 1, 2, 3))
 

@@ -15,7 +15,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mlmclm.model.attention import (
     FlexDocumentAttention,
     SDPAttention,
-    document_attention_mask,
     document_block_mask,
     documents_from_mask,
 )
@@ -25,6 +24,7 @@ from megatron_mlmclm.model.packed import (
     flatten_for_thd,
     thd_packed_seq_params,
 )
+from megatron_mlmclm.objectives import document_attention_mask
 
 
 # ------------------------------------------------------------------------------ THD cu_seqlens
@@ -195,6 +195,34 @@ def test_whole_model_flex_matches_sdpa(model, causal):
         swap_core_attention(model, SDPAttention)
     torch.testing.assert_close(out_mask, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out_ids, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_model_layers_share_one_block_mask(model, monkeypatch):
+    """model.attention=flex: every layer holds the model's one DocumentMasks, so a forward builds
+    the block mask once (not once per layer), and the logits are SDPA's."""
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.model import attention
+    from megatron_mlmclm.model.build import build_model, transformer_config
+
+    cfg = load_config(None, ["data.mock=true", "model.vocab_size=256", "model.seq_length=160",
+                             "model.num_layers=2", "model.attention=flex"])
+    (flex_model,) = build_model(cfg, transformer_config(cfg), 256)
+    flex_model.load_state_dict(model.state_dict())
+    cores = [layer.self_attention.core_attention for layer in flex_model.decoder.layers]
+    assert len(cores) == 2 and all(isinstance(c, FlexDocumentAttention) for c in cores)
+    assert cores[0].masks is cores[1].masks
+    built = []
+    real = attention.document_block_mask
+    monkeypatch.setattr(attention, "document_block_mask",
+                        lambda *a, **k: built.append(1) or real(*a, **k))
+    tokens = torch.randint(4, 256, (2, 160), generator=torch.Generator().manual_seed(8))
+    positions = torch.arange(160).expand_as(tokens)
+    mask = document_attention_mask(random_docs(2, 160, seed=9, mean=40), causal=False)
+    with torch.no_grad():
+        out = flex_model.eval()(tokens, positions, mask)
+        ref = model(tokens, positions, mask)
+    assert len(built) == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 import types
-from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +19,7 @@ from megatron_mlmclm.cli import main
 from megatron_mlmclm.errors import UsageError
 
 
-def args(**kw):
-    base = dict(data_dir=None, tasks=["sst2", "conll2003"], steps=200)
-    return Namespace(**{**base, **kw})
+TASKS = ["sst2", "conll2003"]
 
 
 class FakeSplit(list):
@@ -55,7 +52,7 @@ def stand_in_datasets(calls):
 
 
 def test_local_data_folder_is_used_when_present(data_dir):
-    corpus, tasks = quickstart.resolve_sources(args(data_dir=str(data_dir)))
+    corpus, tasks = quickstart.resolve_sources(str(data_dir), TASKS)
     assert corpus["train"].endswith("gutenberg_en/train.jsonl.gz")
     assert tasks == ["sst2", "conll2003"]
 
@@ -64,7 +61,7 @@ def test_without_local_data_the_hub_serves_corpus_and_tasks(tmp_path, monkeypatc
     calls = []
     monkeypatch.setattr(quickstart, "data_dir", lambda: None)
     monkeypatch.setitem(sys.modules, "datasets", stand_in_datasets(calls))
-    corpus, tasks = quickstart.resolve_sources(args())
+    corpus, tasks = quickstart.resolve_sources(None, TASKS)
     assert corpus == quickstart.HF_CORPUS and tasks == ["sst2_hf", "conll2003_hf"]
 
     from megatron_mlmclm.data.preprocess import preprocess
@@ -94,7 +91,7 @@ def test_no_data_and_no_datasets_package_is_one_clear_error(monkeypatch, capsys)
                         lambda name: None if name == "datasets" else
                         importlib.machinery.ModuleSpec(name, None))
     with pytest.raises(UsageError, match="set MLMCLM_DATA_DIR"):
-        quickstart.resolve_sources(args())
+        quickstart.resolve_sources(None, TASKS)
     monkeypatch.undo()
     assert main(["quickstart", "--data-dir", "/nonexistent", "--out", "/tmp/unused"]) == 2
     assert "Gutenberg corpus not found" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.checkpoint import read_trainer_state
+from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.training.resume import check_resume
 from megatron_mlmclm.training.trainer import Trainer
 

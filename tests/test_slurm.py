@@ -149,7 +149,10 @@ def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(slurm
     run, hf = plan / "runs" / "tiny-mlm40-4k", plan / "hf" / "tiny-mlm40-4k"
     assert max(curve(run)) == 4 and (hf / "config.json").is_file()
     results = sorted(p.name for p in (plan / "results" / "eval").rglob("*.json"))
-    assert results == ["lr0.001_seed0.json", "lr0.001_seed1.json"], results
+    # one result per seed, named lr<lr>_seed<seed>_<protocol id>.json (eval/grid.py), one protocol
+    assert [re.sub(r"_[0-9a-f]{10}\.json$", "", r) for r in results] == [
+        "lr0.001_seed0", "lr0.001_seed1"], results
+    assert len({r.rsplit("_", 1)[1] for r in results}) == 1, results
     assert (plan / "results" / "report" / "report.md").is_file()
 
 

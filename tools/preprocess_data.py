@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_mlmclm.data import preprocess  # noqa: E402
+from megatron_mlmclm.commands import preprocess  # noqa: E402
 from megatron_mlmclm.errors import EXIT_USAGE, UsageError  # noqa: E402
 
 

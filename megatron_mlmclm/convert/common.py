@@ -20,8 +20,17 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core import parallel_state
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron_mlmclm.checkpoint import read_trainer_state, resolve_checkpoint
+from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.model.build import build_model_chunk, transformer_config
+from megatron_mlmclm.objectives import document_attention_mask
+from megatron_mlmclm.runtime.distributed import init_distributed
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -32,8 +41,6 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 def resolve_source_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint folder, or a run's checkpoints folder, checked to be complete."""
-    from megatron_mlmclm.training.checkpoint import resolve_checkpoint
-
     p = Path(path)
     if not p.exists():
         raise UsageError(f"checkpoint {p} does not exist; give a run's checkpoints folder or one "
@@ -50,8 +57,6 @@ def resolve_source_checkpoint(path: str | os.PathLike) -> Path:
 
 def read_common(ckpt: Path) -> dict[str, Any]:
     """The trainer state of a checkpoint (common.pt), one clear line if unreadable."""
-    from megatron_mlmclm.training.checkpoint import read_trainer_state
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -69,10 +74,6 @@ def read_common(ckpt: Path) -> dict[str, Any]:
 
 def read_global_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a dist checkpoint as a global float32 tensor (any TP/PP layout)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     try:
         meta = FileSystemReader(str(ckpt)).read_metadata()
         state = {k: torch.empty(v.size, dtype=v.properties.dtype)
@@ -103,8 +104,6 @@ def _first_line(e: BaseException) -> str:
 
 def run_config_from_dict(raw: dict[str, Any], mock: bool = True):
     """RunConfig from a trainer-state dict, for an in-process TP1/PP1 float32 model."""
-    from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict
-
     raw = copy.deepcopy(raw)
     raw["parallel"] = {}
     for ph in raw.get("phases") or []:  # saved configs hold resolved steps next to the shares
@@ -122,10 +121,6 @@ def run_config_from_dict(raw: dict[str, Any], mock: bool = True):
 
 
 def init_single_process(seed: int = 1234) -> None:
-    from megatron.core import parallel_state
-
-    from megatron_mlmclm.runtime.distributed import init_distributed
-
     if parallel_state.model_parallel_is_initialized():
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -137,8 +132,6 @@ def init_single_process(seed: int = 1234) -> None:
 
 def build_encoder(cfg, vocab_size: int, seed: int = 1234):
     """The trainer's EncoderLM at TP1/PP1, float32, eval mode."""
-    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
-
     init_single_process(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -195,8 +188,6 @@ def load_global_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
 
 def megatron_logits(model, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
     """[b, s] tokens -> [b, s, padded vocab] float32 logits, bidirectional or causal."""
-    from megatron_mlmclm.model.attention import document_attention_mask
-
     device = next(model.parameters()).device
     tokens = tokens.to(device)
     b, s = tokens.shape

@@ -25,9 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import transformers
+from safetensors.torch import save_file
+
+from megatron_mlmclm.checkpoint import resolve_checkpoint
 from megatron_mlmclm.convert import common, mapping
-from megatron_mlmclm.convert.verify import Verification
+from megatron_mlmclm.convert.verify import (SEQ, Verification, load_hf, megatron_from_checkpoint,
+                                            verify_pair)
+from megatron_mlmclm.data.tokenizer import load_tokenizer, special_token_ids, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.model.build import padded_vocab_size
 
 ARCHS = ("eurobert", "llama", "qwen3")
 SOURCE_FILE = "mlmclm_source.json"  # sidecar written by from-hf next to the checkpoints folder
@@ -46,8 +53,6 @@ class ExportResult:
 
 def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> Optional[dict[str, Any]]:
     """The HF source record of a checkpoint: its own, else that of its train.init_from chain."""
-    from megatron_mlmclm.training.checkpoint import resolve_checkpoint
-
     seen = set()
     for _ in range(hops):
         if trainer.get("source"):
@@ -90,8 +95,6 @@ def resolve_arch(arch: Optional[str], causal_lm: bool, qk_norm: bool,
 def hf_config(arch: str, m, vocab_size: int, ids: dict[str, Optional[int]], causal_lm: bool,
               max_positions: int, clf_pooling: str):
     """The transformers config object for `arch` from a ModelConfig (CONFIG_FIELDS, reversed)."""
-    import transformers
-
     kw: dict[str, Any] = {hf: getattr(m, ours) for hf, ours in mapping.CONFIG_FIELDS}
     kw.update(
         vocab_size=vocab_size,
@@ -152,9 +155,6 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
           tokenizer: Optional[str] = None, force: bool = False, clf_pooling: str = "late",
           verbose: bool = True) -> ExportResult:
     """Export a megatron checkpoint to a verified Hugging Face folder at `out`."""
-    from megatron_mlmclm.data.tokenizer import load_tokenizer, special_token_ids
-    from megatron_mlmclm.model.build import padded_vocab_size
-
     out = Path(out).absolute()
     common.check_output(out, force)
     if clf_pooling not in ("late", "mean", "bos"):
@@ -203,8 +203,6 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
             print("note: the last phase of this run was CLM; --causal-lm exports it for generation")
 
     with common.staged_output(out, force) as tmp:
-        from safetensors.torch import save_file
-
         hf_cfg.save_pretrained(str(tmp))
         add_legacy_rope_keys(tmp / "config.json")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -226,8 +224,6 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
 
 def trained_vocab_size(cfg, tok, verbose: bool) -> int:
     """The (unpadded) vocabulary the run trained with, as the trainer derived it."""
-    from megatron_mlmclm.training.trainer import token_spec_and_vocab
-
     try:
         return token_spec_and_vocab(cfg).vocab_size
     except UsageError:  # the run's tokenizer folder is gone: trust the one given
@@ -238,9 +234,6 @@ def trained_vocab_size(cfg, tok, verbose: bool) -> int:
 
 
 def _verify(ckpt: Path, cfg, vocab: int, folder: Path, arch: str, causal_lm: bool) -> Verification:
-    from megatron_mlmclm.convert.verify import (SEQ, load_hf, megatron_from_checkpoint,
-                                                verify_pair)
-
     megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
     hf_model = load_hf(folder, auto_class(arch))
     return verify_pair(megatron_model, hf_model, vocab, causal=causal_lm,

@@ -26,10 +26,19 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer
 
+from megatron_mlmclm.checkpoint import iter_name, save_checkpoint
+from megatron_mlmclm.config import (RopeScalingConfig, RunConfig, finalize_run_config, from_dict,
+                                    to_dict, validate_rope_scaling)
 from megatron_mlmclm.convert import common, mapping
-from megatron_mlmclm.convert.verify import Verification
+from megatron_mlmclm.convert.verify import (SEQ, Verification, load_hf, megatron_from_checkpoint,
+                                            verify_pair)
+from megatron_mlmclm.data.tokenizer import prepare_tokenizer
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.model.build import padded_vocab_size
 
 FAMILIES = ("llama", "mistral", "qwen3", "eurobert")
 MAX_SEQ_LENGTH = 2048  # default training length of the continued run (the weights do not care)
@@ -59,8 +68,6 @@ def read_hf_config(hf_dir: Path):
     if model_type not in FAMILIES:
         raise UsageError(f"unknown architecture '{model_type}' in {hf_dir}; supported: "
                          f"{', '.join(FAMILIES)}")
-    from transformers import AutoConfig
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -120,8 +127,6 @@ def rope_scaling(cfg, hf_dir: Path) -> Optional[dict[str, Any]]:
     except (KeyError, TypeError, ValueError) as e:
         raise UsageError(f"{hf_dir} has llama3 RoPE scaling with a missing or invalid field "
                          f"({common._first_line(e)})") from None
-    from megatron_mlmclm.config import RopeScalingConfig, validate_rope_scaling
-
     validate_rope_scaling(RopeScalingConfig(**fields))
     return fields
 
@@ -138,8 +143,6 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     try:
         if files:
-            from safetensors.torch import load_file
-
             for f in files:
                 state.update(load_file(str(f)))
         else:
@@ -177,13 +180,6 @@ def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def from_hf(hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = True) -> ImportResult:
     """Convert a local HF model folder into a verified megatron checkpoint folder at `out`."""
-    from transformers import AutoTokenizer
-
-    from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
-    from megatron_mlmclm.data.tokenizer import prepare_tokenizer
-    from megatron_mlmclm.model.build import padded_vocab_size
-    from megatron_mlmclm.training.checkpoint import iter_name, save_checkpoint
-
     hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
     common.check_output(out, force)
     hf_cfg = read_hf_config(hf_dir)
@@ -270,9 +266,6 @@ def _source_causal(hf_cfg) -> bool:
 
 
 def _verify(hf_dir: Path, hf_cfg, ckpt: Path, cfg, vocab: int, hf_vocab: int) -> Verification:
-    from megatron_mlmclm.convert.verify import (SEQ, load_hf, megatron_from_checkpoint,
-                                                verify_pair)
-
     auto = "AutoModelForMaskedLM" if hf_cfg.model_type == "eurobert" else "AutoModelForCausalLM"
     megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
     hf_model = load_hf(hf_dir, auto)
@@ -283,8 +276,6 @@ def _verify(hf_dir: Path, hf_cfg, ckpt: Path, cfg, vocab: int, hf_vocab: int) ->
 def _write_run_config(path: Path, raw: dict[str, Any], hf_dir: Path, final: Path,
                       command: str = "convert from-hf") -> None:
     """Write the run config at `path` (staged); its header names where it will live, `final`."""
-    import yaml
-
     header = (f"# Continued MLM pretraining from {hf_dir} (written by mlmclm {command}).\n"
               "# Set data.train to your shard prefixes (mlmclm preprocess), then:\n"
               f"#   mlmclm pretrain {final} data.train=[PREFIX] train.steps=N\n")

@@ -35,11 +35,21 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
+from megatron.core import dist_checkpointing
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mlmclm.checkpoint import iter_name, save_checkpoint
+from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
 from megatron_mlmclm.convert import common
 from megatron_mlmclm.convert.hf_import import ImportResult, _write_run_config
-from megatron_mlmclm.convert.verify import Verification
+from megatron_mlmclm.convert.verify import (SEQ, Verification, compare, megatron_from_checkpoint,
+                                            verification_tokens)
+from megatron_mlmclm.data.tokenizer import load_tokenizer
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.model.build import padded_vocab_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FAMILY = "megatron-lm"
@@ -74,8 +84,6 @@ def resolve(path) -> Path:
 
 def read_args(ckpt: Path) -> tuple[Namespace, dict[str, Any]]:
     """The saved argparse.Namespace and the rest of the common state (iteration, version)."""
-    from megatron.core import dist_checkpointing
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -171,11 +179,6 @@ def _resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
 def from_megatron_lm(checkpoint, out, tokenizer: Optional[str], force: bool = False,
                      seed: int = 1234, verbose: bool = True) -> ImportResult:
     """Convert a Megatron-LM torch_dist checkpoint into a verified checkpoint folder at `out`."""
-    from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
-    from megatron_mlmclm.data.tokenizer import load_tokenizer
-    from megatron_mlmclm.model.build import padded_vocab_size
-    from megatron_mlmclm.training.checkpoint import iter_name, save_checkpoint
-
     out = Path(out).absolute()
     common.check_output(out, force)
     if not tokenizer:
@@ -250,11 +253,6 @@ def from_megatron_lm(checkpoint, out, tokenizer: Optional[str], force: bool = Fa
 def reference_model(args: Namespace, tensors: dict[str, torch.Tensor]):
     """megatron-core GPTModel as Megatron-LM builds it from `args` (local spec, float32), holding
     the checkpoint's own tensors (every key must match: a check of the architecture too)."""
-    import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     f = model_fields(args, args.padded_vocab_size)
     config = TransformerConfig(
         num_layers=f["num_layers"], hidden_size=f["hidden_size"],
@@ -283,9 +281,6 @@ def reference_model(args: Namespace, tensors: dict[str, torch.Tensor]):
 
 
 def _verify(args: Namespace, tensors, saved: Path, cfg, vocab: int, seed: int) -> Verification:
-    from megatron_mlmclm.convert.verify import (SEQ, compare, megatron_from_checkpoint,
-                                                verification_tokens)
-
     common.init_single_process(seed)
     ref_model = reference_model(args, tensors)
     tokens = verification_tokens(vocab, seq=min(SEQ, cfg.model.seq_length))

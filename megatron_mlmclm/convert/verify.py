@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from transformers.utils import logging as hf_logging
 
+from megatron_mlmclm.checkpoint import load_checkpoint
+from megatron_mlmclm.convert.common import build_encoder, megatron_logits
 from megatron_mlmclm.errors import UsageError
 
 TOLERANCE = 1e-4
@@ -63,8 +67,6 @@ def compare(reference: torch.Tensor, result: torch.Tensor, against: str, causal:
 
 def load_hf(path: Path, auto_class: str):
     """A local HF model in float32 with SDPA attention (no remote code)."""
-    import transformers
-
     cls = getattr(transformers, auto_class)
     quiet_transformers()
     with warnings.catch_warnings():
@@ -76,8 +78,6 @@ def load_hf(path: Path, auto_class: str):
 
 def quiet_transformers() -> None:
     """No progress bars or info chatter from transformers during a conversion."""
-    from transformers.utils import logging as hf_logging
-
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
@@ -89,9 +89,6 @@ def hf_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def megatron_from_checkpoint(ckpt: Path, cfg, vocab_size: int):
     """EncoderLM at TP1 loaded from a dist checkpoint through the trainer's load_checkpoint."""
-    from megatron_mlmclm.convert.common import build_encoder
-    from megatron_mlmclm.training.checkpoint import load_checkpoint
-
     model = build_encoder(cfg, vocab_size)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -102,8 +99,6 @@ def megatron_from_checkpoint(ckpt: Path, cfg, vocab_size: int):
 def verify_pair(megatron_model, hf_model, vocab_size: int, causal: bool, seq: int,
                 against: str) -> Verification:
     """Logits of both models on the fixed batch, compared over the first `vocab_size` ids."""
-    from megatron_mlmclm.convert.common import megatron_logits
-
     tokens = verification_tokens(vocab_size, seq=seq)
     ref = megatron_logits(megatron_model, tokens, causal)[..., :vocab_size]
     got = hf_logits(hf_model, tokens)[..., :vocab_size]

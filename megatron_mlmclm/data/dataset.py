@@ -11,21 +11,18 @@ labels and masks, so every objective sees the same tokens in the same order.
 stream position c of dataset d, so it reads that dataset's packed sample shuffle_d[c]; MLM masks
 are keyed by the blended position (objectives.make_batch), never by the packed sample.
 `build_train_dataset` reads Megatron-style prefix lists (["0.7", "a", "0.3", "b"] or ["a", "b"]).
-
-This module is also the `mlmclm index` subcommand (add_arguments / run): build and cache the index
-ahead of training and print a summary.
+`index_shards` builds and caches the indexes ahead of training (`mlmclm index`).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_mlmclm.data.sample_index import SampleIndex, build_blend_index, build_sample_index
 from megatron_mlmclm.errors import UsageError
@@ -42,8 +39,6 @@ def open_indexed_dataset(prefix: str | os.PathLike):
         if not os.path.isfile(path):
             raise UsageError(f"{path} does not exist; check the data prefix (give it without "
                              f".bin/.idx) or write the shard with `mlmclm preprocess`")
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
     try:
         ds = IndexedDataset(prefix)
@@ -232,54 +227,31 @@ def build_train_dataset(prefixes_with_optional_weights: Sequence[str], seq_lengt
 
 
 # --------------------------------------------------------------------------------------------------
-# `mlmclm index`
+# Building the indexes ahead of training (`mlmclm index`)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-prefix", nargs="+", required=True, metavar="[WEIGHT] PREFIX",
-                        help="shard prefixes (no .bin/.idx), optionally as 'weight prefix' pairs")
-    parser.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
-    size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--num-samples", type=int, help="samples in the (blended) index")
-    size.add_argument("--epochs", type=int, help="epochs over each prefix (no blending)")
-    parser.add_argument("--seed", type=int, default=1234, help="shuffle seed (default 1234)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="index cache directory (default: <first prefix dir>/cache)")
+def index_shards(prefixes: list[str], weights: Optional[list[float]], seq_length: int, seed: int,
+                 num_samples: Optional[int] = None, num_epochs: Optional[int] = None,
+                 cache_dir: Optional[str | os.PathLike] = None
+                 ) -> Iterator[tuple[str, float, SampleIndex, float]]:
+    """Build (or load from the cache) the sample index of every prefix of a data list, as a run
+    of `num_samples` blended samples (or `num_epochs` over each prefix) would.
 
-
-def run(args: argparse.Namespace) -> int:
-    prefixes, weights = parse_prefixes(args.data_prefix)
-    if args.seq_length < 1:
-        raise UsageError(f"--seq-length must be >= 1, got {args.seq_length}")
-    if args.num_samples is not None and args.num_samples < 1:
-        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.epochs is not None and args.epochs < 1:
-        raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    cache_dir = args.cache_dir or str(Path(prefixes[0]).resolve().parent / "cache")
+    Yields (prefix, blend share, index, seconds) as each index is ready.
+    """
     weights = _resolve_weights(prefixes, weights)
     counts: list[Optional[int]] = [None] * len(prefixes)
-    if args.num_samples is not None:
-        dataset_index, _ = build_blend_index(weights, args.num_samples, args.seed)
+    if num_samples is not None:
+        dataset_index, _ = build_blend_index(weights, num_samples, seed)
         counts = [max(int(c), 1) for c in np.bincount(dataset_index, minlength=len(prefixes))]
     share = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
     for prefix, n, w in zip(prefixes, counts, share):
         indexed = open_indexed_dataset(prefix)  # keep it alive: its mmap backs the lengths
-        lengths = indexed.sequence_lengths
         t0 = time.perf_counter()
         try:
-            index = build_sample_index(lengths, args.seq_length, args.seed, num_samples=n,
-                                       num_epochs=args.epochs if n is None else None,
+            index = build_sample_index(indexed.sequence_lengths, seq_length, seed, num_samples=n,
+                                       num_epochs=num_epochs if n is None else None,
                                        cache_dir=cache_dir)
         except ValueError as e:
             raise UsageError(f"{prefix}: {e}")
-        seconds = time.perf_counter() - t0
-        per_sample = index.boundary_offsets.shape[0] / max(index.num_packed, 1)
-        how = "cache hit" if index.from_cache else "built"
-        print(f"{prefix}: weight {w:.4f}, {index.num_samples} samples of {args.seq_length}+1 "
-              f"tokens (drawn from {index.num_packed} packed, shuffled), {index.num_epochs} "
-              f"epoch(s), {index.num_documents} documents, "
-              f"{index.tokens_per_epoch} tokens/epoch, {per_sample:.2f} boundaries/sample, "
-              f"{how} in {seconds:.2f}s, cache {index.cache_path}")
-    return 0
+        yield prefix, float(w), index, time.perf_counter() - t0

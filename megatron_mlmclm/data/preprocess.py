@@ -1,4 +1,4 @@
-"""Raw text -> Megatron IndexedDataset shards (``mlmclm preprocess``).
+"""Raw text -> Megatron IndexedDataset shards (``mlmclm preprocess``, commands/preprocess.py).
 
 For every text key K the output is ``{output_prefix}_{K}_document.bin`` / ``.idx``, exactly the
 files Megatron-LM's ``tools/preprocess_data.py`` writes (megatron-core ``IndexedDatasetBuilder``,
@@ -14,7 +14,7 @@ Parallelism (``--workers N``), identical output for any N:
     batch of the process) while a reader thread parses the next batch; measured the faster on CPU
     (see benchmarks/preprocess.py).
   * ``processes``: a spawn ``multiprocessing.Pool`` of N single-threaded tokenizers fed in order
-    with ``imap``.
+    with ``imap`` (data/encode.py).
 
 Outputs are written under temporary names and renamed only when every input was read and
 validated, so a bad input (see text_sources.py) leaves nothing behind.
@@ -22,6 +22,7 @@ validated, so a bad input (see text_sources.py) leaves nothing behind.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import queue
 import struct
@@ -32,7 +33,12 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from tqdm import tqdm
 
+from megatron_mlmclm.data.encode import encode_texts, pack, worker_encode, worker_init
+from megatron_mlmclm.data.text_sources import expand_inputs, iter_documents
+from megatron_mlmclm.data.tokenizer import load_tokenizer
 from megatron_mlmclm.errors import UsageError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -98,8 +104,6 @@ def inspect_shard(prefix: str | os.PathLike) -> dict:
 
 
 def _batches(inputs, keys, txt_split_lines) -> Iterator[list[dict[str, str]]]:
-    from megatron_mlmclm.data.text_sources import iter_documents
-
     batch, chars = [], 0
     for doc in iter_documents(inputs, keys, txt_split_lines):
         batch.append(doc)
@@ -146,37 +150,6 @@ def _prefetch(it: Iterator, depth: int = 4) -> Iterator:
         stop.set()
 
 
-def _pack(encoded_ids: list[list[int]], eos: int | None, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Flat token array (eos appended per document) and per-document lengths."""
-    if eos is not None:
-        for ids in encoded_ids:
-            ids.append(eos)
-    lengths = np.fromiter((len(x) for x in encoded_ids), dtype=np.int64, count=len(encoded_ids))
-    flat = np.fromiter((t for ids in encoded_ids for t in ids), dtype=dtype,
-                       count=int(lengths.sum()))
-    return flat, lengths
-
-
-def _encode_texts(tok_backend, texts: list[str]) -> list[list[int]]:
-    return [e.ids for e in tok_backend.encode_batch_fast(texts, add_special_tokens=False)]
-
-
-_WORKER_TOK = None
-
-
-def _worker_init(tokenizer_json: str) -> None:
-    global _WORKER_TOK
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
-
-    _WORKER_TOK = Tokenizer.from_str(tokenizer_json)
-
-
-def _worker_encode(job):
-    texts, eos, dtype = job
-    return _pack(_encode_texts(_WORKER_TOK, texts), eos, dtype)
-
-
 def _split_batch(batch, keys):
     """Per key: the non-empty texts of the batch and the number of dropped empty ones."""
     out = {}
@@ -204,9 +177,6 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
                force: bool = False, backend: str = "threads", log_interval: int = 10000,
                progress: bool = True) -> dict:
     """Tokenize ``inputs`` into Megatron shards; returns the summary (also printed as one line)."""
-    from megatron_mlmclm.data.text_sources import expand_inputs
-    from megatron_mlmclm.data.tokenizer import load_tokenizer
-
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     if backend not in ("threads", "processes"):
@@ -229,9 +199,6 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
     if backend == "processes" and backend_tok is None:
         raise UsageError("--backend processes needs a fast (tokenizer.json) tokenizer")
 
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-    from tqdm import tqdm
-
     dtype = DType.optimal_dtype(len(tok))
     eos = tok.eos_token_id if append_eod else None
     parent = Path(str(output_prefix)).parent
@@ -251,9 +218,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
             builders[k] = IndexedDatasetBuilder(str(tmp[k][0]), dtype=dtype)
         batches = _batches(inputs, keys, txt_split_lines)
         if backend == "processes":
-            import multiprocessing as mp
-
-            pool = mp.get_context("spawn").Pool(workers, _worker_init,
+            pool = mp.get_context("spawn").Pool(workers, worker_init,
                                                 (backend_tok.to_str(),))
 
             def jobs():
@@ -272,7 +237,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
                     yield texts, eos, dtype
 
             def results():
-                for packed in pool.imap(_worker_encode, texts_only(), chunksize=1):
+                for packed in pool.imap(worker_encode, texts_only(), chunksize=1):
                     k, n, dropped = side.get()
                     yield k, n, dropped, packed
         else:
@@ -280,11 +245,11 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
                 for batch in _prefetch(batches):
                     for k, (texts, dropped) in _split_batch(batch, keys).items():
                         if backend_tok is not None:
-                            ids = _encode_texts(backend_tok, texts)
+                            ids = encode_texts(backend_tok, texts)
                         else:  # slow (python) tokenizer
                             enc = tok(texts, add_special_tokens=False)["input_ids"]
                             ids = [list(x) for x in enc]
-                        yield k, len(batch), dropped, _pack(ids, eos, dtype)
+                        yield k, len(batch), dropped, pack(ids, eos, dtype)
 
         for k, n, dropped, (flat, lengths) in results():
             keep = lengths > (0 if eos is None else 1)  # no token besides eos: empty
@@ -348,40 +313,3 @@ def summary_line(s: dict) -> str:
     return (f"preprocess done: documents={s['documents']} tokens={s['tokens']} "
             f"empty_dropped={s['empty_dropped']} seconds={s['seconds']:.2f} "
             f"tokens/s={s['tokens_per_s']:,.0f} -> {', '.join(s['outputs'].values())}")
-
-
-# --------------------------------------------------------------------------------------------------
-# CLI (flag names follow Megatron-LM's tools/preprocess_data.py)
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="jsonl[.gz] / json / txt / parquet files, folders, or a HF dataset "
-                             "name")
-    parser.add_argument("--output-prefix", required=True,
-                        help="writes {prefix}_{key}_document.bin/.idx")
-    parser.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", required=True,
-                        help="tokenizer folder (from `mlmclm tokenize`)")
-    parser.add_argument("--json-keys", nargs="+", default=["text"],
-                        help="text fields to tokenize, one output per key (default: text)")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer threads/processes")
-    parser.add_argument("--backend", choices=("threads", "processes"), default="threads",
-                        help="threads: the tokenizer's Rust thread pool (default); processes: a "
-                             "multiprocessing pool")
-    parser.add_argument("--append-eod", action=__import__("argparse").BooleanOptionalAction,
-                        default=True, help="append eos to every document (default: on)")
-    parser.add_argument("--txt-split-lines", action="store_true",
-                        help="each non-empty line of a .txt input is a document (default: the "
-                             "whole file is one document)")
-    parser.add_argument("--log-interval", type=int, default=10000,
-                        help="documents between log lines when stderr is not a terminal")
-    parser.add_argument("--force", action="store_true", help="overwrite existing shards")
-
-
-def run(args) -> int:
-    s = preprocess(args.input, args.output_prefix, args.tokenizer, json_keys=args.json_keys,
-                   workers=args.workers, append_eod=args.append_eod,
-                   txt_split_lines=args.txt_split_lines, force=args.force, backend=args.backend,
-                   log_interval=args.log_interval)
-    print(summary_line(s))
-    return 0

@@ -51,6 +51,8 @@ ARRAYS = ("doc_idx", "sample_idx", "boundary_ptr", "boundary_offsets", "shuffle_
 
 
 def _ext():
+    """The C++ builder, imported where it is used: it is compiled separately (setup.py), so a
+    checkout without the build still imports this module and the first use says how to build it."""
     try:
         from megatron_mlmclm import _sample_index
     except ImportError as e:  # pragma: no cover - depends on the install

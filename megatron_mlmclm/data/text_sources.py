@@ -24,11 +24,14 @@ output must do so under temporary names and rename only after the stream is exha
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
+
+import pyarrow.parquet as pq
 
 from megatron_mlmclm.errors import UsageError
 
@@ -84,8 +87,6 @@ def _is_hf_name(s: str) -> bool:
 
 
 def _datasets_available() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("datasets") is not None
 
 
@@ -186,8 +187,6 @@ def _iter_txt(path: Path, split_lines: bool) -> Iterator[tuple[int, str]]:
 
 def _iter_parquet(path: Path, keys: Sequence[str]) -> Iterator[tuple[int, dict]]:
     try:
-        import pyarrow.parquet as pq
-
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for bad files
         raise UsageError(f"cannot read parquet input {path}: {e}") from None
@@ -210,7 +209,7 @@ def _iter_parquet(path: Path, keys: Sequence[str]) -> Iterator[tuple[int, dict]]
 
 
 def _iter_hf(name: str, keys: Sequence[str]) -> Iterator[tuple[int, dict]]:
-    import datasets  # optional dependency, only for dataset names
+    import datasets  # optional dependency: only Hugging Face dataset names need it
 
     ds_name, _, split = name.partition(":")
     try:

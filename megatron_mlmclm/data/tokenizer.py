@@ -1,6 +1,6 @@
 """Tokenizers with the four tokens pretraining needs: bos, eos, pad and mask.
 
-Two ways to get one (``mlmclm tokenize``):
+Two ways to get one (``mlmclm tokenize``, commands/tokenize.py):
   * ``--from HF_FOLDER``: load a local Hugging Face tokenizer and guarantee the tokens. A missing
     mask (then pad) token takes the first unused ``<|reserved_special_token_N|>`` of the vocab
     (Llama-3 has 248), so the vocab size does not change; without one, ``<mask>`` / ``<pad>`` are
@@ -15,6 +15,10 @@ gives back mask/pad/bos/eos) plus ``mlmclm_tokenizer.json``:
 ``{bos_id, eos_id, pad_id, mask_id, vocab_size, source, mask_reserved_from, pad_reserved_from,
 added_tokens, vocab_grew}`` where ``vocab_size`` is ``len(tokenizer)``. The folder is written under
 a temporary name and renamed when complete.
+
+What training needs from the folder (`token_spec_and_vocab` -> `TokenSpec`): the mask id, the ids
+never masked and the vocabulary size (model.vocab_size when set, else ``len(tokenizer)``); the
+pretraining run, its resume fingerprint and `convert to-hf` all derive them here.
 """
 
 from __future__ import annotations
@@ -25,14 +29,53 @@ import re
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from megatron_mlmclm.config import RunConfig
+from megatron_mlmclm.data.text_sources import expand_inputs, iter_texts
 from megatron_mlmclm.errors import UsageError
 
 METADATA_FILE = "mlmclm_tokenizer.json"
 REQUIRED = ("bos", "eos", "pad", "mask")
 _RESERVED = re.compile(r"^<\|reserved_special_token_(\d+)\|>$")
+
+
+# --------------------------------------------------------------------------------------------------
+# What training needs to know about the tokenizer
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """What the objectives need to know about the tokenizer."""
+
+    vocab_size: int
+    mask_id: int
+    special_ids: tuple[int, ...]  # never masked (bos, eos, pad, mask, ...)
+
+
+def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
+    """Special ids and vocabulary size from the tokenizer (or synthetic ones for mock data)."""
+    if cfg.data.tokenizer is None:
+        if not cfg.data.mock:
+            raise UsageError("data.tokenizer is not set; give the folder written by `mlmclm tokenize`")
+        vocab = cfg.model.vocab_size or 1024
+        return TokenSpec(vocab_size=vocab, mask_id=3, special_ids=(0, 1, 2, 3))
+    tok = load_tokenizer(cfg.data.tokenizer)
+    ids = special_token_ids(tok)
+    vocab = len(tok)
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
+        raise UsageError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer "
+                         f"({vocab}); remove model.vocab_size to take it from the tokenizer")
+    specials = tuple(sorted({int(v) for v in ids.values() if v is not None}
+                            | set(getattr(tok, "all_special_ids", []))))
+    return TokenSpec(vocab_size=cfg.model.vocab_size or vocab, mask_id=int(ids["mask_id"]),
+                     special_ids=specials)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -50,8 +93,6 @@ def _load_hf(path: str | os.PathLike):
         raise UsageError(f"tokenizer folder {p} does not exist; give a local Hugging Face "
                          "tokenizer folder (downloads are not done here)")
     try:
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except UsageError:
         raise
@@ -172,12 +213,6 @@ def train_tokenizer(inputs: Sequence[str], out_dir: str | os.PathLike, vocab_siz
                     max_documents: int | None = None, txt_split_lines: bool = False,
                     force: bool = False, progress: bool = True) -> Path:
     """Train a byte-level BPE of ``vocab_size`` tokens (specials included) and save it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from tqdm import tqdm
-    from transformers import PreTrainedTokenizerFast
-
-    from megatron_mlmclm.data.text_sources import expand_inputs, iter_texts
-
     specials = ["<s>", "</s>", "<pad>", "<mask>"]
     if vocab_size < 256 + len(specials):
         raise UsageError(f"--vocab-size {vocab_size} is too small for byte-level BPE; use at least "
@@ -217,42 +252,3 @@ def train_tokenizer(inputs: Sequence[str], out_dir: str | os.PathLike, vocab_siz
               "train on more text or lower --min-frequency")
     source = "bpe:" + ",".join(map(str, inputs))
     return _save(tok, Path(out_dir), source, {}, [], force)
-
-
-# --------------------------------------------------------------------------------------------------
-# CLI
-
-
-def add_arguments(parser) -> None:
-    g = parser.add_mutually_exclusive_group(required=True)
-    g.add_argument("--from", dest="source", metavar="HF_FOLDER",
-                   help="local Hugging Face tokenizer folder to complete with bos/eos/pad/mask")
-    g.add_argument("--train", nargs="+", metavar="INPUT",
-                   help="train a byte-level BPE on these inputs (jsonl[.gz], json, txt, parquet, "
-                        "folder)")
-    parser.add_argument("--out", required=True, help="output folder (save_pretrained format)")
-    parser.add_argument("--vocab-size", type=int,
-                        help="BPE vocab size, specials included (--train)")
-    parser.add_argument("--json-key", "--json-keys", dest="json_key", default="text",
-                        help="text field of json/jsonl/parquet records (default: text)")
-    parser.add_argument("--min-frequency", type=int, default=2, help="BPE min pair frequency")
-    parser.add_argument("--max-documents", type=int, help="train on at most this many documents")
-    parser.add_argument("--txt-split-lines", action="store_true",
-                        help="each non-empty line of a .txt input is a document (default: the "
-                             "whole file is one document)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
-
-
-def run(args) -> int:
-    if args.train:
-        if not args.vocab_size:
-            raise UsageError("--train needs --vocab-size N (e.g. 32768)")
-        out = train_tokenizer(args.train, args.out, args.vocab_size, text_key=args.json_key,
-                              min_frequency=args.min_frequency, max_documents=args.max_documents,
-                              txt_split_lines=args.txt_split_lines, force=args.force)
-    else:
-        out = prepare_tokenizer(args.source, args.out, force=args.force)
-    meta = read_metadata(out)
-    print(f"tokenizer saved to {out}: vocab_size={meta['vocab_size']} bos={meta['bos_id']} "
-          f"eos={meta['eos_id']} pad={meta['pad_id']} mask={meta['mask_id']}")
-    return 0

@@ -28,6 +28,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.tasks import Task
 
@@ -157,8 +159,6 @@ def read_table(task: Task, path: Path) -> list[dict]:
         elif task.format == "jsonl":
             rows = _json_rows(path)
         else:
-            import pyarrow.parquet as pq
-
             rows = pq.read_table(path).to_pylist()
     except (csv.Error, ValueError, OSError, UnicodeDecodeError) as e:  # json/arrow errors too
         raise UsageError(f"{where} is not readable as {task.format}: "
@@ -283,23 +283,23 @@ def _beir_file(folder: Path, stem: str) -> Path | None:
     return None
 
 
-_BEIR_CACHE: dict[str, tuple] = {}
-
-
 def _beir_base(task: Task) -> tuple[dict, dict]:
+    """(corpus, queries) of a BEIR task, read once per Task object: the splits of one run (and of
+    one preflight) share them. Kept on the object, outside its fields (not part of the protocol)."""
+    cached = vars(task).get("_beir_base")
+    if cached is not None:
+        return cached
     folder = task.folder()
-    key = str(folder)
-    if key not in _BEIR_CACHE:
-        corpus_f, queries_f = _beir_file(folder, "corpus"), _beir_file(folder, "queries")
-        if corpus_f is None or queries_f is None:
-            raise UsageError(f"task '{task.name}': {folder} needs corpus.jsonl[.gz] and queries.jsonl")
-        corpus = {}
-        for r in _read_jsonl(corpus_f):
-            title = (r.get("title") or "").strip()
-            corpus[str(r["_id"])] = f"{title} {r.get('text', '')}".strip() if title else r.get("text", "")
-        queries = {str(r["_id"]): r["text"] for r in _read_jsonl(queries_f)}
-        _BEIR_CACHE[key] = (corpus, queries)
-    return _BEIR_CACHE[key]
+    corpus_f, queries_f = _beir_file(folder, "corpus"), _beir_file(folder, "queries")
+    if corpus_f is None or queries_f is None:
+        raise UsageError(f"task '{task.name}': {folder} needs corpus.jsonl[.gz] and queries.jsonl")
+    corpus = {}
+    for r in _read_jsonl(corpus_f):
+        title = (r.get("title") or "").strip()
+        corpus[str(r["_id"])] = f"{title} {r.get('text', '')}".strip() if title else r.get("text", "")
+    queries = {str(r["_id"]): r["text"] for r in _read_jsonl(queries_f)}
+    task._beir_base = (corpus, queries)
+    return task._beir_base
 
 
 def read_beir(task: Task, split: str) -> Beir:
@@ -354,7 +354,7 @@ def holdout(task: Task, split: str, items: list, key=None) -> list:
 
 def _read_hf(task: Task, split: str) -> list[dict]:
     try:
-        import datasets
+        import datasets  # optional dependency: only tasks read from the hub need it
     except ImportError:
         raise UsageError(f"task '{task.name}' reads a Hugging Face dataset; "
                          f"pip install datasets (and be online)") from None

@@ -1,7 +1,7 @@
 """One fine-tuning run: (model folder, task, learning rate, seed) -> result dict.
 
 The loop is shared by the four families; each family (megatron_mlmclm/eval/families/) supplies the
-model, the training items and their collate function, the loss and the evaluation (`Setup`).
+model, the training items and their collate function, the loss and the evaluation (families.Setup).
 Protocol defaults (docs/study.md): batch 32, at most 1000 steps or one epoch, 10% warmup then linear
 decay, AdamW (0.9, 0.95, eps 1e-5), weight decay 0.1 (not on biases and norm weights), validation
 every 100 steps, bf16 autocast on GPU and fp32 on CPU, max length 0.99 x the model's positions.
@@ -28,17 +28,26 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
+import numpy as np
 import torch
+import transformers
+from tqdm.auto import tqdm
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval import families
+from megatron_mlmclm.eval.families import Setup
+from megatron_mlmclm.eval.heads import load_tokenizer, max_positions
+from megatron_mlmclm.eval.tasks import get_task
 
 RESULT_SCHEMA = 2  # 2: protocol and grid fields, protocol id in the file name
 
 
 @dataclass
-class RunConfig:
+class FinetuneConfig:
+    """One fine-tuning run (not to be confused with config.RunConfig, a pretraining run)."""
+
     model: str
     task: str
     lr: float = 5e-5
@@ -77,8 +86,8 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-# RunConfig fields that change a run's score (with precision resolved, see `protocol`). The others
-# do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe the
+# FinetuneConfig fields that change a run's score (with precision resolved, see `protocol`). The
+# others do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe the
 # sweep, and eval_batch_size, eval_every (evaluation never touches the RNG or the weights),
 # ir_mini_batch_size (CachedMNRL: same loss), device, threads, task_files (the entry itself is
 # hashed) and progress are execution knobs. tests/eval/test_protocol.py checks every field is in
@@ -95,7 +104,7 @@ def _short_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def protocol(cfg: RunConfig, task) -> dict:
+def protocol(cfg: FinetuneConfig, task) -> dict:
     """{"id", "run_id", "run", "task"}: `run` = the PROTOCOL_FIELDS (precision resolved to bf16 or
     fp32 for this machine), `task` = the task entry (splits, holdout, ...); `run_id` hashes `run`
     (one fine-tuning recipe across tasks), `id` hashes both (names the result file)."""
@@ -105,33 +114,13 @@ def protocol(cfg: RunConfig, task) -> dict:
     return {"id": _short_hash(body), "run_id": _short_hash(run), **body}
 
 
-@dataclass
-class Setup:
-    """What a family hands the shared loop."""
-
-    model: torch.nn.Module
-    train_items: list
-    collate: Callable[[list], Any]
-    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
-    evaluate: Callable[[torch.nn.Module, str], dict]  # split name -> {metric: value}
-    info: dict = field(default_factory=dict)
-    # per train item, the values no two items of one batch may share (IR: query and positive text,
-    # see no_duplicate_batches); None = plain shuffled batches
-    batch_keys: Optional[list[tuple]] = None
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:  # pragma: no cover
-        pass
+    np.random.seed(seed)
 
 
-def resolve_device(cfg: RunConfig) -> torch.device:
+def resolve_device(cfg: FinetuneConfig) -> torch.device:
     if cfg.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(cfg.device)
@@ -140,12 +129,12 @@ def resolve_device(cfg: RunConfig) -> torch.device:
     return dev
 
 
-def resolved_precision(cfg: RunConfig, device: torch.device) -> str:
+def resolved_precision(cfg: FinetuneConfig, device: torch.device) -> str:
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     return "bf16" if bf16 else "fp32"
 
 
-def autocast_for(cfg: RunConfig, device: torch.device):
+def autocast_for(cfg: FinetuneConfig, device: torch.device):
     if resolved_precision(cfg, device) == "bf16":
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
@@ -161,7 +150,7 @@ def to_device(batch, device):
     return batch
 
 
-def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases and normalisation weights (1-D parameters)."""
     decay, no_decay = [], []
     for p in model.parameters():
@@ -183,7 +172,7 @@ def linear_warmup_decay(optimizer, warmup: int, total: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def num_steps(n_train: int, cfg: RunConfig, per_epoch: int | None = None) -> int:
+def num_steps(n_train: int, cfg: FinetuneConfig, per_epoch: int | None = None) -> int:
     per_epoch = per_epoch or math.ceil(n_train / cfg.batch_size)
     return max(1, min(cfg.max_steps, math.ceil(per_epoch * cfg.epochs)))
 
@@ -235,25 +224,19 @@ def no_duplicate_batches(keys: list[tuple], batch_size: int, steps: int, seed: i
                 return
 
 
-def max_length_for(cfg: RunConfig) -> int:
-    from megatron_mlmclm.eval.heads import max_positions
-
+def max_length_for(cfg: FinetuneConfig) -> int:
     length = int(cfg.max_length_ratio * max_positions(cfg.model))
     if cfg.max_length:
         length = min(length, cfg.max_length)
     return max(length, 8)
 
 
-def build_setup(cfg: RunConfig, task, tokenizer, device) -> Setup:
-    from megatron_mlmclm.eval import families
-
+def build_setup(cfg: FinetuneConfig, task, tokenizer, device) -> Setup:
     return families.setup(task, tokenizer, cfg, max_length_for(cfg), device)
 
 
-def train(setup: Setup, cfg: RunConfig, device: torch.device, log=print) -> dict:
+def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) -> dict:
     """The shared loop; returns steps, curve and timings."""
-    from tqdm.auto import tqdm
-
     model = setup.model.to(device)
     model.train()
     n, keys = len(setup.train_items), setup.batch_keys
@@ -302,11 +285,8 @@ def train(setup: Setup, cfg: RunConfig, device: torch.device, log=print) -> dict
             "train_examples_per_s": seen / max(total - eval_time, 1e-9)}
 
 
-def run_finetune(cfg: RunConfig, log=print) -> dict:
+def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
     """Fine-tune once and return the result dict (see docs/evaluate.md for its schema)."""
-    from megatron_mlmclm.eval.heads import load_tokenizer
-    from megatron_mlmclm.eval.tasks import get_task
-
     t_start = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -321,8 +301,6 @@ def run_finetune(cfg: RunConfig, log=print) -> dict:
     validation = {k: v for k, v in out["validation_curve"][-1].items() if k not in ("step", "train_loss")}
     with torch.no_grad(), autocast_for(cfg, device)():  # the registry keeps test apart from validation
         test = setup.evaluate(model, "test")
-    import transformers
-
     return {
         "schema": RESULT_SCHEMA,
         "status": "done",

@@ -17,29 +17,33 @@ import os
 import traceback
 from pathlib import Path
 
+import transformers
+from tqdm.auto import tqdm
+
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.finetune import RunConfig, protocol, run_finetune, write_result
+from megatron_mlmclm.eval.data import load_split
+from megatron_mlmclm.eval.finetune import FinetuneConfig, protocol, run_finetune, write_result
+from megatron_mlmclm.eval.heads import load_tokenizer
+from megatron_mlmclm.eval.tasks import get_task, load_registry
 
 DEFAULT_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 
 
-def expand(models: list[str], tasks: list[str], lrs, seeds, **overrides) -> list[RunConfig]:
+def expand(models: list[str], tasks: list[str], lrs, seeds, **overrides) -> list[FinetuneConfig]:
     """Grid order: model, task, lr, seed (stable, so an array index always names the same run)."""
     grid = {"grid_lrs": [float(x) for x in lrs], "grid_seeds": [int(x) for x in seeds]}
-    return [RunConfig(model=m, task=t, lr=float(lr), seed=int(s), **grid, **overrides)
+    return [FinetuneConfig(model=m, task=t, lr=float(lr), seed=int(s), **grid, **overrides)
             for m in models for t in tasks for lr in lrs for s in seeds]
 
 
-def result_path(out_dir: str | Path, cfg: RunConfig, task) -> Path:
+def result_path(out_dir: str | Path, cfg: FinetuneConfig, task) -> Path:
     """`task`: the registry entry of cfg.task (its fields are part of the protocol id)."""
     pid = protocol(cfg, task)["id"]
     return Path(out_dir) / cfg.name / cfg.task / f"lr{cfg.lr:g}_seed{cfg.seed}_{pid}.json"
 
 
-def result_paths(cfgs: list[RunConfig], out_dir: str | Path) -> list[Path]:
-    from megatron_mlmclm.eval.tasks import load_registry
-
+def result_paths(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[Path]:
     registry = load_registry(cfgs[0].task_files) if cfgs else {}
     return [result_path(out_dir, c, registry[c.task]) for c in cfgs]
 
@@ -53,13 +57,9 @@ def is_done(path: Path) -> bool:
         return False
 
 
-def preflight(cfgs: list[RunConfig]) -> None:
+def preflight(cfgs: list[FinetuneConfig]) -> None:
     """Every check that can fail on bad input, before the first run: task names, model folders,
     tokenizers (present, with a pad token), data files, columns, non-empty splits."""
-    from megatron_mlmclm.eval.data import load_split
-    from megatron_mlmclm.eval.heads import load_tokenizer
-    from megatron_mlmclm.eval.tasks import get_task, load_registry
-
     names = {}
     for c in cfgs:
         if names.setdefault(c.name, c.model) != c.model:
@@ -78,10 +78,8 @@ def preflight(cfgs: list[RunConfig]) -> None:
 def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
     # Adding a task head prints transformers' "LOAD REPORT" (newly initialised classifier) for
     # every one of thousands of runs; it is expected, so keep only errors.
-    import transformers
-
     transformers.logging.set_verbosity_error()
-    cfg = RunConfig(**cfg_dict)
+    cfg = FinetuneConfig(**cfg_dict)
     failed = Path(path).with_suffix(".failed.json")
     try:
         result = run_finetune(cfg)
@@ -95,11 +93,9 @@ def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
     return path, None
 
 
-def run_grid(cfgs: list[RunConfig], out_dir: str | Path, workers: int = 1,
+def run_grid(cfgs: list[FinetuneConfig], out_dir: str | Path, workers: int = 1,
              array_index: int | None = None, log=print) -> dict:
     """Run the pending runs of the grid; returns {"ran", "skipped", "failed"} counts."""
-    from tqdm.auto import tqdm
-
     if array_index is not None:
         if not 0 <= array_index < len(cfgs):
             raise UsageError(f"array index {array_index} outside the grid of {len(cfgs)} runs "

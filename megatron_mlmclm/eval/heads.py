@@ -25,14 +25,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import (AutoConfig, AutoModel, AutoModelForQuestionAnswering,
+                          AutoModelForTokenClassification, AutoTokenizer)
 
 from megatron_mlmclm.errors import UsageError
 
 
 def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
     folder = Path(model_dir)
     if not folder.is_dir():
         raise UsageError(f"model folder {model_dir} not found")
@@ -69,8 +70,6 @@ def make_bidirectional(model: nn.Module) -> nn.Module:
 
 
 def max_positions(model_dir: str) -> int:
-    from transformers import AutoConfig
-
     cfg = AutoConfig.from_pretrained(model_dir)
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         v = getattr(cfg, key, None)
@@ -80,8 +79,6 @@ def max_positions(model_dir: str) -> int:
 
 
 def load_encoder(model_dir: str) -> nn.Module:
-    from transformers import AutoModel
-
     return make_bidirectional(AutoModel.from_pretrained(model_dir))
 
 
@@ -110,8 +107,6 @@ class _HeadModel(nn.Module):
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     def save_pretrained(self, out_dir: str) -> None:
-        from safetensors.torch import save_file
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.encoder.save_pretrained(out)
@@ -122,8 +117,6 @@ class _HeadModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir: str):
-        from safetensors.torch import load_file
-
         folder = Path(model_dir)
         cfg = json.loads((folder / "head_config.json").read_text())
         if cfg.pop("kind") != cls.kind:
@@ -188,8 +181,6 @@ class SpanQAModel(_HeadModel):
 
 def _auto_head(auto_cls, model_dir: str, **kwargs):
     """transformers' own head for this architecture, or None when it has none."""
-    from transformers import AutoConfig
-
     cfg = AutoConfig.from_pretrained(model_dir, **kwargs)
     if type(cfg) not in auto_cls._model_mapping:
         return None
@@ -198,8 +189,6 @@ def _auto_head(auto_cls, model_dir: str, **kwargs):
 
 def build_model(family: str, model_dir: str, labels: list[str] | None = None) -> nn.Module:
     """A fresh task model on the encoder in `model_dir` (random head; seed torch first)."""
-    from transformers import AutoModelForQuestionAnswering, AutoModelForTokenClassification
-
     if family == "sc":
         return MeanPoolClassifier(load_encoder(model_dir), num_labels=len(labels))
     if family == "tc":

@@ -25,7 +25,7 @@ def accuracy(predictions: Sequence, references: Sequence) -> float:
 
 
 def entity_f1(predictions: list[list[str]], references: list[list[str]]) -> dict[str, float]:
-    from seqeval.metrics import f1_score, precision_score, recall_score
+    from seqeval.metrics import f1_score, precision_score, recall_score  # optional: [eval] extra
 
     kw = {"zero_division": 0}
     return {"f1": float(f1_score(references, predictions, **kw)),

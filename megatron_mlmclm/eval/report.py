@@ -1,4 +1,4 @@
-"""`mlmclm report RESULTS_DIR --out DIR`: the study's tables and plots from the result JSONs.
+"""The study's tables and plots from the result JSONs (`mlmclm report`, commands/report.py).
 
 One protocol at a time: every result carries its protocol (finetune.protocol: the fine-tuning
 settings and the task entry). Results of more than one fine-tuning recipe, or of one task under two
@@ -36,15 +36,6 @@ from megatron_mlmclm.errors import UsageError
 
 FAMILY_ORDER = ["sc", "tc", "qa", "ir"]
 ALPHA = 0.05  # two-sided, paired t-test against the family's best model
-
-
-def add_arguments(p) -> None:
-    p.add_argument("results", help="folder of result JSONs written by `mlmclm evaluate`")
-    p.add_argument("--out", default=None, help="report folder (default RESULTS/report)")
-    p.add_argument("--protocol", nargs="+", default=None, metavar="ID",
-                   help="report only results whose protocol id or run id starts with one of these "
-                        "(needed when the folder holds more than one protocol)")
-    p.add_argument("--no-plots", action="store_true")
 
 
 def load_results(folder: str | Path) -> tuple[list[dict], int]:
@@ -113,7 +104,7 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     m = sum(values) / n
     if n < 2:
         return m, 0.0
-    from scipy import stats
+    from scipy import stats  # optional: [eval] extra
 
     return m, float(stats.t.ppf(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n))
 
@@ -125,7 +116,7 @@ def paired_t(a: list[float], b: list[float]) -> tuple[float, float]:
     if max(d) - min(d) <= 1e-12:
         m = statistics.mean(d)
         return (0.0, 1.0) if abs(m) <= 1e-12 else (math.copysign(math.inf, m), 0.0)
-    from scipy import stats
+    from scipy import stats  # optional: [eval] extra
 
     res = stats.ttest_rel(a, b)
     return float(res.statistic), float(res.pvalue)
@@ -336,7 +327,7 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
 
 
 def write_plots(s: dict, out: Path) -> list[str]:
-    import matplotlib
+    import matplotlib  # optional: [eval] extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -402,8 +393,3 @@ def make_report(results_dir: str | Path, out_dir: str | Path | None = None, plot
             f"(listed in report.md)")
     return out
 
-
-def run(args) -> int:
-    out = make_report(args.results, args.out, plots=not args.no_plots, protocol=args.protocol)
-    print(f"report: {out / 'report.md'}")
-    return 0

@@ -8,16 +8,19 @@ tokenizer (offsets and word ids work).
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 from typing import Iterable
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from transformers import EuroBertConfig, EuroBertModel, PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<mask>"]
 
 
 def build_tokenizer(texts: Iterable[str], vocab_size: int = 8000, pad: bool = True):
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     specials = SPECIALS if pad else [s for s in SPECIALS if s != "<pad>"]
@@ -36,9 +39,6 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 8000, pad: bool = Tr
 def build_tiny_model(out_dir: str | Path, texts: Iterable[str], vocab_size: int = 8000,
                      hidden_size: int = 64, layers: int = 2, heads: int = 2,
                      max_positions: int = 256, seed: int = 0, pad: bool = True) -> Path:
-    import torch
-    from transformers import EuroBertConfig, EuroBertModel
-
     out = Path(out_dir)
     tok = build_tokenizer(texts, vocab_size, pad=pad)
     torch.manual_seed(seed)
@@ -55,9 +55,6 @@ def build_tiny_model(out_dir: str | Path, texts: Iterable[str], vocab_size: int 
 
 def sample_texts(data_dir: str | Path, max_lines: int = 20000) -> list[str]:
     """Some text of each local evaluation dataset (SST-2, CoNLL-2003, MNLI/QQP, SQuAD, SciFact)."""
-    import gzip
-    import json
-
     d = Path(data_dir)
     texts: list[str] = []
     sst = d / "sst2" / "train.tsv"

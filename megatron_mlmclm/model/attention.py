@@ -4,14 +4,15 @@ megatron-core's local DotProductAttention materialises the score matrix in Pytho
 slower at seq 1024 on CPU); this module is a drop-in `core_attention` for the local layer spec that
 gives the same results through SDPA (fused kernels on CPU and GPU, native GQA).
 
-Masks follow megatron's convention: a bool tensor [b, 1, s, s] where True means "may not attend".
-Packed samples hold several documents; a token attends only inside its own document, causally in
-CLM phases and in both directions in MLM phases.
+Masks are the batches' (objectives.document_attention_mask, megatron's convention: a bool tensor
+[b, 1, s, s] where True means "may not attend"). Packed samples hold several documents; a token
+attends only inside its own document, causally in CLM phases and in both directions in MLM phases.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -20,15 +21,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-
-def document_attention_mask(document_ids: torch.Tensor, causal: bool) -> torch.Tensor:
-    """[b, s] per-token document ids -> [b, 1, s, s] bool mask, True where attention is blocked."""
-    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)
-    if causal:
-        s = document_ids.size(1)
-        same_doc &= torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril_()
-    return (~same_doc).unsqueeze(1)
+from megatron_mlmclm.objectives import document_attention_mask
 
 
 class SDPAttention(MegatronModule):
@@ -85,15 +80,14 @@ class SDPAttention(MegatronModule):
 #      read back in O(s) (a document starts at i where i may not see i - 1) and the result is
 #      checked against the mask (a mask that is not a document mask is an error, never a silent
 #      approximation). This makes it a drop-in for SDPAttention with no other change.
-# The block mask is built once per micro-batch and shared by all layers (cached on the identity
-# and version of the source tensor).
+# The block mask is built once per micro-batch and shared by all layers of a model (DocumentMasks:
+# one per model, handed to each layer by the layer spec; cached on the identity and version of the
+# source tensor).
 #
 # torch 2.13 runs flex_attention forward on CPU (eager) but has no CPU backward, eager or
 # compiled: on CPU this module serves inference and tests; training needs CUDA, where the
 # compiled kernel is used.
 # --------------------------------------------------------------------------------------------
-
-import weakref
 
 
 def documents_from_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -115,8 +109,6 @@ def documents_from_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, boo
 def document_block_mask(document_ids: torch.Tensor, causal: bool, heads: Optional[int] = None,
                         block_size: int = 128, compile_mask: Optional[bool] = None):
     """FlexAttention BlockMask: same document (and key <= query when causal)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     doc = document_ids
     b, s = doc.shape
 
@@ -133,30 +125,19 @@ def document_block_mask(document_ids: torch.Tensor, causal: bool, heads: Optiona
                              _compile=compile_mask)
 
 
-_compiled_flex = None
-
-
-def _flex(q, k, v, block_mask, scale, enable_gqa):
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _compiled_flex
-    if not q.is_cuda:  # eager reference (forward only on CPU)
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-
-
-class _BlockMaskCache:
-    """One entry: the block mask of the latest source tensor (all layers of a step share it)."""
+class DocumentMasks:
+    """What the FlexDocumentAttention layers of one model share: the block mask of the latest
+    source tensor (the first layer of a micro-batch builds it, the others reuse it) and the
+    compiled flex_attention kernel."""
 
     def __init__(self):
-        self.source = None  # weakref to the tensor the entry was built from
+        self.source = None  # weakref to the tensor the block mask was built from
         self.version = -1
         self.key = None
         self.value = None
+        self.compiled = None
 
-    def get(self, source: torch.Tensor, key, build):
+    def block_mask(self, source: torch.Tensor, key, build):
         if (self.source is not None and self.source() is source
                 and self.version == source._version and self.key == key):
             return self.value
@@ -164,12 +145,26 @@ class _BlockMaskCache:
         self.source, self.version, self.key = weakref.ref(source), source._version, key
         return self.value
 
-
-_BLOCK_MASKS = _BlockMaskCache()
+    def attend(self, q, k, v, block_mask, scale, enable_gqa):
+        if not q.is_cuda:  # eager reference (forward only on CPU)
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
+                                  enable_gqa=enable_gqa)
+        if self.compiled is None:
+            self.compiled = torch.compile(flex_attention, dynamic=False)
+        return self.compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 class FlexDocumentAttention(SDPAttention):
-    """Document-masked core attention on FlexAttention; SDPAttention's constructor and forward."""
+    """Document-masked core attention on FlexAttention; SDPAttention's constructor and forward,
+    plus the DocumentMasks shared with the other layers of its model (its own when not given)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection=None, masks: Optional[DocumentMasks] = None):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                         softmax_scale, cp_comm_type, pg_collection)
+        self.masks = masks if masks is not None else DocumentMasks()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -183,7 +178,7 @@ class FlexDocumentAttention(SDPAttention):
         if doc_ids is not None:
             assert packed_seq_params.qkv_format != "thd", "THD batches go to TE attention"
             causal = bool(packed_seq_params.causal)
-            block_mask = _BLOCK_MASKS.get(
+            block_mask = self.masks.block_mask(
                 doc_ids, ("ids", causal, self.heads),
                 lambda: document_block_mask(doc_ids.to(q.device), causal))
         elif attention_mask is not None:
@@ -196,7 +191,7 @@ class FlexDocumentAttention(SDPAttention):
                                      "(document_attention_mask); got another kind of mask")
                 return document_block_mask(doc, causal)
 
-            block_mask = _BLOCK_MASKS.get(attention_mask, ("mask",), build)
+            block_mask = self.masks.block_mask(attention_mask, ("mask",), build)
         else:
             assert packed_seq_params is None, "packed THD sequences need Transformer Engine"
             causal = mask_type == AttnMaskType.causal
@@ -204,5 +199,5 @@ class FlexDocumentAttention(SDPAttention):
             if causal:
                 ones = torch.zeros(b, sq, dtype=torch.int32, device=q.device)
                 block_mask = document_block_mask(ones, True)
-        out = _flex(q, k, v, block_mask, self.softmax_scale, self.heads != self.groups)
+        out = self.masks.attend(q, k, v, block_mask, self.softmax_scale, self.heads != self.groups)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

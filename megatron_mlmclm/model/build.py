@@ -7,20 +7,24 @@ trained causally (CLM) or bidirectionally (MLM); the attention kind is a propert
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mlmclm.config import ModelConfig, RunConfig
-from megatron_mlmclm.model.attention import FlexDocumentAttention, SDPAttention
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.model.attention import DocumentMasks, FlexDocumentAttention, SDPAttention
 
 
 def have_transformer_engine() -> bool:
@@ -89,8 +93,6 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         kwargs.update(recompute_granularity="selective")
     if t.fp8 is not None:
         if not have_transformer_engine():
-            from megatron_mlmclm.errors import UsageError
-
             raise UsageError(f"train.fp8={t.fp8} needs Transformer Engine, which is not installed; "
                              "set train.fp8=null or use the NGC PyTorch image")
         kwargs.update(fp8="hybrid", fp8_recipe={"delayed": "delayed", "current": "tensorwise",
@@ -105,15 +107,13 @@ def use_te(m: ModelConfig) -> bool:
 def layer_spec(config: TransformerConfig, m: ModelConfig) -> ModuleSpec:
     """Transformer Engine's spec when TE imports and CUDA is present, else local + SDPA/Flex."""
     if use_te(m):
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
         return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
-    core = FlexDocumentAttention if m.attention == "flex" else SDPAttention
+    core = SDPAttention
+    if m.attention == "flex":  # one DocumentMasks for all layers: one block mask per micro-batch
+        core = functools.partial(FlexDocumentAttention, masks=DocumentMasks())
     spec.submodules.self_attention.submodules.core_attention = core
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
     return spec
@@ -199,8 +199,6 @@ def apply_rope_scaling(model: GPTModel, m: ModelConfig) -> None:
 
 def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:
     """Model chunks for this rank (one, or several with virtual pipeline parallelism)."""
-    from megatron.core.enums import ModelType
-
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
     for stage in range(vpp or 1):

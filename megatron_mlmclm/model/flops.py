@@ -3,7 +3,8 @@
 Attention is counted over the full sequence (document masking does less work, but the convention
 of published MFU figures counts it in full); causal attention counts half of bidirectional. The
 output head is counted only at positions that carry a label, which is what the sparse MLM head
-computes.
+computes. Pure arithmetic on a ModelConfig (the plan's compute estimate uses it without torch); the
+device's peak, for MFU, is runtime.distributed.device_peak_flops.
 """
 
 from __future__ import annotations
@@ -27,18 +28,3 @@ def train_step_flops(m: ModelConfig, vocab_size: int, seq_length: int, sequences
     forward += labelled_tokens * 2 * m.hidden_size * vocab_size
     return 3.0 * forward
 
-
-# Dense bf16 peak per device, for MFU. CPU has no meaningful peak: MFU is reported only on GPU.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
-
-
-def device_peak_flops() -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    for key, peak in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return peak
-    return None

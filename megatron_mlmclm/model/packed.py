@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.attention import SelfAttention
 
 
 def sequence_lengths(document_ids: torch.Tensor) -> torch.Tensor:
@@ -92,8 +93,6 @@ def set_attention_mask_type(model_chunks, mask_type) -> None:
     TE's THD kernels take the mask kind, not a mask: `AttnMaskType.causal` for CLM phases
     (TE turns it into padding_causal), `AttnMaskType.no_mask` for MLM (-> padding).
     """
-    from megatron.core.transformer.attention import SelfAttention
-
     for chunk in model_chunks:
         for module in chunk.modules():
             if isinstance(module, SelfAttention):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import cpu_support
 
 
@@ -35,8 +36,6 @@ def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> None:
             dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp):
-        from megatron_mlmclm.errors import UsageError
-
         raise UsageError(f"world size {world} is not divisible by tensor x pipeline parallel size "
                          f"({tp} x {pp}); launch a multiple of {tp * pp} processes")
     if not parallel_state.model_parallel_is_initialized():
@@ -67,3 +66,17 @@ def is_main() -> bool:
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
+
+
+# Dense bf16 peak per device, for MFU. CPU has no meaningful peak: MFU is reported only on GPU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def device_peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    for key, peak in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return peak
+    return None

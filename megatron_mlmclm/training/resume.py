@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.data.dataset import parse_prefixes
+from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.objectives import TokenSpec
 
 
 def shard_list(items: list[str]) -> list[dict[str, Any]]:

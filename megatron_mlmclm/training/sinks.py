@@ -15,6 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from torch.utils.tensorboard import SummaryWriter
+
 from megatron_mlmclm.config import LoggingConfig, RunConfig, to_dict
 from megatron_mlmclm.errors import UsageError
 
@@ -54,8 +56,6 @@ class Sinks:
         self.tensorboard = None
         self.wandb = None
         if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.tensorboard = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1)
         if cfg.logging.wandb is not None:
             self.wandb = _wandb_run(cfg, out)
@@ -76,7 +76,7 @@ class Sinks:
 
 
 def _wandb_run(cfg: RunConfig, out: Path):
-    import wandb
+    import wandb  # optional dependency ([wandb] extra): only runs with logging.wandb import it
 
     w = cfg.logging.wandb
     folder = out / "wandb"

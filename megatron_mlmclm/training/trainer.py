@@ -27,16 +27,20 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import Float16Module
+from tqdm import tqdm
 
+from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
-from megatron_mlmclm.data.loader import Plan, build_loader
+from megatron_mlmclm.data.dataset import build_train_dataset
+from megatron_mlmclm.training.loader import Plan, build_loader
+from megatron_mlmclm.data.mock import MockPackedDataset
+from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, transformer_config, use_te
-from megatron_mlmclm.model.flops import device_peak_flops, train_step_flops
+from megatron_mlmclm.model.flops import train_step_flops
 from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_type
-from megatron_mlmclm.objectives import TokenSpec, to_device
+from megatron_mlmclm.objectives import to_device
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training import checkpoint as ckpt
 from megatron_mlmclm.training import sinks
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from megatron_mlmclm.training.resume import check_resume, fingerprint
@@ -44,27 +48,6 @@ from megatron_mlmclm.training.resume import check_resume, fingerprint
 
 class TrainingDiverged(RuntimeError):
     pass
-
-
-def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
-    """Special ids and vocabulary size from the tokenizer (or synthetic ones for mock data)."""
-    if cfg.data.tokenizer is None:
-        if not cfg.data.mock:
-            raise UsageError("data.tokenizer is not set; give the folder written by `mlmclm tokenize`")
-        vocab = cfg.model.vocab_size or 1024
-        return TokenSpec(vocab_size=vocab, mask_id=3, special_ids=(0, 1, 2, 3))
-    from megatron_mlmclm.data.tokenizer import load_tokenizer, special_token_ids
-
-    tok = load_tokenizer(cfg.data.tokenizer)
-    ids = special_token_ids(tok)
-    vocab = len(tok)
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
-        raise UsageError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer "
-                         f"({vocab}); remove model.vocab_size to take it from the tokenizer")
-    specials = tuple(sorted({int(v) for v in ids.values() if v is not None}
-                            | set(getattr(tok, "all_special_ids", []))))
-    return TokenSpec(vocab_size=cfg.model.vocab_size or vocab, mask_id=int(ids["mask_id"]),
-                     special_ids=specials)
 
 
 def build_datasets(cfg: RunConfig, spec: TokenSpec, sample_offset: int = 0):
@@ -77,11 +60,8 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, sample_offset: int = 0):
     n_train = max(cfg.train.steps * gbs + sample_offset, gbs)
     n_valid = cfg.logging.eval_iters * gbs
     if cfg.data.mock:
-        from megatron_mlmclm.data.mock import MockPackedDataset
-
         return (MockPackedDataset(n_train, seq, spec.vocab_size, cfg.data.seed),
                 MockPackedDataset(n_valid, seq, spec.vocab_size, cfg.data.seed + 1))
-    from megatron_mlmclm.data.dataset import build_train_dataset
 
     def build():
         train = build_train_dataset(cfg.data.train, seq, n_train, cfg.data.seed, cfg.data.cache_dir)
@@ -121,8 +101,9 @@ class Trainer:
         self.spec = token_spec_and_vocab(cfg)
         self.fingerprint = fingerprint(cfg, self.spec)
         self.resume_from = self.find_resume_checkpoint()
-        if t.init_from and self.resume_from is None:
-            ckpt.resolve_checkpoint(t.init_from)
+        # train.init_from, checked (and its checksums verified) once, before any work
+        self.init_source = (ckpt.resolve_checkpoint(t.init_from)
+                            if t.init_from and self.resume_from is None else None)
         rt.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                             p.virtual_pipeline_model_parallel_size, t.seed)
         self.dp = parallel_state.get_data_parallel_world_size()
@@ -162,7 +143,7 @@ class Trainer:
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         self.scheduler = self.new_scheduler()
         self.restore()
-        # Batches are a function of the step (data/loader.py): the loader starts at this one.
+        # Batches are a function of the step (training/loader.py): the loader starts at this one.
         self.plan = Plan(tuple(cfg.phases), self.spec, cfg.data.seed, t.steps, t.global_batch_size,
                          t.micro_batch_size, self.dp, self.dp_rank, self.sample_offset)
         self.loader = build_loader(cfg.data.loader, self.train_ds, self.plan,
@@ -192,7 +173,6 @@ class Trainer:
 
     def restore(self) -> None:
         """Resume from the run's latest complete checkpoint, else start from train.init_from."""
-        cfg = self.cfg
         latest = self.resume_from
         if latest is not None:
             state = ckpt.load_checkpoint(latest, self.model_chunks, self.optimizer, self.scheduler)
@@ -201,8 +181,8 @@ class Trainer:
             for note in self.resume_notes:
                 self.log(note)
             self.log(f"resumed from {latest} at step {self.step}")
-        elif cfg.train.init_from:
-            source = ckpt.resolve_checkpoint(cfg.train.init_from)
+        elif self.init_source is not None:
+            source = self.init_source
             origin = ckpt.load_checkpoint(source, self.model_chunks, optimizer=None,
                                           scheduler=None, load_rng=False)
             # Keep the record of an imported HF model (its family) through continued runs.
@@ -220,8 +200,6 @@ class Trainer:
 
     def log(self, message: str) -> None:
         if rt.is_main():
-            from tqdm import tqdm
-
             tqdm.write(f"[mlmclm] {message}", file=sys.stderr)
 
     # ------------------------------------------------------------------------------ one step
@@ -316,12 +294,10 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
-        peak = device_peak_flops()
+        peak = rt.device_peak_flops()
         world = dist.get_world_size()
         bar = None
         if rt.is_main():
-            from tqdm import tqdm
-
             bar = tqdm(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
                        dynamic_ncols=True, file=sys.stderr)
         self.stop = StopSignals()  # SIGTERM / SIGUSR1: save after the step in flight, then stop

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_mlmclm.eval.data import load_split
-from megatron_mlmclm.eval.finetune import RunConfig, Setup, batches, no_duplicate_batches, train
+from megatron_mlmclm.eval.families import Setup
+from megatron_mlmclm.eval.finetune import FinetuneConfig, batches, no_duplicate_batches, train
 from megatron_mlmclm.eval.tasks import load_registry
 
 
@@ -44,7 +45,7 @@ def test_training_loop_uses_the_batch_keys():
     setup = Setup(model=model, train_items=list(range(12)),
                   collate=lambda idx: seen.append(list(idx)) or torch.ones(len(idx), 1),
                   loss=lambda m, x: m(x).sum(), evaluate=lambda m, split: {}, batch_keys=keys)
-    out = train(setup, RunConfig(model="-", task="-", batch_size=8, progress=False),
+    out = train(setup, FinetuneConfig(model="-", task="-", batch_size=8, progress=False),
                 torch.device("cpu"))
     # one epoch = 4 batches of 3 (not ceil(12 / 8) = 2 batches): every item is trained on
     assert out["steps"] == 4 and sorted(i for b in seen for i in b) == list(range(12))
@@ -56,8 +57,8 @@ def test_scifact_pairs_have_duplicates_that_the_sampler_keeps_apart(data, tiny_m
     from megatron_mlmclm.eval.heads import load_tokenizer
 
     task = load_registry()["scifact"]
-    setup = ir.setup(task, load_tokenizer(tiny_model), RunConfig(model=tiny_model, task="scifact"),
-                     64, torch.device("cpu"))
+    setup = ir.setup(task, load_tokenizer(tiny_model),
+                     FinetuneConfig(model=tiny_model, task="scifact"), 64, torch.device("cpu"))
     items, keys = setup.train_items, setup.batch_keys
     assert len(items) == len(load_split(task, "train").pairs())
     # the keys say exactly when two pairs share a query text or a positive text

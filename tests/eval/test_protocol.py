@@ -7,20 +7,21 @@ import dataclasses
 import json
 
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.eval.finetune import NOT_PROTOCOL_FIELDS, PROTOCOL_FIELDS, RunConfig, protocol
+from megatron_mlmclm.eval.finetune import (NOT_PROTOCOL_FIELDS, PROTOCOL_FIELDS, FinetuneConfig,
+                                           protocol)
 from megatron_mlmclm.eval.grid import expand, result_path
 from megatron_mlmclm.eval.tasks import load_registry
 
 
 def test_every_run_field_is_classified_once():
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
     assert set(PROTOCOL_FIELDS) | set(NOT_PROTOCOL_FIELDS) == fields
     assert not set(PROTOCOL_FIELDS) & set(NOT_PROTOCOL_FIELDS)
 
 
 def test_protocol_id_follows_settings_and_task_entry():
     task = load_registry()["sst2"]
-    base = RunConfig(model="m", task="sst2")
+    base = FinetuneConfig(model="m", task="sst2")
     pid = protocol(base, task)["id"]
     changed = dict(max_steps=500, batch_size=16, epochs=2.0, warmup_ratio=0.06, weight_decay=0.0,
                    max_length=128, max_train_examples=100, max_eval_examples=100, precision="bf16",

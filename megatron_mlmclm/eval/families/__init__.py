@@ -1,22 +1,42 @@
 """Per-family data preparation, model, loss and evaluation for the shared fine-tuning loop.
 
-Each module exposes `setup(task, tokenizer, cfg, max_length, device) -> finetune.Setup`.
+Each module (sc, tc, qa, ir) exposes `setup(task, tokenizer, cfg, max_length, device) -> Setup`,
+what the loop of eval/finetune.py trains and evaluates.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
 
 
-def setup(task, tokenizer, cfg, max_length, device):
+@dataclass
+class Setup:
+    """What a family hands the shared loop."""
+
+    model: torch.nn.Module
+    train_items: list
+    collate: Callable[[list], Any]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module, str], dict]  # split name -> {metric: value}
+    info: dict = field(default_factory=dict)
+    # per train item, the values no two items of one batch may share (IR: query and positive text,
+    # see no_duplicate_batches); None = plain shuffled batches
+    batch_keys: Optional[list[tuple]] = None
+
+
+def setup(task, tokenizer, cfg, max_length, device) -> Setup:
+    """The Setup of `task`'s family, from the module of that name (imported by name: the family
+    modules import this package)."""
     module = importlib.import_module(f"megatron_mlmclm.eval.families.{task.family}")
     return module.setup(task, tokenizer, cfg, max_length, device)
 
 
 def pad(seqs: list[list[int]], value: int):
     """Right-pad lists of ids into a LongTensor."""
-    import torch
-
     width = max(len(s) for s in seqs)
     out = torch.full((len(seqs), width), value, dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -27,8 +47,6 @@ def pad(seqs: list[list[int]], value: int):
 def collate_ids(items: list[dict], pad_id: int, extra_pad: dict | None = None) -> dict:
     """input_ids/attention_mask padding plus any per-token field in extra_pad {name: pad value};
     other fields become tensors of scalars."""
-    import torch
-
     batch = {"input_ids": pad([x["input_ids"] for x in items], pad_id),
              "attention_mask": pad([[1] * len(x["input_ids"]) for x in items], 0)}
     for key in items[0]:

@@ -15,11 +15,13 @@ import torch
 
 from megatron_mlmclm.eval import metrics
 from megatron_mlmclm.eval.data import load_split, subsample
+from megatron_mlmclm.eval.families import Setup
 from megatron_mlmclm.eval.heads import make_bidirectional
 
 
 def _st_imports():
-    """(SentenceTransformer, Transformer, Pooling, CachedMNRL) from the ST 6 layout, else ST 5."""
+    """(SentenceTransformer, Transformer, Pooling, CachedMNRL) from the ST 6 layout, else ST 5.
+    Imported here: sentence-transformers is optional ([eval] extra), needed by IR tasks only."""
     from sentence_transformers import SentenceTransformer
 
     try:
@@ -66,8 +68,6 @@ def retrieve(model, data, corpus_mode: str, batch_size: int, k: int = 100) -> di
 
 
 def setup(task, tokenizer, cfg, max_length, device):
-    from megatron_mlmclm.eval.finetune import Setup
-
     CachedMultipleNegativesRankingLoss = _st_imports()[3]
 
     train = load_split(task, "train")

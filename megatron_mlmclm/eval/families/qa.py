@@ -14,7 +14,7 @@ import torch
 
 from megatron_mlmclm.eval import metrics
 from megatron_mlmclm.eval.data import load_split
-from megatron_mlmclm.eval.families import collate_ids, length_sorted_batches
+from megatron_mlmclm.eval.families import Setup, collate_ids, length_sorted_batches
 from megatron_mlmclm.eval.heads import build_model
 
 N_BEST = 20
@@ -104,8 +104,6 @@ def postprocess(records, features, start_logits, end_logits, version: int,
 
 
 def setup(task, tokenizer, cfg, max_length, device):
-    from megatron_mlmclm.eval.finetune import Setup
-
     train = load_split(task, "train", cfg.max_train_examples)
     evals = {}
     for s in ("validation", "test"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_mlmclm.eval import metrics
 from megatron_mlmclm.eval.data import label_list, load_split
-from megatron_mlmclm.eval.families import collate_ids, length_sorted_batches
+from megatron_mlmclm.eval.families import Setup, collate_ids, length_sorted_batches
 from megatron_mlmclm.eval.heads import build_model
 
 
@@ -29,8 +29,6 @@ def predict(model, features: list[dict], pad_id: int, batch_size: int, device) -
 
 
 def setup(task, tokenizer, cfg, max_length, device):
-    from megatron_mlmclm.eval.finetune import Setup
-
     train = load_split(task, "train", cfg.max_train_examples)
     labels = label_list(task, train)
     label2id = {l: i for i, l in enumerate(labels)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_mlmclm.eval import metrics
 from megatron_mlmclm.eval.data import label_list, load_split
-from megatron_mlmclm.eval.families import collate_ids, length_sorted_batches
+from megatron_mlmclm.eval.families import Setup, collate_ids, length_sorted_batches
 from megatron_mlmclm.eval.heads import build_model
 
 IGNORE = -100
@@ -33,8 +33,6 @@ def encode(records: list[dict], tokenizer, max_length: int, label2id: dict) -> l
 
 
 def setup(task, tokenizer, cfg, max_length, device):
-    from megatron_mlmclm.eval.finetune import Setup
-
     train = load_split(task, "train", cfg.max_train_examples)
     labels = label_list(task, train)
     label2id = {l: i for i, l in enumerate(labels)}

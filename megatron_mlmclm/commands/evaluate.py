@@ -1,4 +1,5 @@
-"""`mlmclm evaluate`: fine-tune HF encoder folders on tasks over a learning-rate x seed grid.
+"""`mlmclm evaluate`: fine-tune HF encoder folders on tasks over a learning-rate x seed grid
+(eval/).
 
     mlmclm evaluate --model exports/610m-mlm40 exports/610m-clm --task sst2 conll2003 squad scifact \
         --out results/eval --workers 4
@@ -14,7 +15,9 @@ from __future__ import annotations
 import os
 
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.grid import DEFAULT_LRS, DEFAULT_SEEDS
+from megatron_mlmclm.eval.grid import (DEFAULT_LRS, DEFAULT_SEEDS, expand, is_done, result_paths,
+                                       run_grid)
+from megatron_mlmclm.eval.tasks import load_registry
 
 
 def add_arguments(p) -> None:
@@ -55,9 +58,6 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
 
 
 def run(args) -> int:
-    from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid
-    from megatron_mlmclm.eval.tasks import load_registry
-
     if args.list_tasks:
         for name, t in sorted(load_registry(args.task_file).items()):
             print(f"{name:<12} {t.family}  {t.metric:<8} {t.format:<9} {t.path or t.hf_name}")

@@ -1,4 +1,5 @@
-"""`mlmclm convert`: megatron <-> Hugging Face checkpoints, each conversion verified before it is kept.
+"""`mlmclm convert`: megatron <-> Hugging Face checkpoints, each conversion verified before it is
+kept (convert/).
 
     mlmclm convert to-hf CKPT OUT [--arch eurobert|llama|qwen3] [--causal-lm] [--tokenizer DIR]
                                   [--clf-pooling late|mean|bos] [--force]
@@ -10,6 +11,8 @@ saved at any TP/PP layout. Bad input exits with status 2 and one line; nothing p
 """
 
 from __future__ import annotations
+
+import warnings
 
 from megatron_mlmclm.errors import UsageError
 
@@ -58,9 +61,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    import warnings
-
     warnings.filterwarnings("ignore")
+    # Imported here, one direction at a time: megatron-core and transformers would slow `--help`.
     if args.direction == "to-hf":
         from megatron_mlmclm.convert.hf_export import to_hf
 

@@ -12,6 +12,10 @@ sizes and SHA-256 checksums is written last (`manifest.json`), and only then is 
 verifies, saying so when it skips one. The model and optimizer are stored in
 megatron's reshardable formats (model: sharded tensors; distributed optimizer:
 `fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout loads at another.
+
+The trainer writes and resumes checkpoints; the converters read them (to-hf) and write them
+(from-hf, from-megatron-lm). This module is their shared home, below both, so that convert/ never
+imports training/ (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -127,9 +131,6 @@ def write_manifest(folder: Path) -> None:
             _fsync_dir(d)
 
 
-_VERIFIED: set[tuple] = set()  # checkpoints (path and every file's size and mtime) verified here
-
-
 def verify_checkpoint(ckpt: str | Path) -> Optional[str]:
     """None when every file in the checkpoint's manifest has its size and checksum, else what is
     wrong (one line). A checkpoint without a manifest predates manifests and is accepted."""
@@ -147,13 +148,9 @@ def verify_checkpoint(ckpt: str | Path) -> Optional[str]:
             return f"{name} is missing"
         if f.stat().st_size != want["size"]:
             return f"{name} has {f.stat().st_size} bytes, the manifest says {want['size']}"
-    key = (str(ckpt.resolve()),) + tuple((n, (ckpt / n).stat().st_mtime_ns) for n in files)
-    if key in _VERIFIED:  # e.g. train.init_from, resolved twice by one process
-        return None
     for name, want in files.items():
         if _digest(ckpt / name)["sha256"] != want["sha256"]:
             return f"{name} does not match its checksum"
-    _VERIFIED.add(key)
     return None
 
 

@@ -37,7 +37,8 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from megatron_mlmclm.config import PhaseConfig, phase_at
-from megatron_mlmclm.objectives import TokenSpec, batch_arrays
+from megatron_mlmclm.data.tokenizer import TokenSpec
+from megatron_mlmclm.objectives import batch_arrays
 from megatron_mlmclm.training.preemption import SIGNALS
 
 FIELDS = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32,

@@ -1,0 +1,33 @@
+"""`mlmclm pretrain CONFIG [key.sub=value ...]`: one command on CPU (gloo) and GPU (NCCL).
+
+    mlmclm pretrain examples/configs/tiny.yaml train.steps=20
+    torchrun --nproc_per_node 4 -m megatron_mlmclm pretrain cfg.yaml parallel.tensor_model_parallel_size=2
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from megatron_mlmclm.config import load_config, to_dict
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", nargs="?", help="YAML run config (defaults when omitted)")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                        help="override config values, e.g. train.steps=50 phases.0.mask_ratio=0.3")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config, print it resolved, and exit")
+
+
+def run(args) -> int:
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # no file, only overrides
+        config, overrides = None, [config] + overrides
+    cfg = load_config(config, overrides)
+    if args.dry_run:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return 0
+    # Imported here: megatron-core would slow `--help` and `--dry-run`.
+    from megatron_mlmclm.training.pretrain import pretrain
+
+    return pretrain(cfg)

@@ -1,0 +1,15 @@
+"""The study's grid of run configs, their jobs, and a compute summary (`mlmclm plan`).
+
+    options.py  PlanOptions: what to plan (the flags of commands/plan.py, the study's defaults)
+    layout.py   the global batch and each size's parallel layout (docs/parallelism.md)
+    grid.py     the runs (single objective, CLM -> MLM, continued pretraining), names, configs
+    compute.py  tokens, model FLOPs and GPU-hours of a run
+    jobs.py     the per-run job script and the SLURM submit script
+    summary.py  SUMMARY.md, SUMMARY.csv, manifest.tsv
+    write.py    write_plan: everything built and checked in memory, then one folder renamed into
+                place
+
+A plan folder holds OUT/configs/NAME.yaml (each reloaded with load_config before the plan is kept),
+OUT/jobs/NAME.sh (pretrain | convert | evaluate), OUT/submit_slurm.sh (every job with its
+dependencies), OUT/manifest.tsv, OUT/SUMMARY.csv and OUT/SUMMARY.md (docs/plan.md).
+"""

@@ -1,0 +1,187 @@
+"""The grid of runs: the study's recipe, the run names, and each run's config.
+
+The grid (every axis is a PlanOptions field, a flag of `mlmclm plan`; an empty list switches that
+part off):
+  * single-objective runs: every size x budget x (CLM, and MLM at every masking ratio);
+  * biphasic runs: split_size at every budget, CLM for a share of the budget then MLM at
+    split_mask_ratio (shares 0 and 1 are the single-objective runs and are not repeated);
+  * continued pretraining (CPT): from the decayed CLM and MLM runs of cpt_size at cpt_budget,
+    +N MLM steps with train.init_from (fresh optimizer, its own warmup and decay).
+
+Names follow the released models (see docs/plan.md): `610m-mlm40-42k`, `610m-clm-42k`,
+`610m-clm-10k-mlm40-42k` (CLM steps in thousands, rounded down: 25% of 42K = 10,500 -> 10k),
+`610m-clm-dec42k-mlm40-64k` (CPT: 22K MLM steps on the decayed 42K CLM run; total 64K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.plan.layout import GLOBAL_BATCH, check_size
+from megatron_mlmclm.plan.options import PlanOptions
+
+# The study's recipe (docs/study.md)
+STUDY_TRAIN = dict(lr=5.0e-4, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+                   adam_eps=1.0e-5, clip_grad=1.0, precision="auto")
+WARMUP, DECAY = 2000, 2000
+
+
+# --------------------------------------------------------------------------------------------------
+# Names
+
+
+def k_steps(steps: int, floor: bool = False) -> str:
+    """12000 -> '12k'; 10500 -> '10k' with floor (the released names), else '10.5k'."""
+    if floor and steps >= 1000:
+        return f"{steps // 1000}k"
+    return f"{steps // 1000}k" if steps % 1000 == 0 else f"{steps / 1000:g}k"
+
+
+def mlm_tag(ratio: float) -> str:
+    return f"mlm{round(ratio * 100, 4):g}"
+
+
+def single_name(size: str, objective: str, steps: int, ratio: float) -> str:
+    tag = "clm" if objective == "clm" else mlm_tag(ratio)
+    return f"{size}-{tag}-{k_steps(steps)}"
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The grid
+
+
+@dataclass
+class Run:
+    name: str
+    size: str
+    kind: str  # single | biphasic | cpt
+    steps: int
+    phases: list[dict]
+    warmup: int
+    decay: int
+    depends_on: Optional[str] = None
+    config: dict = field(default_factory=dict)
+    row: dict = field(default_factory=dict)
+
+
+def build_grid(opts: PlanOptions) -> list[Run]:
+    """The runs of the plan, sources before the runs that depend on them."""
+    sizes, budgets = list(opts.sizes), list(opts.budgets)
+    for s in sizes + [opts.split_size] + ([opts.cpt_size] if opts.cpt_size else []):
+        check_size(s)
+    if not sizes and not opts.clm_shares and not opts.cpt_steps:
+        raise UsageError("the grid is empty: give --sizes, --clm-shares or --cpt-steps")
+    if not budgets:
+        raise UsageError("--budgets is empty; give at least one budget, e.g. 42000")
+    for b in budgets:
+        if b < WARMUP + DECAY:
+            raise UsageError(f"budget {b} is shorter than warmup + decay ({WARMUP} + {DECAY})")
+    for o in opts.objectives:
+        if o not in ("clm", "mlm"):
+            raise UsageError(f"--objectives: '{o}' must be clm or mlm")
+    for r in list(opts.mask_ratios) + [opts.split_mask_ratio, opts.cpt_mask_ratio]:
+        if not 0.0 < r < 1.0:
+            raise UsageError(f"masking ratio {r} must be in (0, 1), e.g. 0.4")
+    if sizes and "mlm" in opts.objectives and not opts.mask_ratios:
+        raise UsageError("--mask-ratios is empty but --objectives has mlm; give e.g. 0.4")
+    if sizes and not opts.objectives:
+        raise UsageError("--objectives is empty; give clm and/or mlm")
+    for s in opts.clm_shares:
+        if not 0.0 <= s <= 1.0:
+            raise UsageError(f"--clm-shares: {s} is outside [0, 1]")
+    for n in opts.cpt_steps:
+        if n < 1:
+            raise UsageError(f"--cpt-steps: {n} must be >= 1")
+    if opts.cpt_warmup_steps < 0:
+        raise UsageError("--cpt-warmup-steps must be >= 0")
+
+    runs: dict[str, Run] = {}
+
+    def add(run: Run) -> None:
+        old = runs.get(run.name)
+        if old is not None and (old.phases, old.steps) != (run.phases, run.steps):
+            raise UsageError(f"two different runs would be named {run.name}; change the grid")
+        runs.setdefault(run.name, run)
+
+    def single(size, objective, budget, ratio) -> Run:
+        ph = {"objective": "clm"} if objective == "clm" else {"objective": "mlm",
+                                                              "mask_ratio": ratio}
+        return Run(single_name(size, objective, budget, ratio), size, "single", budget,
+                   [ph], WARMUP, DECAY)
+
+    for size in sizes:
+        for budget in budgets:
+            for objective in opts.objectives:
+                ratios = [None] if objective == "clm" else opts.mask_ratios
+                for ratio in ratios:
+                    add(single(size, objective, budget, ratio))
+
+    for budget in budgets:
+        for share in opts.clm_shares:
+            if share <= 0.0:
+                add(single(opts.split_size, "mlm", budget, opts.split_mask_ratio))
+            elif share >= 1.0:
+                add(single(opts.split_size, "clm", budget, None))
+            else:
+                clm_steps = int(round(share * budget))  # what config.resolve_phase_steps gives
+                name = (f"{opts.split_size}-clm-{k_steps(clm_steps, floor=True)}-"
+                        f"{mlm_tag(opts.split_mask_ratio)}-{k_steps(budget)}")
+                add(Run(name, opts.split_size, "biphasic", budget,
+                        [{"objective": "clm", "share": share},
+                         {"objective": "mlm", "share": round(1.0 - share, 12),
+                          "mask_ratio": opts.split_mask_ratio}], WARMUP, DECAY))
+
+    if opts.cpt_steps:
+        size = opts.cpt_size or opts.split_size
+        src_budget = opts.cpt_budget or max(budgets)
+        if not opts.cpt_from:
+            raise UsageError("--cpt-from is empty but --cpt-steps is not; give clm and/or mlm")
+        for objective in opts.cpt_from:
+            if objective not in ("clm", "mlm"):
+                raise UsageError(f"--cpt-from: '{objective}' must be clm or mlm")
+            src = single(size, objective, src_budget, opts.cpt_mask_ratio)
+            add(src)  # the source run is part of the plan (a no-op when the grid has it)
+            src_tag = "clm" if objective == "clm" else mlm_tag(opts.cpt_mask_ratio)
+            for n in opts.cpt_steps:
+                warmup = min(opts.cpt_warmup_steps, n)
+                decay = min(DECAY, n - warmup)
+                name = (f"{size}-{src_tag}-dec{k_steps(src_budget)}-"
+                        f"{mlm_tag(opts.cpt_mask_ratio)}-{k_steps(src_budget + n)}")
+                add(Run(name, size, "cpt", n,
+                        [{"objective": "mlm", "mask_ratio": opts.cpt_mask_ratio}],
+                        warmup, decay, depends_on=src.name))
+    # Sources first (CPT runs come last and depend only on single runs).
+    return sorted(runs.values(), key=lambda r: r.kind == "cpt")
+
+
+
+# --------------------------------------------------------------------------------------------------
+# A run's config
+
+
+def run_config(run: Run, opts: PlanOptions, runs_dir: Path, lay: dict) -> dict:
+    cfg = {
+        "name": run.name,
+        "output_dir": str(runs_dir / run.name),
+        "model": {"preset": run.size},
+        "phases": run.phases,
+        "data": {"train": list(opts.data), "valid": list(opts.valid),
+                 "tokenizer": opts.tokenizer},
+        "parallel": {"tensor_model_parallel_size": lay["tp"],
+                     "pipeline_model_parallel_size": lay["pp"],
+                     "use_distributed_optimizer": lay["dist_opt"]},
+        "train": {"steps": run.steps, "micro_batch_size": lay["mbs"],
+                  "global_batch_size": GLOBAL_BATCH, **STUDY_TRAIN,
+                  "warmup_steps": run.warmup, "decay_steps": run.decay,
+                  "recompute": lay["recompute"],
+                  "init_from": (str(runs_dir / run.depends_on / "checkpoints")
+                                if run.depends_on else None)},
+        "checkpoint": {"save_interval": opts.save_interval, "keep_last": 2, "resume": True},
+        "logging": {"log_interval": 10, "eval_interval": 1000 if opts.valid else 0,
+                    "eval_iters": 4, "tensorboard": True},
+    }
+    return cfg

@@ -1,0 +1,44 @@
+"""What a plan plans: PlanOptions, the flags of `mlmclm plan` (commands/plan.py) with the study's
+defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+DEFAULT_EVAL_TASKS = ("sst2", "mnli", "qqp", "conll2003", "squad", "scifact")
+
+
+@dataclass
+class PlanOptions:
+    """What `mlmclm plan` plans (its flags, commands/plan.py); the defaults are the study's grid."""
+
+    # the grid
+    sizes: list[str] = field(default_factory=lambda: ["210m", "610m", "1b"])
+    budgets: list[int] = field(default_factory=lambda: [12000, 22000, 42000])
+    objectives: list[str] = field(default_factory=lambda: ["clm", "mlm"])
+    mask_ratios: list[float] = field(default_factory=lambda: [0.2, 0.3, 0.4, 0.5])
+    clm_shares: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    split_size: str = "610m"
+    split_mask_ratio: float = 0.4
+    cpt_steps: list[int] = field(default_factory=lambda: [2000, 12000, 22000])
+    cpt_size: Optional[str] = None  # default: split_size
+    cpt_budget: Optional[int] = None  # default: the largest budget
+    cpt_from: list[str] = field(default_factory=lambda: ["clm", "mlm"])
+    cpt_mask_ratio: float = 0.4
+    cpt_warmup_steps: int = 200
+    # data and outputs
+    data: list[str] = field(default_factory=lambda: ["data/shards/fineweb_edu_text_document"])
+    valid: list[str] = field(default_factory=list)
+    tokenizer: str = "data/tokenizer"
+    runs_dir: Optional[str] = None  # default: OUT/runs
+    hf_dir: Optional[str] = None  # default: OUT/hf
+    results_dir: Optional[str] = None  # default: OUT/results
+    eval_tasks: list[str] = field(default_factory=lambda: list(DEFAULT_EVAL_TASKS))
+    eval_lrs: list[float] = field(default_factory=list)  # empty: evaluate's default grid
+    eval_seeds: list[int] = field(default_factory=list)
+    save_interval: int = 1000
+    # cluster and compute estimate
+    throughput: list[str] = field(default_factory=list)  # SIZE=N overrides of DEFAULT_THROUGHPUT
+    gpus_per_node: int = 8
+    nodes: list[str] = field(default_factory=list)  # N or SIZE=N overrides of LAYOUTS' nodes

@@ -1,0 +1,66 @@
+"""The tables of a plan: SUMMARY.md (markdown), SUMMARY.csv (one row per run) and manifest.tsv."""
+
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+
+from megatron_mlmclm.plan.grid import Run
+from megatron_mlmclm.plan.layout import GLOBAL_BATCH
+
+
+def summary_md(rows: list[dict], totals: dict, throughput: dict) -> str:
+    out = io.StringIO()
+    w = out.write
+    w("# Plan summary\n\n")
+    w(f"{len(rows)} runs. Global batch {GLOBAL_BATCH} x seq 2048 = {GLOBAL_BATCH * 2048:,} tokens "
+      "per step (the study's ~2.36M). GPU-hours = tokens / (tokens/s per GPU) / 3600 at the "
+      "stated throughput; wall hours = GPU-hours / GPUs of the run (no queueing, no restarts). "
+      "Model PFLOP by model/flops.py (forward + backward, attention over the full sequence).\n\n")
+    w("Assumed throughput (tokens/s per GPU): " + ", ".join(
+        f"{k} {v:,.0f}" for k, v in throughput.items() if k in {r['size'] for r in rows}) +
+      ". Replace with a measured figure (`tokens_per_s_per_device` in a run's metrics.jsonl) via "
+      "`--throughput SIZE=N`.\n\n")
+    w("| run | kind | phases (steps) | tokens (B) | nodes x GPUs | TP/PP/DP | micro | GPU-h | "
+      "wall h | depends on |\n|---|---|---|---:|---|---|---:|---:|---:|---|\n")
+    for r in rows:
+        w(f"| {r['name']} | {r['kind']} | {r['phases']} | {r['tokens'] / 1e9:.1f} | "
+          f"{r['nodes']} x {r['gpus'] // r['nodes']} | {r['tp']}/{r['pp']}/{r['dp']} | "
+          f"{r['micro_batch']} | {r['gpu_hours']:,.1f} | {r['wall_hours']:,.1f} | "
+          f"{r['depends_on'] or '-'} |\n")
+    w(f"\n**Total**: {totals['tokens'] / 1e12:.2f}T tokens, {totals['gpu_hours']:,.1f} GPU-hours, "
+      f"{totals['model_pflop']:,.0f} PFLOP.\n\n")
+    by_kind: dict[str, list] = {}
+    for r in rows:
+        by_kind.setdefault(r["kind"], []).append(r)
+    for kind, rs in by_kind.items():
+        w(f"- {kind}: {len(rs)} runs, {sum(x['gpu_hours'] for x in rs):,.1f} GPU-hours\n")
+    w("\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `submit_slurm.sh`, `manifest.tsv`, "
+      "`SUMMARY.csv`. See docs/plan.md.\n")
+    return out.getvalue()
+
+
+def totals_of(rows: list[dict]) -> dict:
+    return {"tokens": sum(r["tokens"] for r in rows),
+            "gpu_hours": round(sum(r["gpu_hours"] for r in rows), 2),
+            "model_pflop": round(sum(r["model_pflop"] for r in rows), 1)}
+
+
+def write_summary_csv(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+
+
+def write_manifest(path: Path, runs: list[Run], layouts: dict, gpus_per_node: int,
+                   cfg_paths: dict, runs_dir: Path, hf_dir: Path, n_eval: int) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("index\tname\tkind\tnodes\tgpus_per_node\tconfig\tcheckpoints\thf_dir\t"
+                "depends_on\teval_array_size\n")
+        for i, r in enumerate(runs):
+            f.write(f"{i}\t{r.name}\t{r.kind}\t{layouts[r.name]['nodes']}\t"
+                    f"{gpus_per_node}\t{cfg_paths[r.name]}\t"
+                    f"{runs_dir / r.name / 'checkpoints'}\t{hf_dir / r.name}\t"
+                    f"{r.depends_on or '-'}\t{n_eval}\n")

@@ -1,0 +1,90 @@
+"""Writing a plan folder: every run's config, job script, the submit script and the summaries, built
+and checked in memory first, then written under a temporary name and renamed."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import yaml
+
+from megatron_mlmclm.config import load_config
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.plan.compute import DEFAULT_THROUGHPUT, compute_row
+from megatron_mlmclm.plan.grid import build_grid, run_config
+from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
+from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
+from megatron_mlmclm.plan.options import PlanOptions
+from megatron_mlmclm.plan.summary import (summary_md, totals_of, write_manifest,
+                                          write_summary_csv)
+
+SLURM_DIR = Path(__file__).resolve().parents[2] / "examples" / "slurm"  # the sbatch templates
+
+
+def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
+    """Write the plan folder `out` (atomically: bad input leaves nothing). Returns the totals."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise UsageError(f"--out {out} exists and is not empty; pass --force to replace it")
+    if opts.gpus_per_node < 1:
+        raise UsageError("--gpus-per-node must be >= 1")
+    throughput = per_size(opts.throughput, DEFAULT_THROUGHPUT, "--throughput", float)
+    nodes = per_size(opts.nodes, {k: v["nodes"] for k, v in LAYOUTS.items()}, "--nodes", int)
+    runs = build_grid(opts)
+    if opts.eval_tasks is not None and not opts.eval_tasks:
+        raise UsageError("--eval-tasks is empty; give at least one task, e.g. sst2")
+    if not opts.data:
+        raise UsageError("--data is empty; give the shard prefix(es) written by mlmclm preprocess")
+
+    root = out.resolve()
+    runs_dir = Path(opts.runs_dir).resolve() if opts.runs_dir else root / "runs"
+    hf_dir = Path(opts.hf_dir).resolve() if opts.hf_dir else root / "hf"
+    results = Path(opts.results_dir).resolve() if opts.results_dir else root / "results"
+
+    # Build and validate everything in memory first: bad input leaves no files behind.
+    layouts = {r.name: layout_for(r.size, nodes[r.size], opts.gpus_per_node) for r in runs}
+    for r in runs:
+        r.config = run_config(r, opts, runs_dir, layouts[r.name])
+        r.row = compute_row(r, layouts[r.name], throughput[r.size])
+
+    tmp = root.with_name(root.name + ".tmp-plan")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / "configs").mkdir(parents=True)
+    (tmp / "jobs").mkdir()
+    try:
+        cfg_paths = {}
+        for r in runs:
+            p = tmp / "configs" / f"{r.name}.yaml"
+            p.write_text(f"# {r.name}: written by `mlmclm plan` ({r.kind}). Override any key on "
+                         "the command line: mlmclm pretrain THIS.yaml train.steps=...\n" +
+                         yaml.safe_dump(r.config, sort_keys=False), encoding="utf-8")
+            cfg = load_config(p)  # every written config must load as the trainer will load it
+            if sum(ph.steps for ph in cfg.phases) != cfg.train.steps:  # pragma: no cover
+                raise AssertionError(f"{r.name}: phase steps do not sum to train.steps")
+            cfg_paths[r.name] = root / "configs" / f"{r.name}.yaml"
+        for r in runs:
+            s = tmp / "jobs" / f"{r.name}.sh"
+            s.write_text(job_script(r, cfg_paths[r.name], runs_dir, hf_dir, results,
+                                    opts.eval_tasks, eval_grid_args(opts), layouts[r.name],
+                                    opts.gpus_per_node))
+            s.chmod(0o755)
+        sub = tmp / "submit_slurm.sh"
+        sub.write_text(submit_script(runs, cfg_paths, runs_dir, hf_dir, results, opts, layouts,
+                                     SLURM_DIR))
+        sub.chmod(0o755)
+
+        rows = [r.row for r in runs]
+        write_summary_csv(tmp / "SUMMARY.csv", rows)
+        totals = totals_of(rows)
+        (tmp / "SUMMARY.md").write_text(summary_md(rows, totals, throughput), encoding="utf-8")
+        write_manifest(tmp / "manifest.tsv", runs, layouts, opts.gpus_per_node, cfg_paths,
+                       runs_dir, hf_dir, eval_array_size(opts))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if root.exists():
+        shutil.rmtree(root) if root.is_dir() else root.unlink()
+    tmp.rename(root)
+    return dict(totals, runs=len(runs))

@@ -1,0 +1,208 @@
+"""The import rule of docs/architecture.md, checked on every module of the package with `ast`.
+
+The rule is read from the table in docs/architecture.md (the document is the rule), and every
+import of every module counts: top-level, inside functions, `from megatron_mlmclm import x`,
+relative. A synthetic package with known violations shows that the check finds them, naming the
+file, the line and the import.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PKG = "megatron_mlmclm"
+DOC = REPO / "docs" / "architecture.md"
+# Where argparse may be used: the command modules and the entry point.
+COMMAND_LINE = ("commands", "cli")
+ARGPARSE_CALLS = {"ArgumentParser", "add_argument", "add_argument_group", "add_subparsers",
+                  "add_parser", "add_mutually_exclusive_group"}
+
+
+def read_rules(doc: Path = DOC) -> dict[str, set[str]]:
+    """{package: names it may import} from the table under '## The import rule'."""
+    section = doc.read_text().split("## The import rule", 1)[1].split("\n## ", 1)[0]
+    rules = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and re.fullmatch(r"`[\w.]+`", cells[0]):
+            rules[cells[0].strip("`")] = set(re.findall(r"`([\w.]+)`", cells[1]))
+    return rules
+
+
+def modules(root: Path) -> list[tuple[Path, str]]:
+    """(file, dotted module name) of every module under the package folder `root`."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out.append((path, ".".join(parts)))
+    return out
+
+
+def unit_of(module: str) -> str:
+    """megatron_mlmclm.convert.common -> convert; megatron_mlmclm -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imported(path: Path, module: str):
+    """(node, targets): every import statement and the megatron_mlmclm modules (or names) it
+    reaches, relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        yield node, [t for t in targets if t == PKG or t.startswith(PKG + ".")]
+
+
+def allowed(target: str, entries: set[str]) -> bool:
+    """`target` relative to the package (model.flops.train_step_flops) against a rule row."""
+    return any(target == e or target.startswith(e + ".") for e in entries)
+
+
+def violations(root: Path, rules: dict[str, set[str]]) -> list[str]:
+    """One line per import that breaks the rule: 'file:line: import ... (unit may not import X)'."""
+    out = []
+    for path, module in modules(root):
+        unit = unit_of(module)
+        where = path.relative_to(root.parent)
+        if unit not in rules:
+            out.append(f"{where}: package '{unit}' has no row in the rule table of "
+                       "docs/architecture.md")
+            continue
+        source = path.read_text()
+        for node, targets in imported(path, module):
+            bad = {unit_of(t) for t in targets
+                   if unit_of(t) != unit and not allowed(t[len(PKG) + 1:], rules[unit])}
+            text = " ".join(ast.get_source_segment(source, node).split())
+            out += [f"{where}:{node.lineno}: `{text}`: {unit} may not import {b} "
+                    "(docs/architecture.md)" for b in sorted(bad)]
+    return out
+
+
+def argparse_outside_commands(root: Path) -> list[str]:
+    """Modules outside commands/ and cli.py that build parsers or declare flags."""
+    out = []
+    for path, module in modules(root):
+        if unit_of(module) in COMMAND_LINE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            name = None
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            elif isinstance(node, ast.FunctionDef) and node.name == "add_arguments":
+                name = "def add_arguments"
+            if name in ARGPARSE_CALLS or name == "def add_arguments":
+                out.append(f"{path.relative_to(root.parent)}:{node.lineno}: {name}")
+    return out
+
+
+# --------------------------------------------------------------------------------------- tests
+
+
+def test_every_module_follows_the_import_rule():
+    problems = violations(REPO / PKG, read_rules())
+    assert not problems, "imports against docs/architecture.md:\n" + "\n".join(problems)
+
+
+def test_the_rule_table_names_every_package_and_only_those():
+    rules = read_rules()
+    present = {unit_of(m) for _, m in modules(REPO / PKG)}
+    assert len(rules) >= 15
+    assert set(rules) == present, (f"no row: {sorted(present - set(rules))}, "
+                                   f"rows for nothing: {sorted(set(rules) - present)}")
+    for unit, entries in rules.items():  # every name a row allows exists
+        for e in entries:
+            first = e.split(".")[0]
+            assert first in present or first == "_sample_index", (unit, e)
+    assert "training" not in rules["convert"] and "training" not in rules["eval"]
+
+
+def test_the_command_line_lives_in_commands():
+    problems = argparse_outside_commands(REPO / PKG)
+    assert not problems, "argparse outside commands/ and cli.py:\n" + "\n".join(problems)
+
+
+def write(root: Path, rel: str, text: str) -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+
+
+def test_violations_are_found_with_file_line_and_import(tmp_path):
+    """A synthetic package: each kind of import that breaks the rule, next to allowed ones."""
+    root = tmp_path / PKG
+    write(root, "__init__.py", "")
+    write(root, "errors.py", "")
+    write(root, "convert/__init__.py", "")
+    write(root, "convert/export.py", """\
+        import json
+
+        from megatron_mlmclm.checkpoint import load_checkpoint
+        from megatron_mlmclm.convert import mapping
+
+
+        def vocab(cfg):
+            from megatron_mlmclm.training.trainer import token_spec_and_vocab
+            return token_spec_and_vocab(cfg)
+        """)
+    write(root, "eval/__init__.py", "")
+    write(root, "eval/heads.py", "import megatron_mlmclm.model.build as build\n")
+    write(root, "plan/__init__.py", "")
+    write(root, "plan/compute.py", """\
+        from megatron_mlmclm.model import flops
+        from megatron_mlmclm.model.flops import train_step_flops
+        from megatron_mlmclm.model import build
+        """)
+    write(root, "data/__init__.py", "")
+    write(root, "data/loader.py", """\
+        from .. import objectives
+        from . import tokenizer
+        """)
+    write(root, "objectives.py", "from megatron_mlmclm import checkpoint, data\n")
+    write(root, "newpkg/__init__.py", "")
+    got = violations(root, read_rules())
+    assert got == [
+        f"{PKG}/convert/export.py:8: `from megatron_mlmclm.training.trainer import "
+        "token_spec_and_vocab`: convert may not import training (docs/architecture.md)",
+        f"{PKG}/data/loader.py:1: `from .. import objectives`: data may not import objectives "
+        "(docs/architecture.md)",
+        f"{PKG}/eval/heads.py:1: `import megatron_mlmclm.model.build as build`: eval may not "
+        "import model (docs/architecture.md)",
+        f"{PKG}/newpkg/__init__.py: package 'newpkg' has no row in the rule table of "
+        "docs/architecture.md",
+        f"{PKG}/objectives.py:1: `from megatron_mlmclm import checkpoint, data`: objectives may "
+        "not import checkpoint (docs/architecture.md)",
+        f"{PKG}/plan/compute.py:3: `from megatron_mlmclm.model import build`: plan may not "
+        "import model (docs/architecture.md)",
+    ], "\n".join(got)
+
+
+def test_argparse_outside_commands_is_found(tmp_path):
+    root = tmp_path / PKG
+    write(root, "__init__.py", "")
+    write(root, "data/dataset.py", """\
+        def add_arguments(parser):
+            parser.add_argument("--seq-length", type=int)
+        """)
+    write(root, "commands/index.py", """\
+        def add_arguments(parser):
+            parser.add_argument("--seq-length", type=int)
+        """)
+    assert argparse_outside_commands(root) == [f"{PKG}/data/dataset.py:1: def add_arguments",
+                                               f"{PKG}/data/dataset.py:2: add_argument"]
