@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import re
 import shutil
@@ -227,3 +228,23 @@ def staged_output(out: Path, force: bool) -> Iterator[Path]:
     os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def continued_mlm_config(out: Path, fields: dict[str, Any], seed: int) -> tuple[dict, RunConfig]:
+    """The run config an import writes beside its checkpoint: MLM 40% from `out`'s weights.
+
+    Returns the raw dict (written as config.yaml) and the validated RunConfig.
+    """
+    raw = {
+        "name": out.name,
+        "output_dir": str(out.parent / f"{out.name}-mlm"),
+        "model": fields,
+        "phases": [{"objective": "mlm", "mask_ratio": 0.4}],
+        "data": {"tokenizer": str(out / "tokenizer"), "train": []},
+        "train": {"init_from": str(out / "checkpoints"), "seed": seed},
+    }
+    cfg = from_dict(RunConfig, json.loads(json.dumps(raw)), prefix="")  # plain lists/floats
+    cfg.data.mock = True  # validation only: the checkpoint config has no data yet
+    finalize_run_config(cfg)
+    cfg.data.mock = False
+    return raw, cfg

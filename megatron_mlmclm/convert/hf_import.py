@@ -31,8 +31,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
 from megatron_mlmclm.checkpoint import iter_name, save_checkpoint
-from megatron_mlmclm.config import (RopeScalingConfig, RunConfig, finalize_run_config, from_dict,
-                                    to_dict, validate_rope_scaling)
+from megatron_mlmclm.config import RopeScalingConfig, to_dict, validate_rope_scaling
 from megatron_mlmclm.convert import common, mapping
 from megatron_mlmclm.convert.verify import (SEQ, Verification, load_hf, megatron_from_checkpoint,
                                             verify_pair)
@@ -222,18 +221,7 @@ def from_hf(hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = 
                              "unsupported feature (biases, extra heads?)")
         tensors = mapping.hf_to_megatron(state, family, dims)
 
-        raw = {
-            "name": out.name,
-            "output_dir": str(out.parent / f"{out.name}-mlm"),
-            "model": fields,
-            "phases": [{"objective": "mlm", "mask_ratio": 0.4}],
-            "data": {"tokenizer": str(out / "tokenizer"), "train": []},
-            "train": {"init_from": str(out / "checkpoints"), "seed": seed},
-        }
-        cfg = from_dict(RunConfig, json.loads(json.dumps(raw)), prefix="")
-        cfg.data.mock = True  # validation only: the checkpoint config has no data yet
-        finalize_run_config(cfg)
-        cfg.data.mock = False
+        raw, cfg = common.continued_mlm_config(out, fields, seed)
         source = json.loads(json.dumps({
             "family": family, "model_type": family, "hf_dir": str(hf_dir),
             "hf_config": hf_cfg.to_dict(), "vocab_size": hf_vocab, "vocab_grew": grew,

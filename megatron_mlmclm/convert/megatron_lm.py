@@ -42,7 +42,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mlmclm.checkpoint import iter_name, save_checkpoint
-from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
+from megatron_mlmclm.config import to_dict
 from megatron_mlmclm.convert import common
 from megatron_mlmclm.convert.hf_import import ImportResult, _write_run_config
 from megatron_mlmclm.convert.verify import (SEQ, Verification, compare, megatron_from_checkpoint,
@@ -204,18 +204,7 @@ def from_megatron_lm(checkpoint, out, tokenizer: Optional[str], force: bool = Fa
 
     with common.staged_output(out, force) as tmp:
         shutil.copytree(tok_src, tmp / "tokenizer")
-        raw = {
-            "name": out.name,
-            "output_dir": str(out.parent / f"{out.name}-mlm"),
-            "model": fields,
-            "phases": [{"objective": "mlm", "mask_ratio": 0.4}],
-            "data": {"tokenizer": str(out / "tokenizer"), "train": []},
-            "train": {"init_from": str(out / "checkpoints"), "seed": seed},
-        }
-        cfg = from_dict(RunConfig, json.loads(json.dumps(raw)), prefix="")
-        cfg.data.mock = True  # validation only: the checkpoint config has no data yet
-        finalize_run_config(cfg)
-        cfg.data.mock = False
+        raw, cfg = common.continued_mlm_config(out, fields, seed)
         source = json.loads(json.dumps({
             "family": FAMILY, "checkpoint": str(ckpt), "attention": "causal",
             "iteration": info.get("iteration"), "checkpoint_version": info.get("checkpoint_version"),
