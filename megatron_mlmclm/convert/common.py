@@ -26,8 +26,8 @@ from megatron.core import parallel_state
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_mlmclm.checkpoint import read_trainer_state, resolve_checkpoint
-from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict
+from megatron_mlmclm.checkpoint import read_trainer_state, resolve_checkpoint, save_checkpoint
+from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model_chunk, transformer_config
 from megatron_mlmclm.objectives import document_attention_mask
@@ -248,3 +248,21 @@ def continued_mlm_config(out: Path, fields: dict[str, Any], seed: int) -> tuple[
     finalize_run_config(cfg)
     cfg.data.mock = False
     return raw, cfg
+
+
+def save_imported_checkpoint(ckpt_dir: Path, cfg: RunConfig, tensors: dict[str, torch.Tensor],
+                             source: dict[str, Any], vocab: int, seed: int):
+    """Build our model for `cfg`, load the converted global `tensors` (one line if their keys are
+    not our trunk's) and save it as step 0 with the import's provenance.
+
+    Returns (the single-process config the model was built with, the checkpoint path).
+    """
+    build_cfg = run_config_from_dict(to_dict(cfg))
+    model = build_encoder(build_cfg, vocab, seed)
+    load_global_tensors(model, tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved = save_checkpoint(ckpt_dir, 0, [model], None, None,
+                                {"config": to_dict(cfg), "source": source, "consumed_samples": 0},
+                                keep_last=1)
+    return build_cfg, saved

@@ -30,8 +30,8 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from megatron_mlmclm.checkpoint import iter_name, save_checkpoint
-from megatron_mlmclm.config import RopeScalingConfig, to_dict, validate_rope_scaling
+from megatron_mlmclm.checkpoint import iter_name
+from megatron_mlmclm.config import RopeScalingConfig, validate_rope_scaling
 from megatron_mlmclm.convert import common, mapping
 from megatron_mlmclm.convert.verify import (SEQ, Verification, load_hf, megatron_from_checkpoint,
                                             verify_pair)
@@ -227,15 +227,8 @@ def from_hf(hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = 
             "hf_config": hf_cfg.to_dict(), "vocab_size": hf_vocab, "vocab_grew": grew,
             "attention": "causal" if _source_causal(hf_cfg) else "bidirectional",
         }, default=str))
-        build_cfg = common.run_config_from_dict(to_dict(cfg))
-        model = common.build_encoder(build_cfg, vocab, seed)
-        common.load_global_tensors(model, tensors)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ckpt = save_checkpoint(tmp / "checkpoints", 0, [model], None, None,
-                                   {"config": to_dict(cfg), "source": source,
-                                    "consumed_samples": 0}, keep_last=1)
-        del model
+        build_cfg, ckpt = common.save_imported_checkpoint(tmp / "checkpoints", cfg, tensors, source,
+                                                          vocab, seed)
         ver = _verify(hf_dir, hf_cfg, ckpt, build_cfg, vocab, hf_vocab)
         (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
         _write_run_config(tmp / "config.yaml", raw, hf_dir, final=out / "config.yaml")

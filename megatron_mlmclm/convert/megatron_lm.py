@@ -41,8 +41,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mlmclm.checkpoint import iter_name, save_checkpoint
-from megatron_mlmclm.config import to_dict
+from megatron_mlmclm.checkpoint import iter_name
 from megatron_mlmclm.convert import common
 from megatron_mlmclm.convert.hf_import import ImportResult, _write_run_config
 from megatron_mlmclm.convert.verify import (SEQ, Verification, compare, megatron_from_checkpoint,
@@ -211,15 +210,8 @@ def from_megatron_lm(checkpoint, out, tokenizer: Optional[str], force: bool = Fa
             "megatron_lm_args": {k: v for k, v in vars(args).items()
                                  if isinstance(v, (int, float, str, bool, type(None)))},
         }, default=str))
-        build_cfg = common.run_config_from_dict(to_dict(cfg))
-        model = common.build_encoder(build_cfg, vocab, seed)
-        common.load_global_tensors(model, ours)  # one line if the keys are not our trunk's
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            saved = save_checkpoint(tmp / "checkpoints", 0, [model], None, None,
-                                    {"config": to_dict(cfg), "source": source,
-                                     "consumed_samples": 0}, keep_last=1)
-        del model
+        build_cfg, saved = common.save_imported_checkpoint(tmp / "checkpoints", cfg, ours, source,
+                                                           vocab, seed)
         ver = _verify(args, tensors, saved, build_cfg, vocab, seed)
         (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
         _write_run_config(tmp / "config.yaml", raw, ckpt, final=out / "config.yaml",
