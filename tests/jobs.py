@@ -1,9 +1,11 @@
-"""Test helpers: launching `mlmclm pretrain` as a real (torchrun) job and reading its metrics."""
+"""Test helpers: launching `mlmclm pretrain` as a real (torchrun) job and reading its metrics, and a
+small BPE tokenizer trained on a ten-word corpus."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +48,14 @@ def losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]  # skip step-0 validation
 
 
+def word_tokenizer(root: Path, vocab_size: int) -> Path:
+    """A byte-level BPE of `vocab_size` trained on 200 lines of ten random words; -> root/tok."""
+    from megatron_mlmclm.data.tokenizer import train_tokenizer
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "encoder", "model", "token", "the", "of", "and"]
+    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(20))
+                                               for _ in range(200)))
+    train_tokenizer([str(root / "corpus.txt")], root / "tok", vocab_size, txt_split_lines=True,
+                    progress=False, min_frequency=1)
+    return root / "tok"

@@ -8,7 +8,6 @@ configs, megatron checkpoints come from short `mlmclm pretrain` runs on mock dat
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from jobs import job_env, run_pretrain
+from jobs import job_env, run_pretrain, word_tokenizer
 from megatron_mlmclm.cli import main as cli_main
 from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.convert.hf_export import to_hf
@@ -45,16 +44,8 @@ def ws(tmp_path_factory):
     """Tokenizer, three HF decoders and megatron checkpoints at TP1, TP2 and PP2 (same weights)."""
     from transformers import AutoTokenizer
 
-    from megatron_mlmclm.data.tokenizer import train_tokenizer
-
     root = tmp_path_factory.mktemp("convert")
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "encoder", "model", "token", "the", "of", "and"]
-    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(20))
-                                               for _ in range(200)))
-    tok_dir = root / "tok"
-    train_tokenizer([str(root / "corpus.txt")], tok_dir, VOCAB_TOKENIZER, txt_split_lines=True,
-                    progress=False, min_frequency=1)
+    tok_dir = word_tokenizer(root, VOCAB_TOKENIZER)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     assert len(tok) == VOCAB_TOKENIZER
 

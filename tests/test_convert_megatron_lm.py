@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from jobs import job_env
+from jobs import job_env, word_tokenizer
 from megatron_mlmclm.cli import main as cli_main
 from megatron_mlmclm.convert.megatron_lm import from_megatron_lm
 
@@ -124,16 +123,7 @@ def ours_from_run_config(run_yaml: Path, tokens: torch.Tensor, causal: bool,
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from megatron_mlmclm.data.tokenizer import train_tokenizer
-
-    root = tmp_path_factory.mktemp("mlm_tok")
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "encoder", "model", "token", "the", "of", "and"]
-    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(20))
-                                               for _ in range(200)))
-    train_tokenizer([str(root / "corpus.txt")], root / "tok", VOCAB, txt_split_lines=True,
-                    progress=False, min_frequency=1)
-    return root / "tok"
+    return word_tokenizer(tmp_path_factory.mktemp("mlm_tok"), VOCAB)
 
 
 @pytest.mark.parametrize("variant", ["gqa_untied", "tied_qknorm_llama3"])
