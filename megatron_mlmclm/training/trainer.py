@@ -32,7 +32,6 @@ from tqdm import tqdm
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
 from megatron_mlmclm.data.dataset import build_train_dataset
-from megatron_mlmclm.training.loader import Plan, build_loader
 from megatron_mlmclm.data.mock import MockPackedDataset
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
@@ -42,6 +41,7 @@ from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_typ
 from megatron_mlmclm.objectives import to_device
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import sinks
+from megatron_mlmclm.training.loader import Plan, build_loader
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from megatron_mlmclm.training.resume import check_resume, fingerprint
 
@@ -242,7 +242,6 @@ class Trainer:
         return totals
 
     def train_step(self, phase) -> dict[str, float]:
-        t = self.cfg.train
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
