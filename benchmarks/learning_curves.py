@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -30,22 +29,14 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from megatron_mlmclm.eval.report import mean_ci  # the report's 95% t-interval
+
 OBJECTIVES = {
     "clm": [{"objective": "clm"}],
     "mlm40": [{"objective": "mlm", "mask_ratio": 0.4}],
     "clm25-mlm40": [{"objective": "clm", "share": 0.25},
                     {"objective": "mlm", "share": 0.75, "mask_ratio": 0.4}],
 }
-
-
-def t_interval(values: list[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% t-interval); half-width nan for a single value."""
-    from scipy import stats
-
-    x = np.asarray(values, dtype=np.float64)
-    if x.size < 2:
-        return float(x.mean()), float("nan")
-    return float(x.mean()), float(stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
 
 
 def build_data(work: Path, vocab_size: int) -> tuple[Path, dict[str, str]]:
@@ -131,15 +122,16 @@ def main() -> None:
           f"{args.eval_iters} x 16 samples")
     print(f"unigram predictor on valid non-special tokens: {unigram:.3f} nats")
     for name, vals in final.items():
-        mean, hw = t_interval(vals)
+        mean, hw = mean_ci(vals)
         runs = " ".join(f"{v:.3f}" for v in vals)
         print(f"{name:>12}: final val loss {mean:.3f} +- {hw:.3f} (runs {runs})")
     diff = [a - b for a, b in zip(final["mlm40"], final["clm25-mlm40"])]
-    mean, hw = t_interval(diff)
-    verdict = ("inconclusive" if not (hw == hw) or abs(mean) <= hw else
+    mean, hw = mean_ci(diff)
+    # A direction needs >= 3 seeds and an interval that excludes zero.
+    verdict = ("inconclusive" if len(diff) < 3 or abs(mean) <= hw else
                "CLM->MLM lower" if mean > 0 else "MLM lower")
     print(f"paired by seed, MLM - (CLM->MLM) final MLM val loss: {mean:+.3f} +- {hw:.3f} -> {verdict}")
-    mlm_mean = t_interval(final["mlm40"])[0]
+    mlm_mean = mean_ci(final["mlm40"])[0]
     print(f"RESULT learning_curves mlm_below_unigram_nats={unigram - mlm_mean:.3f} "
           f"mlm_minus_clm_mlm={mean:.3f} ci95={hw:.3f}")
 
