@@ -35,3 +35,19 @@ def test_doc_stride_windows_label_the_answer(tiny_model):
         st[0], en[0] = 6.0, 6.0
     assert postprocess([RECORD], evals, starts, ends, 2, 30, 0.0) == {"q1": ""}
     assert postprocess([RECORD], evals, starts, ends, 2, 30, 5.0) == {"q1": "Paris France"}
+
+
+def test_a_question_longer_than_the_stride_room_is_cut_not_fatal(tiny_model):
+    """max_length 32 leaves stride 8 room only if the question takes <= 8 tokens: a 40-word
+    question used to panic inside the tokenizer (stride >= room); it is now cut to a quarter of
+    max_length and the answer is still labelled in the context."""
+    tok = load_tokenizer(tiny_model)
+    long = dict(RECORD, question=" ".join(["where"] * 40) + " ?")
+    feats = encode_train([long], tok, max_length=32, stride=8)
+    hits = [f for f in feats if f["start_positions"] > 0]
+    assert hits
+    for f in hits:
+        assert tok.decode(f["input_ids"][f["start_positions"]:f["end_positions"] + 1]) == "Paris France"
+        question = f["input_ids"][1:f["input_ids"].index(tok.sep_token_id or tok.eos_token_id)]
+        assert 0 < len(question) <= 32 // 4
+    assert encode_eval([long], tok, max_length=32, stride=8)

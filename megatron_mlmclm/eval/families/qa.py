@@ -23,7 +23,13 @@ N_BEST = 20
 def _tokenize(records, tokenizer, max_length: int, stride: int):
     if tokenizer.padding_side != "right":
         tokenizer.padding_side = "right"
+    # The tokenizer needs stride < the room left for the context, so a question may take at most
+    # a quarter of max_length (longer ones are cut at a token boundary; their context span and
+    # answer offsets are untouched): room >= 3/4 max_length - 3 > stride <= max_length / 2.
     questions = [r["question"].lstrip() for r in records]
+    cut = tokenizer(questions, add_special_tokens=False, truncation=True,
+                    max_length=max(1, max_length // 4), return_offsets_mapping=True)["offset_mapping"]
+    questions = [q[:spans[-1][1]] if spans else q for q, spans in zip(questions, cut)]
     stride = min(stride, max_length // 2)
     return tokenizer(questions, [r["context"] for r in records], truncation="only_second",
                      max_length=max_length, stride=stride, return_overflowing_tokens=True,
