@@ -234,7 +234,7 @@ def _ties(per_family, samples_of) -> list[dict]:
     return out
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
+def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         return
     with open(path, "w", newline="") as f:
@@ -243,16 +243,16 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def _md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> list[str]:
+def md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> list[str]:
     """cols: (key, header, format)."""
     lines = ["| " + " | ".join(h for _, h, _ in cols) + " |",
              "|" + "|".join("---" if f == "s" else "---:" for _, _, f in cols) + "|"]
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r[k], f) for k, _, f in cols) + " |")
+        lines.append("| " + " | ".join(fmt(r[k], f) for k, _, f in cols) + " |")
     return lines
 
 
-def _fmt(value, f: str) -> str:
+def fmt(value, f: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return str(value) if f == "s" or isinstance(value, str) else format(value, f)
@@ -281,7 +281,7 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
              "Family score = mean of the family's task scores; its interval treats each seed's "
              "family score (mean over the family's tasks of that seed's test score at each task's "
              "chosen LR) as one sample. A model missing a task of the family has none.", ""]
-    lines += _md_table(overview, [("model", "model", "s")] + [(f, f.upper(), "s") for f in fam_cols]
+    lines += md_table(overview, [("model", "model", "s")] + [(f, f.upper(), "s") for f in fam_cols]
                        + [("avg", "average", "s")])
     lines += ["", "## Ties with the best model per family", "",
               f"Test: paired two-sided t-test (scipy.stats.ttest_rel) of each model's per-seed family "
@@ -294,12 +294,12 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
             tied = [r["model"] for r in rows if r["verdict"] in ("best", "tied")]
             lines.append(f"- {fam.upper()}: best {rows[0]['best']}; statistically tied with the "
                          f"best: {', '.join(tied)}")
-    lines += [""] + _md_table(s["ties"], [("family", "family", "s"), ("model", "model", "s"),
+    lines += [""] + md_table(s["ties"], [("family", "family", "s"), ("model", "model", "s"),
                                           ("score", "score", ".2f"), ("diff", "Δ vs best", "+.2f"),
                                           ("pairs", "paired seeds", "d"), ("t", "t", ".3f"),
                                           ("p", "p", ".4f"), ("verdict", "verdict", "s")])
     lines += ["", "## Per task", ""]
-    lines += _md_table(s["per_task"], [("model", "model", "s"), ("task", "task", "s"),
+    lines += md_table(s["per_task"], [("model", "model", "s"), ("task", "task", "s"),
                                        ("metric", "metric", "s"), ("best_lr", "best LR", "g"),
                                        ("validation", "validation", ".2f"), ("score", "score", ".2f"),
                                        ("ci95", "± 95% CI", ".2f"), ("seeds", "seeds", "d"),
@@ -316,7 +316,7 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
     lines += ["", "## Learning-rate sensitivity (stability)", "",
               "Mean test score per complete LR across the grid: spread = best - worst LR, sd across "
               "LRs, and how many LRs land within 1 point of the best. Smaller spread = more stable.", ""]
-    lines += _md_table(s["stability"], [("model", "model", "s"), ("task", "task", "s"),
+    lines += md_table(s["stability"], [("model", "model", "s"), ("task", "task", "s"),
                                         ("best", "best", ".2f"), ("worst", "worst", ".2f"),
                                         ("worst_lr", "worst LR", "g"), ("spread", "spread", ".2f"),
                                         ("sd_across_lrs", "sd", ".2f"),
@@ -374,6 +374,15 @@ def write_plots(s: dict, out: Path) -> list[str]:
     return written
 
 
+def write_report(s: dict, out: Path, plots: bool = True) -> dict:
+    """report.md, the CSVs and the plots of a summary (summarize) into `out`; returns `s`."""
+    out.mkdir(parents=True, exist_ok=True)
+    for key in ("per_task", "per_family", "ties", "incomplete", "stability", "lr_curves"):
+        write_csv(out / f"{key}.csv", s[key])
+    write_markdown(s, out / "report.md", write_plots(s, out) if plots else [])
+    return s
+
+
 def make_report(results_dir: str | Path, out_dir: str | Path | None = None, plots: bool = True,
                 protocol: list[str] | None = None, log=print) -> Path:
     results, legacy = load_results(results_dir)
@@ -382,12 +391,7 @@ def make_report(results_dir: str | Path, out_dir: str | Path | None = None, plot
         log(f"report: ignored {legacy} result(s) without a protocol (written before results were "
             f"keyed by protocol); re-run them with `mlmclm evaluate`")
     out = Path(out_dir) if out_dir else Path(results_dir) / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    s = summarize(results)
-    for key in ("per_task", "per_family", "ties", "incomplete", "stability", "lr_curves"):
-        _write_csv(out / f"{key}.csv", s[key])
-    written = write_plots(s, out) if plots else []
-    write_markdown(s, out / "report.md", written)
+    s = write_report(summarize(results), out, plots)
     if s["incomplete"]:
         log(f"report: {len(s['incomplete'])} incomplete learning rate(s) left out of the LR choice "
             f"(listed in report.md)")
