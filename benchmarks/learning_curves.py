@@ -26,9 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import yaml
 
+from megatron_mlmclm.data.unigram import unigram_cross_entropy
 from megatron_mlmclm.eval.report import mean_ci  # the report's 95% t-interval
 
 OBJECTIVES = {
@@ -40,60 +40,24 @@ OBJECTIVES = {
 
 
 def build_data(work: Path, vocab_size: int) -> tuple[Path, dict[str, str]]:
-    from megatron_mlmclm.data.preprocess import preprocess
-    from megatron_mlmclm.data.tokenizer import train_tokenizer
     from megatron_mlmclm.paths import data_dir
+    from megatron_mlmclm.quickstart import build_corpus
 
     books = data_dir(required=True) / "gutenberg_en"
-    tokenizer = work / "tokenizer"
-    if not (tokenizer / "mlmclm_tokenizer.json").is_file():
-        train_tokenizer([str(books / "train.jsonl.gz")], tokenizer, vocab_size=vocab_size,
-                        max_documents=60)
-    prefixes = {}
-    for split in ("train", "valid"):
-        prefix = work / "shards" / f"gutenberg_{split}"
-        if not Path(f"{prefix}_text_document.idx").is_file():
-            preprocess([str(books / f"{split}.jsonl.gz")], prefix, tokenizer, workers=2)
-        prefixes[split] = f"{prefix}_text_document"
-    return tokenizer, prefixes
-
-
-def unigram_cross_entropy(tokenizer: Path, prefixes: dict[str, str]) -> float:
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    meta = json.loads((tokenizer / "mlmclm_tokenizer.json").read_text())
-    specials = [meta[k] for k in ("bos_id", "eos_id", "pad_id", "mask_id") if meta.get(k) is not None]
-    vocab = int(meta["vocab_size"])
-
-    def tokens(prefix):  # the whole shard: .bin is the documents' tokens end to end
-        return np.fromfile(prefix + ".bin", dtype=IndexedDataset(prefix).index.dtype).astype(np.int64)
-
-    train, valid = tokens(prefixes["train"]), tokens(prefixes["valid"])
-    counts = np.bincount(train, minlength=vocab).astype(np.float64) + 1.0
-    counts[specials] = 0.0  # masked positions never hold a special token
-    p = counts / counts.sum()
-    valid = valid[~np.isin(valid, specials)]
-    return float(-np.log(p[valid]).mean())
+    return build_corpus(work, {s: str(books / f"{s}.jsonl.gz") for s in ("train", "valid")},
+                        vocab_size)
 
 
 def run_one(work: Path, name: str, phases, seed: int, steps: int, tokenizer: Path, prefixes,
             eval_iters: int) -> float:
+    from megatron_mlmclm.quickstart import small_run_config
+
     out = work / "runs" / f"{name}-s{seed}"
     metrics = out / "metrics.jsonl"
     if not (out / "checkpoints" / f"iter_{steps:07d}").is_dir():
-        warm = max(1, steps // 10)
-        cfg = {
-            "name": f"{name}-s{seed}", "output_dir": str(out), "model": {"preset": "tiny"},
-            "data": {"train": [prefixes["train"]], "valid": [prefixes["valid"]],
-                     "tokenizer": str(tokenizer), "seed": seed,
-                     "cache_dir": str(work / "shards" / "cache")},
-            "phases": phases,
-            "train": {"steps": steps, "micro_batch_size": 16, "global_batch_size": 16, "lr": 2e-3,
-                      "warmup_steps": warm, "decay_steps": warm, "seed": seed},
-            "checkpoint": {"save_interval": 0, "keep_last": 1},
-            "logging": {"log_interval": steps, "eval_interval": max(1, steps // 6),
-                        "eval_iters": eval_iters, "tensorboard": False},
-        }
+        cfg = small_run_config(work, f"{name}-s{seed}", phases, steps, tokenizer, prefixes,
+                               seed=seed, eval_iters=eval_iters, evals=6)
+        cfg["logging"].update(log_interval=steps, tensorboard=False)
         path = work / "configs" / f"{name}-s{seed}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -114,7 +78,7 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work).resolve()
     tokenizer, prefixes = build_data(work, args.vocab_size)
-    unigram = unigram_cross_entropy(tokenizer, prefixes)
+    unigram = unigram_cross_entropy(tokenizer, prefixes["train"], prefixes["valid"])
     final = {name: [run_one(work, name, phases, s, args.steps, tokenizer, prefixes,
                             args.eval_iters) for s in args.seeds]
              for name, phases in OBJECTIVES.items()}

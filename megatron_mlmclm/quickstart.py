@@ -40,13 +40,13 @@ MODELS = {
 }
 
 
-def log(message: str) -> None:
-    print(f"[quickstart] {message}", file=sys.stderr, flush=True)
+def log(message: str, who: str = "quickstart") -> None:
+    print(f"[{who}] {message}", file=sys.stderr, flush=True)
 
 
-def stage(name: str, done: bool) -> bool:
+def stage(name: str, done: bool, who: str = "quickstart") -> bool:
     """Announce a stage; True when it must run."""
-    log(f"{name}: {'done already, reusing' if done else 'running'}")
+    log(f"{name}: {'done already, reusing' if done else 'running'}", who)
     return not done
 
 
@@ -79,17 +79,7 @@ def run_quickstart(out: str | Path, data_folder: str | None = None, steps: int =
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
 
-    tokenizer = out / "tokenizer"
-    if stage("1/6 tokenizer (byte-level BPE on Gutenberg)", (tokenizer / "mlmclm_tokenizer.json").is_file()):
-        train_tokenizer([corpus["train"]], tokenizer, vocab_size=vocab_size,
-                        max_documents=60)
-
-    shards = out / "shards"
-    prefixes = {split: shards / f"gutenberg_{split}" for split in ("train", "valid")}
-    for split, prefix in prefixes.items():
-        target = Path(f"{prefix}_text_document.idx")
-        if stage(f"2/6 shards: gutenberg {split}", target.is_file()):
-            preprocess([corpus[split]], prefix, tokenizer, workers=2)
+    tokenizer, prefixes = build_corpus(out, corpus, vocab_size, "1/6", "2/6")
 
     runs = out / "runs"
     for name, phases in MODELS.items():
@@ -124,22 +114,55 @@ def run_quickstart(out: str | Path, data_folder: str | None = None, steps: int =
     return out
 
 
-def write_run_config(out: Path, name: str, phases, steps: int, tokenizer: Path, prefixes) -> Path:
+def build_corpus(out: Path, corpus: dict[str, str], vocab_size: int, tok_stage: str = "",
+                 shard_stage: str = "", who: str = "quickstart") -> tuple[Path, dict[str, str]]:
+    """Tokenizer (OUT/tokenizer) and train/valid shards (OUT/shards), each built once:
+    (tokenizer folder, {split: shard prefix})."""
+    tokenizer = out / "tokenizer"
+    if stage(f"{tok_stage} tokenizer (byte-level BPE on Gutenberg)".strip(),
+             (tokenizer / "mlmclm_tokenizer.json").is_file(), who):
+        train_tokenizer([corpus["train"]], tokenizer, vocab_size=vocab_size, max_documents=60)
+    prefixes = {}
+    for split in ("train", "valid"):
+        prefix = out / "shards" / f"gutenberg_{split}"
+        if stage(f"{shard_stage} shards: gutenberg {split}".strip(),
+                 Path(f"{prefix}_text_document.idx").is_file(), who):
+            preprocess([corpus[split]], prefix, tokenizer, workers=2)
+        prefixes[split] = f"{prefix}_text_document"
+    return tokenizer, prefixes
+
+
+def small_run_config(out: Path, name: str, phases, steps: int, tokenizer: Path, prefixes, *,
+                     preset: str = "tiny", seed: int | None = None, lr: float = 2e-3,
+                     micro_batch_size: int = 16, eval_iters: int = 4, evals: int = 4,
+                     init_from: str | None = None) -> dict:
+    """A CPU-sized pretraining run in OUT/runs/NAME on the shards of build_corpus: WSD schedule
+    with 10% warmup and 10% decay, `evals` validations, a checkpoint at the end."""
     warm = max(1, steps // 10)
     cfg = {
         "name": name,
         "output_dir": str(out / "runs" / name),
-        "model": {"preset": "tiny"},
-        "data": {"train": [f"{prefixes['train']}_text_document"],
-                 "valid": [f"{prefixes['valid']}_text_document"],
+        "model": {"preset": preset},
+        "data": {"train": [prefixes["train"]], "valid": [prefixes["valid"]],
                  "tokenizer": str(tokenizer), "cache_dir": str(out / "shards" / "cache")},
-        "phases": phases,
-        "train": {"steps": steps, "micro_batch_size": 16, "global_batch_size": 16, "lr": 2e-3,
+        "phases": [dict(p) for p in phases],
+        "train": {"steps": steps, "micro_batch_size": micro_batch_size,
+                  "global_batch_size": micro_batch_size, "lr": lr,
                   "warmup_steps": warm, "decay_steps": warm},
         "checkpoint": {"save_interval": max(50, steps // 4), "keep_last": 1},
-        "logging": {"log_interval": max(1, steps // 4), "eval_interval": max(1, steps // 4),
-                    "eval_iters": 4},
+        "logging": {"log_interval": max(1, steps // evals), "eval_interval": max(1, steps // evals),
+                    "eval_iters": eval_iters},
     }
+    if seed is not None:
+        cfg["data"]["seed"] = cfg["train"]["seed"] = seed
+    if init_from is not None:
+        cfg["train"]["init_from"] = init_from
+    return cfg
+
+
+def write_run_config(out: Path, name: str, phases, steps: int, tokenizer: Path, prefixes,
+                     **options) -> Path:
+    cfg = small_run_config(out, name, phases, steps, tokenizer, prefixes, **options)
     path = out / "configs" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
