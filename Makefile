@@ -1,12 +1,14 @@
 # Two entry points for a fresh machine (see README.md): `make quickstart` and `make test`.
+# `make study` runs the mini-study (docs/mini_study.md, at most an hour on 2 CPU cores).
 PYTHON ?= python3
 VENV   ?= .venv
 OUT    ?= out/quickstart
+STUDY_OUT ?= out/study
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart test slurm-deps clean
+.PHONY: install quickstart study test slurm-deps clean
 
 install: $(STAMP)
 
@@ -20,6 +22,9 @@ $(STAMP): pyproject.toml setup.py csrc/sample_index.cpp
 
 quickstart: install
 	$(BIN)/mlmclm quickstart --out $(OUT)
+
+study: install
+	$(BIN)/mlmclm study --out $(STUDY_OUT)
 
 test: install slurm-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": (f"{_PKG}.report", "tables, confidence intervals and plots"),
     "plan": (f"{_PKG}.plan", "write the study's grid of configs and jobs"),
     "quickstart": (f"{_PKG}.quickstart", "small end-to-end run on CPU"),
+    "study": (f"{_PKG}.study", "the study's comparisons in miniature on CPU, with verdicts"),
 }
 
 

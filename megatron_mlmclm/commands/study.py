@@ -1,0 +1,46 @@
+"""`mlmclm study`: the study's design in miniature on CPU, with verdicts (study/; `make study`)."""
+
+from __future__ import annotations
+
+from megatron_mlmclm.study.design import LR_LADDER, TASKS, StudyDesign
+
+_D = StudyDesign()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default="out/study", help="output folder (default %(default)s)")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with gutenberg_en/ and the tasks' folders (default: "
+                             "$MLMCLM_DATA_DIR, else ../shared/data)")
+    g = parser.add_argument_group("pretraining (defaults: the 60-minute design, docs/mini_study.md)")
+    g.add_argument("--preset", default=_D.preset, help="model preset (default %(default)s)")
+    g.add_argument("--steps", type=int, default=_D.steps, help="steps per recipe (default %(default)s)")
+    g.add_argument("--cpt-steps", type=int, default=_D.cpt_steps,
+                   help="MLM steps added to the CLM model (default %(default)s)")
+    g.add_argument("--pretrain-seeds", nargs="+", type=int, default=_D.pretrain_seeds)
+    g.add_argument("--lr", type=float, default=_D.lr, help="peak pretraining LR")
+    g.add_argument("--vocab-size", type=int, default=_D.vocab_size)
+    g = parser.add_argument_group("fine-tuning")
+    g.add_argument("--tasks", nargs="+", default=list(TASKS))
+    g.add_argument("--lrs", nargs="+", type=float, default=_D.lrs,
+                   help=f"initial LR grid, on the ladder {list(LR_LADDER)}")
+    g.add_argument("--seeds", dest="finetune_seeds", nargs="+", type=int, default=_D.finetune_seeds)
+    g.add_argument("--finetune-steps", type=int, default=_D.finetune_steps)
+    g.add_argument("--batch-size", type=int, default=_D.batch_size)
+    g.add_argument("--max-length", type=int, default=_D.max_length)
+    g.add_argument("--max-train-examples", type=int, default=_D.max_train_examples)
+    g.add_argument("--max-eval-examples", type=int, default=_D.max_eval_examples)
+    g.add_argument("--max-widen", type=int, default=_D.max_widen,
+                   help="times a task's LR grid may be widened (default %(default)s)")
+    parser.add_argument("--workers", type=int, default=_D.workers,
+                        help="runs side by side, one thread each (default %(default)s)")
+
+
+def run(args) -> int:
+    fields = {k: v for k, v in vars(args).items() if k in StudyDesign.__dataclass_fields__}
+    design = StudyDesign(**fields).check()
+    # Imported here: megatron-core and transformers would slow `mlmclm study --help`.
+    from megatron_mlmclm.study.pipeline import run_study
+
+    run_study(args.out, design, data_folder=args.data_dir)
+    return 0

@@ -1,0 +1,173 @@
+"""The study's claims as paired comparisons, each with a difference, a 95% interval and a verdict.
+
+Unit of comparison: one (pretraining seed p, fine-tuning seed s) pair. For a recipe and a task,
+the sample of pair (p, s) is the test score (percent) of the model pretrained with seed p,
+fine-tuned with seed s at the learning rate chosen for that model on validation (eval.report's
+rule). Two recipes are compared on the pairs they share, so a difference is always between models
+that saw the same pretraining samples and the same fine-tuning seed. A family score is the mean
+over the family's tasks; "overall" is the mean over every task. The interval is the t-interval of
+the mean paired difference (eval.report.mean_ci), treating the pairs as exchangeable samples; the
+per-pretraining-seed means are reported beside it so a reader sees how much the pretraining seed
+moves the difference.
+
+Verdicts, for a claim "A beats B" (difference d = A - B):
+    agrees        the interval lies above 0
+    disagrees     the interval lies below 0
+    inconclusive  the interval contains 0, or fewer than 3 pairs
+and for "A matches or beats B": agrees (beats) when the interval lies above 0, agrees (matches)
+when it lies above -MARGIN (A is at most MARGIN points worse), disagrees when it lies below 0
+and reaches past -MARGIN, inconclusive otherwise.
+
+LR sensitivity of a model on a task, per fine-tuning seed: best minus worst test score across the
+task's LR grid (the same grid for every model of the task); a recipe's sample for pair (p, s) is
+that spread averaged over the tasks.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+from megatron_mlmclm.eval.report import mean_ci, summarize
+from megatron_mlmclm.study.design import RECIPES, parse_run_name
+
+MARGIN = 1.0  # points: "matches" = at most this much worse, with 95% confidence
+MIN_PAIRS = 3
+
+
+def task_samples(results: list[dict]) -> tuple[dict, dict]:
+    """({(recipe, task): {(p, s): test score at the chosen LR}},
+        {(recipe, task): {(p, s): best - worst test score across the LR grid}})."""
+    s = summarize(results)
+    chosen = {(r["model"], r["task"]): r["best_lr"] for r in s["per_task"]}
+    by_lr = defaultdict(lambda: defaultdict(dict))  # (model, task) -> seed -> lr -> score
+    for r in results:
+        by_lr[(r["model"], r["task"])][r["seed"]][r["lr"]] = 100 * r["metrics"]["test"][r["metric"]]
+    scores, spreads = defaultdict(dict), defaultdict(dict)
+    for (model, task), seeds in by_lr.items():
+        recipe, p = parse_run_name(model)
+        lrs = set.intersection(*(set(v) for v in seeds.values()))
+        for seed, at in seeds.items():
+            if (model, task) in chosen:
+                scores[(recipe, task)][(p, seed)] = at[chosen[(model, task)]]
+            if len(lrs) > 1:
+                vals = [at[lr] for lr in lrs]
+                spreads[(recipe, task)][(p, seed)] = max(vals) - min(vals)
+    return dict(scores), dict(spreads)
+
+
+def averaged(samples: dict, recipe: str, tasks: list[str]) -> dict:
+    """{(p, s): mean over `tasks`} for the pairs every task has; {} when a task is missing."""
+    per_task = [samples.get((recipe, t)) for t in tasks]
+    if not tasks or any(not x for x in per_task):
+        return {}
+    pairs = set.intersection(*(set(x) for x in per_task))
+    return {k: statistics.mean(x[k] for x in per_task) for k in pairs}
+
+
+def verdict(mean: float, half: float, n: int, kind: str) -> str:
+    if n < MIN_PAIRS:
+        return f"inconclusive (fewer than {MIN_PAIRS} pairs)"
+    lo, hi = mean - half, mean + half
+    if kind == "beats":
+        return "agrees" if lo > 0 else "disagrees" if hi < 0 else "inconclusive at this scale"
+    if lo > 0:
+        return "agrees (beats)"
+    if lo >= -MARGIN:
+        return f"agrees (matches within {MARGIN:g} pt)"
+    return "disagrees" if hi < 0 else "inconclusive at this scale"
+
+
+def pairs_needed(diffs: list[float], mean: float) -> int | None:
+    """Pairs at which the interval would exclude 0 if the mean and spread of the differences
+    stayed as measured (normal approximation); None when the difference is 0 or constant."""
+    if len(diffs) < 2 or abs(mean) < 1e-12:
+        return None
+    sd = statistics.stdev(diffs)
+    return max(len(diffs), math.ceil((1.96 * sd / abs(mean)) ** 2)) if sd > 0 else None
+
+
+def compare(claim: str, a: dict, b: dict, a_name: str, b_name: str, kind: str,
+            what: str) -> dict:
+    """One comparison row: a, b = {(p, s): value}."""
+    keys = sorted(set(a) & set(b))
+    row = {"claim": claim, "measure": what, "a": a_name, "b": b_name, "kind": kind,
+           "pairs": len(keys), "diff": math.nan, "ci95": math.nan, "lo": math.nan,
+           "hi": math.nan, "by_pretrain_seed": "", "pairs_needed": None}
+    if not keys:
+        row["verdict"] = "not measured (no shared pairs)"
+        return row
+    diffs = [a[k] - b[k] for k in keys]
+    mean, half = mean_ci(diffs)
+    seeds = sorted({p for p, _ in keys})
+    by_seed = {p: statistics.mean(d for (q, _), d in zip(keys, diffs) if q == p) for p in seeds}
+    row.update(diff=mean, ci95=half, lo=mean - half, hi=mean + half,
+               by_pretrain_seed=" ".join(f"p{p}: {v:+.2f}" for p, v in by_seed.items()),
+               verdict=verdict(mean, half, len(keys), kind))
+    if row["verdict"].startswith("inconclusive"):
+        row["pairs_needed"] = pairs_needed(diffs, mean)
+    return row
+
+
+def study_comparisons(results: list[dict], families: dict[str, str]) -> list[dict]:
+    """The study's claims (docs/study.md) on these fine-tuning results. `families`: task -> family
+    of the tasks present."""
+    scores, spreads = task_samples(results)
+    tasks = sorted(families)
+    fam = {f: [t for t in tasks if families[t] == f] for f in ("sc", "tc", "qa", "ir")}
+
+    def score(recipe, of):
+        return averaged(scores, recipe, of)
+
+    rows = []
+    for f, claim in (("sc", "MLM beats CLM on sequence classification"),
+                     ("qa", "MLM beats CLM on question answering")):
+        if fam[f]:
+            rows.append(compare(claim, score("mlm40", fam[f]), score("clm", fam[f]), "MLM 40%",
+                                "CLM", "beats", f"{f.upper()} score ({', '.join(fam[f])})"))
+    rows.append(compare("MLM beats CLM overall", score("mlm40", tasks), score("clm", tasks),
+                        "MLM 40%", "CLM", "beats", "mean score over all tasks"))
+    if fam["tc"]:
+        rows.append(compare("CLM is competitive with MLM on token classification",
+                            score("clm", fam["tc"]), score("mlm40", fam["tc"]), "CLM", "MLM 40%",
+                            "matches", f"TC score ({', '.join(fam['tc'])})"))
+    rows.append(compare("CLM is less sensitive to the fine-tuning learning rate",
+                        averaged(spreads, "mlm40", tasks), averaged(spreads, "clm", tasks),
+                        "MLM 40%", "CLM", "beats",
+                        "best - worst score across the LR grid, mean over tasks (A - B > 0: "
+                        "MLM more sensitive)"))
+    rows.append(compare("At a fixed budget, CLM then MLM matches or beats MLM alone",
+                        score("clm25-mlm40", tasks), score("mlm40", tasks), "CLM 25% -> MLM 75%",
+                        "MLM 40%", "matches", "mean score over all tasks"))
+    rows.append(compare("Continuing a CLM model with MLM matches or beats MLM from scratch",
+                        score("clm-cpt-mlm40", tasks), score("mlm40", tasks),
+                        "CLM + MLM continuation", "MLM 40%", "matches",
+                        "mean score over all tasks"))
+    rows.append(compare("The MLM continuation improves the CLM model it starts from",
+                        score("clm-cpt-mlm40", tasks), score("clm", tasks),
+                        "CLM + MLM continuation", "CLM", "beats", "mean score over all tasks"))
+    return rows
+
+
+def recipe_table(results: list[dict], families: dict[str, str]) -> list[dict]:
+    """Per recipe and task (and overall): mean score over (p, s) pairs with its 95% interval, and
+    the chosen LRs of the recipe's models."""
+    scores, _ = task_samples(results)
+    chosen = defaultdict(list)
+    for r in summarize(results)["per_task"]:
+        chosen[(parse_run_name(r["model"])[0], r["task"])].append(f"{r['best_lr']:g}")
+    rows = []
+    order = [r.key for r in RECIPES]
+    recipes = sorted({k[0] for k in scores}, key=lambda k: order.index(k) if k in order else len(order))
+    for recipe in recipes:
+        for task in sorted(families) + ["overall"]:
+            samples = averaged(scores, recipe, sorted(families) if task == "overall" else [task])
+            if not samples:
+                continue
+            mean, half = mean_ci(list(samples.values()))
+            rows.append({"recipe": recipe, "task": task,
+                         "family": families.get(task, "all"), "score": mean, "ci95": half,
+                         "pairs": len(samples), "chosen_lrs": " ".join(chosen.get((recipe, task), []))})
+    return rows
+

@@ -1,0 +1,124 @@
+"""What the mini-study trains and fine-tunes: the models, their budgets and the fine-tuning grid.
+
+Four pretraining recipes, each from `pretrain_seeds` (the seed sets initial weights, sample order
+and masks, so recipes with the same seed see the same samples in the same order):
+
+    clm              CLM for `steps` steps
+    mlm40            MLM 40% for `steps` steps
+    clm25-mlm40      CLM for the first 25% of `steps`, then MLM 40% (one LR schedule)
+    clm-cpt-mlm40    the finished clm model continued with MLM 40% for `cpt_steps` more steps
+
+Every model is fine-tuned on each task over that task's learning rates x `finetune_seeds`. The LR
+grids start at `lrs` and are widened along LR_LADDER (the whole task, every model) while a model's
+chosen LR sits at an edge, at most `max_widen` times per task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megatron_mlmclm.config import MODEL_PRESETS
+from megatron_mlmclm.errors import UsageError
+
+MLM = {"objective": "mlm", "mask_ratio": 0.4}
+# Half-decade steps: the fine-tuning grids are widened along this ladder.
+LR_LADDER = (3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+TASKS = ("sst2", "conll2003", "squad", "scifact")  # one task per family: SC, TC, QA, IR
+
+
+@dataclass(frozen=True)
+class Recipe:
+    key: str
+    label: str
+    phases: tuple
+    continues: str | None = None  # key of the recipe whose final checkpoint this one starts from
+
+
+RECIPES = (
+    Recipe("clm", "CLM", ({"objective": "clm"},)),
+    Recipe("mlm40", "MLM 40%", (MLM,)),
+    Recipe("clm25-mlm40", "CLM 25% -> MLM 75%", ({"objective": "clm", "share": 0.25},
+                                                  {**MLM, "share": 0.75})),
+    Recipe("clm-cpt-mlm40", "CLM + MLM continuation", (MLM,), continues="clm"),
+)
+RECIPE = {r.key: r for r in RECIPES}
+
+
+@dataclass
+class StudyDesign:
+    preset: str = "mini"
+    steps: int = 1200
+    cpt_steps: int = 300
+    pretrain_seeds: list[int] = field(default_factory=lambda: [0, 1])
+    micro_batch_size: int = 16
+    lr: float = 2e-3
+    eval_iters: int = 16  # validation batches of micro_batch_size sequences
+    vocab_size: int = 8192
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
+    finetune_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    finetune_steps: int = 100
+    batch_size: int = 16
+    max_length: int = 128
+    max_train_examples: int = 1600  # = finetune_steps x batch_size: one epoch
+    max_eval_examples: int = 300
+    max_widen: int = 2
+    workers: int = 2  # parallel pretraining runs and fine-tuning runs, one thread each
+
+    def check(self) -> "StudyDesign":
+        """UsageError on a design that cannot run (before any work starts)."""
+        if self.preset not in MODEL_PRESETS:
+            raise UsageError(f"--preset {self.preset} is unknown; choose one of "
+                             f"{', '.join(MODEL_PRESETS)}")
+        if self.steps < 40:
+            raise UsageError("--steps must be at least 40 (warmup and decay take 10% each, the "
+                             "CLM phase 25%)")
+        if self.cpt_steps < 10:
+            raise UsageError("--cpt-steps must be at least 10")
+        for name in ("pretrain_seeds", "finetune_seeds", "tasks", "lrs"):
+            values = getattr(self, name)
+            if not values or len(set(values)) != len(values):
+                raise UsageError(f"--{name.replace('_', '-')} needs at least one value and no repeats")
+        if len(self.lrs) < 3:
+            raise UsageError("--lrs needs at least 3 learning rates (an interior choice needs both "
+                             "neighbours)")
+        off = [lr for lr in self.lrs if lr not in LR_LADDER]
+        if off:
+            raise UsageError(f"--lrs {off} are not on the study's LR ladder {list(LR_LADDER)}; "
+                             "grids are widened along it")
+        for name in ("finetune_steps", "batch_size", "max_length", "workers", "micro_batch_size",
+                     "eval_iters", "max_train_examples", "max_eval_examples"):
+            if getattr(self, name) <= 0:
+                raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+        if self.max_widen < 0:
+            raise UsageError("--max-widen must be >= 0")
+        return self
+
+    def runs(self) -> list[tuple[Recipe, int]]:
+        """(recipe, pretraining seed) in a start order that lets continuations start early."""
+        return [(r, s) for r in RECIPES for s in self.pretrain_seeds]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def run_name(recipe: Recipe | str, seed: int) -> str:
+    return f"{recipe if isinstance(recipe, str) else recipe.key}-p{seed}"
+
+
+def parse_run_name(name: str) -> tuple[str, int]:
+    """Inverse of run_name: ('mlm40', 1) for 'mlm40-p1'."""
+    key, _, seed = name.rpartition("-p")
+    return key, int(seed)
+
+
+def widen(lrs: list[float], low: bool, high: bool) -> list[float]:
+    """The grid with the ladder's next LR added below (low) and/or above (high), when there is one."""
+    out = sorted(lrs)
+    i, j = LR_LADDER.index(out[0]), LR_LADDER.index(out[-1])
+    if low and i > 0:
+        out.insert(0, LR_LADDER[i - 1])
+    if high and j < len(LR_LADDER) - 1:
+        out.append(LR_LADDER[j + 1])
+    return out

@@ -1,0 +1,275 @@
+"""`mlmclm study`: the study's design in miniature, end to end on CPU (design.py says what is run).
+
+    tokenizer -> shards -> unigram floor -> pretraining (design.workers runs at a time, one thread
+    each) -> Hugging Face exports -> fine-tuning, task by task, with the LR grid widened while a
+    chosen LR sits at its edge -> OUT/report.md (report.py) and OUT/models/ (the per-model report)
+
+Resumable like the quickstart: finished pretraining runs, exports and fine-tuning results are kept
+and reused; the report is rebuilt from what is on disk. OUT/study.json records the design; a second
+run with another design into the same folder is refused (the results would not be comparable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from tqdm.auto import tqdm
+
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid
+from megatron_mlmclm.eval.report import summarize
+from megatron_mlmclm.quickstart import build_corpus, cli, resolve_sources, small_run_config
+from megatron_mlmclm.quickstart import log as quickstart_log
+from megatron_mlmclm.study.design import RECIPE, StudyDesign, parse_run_name, run_name, widen
+
+
+def log(message: str) -> None:
+    quickstart_log(message, "study")
+
+
+def run_study(out: str | Path, design: StudyDesign, data_folder: str | None = None) -> Path:
+    design.check()
+    corpus, tasks = resolve_sources(data_folder, design.tasks)
+    out = Path(out).resolve()
+    _claim_folder(out, design)
+    start = time.time()
+    tokenizer, prefixes = build_corpus(out, corpus, design.vocab_size, "1/6", "2/6", who="study")
+    floor = out / "unigram.json"
+    if not floor.is_file():
+        from megatron_mlmclm.data.unigram import unigram_cross_entropy  # megatron-core: slow import
+
+        floor.write_text(json.dumps({"unigram_nats": unigram_cross_entropy(
+            tokenizer, prefixes["train"], prefixes["valid"])}))
+    log(f"unigram entropy of the validation tokens: "
+        f"{json.loads(floor.read_text())['unigram_nats']:.3f} nats")
+
+    pretrain_all(out, design, tokenizer, prefixes)
+    exports = export_all(out, design)
+    grids = finetune_all(out, design, tasks, exports)
+
+    from megatron_mlmclm.study.report import write_study_report  # matplotlib, scipy
+
+    minutes = _record_invocation(out, start)
+    report = write_study_report(out, design, grids)
+    log(f"6/6 report: {report} (this invocation {minutes[-1]:.1f} min, all invocations "
+        f"{sum(minutes):.1f} min)")
+    return report
+
+
+# Options that change how fast the study runs, not what it measures.
+NOT_DESIGN = ("workers",)
+
+
+def _claim_folder(out: Path, design: StudyDesign) -> None:
+    record = out / "study.json"
+    mine = design.to_dict()
+    if record.is_file():
+        saved = json.loads(record.read_text())["design"]
+        changed = sorted(k for k in set(saved) | set(mine)
+                         if saved.get(k) != mine.get(k) and k not in NOT_DESIGN)
+        if changed:
+            k = changed[0]
+            raise UsageError(f"{out} holds a study with another design ({k}: saved "
+                             f"{saved.get(k)}, now {mine.get(k)}); use a new --out or the same "
+                             f"options")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"design": mine}, indent=1))
+
+
+def _record_invocation(out: Path, start: float) -> list[float]:
+    """Append this invocation's wall time (up to its report) to study.json; all of them, in min."""
+    record = out / "study.json"
+    saved = json.loads(record.read_text())
+    saved.setdefault("invocations", []).append(
+        {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
+         "minutes": round((time.time() - start) / 60, 2)})
+    record.write_text(json.dumps(saved, indent=1))
+    return [i["minutes"] for i in saved["invocations"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretraining
+
+
+def steps_of(design: StudyDesign, key: str) -> int:
+    return design.cpt_steps if RECIPE[key].continues else design.steps
+
+
+def run_dir(out: Path, name: str) -> Path:
+    return out / "runs" / name
+
+
+def finished(out: Path, design: StudyDesign, name: str) -> bool:
+    key, _ = parse_run_name(name)
+    return (run_dir(out, name) / "checkpoints" / f"iter_{steps_of(design, key):07d}").is_dir()
+
+
+def _config(out: Path, design: StudyDesign, name: str, tokenizer: Path, prefixes) -> Path:
+    key, seed = parse_run_name(name)
+    recipe = RECIPE[key]
+    init_from = None
+    if recipe.continues:
+        init_from = str(run_dir(out, run_name(recipe.continues, seed)) / "checkpoints")
+    cfg = small_run_config(out, name, recipe.phases, steps_of(design, key), tokenizer, prefixes,
+                           preset=design.preset, seed=seed, lr=design.lr,
+                           micro_batch_size=design.micro_batch_size,
+                           eval_iters=design.eval_iters, evals=6, init_from=init_from)
+    if recipe.continues:
+        # Another sample order than the base run's, so the continuation mostly reads new samples.
+        cfg["data"]["seed"] = seed + 1000
+    path = out / "configs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _last_step(metrics: Path) -> int:
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 2048))
+            lines = f.read().decode(errors="ignore").splitlines()
+        return max(json.loads(l).get("step", 0) for l in lines[1:] if l.strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> None:
+    """Every (recipe, seed) run, `design.workers` at a time (one thread each: two small runs side
+    by side use two cores better than one run on both); a continuation starts once its base run
+    has finished. A failing run stops the study with its exit status and log path."""
+    names = [run_name(r, s) for r, s in design.runs()]
+    todo = [n for n in names if not finished(out, design, n)]
+    log(f"3/6 pretraining: {len(names)} runs ({design.steps} steps; continuations "
+        f"{design.cpt_steps}), {len(names) - len(todo)} done already, "
+        f"{design.workers} at a time; logs in {out / 'runs'}/NAME/train.log")
+    if not todo:
+        return
+    total = {n: steps_of(design, parse_run_name(n)[0]) for n in todo}
+    bar = tqdm(total=sum(total.values()), desc="pretraining", unit="step")
+    running: dict[str, tuple[subprocess.Popen, object]] = {}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # SIGTERM (kill, a scheduler's time limit) must reach the runs too: they save at the step in
+    # flight and the next invocation resumes them.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        while todo or running:
+            for name in list(todo):
+                if len(running) >= design.workers:
+                    break
+                base = RECIPE[parse_run_name(name)[0]].continues
+                if base and not finished(out, design, run_name(base, parse_run_name(name)[1])):
+                    continue
+                config = _config(out, design, name, tokenizer, prefixes)
+                run_dir(out, name).mkdir(parents=True, exist_ok=True)
+                logf = open(run_dir(out, name) / "train.log", "w")
+                running[name] = (subprocess.Popen(
+                    [sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config)],
+                    stdout=logf, stderr=subprocess.STDOUT, env=env), logf)
+                todo.remove(name)
+            time.sleep(2)
+            for name, (proc, logf) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                logf.close()
+                del running[name]
+                if proc.returncode != 0:
+                    logfile = run_dir(out, name) / "train.log"
+                    last = [l for l in logfile.read_text(errors="replace").splitlines() if l.strip()]
+                    log(f"pretraining {name} failed (exit {proc.returncode}): "
+                        f"{last[-1] if last else ''} (log: {logfile})")
+                    raise SystemExit(proc.returncode)
+                log(f"pretrained {name}: final validation loss "
+                    f"{final_val_loss(out, name):.3f}")
+            bar.n = sum(min(total[n], _last_step(run_dir(out, n) / "metrics.jsonl"))
+                        for n in total if n not in todo)
+            bar.refresh()
+    finally:
+        for proc, _ in running.values():
+            proc.terminate()
+        for proc, _ in running.values():
+            proc.wait()
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()
+
+
+def val_losses(out: Path, name: str) -> list[tuple[int, float]]:
+    """(step, validation loss) of a run, in order."""
+    metrics = run_dir(out, name) / "metrics.jsonl"
+    rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+    return [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+
+
+def final_val_loss(out: Path, name: str) -> float:
+    return val_losses(out, name)[-1][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Exports and fine-tuning
+
+
+def export_all(out: Path, design: StudyDesign) -> dict[str, Path]:
+    exports = {}
+    for recipe, seed in design.runs():
+        name = run_name(recipe, seed)
+        target = out / "hf" / name
+        if not (target / "config.json").is_file():
+            log(f"4/6 export {name} to Hugging Face")
+            cli(["convert", "to-hf", str(run_dir(out, name) / "checkpoints"), str(target)])
+        exports[name] = target
+    return exports
+
+
+def next_grid(lrs: list[float], chosen: dict[str, float]) -> tuple[list[str], list[str], list[float]]:
+    """(models whose chosen LR is the grid's lowest, those at its highest, the grid widened
+    along the ladder on each side that has one)."""
+    low = sorted(m for m, lr in chosen.items() if lr == min(lrs))
+    high = sorted(m for m, lr in chosen.items() if lr == max(lrs))
+    return low, high, widen(lrs, bool(low), bool(high))
+
+
+def finetune_settings(design: StudyDesign) -> dict:
+    return {"batch_size": design.batch_size, "max_steps": design.finetune_steps,
+            "eval_every": design.finetune_steps, "max_length": design.max_length,
+            "max_train_examples": design.max_train_examples,
+            "max_eval_examples": design.max_eval_examples, "threads": 1, "progress": False}
+
+
+def finetune_all(out: Path, design: StudyDesign, tasks: list[str],
+                 exports: dict[str, Path]) -> dict[str, dict]:
+    """Per task: run the grid, and widen it along the ladder while any model's chosen LR is at
+    an edge (at most design.max_widen times). Returns {task: {"lrs", "widened", "edge",
+    "results"}}, the results being those of the final grid."""
+    grids = {}
+    models = [str(p) for p in exports.values()]
+    for task in tasks:
+        lrs, widened = sorted(design.lrs), []
+        while True:
+            log(f"5/6 fine-tune on {task}: lr {lrs} x seeds {design.finetune_seeds} x "
+                f"{len(models)} models (finished runs are kept)")
+            cfgs = expand(models, [task], lrs, design.finetune_seeds, **finetune_settings(design))
+            summary = run_grid(cfgs, out / "eval", workers=design.workers, log=log)
+            if summary["failed"]:
+                raise SystemExit(f"{summary['failed']} fine-tuning run(s) failed; their "
+                                 f"tracebacks are in {out / 'eval'}/**/*.failed.json")
+            results = [json.loads(p.read_text()) for p in result_paths(cfgs, out / "eval")
+                       if is_done(p)]
+            chosen = {r["model"]: r["best_lr"] for r in summarize(results)["per_task"]}
+            low, high, wider = next_grid(lrs, chosen)
+            if not (low or high) or wider == lrs or len(widened) >= design.max_widen:
+                break
+            widened.append({"from": lrs, "to": wider, "low": low, "high": high})
+            log(f"{task}: chosen LR at the grid's edge for {', '.join(low + high)}; widening "
+                f"to {wider}")
+            lrs = wider
+        grids[task] = {"lrs": lrs, "widened": widened, "results": results,
+                       "edge": sorted(set(low) | set(high))}
+    return grids
+

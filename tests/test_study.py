@@ -1,0 +1,162 @@
+"""The mini-study (`mlmclm study`): comparisons and verdicts against hand-made results, the LR-grid
+widening rule, refusals, and one small end-to-end run on the real data that is then resumed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+from scipy import stats
+
+from megatron_mlmclm.cli import main
+from megatron_mlmclm.study.compare import MARGIN, study_comparisons, verdict
+from megatron_mlmclm.study.design import LR_LADDER, widen
+from megatron_mlmclm.study.pipeline import next_grid
+
+FAMILY = {"sst2": ("sc", "accuracy"), "conll2003": ("tc", "f1"), "squad": ("qa", "f1"),
+          "scifact": ("ir", "ndcg@10")}
+LRS = [1e-3, 3e-3, 1e-2]
+
+
+def result(model, task, lr, seed, test, val):
+    family, metric = FAMILY[task]
+    return {"model": model, "task": task, "lr": lr, "seed": seed, "family": family,
+            "metric": metric, "grid": {"lrs": LRS, "seeds": [0, 1, 2]},
+            "metrics": {"validation": {metric: val}, "test": {metric: test}},
+            "protocol": {"id": f"id-{task}", "run_id": "run", "run": {"max_steps": 5}}}
+
+
+def grid(model, task, test_at, best_lr=3e-3):
+    """Results of one model on one task: test_at(lr, seed) -> score in [0, 1]; validation makes
+    best_lr the chosen one."""
+    return [result(model, task, lr, s, test_at(lr, s), 0.9 if lr == best_lr else 0.5)
+            for lr in LRS for s in (0, 1, 2)]
+
+
+def reference_ci(diffs):
+    """scipy's one-sample t interval: an implementation independent of eval.report.mean_ci."""
+    ci = stats.ttest_1samp(diffs, 0.0).confidence_interval(0.95)
+    return statistics.mean(diffs), ci.low, ci.high
+
+
+def test_comparisons_match_a_hand_computed_reference():
+    # Per (recipe, pretraining seed p, fine-tuning seed s): score at the chosen LR (3e-3). MLM beats
+    # CLM on SST-2 by ~5 points, CLM beats MLM on CoNLL by ~3, the rest is noise around 0.
+    noise = {(p, s): 0.01 * ((3 * p + 7 * s) % 5 - 2) for p in (0, 1) for s in (0, 1, 2)}
+    base = {"clm": 0.70, "mlm40": 0.75, "clm25-mlm40": 0.76, "clm-cpt-mlm40": 0.70}
+    conll = {"clm": 0.60, "mlm40": 0.57, "clm25-mlm40": 0.58, "clm-cpt-mlm40": 0.60}
+    results = []
+    for recipe in base:
+        for p in (0, 1):
+            model = f"{recipe}-p{p}"
+            results += grid(model, "sst2", lambda lr, s: base[recipe] + noise[(p, s)]
+                            - (0.2 if lr != 3e-3 and recipe == "mlm40" else 0.02 * (lr != 3e-3)))
+            results += grid(model, "conll2003",
+                            lambda lr, s: conll[recipe] + 0.5 * noise[(p, s)] * (1 + (recipe == "clm")))
+    rows = {r["claim"]: r for r in study_comparisons(results, {"sst2": "sc", "conll2003": "tc"})}
+
+    sc = rows["MLM beats CLM on sequence classification"]
+    diffs = [100 * ((base["mlm40"] + noise[k]) - (base["clm"] + noise[k])) for k in sorted(noise)]
+    mean, lo, hi = reference_ci(diffs)
+    assert sc["pairs"] == 6 and math.isclose(sc["diff"], mean) and math.isclose(sc["lo"], lo)
+    assert sc["verdict"] == "agrees"  # a constant +5 difference: zero-width interval above 0
+
+    tc = rows["CLM is competitive with MLM on token classification"]
+    diffs = [100 * ((conll["clm"] + noise[k]) - (conll["mlm40"] + 0.5 * noise[k])) for k in sorted(noise)]
+    mean, lo, hi = reference_ci(diffs)
+    assert math.isclose(tc["diff"], mean) and math.isclose(tc["lo"], lo) and math.isclose(tc["hi"], hi)
+    assert tc["verdict"] == ("agrees (beats)" if lo > 0 else f"agrees (matches within {MARGIN:g} pt)"
+                             if lo >= -MARGIN else tc["verdict"])
+
+    # LR spread per (p, s), averaged over the two tasks: MLM loses 20 points off its best LR on
+    # SST-2, CLM 2; on CoNLL neither moves.
+    sens = rows["CLM is less sensitive to the fine-tuning learning rate"]
+    assert math.isclose(sens["diff"], (20 - 2) / 2) and sens["verdict"] == "agrees"
+
+    overall = rows["At a fixed budget, CLM then MLM matches or beats MLM alone"]
+    assert math.isclose(overall["diff"], (1.0 + 1.0) / 2)
+    assert overall["verdict"] == "agrees (beats)"
+    assert "QA" not in " ".join(rows)  # no QA task here: no QA claim
+
+
+@pytest.mark.parametrize("mean,half,n,kind,expected", [
+    (2.0, 1.0, 6, "beats", "agrees"), (-2.0, 1.0, 6, "beats", "disagrees"),
+    (0.5, 1.0, 6, "beats", "inconclusive at this scale"),
+    (2.0, 1.0, 2, "beats", "inconclusive (fewer than 3 pairs)"),
+    (0.5, 0.2, 6, "matches", "agrees (beats)"),
+    (0.0, MARGIN - 0.1, 6, "matches", f"agrees (matches within {MARGIN:g} pt)"),
+    (-3.0, 1.0, 6, "matches", "disagrees"),
+    (-0.5, 3.0, 6, "matches", "inconclusive at this scale"),
+])
+def test_verdict_rules(mean, half, n, kind, expected):
+    assert verdict(mean, half, n, kind) == expected
+
+
+def test_grid_is_widened_on_the_side_where_a_choice_sits():
+    assert next_grid(LRS, {"a": 3e-3, "b": 3e-3}) == ([], [], LRS)
+    assert next_grid(LRS, {"a": 1e-3, "b": 3e-3}) == (["a"], [], [3e-4] + LRS)
+    assert next_grid(LRS, {"a": 1e-2, "b": 1e-3}) == (["b"], ["a"], [3e-4] + LRS + [3e-2])
+    top = list(LR_LADDER[-3:])
+    assert widen(top, False, True) == top  # nothing above the ladder
+
+
+def test_bad_design_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "s"
+    assert main(["study", "--out", str(out), "--lrs", "5e-4", "1e-3", "3e-3"]) == 2
+    assert "not on the study's LR ladder" in capsys.readouterr().err
+    assert main(["study", "--out", str(out), "--lrs", "1e-3", "3e-3"]) == 2
+    assert not out.exists()
+
+
+@pytest.mark.timeout(1200)
+def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
+    """Four recipes x one pretraining seed, SST-2 only: the whole pipeline, the report's sections,
+    then a second invocation that reuses every stage, and a changed design refused."""
+    out = tmp_path / "study"
+    args = [sys.executable, "-m", "megatron_mlmclm", "study", "--out", str(out),
+            "--steps", "40", "--cpt-steps", "10", "--pretrain-seeds", "0", "--tasks", "sst2",
+            "--seeds", "0", "1", "2", "--finetune-steps", "4", "--batch-size", "8",
+            "--max-length", "32", "--max-train-examples", "64", "--max-eval-examples", "32",
+            "--max-widen", "1", "--vocab-size", "1024"]
+    env = dict(os.environ, MLMCLM_DATA_DIR=str(data_dir))
+    first = subprocess.run(args, env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    report = (out / "report.md").read_text()
+    for section in ("## Pretraining: does MLM use context?", "## Fine-tuning learning-rate grids",
+                    "## Scores per recipe", "## The study's comparisons"):
+        assert section in report
+    pre = (out / "pretraining.csv").read_text().splitlines()
+    assert len(pre) == 1 + 4  # four recipes, one seed
+    assert "n/a" in pre[1] and all(("pass" in l or "FAIL" in l) for l in pre[2:])
+    unigram = json.loads((out / "unigram.json").read_text())["unigram_nats"]
+    assert f"{unigram:.3f} nats" in report
+    comparisons = (out / "comparisons.csv").read_text()
+    assert "MLM beats CLM on sequence classification" in comparisons
+    for plot in ("lr_sst2.png", "comparisons.png", "pretraining.png"):
+        assert (out / "plots" / plot).stat().st_size > 1000
+    assert (out / "models" / "report.md").is_file()
+    results = sorted(out.glob("eval/**/*.json"))
+    final_grid = max(len(json.loads(p.read_text())["grid"]["lrs"]) for p in results)
+    assert len(results) == 4 * final_grid * 3  # every model, every LR of the final grid, 3 seeds
+
+    stamps = {p: p.stat().st_mtime_ns for p in results}
+    # --workers changes the pace, not the design: the folder is reused.
+    second = subprocess.run(args + ["--workers", "1"], env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "4 runs" in second.stderr and "4 done already" in second.stderr
+    assert {p: p.stat().st_mtime_ns for p in sorted(out.glob("eval/**/*.json"))} == stamps
+    report = (out / "report.md").read_text()
+    assert len(json.loads((out / "study.json").read_text())["invocations"]) == 2
+    assert "over 2 invocation(s)" in report
+
+    changed = subprocess.run(args[:-2] + ["--vocab-size", "2048"], env=env, capture_output=True,
+                             text=True)
+    assert changed.returncode == 2
+    assert "holds a study with another design (vocab_size" in changed.stderr
+    assert (out / "report.md").read_text() == report  # nothing overwritten
