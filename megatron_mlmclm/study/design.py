@@ -48,8 +48,8 @@ RECIPE = {r.key: r for r in RECIPES}
 @dataclass
 class StudyDesign:
     preset: str = "mini"
-    steps: int = 1200
-    cpt_steps: int = 300
+    steps: int = 1000
+    cpt_steps: int = 250
     pretrain_seeds: list[int] = field(default_factory=lambda: [0, 1])
     micro_batch_size: int = 16
     lr: float = 2e-3
@@ -58,10 +58,10 @@ class StudyDesign:
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
     finetune_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    finetune_steps: int = 100
+    finetune_steps: int = 80
     batch_size: int = 16
     max_length: int = 128
-    max_train_examples: int = 1600  # = finetune_steps x batch_size: one epoch
+    max_train_examples: int = 1280  # = finetune_steps x batch_size: one epoch
     max_eval_examples: int = 300
     max_widen: int = 2
     workers: int = 2  # parallel pretraining runs and fine-tuning runs, one thread each

@@ -25,7 +25,7 @@ def pretraining_rows(out: Path, design: StudyDesign, unigram: float) -> list[dic
         name = run_name(recipe, seed)
         loss = final_val_loss(out, name)
         mlm = recipe.phases[-1]["objective"] == "mlm"
-        below = unigram - loss
+        below = unigram - loss if mlm else None  # a next-token loss is not on the floor's scale
         rows.append({"run": name, "recipe": recipe.label, "steps": steps_of(design, recipe.key),
                      "loss": "MLM (masked tokens)" if mlm else "CLM (next token)",
                      "val_loss": loss, "below_unigram": below,
