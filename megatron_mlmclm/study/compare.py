@@ -89,10 +89,10 @@ def pairs_needed(diffs: list[float], mean: float) -> int | None:
 
 
 def compare(claim: str, a: dict, b: dict, a_name: str, b_name: str, kind: str,
-            what: str) -> dict:
-    """One comparison row: a, b = {(p, s): value}."""
+            what: str, tag: str) -> dict:
+    """One comparison row: a, b = {(p, s): value}; `tag` names the measure in a plot label."""
     keys = sorted(set(a) & set(b))
-    row = {"claim": claim, "measure": what, "a": a_name, "b": b_name, "kind": kind,
+    row = {"claim": claim, "measure": what, "tag": tag, "a": a_name, "b": b_name, "kind": kind,
            "pairs": len(keys), "diff": math.nan, "ci95": math.nan, "lo": math.nan,
            "hi": math.nan, "by_pretrain_seed": "", "pairs_needed": None}
     if not keys:
@@ -125,28 +125,30 @@ def study_comparisons(results: list[dict], families: dict[str, str]) -> list[dic
                      ("qa", "MLM beats CLM on question answering")):
         if fam[f]:
             rows.append(compare(claim, score("mlm40", fam[f]), score("clm", fam[f]), "MLM 40%",
-                                "CLM", "beats", f"{f.upper()} score ({', '.join(fam[f])})"))
+                                "CLM", "beats", f"{f.upper()} score ({', '.join(fam[f])})",
+                                f.upper()))
     rows.append(compare("MLM beats CLM overall", score("mlm40", tasks), score("clm", tasks),
-                        "MLM 40%", "CLM", "beats", "mean score over all tasks"))
+                        "MLM 40%", "CLM", "beats", "mean score over all tasks", "overall"))
     if fam["tc"]:
         rows.append(compare("CLM is competitive with MLM on token classification",
                             score("clm", fam["tc"]), score("mlm40", fam["tc"]), "CLM", "MLM 40%",
-                            "matches", f"TC score ({', '.join(fam['tc'])})"))
+                            "matches", f"TC score ({', '.join(fam['tc'])})", "TC"))
     rows.append(compare("CLM is less sensitive to the fine-tuning learning rate",
                         averaged(spreads, "mlm40", tasks), averaged(spreads, "clm", tasks),
                         "MLM 40%", "CLM", "beats",
                         "best - worst score across the LR grid, mean over tasks (A - B > 0: "
-                        "MLM more sensitive)"))
+                        "MLM more sensitive)", "LR spread"))
     rows.append(compare("At a fixed budget, CLM then MLM matches or beats MLM alone",
                         score("clm25-mlm40", tasks), score("mlm40", tasks), "CLM 25% -> MLM 75%",
-                        "MLM 40%", "matches", "mean score over all tasks"))
+                        "MLM 40%", "matches", "mean score over all tasks", "overall"))
     rows.append(compare("Continuing a CLM model with MLM matches or beats MLM from scratch",
                         score("clm-cpt-mlm40", tasks), score("mlm40", tasks),
                         "CLM + MLM continuation", "MLM 40%", "matches",
-                        "mean score over all tasks"))
+                        "mean score over all tasks", "overall"))
     rows.append(compare("The MLM continuation improves the CLM model it starts from",
                         score("clm-cpt-mlm40", tasks), score("clm", tasks),
-                        "CLM + MLM continuation", "CLM", "beats", "mean score over all tasks"))
+                        "CLM + MLM continuation", "CLM", "beats", "mean score over all tasks",
+                        "overall"))
     return rows
 
 

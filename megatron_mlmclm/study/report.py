@@ -87,8 +87,7 @@ def write_plots(out: Path, curves: list[dict], comparisons: list[dict], design: 
     ax.errorbar([r["diff"] for r in rows], ys, xerr=[r["ci95"] for r in rows], fmt="o", capsize=3)
     ax.axvline(0, color="grey", lw=1)
     ax.set_yticks(ys)
-    ax.set_yticklabels([f"{r['a']} - {r['b']}" + (" (LR spread)" if "LR" in r["measure"] else "")
-                        for r in rows], fontsize=7)
+    ax.set_yticklabels([f"{r['a']} - {r['b']} ({r['tag']})" for r in rows], fontsize=7)
     ax.set_xlabel("paired difference, points (95% CI)")
     ax.set_title("the study's comparisons")
     fig.tight_layout()
@@ -108,6 +107,7 @@ def write_plots(out: Path, curves: list[dict], comparisons: list[dict], design: 
     ax.set_xlabel("pretraining step")
     ax.set_ylabel("validation loss (nats)")
     ax.set_ylim(top=unigram + 1.5)
+    # A two-phase run shows its phase's loss at each point (CLM before the switch).
     ax.set_title("validation loss (dashed: CLM next-token loss)")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
