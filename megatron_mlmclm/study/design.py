@@ -63,7 +63,7 @@ class StudyDesign:
     max_length: int = 128
     max_train_examples: int = 1280  # = finetune_steps x batch_size: one epoch
     max_eval_examples: int = 300
-    max_widen: int = 2
+    max_widen: int = 3
     workers: int = 2  # parallel pretraining runs and fine-tuning runs, one thread each
 
     def check(self) -> "StudyDesign":

@@ -63,8 +63,9 @@ def run_study(out: str | Path, design: StudyDesign, data_folder: str | None = No
     return report
 
 
-# Options that change how fast the study runs, not what it measures.
-NOT_DESIGN = ("workers",)
+# Options a folder's study may change: the pace (workers), and the widening cap, which only adds
+# learning rates to a task's grid (finished results stay valid; the report lists the final grids).
+NOT_DESIGN = ("workers", "max_widen")
 
 
 def _claim_folder(out: Path, design: StudyDesign) -> None:
