@@ -170,7 +170,7 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
                     continue
                 config = _config(out, design, name, tokenizer, prefixes)
                 run_dir(out, name).mkdir(parents=True, exist_ok=True)
-                logf = open(run_dir(out, name) / "train.log", "w")
+                logf = open(run_dir(out, name) / "train.log", "a")  # a resumed run keeps its log
                 running[name] = (subprocess.Popen(
                     [sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config)],
                     stdout=logf, stderr=subprocess.STDOUT, env=env), logf)
