@@ -70,8 +70,7 @@ def test_comparisons_match_a_hand_computed_reference():
     diffs = [100 * ((conll["clm"] + noise[k]) - (conll["mlm40"] + 0.5 * noise[k])) for k in sorted(noise)]
     mean, lo, hi = reference_ci(diffs)
     assert math.isclose(tc["diff"], mean) and math.isclose(tc["lo"], lo) and math.isclose(tc["hi"], hi)
-    assert tc["verdict"] == ("agrees (beats)" if lo > 0 else f"agrees (matches within {MARGIN:g} pt)"
-                             if lo >= -MARGIN else tc["verdict"])
+    assert lo > 0 and tc["verdict"] == "agrees (beats)"  # CLM ahead by ~3 points, little noise
 
     # LR spread per (p, s), averaged over the two tasks: MLM loses 20 points off its best LR on
     # SST-2, CLM 2; on CoNLL neither moves.
@@ -81,7 +80,7 @@ def test_comparisons_match_a_hand_computed_reference():
     overall = rows["At a fixed budget, CLM then MLM matches or beats MLM alone"]
     assert math.isclose(overall["diff"], (1.0 + 1.0) / 2)
     assert overall["verdict"] == "agrees (beats)"
-    assert "QA" not in " ".join(rows)  # no QA task here: no QA claim
+    assert not any("question answering" in claim for claim in rows)  # no QA task: no QA claim
 
 
 @pytest.mark.parametrize("mean,half,n,kind,expected", [
