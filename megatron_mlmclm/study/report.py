@@ -118,14 +118,12 @@ def write_plots(out: Path, curves: list[dict], comparisons: list[dict], design: 
 
 
 def write_study_report(out: Path, design: StudyDesign, grids: dict[str, dict],
-                       wall_s: float | None = None, plots: bool = True) -> Path:
+                       plots: bool = True) -> Path:
     unigram = json.loads((out / "unigram.json").read_text())["unigram_nats"]
-    invocations = json.loads((out / "study.json").read_text()).get("invocations", [])
-    if invocations:
-        wall = (f" Wall time: {sum(i['minutes'] for i in invocations):.1f} min over "
-                f"{len(invocations)} invocation(s) (a resumed invocation reuses finished stages).")
-    else:
-        wall = f" Wall time of this invocation: {wall_s / 60:.1f} min." if wall_s else ""
+    invocations = json.loads((out / "study.json").read_text()).get("invocations", [])  # pipeline
+    wall = (f" Wall time: {sum(i['minutes'] for i in invocations):.1f} min over "
+            f"{len(invocations)} invocation(s) (a resumed invocation reuses finished stages)."
+            if invocations else "")
     results = [r for g in grids.values() for r in g["results"]]
     families = _families(results)
     metric_of = {r["task"]: r["metric"] for r in results}
