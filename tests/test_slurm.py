@@ -86,9 +86,15 @@ def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run
     metrics = run / "metrics.jsonl"
     until(lambda: metrics.is_file() and '"step": 3,' in metrics.read_text(), 240, "step 3")
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
-    # The script requeues the job; SLURM holds a requeued job ~2 minutes: release it now.
-    until(lambda: slurm.jobs(job)[0].get("Restarts") == "1", 120, "the requeue")
-    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+    # The script requeues the job and SLURM holds it back ~2 minutes, until the killed instance's
+    # revoked credential expires. Release it early, but only once that instance has ended and the
+    # clock is past the second of the revocation: slurmd refuses a credential issued in that same
+    # second ("Job credential revoked") and the job would end FAILED without running again.
+    requeued = [("PENDING", "1")]  # not COMPLETING: the killed instance has ended
+    until(lambda: [(j["JobState"], j.get("Restarts")) for j in slurm.jobs(job)] == requeued,
+          120, "the requeue")
+    time.sleep(2)
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
     # Meanwhile, the same run uninterrupted, as a plain torchrun job on this machine.
     ref = tmp_path / "ref"
