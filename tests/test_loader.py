@@ -3,7 +3,8 @@
 The reference is the position rule written out by hand (step s, DP rank r, micro-batch j reads
 stream positions s x GBS + offset + r x GBS/DP + j x MBS + [0, MBS), under the phase that owns s)
 fed to objectives.make_batch. Then: a run resumed with workers or dali continues an uninterrupted
-sync run's losses exactly; worker processes survive the trainer's stop signals; without DALI only
+sync run's losses exactly; worker processes survive the trainer's stop signals and never finalize
+the garbage they inherit from it; without DALI only
 data.loader=dali fails, in one line, before any work.
 """
 
@@ -12,8 +13,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -117,6 +120,66 @@ def test_worker_processes_ignore_the_stop_signals(dataset, kind):
                         reference(dataset, step))
     finally:
         loader.close()
+
+
+# Run in its own process (a hang must not hang the suite): the trainer has dropped a DALI pipeline
+# that only the garbage collector can free (a reference cycle) and has not collected it yet when it
+# starts its workers; each worker then runs the collector before every sample it reads.
+INHERITED_GARBAGE = """
+import gc, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from nvidia.dali import fn, pipeline_def
+import test_loader as t
+from megatron_mlmclm.data.dataset import PackedDataset
+from megatron_mlmclm.training.loader import build_loader
+
+class CollectingFirst:
+    def __init__(self, dataset):
+        self.dataset = dataset
+    def __len__(self):
+        return len(self.dataset)
+    def __getitem__(self, i):
+        gc.collect()
+        return self.dataset[i]
+
+@pipeline_def(batch_size=2, num_threads=1, device_id=None)
+def dropped():
+    return fn.random.uniform(shape=[4])
+
+gc.disable()
+pipe = dropped()
+pipe.build()
+pipe.run()
+pipe.itself = pipe
+del pipe
+prefix = Path(sys.argv[2])
+dataset = PackedDataset(prefix, 32, t.STEPS * t.GBS + t.OFFSET, seed=3,
+                        cache_dir=prefix.parent / "cache")
+p = t.plan()
+loader = build_loader(sys.argv[1], CollectingFirst(dataset), p, num_workers=2, start_step=0)
+got = [loader.get(s, p.first_sample(s), p.phase(s)) for s in range(3)]
+loader.close()
+for s in range(3):
+    t.assert_same(got[s], t.reference(dataset, s))
+print("same batches")
+"""
+
+
+@pytest.mark.parametrize("kind", ["workers", "dali"])
+def test_workers_never_finalize_what_the_trainer_has_not_collected_yet(dataset, kind):
+    """DALI's finalizer run in a forked worker on an inherited pipeline crashed the worker or hung
+    it for good (a CI run hung): workers start with the garbage collector frozen."""
+    proc = subprocess.Popen([sys.executable, "-c", INHERITED_GARBAGE, kind, dataset.prefix,
+                             str(Path(__file__).parent)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"hung: {out[-3000:]}")
+    assert proc.returncode == 0 and "same batches" in out, out[-3000:]
 
 
 RUN = {

@@ -25,6 +25,7 @@ step past the run) is built synchronously, so a loader can only change speed, ne
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import queue
 import signal
@@ -190,15 +191,24 @@ class _Ahead(SyncLoader):
 
 
 @contextlib.contextmanager
-def stop_signals_blocked():
-    """Start worker processes with the trainer's stop signals blocked, so they inherit a mask that
-    never delivers them: a signal sent to every process of a job (SLURM's process tracking) then
-    stops the trainer after a save (training/preemption.py) and not a worker in mid-step, which
-    would fail the step. Workers end with the trainer (or on SIGKILL)."""
+def starting_workers():
+    """Start worker processes so that they neither stop on the trainer's signals nor finalize what
+    they inherit from it.
+    - The trainer's stop signals are blocked, so workers inherit a mask that never delivers them: a
+      signal sent to every process of a job (SLURM's process tracking) then stops the trainer after
+      a save (training/preemption.py) and not a worker in mid-step, which would fail the step.
+      Workers end with the trainer (or on SIGKILL).
+    - The garbage collector is frozen, so a forked worker never collects an object it inherited.
+      Among them may be cyclic garbage the trainer has not collected yet, such as a dropped DALI
+      pipeline, whose finalizer shuts down threads that exist only in the trainer: run in a worker
+      it crashed the worker or hung it for good (it hung a CI run). The trainer unfreezes at once
+      and collects its garbage itself."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
@@ -256,7 +266,7 @@ class WorkerLoader(_Ahead):
     def start_source(self, step: int) -> None:
         self.sampler.start = step * self.plan.num_microbatches
         # The first iter() starts the persistent workers; later ones drop what is in flight.
-        with stop_signals_blocked():
+        with starting_workers():
             self.it = iter(self.loader)
 
     def init_thread(self) -> None:
@@ -328,7 +338,7 @@ class DaliLoader(_Ahead):
             if self.device is not None:
                 outputs = [o.gpu() for o in outputs]
             pipe.set_outputs(*outputs)
-        with stop_signals_blocked():
+        with starting_workers():
             pipe.start_py_workers()
         pipe.build()
         self.pipe = pipe
