@@ -185,6 +185,9 @@ class Cluster:
             time.sleep(0.2)
         if message is None:
             return
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}"
+        raise RuntimeError(f"{message}\n{self.daemon_logs()}")
+
+    def daemon_logs(self, chars: int = 2000) -> str:
+        """The end of each daemon's log (slurmctld's and slurmd's say why a job ended as it did)."""
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-chars:]}"
                          for p in sorted((self.root / "log").glob("*")) if p.is_file())
-        raise RuntimeError(f"{message}\n{logs}")

@@ -102,7 +102,8 @@ def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run
     slurm.wait([job], timeout=300)
     log = (tmp_path / "logs" / f"mlmclm-pretrain-{job}.out").read_text()
     info = slurm.jobs(job)[0]
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), log
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        log + slurm.daemon_logs()
 
     stopped = int(log.split("stop signal: saved at step ")[1].split()[0])
     assert 3 <= stopped < 16, log  # step 3 was logged when the signal went out
@@ -143,7 +144,8 @@ def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(slurm
     jobs = {name: slurm.jobs(j) for name, j in zip(("pretrain", "convert", "evaluate", "report"),
                                                    ids)}
     for name, records in jobs.items():
-        assert [r["JobState"] for r in records] == ["COMPLETED"] * len(records), (name, logs)
+        assert [r["JobState"] for r in records] == ["COMPLETED"] * len(records), \
+            (name, logs, slurm.daemon_logs())
     assert len(jobs["evaluate"]) == 2  # sst2 x 1 LR x 2 seeds
     # Each stage started only after the one it depends on had ended.
     assert when(jobs["convert"][0]["StartTime"]) >= when(jobs["pretrain"][0]["EndTime"])
@@ -188,5 +190,5 @@ def test_scancel_stays_a_cancel(slurm, tmp_path):
     time.sleep(3)  # a requeue would have turned it PENDING again by now
     info = slurm.jobs(job)[0]
     log = (tmp_path / "logs" / f"mlmclm-pretrain-{job}.out").read_text()
-    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log + slurm.daemon_logs()
     assert "SIGTERM: asking the trainer to save and stop" in log and "requeue" not in log
