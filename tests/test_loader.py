@@ -4,8 +4,8 @@ The reference is the position rule written out by hand (step s, DP rank r, micro
 stream positions s x GBS + offset + r x GBS/DP + j x MBS + [0, MBS), under the phase that owns s)
 fed to objectives.make_batch. Then: a run resumed with workers or dali continues an uninterrupted
 sync run's losses exactly; worker processes survive the trainer's stop signals and never finalize
-the garbage they inherit from it; without DALI only
-data.loader=dali fails, in one line, before any work.
+the garbage they inherit from it; without DALI only data.loader=dali fails, in one line, before
+any work.
 """
 
 from __future__ import annotations
