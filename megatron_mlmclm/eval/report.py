@@ -19,6 +19,12 @@ each model is compared with the family's best model by a paired two-sided t-test
 = tied with the best. Stability: the mean test score at every complete LR, its spread (best - worst)
 and standard deviation across the grid. Scores are in percent.
 
+Scores live in [0, 100]: an interval that would leave that range (few seeds, a wide spread) is
+clipped to it and marked as clipped, in the tables and in the plots' error bars. report.md says when
+fewer than MIN_SEEDS seeds make an interval say little, and flags every chosen LR at an edge of
+its grid (the best LR may lie beyond it: widen the grid). The plots show each seed's score beside
+the means.
+
 Writes report.md, per_task.csv, per_family.csv, ties.csv, incomplete.csv, stability.csv,
 lr_curves.csv, plots/lr_<task>.png (score vs LR per model) and plots/families.png.
 """
@@ -36,6 +42,8 @@ from megatron_mlmclm.errors import UsageError
 
 FAMILY_ORDER = ["sc", "tc", "qa", "ir"]
 ALPHA = 0.05  # two-sided, paired t-test against the family's best model
+SCORE_RANGE = (0.0, 100.0)  # every metric is a percentage
+MIN_SEEDS = 3  # below this a 95% t-interval is too wide to mean much (2 seeds: 12.7 sd/sqrt(2))
 
 
 def load_results(folder: str | Path) -> tuple[list[dict], int]:
@@ -109,6 +117,49 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return m, float(stats.t.ppf(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n))
 
 
+def bounded_interval(mean: float, half: float,
+                     bounds: tuple[float, float] = SCORE_RANGE) -> tuple[float, float, bool]:
+    """(low, high, clipped): mean -+ half, cut to the metric's range."""
+    low, high = mean - half, mean + half
+    clipped = low < bounds[0] or high > bounds[1]
+    return max(low, bounds[0]), min(high, bounds[1]), clipped
+
+
+def add_interval(row: dict) -> dict:
+    """Adds ci_low / ci_high / ci_clipped to a row with score and ci95 (None score: no interval)."""
+    if row.get("score") is None:
+        row.update(ci_low=None, ci_high=None, ci_clipped=False)
+    else:
+        low, high, clipped = bounded_interval(row["score"], row["ci95"] or 0.0)
+        row.update(ci_low=low, ci_high=high, ci_clipped=clipped)
+    return row
+
+
+def format_interval(row: dict) -> str:
+    """'mean ± half', or 'mean [low, high] (clipped)' when the interval was cut to the range."""
+    if row.get("score") is None:
+        return "-"
+    if row.get("ci_clipped"):
+        return f"{row['score']:.2f} [{row['ci_low']:.2f}, {row['ci_high']:.2f}] (clipped)"
+    return f"{row['score']:.2f} ± {row['ci95']:.2f}"
+
+
+def yerr(rows: list[dict]) -> list[list[float]]:
+    """Asymmetric error bars that stop at the metric's range (rows carry ci_low / ci_high)."""
+    return [[r["score"] - r["ci_low"] for r in rows], [r["ci_high"] - r["score"] for r in rows]]
+
+
+def edge_of_grid(chosen: float, grid: list[float]) -> str:
+    """'' if the chosen LR is inside the grid, else which edge it sits on."""
+    if len(grid) < 2:
+        return "only LR"
+    if chosen == min(grid):
+        return "smallest"
+    if chosen == max(grid):
+        return "largest"
+    return ""
+
+
 def paired_t(a: list[float], b: list[float]) -> tuple[float, float]:
     """(t, two-sided p) of scipy.stats.ttest_rel(a, b). Differences that are all equal have no
     variance (scipy gives nan or inf): all zero -> (0, 1), else (+-inf, 0)."""
@@ -133,7 +184,7 @@ def summarize(results: list[dict]) -> dict:
         want_seeds[key].update([r["seed"], *r["grid"]["seeds"]])
         want_lrs[key].update([r["lr"], *r["grid"]["lrs"]])
         family[r["task"]], metric[r["task"]] = r["family"], r["metric"]
-    per_task, stability, curves, incomplete = [], [], [], []
+    per_task, stability, curves, incomplete, seed_points = [], [], [], [], []
     seed_scores = {}  # (model, task) -> {seed: test score at the chosen lr}
     for (model, task), by_lr in sorted(runs.items()):
         m, seeds = metric[task], want_seeds[(model, task)]
@@ -157,15 +208,20 @@ def summarize(results: list[dict]) -> dict:
         best_lr = max(val, key=lambda lr: (val[lr], -lr))
         mean, ci = mean_ci(list(test[best_lr].values()))
         seed_scores[(model, task)] = test[best_lr]
-        per_task.append({"model": model, "family": family[task], "task": task, "metric": m,
-                         "best_lr": best_lr, "validation": val[best_lr], "score": mean, "ci95": ci,
-                         "seeds": len(test[best_lr]), "lrs": len(complete),
-                         "lrs_incomplete": len(want_lrs[(model, task)]) - len(complete)})
+        grid = sorted(want_lrs[(model, task)])
+        per_task.append(add_interval({
+            "model": model, "family": family[task], "task": task, "metric": m, "best_lr": best_lr,
+            "validation": val[best_lr], "score": mean, "ci95": ci, "seeds": len(test[best_lr]),
+            "lrs": len(complete), "lrs_incomplete": len(grid) - len(complete),
+            "lr_edge": edge_of_grid(best_lr, grid), "grid": " ".join(f"{lr:g}" for lr in grid)}))
         lr_means = {lr: statistics.mean(v.values()) for lr, v in test.items()}
         for lr in sorted(complete):
             lm, lci = mean_ci(list(test[lr].values()))
-            curves.append({"model": model, "task": task, "lr": lr, "validation": val[lr],
-                           "score": lm, "ci95": lci, "seeds": len(test[lr])})
+            curves.append(add_interval({"model": model, "task": task, "lr": lr,
+                                        "validation": val[lr], "score": lm, "ci95": lci,
+                                        "seeds": len(test[lr])}))
+            seed_points += [{"model": model, "task": task, "lr": lr, "seed": seed, "score": v}
+                            for seed, v in sorted(test[lr].items())]
         vals = list(lr_means.values())
         stability.append({"model": model, "task": task, "best_lr": best_lr,
                           "best": max(vals), "worst": min(vals),
@@ -177,6 +233,10 @@ def summarize(results: list[dict]) -> dict:
     per_family, family_seeds = _families(runs, family, seed_scores, per_task, models)
     return {"per_task": per_task, "per_family": per_family,
             "ties": _ties(per_family, family_seeds), "stability": stability, "lr_curves": curves,
+            "seed_points": seed_points, "family_seed_points": [
+                {"model": model, "family": fam, "seed": seed, "score": v}
+                for (model, fam), samples in sorted(family_seeds.items())
+                for seed, v in sorted(samples.items())],
             "incomplete": incomplete, "models": models, "runs": len(results),
             "protocol": results[0]["protocol"]["run"], "run_id": results[0]["protocol"]["run_id"],
             "task_ids": {r["task"]: r["protocol"]["id"] for r in results}}
@@ -205,7 +265,7 @@ def _families(runs, family, seed_scores, per_task, models):
             row["seeds"] = len(seeds)
             samples_of[(model, fam)] = samples
             rows.append(row)
-    return rows, samples_of
+    return [add_interval(r) for r in rows], samples_of
 
 
 def _ties(per_family, samples_of) -> list[dict]:
@@ -266,7 +326,7 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
         fams = {r["family"]: r for r in s["per_family"] if r["model"] == model}
         for f in fam_cols:
             r = fams.get(f)
-            row[f] = f"{r['score']:.2f} ± {r['ci95']:.2f}" if r and r["score"] is not None else "-"
+            row[f] = format_interval(r) if r else "-"
         scored = [r["score"] for r in fams.values() if r["score"] is not None]
         row["avg"] = f"{statistics.mean(scored):.2f}" if scored and len(scored) == len(fam_cols) else "-"
         overview.append(row)
@@ -276,8 +336,9 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
              f"{s['runs']} runs, {len(s['models'])} model(s). Scores in percent; ± is the 95% "
              "confidence interval (t-distribution) over seeds at the learning rate chosen on "
              "validation (mean over seeds), among the LRs whose whole seed set finished.", "",
-             f"Protocol `{s['run_id']}`: {run}. Task entries (protocol ids): {tasks}.", "",
-             "## Family averages", "",
+             f"Protocol `{s['run_id']}`: {run}. Task entries (protocol ids): {tasks}.", ""]
+    lines += caveats(s)
+    lines += ["## Family averages", "",
              "Family score = mean of the family's task scores; its interval treats each seed's "
              "family score (mean over the family's tasks of that seed's test score at each task's "
              "chosen LR) as one sample. A model missing a task of the family has none.", ""]
@@ -302,8 +363,9 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
     lines += md_table(s["per_task"], [("model", "model", "s"), ("task", "task", "s"),
                                        ("metric", "metric", "s"), ("best_lr", "best LR", "g"),
                                        ("validation", "validation", ".2f"), ("score", "score", ".2f"),
-                                       ("ci95", "± 95% CI", ".2f"), ("seeds", "seeds", "d"),
-                                       ("lrs", "complete LRs", "d")])
+                                       ("ci_low", "95% CI low", ".2f"),
+                                       ("ci_high", "95% CI high", ".2f"), ("seeds", "seeds", "d"),
+                                       ("lrs", "complete LRs", "d"), ("lr_edge", "LR at edge", "s")])
     if s["incomplete"]:
         lines += ["", "## Incomplete learning rates (not eligible for the LR choice)", ""]
         for r in s["incomplete"]:
@@ -326,6 +388,36 @@ def write_markdown(s: dict, path: Path, plots: list[str]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def caveats(s: dict) -> list[str]:
+    """The report's warnings: too few seeds, intervals cut to the range, LRs at a grid's edge."""
+    lines = []
+    few = sorted({r["seeds"] for r in s["per_task"] if r["seeds"] < MIN_SEEDS})
+    if few:
+        lines += [f"**Too few seeds for the intervals to mean much**: some scores rest on "
+                  f"{' or '.join(map(str, few))} seed(s) (fewer than {MIN_SEEDS}); a 95% t-interval "
+                  "from 2 seeds reaches 12.7 standard errors either side of the mean. Read those "
+                  "intervals as 'unknown', not as evidence; run more seeds to compare models.", ""]
+    clipped = [r for r in s["per_task"] + s["per_family"] if r.get("ci_clipped")]
+    if clipped:
+        lines += [f"**Clipped intervals**: {len(clipped)} interval(s) reached past the metric's "
+                  f"range [{SCORE_RANGE[0]:g}, {SCORE_RANGE[1]:g}] and are shown cut to it, marked "
+                  "(clipped) in the tables; their error bars in the plots stop at the range.", ""]
+    edges = [r for r in s["per_task"] if r["lr_edge"]]
+    if edges:
+        lines += ["**Chosen learning rate at the edge of its grid** (the best LR may lie beyond "
+                  "it: widen the grid past that edge and re-run):", ""]
+        lines += [f"- {r['model']} / {r['task']}: {r['best_lr']:g} is the {r['lr_edge']} LR of the "
+                  f"grid [{r['grid']}]" for r in edges] + [""]
+    return lines
+
+
+def plot_seeds(ax, points: list[dict], x_of, color) -> None:
+    """Each seed's score as a small hollow marker beside the mean (seeds stay visible)."""
+    if points:
+        ax.scatter([x_of(p) for p in points], [p["score"] for p in points], s=12,
+                   facecolors="none", edgecolors=color, linewidths=0.8, alpha=0.8, zorder=3)
+
+
 def write_plots(s: dict, out: Path) -> list[str]:
     import matplotlib  # optional: [eval] extra
 
@@ -341,13 +433,17 @@ def write_plots(s: dict, out: Path) -> list[str]:
             pts = sorted((r for r in s["lr_curves"] if r["task"] == task and r["model"] == model),
                          key=lambda r: r["lr"])
             if pts:
-                ax.errorbar([p["lr"] for p in pts], [p["score"] for p in pts],
-                            yerr=[p["ci95"] for p in pts], marker="o", capsize=3, label=model)
+                line = ax.errorbar([p["lr"] for p in pts], [p["score"] for p in pts],
+                                   yerr=yerr(pts), marker="o", capsize=3, label=model)
+                plot_seeds(ax, [q for q in s["seed_points"]
+                                if q["task"] == task and q["model"] == model],
+                           lambda q: q["lr"], line[0].get_color())
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
         metric = next(r["metric"] for r in s["per_task"] if r["task"] == task)
         ax.set_ylabel(f"{metric} (%)")
-        ax.set_title(f"{task}: score vs learning rate")
+        ax.set_title(f"{task}: score vs LR (mean, 95% CI within [0, 100]; o = seeds)",
+                     fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
         name = f"plots/lr_{task}.png"
@@ -361,11 +457,14 @@ def write_plots(s: dict, out: Path) -> list[str]:
         rows = {r["family"]: r for r in s["per_family"] if r["model"] == model and r["score"] is not None}
         xs = [j + i * width for j, f in enumerate(fams) if f in rows]
         ax.bar(xs, [rows[f]["score"] for f in fams if f in rows], width,
-               yerr=[rows[f]["ci95"] for f in fams if f in rows], capsize=3, label=model)
+               yerr=yerr([rows[f] for f in fams if f in rows]), capsize=3, label=model)
+        plot_seeds(ax, [q for q in s["family_seed_points"] if q["model"] == model],
+                   lambda q: fams.index(q["family"]) + i * width, "black")
     ax.set_xticks([j + width * (len(s["models"]) - 1) / 2 for j in range(len(fams))])
     ax.set_xticklabels([f.upper() for f in fams])
     ax.set_ylabel("score (%)")
-    ax.set_title("family averages (95% CI)")
+    ax.set_ylim(SCORE_RANGE)
+    ax.set_title("family averages (95% CI within [0, 100]; o = seeds)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "plots" / "families.png", dpi=100)
@@ -377,7 +476,8 @@ def write_plots(s: dict, out: Path) -> list[str]:
 def write_report(s: dict, out: Path, plots: bool = True) -> dict:
     """report.md, the CSVs and the plots of a summary (summarize) into `out`; returns `s`."""
     out.mkdir(parents=True, exist_ok=True)
-    for key in ("per_task", "per_family", "ties", "incomplete", "stability", "lr_curves"):
+    for key in ("per_task", "per_family", "ties", "incomplete", "stability", "lr_curves",
+                "seed_points"):
         write_csv(out / f"{key}.csv", s[key])
     write_markdown(s, out / "report.md", write_plots(s, out) if plots else [])
     return s

@@ -29,7 +29,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from megatron_mlmclm.eval.report import mean_ci, summarize
+from megatron_mlmclm.eval.report import add_interval, format_interval, mean_ci, summarize
 from megatron_mlmclm.study.design import RECIPES, parse_run_name
 
 MARGIN = 1.0  # points: "matches" = at most this much worse, with 95% confidence
@@ -168,8 +168,9 @@ def recipe_table(results: list[dict], families: dict[str, str]) -> list[dict]:
             if not samples:
                 continue
             mean, half = mean_ci(list(samples.values()))
-            rows.append({"recipe": recipe, "task": task,
-                         "family": families.get(task, "all"), "score": mean, "ci95": half,
-                         "pairs": len(samples), "chosen_lrs": " ".join(chosen.get((recipe, task), []))})
+            row = add_interval({"recipe": recipe, "task": task, "family": families.get(task, "all"),
+                                "score": mean, "ci95": half, "pairs": len(samples),
+                                "chosen_lrs": " ".join(chosen.get((recipe, task), []))})
+            rows.append({**row, "interval": format_interval(row)})
     return rows
 

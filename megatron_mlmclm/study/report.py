@@ -10,7 +10,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from megatron_mlmclm.eval.report import fmt, md_table, mean_ci, summarize, write_csv, write_report
+from megatron_mlmclm.eval.report import (add_interval, fmt, md_table, mean_ci, summarize, write_csv,
+                                         write_report, yerr)
 from megatron_mlmclm.study.compare import MARGIN, recipe_table, study_comparisons
 from megatron_mlmclm.study.design import RECIPES, StudyDesign, parse_run_name, run_name
 
@@ -47,8 +48,8 @@ def lr_curves(results: list[dict]) -> list[dict]:
     rows = []
     for (recipe, task, lr), vals in sorted(acc.items()):
         mean, half = mean_ci(vals)
-        rows.append({"recipe": recipe, "task": task, "lr": lr, "score": mean, "ci95": half,
-                     "runs": len(vals)})
+        rows.append(add_interval({"recipe": recipe, "task": task, "lr": lr, "score": mean,
+                                  "ci95": half, "runs": len(vals)}))
     return rows
 
 
@@ -70,11 +71,11 @@ def write_plots(out: Path, curves: list[dict], comparisons: list[dict], design: 
             pts = [r for r in curves if r["task"] == task and r["recipe"] == recipe.key]
             if pts:
                 ax.errorbar([p["lr"] for p in pts], [p["score"] for p in pts],
-                            yerr=[p["ci95"] for p in pts], marker="o", capsize=3, label=recipe.label)
+                            yerr=yerr(pts), marker="o", capsize=3, label=recipe.label)
         ax.set_xscale("log")
         ax.set_xlabel("fine-tuning learning rate")
         ax.set_ylabel(f"{metric_of[task]} (%)")
-        ax.set_title(f"{task}: score vs learning rate (95% CI)")
+        ax.set_title(f"{task}: score vs learning rate (95% CI within [0, 100])")
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(plots / f"lr_{task}.png", dpi=100)
@@ -171,10 +172,10 @@ def write_study_report(out: Path, design: StudyDesign, grids: dict[str, dict],
 
     lines += ["", "## Scores per recipe", "",
               "Mean test score (percent) over every (pretraining seed, fine-tuning seed) pair at "
-              "each model's LR chosen on validation, ± the 95% t-interval; chosen LRs per "
-              "pretraining seed.", ""]
+              "each model's LR chosen on validation, ± the 95% t-interval (cut to [0, 100] and "
+              "marked (clipped) where it reaches past); chosen LRs per pretraining seed.", ""]
     lines += md_table(table, [("recipe", "recipe", "s"), ("task", "task", "s"),
-                               ("score", "score", ".2f"), ("ci95", "± 95% CI", ".2f"),
+                               ("interval", "score (95% CI)", "s"),
                                ("pairs", "pairs", "d"), ("chosen_lrs", "chosen LRs", "s")])
 
     lines += ["", "## The study's comparisons", "",

@@ -150,3 +150,52 @@ def test_mixed_protocols_are_refused_unless_one_is_picked(tmp_path, capsys):
     assert float(per_task[("A", "t1")]["score"]) == pytest.approx(86.0)  # r2 runs left out
     with pytest.raises(UsageError, match="no results match --protocol r9"):
         make_report(folder, plots=False, protocol=["r9"])
+
+
+T975_DF1 = 12.706204736174707  # t_{0.975, 1}: two seeds (t table)
+
+
+def two_seed_results() -> list[dict]:
+    """Model Z on t1: two seeds far apart at lr 1e-3 (the top of a two-LR grid); the hand-computed
+    interval 60 ± 12.706 x 25 reaches past both ends of [0, 100]."""
+    scores = {1e-4: (.40, .30), 1e-3: (.85, .90)}  # lr -> (validation, test) of seed 0
+    out = []
+    for lr, (val, test) in scores.items():
+        out.append(result("Z", "t1", lr, 0, val, test, seeds=(0, 1)))
+        out.append(result("Z", "t1", lr, 1, val, test - (.60 if lr == 1e-3 else .10), seeds=(0, 1)))
+    return out
+
+
+def test_report_clips_intervals_to_the_range_and_warns_of_few_seeds_and_edge_lrs(tmp_path):
+    out = make_report(write(tmp_path / "res", two_seed_results()), tmp_path / "rep", plots=True,
+                      log=lambda *_: None)
+    (row,) = rows(out / "per_task.csv")
+    assert float(row["best_lr"]) == 1e-3 and float(row["score"]) == pytest.approx(60.0)
+    half = T975_DF1 * sd([90.0, 30.0]) / math.sqrt(2)
+    assert float(row["ci95"]) == pytest.approx(half)  # 269.6: the raw half-width is kept
+    assert float(row["ci_low"]) == 0.0 and float(row["ci_high"]) == 100.0
+    assert row["ci_clipped"] == "True" and row["lr_edge"] == "largest"
+    report = (out / "report.md").read_text()
+    assert "60.00 [0.00, 100.00] (clipped)" in report  # the family overview cell
+    assert "60.00 ±" not in report
+    assert "Too few seeds" in report and "2 seed(s)" in report
+    assert "Z / t1: 0.001 is the largest LR of the grid [0.0001 0.001]" in report
+    # every seed is a point of the plot data; bars and points exist for the plots
+    seeds = rows(out / "seed_points.csv")
+    assert sorted(float(r["score"]) for r in seeds if float(r["lr"]) == 1e-3) == \
+        pytest.approx([30.0, 90.0])
+    assert (out / "plots" / "lr_t1.png").stat().st_size > 0
+
+
+def test_report_leaves_inner_intervals_and_interior_lrs_unflagged(tmp_path):
+    lrs = (1e-5, 1e-4, 1e-3)
+    res = [result("A", "t1", lr, s, .5 + (.2 if lr == 1e-4 else 0), .80 + .01 * s, lrs=lrs)
+           for lr in lrs for s in SEEDS]
+    out = make_report(write(tmp_path / "res", res), tmp_path / "rep", plots=False,
+                      log=lambda *_: None)
+    (row,) = rows(out / "per_task.csv")
+    assert row["lr_edge"] == "" and row["ci_clipped"] == "False"
+    assert float(row["ci_low"]) == pytest.approx(81.0 - T975_DF2 / math.sqrt(3))
+    report = (out / "report.md").read_text()
+    assert "Too few seeds" not in report and "edge of its grid" not in report
+    assert "Clipped intervals" not in report and f"81.00 ± {T975_DF2 / math.sqrt(3):.2f}" in report
