@@ -352,7 +352,28 @@ def finalize_run_config(cfg: RunConfig) -> RunConfig:
         raise UsageError("data.train is empty; give shard prefixes (mlmclm preprocess writes them) "
                          "or set data.mock=true")
     validate_loader(cfg.data)
+    refuse_contradictions(cfg)
     return cfg
+
+
+def refuse_contradictions(cfg: RunConfig) -> None:
+    """Settings that each make sense alone but contradict each other: one would be silently
+    ignored, so the run would not be the one the user asked for. One line naming both."""
+    d, t, c = cfg.data, cfg.train, cfg.checkpoint
+    for key in ("train", "valid"):
+        if d.mock and getattr(d, key):
+            raise UsageError(f"data.mock=true (synthetic tokens) contradicts data.{key}="
+                             f"{getattr(d, key)}: those shards would be ignored; add data.mock=false "
+                             f"to train on them, or drop data.{key}")
+    if cfg.logging.eval_interval and not d.mock and not d.valid:
+        raise UsageError(f"logging.eval_interval={cfg.logging.eval_interval} asks for validation but "
+                         "data.valid is empty: give validation shards or set logging.eval_interval=0")
+    if t.fp8 is not None and t.precision == "fp32":
+        raise UsageError(f"train.fp8={t.fp8} contradicts train.precision=fp32: FP8 GEMMs run inside "
+                         "bf16 training; set train.precision=bf16 (or auto) or train.fp8=null")
+    if c.allow_data_change and not c.resume:
+        raise UsageError("checkpoint.allow_data_change=true contradicts checkpoint.resume=false: "
+                         "it only applies when resuming; drop one of them")
 
 
 LOADERS = ("sync", "workers", "dali")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from jobs import REPO
 from megatron_mlmclm.cli import COMMANDS, main
 from megatron_mlmclm.config import dump_yaml, load_config, phase_at, resolve_phase_steps, PhaseConfig
 from megatron_mlmclm.errors import UsageError
@@ -25,7 +26,7 @@ def test_overrides_parse_yaml_values_and_list_indices(tmp_path):
     path.write_text(yaml.safe_dump({"phases": [{"objective": "clm", "share": 0.25},
                                                {"objective": "mlm", "share": 0.75}],
                                     "train": {"steps": 42000, "warmup_steps": 2000,
-                                              "decay_steps": 2000}, "data": {"mock": True}}))
+                                              "decay_steps": 2000}, "data": {"train": ["x"]}}))
     cfg = load_config(path, ["phases.1.mask_ratio=0.3", "train.lr=3e-4", "model.preset=tiny",
                              "data.train=[0.5, a, 0.5, b]"])
     assert cfg.phases[1].mask_ratio == 0.3 and cfg.train.lr == 3e-4
@@ -58,6 +59,34 @@ def test_bad_values_name_the_key(overrides, needle):
     assert "\n" not in str(e.value)
 
 
+# Pairs that contradict each other (one would be silently ignored): refused in one line naming both.
+@pytest.mark.parametrize("overrides,first,second", [
+    (["data.train=[shards/a_text_document]"], "data.mock=true", "data.train"),
+    (["data.valid=[shards/v_text_document]"], "data.mock=true", "data.valid"),
+    (["data.mock=false", "data.train=[a]", "logging.eval_interval=10"], "logging.eval_interval=10",
+     "data.valid is empty"),
+    (["train.fp8=delayed", "train.precision=fp32"], "train.fp8=delayed", "train.precision=fp32"),
+    (["checkpoint.allow_data_change=true", "checkpoint.resume=false"],
+     "checkpoint.allow_data_change=true", "checkpoint.resume=false"),
+])
+def test_contradictory_settings_are_refused_naming_both(overrides, first, second):
+    with pytest.raises(UsageError) as e:
+        load_config(None, MOCK + overrides)
+    msg = str(e.value)
+    assert first in msg and second in msg and "\n" not in msg
+    alone = [o for o in overrides if o.split("=")[0] not in ("data.train", "data.valid")] \
+        if first == "data.mock=true" else overrides[:-1]
+    load_config(None, MOCK + alone)  # each setting alone is accepted
+
+
+def test_tiny_yaml_with_shards_on_the_command_line_exits_2_before_any_work(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["pretrain", str(REPO / "examples/configs/tiny.yaml"), "data.train=[my_shards]",
+                 f"output_dir={out}"]) == 2
+    assert "data.mock=false" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_phase_steps_sum_exactly_and_zero_share_phases_are_skipped():
     phases = [PhaseConfig("clm", share=1 / 3), PhaseConfig("mlm", share=1 / 3),
               PhaseConfig("mlm", share=1 / 3, mask_ratio=0.2)]
@@ -74,7 +103,7 @@ def test_dumped_and_dry_run_configs_load_back_unchanged(tmp_path, capsys):
     """A run's config.yaml and the --dry-run output are valid configs of the same run."""
     src = tmp_path / "c.yaml"
     src.write_text(yaml.safe_dump({
-        "data": {"mock": True, "valid": ["0.3", "v1", "0.7", "v2"]},
+        "data": {"train": ["t1"], "valid": ["0.3", "v1", "0.7", "v2"]},
         "train": {"steps": 31, "warmup_steps": 3, "decay_steps": 3, "lr": "5e-4"},
         "phases": [{"objective": "clm", "share": 1 / 3}, {"objective": "mlm", "steps": 10},
                    {"objective": "mlm", "share": 1 - 1 / 3 - 10 / 31, "mask_ratio": 0.2,
