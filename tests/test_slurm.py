@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import subprocess
 import sys
 import time
 from datetime import datetime
@@ -123,7 +124,6 @@ def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(slurm
                  "--nodes", "1", "--gpus-per-node", "2", "--data", shards["train"],
                  "--tokenizer", shards["tokenizer"], "--eval-tasks", "sst2",
                  "--eval-lrs", "1e-3", "--eval-seeds", "0", "1"]) == 0
-    (tmp_path / "logs").mkdir()
     env = job_environment(
         GPUS_PER_NODE="0", MASTER_PORT=str(free_port()), MLMCLM_DATA_DIR=str(data_dir),
         PRETRAIN_SBATCH="--cpus-per-task=2", CONVERT_SBATCH="--cpus-per-task=1 --mem=1G",
@@ -192,3 +192,45 @@ def test_scancel_stays_a_cancel(slurm, tmp_path):
     log = (tmp_path / "logs" / f"mlmclm-pretrain-{job}.out").read_text()
     assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), log + slurm.daemon_logs()
     assert "SIGTERM: asking the trainer to save and stop" in log and "requeue" not in log
+
+
+def test_every_sbatch_script_runs_from_a_fresh_clone_as_its_header_shows(slurm, tmp_path):
+    """From a fresh clone's root, with nothing created first: each script of examples/slurm/
+    starts and writes its log under logs/ (a missing log folder fails a job before it starts,
+    with no output anywhere). pretrain runs two real steps; the other three get inputs that
+    mlmclm refuses at once (exit 2), which is enough to show the job ran and logged."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], check=True)
+    assert (clone / "logs").is_dir() and not any(p.name != ".gitignore"
+                                                for p in (clone / "logs").iterdir())
+    env = job_environment(MASTER_PORT=str(free_port()), MLMCLM_DATA_DIR=str(tmp_path / "none"))
+    jobs = {
+        "pretrain": slurm.sbatch(
+            "--cpus-per-task", "2", "examples/slurm/pretrain.sbatch", "examples/configs/tiny.yaml",
+            "train.steps=2", "train.warmup_steps=1", "train.decay_steps=1",
+            "train.micro_batch_size=4", "train.global_batch_size=8", "logging.eval_interval=0",
+            "logging.tensorboard=false", env={**env, "NPROC_PER_NODE": "2"}, cwd=clone),
+        "convert": slurm.sbatch("--cpus-per-task", "1", "--mem", "1G",
+                                "examples/slurm/convert.sbatch", "runs/none/checkpoints", "hf/none",
+                                env=env, cwd=clone),
+        "eval": slurm.sbatch("--cpus-per-task", "1", "--array=0-0",
+                             "examples/slurm/evaluate_array.sbatch", "--model", "hf/none", "--task",
+                             "sst2", "--out", "results/eval", env=env, cwd=clone),
+        "report": slurm.sbatch("--cpus-per-task", "1", "examples/slurm/report.sbatch",
+                               "results/eval", "--out", "results/report", env=env, cwd=clone),
+    }
+    slurm.wait(list(jobs.values()), timeout=300)
+    logs = {p.name: p.read_text() for p in (clone / "logs").glob("*.out")}
+    expected = {"pretrain": f"mlmclm-pretrain-{jobs['pretrain']}.out",
+                "convert": f"mlmclm-convert-{jobs['convert']}.out",
+                "eval": f"mlmclm-eval-{jobs['eval']}_0.out",
+                "report": f"mlmclm-report-{jobs['report']}.out"}
+    for kind, name in expected.items():
+        assert name in logs, f"{kind}: no {name} in {sorted(logs)}\n{slurm.daemon_logs()}"
+    info = slurm.jobs(jobs["pretrain"])[0]
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), logs[expected["pretrain"]]
+    assert (clone / "runs" / "tiny-mlm40" / "checkpoints").is_dir()
+    for kind in ("convert", "eval", "report"):
+        log = logs[expected[kind]]
+        assert "error:" in log, f"{kind}: {log}"  # mlmclm's one-line refusal, written by the job
+        assert [j["ExitCode"] for j in slurm.jobs(jobs[kind])] == ["2:0"], log

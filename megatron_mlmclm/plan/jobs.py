@@ -79,6 +79,7 @@ def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path
         "# The jobs read MLMCLM_PYTHON, CONTAINER_ARGS, MASTER_PORT, MLMCLM_DATA_DIR from this",
         "# environment (sbatch exports it); see docs/cluster.md.",
         "set -euo pipefail",
+        "mkdir -p logs  # every job's #SBATCH --output=logs/... (relative to where this runs)",
         f"SLURM_DIR=${{SLURM_DIR:-{q(str(slurm_dir))}}}",
         f"GPUS_PER_NODE=${{GPUS_PER_NODE-{gpn}}}",
         "SBATCH_EXTRA=${SBATCH_EXTRA:-}",
