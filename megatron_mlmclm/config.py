@@ -60,6 +60,9 @@ class ModelConfig:
     # Core attention: auto = Transformer Engine (packed THD on GPU) when it imports, else SDPA with
     # a dense document mask; flex = FlexAttention document masking (CUDA only for training).
     attention: str = "auto"
+    # Fused kernels on CUDA (model/kernels.py): auto = Megatron-LM's defaults where the kernel is
+    # present; off = none (a debugging switch). CPU runs use none either way.
+    fusions: str = "auto"
 
 
 @dataclass
@@ -97,6 +100,16 @@ class ParallelConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
+    # None = auto (model/kernels.py): on CUDA with the distributed optimizer, both overlap.
+    overlap_grad_reduce: Optional[bool] = None
+    overlap_param_gather: Optional[bool] = None
+
+
+@dataclass
+class RuntimeConfig:
+    # auto = cuda when a GPU is visible, else cpu. `cuda` without a GPU is for planning only:
+    # `mlmclm pretrain CFG runtime.device=cuda --dry-run` prints a GPU run's kernel plan.
+    device: str = "auto"
 
 
 @dataclass
@@ -157,6 +170,7 @@ class RunConfig:
     phases: list[PhaseConfig] = field(default_factory=lambda: [PhaseConfig()])
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -319,7 +333,9 @@ def _convert(tp, value, key: str):
                 pass
         raise UsageError(f"config key '{key}' must be a number, got {value!r}")
     if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off / on (no / yes) as a boolean
+            return "on" if value else "off"
+        if isinstance(value, (str, int, float)):
             return str(value)
         raise UsageError(f"config key '{key}' must be a string, got {value!r}")
     return value
@@ -352,6 +368,8 @@ def finalize_run_config(cfg: RunConfig) -> RunConfig:
         raise UsageError("data.train is empty; give shard prefixes (mlmclm preprocess writes them) "
                          "or set data.mock=true")
     validate_loader(cfg.data)
+    if cfg.runtime.device not in ("auto", "cuda", "cpu"):
+        raise UsageError(f"runtime.device '{cfg.runtime.device}' must be auto, cuda or cpu")
     refuse_contradictions(cfg)
     return cfg
 
@@ -371,6 +389,15 @@ def refuse_contradictions(cfg: RunConfig) -> None:
     if t.fp8 is not None and t.precision == "fp32":
         raise UsageError(f"train.fp8={t.fp8} contradicts train.precision=fp32: FP8 GEMMs run inside "
                          "bf16 training; set train.precision=bf16 (or auto) or train.fp8=null")
+    p = cfg.parallel
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        raise UsageError("parallel.overlap_param_gather=true contradicts "
+                         "parallel.use_distributed_optimizer=false: only the distributed optimizer "
+                         "gathers parameters; enable it or drop overlap_param_gather")
+    if p.overlap_param_gather and p.overlap_grad_reduce is False:
+        raise UsageError("parallel.overlap_param_gather=true contradicts "
+                         "parallel.overlap_grad_reduce=false: megatron-core overlaps the gather "
+                         "only together with the reduce")
     if c.allow_data_change and not c.resume:
         raise UsageError("checkpoint.allow_data_change=true contradicts checkpoint.resume=false: "
                          "it only applies when resuming; drop one of them")
@@ -435,6 +462,8 @@ def validate_model(m: ModelConfig, p: ParallelConfig) -> None:
                          f"model.ffn_hidden_size ({m.ffn_hidden_size})")
     if m.attention not in ("auto", "sdpa", "flex"):
         raise UsageError(f"model.attention '{m.attention}' must be auto, sdpa or flex")
+    if m.fusions not in ("auto", "off"):
+        raise UsageError(f"model.fusions '{m.fusions}' must be auto or off")
     if m.rotary_base <= 0 or m.norm_epsilon <= 0 or m.init_method_std <= 0:
         raise UsageError("model.rotary_base, model.norm_epsilon and model.init_method_std must be > 0")
     if m.rope_scaling is not None:

@@ -16,7 +16,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
                         help="override config values, e.g. train.steps=50 phases.0.mask_ratio=0.3")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the config, print it resolved, and exit")
+                        help="validate the config, print it resolved with its kernel plan "
+                             "(runtime.device=cuda plans a GPU run here), and exit")
 
 
 def run(args) -> int:
@@ -25,7 +26,12 @@ def run(args) -> int:
         config, overrides = None, [config] + overrides
     cfg = load_config(config, overrides)
     if args.dry_run:
+        # The kernel plan as YAML comments, so the output still loads back as the run's config.
+        from megatron_mlmclm.model.kernels import plan_kernels, resolve_device  # imports torch
+
+        plan = plan_kernels(cfg, resolve_device(cfg, planning=True))
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        print("\n".join(f"# {line}" for line in plan.report().splitlines()))
         return 0
     # Imported here: megatron-core would slow `--help` and `--dry-run`.
     from megatron_mlmclm.training.pretrain import pretrain

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mlmclm.config import ModelConfig, RunConfig
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.attention import DocumentMasks, FlexDocumentAttention, SDPAttention
+from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
 
 
 def have_transformer_engine() -> bool:
@@ -43,10 +44,12 @@ def use_bf16(cfg: RunConfig) -> bool:
     return cfg.train.precision == "bf16"
 
 
-def transformer_config(cfg: RunConfig) -> TransformerConfig:
+def transformer_config(cfg: RunConfig, plan: Optional[KernelPlan] = None) -> TransformerConfig:
+    """megatron-core's TransformerConfig for the run; fusions, overlap-related and init fields
+    come from the kernel plan (model/kernels.py; by default planned for this machine)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
+    plan = plan if plan is not None else plan_kernels(cfg, resolve_device(cfg))
     bf16 = use_bf16(cfg)
-    on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -67,7 +70,6 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-        sequence_parallel=False,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -75,17 +77,8 @@ def transformer_config(cfg: RunConfig) -> TransformerConfig:
         # per-token convention): the schedule divides by the token count summed over micro-batches
         # and DP ranks, so every parallel layout computes the same loss.
         calculate_per_token_loss=True,
-        # Initialise full weights on the CPU and slice them, so TP layouts start from one model.
-        use_cpu_initialization=not on_gpu,
-        # Fusions need CUDA kernels; gloo P2P batching gives wrong results with PP (docs/parallelism.md).
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        batch_p2p_comm=False if not on_gpu else True,
-        cross_entropy_loss_fusion=False,
+        # Fusions, batched P2P, sequence parallelism and CPU initialisation: the kernel plan.
+        **plan.transformer_kwargs(),
     )
     if t.recompute == "full":
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

@@ -10,6 +10,7 @@ continues from the checkpoint's consumed_samples.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -35,7 +36,8 @@ from megatron_mlmclm.data.dataset import build_train_dataset
 from megatron_mlmclm.data.mock import MockPackedDataset
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.model.build import build_model, transformer_config, use_te
+from megatron_mlmclm.model.build import build_model, transformer_config
+from megatron_mlmclm.model.kernels import plan_kernels, resolve_device
 from megatron_mlmclm.model.flops import train_step_flops
 from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_type
 from megatron_mlmclm.objectives import to_device
@@ -99,6 +101,9 @@ class Trainer:
         # Everything that can fail on user input is checked before process groups and models.
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
+        # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
+        # this machine does not have.
+        self.kernels = plan_kernels(cfg, resolve_device(cfg))
         self.fingerprint = fingerprint(cfg, self.spec)
         self.resume_from = self.find_resume_checkpoint()
         # train.init_from, checked (and its checksums verified) once, before any work
@@ -114,10 +119,11 @@ class Trainer:
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_datasets(cfg, self.spec, self.sample_offset)
 
-        self.tconfig = transformer_config(cfg)
+        self.tconfig = transformer_config(cfg, self.kernels)
+        self.log(self.kernels.summary())
         # Packed THD sequences (no padding, no [s, s] mask) need TE's fused attention; megatron's
         # pipeline passes [s, b, h] activations between stages, so THD is used without PP only.
-        self.thd = use_te(cfg.model) and p.pipeline_model_parallel_size == 1
+        self.thd = self.kernels.attention == "te-thd"
         chunks = build_model(cfg, self.tconfig, self.spec.vocab_size)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
@@ -125,15 +131,14 @@ class Trainer:
         wrapped = chunks
         if self.tconfig.bf16:
             wrapped = [Float16Module(self.tconfig, c) for c in wrapped]
+        overlap_gather = self.kernels.overlap_param_gather.on
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=self.kernels.overlap_grad_reduce.on,
+            overlap_param_gather=overlap_gather, align_param_gather=overlap_gather,
             use_distributed_optimizer=p.use_distributed_optimizer)
         self.model = [DDP(self.tconfig, ddp_config, c, disable_bucketing=i > 0)
                       for i, c in enumerate(wrapped)]
-        self.tconfig.no_sync_func = [m.no_sync for m in self.model]
-        if len(self.model) == 1:
-            self.tconfig.no_sync_func = self.tconfig.no_sync_func[0]
-        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        wire_overlap(self.tconfig, self.model, ddp_config)
 
         opt_config = OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
@@ -149,6 +154,11 @@ class Trainer:
         self.loader = build_loader(cfg.data.loader, self.train_ds, self.plan,
                                    cfg.data.num_workers, start_step=self.step)
         self.open_logs()
+
+    def parameters_gathered(self):
+        """With overlap_param_gather, the step leaves the parameter all-gather to the next forward
+        pass: evaluation and saving must first finish it (Megatron-LM does the same)."""
+        return gathered_parameters(self.model, self.kernels.overlap_param_gather.on)
 
     def new_scheduler(self) -> OptimizerParamScheduler:
         """Warmup-stable-decay over the whole run, whatever its phases (docs/study.md)."""
@@ -278,6 +288,10 @@ class Trainer:
     def evaluate(self, phase) -> Optional[float]:
         if self.valid_ds is None:
             return None
+        with self.parameters_gathered():
+            return self._evaluate(phase)
+
+    def _evaluate(self, phase) -> float:
         for m in self.model:
             m.eval()
         t = self.cfg.train
@@ -354,9 +368,10 @@ class Trainer:
                  "data_fingerprint": self.fingerprint}
         if self.source is not None:
             state["source"] = self.source
-        path = ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model_chunks,
-                                    self.optimizer, self.scheduler, state,
-                                    self.cfg.checkpoint.keep_last)
+        with self.parameters_gathered():
+            path = ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model_chunks,
+                                        self.optimizer, self.scheduler, state,
+                                        self.cfg.checkpoint.keep_last)
         self.log(f"saved {path}")
 
     def record(self, stats: dict[str, Any], bar) -> None:
@@ -390,6 +405,36 @@ class Trainer:
             self.sinks.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
+
+
+def wire_overlap(config, model: list, ddp_config) -> None:
+    """Hand megatron's schedules the DDP hooks, as Megatron-LM's training.py does: no_sync for
+    gradient accumulation, finalize_model_grads, and with overlap the per-chunk gradient reduce and
+    parameter gather that the pipeline schedules start themselves (VPP)."""
+    def one_or_list(fns):
+        return fns[0] if len(fns) == 1 else fns
+
+    config.no_sync_func = one_or_list([m.no_sync for m in model])
+    config.finalize_model_grads_func = finalize_model_grads
+    if ddp_config.overlap_grad_reduce:
+        config.grad_sync_func = one_or_list([m.start_grad_sync for m in model])
+    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
+        config.param_sync_func = one_or_list([m.start_param_sync for m in model])
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: list, overlap_param_gather: bool):
+    """Parameters complete on every rank inside the block (a no-op without overlapped gather)."""
+    if not overlap_param_gather:
+        yield
+        return
+    for m in model:
+        m.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for m in model:
+            m.enable_forward_pre_hook()
 
 
 def forward_step(data_iterator, model):

@@ -1,0 +1,237 @@
+"""The kernel plan: which fusions, overlaps, initialisation and attention path a run uses, and why.
+
+One function decides it from three things: the target device (`runtime.device`), what imports on
+this machine (Transformer Engine and its version, Apex's CUDA extensions) and the run config. On
+CUDA the plan is Megatron-LM's (megatron/training/arguments.py in megatron-core 0.16): every fusion
+that Megatron-LM turns on by default is on here too, but only where its kernel is present, so the
+plan never asks megatron-core for a kernel that would raise; with the distributed optimizer,
+gradient reduce and parameter gather overlap the backward and forward passes. On CPU everything is
+off, as megatron-core's fused paths need CUDA (docs/parallelism.md). `model.fusions: off` turns the
+fusions off on any device (a debugging switch).
+
+`mlmclm pretrain CONFIG --dry-run` prints the plan, and `runtime.device=cuda` plans a GPU run on a
+machine without one (a login node) as the kernels that import there allow. A training run logs the
+plan's one-line summary at setup. docs/gpu.md says which of this has run on a GPU (so far: none).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_mlmclm.config import RunConfig
+from megatron_mlmclm.errors import UsageError
+
+# Megatron-LM's fusion flags, in the order the plan prints them.
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+           "gradient_accumulation_fusion", "masked_softmax_fusion", "persist_layer_norm",
+           "cross_entropy_loss_fusion")
+TE_MIN_FUSED_ROPE = (1, 4)  # megatron-core raises "apply_rope_fusion is not available" below it
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What imports on this machine (probed once by `probe_kernels`; tests pass their own)."""
+
+    te_version: tuple[int, ...] | None = None  # Transformer Engine
+    apex_grad_accum: bool = False  # fused_weight_gradient_mlp_cuda (Apex --cuda_ext)
+    apex_masked_softmax: bool = False  # scaled_masked_softmax_cuda (Apex)
+    apex_persist_layer_norm: bool = False  # apex.contrib.layer_norm (FastLayerNormFN)
+
+
+def _version(dist: str) -> tuple[int, ...] | None:
+    try:
+        text = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import
+        return False
+
+
+def probe_kernels() -> Kernels:
+    te = None
+    if _importable("transformer_engine"):
+        te = _version("transformer_engine") or _version("transformer-engine") or (0,)
+    return Kernels(te_version=te, apex_grad_accum=_importable("fused_weight_gradient_mlp_cuda"),
+                   apex_masked_softmax=_importable("scaled_masked_softmax_cuda"),
+                   apex_persist_layer_norm=_importable("apex.contrib.layer_norm"))
+
+
+@dataclass(frozen=True)
+class Choice:
+    on: bool
+    why: str
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    device: str  # "cuda" | "cpu"
+    fusions: dict[str, Choice]
+    overlap_grad_reduce: Choice
+    overlap_param_gather: Choice
+    sequence_parallel: Choice
+    cpu_initialization: Choice
+    attention: str  # "te-thd" | "te-dense" | "sdpa" | "flex"
+    attention_why: str
+    notes: list[str] = field(default_factory=list)
+
+    def transformer_kwargs(self) -> dict:
+        """The TransformerConfig fields this plan sets."""
+        kw = {name: c.on for name, c in self.fusions.items()}
+        kw.update(use_cpu_initialization=self.cpu_initialization.on,
+                  sequence_parallel=self.sequence_parallel.on,
+                  # Batched isend/irecv is megatron's default on NCCL; on gloo it gives wrong
+                  # results with PP (docs/parallelism.md).
+                  batch_p2p_comm=self.device == "cuda")
+        return kw
+
+    def rows(self) -> list[tuple[str, bool | str, str]]:
+        """(name, on or value, why) for every decision, in print order."""
+        out = [(n, c.on, c.why) for n, c in self.fusions.items()]
+        out += [("overlap_grad_reduce", self.overlap_grad_reduce.on, self.overlap_grad_reduce.why),
+                ("overlap_param_gather", self.overlap_param_gather.on,
+                 self.overlap_param_gather.why),
+                ("sequence_parallel", self.sequence_parallel.on, self.sequence_parallel.why),
+                ("use_cpu_initialization", self.cpu_initialization.on, self.cpu_initialization.why),
+                ("attention", self.attention, self.attention_why)]
+        return out
+
+    def report(self) -> str:
+        """The plan as text (`--dry-run`): one line a decision."""
+        width = max(len(n) for n, _, _ in self.rows())
+        lines = [f"kernel plan for {self.device}:"]
+        for name, on, why in self.rows():
+            value = on if isinstance(on, str) else ("on" if on else "off")
+            lines.append(f"  {name:<{width}}  {value:<8}  {why}")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+    def summary(self) -> str:
+        """One log line: what is on, and why anything is off."""
+        on = [n for n, v, _ in self.rows() if v is True]
+        off: dict[str, list[str]] = {}  # why -> names, so a shared reason is said once
+        for name, value, why in self.rows():
+            if value is False:
+                off.setdefault(why, []).append(name)
+        said = "; ".join(f"{', '.join(names)} ({why})" for why, names in off.items())
+        return (f"kernels on {self.device}: on: {', '.join(on) or 'none'}; attention: "
+                f"{self.attention}; off: {said or 'none'}")
+
+
+def resolve_device(cfg: RunConfig, planning: bool = False) -> str:
+    """`runtime.device` -> cuda | cpu. A run may only target the device it has; planning
+    (--dry-run) may target either."""
+    wanted, has_cuda = cfg.runtime.device, torch.cuda.is_available()
+    if wanted == "auto":
+        return "cuda" if has_cuda else "cpu"
+    if not planning and (wanted == "cuda") != has_cuda:
+        have = "CUDA" if has_cuda else "no CUDA device"
+        raise UsageError(f"runtime.device={wanted} but this machine has {have}; set "
+                         "runtime.device=auto to train here, or add --dry-run to plan a run "
+                         f"for {wanted}")
+    return wanted
+
+
+def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) -> KernelPlan:
+    k = kernels if kernels is not None else probe_kernels()
+    p = cfg.parallel
+    if device != "cuda":
+        off = Choice(False, "CPU: megatron-core's fused kernels need CUDA")
+        return KernelPlan(
+            device=device, fusions={n: off for n in FUSIONS},
+            overlap_grad_reduce=Choice(False, "CPU (gloo): the reduce runs after the backward"),
+            overlap_param_gather=Choice(False, "CPU (gloo): the gather runs after the step"),
+            sequence_parallel=_sequence_parallel(cfg, device),
+            cpu_initialization=Choice(True, "weights initialised once on the CPU and sliced: "
+                                            "every TP/PP layout starts from the same model"),
+            attention=_attention(cfg, device, k)[0], attention_why=_attention(cfg, device, k)[1])
+    fusions = _cuda_fusions(cfg, k)
+    dist_opt = p.use_distributed_optimizer
+    grad = Choice(True, "overlaps the backward pass (Megatron-LM's --overlap-grad-reduce)") \
+        if p.overlap_grad_reduce is not False else Choice(False, "parallel.overlap_grad_reduce=false")
+    if not dist_opt:
+        gather = Choice(False, "needs parallel.use_distributed_optimizer=true")
+    elif p.overlap_param_gather is False:
+        gather = Choice(False, "parallel.overlap_param_gather=false")
+    elif not grad.on:
+        gather = Choice(False, "needs overlap_grad_reduce (megatron-core requires both)")
+    else:
+        gather = Choice(True, "all-gathers the next step's parameters during the forward pass "
+                              "(Megatron-LM's --overlap-param-gather)")
+    if p.overlap_grad_reduce is None and not dist_opt:
+        # Megatron-LM sets it with the distributed optimizer; plain DDP all-reduce overlaps too,
+        # but the study's configs pair overlap with the distributed optimizer.
+        grad = Choice(False, "auto: on with parallel.use_distributed_optimizer=true")
+    attention, attention_why = _attention(cfg, device, k)
+    return KernelPlan(
+        device=device, fusions=fusions, overlap_grad_reduce=grad, overlap_param_gather=gather,
+        sequence_parallel=_sequence_parallel(cfg, device),
+        cpu_initialization=Choice(True, "weights initialised on the CPU, sliced and moved: a TP2 "
+                                        "run and a TP1 run start from the same model"),
+        attention=attention, attention_why=attention_why)
+
+
+def _cuda_fusions(cfg: RunConfig, k: Kernels) -> dict[str, Choice]:
+    if cfg.model.fusions == "off":
+        off = Choice(False, "model.fusions=off")
+        return {n: off for n in FUSIONS}
+    te = k.te_version
+    rope = (Choice(True, f"Transformer Engine {'.'.join(map(str, te))} fused RoPE (THD too)")
+            if te is not None and te[:2] >= TE_MIN_FUSED_ROPE
+            else Choice(False, "needs Transformer Engine >= 1.4 (megatron-core raises without it)"))
+    grad_accum = (Choice(True, "fused wgrad accumulation (Apex fused_weight_gradient_mlp_cuda)")
+                  if k.apex_grad_accum else
+                  Choice(False, "needs Apex's fused_weight_gradient_mlp_cuda: the output layer is "
+                                "megatron's own linear, which raises without it"))
+    softmax = (Choice(True, "Apex kernel present (used only by megatron's local attention, which "
+                            "this model does not build)") if k.apex_masked_softmax else
+               Choice(False, "needs Apex's scaled_masked_softmax_cuda (only megatron's local "
+                             "attention would use it)"))
+    persist = (Choice(True, "Apex persistent kernel present (LayerNorm only: no effect on RMSNorm)")
+               if k.apex_persist_layer_norm else
+               Choice(False, "needs apex.contrib.layer_norm (LayerNorm only: no effect on RMSNorm)"))
+    return {
+        "bias_activation_fusion": Choice(True, "SwiGLU fused by torch JIT (no extension needed)"),
+        "bias_dropout_fusion": Choice(True, "bias-dropout-add fused by torch JIT"),
+        "apply_rope_fusion": rope,
+        "gradient_accumulation_fusion": grad_accum,
+        "masked_softmax_fusion": softmax,
+        "persist_layer_norm": persist,
+        "cross_entropy_loss_fusion": Choice(False, "opt-in in Megatron-LM; the sparse head's loss "
+                                                   "covers only labelled positions"),
+    }
+
+
+def _sequence_parallel(cfg: RunConfig, device: str) -> Choice:
+    if cfg.parallel.tensor_model_parallel_size == 1:
+        return Choice(False, "TP = 1: nothing to split")
+    return Choice(False, "not built yet: the sparse MLM head reads full sequences (issue 20)")
+
+
+def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
+    m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    if m.attention == "flex":
+        return "flex", "model.attention=flex: FlexAttention with a document block mask"
+    if m.attention == "sdpa":
+        return "sdpa", "model.attention=sdpa: dense [b,1,s,s] document mask"
+    if device != "cuda":
+        return "sdpa", "CPU: Transformer Engine needs CUDA; dense [b,1,s,s] document mask"
+    if k.te_version is None:
+        return "sdpa", "Transformer Engine not installed: dense [b,1,s,s] document mask"
+    if pp > 1:
+        return "te-dense", ("TE with a dense mask (arbitrary): packed THD across pipeline stages "
+                            "is not built yet")
+    return "te-thd", ("TE fused attention on packed THD sequences (cu_seqlens from document ids): "
+                      "no_mask / causal per phase, which megatron hands TE as padding / padding_causal")
