@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 QS_STAMP := $(VENV)/.quickstart-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart study test slurm-deps clean
+.PHONY: install quickstart study test test-gpu slurm-deps clean
 
 install: $(STAMP)
 
@@ -35,6 +35,12 @@ study: $(QS_STAMP)
 
 test: install slurm-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The GPU tier (docs/gpu.md), run with the Python that has megatron_mlmclm installed: inside the
+# Docker image that is the image's own (the default); elsewhere e.g. `make test-gpu PY=.venv/bin/python`.
+PY ?= python
+test-gpu:
+	$(PY) -m pytest -q -m gpu -rs tests/gpu $(PYTEST_ARGS)
 
 # tests/test_slurm.py starts a private one-node SLURM cluster: Debian's slurm-wlm daemons and munge.
 SLURM_PKGS := slurmctld slurmd slurm-client munge

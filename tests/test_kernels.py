@@ -73,9 +73,11 @@ def test_fusions_off_and_overlap_rules():
         cfg("parallel.overlap_param_gather=true")
 
 
-def test_pipeline_layouts_on_te_use_a_dense_mask_until_thd_crosses_stages():
+def test_te_uses_a_dense_mask_across_pipeline_stages_and_in_fp32():
     got = on(plan_kernels(cfg("parallel.pipeline_model_parallel_size=2"), "cuda", EVERYTHING))
     assert got["attention"] == "te-dense"
+    fp32 = on(plan_kernels(cfg("train.precision=fp32"), "cuda", EVERYTHING))
+    assert fp32["attention"] == "te-dense"  # TE's unfused (fp32) attention has no THD
 
 
 def test_transformer_config_takes_its_fields_from_the_plan():

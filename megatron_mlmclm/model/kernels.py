@@ -230,6 +230,9 @@ def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
         return "sdpa", "CPU: Transformer Engine needs CUDA; dense [b,1,s,s] document mask"
     if k.te_version is None:
         return "sdpa", "Transformer Engine not installed: dense [b,1,s,s] document mask"
+    if cfg.train.precision == "fp32":
+        return "te-dense", ("fp32: TE's fused attention needs bf16/fp16 and its unfused kernel "
+                            "takes no THD; dense mask")
     if pp > 1:
         return "te-dense", ("TE with a dense mask (arbitrary): packed THD across pipeline stages "
                             "is not built yet")
