@@ -2,23 +2,24 @@
 # and DALI: the engine picks up Transformer Engine's layer spec (bf16/FP8, fused attention) and
 # Apex/TE fused optimizers automatically.
 #
-# Written against the nvcr.io/nvidia/pytorch:25.01-py3 release notes (Python 3.12, PyTorch 2.6,
-# Transformer Engine 1.14). It cannot be built on the CPU-only development machines of this project
-# (no Docker engine there), so it is kept deliberately simple: install the package, keep the
-# image's own torch.
+# Written against the nvcr.io/nvidia/pytorch:25.12-py3 release notes (Python 3.12, CUDA 13.1,
+# PyTorch 2.10). It has never been built: the project's development machines have no Docker engine
+# and no GPU (docs/gpu.md says what has run on a GPU: nothing yet). It is kept deliberately simple:
+# install the package, keep the image's own torch (the image's pip constraint file pins it), and
+# pin megatron-core to the 0.16.x the CPU suite tests (pyproject.toml).
 #
 #   docker build -t megatron-mlmclm .
 #   docker run --gpus all --ipc=host -v $PWD/data:/data megatron-mlmclm \
 #       torchrun --standalone --nproc_per_node 8 -m megatron_mlmclm pretrain examples/configs/210m.yaml
-#   docker run --gpus all megatron-mlmclm python -m pytest -q      # the test suite, inside
-ARG BASE=nvcr.io/nvidia/pytorch:25.01-py3
+#   docker run --gpus all --ipc=host --rm megatron-mlmclm make test-gpu   # the GPU tier, first
+ARG BASE=nvcr.io/nvidia/pytorch:25.12-py3
 FROM ${BASE}
 
 WORKDIR /workspace/megatron_mlmclm
 COPY . .
 
 # The image's torch satisfies "torch>=2.6", so pip keeps it; megatron-core is pinned in pyproject.
-RUN python -m pip install --no-cache-dir -e ".[eval,test]" \
+RUN python -m pip install --no-cache-dir -e ".[eval,test]" "megatron-core==0.16.*" \
  && python -c "import megatron_mlmclm._sample_index, megatron.core, transformer_engine"
 
 ENV MLMCLM_DATA_DIR=/data \
