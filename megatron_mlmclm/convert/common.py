@@ -112,6 +112,8 @@ def run_config_from_dict(raw: dict[str, Any], mock: bool = True):
             ph["share"] = None
     raw.setdefault("train", {}).update(precision="fp32", fp8=None, recompute=None)
     raw.setdefault("data", {})["mock"] = mock
+    if mock:  # only the model is needed: the run's shards would contradict mock data
+        raw["data"].update(train=[], valid=[])
     raw.setdefault("checkpoint", {})["dir"] = None
     cfg = from_dict(RunConfig, raw, prefix="")
     return finalize_run_config(cfg)
