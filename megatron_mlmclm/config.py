@@ -99,7 +99,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     use_distributed_optimizer: bool = False
-    sequence_parallel: bool = False
+    # None = auto (model/kernels.py): on with TP > 1 on GPU; true also runs on CPU (gloo).
+    sequence_parallel: Optional[bool] = None
     # None = auto (model/kernels.py): on CUDA with the distributed optimizer, both overlap.
     overlap_grad_reduce: Optional[bool] = None
     overlap_param_gather: Optional[bool] = None
@@ -487,9 +488,6 @@ def validate_parallel(cfg: RunConfig) -> None:
     for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if getattr(p, k) < 1:
             raise UsageError(f"parallel.{k} must be >= 1, got {getattr(p, k)}")
-    if p.sequence_parallel:
-        raise UsageError("parallel.sequence_parallel is not supported yet (the sparse MLM head "
-                         "reads full sequences); set it to false")
     pp = p.pipeline_model_parallel_size
     if pp > m.num_layers:
         raise UsageError(f"parallel.pipeline_model_parallel_size ({pp}) is larger than "

@@ -306,3 +306,108 @@ def test_thd_through_the_model_matches_dense_mask(model, causal):
     thd_by_flat = torch.full((b * s,), float("nan"))
     thd_by_flat[flat_keep] = loss
     torch.testing.assert_close(thd_by_flat[order], ref_loss, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------- FP8 padding of THD streams
+def reference_sequences(docs: torch.Tensor) -> list[int]:
+    """Pure-Python reference: lengths of the maximal equal-id runs of each sample, in order."""
+    lengths = []
+    for row in docs.tolist():
+        run = 1
+        for prev, cur in zip(row, row[1:]):
+            if cur == prev:
+                run += 1
+            else:
+                lengths.append(run)
+                run = 1
+        lengths.append(run)
+    return lengths
+
+
+@pytest.mark.parametrize("multiple", [1, 8, 16])
+def test_padded_thd_streams_on_random_document_layouts(multiple):
+    """Property test over 300 random layouts (batch, length and document cuts all random): the
+    padded stream is a multiple of `multiple` tokens, every real sequence keeps its boundaries,
+    the pad is one extra sequence shorter than the multiple, and pad tokens carry no loss."""
+    from megatron_mlmclm.objectives import IGNORE
+
+    gen = torch.Generator().manual_seed(multiple)
+    for _ in range(300):
+        b = int(torch.randint(1, 5, (1,), generator=gen))
+        s = int(torch.randint(1, 70, (1,), generator=gen))
+        cuts = torch.rand(b, s, generator=gen) < float(torch.rand(1, generator=gen))
+        docs = torch.cumsum(cuts.long(), dim=1)
+        batch = {"tokens": torch.randint(1, 99, (b, s), generator=gen),
+                 "labels": torch.randint(1, 99, (b, s), generator=gen),
+                 "loss_mask": torch.ones(b, s), "position_ids": torch.arange(s).expand(b, s)}
+        out = flatten_for_thd(batch, docs, multiple)
+        p = out["packed_seq_params"]
+        cu = p.cu_seqlens_q.tolist()
+        lengths = reference_sequences(docs)
+        t, pad = b * s, -(b * s) % multiple
+        assert cu[-1] == t + pad and cu[-1] % multiple == 0
+        assert all(x < y for x, y in zip(cu, cu[1:]))  # no empty sequence
+        assert [y - x for x, y in zip(cu, cu[1:])] == lengths + ([pad] if pad else [])
+        assert p.max_seqlen_q == max(lengths + [pad])
+        assert p.cu_seqlens_kv.tolist() == cu and p.cu_seqlens_q.dtype == torch.int32
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert out[key].shape == (1, t + pad)
+            assert torch.equal(out[key][0, :t], batch[key].reshape(-1).to(out[key].dtype))
+        assert out["loss_mask"][0, t:].sum() == 0 and (out["labels"][0, t:] == IGNORE).all()
+        assert out["attention_mask"] is None
+
+
+# --------------------------------------------------- the GPU path builds no dense mask, any PP
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("objective", ["clm", "mlm"])
+def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp, objective):
+    """With the kernel plan's TE THD path (a CUDA machine with TE, simulated), the trainer's
+    micro-batches carry packed_seq_params and no [b,1,s,s] mask at PP = 1 and PP = 2, and the
+    schedule is told the THD activation shape [t, 1, h]. A spy fails the test if the dense
+    document mask is built at all."""
+    from megatron_mlmclm import objectives
+    from megatron_mlmclm.config import PhaseConfig, load_config
+    from megatron_mlmclm.data.mock import MockPackedDataset
+    from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
+    from megatron_mlmclm.model.kernels import Kernels, plan_kernels
+    from megatron_mlmclm.training import trainer as trainer_module
+    from megatron_mlmclm.training.loader import Plan
+
+    cfg = load_config(None, ["data.mock=true", "model.vocab_size=256", "model.seq_length=40",
+                             "model.num_layers=2", "train.micro_batch_size=2",
+                             "train.global_batch_size=4", "train.fp8=delayed",
+                             f"parallel.pipeline_model_parallel_size={pp}"])
+    plan = plan_kernels(cfg, "cuda", Kernels(te_version=(2, 8, 0)))
+    assert plan.attention == "te-thd"
+
+    def no_dense_mask(*a, **k):
+        raise AssertionError("a dense [b,1,s,s] document mask was built on the THD path")
+    monkeypatch.setattr(objectives, "document_attention_mask", no_dense_mask)
+
+    t = trainer_module.Trainer(cfg)  # only the batch path: no process groups, no model
+    t.kernels, t.model_chunks, t.loader = plan, [], None
+    t.thd = t.kernels.attention == "te-thd"
+    t.thd_multiple = trainer_module.FP8_TOKEN_MULTIPLE
+    spec = token_spec_and_vocab(cfg)
+    t.plan = Plan(tuple(cfg.phases), spec, cfg.data.seed, 1, 4, 2, 1, 0, 0)
+    monkeypatch.setattr(trainer_module.rt, "device", lambda: torch.device("cpu"))
+    batches = t.microbatches(MockPackedDataset(8, 40, 256, 1), 0, PhaseConfig(objective))
+    assert len(batches) == 2
+    for batch in batches:
+        assert batch["attention_mask"] is None and batch["packed_seq_params"].qkv_format == "thd"
+        assert batch["tokens"].shape == (1, 80)  # 2 x 40 tokens: already a multiple of 16
+
+    seen = {}
+
+    def schedule(**kw):
+        seen.update(kw)
+        return []
+    monkeypatch.setattr(trainer_module, "get_forward_backward_func", lambda: schedule)
+    monkeypatch.setattr(trainer_module.dist, "all_reduce", lambda *a, **k: None)
+    monkeypatch.setattr(trainer_module.parallel_state, "is_pipeline_last_stage", lambda **k: False)
+    monkeypatch.setattr(trainer_module.parallel_state, "get_data_parallel_group", lambda: None)
+    monkeypatch.setattr(trainer_module.parallel_state, "get_pipeline_model_parallel_group",
+                        lambda: None)
+    t.model = [object()]
+    t.run_schedule(batches, forward_only=True)
+    assert (seen["seq_length"], seen["micro_batch_size"]) == (80, 1)  # [t, 1, h] between stages

@@ -27,6 +27,12 @@ LAYOUTS = {
                  "parallel.virtual_pipeline_model_parallel_size=2"]),
     "tp2pp2": (4, ["parallel.tensor_model_parallel_size=2",
                    "parallel.pipeline_model_parallel_size=2"]),
+    # Sequence parallelism (runs on gloo when asked for explicitly; on GPU it is the TP default).
+    "tp2_sp": (2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
+    "tp2pp2_sp_distopt": (4, ["parallel.tensor_model_parallel_size=2",
+                              "parallel.pipeline_model_parallel_size=2",
+                              "parallel.sequence_parallel=true",
+                              "parallel.use_distributed_optimizer=true"]),
     "dp2": (2, []),
     "dp2_distopt": (2, ["parallel.use_distributed_optimizer=true"]),
     "recompute_full": (1, ["train.recompute=full"]),

@@ -110,6 +110,26 @@ def test_save_in_parallel_resume_in_one_process(config, tmp_path, layout):
         assert got[step] == pytest.approx(expected[step], abs=1e-5)
 
 
+@pytest.mark.slow
+def test_resume_across_sequence_parallelism(config, tmp_path, saved="true", resumed_with="false"):
+    """TP2 checkpoints are the same with and without SP: a run saved with SP continues without it
+    exactly as the uninterrupted run (SP changes where norms run, not the math; the other
+    direction loads the same files)."""
+    tp2 = "parallel.tensor_model_parallel_size=2"
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    run_pretrain(config, [f"output_dir={ref}", tp2, f"parallel.sequence_parallel={saved}",
+                          "checkpoint.keep_last=4"], nproc=2)
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ref / "checkpoints" / "iter_0000004", resumed / "checkpoints" / "iter_0000004")
+    proc = run_pretrain(config, [f"output_dir={resumed}", tp2,
+                                 f"parallel.sequence_parallel={resumed_with}"], nproc=2)
+    assert "at step 4" in proc.stderr
+    expected, got = curve(ref), curve(resumed)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], abs=1e-5)
+
+
 def test_resume_with_the_other_optimizer_kind_is_refused(config, tmp_path):
     run = tmp_path / "run"
     run_pretrain(config, [f"output_dir={run}", "train.steps=2", "train.warmup_steps=0",

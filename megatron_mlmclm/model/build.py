@@ -19,7 +19,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                       get_gpt_layer_with_transformer_engine_spec)
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mlmclm.config import ModelConfig, RunConfig
@@ -97,8 +99,20 @@ def use_te(m: ModelConfig) -> bool:
     return m.attention == "auto" and have_transformer_engine() and torch.cuda.is_available()
 
 
-def layer_spec(config: TransformerConfig, m: ModelConfig) -> ModuleSpec:
-    """Transformer Engine's spec when TE imports and CUDA is present, else local + SDPA/Flex."""
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm with megatron's norm signature, usable under sequence parallelism (megatron's
+    torch-norm wrapper refuses it): with SP each TP rank normalises its s/TP tokens, so the weight's
+    gradient is partial and finalize_model_grads all-reduces it over TP (the `sequence_parallel`
+    mark). Same parameter name and initial value as the wrapper's, so checkpoints are unchanged."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+
+def layer_spec(config: TransformerConfig, m: ModelConfig, vp_stage: Optional[int] = None):
+    """Transformer Engine's spec when TE imports and CUDA is present, else local + SDPA/Flex with
+    our RMSNorm (a block spec, so the final norm is ours too)."""
     if use_te(m):
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
@@ -109,7 +123,10 @@ def layer_spec(config: TransformerConfig, m: ModelConfig) -> ModuleSpec:
         core = functools.partial(FlexDocumentAttention, masks=DocumentMasks())
     spec.submodules.self_attention.submodules.core_attention = core
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
-    return spec
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.pre_mlp_layernorm = RMSNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm)
 
 
 class EncoderLM(GPTModel):
@@ -127,10 +144,22 @@ class EncoderLM(GPTModel):
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
                                         loss_mask=loss_mask, **kwargs)
         keep = (loss_mask if loss_mask is not None else labels >= 0).transpose(0, 1).bool()
+        sequence_parallel = self.output_layer.sequence_parallel
+        if sequence_parallel:
+            # Each TP rank holds s/TP positions: gather the whole sequence before picking the
+            # labelled positions, then run the output layer on those without its own SP gather
+            # (as GPTModel does for last-token logits). Its backward already all-reduces the
+            # input gradient over TP, so the gather's backward only keeps this rank's slice.
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
         hidden = hidden_states[keep].unsqueeze(1)  # [n, 1, h]
         targets = labels.transpose(0, 1)[keep]  # [n]
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden, weight=weight)  # [n, 1, V/tp]
+        self.output_layer.sequence_parallel = False
+        try:
+            logits, _ = self.output_layer(hidden, weight=weight)  # [n, 1, V/tp]
+        finally:
+            self.output_layer.sequence_parallel = sequence_parallel
         loss = self.compute_language_model_loss(targets.unsqueeze(0), logits).view(-1)
         with torch.no_grad():
             correct = vocab_parallel_argmax_matches(logits.squeeze(1), targets)
@@ -161,7 +190,7 @@ def build_model_chunk(cfg: RunConfig, config: TransformerConfig, vocab_size: int
     m: ModelConfig = cfg.model
     model = EncoderLM(
         config=config,
-        transformer_layer_spec=layer_spec(config, m),
+        transformer_layer_spec=layer_spec(config, m, vp_stage),
         vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=m.seq_length,
         pre_process=pre_process,

@@ -84,7 +84,7 @@ class KernelPlan:
     overlap_param_gather: Choice
     sequence_parallel: Choice
     cpu_initialization: Choice
-    attention: str  # "te-thd" | "te-dense" | "sdpa" | "flex"
+    attention: str  # "te-thd" | "te-dense" (fp32) | "sdpa" | "flex"
     attention_why: str
     notes: list[str] = field(default_factory=list)
 
@@ -215,9 +215,16 @@ def _cuda_fusions(cfg: RunConfig, k: Kernels) -> dict[str, Choice]:
 
 
 def _sequence_parallel(cfg: RunConfig, device: str) -> Choice:
+    wanted = cfg.parallel.sequence_parallel
     if cfg.parallel.tensor_model_parallel_size == 1:
         return Choice(False, "TP = 1: nothing to split")
-    return Choice(False, "not built yet: the sparse MLM head reads full sequences (issue 20)")
+    if wanted is False:
+        return Choice(False, "parallel.sequence_parallel=false")
+    if wanted:
+        return Choice(True, "parallel.sequence_parallel=true: norms and dropout on s/TP tokens")
+    if device == "cuda":
+        return Choice(True, "auto: on with TP > 1 on GPU (Megatron-LM's --sequence-parallel)")
+    return Choice(False, "auto: off on CPU (parallel.sequence_parallel=true runs it on gloo)")
 
 
 def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
@@ -233,8 +240,7 @@ def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
     if cfg.train.precision == "fp32":
         return "te-dense", ("fp32: TE's fused attention needs bf16/fp16 and its unfused kernel "
                             "takes no THD; dense mask")
-    if pp > 1:
-        return "te-dense", ("TE with a dense mask (arbitrary): packed THD across pipeline stages "
-                            "is not built yet")
+    stages = f" (pipeline stages pass [b*s, 1, h] THD activations)" if pp > 1 else ""
     return "te-thd", ("TE fused attention on packed THD sequences (cu_seqlens from document ids): "
-                      "no_mask / causal per phase, which megatron hands TE as padding / padding_causal")
+                      "no_mask / causal per phase, which megatron hands TE as padding / "
+                      f"padding_causal; no [b,1,s,s] mask{stages}")

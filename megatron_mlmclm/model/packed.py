@@ -28,6 +28,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 
+from megatron_mlmclm.objectives import IGNORE
+
 
 def sequence_lengths(document_ids: torch.Tensor) -> torch.Tensor:
     """[b, s] document ids -> int32 lengths of the runs of equal id, per sample, in order."""
@@ -60,12 +62,44 @@ def thd_packed_seq_params(document_ids: torch.Tensor) -> PackedSeqParams:
                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
 
-def flatten_for_thd(batch: dict[str, torch.Tensor], document_ids: torch.Tensor) -> dict:
-    """A make_batch micro-batch -> the THD form: [1, b*s] tensors + packed_seq_params, no mask."""
+# FP8 GEMMs in Transformer Engine need token counts divisible by 16 (8 for some recipes): a THD
+# stream for an FP8 run is padded to this multiple.
+FP8_TOKEN_MULTIPLE = 16
+
+
+def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens of the stream padded to a multiple of `multiple` tokens, pad count). The pad is
+    one extra sequence at the end, so every real sequence keeps its boundaries and no real token
+    can attend to a pad token (nor a pad token to a real one)."""
+    total = int(cu_seqlens[-1])
+    pad = -total % multiple
+    if pad == 0:
+        return cu_seqlens, 0
+    return torch.cat([cu_seqlens, cu_seqlens[-1:] + pad]), pad
+
+
+def flatten_for_thd(batch: dict[str, torch.Tensor], document_ids: torch.Tensor,
+                    multiple: int = 1) -> dict:
+    """A make_batch micro-batch -> the THD form: [1, t] tensors + packed_seq_params, no mask.
+    t = b*s, padded up to a multiple of `multiple` (FP8) with pad tokens that carry no loss."""
     out = {k: v.reshape(1, -1) for k, v in batch.items()
            if k in ("tokens", "labels", "loss_mask", "position_ids")}
     out["attention_mask"] = None
-    out["packed_seq_params"] = thd_packed_seq_params(document_ids.to(batch["tokens"].device))
+    params = thd_packed_seq_params(document_ids.to(batch["tokens"].device))
+    cu, pad = pad_cu_seqlens(params.cu_seqlens_q, multiple)
+    if pad:
+        for key, tensor in out.items():
+            if key == "attention_mask":
+                continue
+            value = IGNORE if key == "labels" else 0  # pad tokens: id 0, no label, no loss
+            fill = (torch.arange(pad, device=tensor.device, dtype=tensor.dtype)
+                    if key == "position_ids" else
+                    torch.full((pad,), value, dtype=tensor.dtype, device=tensor.device))
+            out[key] = torch.cat([tensor, fill.view(1, -1)], dim=1)
+        longest = max(params.max_seqlen_q, pad)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+    out["packed_seq_params"] = params
     return out
 
 

@@ -39,7 +39,8 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, transformer_config
 from megatron_mlmclm.model.kernels import plan_kernels, resolve_device
 from megatron_mlmclm.model.flops import train_step_flops
-from megatron_mlmclm.model.packed import flatten_for_thd, set_attention_mask_type
+from megatron_mlmclm.model.packed import (FP8_TOKEN_MULTIPLE, flatten_for_thd,
+                                          set_attention_mask_type)
 from megatron_mlmclm.objectives import to_device
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import sinks
@@ -121,9 +122,9 @@ class Trainer:
 
         self.tconfig = transformer_config(cfg, self.kernels)
         self.log(self.kernels.summary())
-        # Packed THD sequences (no padding, no [s, s] mask) need TE's fused attention; megatron's
-        # pipeline passes [s, b, h] activations between stages, so THD is used without PP only.
+        # Packed THD sequences (no [s, s] mask) through TE's fused attention, at any PP layout.
         self.thd = self.kernels.attention == "te-thd"
+        self.thd_multiple = FP8_TOKEN_MULTIPLE if t.fp8 is not None else 1
         chunks = build_model(cfg, self.tconfig, self.spec.vocab_size)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
@@ -229,7 +230,7 @@ class Trainer:
         for batch in host:
             batch = to_device(batch, phase, rt.device(), dense_mask=not self.thd)
             if self.thd:
-                batch = flatten_for_thd(batch, batch["document_ids"])
+                batch = flatten_for_thd(batch, batch["document_ids"], self.thd_multiple)
             out.append(batch)
         return out
 
@@ -237,11 +238,15 @@ class Trainer:
         """megatron's forward/backward schedule over micro-batches -> [loss_sum, tokens, correct]."""
         vpp = len(self.model)
         iters = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
+        # The pipeline's p2p tensor shapes follow the micro-batch as built: [b, s] travels as
+        # [s, b, h]; a THD micro-batch is one [1, t] row and travels as [t, 1, h], as in
+        # megatron's packed-sequence fine-tuning (megatron divides by TP itself under SP).
+        micro_batch_size, seq_length = batches[0]["tokens"].shape
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters,
             model=self.model if vpp > 1 else self.model[0],
-            num_microbatches=len(batches), seq_length=self.cfg.model.seq_length,
-            micro_batch_size=self.cfg.train.micro_batch_size, forward_only=forward_only)
+            num_microbatches=len(batches), seq_length=seq_length,
+            micro_batch_size=micro_batch_size, forward_only=forward_only)
         totals = torch.zeros(3, dtype=torch.float64, device=rt.device())
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             for out in outputs:
