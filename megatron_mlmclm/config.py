@@ -99,6 +99,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     use_distributed_optimizer: bool = False
+    # Context parallelism: each sequence split over CP ranks; needs TE's packed THD attention.
+    context_parallel_size: int = 1
     # None = auto (model/kernels.py): on with TP > 1 on GPU; true also runs on CPU (gloo).
     sequence_parallel: Optional[bool] = None
     # None = auto (model/kernels.py): on CUDA with the distributed optimizer, both overlap.
@@ -399,6 +401,10 @@ def refuse_contradictions(cfg: RunConfig) -> None:
         raise UsageError("parallel.overlap_param_gather=true contradicts "
                          "parallel.overlap_grad_reduce=false: megatron-core overlaps the gather "
                          "only together with the reduce")
+    if p.context_parallel_size > 1 and t.fp8 is not None:
+        raise UsageError(f"train.fp8={t.fp8} with parallel.context_parallel_size="
+                         f"{p.context_parallel_size} is not supported yet (FP8 token padding and "
+                         "the CP split are not combined); drop one of them")
     if c.allow_data_change and not c.resume:
         raise UsageError("checkpoint.allow_data_change=true contradicts checkpoint.resume=false: "
                          "it only applies when resuming; drop one of them")
@@ -485,7 +491,7 @@ def validate_rope_scaling(r: RopeScalingConfig) -> None:
 
 def validate_parallel(cfg: RunConfig) -> None:
     p, m = cfg.parallel, cfg.model
-    for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+    for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if getattr(p, k) < 1:
             raise UsageError(f"parallel.{k} must be >= 1, got {getattr(p, k)}")
     pp = p.pipeline_model_parallel_size

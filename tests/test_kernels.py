@@ -73,9 +73,11 @@ def test_fusions_off_and_overlap_rules():
         cfg("parallel.overlap_param_gather=true")
 
 
-def test_te_uses_a_dense_mask_across_pipeline_stages_and_in_fp32():
-    got = on(plan_kernels(cfg("parallel.pipeline_model_parallel_size=2"), "cuda", EVERYTHING))
-    assert got["attention"] == "te-dense"
+def test_te_thd_at_every_pipeline_layout_and_a_dense_mask_only_in_fp32():
+    for layout in (["parallel.pipeline_model_parallel_size=2"],
+                   ["parallel.pipeline_model_parallel_size=2",
+                    "parallel.virtual_pipeline_model_parallel_size=1"]):
+        assert on(plan_kernels(cfg(*layout), "cuda", EVERYTHING))["attention"] == "te-thd"
     fp32 = on(plan_kernels(cfg("train.precision=fp32"), "cuda", EVERYTHING))
     assert fp32["attention"] == "te-dense"  # TE's unfused (fp32) attention has no THD
 

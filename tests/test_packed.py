@@ -385,7 +385,7 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
     monkeypatch.setattr(objectives, "document_attention_mask", no_dense_mask)
 
     t = trainer_module.Trainer(cfg)  # only the batch path: no process groups, no model
-    t.kernels, t.model_chunks, t.loader = plan, [], None
+    t.kernels, t.model_chunks, t.loader = plan, [], None  # CP = 1: no split
     t.thd = t.kernels.attention == "te-thd"
     t.thd_multiple = trainer_module.FP8_TOKEN_MULTIPLE
     spec = token_spec_and_vocab(cfg)
@@ -405,9 +405,90 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
     monkeypatch.setattr(trainer_module, "get_forward_backward_func", lambda: schedule)
     monkeypatch.setattr(trainer_module.dist, "all_reduce", lambda *a, **k: None)
     monkeypatch.setattr(trainer_module.parallel_state, "is_pipeline_last_stage", lambda **k: False)
-    monkeypatch.setattr(trainer_module.parallel_state, "get_data_parallel_group", lambda: None)
+    monkeypatch.setattr(trainer_module.parallel_state, "get_data_parallel_group",
+                        lambda **k: None)
     monkeypatch.setattr(trainer_module.parallel_state, "get_pipeline_model_parallel_group",
                         lambda: None)
     t.model = [object()]
     t.run_schedule(batches, forward_only=True)
     assert (seen["seq_length"], seen["micro_batch_size"]) == (80, 1)  # [t, 1, h] between stages
+
+
+# ------------------------------------------------------------- context parallelism: the CP split
+def reference_cp_indices(cu_padded: list[int], cp: int, rank: int) -> list[int]:
+    """Transcribed from the definition TE's thd_partition_indices_kernel implements: local token
+    i of a sequence (local length L/cp) comes from chunk `rank` in its first half and chunk
+    2cp-1-rank in its second."""
+    out = []
+    for start, end in zip(cu_padded, cu_padded[1:]):
+        local = (end - start) // cp
+        half = local // 2
+        for i in range(local):
+            chunk = rank if i < half else 2 * cp - 1 - rank
+            out.append(start + chunk * half + i % half)
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_split_on_random_layouts(cp):
+    """300 random packed micro-batches: sequences padded to 2 x CP with no-loss pads, each rank's
+    indices equal the reference, and the ranks' shares cover the padded stream exactly once."""
+    from megatron_mlmclm.model.packed import (cp_partition_indices, pad_sequences,
+                                              split_for_context_parallel)
+    from megatron_mlmclm.objectives import IGNORE
+
+    gen = torch.Generator().manual_seed(cp)
+    for _ in range(300):
+        b = int(torch.randint(1, 4, (1,), generator=gen))
+        s = int(torch.randint(1, 60, (1,), generator=gen))
+        docs = torch.cumsum((torch.rand(b, s, generator=gen) < 0.2).long(), dim=1)
+        batch = {"tokens": torch.randint(1, 99, (b, s), generator=gen),
+                 "labels": torch.randint(1, 99, (b, s), generator=gen),
+                 "loss_mask": torch.ones(b, s), "position_ids": torch.arange(s).expand(b, s)}
+        flat = flatten_for_thd(batch, docs)
+        cu = flat["packed_seq_params"].cu_seqlens_q
+        padded, cu_padded = pad_sequences(flat, cu, 2 * cp)
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        plens = (cu_padded[1:] - cu_padded[:-1]).tolist()
+        assert all(p % (2 * cp) == 0 and 0 <= p - n < 2 * cp for p, n in zip(plens, lengths))
+        for (start, n), pstart in zip(zip(cu[:-1].tolist(), lengths), cu_padded[:-1].tolist()):
+            assert torch.equal(padded["tokens"][0, pstart:pstart + n],
+                               flat["tokens"][0, start:start + n])
+            assert padded["position_ids"][0, pstart:pstart + n].tolist() == \
+                flat["position_ids"][0, start:start + n].tolist()
+        real = padded["loss_mask"][0].bool()
+        assert int(real.sum()) == b * s and (padded["labels"][0][~real] == IGNORE).all()
+        shares = []
+        for rank in range(cp):
+            idx = cp_partition_indices(cu_padded, cp, rank)
+            assert idx.tolist() == reference_cp_indices(cu_padded.tolist(), cp, rank)
+            part = split_for_context_parallel(flat, cp, rank)
+            assert torch.equal(part["tokens"][0], padded["tokens"][0, idx])
+            assert part["packed_seq_params"].cu_seqlens_q_padded.tolist() == cu_padded.tolist()
+            assert part["packed_seq_params"].cu_seqlens_q.tolist() == cu.tolist()
+            shares += idx.tolist()
+        assert sorted(shares) == list(range(int(cu_padded[-1])))
+
+
+def test_context_parallel_is_accepted_only_with_te_thd(capsys, tmp_path):
+    from megatron_mlmclm.cli import main
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.errors import UsageError
+    from megatron_mlmclm.model.kernels import Kernels, plan_kernels
+
+    base = ["data.mock=true", "model.vocab_size=256", "parallel.context_parallel_size=2"]
+    cfg = load_config(None, base)
+    plan = plan_kernels(cfg, "cuda", Kernels(te_version=(2, 8, 0)))
+    kw = plan.transformer_kwargs()
+    assert (kw["context_parallel_size"], kw["cp_comm_type"]) == (2, "p2p")
+    for device, kernels, extra in [("cpu", Kernels(te_version=(2, 8, 0)), []),
+                                   ("cuda", Kernels(), []),
+                                   ("cuda", Kernels(te_version=(2, 8, 0)), ["train.precision=fp32"])]:
+        with pytest.raises(UsageError, match="context_parallel_size=2 needs Transformer Engine"):
+            plan_kernels(load_config(None, base + extra), device, kernels)
+    with pytest.raises(UsageError, match="train.fp8=delayed with parallel.context_parallel_size"):
+        load_config(None, base + ["train.fp8=delayed"])
+    run = tmp_path / "run"
+    assert main(["pretrain", *base, f"output_dir={run}"]) == 2  # this CPU machine
+    assert "needs Transformer Engine's packed THD" in capsys.readouterr().err
+    assert not run.exists()

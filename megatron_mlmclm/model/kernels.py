@@ -83,9 +83,11 @@ class KernelPlan:
     overlap_grad_reduce: Choice
     overlap_param_gather: Choice
     sequence_parallel: Choice
+    context_parallel: Choice
     cpu_initialization: Choice
     attention: str  # "te-thd" | "te-dense" (fp32) | "sdpa" | "flex"
     attention_why: str
+    context_parallel_size: int = 1
     notes: list[str] = field(default_factory=list)
 
     def transformer_kwargs(self) -> dict:
@@ -96,6 +98,11 @@ class KernelPlan:
                   # Batched isend/irecv is megatron's default on NCCL; on gloo it gives wrong
                   # results with PP (docs/parallelism.md).
                   batch_p2p_comm=self.device == "cuda")
+        if self.context_parallel.on:
+            # p2p ring exchange of K/V (what THD supports); each micro-batch's CP-padded length
+            # differs, so pipeline stages exchange shapes first.
+            kw.update(context_parallel_size=self.context_parallel_size, cp_comm_type="p2p",
+                      variable_seq_lengths=True)
         return kw
 
     def rows(self) -> list[tuple[str, bool | str, str]]:
@@ -105,6 +112,7 @@ class KernelPlan:
                 ("overlap_param_gather", self.overlap_param_gather.on,
                  self.overlap_param_gather.why),
                 ("sequence_parallel", self.sequence_parallel.on, self.sequence_parallel.why),
+                ("context_parallel", self.context_parallel.on, self.context_parallel.why),
                 ("use_cpu_initialization", self.cpu_initialization.on, self.cpu_initialization.why),
                 ("attention", self.attention, self.attention_why)]
         return out
@@ -154,9 +162,11 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
             overlap_grad_reduce=Choice(False, "CPU (gloo): the reduce runs after the backward"),
             overlap_param_gather=Choice(False, "CPU (gloo): the gather runs after the step"),
             sequence_parallel=_sequence_parallel(cfg, device),
+            context_parallel=_context_parallel(cfg, _attention(cfg, device, k)),
             cpu_initialization=Choice(True, "weights initialised once on the CPU and sliced: "
                                             "every TP/PP layout starts from the same model"),
-            attention=_attention(cfg, device, k)[0], attention_why=_attention(cfg, device, k)[1])
+            attention=_attention(cfg, device, k)[0], attention_why=_attention(cfg, device, k)[1],
+            context_parallel_size=p.context_parallel_size)
     fusions = _cuda_fusions(cfg, k)
     dist_opt = p.use_distributed_optimizer
     grad = Choice(True, "overlaps the backward pass (Megatron-LM's --overlap-grad-reduce)") \
@@ -178,9 +188,11 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
     return KernelPlan(
         device=device, fusions=fusions, overlap_grad_reduce=grad, overlap_param_gather=gather,
         sequence_parallel=_sequence_parallel(cfg, device),
+        context_parallel=_context_parallel(cfg, (attention, attention_why)),
         cpu_initialization=Choice(True, "weights initialised on the CPU, sliced and moved: a TP2 "
                                         "run and a TP1 run start from the same model"),
-        attention=attention, attention_why=attention_why)
+        attention=attention, attention_why=attention_why,
+        context_parallel_size=p.context_parallel_size)
 
 
 def _cuda_fusions(cfg: RunConfig, k: Kernels) -> dict[str, Choice]:
@@ -225,6 +237,18 @@ def _sequence_parallel(cfg: RunConfig, device: str) -> Choice:
     if device == "cuda":
         return Choice(True, "auto: on with TP > 1 on GPU (Megatron-LM's --sequence-parallel)")
     return Choice(False, "auto: off on CPU (parallel.sequence_parallel=true runs it on gloo)")
+
+
+def _context_parallel(cfg: RunConfig, attention: tuple[str, str]) -> Choice:
+    cp = cfg.parallel.context_parallel_size
+    if cp == 1:
+        return Choice(False, "parallel.context_parallel_size=1")
+    if attention[0] != "te-thd":
+        raise UsageError(f"parallel.context_parallel_size={cp} needs Transformer Engine's packed "
+                         f"THD attention (CUDA, TE, bf16), but this run's attention is "
+                         f"{attention[0]}: {attention[1]}")
+    return Choice(True, f"CP={cp}: each sequence padded to {2 * cp} x k tokens, CP rank r keeps "
+                        f"chunks r and {2 * cp - 1}-r (megatron's split), K/V exchanged by p2p")
 
 
 def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:

@@ -134,3 +134,68 @@ def set_attention_mask_type(model_chunks, mask_type) -> None:
                 core = getattr(module, "core_attention", None)
                 if core is not None and hasattr(core, "attn_mask_type"):
                     core.attn_mask_type = mask_type
+
+
+# --------------------------------------------------------------------------------------------------
+# Context parallelism on THD streams (megatron-core's CP batch split for packed sequences).
+# Each sequence is padded to a multiple of 2 x CP tokens and cut into 2 x CP chunks; CP rank r
+# keeps chunks r and 2CP-1-r of every sequence, which balances causal attention work across
+# ranks. Transformer Engine's `thd_get_partitioned_indices` computes the same indices on the GPU;
+# this plain-torch version is what CPU tests check against a pure-Python reference.
+
+def pad_sequences(flat: dict, cu_seqlens: torch.Tensor, multiple: int) -> tuple[dict, torch.Tensor]:
+    """Pad every sequence of a THD stream ([1, t] tensors) to a multiple of `multiple` tokens
+    with pad tokens right after it (no label, no loss; positions keep counting): returns the
+    padded tensors and `cu_seqlens_padded`. The real lengths stay in `cu_seqlens`."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    padded = -(-lengths // multiple) * multiple
+    cu_padded = torch.zeros_like(cu_seqlens)
+    torch.cumsum(padded, dim=0, out=cu_padded[1:])
+    total = int(cu_padded[-1])
+    # Where each real token lands in the padded stream.
+    seq_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    target = torch.arange(int(lengths.sum())) - cu_seqlens[:-1].long()[seq_of] \
+        + cu_padded[:-1].long()[seq_of]
+    out = {}
+    for key, tensor in flat.items():
+        if key in ("attention_mask", "packed_seq_params") or tensor is None:
+            continue
+        fill = IGNORE if key == "labels" else 0
+        full = torch.full((1, total), fill, dtype=tensor.dtype, device=tensor.device)
+        full[0, target.to(tensor.device)] = tensor[0]
+        if key == "position_ids":  # a sequence's positions run on through its pads
+            first = tensor[0, cu_seqlens[:-1].long().to(tensor.device)]
+            start = torch.repeat_interleave(cu_padded[:-1].long(), padded).to(tensor.device)
+            full[0] = (torch.repeat_interleave(first, padded.to(tensor.device))
+                       + torch.arange(total, device=tensor.device) - start).to(tensor.dtype)
+        out[key] = full
+    return out, cu_padded
+
+
+def cp_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Indices of the tokens CP rank `cp_rank` keeps: of every sequence (its padded length a
+    multiple of 2 x cp_size), chunks cp_rank and 2 x cp_size - 1 - cp_rank, in stream order."""
+    starts, ends = cu_seqlens_padded[:-1].long(), cu_seqlens_padded[1:].long()
+    chunk = (ends - starts) // (2 * cp_size)
+    parts = []
+    for start, size in zip(starts.tolist(), chunk.tolist()):
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            parts.append(torch.arange(start + c * size, start + (c + 1) * size))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def split_for_context_parallel(flat: dict, cp_size: int, cp_rank: int) -> dict:
+    """A THD micro-batch (flatten_for_thd) -> this CP rank's share: sequences padded to 2 x CP,
+    the rank's chunks kept, packed_seq_params carrying the real and padded cu_seqlens (the whole
+    sequences: TE's CP attention exchanges the rest between ranks)."""
+    params = flat["packed_seq_params"]
+    cu = params.cu_seqlens_q
+    padded, cu_padded = pad_sequences(flat, cu, 2 * cp_size)
+    keep = cp_partition_indices(cu_padded, cp_size, cp_rank).to(cu.device)
+    out = {key: tensor.index_select(1, keep) for key, tensor in padded.items()}
+    longest = int((cu_padded[1:] - cu_padded[:-1]).max())
+    out["attention_mask"] = None
+    out["packed_seq_params"] = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest)
+    return out

@@ -17,8 +17,8 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import cpu_support
 
 
-def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> None:
-    """Create the default group and megatron's TP/PP/DP groups; seed megatron's RNG tracker."""
+def init_distributed(tp: int, pp: int, vpp: int | None, seed: int, cp: int = 1) -> None:
+    """Create the default group and megatron's TP/PP/CP/DP groups; seed megatron's RNG tracker."""
     cpu_support.apply()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -35,14 +35,16 @@ def init_distributed(tp: int, pp: int, vpp: int | None, seed: int) -> None:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise UsageError(f"world size {world} is not divisible by tensor x pipeline parallel size "
-                         f"({tp} x {pp}); launch a multiple of {tp * pp} processes")
+    if world % (tp * pp * cp):
+        raise UsageError(f"world size {world} is not divisible by tensor x pipeline x context "
+                         f"parallel size ({tp} x {pp} x {cp}); launch a multiple of "
+                         f"{tp * pp * cp} processes")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp,
+            context_parallel_size=cp,
         )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -40,7 +40,7 @@ from megatron_mlmclm.model.build import build_model, transformer_config
 from megatron_mlmclm.model.kernels import plan_kernels, resolve_device
 from megatron_mlmclm.model.flops import train_step_flops
 from megatron_mlmclm.model.packed import (FP8_TOKEN_MULTIPLE, flatten_for_thd,
-                                          set_attention_mask_type)
+                                          set_attention_mask_type, split_for_context_parallel)
 from megatron_mlmclm.objectives import to_device
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import sinks
@@ -111,7 +111,8 @@ class Trainer:
         self.init_source = (ckpt.resolve_checkpoint(t.init_from)
                             if t.init_from and self.resume_from is None else None)
         rt.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                            p.virtual_pipeline_model_parallel_size, t.seed)
+                            p.virtual_pipeline_model_parallel_size, t.seed,
+                            p.context_parallel_size)
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         if t.global_batch_size % (t.micro_batch_size * self.dp):
@@ -231,6 +232,10 @@ class Trainer:
             batch = to_device(batch, phase, rt.device(), dense_mask=not self.thd)
             if self.thd:
                 batch = flatten_for_thd(batch, batch["document_ids"], self.thd_multiple)
+                cp = self.kernels.context_parallel_size
+                if cp > 1:
+                    batch = split_for_context_parallel(
+                        batch, cp, parallel_state.get_context_parallel_rank())
             out.append(batch)
         return out
 
@@ -242,6 +247,7 @@ class Trainer:
         # [s, b, h]; a THD micro-batch is one [1, t] row and travels as [t, 1, h], as in
         # megatron's packed-sequence fine-tuning (megatron divides by TP itself under SP).
         micro_batch_size, seq_length = batches[0]["tokens"].shape
+        seq_length *= self.kernels.context_parallel_size  # megatron divides by CP itself
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters,
             model=self.model if vpp > 1 else self.model[0],
@@ -251,8 +257,10 @@ class Trainer:
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             for out in outputs:
                 totals += out["lm loss"].to(totals.dtype)
-        # Sum over DP ranks, then make the last stage's figures known to every stage.
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        # Sum over DP (and CP: each CP rank holds part of every sequence) ranks, then make the
+        # last stage's figures known to every stage.
+        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
         dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
         return totals
 
