@@ -34,6 +34,10 @@ LAYOUTS = {
                               "parallel.sequence_parallel=true",
                               "parallel.use_distributed_optimizer=true"]),
     "dp2": (2, []),
+    # Overlapped gradient reduce-scatter and parameter all-gather (the GPU default), run on gloo.
+    "dp2_distopt_overlap": (2, ["parallel.use_distributed_optimizer=true",
+                                "parallel.overlap_grad_reduce=true",
+                                "parallel.overlap_param_gather=true"]),
     "dp2_distopt": (2, ["parallel.use_distributed_optimizer=true"]),
     "recompute_full": (1, ["train.recompute=full"]),
 }

@@ -155,44 +155,52 @@ def resolve_device(cfg: RunConfig, planning: bool = False) -> str:
 def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) -> KernelPlan:
     k = kernels if kernels is not None else probe_kernels()
     p = cfg.parallel
-    if device != "cuda":
+    attention = _attention(cfg, device, k)
+    if device == "cuda":
+        fusions = _cuda_fusions(cfg, k)
+        init = "weights initialised on the CPU, sliced and moved: a TP2 run and a TP1 run start " \
+               "from the same model"
+    else:
         off = Choice(False, "CPU: megatron-core's fused kernels need CUDA")
-        return KernelPlan(
-            device=device, fusions={n: off for n in FUSIONS},
-            overlap_grad_reduce=Choice(False, "CPU (gloo): the reduce runs after the backward"),
-            overlap_param_gather=Choice(False, "CPU (gloo): the gather runs after the step"),
-            sequence_parallel=_sequence_parallel(cfg, device),
-            context_parallel=_context_parallel(cfg, _attention(cfg, device, k)),
-            cpu_initialization=Choice(True, "weights initialised once on the CPU and sliced: "
-                                            "every TP/PP layout starts from the same model"),
-            attention=_attention(cfg, device, k)[0], attention_why=_attention(cfg, device, k)[1],
-            context_parallel_size=p.context_parallel_size)
-    fusions = _cuda_fusions(cfg, k)
+        fusions = {n: off for n in FUSIONS}
+        init = "weights initialised once on the CPU and sliced: every TP/PP layout starts from " \
+               "the same model"
+    grad, gather = _overlap(cfg, device)
+    return KernelPlan(
+        device=device, fusions=fusions, overlap_grad_reduce=grad, overlap_param_gather=gather,
+        sequence_parallel=_sequence_parallel(cfg, device),
+        context_parallel=_context_parallel(cfg, attention),
+        cpu_initialization=Choice(True, init), attention=attention[0], attention_why=attention[1],
+        context_parallel_size=p.context_parallel_size)
+
+
+def _overlap(cfg: RunConfig, device: str) -> tuple[Choice, Choice]:
+    """Megatron-LM's --overlap-grad-reduce / --overlap-param-gather: on by default on GPU with the
+    distributed optimizer; an explicit true also runs on CPU (gloo has the async collectives)."""
+    p = cfg.parallel
     dist_opt = p.use_distributed_optimizer
-    grad = Choice(True, "overlaps the backward pass (Megatron-LM's --overlap-grad-reduce)") \
-        if p.overlap_grad_reduce is not False else Choice(False, "parallel.overlap_grad_reduce=false")
+    if p.overlap_grad_reduce is False:
+        grad = Choice(False, "parallel.overlap_grad_reduce=false")
+    elif p.overlap_grad_reduce:
+        grad = Choice(True, "parallel.overlap_grad_reduce=true: the gradient reduce overlaps "
+                            "the backward pass")
+    elif device != "cuda":
+        grad = Choice(False, "auto: off on CPU (parallel.overlap_grad_reduce=true runs it on gloo)")
+    elif not dist_opt:
+        grad = Choice(False, "auto: on with parallel.use_distributed_optimizer=true")
+    else:
+        grad = Choice(True, "auto: the gradient reduce-scatter overlaps the backward pass")
     if not dist_opt:
         gather = Choice(False, "needs parallel.use_distributed_optimizer=true")
     elif p.overlap_param_gather is False:
         gather = Choice(False, "parallel.overlap_param_gather=false")
     elif not grad.on:
-        gather = Choice(False, "needs overlap_grad_reduce (megatron-core requires both)")
+        gather = Choice(False, "needs overlap_grad_reduce (megatron-core overlaps both or neither)")
+    elif p.overlap_param_gather or device == "cuda":
+        gather = Choice(True, "the next step's parameter all-gather overlaps the forward pass")
     else:
-        gather = Choice(True, "all-gathers the next step's parameters during the forward pass "
-                              "(Megatron-LM's --overlap-param-gather)")
-    if p.overlap_grad_reduce is None and not dist_opt:
-        # Megatron-LM sets it with the distributed optimizer; plain DDP all-reduce overlaps too,
-        # but the study's configs pair overlap with the distributed optimizer.
-        grad = Choice(False, "auto: on with parallel.use_distributed_optimizer=true")
-    attention, attention_why = _attention(cfg, device, k)
-    return KernelPlan(
-        device=device, fusions=fusions, overlap_grad_reduce=grad, overlap_param_gather=gather,
-        sequence_parallel=_sequence_parallel(cfg, device),
-        context_parallel=_context_parallel(cfg, (attention, attention_why)),
-        cpu_initialization=Choice(True, "weights initialised on the CPU, sliced and moved: a TP2 "
-                                        "run and a TP1 run start from the same model"),
-        attention=attention, attention_why=attention_why,
-        context_parallel_size=p.context_parallel_size)
+        gather = Choice(False, "auto: off on CPU (parallel.overlap_param_gather=true runs it)")
+    return grad, gather
 
 
 def _cuda_fusions(cfg: RunConfig, k: Kernels) -> dict[str, Choice]:

@@ -130,14 +130,18 @@ def test_fp8_is_finite_and_close_to_bf16(record, tmp_path):
 
 
 @two_gpus
-@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"],
-                                    ["parallel.pipeline_model_parallel_size=2"]])
+@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2",
+                                     "parallel.sequence_parallel=false"],
+                                    ["parallel.tensor_model_parallel_size=2",
+                                     "parallel.sequence_parallel=true"],
+                                    ["parallel.pipeline_model_parallel_size=2"]],
+                         ids=["tp2", "tp2_sp", "pp2"])
 def test_model_parallel_layouts_match_tp1(record, tmp_path, layout):
     two = train(tmp_path, "two", ["train.precision=fp32", "train.steps=10", *layout], nproc=2)
     one = train(tmp_path, "one", ["train.precision=fp32", "train.steps=10",
                                   "train.global_batch_size=16"], nproc=1)
     worst = max(rel(two[s], one[s]) for s in one)
-    assert record(f"{layout[0].split('.')[1]}=2 vs TP1 (fp32, 10 steps)",
+    assert record(f"{' '.join(o.split('.')[1] for o in layout)} vs TP1 (fp32, 10 steps)",
                   f"max per-step rel. diff {worst:.2e}", "< 1e-3", worst < 1e-3)
 
 
