@@ -37,8 +37,8 @@ from megatron_mlmclm.data.mock import MockPackedDataset
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, transformer_config
-from megatron_mlmclm.model.kernels import plan_kernels, resolve_device
 from megatron_mlmclm.model.flops import train_step_flops
+from megatron_mlmclm.model.kernels import plan_kernels, resolve_device
 from megatron_mlmclm.model.packed import (FP8_TOKEN_MULTIPLE, flatten_for_thd,
                                           set_attention_mask_type, split_for_context_parallel)
 from megatron_mlmclm.objectives import to_device
