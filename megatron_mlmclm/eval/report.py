@@ -26,7 +26,8 @@ its grid (the best LR may lie beyond it: widen the grid). The plots show each se
 the means.
 
 Writes report.md, per_task.csv, per_family.csv, ties.csv, incomplete.csv, stability.csv,
-lr_curves.csv, plots/lr_<task>.png (score vs LR per model) and plots/families.png.
+lr_curves.csv, seed_points.csv (each seed's test score per LR), plots/lr_<task>.png (score vs LR
+per model, seeds as points) and plots/families.png.
 """
 
 from __future__ import annotations

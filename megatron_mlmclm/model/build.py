@@ -27,7 +27,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mlmclm.config import ModelConfig, RunConfig
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.attention import DocumentMasks, FlexDocumentAttention, SDPAttention
-from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
+from megatron_mlmclm.model.kernels import (KernelPlan, plan_kernels, probe_kernels,
+                                           resolve_device, uses_te_layers)
 
 
 def have_transformer_engine() -> bool:
@@ -96,7 +97,8 @@ def transformer_config(cfg: RunConfig, plan: Optional[KernelPlan] = None) -> Tra
 
 
 def use_te(m: ModelConfig) -> bool:
-    return m.attention == "auto" and have_transformer_engine() and torch.cuda.is_available()
+    """Transformer Engine's layers on this machine (the kernel plan's own test)."""
+    return uses_te_layers(m, "cuda" if torch.cuda.is_available() else "cpu", probe_kernels())
 
 
 class RMSNorm(torch.nn.RMSNorm):

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from megatron_mlmclm.config import RunConfig
+from megatron_mlmclm.config import ModelConfig, RunConfig
 from megatron_mlmclm.errors import UsageError
 
 # Megatron-LM's fusion flags, in the order the plan prints them.
@@ -88,7 +88,6 @@ class KernelPlan:
     attention: str  # "te-thd" | "te-dense" (fp32) | "sdpa" | "flex"
     attention_why: str
     context_parallel_size: int = 1
-    notes: list[str] = field(default_factory=list)
 
     def transformer_kwargs(self) -> dict:
         """The TransformerConfig fields this plan sets."""
@@ -124,7 +123,7 @@ class KernelPlan:
         for name, on, why in self.rows():
             value = on if isinstance(on, str) else ("on" if on else "off")
             lines.append(f"  {name:<{width}}  {value:<8}  {why}")
-        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+        return "\n".join(lines)
 
     def summary(self) -> str:
         """One log line: what is on, and why anything is off."""
@@ -259,20 +258,26 @@ def _context_parallel(cfg: RunConfig, attention: tuple[str, str]) -> Choice:
                         f"chunks r and {2 * cp - 1}-r (megatron's split), K/V exchanged by p2p")
 
 
+def uses_te_layers(m: ModelConfig, device: str, k: Kernels) -> bool:
+    """Transformer Engine's layer spec: model.attention auto, CUDA, and TE installed. The one
+    test of it: the plan's attention path and the model's layer spec (model/build.py) both ask."""
+    return m.attention == "auto" and device == "cuda" and k.te_version is not None
+
+
 def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
     m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
     if m.attention == "flex":
         return "flex", "model.attention=flex: FlexAttention with a document block mask"
     if m.attention == "sdpa":
         return "sdpa", "model.attention=sdpa: dense [b,1,s,s] document mask"
-    if device != "cuda":
-        return "sdpa", "CPU: Transformer Engine needs CUDA; dense [b,1,s,s] document mask"
-    if k.te_version is None:
-        return "sdpa", "Transformer Engine not installed: dense [b,1,s,s] document mask"
+    if not uses_te_layers(m, device, k):
+        why = ("CPU: Transformer Engine needs CUDA" if device != "cuda" else
+               "Transformer Engine not installed")
+        return "sdpa", f"{why}; dense [b,1,s,s] document mask"
     if cfg.train.precision == "fp32":
         return "te-dense", ("fp32: TE's fused attention needs bf16/fp16 and its unfused kernel "
                             "takes no THD; dense mask")
-    stages = f" (pipeline stages pass [b*s, 1, h] THD activations)" if pp > 1 else ""
+    stages = " (pipeline stages pass [b*s, 1, h] THD activations)" if pp > 1 else ""
     return "te-thd", ("TE fused attention on packed THD sequences (cu_seqlens from document ids): "
                       "no_mask / causal per phase, which megatron hands TE as padding / "
                       f"padding_causal; no [b,1,s,s] mask{stages}")

@@ -78,27 +78,29 @@ def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tenso
     return torch.cat([cu_seqlens, cu_seqlens[-1:] + pad]), pad
 
 
+def pad_value(key: str) -> int:
+    """What a pad token holds in a micro-batch tensor: token id 0, no label, no loss."""
+    return IGNORE if key == "labels" else 0
+
+
 def flatten_for_thd(batch: dict[str, torch.Tensor], document_ids: torch.Tensor,
                     multiple: int = 1) -> dict:
     """A make_batch micro-batch -> the THD form: [1, t] tensors + packed_seq_params, no mask.
     t = b*s, padded up to a multiple of `multiple` (FP8) with pad tokens that carry no loss."""
     out = {k: v.reshape(1, -1) for k, v in batch.items()
            if k in ("tokens", "labels", "loss_mask", "position_ids")}
-    out["attention_mask"] = None
     params = thd_packed_seq_params(document_ids.to(batch["tokens"].device))
     cu, pad = pad_cu_seqlens(params.cu_seqlens_q, multiple)
     if pad:
         for key, tensor in out.items():
-            if key == "attention_mask":
-                continue
-            value = IGNORE if key == "labels" else 0  # pad tokens: id 0, no label, no loss
             fill = (torch.arange(pad, device=tensor.device, dtype=tensor.dtype)
                     if key == "position_ids" else
-                    torch.full((pad,), value, dtype=tensor.dtype, device=tensor.device))
+                    torch.full((pad,), pad_value(key), dtype=tensor.dtype, device=tensor.device))
             out[key] = torch.cat([tensor, fill.view(1, -1)], dim=1)
         longest = max(params.max_seqlen_q, pad)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                  max_seqlen_q=longest, max_seqlen_kv=longest)
+    out["attention_mask"] = None
     out["packed_seq_params"] = params
     return out
 
@@ -160,8 +162,7 @@ def pad_sequences(flat: dict, cu_seqlens: torch.Tensor, multiple: int) -> tuple[
     for key, tensor in flat.items():
         if key in ("attention_mask", "packed_seq_params") or tensor is None:
             continue
-        fill = IGNORE if key == "labels" else 0
-        full = torch.full((1, total), fill, dtype=tensor.dtype, device=tensor.device)
+        full = torch.full((1, total), pad_value(key), dtype=tensor.dtype, device=tensor.device)
         full[0, target.to(tensor.device)] = tensor[0]
         if key == "position_ids":  # a sequence's positions run on through its pads
             first = tensor[0, cu_seqlens[:-1].long().to(tensor.device)]
@@ -174,14 +175,15 @@ def pad_sequences(flat: dict, cu_seqlens: torch.Tensor, multiple: int) -> tuple[
 
 def cp_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Indices of the tokens CP rank `cp_rank` keeps: of every sequence (its padded length a
-    multiple of 2 x cp_size), chunks cp_rank and 2 x cp_size - 1 - cp_rank, in stream order."""
-    starts, ends = cu_seqlens_padded[:-1].long(), cu_seqlens_padded[1:].long()
-    chunk = (ends - starts) // (2 * cp_size)
-    parts = []
-    for start, size in zip(starts.tolist(), chunk.tolist()):
-        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            parts.append(torch.arange(start + c * size, start + (c + 1) * size))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    multiple of 2 x cp_size), chunks cp_rank and 2 x cp_size - 1 - cp_rank, in stream order
+    (cp_rank < 2 x cp_size - 1 - cp_rank, so stream order puts the first chunk first)."""
+    cu = cu_seqlens_padded.long()
+    lengths = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
+    offset = torch.arange(int(cu[-1]), device=cu.device) - cu[:-1][seq]
+    chunk = offset // (lengths // (2 * cp_size))[seq]
+    keep = (chunk == cp_rank) | (chunk == 2 * cp_size - 1 - cp_rank)
+    return keep.nonzero().view(-1)
 
 
 def split_for_context_parallel(flat: dict, cp_size: int, cp_rank: int) -> dict:
