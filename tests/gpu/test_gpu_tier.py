@@ -70,7 +70,7 @@ def rel(a: float, b: float) -> float:
 
 
 @pytest.mark.parametrize("objective", ["clm", "mlm"])
-def test_thd_attention_matches_the_dense_mask(record, objective):
+def test_thd_attention_matches_the_dense_mask(record, tmp_path, objective):
     """The same model and batch through TE's packed THD path and through a dense [b,1,s,s]
     document mask (TE's arbitrary-mask path): the loss over the batch must agree."""
     if not have_te():
@@ -85,7 +85,7 @@ def test_thd_attention_matches_the_dense_mask(record, objective):
                              "train.steps=1", "train.micro_batch_size=4",
                              "train.global_batch_size=4", "train.warmup_steps=0",
                              "train.decay_steps=0", "logging.tensorboard=false",
-                             "data.loader=sync", "output_dir=/tmp/mlmclm-gpu-thd"])
+                             "data.loader=sync", f"output_dir={tmp_path}"])
     trainer = Trainer(cfg)
     trainer.setup()
     assert trainer.thd, "the kernel plan did not pick TE's THD path on this GPU"
