@@ -70,6 +70,14 @@ def test_bad_values_name_the_key(overrides, needle):
     (["checkpoint.allow_data_change=true", "checkpoint.resume=false"],
      ["checkpoint.allow_data_change=true"], "checkpoint.allow_data_change=true",
      "checkpoint.resume=false"),
+    (["parallel.overlap_param_gather=true"], [], "parallel.overlap_param_gather=true",
+     "parallel.use_distributed_optimizer=false"),
+    (["parallel.use_distributed_optimizer=true", "parallel.overlap_param_gather=true",
+      "parallel.overlap_grad_reduce=false"],
+     ["parallel.use_distributed_optimizer=true", "parallel.overlap_param_gather=true"],
+     "parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=false"),
+    (["train.fp8=delayed", "parallel.context_parallel_size=2"],
+     ["parallel.context_parallel_size=2"], "train.fp8=delayed", "context_parallel_size=2"),
 ])
 def test_contradictory_settings_are_refused_naming_both(overrides, one_alone, first, second):
     with pytest.raises(UsageError) as e:
