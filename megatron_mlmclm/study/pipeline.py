@@ -28,6 +28,7 @@ from megatron_mlmclm.eval.report import summarize
 from megatron_mlmclm.quickstart import build_corpus, cli, resolve_sources, small_run_config
 from megatron_mlmclm.quickstart import log as quickstart_log
 from megatron_mlmclm.study.design import RECIPE, StudyDesign, parse_run_name, run_name, widen
+from megatron_mlmclm.study.runs import final_val_loss, finished, last_step, run_dir, steps_of
 
 
 def log(message: str) -> None:
@@ -100,19 +101,6 @@ def _record_invocation(out: Path, start: float) -> list[float]:
 # Pretraining
 
 
-def steps_of(design: StudyDesign, key: str) -> int:
-    return design.cpt_steps if RECIPE[key].continues else design.steps
-
-
-def run_dir(out: Path, name: str) -> Path:
-    return out / "runs" / name
-
-
-def finished(out: Path, design: StudyDesign, name: str) -> bool:
-    key, _ = parse_run_name(name)
-    return (run_dir(out, name) / "checkpoints" / f"iter_{steps_of(design, key):07d}").is_dir()
-
-
 def _config(out: Path, design: StudyDesign, name: str, tokenizer: Path, prefixes) -> Path:
     key, seed = parse_run_name(name)
     recipe = RECIPE[key]
@@ -130,16 +118,6 @@ def _config(out: Path, design: StudyDesign, name: str, tokenizer: Path, prefixes
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
-
-
-def _last_step(metrics: Path) -> int:
-    try:
-        with open(metrics, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 2048))
-            lines = f.read().decode(errors="ignore").splitlines()
-        return max(json.loads(l).get("step", 0) for l in lines[1:] if l.strip())
-    except (OSError, ValueError):
-        return 0
 
 
 def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> None:
@@ -189,7 +167,7 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
                     raise SystemExit(proc.returncode)
                 log(f"pretrained {name}: final validation loss "
                     f"{final_val_loss(out, name):.3f}")
-            bar.n = sum(min(total[n], _last_step(run_dir(out, n) / "metrics.jsonl"))
+            bar.n = sum(min(total[n], last_step(run_dir(out, n) / "metrics.jsonl"))
                         for n in total if n not in todo)
             bar.refresh()
     finally:
@@ -199,17 +177,6 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
             proc.wait()
         signal.signal(signal.SIGTERM, previous)
         bar.close()
-
-
-def val_losses(out: Path, name: str) -> list[tuple[int, float]]:
-    """(step, validation loss) of a run, in order."""
-    metrics = run_dir(out, name) / "metrics.jsonl"
-    rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
-    return [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-
-
-def final_val_loss(out: Path, name: str) -> float:
-    return val_losses(out, name)[-1][1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,13 +14,12 @@ from megatron_mlmclm.eval.report import (add_interval, fmt, md_table, mean_ci, s
                                          write_report, yerr)
 from megatron_mlmclm.study.compare import MARGIN, recipe_table, study_comparisons
 from megatron_mlmclm.study.design import RECIPES, StudyDesign, parse_run_name, run_name
+from megatron_mlmclm.study.runs import final_val_loss, steps_of, val_losses
 
 CONTEXT_NATS = 1.0  # an MLM model must end this far below the unigram floor to show it uses context
 
 
 def pretraining_rows(out: Path, design: StudyDesign, unigram: float) -> list[dict]:
-    from megatron_mlmclm.study.pipeline import final_val_loss, steps_of
-
     rows = []
     for recipe, seed in design.runs():
         name = run_name(recipe, seed)
@@ -59,8 +58,6 @@ def write_plots(out: Path, curves: list[dict], comparisons: list[dict], design: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from megatron_mlmclm.study.pipeline import val_losses
 
     plots = out / "plots"
     plots.mkdir(parents=True, exist_ok=True)
