@@ -134,6 +134,14 @@ class TrainConfig:
     fp8: Optional[str] = None  # None | delayed | current | mxfp8 (Transformer Engine only)
     recompute: Optional[str] = None  # None | selective | full
     init_from: Optional[str] = None  # weights only: continued pretraining from a checkpoint
+    # Faults (training/faults.py, docs/cluster.md): a step that makes no progress for
+    # hang_timeout_s ends the rank for a requeue. None = auto (20x the median step, >= 600 s);
+    # 0 = no watchdog. Loading, the first step, evaluation and saving get hang_timeout_long_s
+    # (None = auto: >= 1800 s).
+    hang_timeout_s: Optional[float] = None
+    hang_timeout_long_s: Optional[float] = None
+    # Skip an update whose gradient norm exceeds skip_spikes x the running median (None = never).
+    skip_spikes: Optional[float] = None
 
 
 @dataclass
@@ -532,6 +540,12 @@ def validate_train(t: TrainConfig) -> None:
         raise UsageError(f"train.recompute '{t.recompute}' must be null, selective or full")
     if not 0.0 <= t.adam_beta1 < 1.0 or not 0.0 <= t.adam_beta2 < 1.0 or t.adam_eps <= 0:
         raise UsageError("train.adam_beta1/adam_beta2 must be in [0, 1) and train.adam_eps > 0")
+    for key in ("hang_timeout_s", "hang_timeout_long_s"):
+        if getattr(t, key) is not None and getattr(t, key) < 0:
+            raise UsageError(f"train.{key} must be >= 0 seconds (0: no watchdog) or null (auto)")
+    if t.skip_spikes is not None and t.skip_spikes <= 1.0:
+        raise UsageError(f"train.skip_spikes must be > 1 (a multiple of the running median "
+                         f"gradient norm) or null, got {t.skip_spikes}")
 
 
 def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:

@@ -4,6 +4,8 @@
   mid-run (what `--signal=B:USR1@300` sends before the time limit) -> the trainer saves at the step
   in flight, exits 75, the script requeues the job, the requeued job resumes; every step's loss
   equals that of an uninterrupted run, bitwise.
+* pretrain.sbatch with rank 1 hung at step 5 (fault injection): the watchdog's exit 76 requeues
+  the job, which resumes and completes.
 * the submit script `mlmclm plan` writes, on a one-run grid: pretrain -> convert -> an
   evaluate_array.sbatch array -> report, in that order (dependencies), every job completed.
 Only documented variables change the scripts (NPROC_PER_NODE, MLMCLM_PYTHON, MASTER_PORT,
@@ -162,6 +164,39 @@ def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(slurm
         "lr0.001_seed0", "lr0.001_seed1"], results
     assert len({r.rsplit("_", 1)[1] for r in results}) == 1, results
     assert (plan / "results" / "report" / "report.md").is_file()
+
+
+def test_pretrain_sbatch_requeues_a_hung_rank_and_the_job_completes(slurm, tmp_path):
+    """Rank 1 hangs at step 5 (the fault-injection hook): its watchdog ends the run with exit 76,
+    which the script reads from $MLMCLM_EXIT_FILE (torchrun says 1) and requeues; the requeued job
+    resumes from step 4 and completes."""
+    cfg = {"data": {"mock": True}, "model": {"preset": "tiny", "vocab_size": 1000},
+           "phases": [{"objective": "mlm"}],
+           "train": {"steps": 8, "micro_batch_size": 2, "global_batch_size": 4,
+                     "warmup_steps": 2, "decay_steps": 2, "hang_timeout_s": 10},
+           "checkpoint": {"save_interval": 2}, "logging": {"tensorboard": False}}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    (tmp_path / "logs").mkdir()
+    run = tmp_path / "run"
+    env = job_environment(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()),
+                          MLMCLM_INJECT_FAULTS="hang rank=1 step=5")
+    job = slurm.sbatch("--cpus-per-task=2", str(SLURM_DIR / "pretrain.sbatch"), str(config),
+                       f"output_dir={run}", env=env, cwd=tmp_path)
+    # Released early as in the SIGUSR1 test: once PENDING again, and a second or two later.
+    until(lambda: [(j["JobState"], j.get("Restarts")) for j in slurm.jobs(job)] ==
+          [("PENDING", "1")], 180, "the requeue")
+    time.sleep(2)
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    slurm.wait([job], timeout=300)
+    log = (tmp_path / "logs" / f"mlmclm-pretrain-{job}.out").read_text()
+    info = slurm.jobs(job)[0]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        log + slurm.daemon_logs()
+    assert "rank 1 hung: step 5 made no progress for 10 s" in log
+    assert f"a hung rank (exit 76): requeueing job {job}" in log
+    assert f"resumed from {run / 'checkpoints' / 'iter_0000004'} at step 4" in log
+    assert max(curve(run)) == 8
 
 
 STUB_PYTHON = """#!/bin/sh

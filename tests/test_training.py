@@ -58,12 +58,18 @@ def test_non_finite_gradients_stop_the_run_and_keep_the_last_checkpoint(tmp_path
     path.write_text(yaml.safe_dump({"data": {"mock": True}, "model": {"vocab_size": 500},
                                     "logging": {"tensorboard": False}}))
     out = tmp_path / "run"
-    proc = run_pretrain(path, [f"output_dir={out}", "train.steps=8", "train.global_batch_size=2",
-                               "train.micro_batch_size=2", "train.warmup_steps=0",
-                               "train.decay_steps=0", "train.lr=1e6", "train.clip_grad=0",
-                               "checkpoint.save_interval=1"], check=False)
-    assert proc.returncode == 1
-    assert "stopping without saving" in proc.stderr and "at step 2" in proc.stderr
+    overrides = [f"output_dir={out}", "train.steps=8", "train.global_batch_size=2",
+                 "train.micro_batch_size=2", "train.warmup_steps=0", "train.decay_steps=0",
+                 "train.lr=1e6", "train.clip_grad=0", "checkpoint.save_interval=1"]
+    proc = run_pretrain(path, overrides, check=False)
+    assert proc.returncode == 16  # re-run the step to tell transient from persistent
+    assert "stopped before the update, nothing saved" in proc.stderr and "at step 2" in proc.stderr
+    assert "the batch is samples 2-3 of the stream" in proc.stderr
+    # A real divergence is deterministic: the re-run of step 2 from step 1's checkpoint fails
+    # the same way, and the run stops for good.
+    proc = run_pretrain(path, overrides, check=False)
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    assert "at step 2" in proc.stderr and "a persistent fault" in proc.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_0000001", "latest"]
     # The surviving checkpoint holds finite weights.
     import torch

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Sampler
 from megatron_mlmclm.config import PhaseConfig, phase_at
 from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.objectives import batch_arrays
+from megatron_mlmclm.runtime.lifetime import children_die_with_us
 from megatron_mlmclm.training.preemption import SIGNALS
 
 FIELDS = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32,
@@ -197,7 +198,8 @@ def starting_workers():
     - The trainer's stop signals are blocked, so workers inherit a mask that never delivers them: a
       signal sent to every process of a job (SLURM's process tracking) then stops the trainer after
       a save (training/preemption.py) and not a worker in mid-step, which would fail the step.
-      Workers end with the trainer (or on SIGKILL).
+      Workers end with the trainer (or on SIGKILL), and get SIGKILL when the trainer is gone
+      (runtime/lifetime.py), so none outlives a killed run.
     - The garbage collector is frozen, so a forked worker never collects an object it inherited.
       Among them may be cyclic garbage the trainer has not collected yet, such as a dropped DALI
       pipeline, whose finalizer shuts down threads that exist only in the trainer: run in a worker
@@ -206,7 +208,8 @@ def starting_workers():
     old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     gc.freeze()
     try:
-        yield
+        with children_die_with_us():
+            yield
     finally:
         gc.unfreeze()
         signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -1,5 +1,5 @@
 """A pretraining run from a validated config: set up, train, and the exit status of each ending
-(commands/pretrain.py is its command line)."""
+(commands/pretrain.py is its command line; docs/cluster.md lists the codes)."""
 
 from __future__ import annotations
 
@@ -7,25 +7,38 @@ import sys
 
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.runtime import distributed as rt
+from megatron_mlmclm.runtime.lifetime import (checkpoint_helper_dies_with_us, children_die_with_us,
+                                               die_with_parent, under_torchrun)
+from megatron_mlmclm.training.faults import NonFinite, write_exit_code
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted
-from megatron_mlmclm.training.trainer import Trainer, TrainingDiverged
+from megatron_mlmclm.training.trainer import Trainer
 
 
 def pretrain(cfg: RunConfig) -> int:
-    """0 when the run finished, 1 when it diverged, EXIT_PREEMPTED when a stop signal saved it."""
+    """0 when the run finished; EXIT_PREEMPTED when a stop signal saved it; EXIT_NONFINITE /
+    EXIT_NONFINITE_PERSISTENT for a non-finite step (training/faults.py). A hung rank exits
+    EXIT_HANG from its watchdog thread."""
+    # Nothing of a run outlives its launcher (runtime/lifetime.py).
+    if under_torchrun():
+        die_with_parent()
+    checkpoint_helper_dies_with_us()
     trainer = Trainer(cfg)
+    code = 0
     try:
-        trainer.setup()
-        trainer.train()
-    except TrainingDiverged as e:
+        with children_die_with_us():  # loader workers, dist_checkpointing's forked writers
+            trainer.setup()
+            trainer.train()
+    except NonFinite as e:
         if rt.is_main():
             print(f"mlmclm pretrain: error: {e}", file=sys.stderr)
-        return 1
+        code = e.code
     except Preempted as e:
         if rt.is_main():
             print(f"mlmclm pretrain: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
+        code = EXIT_PREEMPTED
     finally:
         trainer.close()
         rt.destroy_distributed()
-    return 0
+    if code:
+        write_exit_code(code)
+    return code

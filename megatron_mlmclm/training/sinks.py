@@ -2,7 +2,8 @@
 
 Both get the same tags at the same step (`scalars`): ``train/{clm,mlm}_loss``,
 ``train/{clm,mlm}_accuracy``, ``train/lr``, ``train/grad_norm``, ``throughput/tokens_per_s``,
-``throughput/mfu`` (GPU) and ``val/{clm,mlm}_loss``. Weights & Biases is optional
+``throughput/mfu`` (GPU), ``val/{clm,mlm}_loss`` and, in multi-process runs,
+``faults/straggler_ratio`` and ``faults/straggler_rank``. Weights & Biases is optional
 (``logging.wandb: {project: ..., name: ..., entity: ...}``); its run gets the resolved run config,
 and its id is kept in ``<output_dir>/wandb/run_id`` so a resumed run continues the same W&B run.
 ``WANDB_MODE=offline`` writes the run under ``<output_dir>/wandb/`` without a network.
@@ -44,6 +45,9 @@ def scalars(stats: dict[str, Any]) -> dict[str, float]:
            "throughput/tokens_per_s": stats["tokens_per_s"]}
     if "mfu" in stats:
         out["throughput/mfu"] = stats["mfu"]
+    if "straggler_ratio" in stats:  # training/faults.py, at each logging interval
+        out["faults/straggler_ratio"] = stats["straggler_ratio"]
+        out["faults/straggler_rank"] = stats["straggler_rank"]
     if "val_loss" in stats:
         out[f"val/{obj}_loss"] = stats["val_loss"]
     return out

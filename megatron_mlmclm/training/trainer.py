@@ -11,8 +11,10 @@ continues from the checkpoint's consumed_samples.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,14 +45,13 @@ from megatron_mlmclm.model.packed import (FP8_TOKEN_MULTIPLE, flatten_for_thd,
                                           set_attention_mask_type, split_for_context_parallel)
 from megatron_mlmclm.objectives import to_device
 from megatron_mlmclm.runtime import distributed as rt
+from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import sinks
+from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
+from megatron_mlmclm.training.inject import Injector
 from megatron_mlmclm.training.loader import Plan, build_loader
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from megatron_mlmclm.training.resume import check_resume, fingerprint
-
-
-class TrainingDiverged(RuntimeError):
-    pass
 
 
 def build_datasets(cfg: RunConfig, spec: TokenSpec, sample_offset: int = 0):
@@ -94,6 +95,8 @@ class Trainer:
         self.sample_offset = 0
         self.resume_notes: list[str] = []
         self.loader = None  # data.loader, made by setup()
+        self.lock = None  # rank 0's lock on output_dir
+        self.faults = None  # training/faults.py: watchdog, non-finite steps, spikes, stragglers
 
     # ---------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -106,6 +109,7 @@ class Trainer:
         # this machine does not have.
         self.kernels = plan_kernels(cfg, resolve_device(cfg))
         self.fingerprint = fingerprint(cfg, self.spec)
+        self.take_output_dir()  # before anything in it is read or written
         self.resume_from = self.find_resume_checkpoint()
         # train.init_from, checked (and its checksums verified) once, before any work
         self.init_source = (ckpt.resolve_checkpoint(t.init_from)
@@ -113,6 +117,10 @@ class Trainer:
         rt.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                             p.virtual_pipeline_model_parallel_size, t.seed,
                             p.context_parallel_size)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.faults = FaultMonitor(cfg, rank, world, Injector(rank, Path(cfg.output_dir) / "faults"))
+        self.faults.start()
+        self.faults.enter("setup", self.step)
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         if t.global_batch_size % (t.micro_batch_size * self.dp):
@@ -140,7 +148,7 @@ class Trainer:
             use_distributed_optimizer=p.use_distributed_optimizer)
         self.model = [DDP(self.tconfig, ddp_config, c, disable_bucketing=i > 0)
                       for i, c in enumerate(wrapped)]
-        wire_overlap(self.tconfig, self.model, ddp_config)
+        wire_overlap(self.tconfig, self.model, ddp_config, self.faults.stragglers.gradients_ready)
 
         opt_config = OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
@@ -149,13 +157,32 @@ class Trainer:
             use_distributed_optimizer=p.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         self.scheduler = self.new_scheduler()
+        self.faults.enter("load", self.step)
         self.restore()
+        self.faults.leave()
         # Batches are a function of the step (training/loader.py): the loader starts at this one.
         self.plan = Plan(tuple(cfg.phases), self.spec, cfg.data.seed, t.steps, t.global_batch_size,
                          t.micro_batch_size, self.dp, self.dp_rank, self.sample_offset)
         self.loader = build_loader(cfg.data.loader, self.train_ds, self.plan,
                                    cfg.data.num_workers, start_step=self.step)
         self.open_logs()
+
+    def take_output_dir(self) -> None:
+        """Rank 0 locks output_dir for the run's life (runtime/lifetime.py), refusing (exit 2)
+        when another live run holds it; the launcher then stops the other ranks, which are still
+        waiting for the process group."""
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        self.lock = RunLock(self.cfg.output_dir)
+        try:
+            self.lock.acquire()
+        except UsageError:
+            self.lock = None
+            raise
+        if self.lock.taken_over:
+            holder = self.lock.taken_over
+            self.log(f"took over the lock of a run that has ended (pid {holder.get('pid')} on "
+                     f"{holder.get('host')}, started {holder.get('started')})")
 
     def parameters_gathered(self):
         """With overlap_param_gather, the step leaves the parameter all-gather to the next forward
@@ -190,6 +217,7 @@ class Trainer:
             state = ckpt.load_checkpoint(latest, self.model_chunks, self.optimizer, self.scheduler)
             self.step = int(state["iteration"])
             self.source = state.get("source")
+            self.faults.spikes.load(state.get("spikes"))
             for note in self.resume_notes:
                 self.log(note)
             self.log(f"resumed from {latest} at step {self.step}")
@@ -224,11 +252,14 @@ class Trainer:
             host = self.plan.microbatches(dataset, first_sample, phase)
         else:
             host = self.loader.get(step, first_sample, phase)
+            if self.faults.nan_loss(step + 1):  # the test hook (training/inject.py)
+                host = [dict(host[0], inject_nan=True)] + host[1:]
         if self.thd:
             set_attention_mask_type(self.model_chunks, AttnMaskType.causal
                                     if phase.objective == "clm" else AttnMaskType.no_mask)
         out = []
         for batch in host:
+            poison = batch.pop("inject_nan", False)
             batch = to_device(batch, phase, rt.device(), dense_mask=not self.thd)
             if self.thd:
                 batch = flatten_for_thd(batch, batch["document_ids"], self.thd_multiple)
@@ -236,6 +267,8 @@ class Trainer:
                 if cp > 1:
                     batch = split_for_context_parallel(
                         batch, cp, parallel_state.get_context_parallel_rank())
+            if poison:
+                batch["inject_nan"] = True
             out.append(batch)
         return out
 
@@ -257,6 +290,7 @@ class Trainer:
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             for out in outputs:
                 totals += out["lm loss"].to(totals.dtype)
+        self.local_loss_finite = bool(torch.isfinite(totals[0]))  # this rank's, before reductions
         # Sum over DP (and CP: each CP rank holds part of every sequence) ranks, then make the
         # last stage's figures known to every stage.
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(
@@ -272,20 +306,45 @@ class Trainer:
         totals = self.run_schedule(batches, forward_only=False)
         loss_sum, tokens, correct = totals.tolist()
         loss = loss_sum / max(tokens, 1)
-        # Stop before a non-finite loss or gradient can reach the weights or a checkpoint.
-        bad = None if math.isfinite(loss) else f"loss is {loss}"
-        if bad is None and not self.gradients_finite():
-            bad = "a gradient is not finite"
-        if bad is not None:
-            raise TrainingDiverged(
-                f"{bad} at step {self.step + 1} ({phase.objective}); stopping without saving. "
-                f"The last good checkpoint in {self.cfg.checkpoint.dir} is intact: lower "
-                "train.lr or raise train.warmup_steps and resume")
+        # Stop before a non-finite loss or gradient can reach the weights or a checkpoint; the
+        # restart re-runs the step to tell a transient fault from a persistent one.
+        problem = None if math.isfinite(loss) else f"loss is {loss}"
+        if problem is None and not self.gradients_finite():
+            problem = "a gradient is not finite"
+        note = self.faults.check_step(
+            self.step + 1, problem and f"{problem} ({phase.objective})",
+            describe_samples(self.consumed_samples(), self.cfg.train.global_batch_size),
+            self.ranks_with_nonfinite_loss() if problem else [], self.cfg.checkpoint.dir)
+        if note:
+            self.log(note)
         self.scheduler.step(1)  # the LR of step k is the schedule's value at k + 1
+        stats = {"loss": loss, "accuracy": correct / max(tokens, 1), "tokens": tokens,
+                 "lr": self.optimizer.param_groups[0]["lr"]}
+        if note:
+            stats["fault"] = "transient non-finite step, finite on its re-run"
+        spikes = self.faults.spikes
+        if spikes.factor is not None:
+            # The norm before the update decides it (prepare_grads is repeated by step()).
+            self.optimizer.prepare_grads()
+            norm = float(self.optimizer.get_grad_norm())
+            if spikes.is_spike(norm):
+                spikes.skipped += 1
+                self.log(f"step {self.step + 1}: update skipped, gradient norm {norm:.4g} is over "
+                         f"{spikes.factor:g}x the running median (train.skip_spikes; "
+                         f"{spikes.skipped} skipped so far)")
+                return dict(stats, grad_norm=norm, skipped=True, spike_skipped=True)
+            spikes.accept(norm)
         ok, grad_norm, _ = self.optimizer.step()
-        return {"loss": loss, "accuracy": correct / max(tokens, 1), "tokens": tokens,
-                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "lr": self.optimizer.param_groups[0]["lr"], "skipped": not ok}
+        return dict(stats, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                    skipped=not ok)
+
+    def ranks_with_nonfinite_loss(self) -> list[int]:
+        """Data-parallel ranks whose own loss was not finite (collective, on the failure path)."""
+        mine = torch.tensor([-1 if self.local_loss_finite else self.dp_rank], dtype=torch.int64,
+                            device=rt.device())
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return sorted({int(t) for t in every if int(t) >= 0})
 
     def gradients_finite(self) -> bool:
         """All-reduced check of the reduced gradient buffers (cheap: one pass, no copies)."""
@@ -338,13 +397,16 @@ class Trainer:
     def _train_loop(self, bar, tokens_per_step, peak, world) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         last = {}
+        faults = self.faults
         if self.step == 0 and self.valid_ds is not None:  # the curve's starting point
             _, first = phase_at(cfg.phases, 0)
-            self.record({"step": 0, "objective": first.objective,
-                         "val_loss": self.evaluate(first)}, None)
+            with faults.section("evaluation", 0):
+                self.record({"step": 0, "objective": first.objective,
+                             "val_loss": self.evaluate(first)}, None)
         while self.step < t.steps:
             phase_index, phase = phase_at(cfg.phases, self.step)
             start = time.perf_counter()
+            faults.step_started(self.step + 1)
             stats = self.train_step(phase)
             self.step += 1
             elapsed = time.perf_counter() - start
@@ -356,8 +418,12 @@ class Trainer:
                          tokens_per_s_per_device=tokens_per_step / elapsed / world)
             if peak:
                 stats["mfu"] = flops / elapsed / world / peak
+            faults.stragglers.step_ended()
+            if self.step % cfg.logging.log_interval == 0:
+                stats.update(faults.interval(rt.device()) or {})
             if cfg.logging.eval_interval and self.step % cfg.logging.eval_interval == 0 \
                     or self.step == t.steps:
+                faults.enter("evaluation", self.step)
                 val = self.evaluate(phase)
                 if val is not None:
                     stats["val_loss"] = val
@@ -366,10 +432,14 @@ class Trainer:
             interval = cfg.checkpoint.save_interval
             stop = self.step < t.steps and self.stop.agreed(rt.device())
             if interval and self.step % interval == 0 or self.step == t.steps or stop:
+                faults.enter("save", self.step)
                 self.save()
+            faults.step_ended(elapsed)
             if stop:
                 raise Preempted(f"stop signal: saved at step {self.step} of {t.steps}; exit "
                                 f"{EXIT_PREEMPTED}, start the same run again to resume")
+        for line in faults.summary():
+            self.log(line)
         return last
 
     def consumed_samples(self) -> int:
@@ -381,6 +451,8 @@ class Trainer:
                  "data_fingerprint": self.fingerprint}
         if self.source is not None:
             state["source"] = self.source
+        if self.faults.spikes.factor is not None:
+            state["spikes"] = self.faults.spikes.state()
         with self.parameters_gathered():
             path = ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model_chunks,
                                         self.optimizer, self.scheduler, state,
@@ -407,28 +479,41 @@ class Trainer:
             bar.set_postfix(post)
             if stats["step"] % self.cfg.logging.log_interval == 0:
                 extra = f" val_loss {stats['val_loss']:.4f}" if "val_loss" in stats else ""
+                if "straggler_rank" in stats:
+                    extra += (f" slowest rank {stats['straggler_rank']} "
+                              f"{stats['straggler_ratio']:.2f}x median")
                 bar.write(f"step {stats['step']:>6} {obj} loss {stats['loss']:.5f} acc "
                           f"{stats['accuracy']:.4f} lr {stats['lr']:.3e} grad_norm "
                           f"{stats['grad_norm']:.3f}{extra}", file=sys.stderr)
 
     def close(self) -> None:
+        if self.faults is not None:
+            self.faults.stop()
         if self.loader is not None:
             self.loader.close()
+        if self.lock is not None:
+            self.lock.release()
         if self.sinks is not None:
             self.sinks.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
 
 
-def wire_overlap(config, model: list, ddp_config) -> None:
+def wire_overlap(config, model: list, ddp_config, gradients_ready=None) -> None:
     """Hand megatron's schedules the DDP hooks, as Megatron-LM's training.py does: no_sync for
     gradient accumulation, finalize_model_grads, and with overlap the per-chunk gradient reduce and
-    parameter gather that the pipeline schedules start themselves (VPP)."""
+    parameter gather that the pipeline schedules start themselves (VPP). `gradients_ready` is
+    called as the gradient reduction starts (the straggler monitor's mark)."""
     def one_or_list(fns):
         return fns[0] if len(fns) == 1 else fns
 
+    def finalize(*args, **kwargs):
+        if gradients_ready is not None:
+            gradients_ready()
+        return finalize_model_grads(*args, **kwargs)
+
     config.no_sync_func = one_or_list([m.no_sync for m in model])
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize
     if ddp_config.overlap_grad_reduce:
         config.grad_sync_func = one_or_list([m.start_grad_sync for m in model])
     if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
@@ -455,13 +540,15 @@ def forward_step(data_iterator, model):
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"], loss_mask=batch["loss_mask"],
                    packed_seq_params=batch.get("packed_seq_params"))
-    return output, loss_func
+    return output, functools.partial(loss_func, inject_nan=batch.get("inject_nan", False))
 
 
-def loss_func(output):
+def loss_func(output, inject_nan: bool = False):
     """Per-token convention: (sum of losses, token count, logged [sum, count, correct])."""
     per_token_loss, correct = output
     total = per_token_loss.sum()
+    if inject_nan:  # the fault-injection test hook: a NaN loss, and NaN gradients behind it
+        total = total * float("nan")
     count = torch.tensor(per_token_loss.numel(), dtype=torch.int, device=total.device)
     logged = torch.stack([total.detach().float(), count.float(), correct.sum().float()])
     return total, count, {"lm loss": logged}

@@ -1,0 +1,429 @@
+"""The fault monitor: a hung rank, a non-finite step and a straggler are caught, named and survived
+(docs/cluster.md#faults-hangs-nans-stragglers).
+
+- **Hang watchdog.** A thread of each rank watches the section the rank is in (load, first step,
+  step, evaluation, save) against its allowance. When one overruns, the rank writes every thread's
+  Python stack to `<output_dir>/faults/`, prints one line naming the rank, the step and the section,
+  and exits EXIT_HANG; torchrun then tears the other ranks down and the sbatch script requeues the
+  job, which resumes from the last verified checkpoint. A rank that runs nothing at all (stopped,
+  its node gone) is caught by the ranks waiting for it in a collective: theirs overrun.
+- **Non-finite steps.** A non-finite loss or gradient stops the step before the update with
+  EXIT_NONFINITE and a record of the step and its samples (`faults/nonfinite.json`). The restart
+  re-runs that step from the last checkpoint: finite this time, the fault was transient (logged,
+  training goes on); non-finite again, it is persistent (EXIT_NONFINITE_PERSISTENT, for good, with
+  the sample indices to inspect). Optionally (`train.skip_spikes: k`) an update whose gradient norm
+  exceeds k times the running median is skipped, counted and logged.
+- **Stragglers.** Each rank times its busy part of a step (from the step's start until its
+  gradients are ready for the data-parallel reduction, where a fast rank starts waiting for a slow
+  one); at each logging interval rank 0 names the slowest rank and its time relative to the
+  median, and the run's end names persistent stragglers.
+
+Exit codes follow Megatron-LM's where they mean the same (16: re-run to tell transient from
+persistent, 17: failed for good); torchrun reports any failed worker as its own exit 1, so the
+code is also written to $MLMCLM_EXIT_FILE when set (examples/slurm/pretrain.sbatch reads it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+EXIT_NONFINITE = 16  # re-run the step from the last checkpoint: transient or persistent?
+EXIT_NONFINITE_PERSISTENT = 17  # the same step is non-finite again: stop for good
+EXIT_HANG = 76  # a section overran its allowance: requeue, resume from the last checkpoint
+EXIT_FILE_ENV = "MLMCLM_EXIT_FILE"
+
+# Automatic allowances (train.hang_timeout_s unset): a step may take STEP_TIMEOUT_FACTOR x the
+# median of the recent steps, never less than STEP_TIMEOUT_FLOOR_S; loading, the first step (which
+# may compile or autotune), evaluation and saving get LONG_TIMEOUT_FLOOR_S or more.
+STEP_TIMEOUT_FLOOR_S = 600.0
+STEP_TIMEOUT_FACTOR = 20.0
+LONG_TIMEOUT_FLOOR_S = 1800.0
+LONG_SECTIONS = ("setup", "load", "first step", "evaluation", "save")
+
+# A rank is a straggler in an interval when its busy time is this many times the median rank's;
+# persistent when that holds in at least half of the intervals (and at least two).
+STRAGGLER_RATIO = 1.2
+SPIKE_WINDOW = 100  # gradient norms in skip_spikes' running median
+SPIKE_MIN_HISTORY = 10  # no update is skipped before this many norms are known
+
+
+def write_exit_code(code: int) -> None:
+    """Tell a launcher that sees only torchrun's exit 1 which code this rank ended with."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"{code}\n")
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Hang watchdog
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack, innermost frame last, with the thread's name."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sorted(sys._current_frames().items(),
+                    key=lambda item: item[0] != threading.main_thread().ident)  # main first
+    out = []
+    for ident, frame in frames:
+        out.append(f"Thread {names.get(ident, '?')} ({ident}), most recent call last:\n")
+        out.extend(traceback.format_stack(frame))
+        out.append("\n")
+    return "".join(out)
+
+
+class HangWatchdog:
+    """A daemon thread that ends this rank when a section overruns its allowance.
+
+    The step path only sets a few attributes (no lock, no system call): `enter` and `leave` cost
+    nothing measurable. The thread wakes every `poll_s` seconds to compare the clock with the
+    current section's deadline."""
+
+    def __init__(self, rank: int, folder: Path, step_timeout_s: Optional[float],
+                 long_timeout_s: Optional[float], poll_s: float = 1.0):
+        self.rank, self.folder = rank, Path(folder)
+        self.fixed_step_timeout = step_timeout_s
+        self.fixed_long_timeout = long_timeout_s
+        self.poll_s = poll_s
+        self.step_times: deque[float] = deque(maxlen=50)
+        self.section: Optional[tuple[str, int, float, float]] = None  # name, step, start, allowance
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="mlmclm-hang-watchdog", daemon=True)
+
+    def step_timeout(self) -> float:
+        if self.fixed_step_timeout is not None:
+            return self.fixed_step_timeout
+        if not self.step_times:
+            return STEP_TIMEOUT_FLOOR_S
+        return max(STEP_TIMEOUT_FLOOR_S, STEP_TIMEOUT_FACTOR * statistics.median(self.step_times))
+
+    def long_timeout(self) -> float:
+        if self.fixed_long_timeout is not None:
+            return self.fixed_long_timeout
+        return max(LONG_TIMEOUT_FLOOR_S, 3 * self.step_timeout())
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.section = None
+
+    def enter(self, name: str, step: int) -> None:
+        allowance = self.long_timeout() if name in LONG_SECTIONS else self.step_timeout()
+        self.section = (name, step, time.monotonic(), allowance)
+
+    def leave(self, step_time: Optional[float] = None) -> None:
+        self.section = None
+        if step_time is not None:
+            self.step_times.append(step_time)
+
+    @contextlib.contextmanager
+    def watching(self, name: str, step: int):
+        self.enter(name, step)
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.poll_s):
+            current = self.section
+            if current is None:
+                continue
+            name, step, start, allowance = current
+            if time.monotonic() - start > allowance:
+                self.fire(name, step, allowance)
+
+    def fire(self, name: str, step: int, allowance: float) -> None:
+        """Write the stacks, say which rank, step and section in one line, and exit at once: the
+        main thread may be blocked in a collective that never returns."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        dump = self.folder / f"hang-rank{self.rank}-step{step}.txt"
+        dump.write_text(f"rank {self.rank}, step {step}, section {name}: no progress for "
+                        f"{allowance:g} s\n\n{thread_stacks()}", encoding="utf-8")
+        what = {"first step": f"step {step} (this process's first)",
+                "evaluation": f"the evaluation at step {step}",
+                "save": f"the checkpoint save at step {step}",
+                "load": f"loading the checkpoint of step {step}",
+                "setup": "setup (data index, model)"}.get(name, f"{name} {step}")
+        # A new line first: the progress bar's line has none.
+        print(f"\nmlmclm pretrain: error: rank {self.rank} hung: {what} made no "
+              f"progress for {allowance:g} s (train.hang_timeout_s); every thread's stack is in "
+              f"{dump}; exit {EXIT_HANG}: the job is torn down, and the restart (the sbatch script "
+              "requeues) resumes from the last verified checkpoint", file=sys.stderr, flush=True)
+        write_exit_code(EXIT_HANG)
+        os._exit(EXIT_HANG)
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite steps
+
+
+class NonFinite(RuntimeError):
+    """A step's loss or gradient is not finite; `code` is the exit status that says what next."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+class NonFiniteRecord:
+    """`<output_dir>/faults/nonfinite.json`: the step that failed and whether it was re-run.
+
+    Written by rank 0 when a step fails; read by every rank at the restart. When the re-run of that
+    step is finite the record moves to `faults/history.jsonl` (with its verdict) and is removed."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.path = self.folder / "nonfinite.json"
+        self.pending: Optional[dict[str, Any]] = None
+        if self.path.is_file():
+            self.pending = json.loads(self.path.read_text(encoding="utf-8"))
+
+    def is_rerun(self, step: int) -> bool:
+        """True when `step` (1-based) failed before: this attempt is its re-run."""
+        return self.pending is not None and int(self.pending["step"]) == step
+
+    def write(self, entry: dict[str, Any]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entry, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
+        self.pending = entry
+
+    def resolve(self, verdict: str) -> None:
+        entry = dict(self.pending, verdict=verdict, resolved_at=time.time())
+        with open(self.folder / "history.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(entry) + "\n")
+        self.path.unlink(missing_ok=True)
+        self.pending = None
+
+
+def describe_samples(first: int, count: int) -> str:
+    return f"samples {first}-{first + count - 1} of the stream" if count > 1 else \
+        f"sample {first} of the stream"
+
+
+class SpikePolicy:
+    """train.skip_spikes = k: skip an update whose gradient norm exceeds k x the running median of
+    the last SPIKE_WINDOW accepted norms. Its window is saved in checkpoints (exact resume)."""
+
+    def __init__(self, factor: Optional[float]):
+        self.factor = factor
+        self.norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
+        self.skipped = 0
+
+    def is_spike(self, grad_norm: float) -> bool:
+        if self.factor is None or len(self.norms) < SPIKE_MIN_HISTORY:
+            return False
+        return grad_norm > self.factor * statistics.median(self.norms)
+
+    def accept(self, grad_norm: float) -> None:
+        self.norms.append(grad_norm)
+
+    def state(self) -> dict[str, Any]:
+        return {"norms": list(self.norms), "skipped": self.skipped}
+
+    def load(self, state: Optional[dict[str, Any]]) -> None:
+        if state:
+            self.norms.extend(state["norms"])
+            self.skipped = int(state["skipped"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Stragglers
+
+
+class StragglerMonitor:
+    """Per-rank busy time per step, gathered at each logging interval (one small all-gather)."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.busy = 0.0  # this rank's busy seconds in the current interval
+        self.step_start: Optional[float] = None
+        self.marked = False
+        self.intervals = 0
+        self.slowest_counts: dict[int, int] = {}
+        self.ratios: dict[int, list[float]] = {}
+
+    def step_started(self) -> None:
+        self.step_start, self.marked = time.perf_counter(), False
+
+    def gradients_ready(self) -> None:
+        """Called as the data-parallel gradient reduction starts (finalize_model_grads)."""
+        if self.step_start is not None and not self.marked:
+            self.busy += time.perf_counter() - self.step_start
+            self.marked = True
+
+    def step_ended(self) -> None:
+        if self.step_start is not None and not self.marked:  # no reduction seen: whole step
+            self.busy += time.perf_counter() - self.step_start
+        self.step_start = None
+
+    def gather(self, device) -> Optional[dict[str, float]]:
+        """Collective. On rank 0: {slowest_rank, slowest_ratio, median_busy_s} of the interval."""
+        mine = torch.tensor([self.busy], dtype=torch.float64, device=device)
+        self.busy = 0.0
+        if self.world == 1:
+            return None
+        every = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(every, mine)
+        if dist.get_rank() != 0:
+            return None
+        times = [float(t) for t in every]
+        median = statistics.median(times)
+        slowest = max(range(self.world), key=lambda r: times[r])
+        ratio = times[slowest] / median if median > 0 else 1.0
+        self.intervals += 1
+        if ratio >= STRAGGLER_RATIO:
+            self.slowest_counts[slowest] = self.slowest_counts.get(slowest, 0) + 1
+            self.ratios.setdefault(slowest, []).append(ratio)
+        return {"straggler_rank": slowest, "straggler_ratio": ratio, "median_busy_s": median}
+
+    def persistent(self) -> list[tuple[int, int, float]]:
+        """(rank, intervals as the straggler, median ratio) of the run's persistent stragglers."""
+        need = max(2, (self.intervals + 1) // 2)
+        return [(r, n, statistics.median(self.ratios[r]))
+                for r, n in sorted(self.slowest_counts.items()) if n >= need]
+
+    def summary(self) -> Optional[str]:
+        if self.world == 1 or not self.intervals:
+            return None
+        found = self.persistent()
+        if not found:
+            return (f"stragglers: none (no rank was {STRAGGLER_RATIO:g}x the median in half of the "
+                    f"{self.intervals} logging intervals)")
+        return "stragglers: " + "; ".join(
+            f"rank {r} was the slowest in {n} of {self.intervals} logging intervals, "
+            f"{ratio:.2f}x the median rank's busy time" for r, n, ratio in found)
+
+
+# --------------------------------------------------------------------------------------------------
+# What the trainer calls
+
+
+class FaultMonitor:
+    """The trainer's one handle on faults: sections for the watchdog, the non-finite verdict, the
+    spike policy, straggler figures, and the injected faults of the test hook."""
+
+    def __init__(self, cfg, rank: int, world: int, injector):
+        t = cfg.train
+        self.rank, self.world = rank, world
+        self.folder = Path(cfg.output_dir) / "faults"
+        self.watchdog = None
+        if t.hang_timeout_s != 0:
+            self.watchdog = HangWatchdog(rank, self.folder, t.hang_timeout_s,
+                                         t.hang_timeout_long_s)
+        self.nonfinite = NonFiniteRecord(self.folder)
+        self.spikes = SpikePolicy(t.skip_spikes)
+        self.stragglers = StragglerMonitor(world)
+        self.inject = injector
+        self.steps_run = 0  # in this process: the first one gets the long allowance
+
+    def start(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.start()
+
+    def stop(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    def enter(self, section: str, step: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.enter(section, step)
+
+    def leave(self, step_time: Optional[float] = None) -> None:
+        if self.watchdog is not None:
+            self.watchdog.leave(step_time)
+
+    @contextlib.contextmanager
+    def section(self, name: str, step: int):
+        self.enter(name, step)
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def step_started(self, step: int) -> None:
+        """`step` is 1-based, as logged."""
+        self.enter("first step" if self.steps_run == 0 else "step", step)
+        self.stragglers.step_started()
+        if self.inject:
+            self.inject.at_step_start(step)
+
+    def step_ended(self, elapsed: float) -> None:
+        """After the step's logging, evaluation and save: the watchdog learns its time."""
+        self.steps_run += 1
+        self.leave(elapsed if self.steps_run > 1 else None)  # the first step says little
+
+    def nan_loss(self, step: int) -> bool:
+        return bool(self.inject) and self.inject.nan_loss(step)
+
+    def check_step(self, step: int, problem: Optional[str], samples: str, bad_ranks: list[int],
+                   checkpoint_dir: str) -> Optional[str]:
+        """After the reductions, before the update. Raises NonFinite for a non-finite step; returns
+        a note to log when a step that failed before is finite on its re-run (transient)."""
+        rerun = self.nonfinite.is_rerun(step)
+        if problem is None:
+            if not rerun:
+                return None
+            first = self.nonfinite.pending["problem"]
+            if self.rank == 0:
+                self.nonfinite.resolve("transient")
+            else:
+                self.nonfinite.pending = None
+            return (f"step {step} was not finite on its first attempt ({first}) and is finite on "
+                    f"the re-run: a transient fault, training goes on (faults/history.jsonl)")
+        where = f"{problem} at step {step}; the batch is {samples}" + (
+            f" (non-finite on data-parallel rank{'s' if len(bad_ranks) > 1 else ''} "
+            f"{', '.join(map(str, bad_ranks))})" if bad_ranks else "")
+        if rerun:
+            if self.rank == 0:
+                self.nonfinite.write(dict(self.nonfinite.pending, verdict="persistent"))
+            raise NonFinite(
+                f"{where}; it was not finite on the first attempt either: a persistent fault. "
+                f"Stopping for good (exit {EXIT_NONFINITE_PERSISTENT}); inspect those samples, then "
+                f"lower train.lr, raise train.warmup_steps or skip the data, and remove "
+                f"{self.nonfinite.path} to train through step {step} again",
+                EXIT_NONFINITE_PERSISTENT)
+        if self.rank == 0:
+            self.nonfinite.write({"step": step, "problem": problem, "samples": samples,
+                                  "bad_ranks": bad_ranks, "at": time.time()})
+        raise NonFinite(
+            f"{where}; stopped before the update, nothing saved (exit {EXIT_NONFINITE}). The last "
+            f"good checkpoint in {checkpoint_dir} is intact: run the same command again (the "
+            f"sbatch script requeues) to re-run step {step} from it and tell a transient fault "
+            "from a persistent one", EXIT_NONFINITE)
+
+    def interval(self, device) -> Optional[dict[str, float]]:
+        """Collective, at each logging interval: rank 0's straggler figures."""
+        return self.stragglers.gather(device)
+
+    def summary(self) -> list[str]:
+        lines = []
+        s = self.stragglers.summary()
+        if s:
+            lines.append(s)
+        if self.spikes.factor is not None:
+            lines.append(f"gradient spikes skipped: {self.spikes.skipped} (train.skip_spikes="
+                         f"{self.spikes.factor:g})")
+        return lines

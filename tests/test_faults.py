@@ -1,0 +1,285 @@
+"""Faults at scale, injected on this machine (training/faults.py, training/inject.py,
+runtime/lifetime.py): a hung rank, a transient and a persistent NaN, a straggler, a killed launcher
+and a second run on a live run's folder. The reference is the same run uninterrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import yaml
+
+from jobs import job_env, pretrain_cmd, read_metrics, run_pretrain
+from megatron_mlmclm.cli import main
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.runtime.lifetime import RunLock
+from megatron_mlmclm.training import faults
+from megatron_mlmclm.training.inject import Fault, parse
+
+CONFIG = {
+    "data": {"mock": True},
+    "model": {"preset": "tiny", "vocab_size": 1000},
+    "train": {"steps": 8, "micro_batch_size": 2, "global_batch_size": 4, "warmup_steps": 2,
+              "decay_steps": 2},
+    "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
+    "checkpoint": {"save_interval": 2, "keep_last": 2},
+    "logging": {"tensorboard": False, "log_interval": 2},
+}
+
+
+def curve(run_dir) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
+def faulty_env(tmp_path, inject: str) -> dict[str, str]:
+    return {**job_env(), "MLMCLM_INJECT_FAULTS": inject,
+            "MLMCLM_EXIT_FILE": str(tmp_path / "exit_code")}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults") / "run.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(config, tmp_path_factory):
+    """The uninterrupted DP2 run: step -> loss."""
+    ref = tmp_path_factory.mktemp("faults_ref") / "ref"
+    run_pretrain(config, [f"output_dir={ref}"], nproc=2)
+    return curve(ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# Units
+
+
+def test_fault_specs_parse_and_bad_ones_are_refused_in_one_line():
+    assert parse("hang rank=1 step=5; nan rank=0 step=7 mode=transient;slow rank=1 ms=200") == [
+        Fault("hang", 1, 5), Fault("nan", 0, 7, mode="transient"), Fault("slow", 1, None, 200.0)]
+    assert parse("nan rank=0 step=3") == [Fault("nan", 0, 3, mode="persistent")]
+    for bad in ("hang rank=1", "wobble rank=0 step=1", "slow rank=x ms=2", "nan rank=0 step=1 mode=x",
+                "hang rank=1 step=5 ms=3"):
+        with pytest.raises(UsageError) as e:
+            parse(bad)
+        assert "MLMCLM_INJECT_FAULTS" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_watchdog_allowances_follow_the_measured_step_time():
+    dog = faults.HangWatchdog(0, "/nonexistent", None, None)
+    assert dog.step_timeout() == faults.STEP_TIMEOUT_FLOOR_S  # nothing measured yet
+    for t in (10.0, 50.0, 40.0):  # median 40 s -> 20 x 40 = 800 s, above the 600 s floor
+        dog.leave(t)
+    assert dog.step_timeout() == 800.0
+    assert dog.long_timeout() == 2400.0  # 3 x 800, above the 1800 s floor
+    fixed = faults.HangWatchdog(0, "/nonexistent", 7.0, 30.0)
+    fixed.leave(100.0)
+    assert (fixed.step_timeout(), fixed.long_timeout()) == (7.0, 30.0)
+    fixed.enter("save", 3)
+    assert fixed.section[3] == 30.0
+    fixed.enter("step", 4)
+    assert fixed.section[3] == 7.0
+
+
+def test_watchdog_dumps_the_hung_frame_and_exits_with_the_hang_code(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        from megatron_mlmclm.training.faults import HangWatchdog
+        dog = HangWatchdog(3, {str(tmp_path)!r}, 0.5, 5.0, poll_s=0.1)
+        dog.start()
+        def stuck_in_a_collective():
+            dog.enter("step", 12)
+            time.sleep(30)
+        stuck_in_a_collective()
+    """)
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", script], env=faulty_env(tmp_path, ""),
+                          capture_output=True, text=True, timeout=60)
+    assert time.time() - start < 20
+    assert proc.returncode == faults.EXIT_HANG, proc.stderr
+    line = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(line) == 1 and line[0].startswith("mlmclm pretrain: error: rank 3 hung: step 12 "), \
+        proc.stderr
+    dump = (tmp_path / "hang-rank3-step12.txt").read_text()
+    assert "in stuck_in_a_collective" in dump and "Thread MainThread" in dump
+    assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_HANG)
+
+
+def test_spike_policy_skips_only_above_k_times_the_running_median():
+    policy = faults.SpikePolicy(3.0)
+    for norm in [1.0, 2.0] * 5:  # median 1.5
+        assert not policy.is_spike(100.0)  # too few norms known yet
+        policy.accept(norm)
+    assert policy.is_spike(4.6) and not policy.is_spike(4.4)
+    again = faults.SpikePolicy(3.0)
+    again.load(policy.state())
+    assert list(again.norms) == list(policy.norms)
+    assert not faults.SpikePolicy(None).is_spike(1e9)
+
+
+def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from megatron_mlmclm.runtime.lifetime import RunLock
+        lock = RunLock({str(tmp_path)!r})
+        lock.acquire()
+        print("locked", flush=True)
+        time.sleep(60)
+    """)], env=job_env(), stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(UsageError) as e:
+        RunLock(tmp_path).acquire()
+    assert f"pid {holder.pid}" in str(e.value) and "live run" in str(e.value)
+    holder.kill()
+    holder.wait()
+    lock = RunLock(tmp_path)
+    lock.acquire()  # the kernel dropped the dead holder's flock
+    assert lock.taken_over["pid"] == holder.pid
+    lock.release()
+
+
+def test_a_child_armed_to_die_with_its_parent_does(tmp_path):
+    """The parent is SIGKILLed; its armed child (in a session of its own, as torchrun's ranks are)
+    goes too."""
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c",
+            "from megatron_mlmclm.runtime.lifetime import die_with_parent; import time; "
+            "die_with_parent(); print('armed', flush=True); time.sleep(60)"],
+            start_new_session=True, stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "armed"
+        print(child.pid, flush=True)
+        time.sleep(60)
+    """)], env=job_env(), stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait()
+    gone, alive = psutil.wait_procs([child], timeout=10)
+    assert not alive
+
+
+# --------------------------------------------------------------------------------------------------
+# Injected faults in DP2 runs
+
+
+@pytest.mark.slow
+def test_hung_rank_is_named_torn_down_and_the_restart_matches_an_uninterrupted_run(
+        config, reference, tmp_path):
+    run, timeout = tmp_path / "run", 10
+    env = faulty_env(tmp_path, "hang rank=1 step=5")
+    launcher = subprocess.Popen(pretrain_cmd(2) + [str(config), f"output_dir={run}",
+                                                   f"train.hang_timeout_s={timeout}"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    start = time.time()
+    tree = []
+    while launcher.poll() is None and time.time() - start < 60:  # the ranks and their helpers
+        try:
+            tree = psutil.Process(launcher.pid).children(recursive=True) or tree
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.5)
+    err = launcher.communicate(timeout=timeout + 60)[1]
+    elapsed = time.time() - start
+    assert elapsed < timeout + 60, elapsed
+    assert launcher.returncode != 0
+    gone, alive = psutil.wait_procs(tree, timeout=5)
+    assert not alive, [p.cmdline() for p in alive]
+    assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_HANG)
+    assert "exitcode  : 76" in err  # torchrun's report of the rank
+    assert "mlmclm pretrain: error: rank 1 hung: step 5 made no progress for 10 s" in err, err
+    dump = (run / "faults" / "hang-rank1-step5.txt").read_text()
+    assert "in injected_hang" in dump
+    # The restart (what the sbatch script's requeue does) resumes and matches the reference.
+    resumed = run_pretrain(config, [f"output_dir={run}", f"train.hang_timeout_s={timeout}"],
+                           nproc=2)
+    assert "resumed from" in resumed.stderr and "at step 4" in resumed.stderr
+    assert curve(run) == reference
+
+
+@pytest.mark.slow
+def test_transient_nan_is_rerun_from_the_checkpoint_and_training_goes_on(config, reference,
+                                                                       tmp_path):
+    run = tmp_path / "run"
+    cmd = pretrain_cmd(2) + [str(config), f"output_dir={run}"]
+    env = faulty_env(tmp_path, "nan rank=0 step=7 mode=transient")
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode != 0
+    assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_NONFINITE)
+    assert ("loss is nan (mlm) at step 7; the batch is samples 24-27 of the stream (non-finite "
+            "on data-parallel rank 0)") in first.stderr
+    assert max(curve(run)) == 6  # stopped before step 7's update; nothing saved after step 6
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "step 7 was not finite on its first attempt" in second.stderr
+    assert "a transient fault, training goes on" in second.stderr
+    assert curve(run) == reference
+    history = [json.loads(x) for x in (run / "faults" / "history.jsonl").read_text().splitlines()]
+    assert [(h["step"], h["verdict"]) for h in history] == [(7, "transient")]
+    assert not (run / "faults" / "nonfinite.json").exists()
+
+
+def test_persistent_nan_stops_for_good_with_the_sample_indices(config, tmp_path):
+    run = tmp_path / "run"
+    env = faulty_env(tmp_path, "nan rank=0 step=3")
+    cmd = pretrain_cmd(1) + [str(config), f"output_dir={run}", "train.steps=4",
+                             "logging.log_interval=1"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == faults.EXIT_NONFINITE, first.stderr[-2000:]
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == faults.EXIT_NONFINITE_PERSISTENT, second.stderr[-2000:]
+    assert ("loss is nan (mlm) at step 3; the batch is samples 8-11 of the stream" in second.stderr
+            and "a persistent fault" in second.stderr)
+    record = json.loads((run / "faults" / "nonfinite.json").read_text())
+    assert (record["step"], record["verdict"], record["samples"]) == (
+        3, "persistent", "samples 8-11 of the stream")
+    assert max(curve(run)) == 2
+
+
+@pytest.mark.slow
+def test_a_rank_slowed_200_ms_a_step_is_named_the_straggler(config, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.run(pretrain_cmd(2) + [str(config), f"output_dir={run}",
+                                             "checkpoint.save_interval=0"],
+                          env=faulty_env(tmp_path, "slow rank=1 ms=200"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    intervals = [m for m in read_metrics(run) if "straggler_rank" in m]
+    assert [m["step"] for m in intervals] == [2, 4, 6, 8]
+    assert all(m["straggler_rank"] == 1 and m["straggler_ratio"] > 1.2 for m in intervals)
+    assert "stragglers: rank 1 was the slowest in 4 of 4 logging intervals" in proc.stderr
+
+
+@pytest.mark.slow
+def test_killed_launcher_leaves_no_process_and_a_live_run_owns_its_folder(config, tmp_path,
+                                                                         capsys):
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(pretrain_cmd(2) + [str(config), f"output_dir={run}",
+                                                   "train.steps=400", "checkpoint.save_interval=5"],
+                                env=job_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "iter_0000005").is_dir():
+        assert time.time() < deadline and launcher.poll() is None, "the run never saved"
+        time.sleep(0.2)
+    tree = psutil.Process(launcher.pid).children(recursive=True)
+    # Ranks, loader workers, the checkpoint helper and its resource tracker.
+    assert len(tree) >= 6, [p.cmdline()[-3:] for p in tree]
+    # A second run on the live run's folder: refused, naming it.
+    assert main(["pretrain", str(config), f"output_dir={run}", "train.steps=400"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is the output_dir of a live run (pid " in err, err
+    holder = json.loads((run / ".mlmclm.lock").read_text())["pid"]
+    assert holder in {p.pid for p in tree}
+    os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's process group, as a node agent would
+    launcher.wait()
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, [p.cmdline()[-3:] for p in alive]
