@@ -15,11 +15,12 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.model.flops import train_step_flops
 
 # --------------------------------------------------------------------------------------------------
 # Sections
@@ -66,14 +67,53 @@ class ModelConfig:
 
 
 @dataclass
+class MaskSchedule:
+    """A mask ratio that moves within its phase, written `{from: 0.3, to: 0.15, shape: linear}`:
+    linear or cosine from `from` at the phase's first step to `to` at its last; step: `from` for
+    the first half of the phase, `to` for the second."""
+
+    start: float = 0.4  # YAML key `from`
+    end: float = 0.4  # YAML key `to`
+    shape: str = "linear"
+
+    def at(self, progress: float) -> float:
+        """The ratio at `progress` in [0, 1] through the phase."""
+        a, b = self.start, self.end
+        if self.shape == "linear":
+            return a + (b - a) * progress
+        if self.shape == "cosine":
+            return b + (a - b) * (1.0 + math.cos(math.pi * progress)) / 2.0
+        return a if progress < 0.5 else b
+
+    def mean(self) -> float:
+        return (self.start + self.end) / 2.0  # the same for all three shapes
+
+
+@dataclass
+class PhaseDataConfig:
+    """A phase's own training data: a blend of prefixes (`train`, as data.train), or a sampling
+    temperature over the run's data.train sources (weights proportional to tokens ** T)."""
+
+    train: list[str] = field(default_factory=list)
+    temperature: Optional[float] = None
+
+
+@dataclass
 class PhaseConfig:
-    """One phase of a run: an objective for a share (fraction of train.steps) or a step count."""
+    """One phase of a run. Its length is one of share (of the run's budget, in the run's unit),
+    steps, tokens or flops; everything else is optional and inherits the run's value."""
 
     objective: str = "mlm"  # "clm" or "mlm"
     share: Optional[float] = None
     steps: Optional[int] = None
-    mask_ratio: float = 0.4
+    mask_ratio: Union[float, MaskSchedule] = 0.4
     mask_replace: str = "mask"  # "mask" (the study) or "80-10-10" (BERT)
+    tokens: Optional[float] = None
+    flops: Optional[float] = None
+    seq_length: Optional[int] = None  # default: model.seq_length
+    rotary_base: Optional[float] = None  # default: model.rotary_base
+    data: Optional[PhaseDataConfig] = None  # default: data.train
+    decay: bool = False  # the WSD schedule's decay runs over this phase (and those after it)
 
 
 @dataclass
@@ -117,13 +157,18 @@ class RuntimeConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    # The budget: exactly one of steps, tokens, flops (none: 100 steps). A resolved config holds
+    # the steps too; they must agree with the budget.
+    steps: Optional[int] = None
+    tokens: Optional[float] = None
+    flops: Optional[float] = None
     micro_batch_size: int = 4
     global_batch_size: int = 8
     lr: float = 5e-4
     min_lr: float = 0.0
     warmup_steps: int = 10
-    decay_steps: int = 10  # WSD: linear decay over the last `decay_steps`
+    decay_steps: Optional[int] = None  # WSD: linear decay over the last `decay_steps` (10; or
+    # the steps of the phases marked `decay: true`)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -142,6 +187,10 @@ class TrainConfig:
     hang_timeout_long_s: Optional[float] = None
     # Skip an update whose gradient norm exceeds skip_spikes x the running median (None = never).
     skip_spikes: Optional[float] = None
+    # How budgets in FLOPs count causal attention: as the kernel spends it. auto = halved where the
+    # attention kernel skips masked blocks (TE or FlexAttention on GPU), full for SDPA's dense mask;
+    # resolved to causal-half or full in the run's config.yaml, so it reloads the same anywhere.
+    flops_attention: str = "auto"
 
 
 @dataclass
@@ -314,7 +363,11 @@ def _convert(tp, value, key: str):
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if isinstance(value, dict):  # float | MaskSchedule: a mapping is the dataclass
+            inner = [a for a in inner if dataclasses.is_dataclass(a)] or inner
         return _convert(inner[0], value, key)
+    if tp is MaskSchedule and isinstance(value, dict):
+        value = {{"from": "start", "to": "end"}.get(k, k): v for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, f"{key}.")
     if origin is list:
@@ -369,8 +422,8 @@ def finalize_run_config(cfg: RunConfig) -> RunConfig:
     resolve_model(cfg.model)
     validate_model(cfg.model, cfg.parallel)
     validate_parallel(cfg)
+    resolve_budget(cfg)
     validate_train(cfg.train)
-    resolve_phase_steps(cfg.phases, cfg.train.steps)
     if cfg.checkpoint.dir is None:
         cfg.checkpoint.dir = str(Path(cfg.output_dir) / "checkpoints")
     if cfg.checkpoint.save_interval < 0 or cfg.checkpoint.keep_last < 1:
@@ -558,18 +611,6 @@ def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
     """
     if not phases:
         raise UsageError("phases is empty; give at least one phase, e.g. [{objective: mlm}]")
-    for i, ph in enumerate(phases):
-        key = f"phases.{i}"
-        if ph.objective not in OBJECTIVES:
-            raise UsageError(f"{key}.objective '{ph.objective}' must be one of {', '.join(OBJECTIVES)}")
-        if ph.objective == "mlm" and not 0.0 < ph.mask_ratio < 1.0:
-            raise UsageError(f"{key}.mask_ratio {ph.mask_ratio} must be in (0, 1), e.g. 0.4")
-        if ph.mask_replace not in ("mask", "80-10-10"):
-            raise UsageError(f"{key}.mask_replace '{ph.mask_replace}' must be mask or 80-10-10")
-        if ph.share is not None and not 0.0 <= ph.share <= 1.0:
-            raise UsageError(f"{key}.share {ph.share} must be in [0, 1]")
-        if ph.steps is not None and ph.steps < 0:
-            raise UsageError(f"{key}.steps must be >= 0")
     if len(phases) == 1 and phases[0].share is None and phases[0].steps is None:
         phases[0].steps = total
         return [total]
@@ -604,3 +645,250 @@ def phase_at(phases: list[PhaseConfig], step: int) -> tuple[int, PhaseConfig]:
         if step < end:
             return i, ph
     return len(phases) - 1, phases[-1]
+
+
+# --------------------------------------------------------------------------------------------------
+# Phases and budgets: what each phase inherits, and the run's budget in steps, tokens or FLOPs
+
+
+def phase_seq_length(cfg: RunConfig, ph: PhaseConfig) -> int:
+    return ph.seq_length or cfg.model.seq_length
+
+
+def phase_rotary_base(cfg: RunConfig, ph: PhaseConfig) -> float:
+    return ph.rotary_base if ph.rotary_base is not None else cfg.model.rotary_base
+
+
+def max_seq_length(cfg: RunConfig) -> int:
+    """The longest sequence any phase trains on: what the model and its export must hold."""
+    return max([cfg.model.seq_length] + [phase_seq_length(cfg, ph) for ph in cfg.phases])
+
+
+def final_model(cfg: RunConfig) -> ModelConfig:
+    """The model as the run leaves it: the last phase's RoPE base and the longest sequence.
+    What converters build and export."""
+    return dataclasses.replace(cfg.model, rotary_base=phase_rotary_base(cfg, cfg.phases[-1]),
+                               seq_length=max_seq_length(cfg))
+
+
+def mean_mask_ratio(ph: PhaseConfig) -> float:
+    return ph.mask_ratio.mean() if isinstance(ph.mask_ratio, MaskSchedule) else ph.mask_ratio
+
+
+def causal_attention_halved(cfg: RunConfig) -> bool:
+    """Whether this run's attention kernel skips the masked half of causal attention: TE's fused
+    attention and FlexAttention do (GPU); SDPA with a dense mask computes it all. The same choice
+    as model/kernels.py's attention path, without importing torch unless the device is `auto`."""
+    if cfg.train.flops_attention != "auto":
+        return cfg.train.flops_attention == "causal-half"
+    device = cfg.runtime.device
+    if device == "auto":
+        import importlib.util
+        device = "cpu"
+        if importlib.util.find_spec("torch") is not None:
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" or cfg.model.attention == "sdpa":
+        return False
+    if cfg.model.attention == "flex":
+        return True
+    import importlib.util
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def step_tokens(cfg: RunConfig, ph: PhaseConfig) -> int:
+    return cfg.train.global_batch_size * phase_seq_length(cfg, ph)
+
+
+def step_flops(cfg: RunConfig, ph: PhaseConfig) -> float:
+    """Training FLOPs of one step of `ph` as the model spends them (model/flops.py): the sparse MLM
+    head over the expected masked tokens, causal attention halved where the kernel halves it."""
+    if cfg.model.vocab_size is None:
+        raise UsageError("a budget in FLOPs needs model.vocab_size (the output head's size); set "
+                         "it to the tokenizer's vocabulary, e.g. model.vocab_size=128256")
+    seq, gbs = phase_seq_length(cfg, ph), cfg.train.global_batch_size
+    tokens = gbs * seq
+    labelled = tokens if ph.objective == "clm" else mean_mask_ratio(ph) * tokens
+    causal = ph.objective == "clm" and cfg.train.flops_attention == "causal-half"
+    return train_step_flops(cfg.model, cfg.model.vocab_size, seq, gbs, labelled, causal=causal)
+
+
+MASK_SHAPES = ("linear", "cosine", "step")
+
+
+def validate_phase(cfg: RunConfig, i: int, ph: PhaseConfig) -> None:
+    key = f"phases.{i}"
+    if ph.objective not in OBJECTIVES:
+        raise UsageError(f"{key}.objective '{ph.objective}' must be one of {', '.join(OBJECTIVES)}")
+    ratios = ([ph.mask_ratio.start, ph.mask_ratio.end] if isinstance(ph.mask_ratio, MaskSchedule)
+              else [ph.mask_ratio])
+    if ph.objective == "mlm" and not all(0.0 < r < 1.0 for r in ratios):
+        raise UsageError(f"{key}.mask_ratio {ph.mask_ratio} must be in (0, 1), e.g. 0.4 or "
+                         "{from: 0.3, to: 0.15, shape: linear}")
+    if isinstance(ph.mask_ratio, MaskSchedule) and ph.mask_ratio.shape not in MASK_SHAPES:
+        raise UsageError(f"{key}.mask_ratio.shape '{ph.mask_ratio.shape}' must be one of "
+                         f"{', '.join(MASK_SHAPES)}")
+    if ph.mask_replace not in ("mask", "80-10-10"):
+        raise UsageError(f"{key}.mask_replace '{ph.mask_replace}' must be mask or 80-10-10")
+    if ph.share is not None and not 0.0 <= ph.share <= 1.0:
+        raise UsageError(f"{key}.share {ph.share} must be in [0, 1]")
+    for name in ("steps", "tokens", "flops"):
+        if getattr(ph, name) is not None and getattr(ph, name) < 0:
+            raise UsageError(f"{key}.{name} must be >= 0")
+    given = [n for n in ("share", "tokens", "flops") if getattr(ph, n) is not None]
+    if len(given) > 1:
+        raise UsageError(f"{key} gives {' and '.join(given)}; a phase's length is one of share, "
+                         "steps, tokens or flops")
+    if ph.seq_length is not None and ph.seq_length < 1:
+        raise UsageError(f"{key}.seq_length must be >= 1, got {ph.seq_length}")
+    if ph.rotary_base is not None and ph.rotary_base <= 0:
+        raise UsageError(f"{key}.rotary_base must be > 0, got {ph.rotary_base}")
+    d = ph.data
+    if d is not None:
+        if bool(d.train) == (d.temperature is not None):
+            raise UsageError(f"{key}.data needs exactly one of train (its own prefixes) or "
+                             "temperature (a sampling temperature over data.train)")
+        if cfg.data.mock:
+            raise UsageError(f"data.mock=true (synthetic tokens) contradicts {key}.data: that "
+                             "phase's data would be ignored; train on shards or drop it")
+        if d.temperature is not None and not (d.temperature > 0 and len(cfg.data.train) >= 2):
+            raise UsageError(f"{key}.data.temperature needs a value > 0 and at least two sources "
+                             f"in data.train to sample from, got {d.temperature} over "
+                             f"{len(cfg.data.train)}")
+
+
+def resolve_budget(cfg: RunConfig) -> None:
+    """The run's budget (train.steps, tokens or flops) and each phase's length (share, steps,
+    tokens or flops) -> integer steps per phase, written back to phase.steps and train.steps, and
+    the decay phases -> train.decay_steps. A resolved config keeps what was given beside the
+    steps; given steps must agree with what the budget resolves to (the config round trip)."""
+    t, phases = cfg.train, cfg.phases
+    if t.flops_attention not in ("auto", "causal-half", "full"):
+        raise UsageError(f"train.flops_attention '{t.flops_attention}' must be auto, causal-half "
+                         "or full")
+    if not phases:
+        raise UsageError("phases is empty; give at least one phase, e.g. [{objective: mlm}]")
+    for i, ph in enumerate(phases):
+        validate_phase(cfg, i, ph)
+    units = [u for u in ("flops", "tokens") if getattr(t, u) is not None]
+    if len(units) > 1:
+        raise UsageError("train gives flops and tokens; the budget is exactly one of train.steps, "
+                         "train.tokens or train.flops")
+    if t.flops_attention == "auto":
+        t.flops_attention = "causal-half" if causal_attention_halved(cfg) else "full"
+    given_steps, units = t.steps, units or ["steps"]
+    unit = units[0]
+    if unit == "steps":
+        for i, ph in enumerate(phases):  # absolute tokens / flops -> steps
+            if ph.tokens is not None or ph.flops is not None:
+                _set_steps(ph, i, _absolute_steps(cfg, ph))
+        if t.steps is None:  # the phases' own lengths, else the default
+            absolute = [ph.steps for ph in phases if ph.share is None]
+            t.steps = (sum(absolute) if len(absolute) == len(phases) and None not in absolute
+                       else 100)
+        if t.steps < 1:
+            raise UsageError(f"train.steps must be >= 1, got {t.steps}")
+        resolve_phase_steps(phases, t.steps)
+    else:
+        budget = float(getattr(t, unit))
+        per = step_flops if unit == "flops" else step_tokens
+        only = phases[0]
+        if len(phases) == 1 and only.steps is None and all(
+                getattr(only, n) is None for n in ("share", "tokens", "flops")):
+            only.share = 1.0  # one phase takes the whole budget
+        used, share_sum = 0.0, 0.0
+        for i, ph in enumerate(phases):
+            if ph.share is not None:
+                share_sum += ph.share
+            elif ph.tokens is not None or ph.flops is not None:
+                used += (ph.flops if unit == "flops" and ph.flops is not None else
+                         ph.tokens if unit == "tokens" and ph.tokens is not None else
+                         _absolute_steps(cfg, ph) * per(cfg, ph))
+            elif ph.steps is not None:
+                used += ph.steps * per(cfg, ph)
+            else:
+                raise UsageError(f"phases.{i} needs share, steps, tokens or flops (several phases "
+                                 "share the budget)")
+        if not math.isclose(share_sum * budget + used, budget, rel_tol=1e-6):
+            raise UsageError(f"phases must fill train.{unit}={budget:g}: shares {share_sum:g} x "
+                             f"{budget:g} + {used:g} given in absolute lengths = "
+                             f"{share_sum * budget + used:g}")
+        for i, ph in enumerate(phases):
+            if ph.share is not None:
+                _set_steps(ph, i, int(round(ph.share * budget / per(cfg, ph))))
+            elif ph.tokens is not None or ph.flops is not None:
+                _set_steps(ph, i, _absolute_steps(cfg, ph))
+        total = sum(ph.steps for ph in phases)
+        if total < 1:
+            raise UsageError(f"train.{unit}={budget:g} is less than one step of this model "
+                             f"({per(cfg, phases[0]):.3g} {unit} a step)")
+        if given_steps is not None and given_steps != total:
+            raise UsageError(f"train.steps={given_steps} disagrees with train.{unit}={budget:g} "
+                             f"({total} steps); the budget is exactly one of train.steps, "
+                             "train.tokens or train.flops (train.steps=null clears a preset's)")
+        t.steps = total
+    resolve_decay(cfg)
+
+
+def _absolute_steps(cfg: RunConfig, ph: PhaseConfig) -> int:
+    if ph.flops is not None:
+        return int(round(ph.flops / step_flops(cfg, ph)))
+    return int(round(ph.tokens / step_tokens(cfg, ph)))
+
+
+def _set_steps(ph: PhaseConfig, i: int, n: int) -> None:
+    if ph.steps is not None and ph.steps != n:
+        given = next(f"{k} {getattr(ph, k):g}" for k in ("share", "tokens", "flops")
+                     if getattr(ph, k) is not None)
+        raise UsageError(f"phases.{i} gives {given} (= {n} steps) and steps {ph.steps}, which "
+                         "disagree; keep one")
+    ph.steps = n
+
+
+def resolve_decay(cfg: RunConfig) -> None:
+    """Phases marked `decay: true` are the WSD schedule's decay: the run's last phases."""
+    t, phases = cfg.train, cfg.phases
+    marked = [i for i, ph in enumerate(phases) if ph.decay]
+    if not marked:
+        if t.decay_steps is None:
+            t.decay_steps = 10
+        return
+    if marked != list(range(marked[0], len(phases))):
+        raise UsageError(f"phases.{marked[0]} is marked decay but phases.{len(phases) - 1} after it "
+                         "is not: the decay phases are the run's last")
+    steps = sum(phases[i].steps for i in marked)
+    if t.decay_steps is not None and t.decay_steps != steps:
+        raise UsageError(f"train.decay_steps={t.decay_steps} disagrees with the decay phases "
+                         f"(phases.{marked[0]}-{len(phases) - 1}: {steps} steps); keep one")
+    t.decay_steps = steps
+
+
+def budget_report(cfg: RunConfig) -> list[str]:
+    """Each phase's steps, tokens and FLOPs (as the model spends them), and the run's totals:
+    what `mlmclm pretrain --dry-run` prints."""
+    lines, start, total_tokens, total_flops = [], 0, 0.0, 0.0
+    count_flops = cfg.model.vocab_size is not None
+    for i, ph in enumerate(cfg.phases):
+        tokens = ph.steps * step_tokens(cfg, ph)
+        flops = ph.steps * step_flops(cfg, ph) if count_flops else None
+        total_tokens += tokens
+        total_flops += flops or 0.0
+        r = ph.mask_ratio
+        what = ph.objective if ph.objective == "clm" else (
+            f"mlm {r.start:g}->{r.end:g} {r.shape}" if isinstance(r, MaskSchedule) else f"mlm {r:g}")
+        extra = "".join(f", {k} {v:g}" for k, v in (("rotary_base", phase_rotary_base(cfg, ph)),)
+                        if v != cfg.model.rotary_base)
+        extra += ", decay" if ph.decay else ""
+        extra += (f", data temperature {ph.data.temperature:g}" if ph.data and ph.data.temperature
+                  else ", own data" if ph.data else "")
+        lines.append(f"phases.{i}: {what}, steps {start}-{start + ph.steps} ({ph.steps}), "
+                     f"seq_length {phase_seq_length(cfg, ph)}, {tokens:.4g} tokens"
+                     + (f", {flops:.4g} FLOPs" if flops is not None else "") + extra)
+        start += ph.steps
+    attention = ("causal attention counted at half (the kernel skips the masked blocks)"
+                 if cfg.train.flops_attention == "causal-half" else
+                 "causal attention counted in full (dense-mask kernel)")
+    lines.append(f"total: {cfg.train.steps} steps, {total_tokens:.4g} tokens"
+                 + (f", {total_flops:.4g} FLOPs; {attention}" if count_flops else
+                    "; FLOPs need model.vocab_size"))
+    return lines

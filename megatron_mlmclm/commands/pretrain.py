@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import yaml
 
-from megatron_mlmclm.config import load_config, to_dict
+from megatron_mlmclm.config import budget_report, load_config, to_dict
 
 
 def add_arguments(parser) -> None:
@@ -17,7 +17,8 @@ def add_arguments(parser) -> None:
                         help="override config values, e.g. train.steps=50 phases.0.mask_ratio=0.3")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the config, print it resolved with its kernel plan "
-                             "(runtime.device=cuda plans a GPU run here), and exit")
+                             "(runtime.device=cuda plans a GPU run here) and each phase's steps, "
+                             "tokens and FLOPs, and exit")
 
 
 def run(args) -> int:
@@ -32,6 +33,7 @@ def run(args) -> int:
         plan = plan_kernels(cfg, resolve_device(cfg, planning=True))
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         print("\n".join(f"# {line}" for line in plan.report().splitlines()))
+        print("\n".join(f"# {line}" for line in budget_report(cfg)))
         return 0
     # Imported here: megatron-core would slow `--help` and `--dry-run`.
     from megatron_mlmclm.training.pretrain import pretrain

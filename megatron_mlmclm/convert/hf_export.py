@@ -29,6 +29,7 @@ import transformers
 from safetensors.torch import save_file
 
 from megatron_mlmclm.checkpoint import resolve_checkpoint
+from megatron_mlmclm.config import final_model
 from megatron_mlmclm.convert import common, mapping
 from megatron_mlmclm.convert.verify import (SEQ, Verification, load_hf, megatron_from_checkpoint,
                                             verify_pair)
@@ -162,7 +163,7 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
     ckpt = common.resolve_source_checkpoint(checkpoint)
     trainer = common.read_common(ckpt)
     cfg = common.run_config_from_dict(trainer["config"])
-    m = cfg.model
+    m = final_model(cfg)  # the last phase's RoPE base, room for the longest phase
 
     tok_dir = tokenizer or cfg.data.tokenizer
     if tok_dir is None:

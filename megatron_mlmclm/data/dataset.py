@@ -207,6 +207,17 @@ def _resolve_weights(prefixes: list[str], weights: Optional[list[float]]):
     return weights
 
 
+def temperature_blend(items: Sequence[str], temperature: float) -> list[str]:
+    """The sources of a data list re-weighted by tokens ** temperature (mmBERT's sampling
+    temperature: 1 keeps the natural proportions, lower flattens them toward uniform); given
+    weights are replaced. -> a weighted prefix list."""
+    prefixes, _ = parse_prefixes(items)
+    tokens = np.asarray(_resolve_weights(prefixes, None), dtype=np.float64)
+    weights = (tokens / tokens.sum()) ** float(temperature)
+    weights /= weights.sum()
+    return [x for w, p in zip(weights, prefixes) for x in (repr(float(w)), p)]
+
+
 def build_train_dataset(prefixes_with_optional_weights: Sequence[str], seq_length: int,
                         num_samples: int, seed: int, cache_dir: Optional[str | os.PathLike] = None):
     """One PackedDataset, or a BlendedPackedDataset when several prefixes are given.

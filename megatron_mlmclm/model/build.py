@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
                                                          get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_mlmclm.config import ModelConfig, RunConfig
+from megatron_mlmclm.config import ModelConfig, RunConfig, final_model
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.attention import DocumentMasks, FlexDocumentAttention, SDPAttention
 from megatron_mlmclm.model.kernels import (KernelPlan, plan_kernels, probe_kernels,
@@ -189,7 +189,9 @@ def vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -
 
 def build_model_chunk(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
                       pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
-    m: ModelConfig = cfg.model
+    # The model as the run leaves it: the last phase's RoPE base (the trainer switches the base
+    # per phase, set_rotary_base) and room for the longest phase.
+    m: ModelConfig = final_model(cfg)
     model = EncoderLM(
         config=config,
         transformer_layer_spec=layer_spec(config, m, vp_stage),
@@ -219,6 +221,26 @@ def apply_rope_scaling(model: GPTModel, m: ModelConfig) -> None:
         high_freq_factor=r.high_freq_factor,
         original_max_position_embeddings=r.original_max_position_embeddings)
     model.rotary_scaling = True
+
+
+def set_rotary_base(chunks: list[torch.nn.Module], m: ModelConfig, base: float) -> None:
+    """Rebuild every chunk's RoPE frequencies for `base` (a phase's rotary_base), as megatron's
+    RotaryEmbedding computes them (int base; the run's llama3 scaling applied on top), and drop its
+    cached embeddings."""
+    for chunk in chunks:
+        rotary = getattr(chunk, "rotary_pos_emb", None)
+        if rotary is None:
+            continue
+        dim = 2 * rotary.inv_freq.numel()
+        rotary.inv_freq = 1.0 / (int(base) ** (torch.arange(
+            0, dim, 2, dtype=torch.float32, device=rotary.inv_freq.device) / dim))
+        if m.rope_scaling is not None:
+            r = m.rope_scaling
+            rotary.inv_freq = rotary._apply_scaling(
+                rotary.inv_freq, factor=r.factor, low_freq_factor=r.low_freq_factor,
+                high_freq_factor=r.high_freq_factor,
+                original_max_position_embeddings=r.original_max_position_embeddings)
+        type(rotary).forward.cache_clear()
 
 
 def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:

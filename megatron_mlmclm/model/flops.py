@@ -9,7 +9,10 @@ device's peak, for MFU, is runtime.distributed.device_peak_flops.
 
 from __future__ import annotations
 
-from megatron_mlmclm.config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # config.py counts budgets in FLOPs with this module: no import back at runtime
+    from megatron_mlmclm.config import ModelConfig
 
 
 def trunk_flops_per_token(m: ModelConfig, seq_length: int, causal: bool) -> float:

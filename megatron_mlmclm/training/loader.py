@@ -1,10 +1,11 @@
 """The trainer's micro-batches, built ahead of the step that uses them: `data.loader`.
 
-Which samples a training step reads is a pure function of its number: the global batch of step s
-starts at stream position first_sample(s) = s x GBS + sample_offset (sample_offset is 0 unless a
-resume continued the stream from another consumed_samples, training/resume.py), each DP rank reads
-its contiguous share of it, micro-batch after micro-batch, and the phase that owns s
-(config.phase_at) fixes the objective and mask ratio. MLM masks are a function of (data.seed,
+Which samples a training step reads is a pure function of its number: the phase plan
+(training/phase_plan.py) names the phase and sample stream of step s and the stream position
+where its global batch starts, first_sample(s) (s x GBS + sample_offset in a run of one stream;
+sample_offset is 0 unless a resume continued the stream from another consumed_samples,
+training/resume.py); each DP rank reads its contiguous share of it, micro-batch after
+micro-batch, and the phase fixes the objective and the step's mask ratio. MLM masks are a function of (data.seed,
 stream position). So a loader can prepare the next steps while the current one runs, and a resumed
 run's loader simply starts at its step: there is no iterator state to save.
 
@@ -37,10 +38,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from megatron_mlmclm.config import PhaseConfig, phase_at
+from megatron_mlmclm.config import PhaseConfig
 from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.objectives import batch_arrays
 from megatron_mlmclm.runtime.lifetime import children_die_with_us
+from megatron_mlmclm.training.phase_plan import PhasePlan
 from megatron_mlmclm.training.preemption import SIGNALS
 
 FIELDS = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32,
@@ -61,15 +63,22 @@ class Plan:
     dp_rank: int
     sample_offset: int = 0
 
+    def __post_init__(self):
+        object.__setattr__(self, "phase_plan", PhasePlan(self.phases, self.global_batch_size))
+
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     def first_sample(self, step: int) -> int:
-        return step * self.global_batch_size + self.sample_offset
+        return self.phase_plan.position(step) + self.sample_offset
 
     def phase(self, step: int) -> PhaseConfig:
-        return phase_at(list(self.phases), step)[1]
+        return self.phase_plan.phase(step)
+
+    def stream(self, step: int) -> int:
+        """Which of the run's sample streams (one dataset each) step `step` reads."""
+        return self.phase_plan.stream(step)
 
     def positions(self, first_sample: int, j: int) -> range:
         """Stream positions of micro-batch j of this rank in the global batch at first_sample."""
@@ -94,12 +103,15 @@ class Plan:
                 and first_sample == self.first_sample(step) and phase == self.phase(step))
 
 
-def build_loader(kind: str, dataset, plan: Plan, num_workers: int = 2, start_step: int = 0):
-    """The `data.loader` named `kind`, already preparing step `start_step`."""
+def build_loader(kind: str, datasets, plan: Plan, num_workers: int = 2, start_step: int = 0):
+    """The `data.loader` named `kind`, already preparing step `start_step`. `datasets`: one per
+    stream of the plan (or the one dataset of a one-stream run)."""
+    if not isinstance(datasets, (list, tuple)):
+        datasets = [datasets]
     if kind == "sync":
-        return SyncLoader(dataset, plan)
+        return SyncLoader(datasets, plan)
     cls = {"workers": WorkerLoader, "dali": DaliLoader}[kind]
-    loader = cls(dataset, plan, num_workers)
+    loader = cls(datasets, plan, num_workers)
     if start_step < plan.steps:
         loader.seek(start_step)
     return loader
@@ -108,12 +120,22 @@ def build_loader(kind: str, dataset, plan: Plan, num_workers: int = 2, start_ste
 class SyncLoader:
     """Builds a step's micro-batches when asked."""
 
-    def __init__(self, dataset, plan: Plan):
-        self.dataset, self.plan = dataset, plan
+    def __init__(self, datasets, plan: Plan):
+        self.datasets, self.plan = list(datasets), plan
 
-    def get(self, step: Optional[int], first_sample: int, phase: PhaseConfig) -> list[dict]:
-        """This rank's host micro-batches of step `step`: the global batch at `first_sample`."""
-        return self.plan.microbatches(self.dataset, first_sample, phase)
+    @property
+    def dataset(self):
+        """The dataset of a one-stream run."""
+        return self.datasets[0]
+
+    @dataset.setter
+    def dataset(self, value) -> None:
+        self.datasets[0] = value
+
+    def get(self, step: int, first_sample: int, phase: PhaseConfig) -> list[dict]:
+        """This rank's host micro-batches of training step `step`: the global batch at
+        `first_sample` of the step's stream."""
+        return self.plan.microbatches(self.datasets[self.plan.stream(step)], first_sample, phase)
 
     def close(self) -> None:
         pass
@@ -125,8 +147,8 @@ class _Ahead(SyncLoader):
     processes costs about 0.5 ms (pipes, context switches), as much as building two samples. A
     jump (a step other than the next) restarts source and thread there."""
 
-    def __init__(self, dataset, plan: Plan):
-        super().__init__(dataset, plan)
+    def __init__(self, datasets, plan: Plan):
+        super().__init__(datasets, plan)
         self.next_step: Optional[int] = None
         self.thread: Optional[threading.Thread] = None
         self.stopping = threading.Event()
@@ -228,16 +250,16 @@ class PlannedMicrobatches(torch.utils.data.Dataset):
     as numpy arrays: pickled, they cross to the trainer several times faster than torch tensors
     (each of which would cost a shared-memory segment)."""
 
-    def __init__(self, dataset, plan: Plan):
-        self.dataset, self.plan = dataset, plan
+    def __init__(self, datasets, plan: Plan):
+        self.datasets, self.plan = datasets, plan
 
     def __len__(self) -> int:
         return self.plan.steps * self.plan.num_microbatches
 
     def __getitem__(self, m: int) -> dict:
         step, j = divmod(int(m), self.plan.num_microbatches)
-        return self.plan.arrays(self.dataset, self.plan.first_sample(step), j,
-                                self.plan.phase(step))
+        return self.plan.arrays(self.datasets[self.plan.stream(step)], self.plan.first_sample(step),
+                                j, self.plan.phase(step))
 
 
 class _From(Sampler):
@@ -254,9 +276,9 @@ class _From(Sampler):
 
 
 class WorkerLoader(_Ahead):
-    def __init__(self, dataset, plan: Plan, num_workers: int):
-        super().__init__(dataset, plan)
-        items = PlannedMicrobatches(dataset, plan)
+    def __init__(self, datasets, plan: Plan, num_workers: int):
+        super().__init__(datasets, plan)
+        items = PlannedMicrobatches(self.datasets, plan)
         self.sampler = _From(len(items))
         self.loader = DataLoader(items, batch_size=None, sampler=self.sampler,
                                  num_workers=num_workers, collate_fn=as_is,
@@ -295,8 +317,8 @@ class DaliSource:
     """external_source callback (sample mode): sample k of the pipeline's epoch is row
     k % micro_batch_size of the k // micro_batch_size-th micro-batch from `first_item` on."""
 
-    def __init__(self, dataset, plan: Plan, first_item: int):
-        self.dataset, self.plan, self.first_item = dataset, plan, first_item
+    def __init__(self, datasets, plan: Plan, first_item: int):
+        self.datasets, self.plan, self.first_item = datasets, plan, first_item
 
     def __call__(self, info) -> tuple[np.ndarray, ...]:
         plan = self.plan
@@ -306,14 +328,14 @@ class DaliSource:
             raise StopIteration
         step, j = divmod(m, plan.num_microbatches)
         position = plan.positions(plan.first_sample(step), j)[row]
-        arrays = batch_arrays([self.dataset[position]], [position], plan.phase(step), plan.spec,
-                              plan.seed)
+        arrays = batch_arrays([self.datasets[plan.stream(step)][position]], [position],
+                              plan.phase(step), plan.spec, plan.seed)
         return tuple(arrays[k][0] for k in FIELDS)
 
 
 class DaliLoader(_Ahead):
-    def __init__(self, dataset, plan: Plan, num_workers: int):
-        super().__init__(dataset, plan)
+    def __init__(self, datasets, plan: Plan, num_workers: int):
+        super().__init__(datasets, plan)
         self.num_workers = num_workers
         self.pipe = None
         # GPU placement: the pipeline's outputs land on this process's GPU.
@@ -335,7 +357,7 @@ class DaliLoader(_Ahead):
                         py_start_method=start, prefetch_queue_depth=2, seed=0)
         with pipe:
             outputs = fn.external_source(
-                source=DaliSource(self.dataset, self.plan, step * n), num_outputs=len(FIELDS),
+                source=DaliSource(self.datasets, self.plan, step * n), num_outputs=len(FIELDS),
                 batch=False, parallel=True, prefetch_queue_depth=max(2, 2 * n),
                 dtype=[dtypes[t] for t in FIELDS.values()])
             if self.device is not None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_mlmclm.config import RunConfig
+from megatron_mlmclm.config import (MaskSchedule, PhaseConfig, RunConfig, phase_rotary_base,
+                                    phase_seq_length)
 from megatron_mlmclm.data.dataset import parse_prefixes
 from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.errors import UsageError
@@ -52,9 +54,7 @@ def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
     for ph in cfg.phases:
         if ph.steps:  # a phase of no steps trains nothing
             end = start + ph.steps
-            mlm = f" (mask_ratio {ph.mask_ratio:g}, mask_replace {ph.mask_replace})"
-            phases.append(f"{ph.objective} steps {start}-{end}"
-                          + (mlm if ph.objective == "mlm" else ""))
+            phases.append(phase_description(cfg, ph, start, end))
             start = end
     return {
         "data.train": train,
@@ -65,6 +65,37 @@ def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
         "train.global_batch_size": cfg.train.global_batch_size,
         "phases": "[" + ", ".join(phases) + "]",
     }
+
+
+def phase_description(cfg: RunConfig, ph: PhaseConfig, start: int, end: int) -> str:
+    """What decides a phase's tokens and masks. Settings a phase inherits unchanged add nothing,
+    so a run written before phases could change them keeps its fingerprint."""
+    text = f"{ph.objective} steps {start}-{end}"
+    if ph.objective == "mlm":
+        r = ph.mask_ratio
+        ratio = (f"{r.start:g}->{r.end:g} {r.shape}" if isinstance(r, MaskSchedule) else f"{r:g}")
+        text += f" (mask_ratio {ratio}, mask_replace {ph.mask_replace})"
+    if phase_seq_length(cfg, ph) != cfg.model.seq_length:
+        text += f" seq_length {phase_seq_length(cfg, ph)}"
+    if phase_rotary_base(cfg, ph) != cfg.model.rotary_base:
+        text += f" rotary_base {phase_rotary_base(cfg, ph):g}"
+    if ph.data is not None:
+        text += (f" data temperature {ph.data.temperature:g} over data.train"
+                 if ph.data.temperature is not None else
+                 " data " + _show(shard_list(ph.data.train)))
+    return text
+
+
+PHASE_START = re.compile(r", (?=(?:clm|mlm) steps \d+-\d+)")
+
+
+def first_changed_phase(saved: str, now: str) -> Optional[int]:
+    """The index of the first phase whose description differs between two fingerprints."""
+    a, b = (PHASE_START.split(x.strip("[]")) for x in (saved, now))
+    for i in range(max(len(a), len(b))):
+        if i >= len(a) or i >= len(b) or a[i] != b[i]:
+            return i
+    return None
 
 
 def _same(a, b) -> bool:
@@ -116,6 +147,9 @@ def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict
             f"continuing the data stream at sample {consumed} (the checkpoint's consumed_samples)"]
     k = changed[0]
     also = f" (also changed: {', '.join(changed[1:])})" if len(changed) > 1 else ""
+    if k == "phases" and isinstance(saved_fp.get(k), str):
+        i = first_changed_phase(saved_fp[k], new_fp[k])
+        also = f" (phases.{i} is the first that changed)" + also
     raise UsageError(
         f"{ckpt} was saved with {k} = {_show(saved_fp.get(k))} but this run has "
         f"{_show(new_fp[k])}{also}; resuming would change the training data or masks: restore "

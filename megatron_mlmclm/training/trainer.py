@@ -33,12 +33,12 @@ from megatron.core.transformer.module import Float16Module
 from tqdm import tqdm
 
 from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import RunConfig, dump_yaml, phase_at, to_dict
-from megatron_mlmclm.data.dataset import build_train_dataset
+from megatron_mlmclm.config import RunConfig, dump_yaml, to_dict
+from megatron_mlmclm.data.dataset import build_train_dataset, temperature_blend
 from megatron_mlmclm.data.mock import MockPackedDataset
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.model.build import build_model, transformer_config
+from megatron_mlmclm.model.build import build_model, set_rotary_base, transformer_config
 from megatron_mlmclm.model.flops import train_step_flops
 from megatron_mlmclm.model.kernels import plan_kernels, resolve_device
 from megatron_mlmclm.model.packed import (FP8_TOKEN_MULTIPLE, flatten_for_thd,
@@ -50,30 +50,42 @@ from megatron_mlmclm.training import sinks
 from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
 from megatron_mlmclm.training.inject import Injector
 from megatron_mlmclm.training.loader import Plan, build_loader
+from megatron_mlmclm.training.phase_plan import PhasePlan, resolved_phases
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from megatron_mlmclm.training.resume import check_resume, fingerprint
 
 
-def build_datasets(cfg: RunConfig, spec: TokenSpec, sample_offset: int = 0):
-    """(train, valid-or-None) datasets; rank 0 builds the sample-index cache first.
+def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offset: int = 0):
+    """([train dataset per stream of the phase plan], {seq_length: valid dataset} or None); rank 0
+    builds the sample-index caches first.
 
-    The train set holds every sample the run reads: steps x GBS, shifted by `sample_offset` when a
+    A stream's dataset holds every sample the run reads from it, shifted by `sample_offset` when a
     resume with checkpoint.allow_data_change continues the stream from consumed_samples.
+    Validation reads data.valid at each seq_length a phase trains at.
     """
-    seq, gbs = cfg.model.seq_length, cfg.train.global_batch_size
-    n_train = max(cfg.train.steps * gbs + sample_offset, gbs)
+    gbs, d = cfg.train.global_batch_size, cfg.data
     n_valid = cfg.logging.eval_iters * gbs
-    if cfg.data.mock:
-        return (MockPackedDataset(n_train, seq, spec.vocab_size, cfg.data.seed),
-                MockPackedDataset(n_valid, seq, spec.vocab_size, cfg.data.seed + 1))
+    lengths = sorted({s.seq_length for s in plan.streams})
+
+    def train_items(stream) -> list[str]:
+        if stream.temperature is not None:
+            return temperature_blend(d.train, stream.temperature)
+        return list(stream.data) if stream.data is not None else d.train
 
     def build():
-        train = build_train_dataset(cfg.data.train, seq, n_train, cfg.data.seed, cfg.data.cache_dir)
-        valid = (build_train_dataset(cfg.data.valid, seq, n_valid, cfg.data.seed, cfg.data.cache_dir)
-                 if cfg.data.valid else None)
+        if d.mock:
+            train = [MockPackedDataset(max(s.samples + sample_offset, gbs), s.seq_length,
+                                       spec.vocab_size, d.seed) for s in plan.streams]
+            return train, {n: MockPackedDataset(n_valid, n, spec.vocab_size, d.seed + 1)
+                           for n in lengths}
+        train = [build_train_dataset(train_items(s), s.seq_length,
+                                     max(s.samples + sample_offset, gbs), d.seed, d.cache_dir)
+                 for s in plan.streams]
+        valid = ({n: build_train_dataset(d.valid, n, n_valid, d.seed, d.cache_dir)
+                  for n in lengths} if d.valid else None)
         return train, valid
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1 and not d.mock:
         if rt.is_main():
             out = build()
         dist.barrier()
@@ -127,7 +139,9 @@ class Trainer:
             raise UsageError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
                              f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {self.dp})")
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp)
-        self.train_ds, self.valid_ds = build_datasets(cfg, self.spec, self.sample_offset)
+        self.train_ds, self.valid_ds = build_datasets(
+            cfg, self.spec, PhasePlan(resolved_phases(cfg), t.global_batch_size), self.sample_offset)
+        self.rotary_base = None  # the RoPE base the model has now (set per phase)
 
         self.tconfig = transformer_config(cfg, self.kernels)
         self.log(self.kernels.summary())
@@ -161,7 +175,7 @@ class Trainer:
         self.restore()
         self.faults.leave()
         # Batches are a function of the step (training/loader.py): the loader starts at this one.
-        self.plan = Plan(tuple(cfg.phases), self.spec, cfg.data.seed, t.steps, t.global_batch_size,
+        self.plan = Plan(resolved_phases(cfg), self.spec, cfg.data.seed, t.steps, t.global_batch_size,
                          t.micro_batch_size, self.dp, self.dp_rank, self.sample_offset)
         self.loader = build_loader(cfg.data.loader, self.train_ds, self.plan,
                                    cfg.data.num_workers, start_step=self.step)
@@ -207,7 +221,8 @@ class Trainer:
         if latest is not None:
             state = ckpt.read_trainer_state(latest)["trainer"]
             consumed, self.resume_notes = check_resume(latest, state, cfg, self.fingerprint)
-            self.sample_offset = consumed - int(state["iteration"]) * cfg.train.global_batch_size
+            plan = PhasePlan(resolved_phases(cfg), cfg.train.global_batch_size)
+            self.sample_offset = consumed - plan.position(int(state["iteration"]))
         return latest
 
     def restore(self) -> None:
@@ -246,8 +261,8 @@ class Trainer:
     def microbatches(self, dataset, first_sample: int, phase,
                      step: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
         """This DP rank's micro-batches of the global batch that starts at `first_sample`, on the
-        device. Those of training step `step` come from data.loader, which prepared them ahead;
-        others (validation) are built here."""
+        device. Those of training step `step` come from data.loader, which prepared them ahead
+        (from the step's stream); others (validation, from `dataset`) are built here."""
         if step is None:
             host = self.plan.microbatches(dataset, first_sample, phase)
         else:
@@ -302,7 +317,7 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        batches = self.microbatches(self.train_ds, self.consumed_samples(), phase, self.step)
+        batches = self.microbatches(None, self.consumed_samples(), phase, self.step)
         totals = self.run_schedule(batches, forward_only=False)
         loss_sum, tokens, correct = totals.tolist()
         loss = loss_sum / max(tokens, 1)
@@ -369,8 +384,8 @@ class Trainer:
         t = self.cfg.train
         totals = torch.zeros(3, dtype=torch.float64, device=rt.device())
         for i in range(self.cfg.logging.eval_iters):
-            totals += self.run_schedule(self.microbatches(self.valid_ds, i * t.global_batch_size,
-                                                          phase), forward_only=True)
+            totals += self.run_schedule(self.microbatches(
+                self.valid_ds[phase.seq_length], i * t.global_batch_size, phase), forward_only=True)
         for m in self.model:
             m.train()
         return float(totals[0] / totals[1].clamp(min=1))
@@ -378,7 +393,6 @@ class Trainer:
     # --------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
-        tokens_per_step = t.global_batch_size * cfg.model.seq_length
         peak = rt.device_peak_flops()
         world = dist.get_world_size()
         bar = None
@@ -388,29 +402,30 @@ class Trainer:
         self.stop = StopSignals()  # SIGTERM / SIGUSR1: save after the step in flight, then stop
         self.stop.install()
         try:
-            return self._train_loop(bar, tokens_per_step, peak, world)
+            return self._train_loop(bar, peak, world)
         finally:
             self.stop.restore()
             if bar is not None:
                 bar.close()
 
-    def _train_loop(self, bar, tokens_per_step, peak, world) -> dict[str, Any]:
+    def _train_loop(self, bar, peak, world) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         last = {}
         faults = self.faults
         if self.step == 0 and self.valid_ds is not None:  # the curve's starting point
-            _, first = phase_at(cfg.phases, 0)
+            first = self.phase_at_step(0)
             with faults.section("evaluation", 0):
                 self.record({"step": 0, "objective": first.objective,
                              "val_loss": self.evaluate(first)}, None)
         while self.step < t.steps:
-            phase_index, phase = phase_at(cfg.phases, self.step)
+            phase_index, phase = self.plan.phase_plan.index(self.step), self.phase_at_step(self.step)
+            tokens_per_step = t.global_batch_size * phase.seq_length
             start = time.perf_counter()
             faults.step_started(self.step + 1)
             stats = self.train_step(phase)
             self.step += 1
             elapsed = time.perf_counter() - start
-            flops = train_step_flops(cfg.model, self.spec.vocab_size, cfg.model.seq_length,
+            flops = train_step_flops(cfg.model, self.spec.vocab_size, phase.seq_length,
                                      t.global_batch_size, int(stats["tokens"]),
                                      causal=phase.objective == "clm")
             stats.update(step=self.step, phase=phase_index, objective=phase.objective,
@@ -442,9 +457,19 @@ class Trainer:
             self.log(line)
         return last
 
+    def phase_at_step(self, step: int):
+        """The phase of `step` as it trains (training/phase_plan.py), with the model's RoPE base
+        switched to the phase's."""
+        phase = self.plan.phase(step)
+        if phase.rotary_base != self.rotary_base:
+            set_rotary_base(self.model_chunks, self.cfg.model, phase.rotary_base)
+            self.rotary_base = phase.rotary_base
+        return phase
+
     def consumed_samples(self) -> int:
-        """Samples of the stream read before step `self.step`: where its global batch starts."""
-        return self.step * self.cfg.train.global_batch_size + self.sample_offset
+        """Where in its sample stream the global batch of step `self.step` starts (the samples of
+        that stream read before it)."""
+        return self.plan.first_sample(self.step)
 
     def save(self) -> None:
         state = {"config": to_dict(self.cfg), "consumed_samples": self.consumed_samples(),
