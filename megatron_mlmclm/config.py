@@ -688,10 +688,10 @@ def causal_attention_halved(cfg: RunConfig) -> bool:
         if importlib.util.find_spec("torch") is not None:
             import torch
             device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.model.attention == "flex":  # block masks skip what they mask
+        return True
     if device == "cpu" or cfg.model.attention == "sdpa":
         return False
-    if cfg.model.attention == "flex":
-        return True
     import importlib.util
     return importlib.util.find_spec("transformer_engine") is not None
 
