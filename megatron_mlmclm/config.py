@@ -863,6 +863,11 @@ def resolve_decay(cfg: RunConfig) -> None:
     t.decay_steps = steps
 
 
+def run_flops(cfg: RunConfig) -> float:
+    """Training FLOPs of the whole run as its phases spend them (step_flops)."""
+    return sum(ph.steps * step_flops(cfg, ph) for ph in cfg.phases)
+
+
 def budget_report(cfg: RunConfig) -> list[str]:
     """Each phase's steps, tokens and FLOPs (as the model spends them), and the run's totals:
     what `mlmclm pretrain --dry-run` prints."""

@@ -15,7 +15,8 @@ from scipy import stats
 
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.study.compare import MARGIN, study_comparisons, verdict
-from megatron_mlmclm.study.design import LR_LADDER, widen
+from megatron_mlmclm.study.design import (LR_LADDER, RECIPE, StudyDesign, budget_config,
+                                          recipe_flops, recipe_steps, widen)
 from megatron_mlmclm.study.pipeline import next_grid
 
 FAMILY = {"sst2": ("sc", "accuracy"), "conll2003": ("tc", "f1"), "squad": ("qa", "f1"),
@@ -114,8 +115,9 @@ def test_bad_design_is_refused_before_any_work(tmp_path, capsys):
 
 @pytest.mark.timeout(1200)
 def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
-    """Four recipes x one pretraining seed, SST-2 only: the whole pipeline, the report's sections,
-    then a second invocation that reuses every stage, and a changed design refused."""
+    """Five recipes x one pretraining seed, SST-2 only: the whole pipeline, the report's sections
+    (with the FLOPs of each recipe and the compute-matched comparison), then a second invocation
+    that reuses every stage, and a changed design refused."""
     out = tmp_path / "study"
     args = [sys.executable, "-m", "megatron_mlmclm", "study", "--out", str(out),
             "--steps", "40", "--cpt-steps", "10", "--pretrain-seeds", "0", "--tasks", "sst2",
@@ -131,24 +133,30 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
                     "## Scores per recipe", "## The study's comparisons"):
         assert section in report
     pre = (out / "pretraining.csv").read_text().splitlines()
-    assert len(pre) == 1 + 4  # four recipes, one seed
+    assert len(pre) == 1 + 5  # five recipes, one seed
     assert "n/a" in pre[1] and all(("pass" in l or "FAIL" in l) for l in pre[2:])
     unigram = json.loads((out / "unigram.json").read_text())["unigram_nats"]
     assert f"{unigram:.3f} nats" in report
     comparisons = (out / "comparisons.csv").read_text()
     assert "MLM beats CLM on sequence classification" in comparisons
+    assert "At equal compute (the CLM run's FLOPs), MLM beats CLM" in comparisons
+    design = StudyDesign(steps=40, cpt_steps=10, micro_batch_size=16, vocab_size=1024)
+    steps = recipe_steps(design, "mlm40-flops")
+    assert steps > 40 and f"MLM 40% trains {steps} steps where CLM trains 40" in report
+    assert max(json.loads(l)["step"] for l in
+               (out / "runs" / "mlm40-flops-p0" / "metrics.jsonl").read_text().splitlines()) == steps
     for plot in ("lr_sst2.png", "comparisons.png", "pretraining.png"):
         assert (out / "plots" / plot).stat().st_size > 1000
     assert (out / "models" / "report.md").is_file()
     results = sorted(out.glob("eval/**/*.json"))
     final_grid = max(len(json.loads(p.read_text())["grid"]["lrs"]) for p in results)
-    assert len(results) == 4 * final_grid * 3  # every model, every LR of the final grid, 3 seeds
+    assert len(results) == 5 * final_grid * 3  # every model, every LR of the final grid, 3 seeds
 
     stamps = {p: p.stat().st_mtime_ns for p in results}
     # --workers changes the pace, not the design: the folder is reused.
     second = subprocess.run(args + ["--workers", "1"], env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "4 runs" in second.stderr and "4 done already" in second.stderr
+    assert "5 runs" in second.stderr and "5 done already" in second.stderr
     assert {p: p.stat().st_mtime_ns for p in sorted(out.glob("eval/**/*.json"))} == stamps
     report = (out / "report.md").read_text()
     assert len(json.loads((out / "study.json").read_text())["invocations"]) == 2
@@ -159,3 +167,16 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     assert changed.returncode == 2
     assert "holds a study with another design (vocab_size" in changed.stderr
     assert (out / "report.md").read_text() == report  # nothing overwritten
+
+
+def test_compute_matched_recipe_gets_the_steps_the_clm_runs_flops_buy():
+    """The MLM run's steps spend the CLM run's FLOPs to within half an MLM step (config.py's count,
+    itself checked against hand-computed FLOPs in test_phases.py)."""
+    from megatron_mlmclm.config import run_flops, step_flops
+
+    design = StudyDesign()
+    clm = recipe_flops(design, "clm")
+    matched = budget_config(design, RECIPE["mlm40-flops"], clm)
+    per_step = step_flops(matched, matched.phases[0])
+    assert abs(run_flops(matched) - clm) <= per_step / 2
+    assert recipe_steps(design, "mlm40-flops") == matched.train.steps > design.steps

@@ -107,10 +107,13 @@ def run_config_from_dict(raw: dict[str, Any], mock: bool = True):
     """RunConfig from a trainer-state dict, for an in-process TP1/PP1 float32 model."""
     raw = copy.deepcopy(raw)
     raw["parallel"] = {}
-    for ph in raw.get("phases") or []:  # saved configs hold resolved steps next to the shares
+    # Saved configs hold resolved steps next to the budget they came from (shares, tokens,
+    # FLOPs): keep the steps only, and no per-phase data (the model is built on mock data).
+    for ph in raw.get("phases") or []:
         if isinstance(ph, dict) and ph.get("steps") is not None:
-            ph["share"] = None
-    raw.setdefault("train", {}).update(precision="fp32", fp8=None, recompute=None)
+            ph.update(share=None, tokens=None, flops=None, data=None)
+    raw.setdefault("train", {}).update(precision="fp32", fp8=None, recompute=None, tokens=None,
+                                       flops=None)
     raw.setdefault("data", {})["mock"] = mock
     if mock:  # only the model is needed: the run's shards would contradict mock data
         raw["data"].update(train=[], valid=[])

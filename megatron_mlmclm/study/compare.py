@@ -138,6 +138,9 @@ def study_comparisons(results: list[dict], families: dict[str, str]) -> list[dic
                         "MLM 40%", "CLM", "beats",
                         "best - worst score across the LR grid, mean over tasks (A - B > 0: "
                         "MLM more sensitive)", "LR spread"))
+    rows.append(compare("At equal compute (the CLM run's FLOPs), MLM beats CLM",
+                        score("mlm40-flops", tasks), score("clm", tasks), "MLM 40% at CLM's FLOPs",
+                        "CLM", "beats", "mean score over all tasks", "overall"))
     rows.append(compare("At a fixed budget, CLM then MLM matches or beats MLM alone",
                         score("clm25-mlm40", tasks), score("mlm40", tasks), "CLM 25% -> MLM 75%",
                         "MLM 40%", "matches", "mean score over all tasks", "overall"))

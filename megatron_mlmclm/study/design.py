@@ -1,12 +1,14 @@
 """What the mini-study trains and fine-tunes: the models, their budgets and the fine-tuning grid.
 
-Four pretraining recipes, each from `pretrain_seeds` (the seed sets initial weights, sample order
+Five pretraining recipes, each from `pretrain_seeds` (the seed sets initial weights, sample order
 and masks, so recipes with the same seed see the same samples in the same order):
 
     clm              CLM for `steps` steps
     mlm40            MLM 40% for `steps` steps
     clm25-mlm40      CLM for the first 25% of `steps`, then MLM 40% (one LR schedule)
     clm-cpt-mlm40    the finished clm model continued with MLM 40% for `cpt_steps` more steps
+    mlm40-flops      MLM 40% with the clm run's FLOPs as its budget (config.py counts them as the
+                     model spends them): compute-matched rather than step-matched
 
 Every model is fine-tuned on each task over that task's learning rates x `finetune_seeds`. The LR
 grids start at `lrs` and are widened along LR_LADDER (the whole task, every model) while a model's
@@ -18,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from megatron_mlmclm.config import MODEL_PRESETS
+import json
+
+from megatron_mlmclm.config import MODEL_PRESETS, RunConfig, load_config, run_flops
 from megatron_mlmclm.errors import UsageError
 
 MLM = {"objective": "mlm", "mask_ratio": 0.4}
@@ -33,6 +37,7 @@ class Recipe:
     label: str
     phases: tuple
     continues: str | None = None  # key of the recipe whose final checkpoint this one starts from
+    flops_of: str | None = None  # key of the recipe whose FLOPs are this one's budget
 
 
 RECIPES = (
@@ -41,6 +46,7 @@ RECIPES = (
     Recipe("clm25-mlm40", "CLM 25% -> MLM 75%", ({"objective": "clm", "share": 0.25},
                                                   {**MLM, "share": 0.75})),
     Recipe("clm-cpt-mlm40", "CLM + MLM continuation", (MLM,), continues="clm"),
+    Recipe("mlm40-flops", "MLM 40% at CLM's FLOPs", (MLM,), flops_of="clm"),
 )
 RECIPE = {r.key: r for r in RECIPES}
 
@@ -122,3 +128,31 @@ def widen(lrs: list[float], low: bool, high: bool) -> list[float]:
     if high and j < len(LR_LADDER) - 1:
         out.append(LR_LADDER[j + 1])
     return out
+
+
+def budget_config(design: StudyDesign, recipe: Recipe, flops: float | None = None) -> RunConfig:
+    """The design's model and batch for `recipe` on mock data, its budget resolved: what the
+    budget arithmetic needs (counted at the design's vocabulary size, which every run sets)."""
+    overrides = [f"model.preset={design.preset}", f"model.vocab_size={design.vocab_size}",
+                 f"train.global_batch_size={design.micro_batch_size}",
+                 f"train.micro_batch_size={design.micro_batch_size}", "train.warmup_steps=0",
+                 "train.decay_steps=0", "data.mock=true", f"phases={json.dumps(list(recipe.phases))}"]
+    if flops is not None:
+        overrides.append(f"train.flops={flops!r}")
+    else:
+        overrides.append(f"train.steps={design.cpt_steps if recipe.continues else design.steps}")
+    return load_config(None, overrides)
+
+
+def recipe_flops(design: StudyDesign, key: str) -> float:
+    """Training FLOPs of recipe `key`'s own steps (a continuation's base run not included)."""
+    return run_flops(budget_config(design, RECIPE[key], _budget(design, key)))
+
+
+def recipe_steps(design: StudyDesign, key: str) -> int:
+    return budget_config(design, RECIPE[key], _budget(design, key)).train.steps
+
+
+def _budget(design: StudyDesign, key: str) -> float | None:
+    of = RECIPE[key].flops_of
+    return None if of is None else recipe_flops(design, of)

@@ -27,7 +27,8 @@ from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid
 from megatron_mlmclm.eval.report import summarize
 from megatron_mlmclm.quickstart import build_corpus, cli, resolve_sources, small_run_config
 from megatron_mlmclm.quickstart import log as quickstart_log
-from megatron_mlmclm.study.design import RECIPE, StudyDesign, parse_run_name, run_name, widen
+from megatron_mlmclm.study.design import (RECIPE, StudyDesign, parse_run_name, recipe_flops, run_name,
+                                          widen)
 from megatron_mlmclm.study.runs import final_val_loss, finished, last_step, run_dir, steps_of
 
 
@@ -114,6 +115,11 @@ def _config(out: Path, design: StudyDesign, name: str, tokenizer: Path, prefixes
     if recipe.continues:
         # Another sample order than the base run's, so the continuation mostly reads new samples.
         cfg["data"]["seed"] = seed + 1000
+    if recipe.flops_of:
+        # The budget in FLOPs (the steps beside it must agree: config.py checks), counted at the
+        # design's vocabulary, as budget_config does.
+        cfg["train"]["flops"] = recipe_flops(design, recipe.flops_of)
+        cfg["model"]["vocab_size"] = design.vocab_size
     path = out / "configs" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -13,7 +13,8 @@ from pathlib import Path
 from megatron_mlmclm.eval.report import (add_interval, fmt, md_table, mean_ci, summarize, write_csv,
                                          write_report, yerr)
 from megatron_mlmclm.study.compare import MARGIN, recipe_table, study_comparisons
-from megatron_mlmclm.study.design import RECIPES, StudyDesign, parse_run_name, run_name
+from megatron_mlmclm.study.design import (RECIPES, StudyDesign, parse_run_name, recipe_flops,
+                                          run_name)
 from megatron_mlmclm.study.runs import final_val_loss, steps_of, val_losses
 
 CONTEXT_NATS = 1.0  # an MLM model must end this far below the unigram floor to show it uses context
@@ -27,6 +28,7 @@ def pretraining_rows(out: Path, design: StudyDesign, unigram: float) -> list[dic
         mlm = recipe.phases[-1]["objective"] == "mlm"
         below = unigram - loss if mlm else None  # a next-token loss is not on the floor's scale
         rows.append({"run": name, "recipe": recipe.label, "steps": steps_of(design, recipe.key),
+                     "flops": recipe_flops(design, recipe.key),
                      "loss": "MLM (masked tokens)" if mlm else "CLM (next token)",
                      "val_loss": loss, "below_unigram": below,
                      "context_check": (("pass" if below >= CONTEXT_NATS else "FAIL") if mlm
@@ -151,9 +153,16 @@ def write_study_report(out: Path, design: StudyDesign, grids: dict[str, dict],
              f"end at least {CONTEXT_NATS:g} nat below it. CLM rows show next-token loss (not "
              f"comparable with the floor's masked-token meaning, listed for completeness).", ""]
     lines += md_table(pre, [("run", "run", "s"), ("recipe", "recipe", "s"), ("steps", "steps", "d"),
+                             ("flops", "training FLOPs", ".3g"),
                              ("loss", "validation loss", "s"), ("val_loss", "nats", ".3f"),
                              ("below_unigram", "below unigram", "+.3f"),
                              ("context_check", f">= {CONTEXT_NATS:g} nat below", "s")])
+    steps = {r.key: steps_of(design, r.key) for r in RECIPES}
+    lines += ["", f"Training FLOPs as the model spends them (config.py: the sparse MLM head over the "
+              f"masked tokens, causal attention in full as CPU's dense-mask kernel computes it; a "
+              f"continuation's own steps only). At the CLM run's {recipe_flops(design, 'clm'):.3g} "
+              f"FLOPs, MLM 40% trains {steps['mlm40-flops']} steps where CLM trains "
+              f"{steps['clm']}."]
     failed = [r["run"] for r in pre if r["context_check"] == "FAIL"]
     lines += ["", ("**Context check failed** for " + ", ".join(failed) + ": these MLM models do "
                    "not yet use context; train longer before reading the comparisons.") if failed

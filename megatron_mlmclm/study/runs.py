@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_mlmclm.study.design import RECIPE, StudyDesign, parse_run_name
+from megatron_mlmclm.study.design import StudyDesign, parse_run_name, recipe_steps
 
 
 def steps_of(design: StudyDesign, key: str) -> int:
-    return design.cpt_steps if RECIPE[key].continues else design.steps
+    return recipe_steps(design, key)
 
 
 def run_dir(out: Path, name: str) -> Path:
