@@ -81,7 +81,6 @@ def build_tiny_trainer(args):
 def measure_steps(args) -> dict:
     import torch
 
-    from megatron_mlmclm.config import phase_at
     from megatron_mlmclm.runtime import distributed as rt
     from megatron_mlmclm.training.faults import HangWatchdog
 
@@ -95,7 +94,7 @@ def measure_steps(args) -> dict:
     log_interval = cfg.logging.log_interval
 
     def one_step(mode: str) -> float:
-        _, phase = phase_at(cfg.phases, trainer.step)
+        phase = trainer.phase_at_step(trainer.step)
         t0 = time.perf_counter()
         if mode == "bare":
             trainer.train_step(phase)

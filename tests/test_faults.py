@@ -66,6 +66,7 @@ def test_fault_specs_parse_and_bad_ones_are_refused_in_one_line():
     assert parse("hang rank=1 step=5; nan rank=0 step=7 mode=transient;slow rank=1 ms=200") == [
         Fault("hang", 1, 5), Fault("nan", 0, 7, mode="transient"), Fault("slow", 1, None, 200.0)]
     assert parse("nan rank=0 step=3") == [Fault("nan", 0, 3, mode="persistent")]
+    assert parse("spike rank=0 step=12 factor=1000") == [Fault("spike", 0, 12, factor=1000.0)]
     for bad in ("hang rank=1", "wobble rank=0 step=1", "slow rank=x ms=2", "nan rank=0 step=1 mode=x",
                 "hang rank=1 step=5 ms=3"):
         with pytest.raises(UsageError) as e:
@@ -283,3 +284,47 @@ def test_killed_launcher_leaves_no_process_and_a_live_run_owns_its_folder(config
     launcher.wait()
     gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive, [p.cmdline()[-3:] for p in alive]
+
+
+def test_skip_spikes_skips_the_spiked_update_counts_it_and_resumes_the_same(config, tmp_path):
+    """A step whose loss (so gradient) is scaled 1000x is skipped by train.skip_spikes=5, counted
+    and logged; the other steps update. The policy's window is saved, so a run resumed from a
+    checkpoint before the spike decides the same."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    env = faulty_env(tmp_path, "spike rank=0 step=13 factor=1000")
+    overrides = ["train.steps=16", "train.skip_spikes=5", "logging.log_interval=1",
+                 "checkpoint.save_interval=12", "checkpoint.keep_last=3"]
+    first = subprocess.run(pretrain_cmd(1) + [str(config), f"output_dir={ref}"] + overrides,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    records = {m["step"]: m for m in read_metrics(ref) if "loss" in m}
+    assert [s for s, m in records.items() if m.get("spike_skipped")] == [13]
+    assert records[13]["grad_norm"] > 100 * records[12]["grad_norm"]
+    assert "step 13: update skipped, gradient norm" in first.stderr
+    assert "gradient spikes skipped: 1 (train.skip_spikes=5)" in first.stderr
+    # Resume from step 12's checkpoint (the window holds 12 norms): the same decision, same losses.
+    (run / "checkpoints").mkdir(parents=True)
+    import shutil
+    shutil.copytree(ref / "checkpoints" / "iter_0000012", run / "checkpoints" / "iter_0000012")
+    second = subprocess.run(pretrain_cmd(1) + [str(config), f"output_dir={run}"] + overrides,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert curve(run) == {s: m["loss"] for s, m in records.items() if s > 12}
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_caught_by_the_rank_waiting_for_it(config, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at step 5: it has no watchdog left, but rank 0, waiting in
+    the gradient all-reduce, overruns its step and ends the job (exit 76); torchrun then kills the
+    stopped rank."""
+    run, timeout = tmp_path / "run", 5
+    start = time.time()
+    proc = subprocess.run(pretrain_cmd(2) + [str(config), f"output_dir={run}",
+                                             f"train.hang_timeout_s={timeout}"],
+                          env=faulty_env(tmp_path, "stop rank=1 step=5"), capture_output=True,
+                          text=True, timeout=timeout + 90)
+    assert proc.returncode != 0 and time.time() - start < timeout + 90
+    assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_HANG)
+    assert "rank 0 hung: step 5 made no progress for 5 s" in proc.stderr
+    assert "all_reduce" in (run / "faults" / "hang-rank0-step5.txt").read_text()
+    assert not (run / "faults" / "hang-rank1-step5.txt").exists()

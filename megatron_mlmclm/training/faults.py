@@ -375,8 +375,9 @@ class FaultMonitor:
         self.steps_run += 1
         self.leave(elapsed if self.steps_run > 1 else None)  # the first step says little
 
-    def nan_loss(self, step: int) -> bool:
-        return bool(self.inject) and self.inject.nan_loss(step)
+    def loss_scale(self, step: int) -> float:
+        """The test hook's factor on this step's loss (1: no fault injected)."""
+        return self.inject.loss_scale(step) if self.inject else 1.0
 
     def check_step(self, step: int, problem: Optional[str], samples: str, bad_ranks: list[int],
                    checkpoint_dir: str) -> Optional[str]:

@@ -7,6 +7,7 @@ MLMCLM_INJECT_FAULTS holds faults separated by ';', each a kind and its settings
     nan rank=0 step=7 mode=transient   rank 0's loss is NaN at step 7, on the first attempt only
     nan rank=0 step=7 mode=persistent  ... on every attempt (the default)
     slow rank=1 ms=200                 rank 1 sleeps 200 ms inside every step
+    spike rank=0 step=12 factor=1000   rank 0's loss (so its gradients) is scaled 1000x at step 12
 
 Steps are 1-based, as logged. hang, stop and transient nan happen once per run folder (a marker
 file in `<output_dir>/faults/` records that they did), so a restart runs through. The variable
@@ -26,7 +27,7 @@ from megatron_mlmclm.errors import UsageError
 
 ENV = "MLMCLM_INJECT_FAULTS"
 KINDS = {"hang": {"rank", "step"}, "stop": {"rank", "step"}, "nan": {"rank", "step", "mode"},
-         "slow": {"rank", "ms"}}
+         "slow": {"rank", "ms"}, "spike": {"rank", "step", "factor"}}
 OPTIONAL = {"mode"}
 
 
@@ -37,6 +38,7 @@ class Fault:
     step: Optional[int] = None
     ms: float = 0.0
     mode: str = "persistent"
+    factor: float = 1.0
 
 
 def parse(text: str) -> list[Fault]:
@@ -51,7 +53,8 @@ def parse(text: str) -> list[Fault]:
             raise UsageError(f"{ENV}: '{item}' must give {' '.join(sorted(required))} as key=value")
         try:
             fault = Fault(kind, int(settings["rank"]), int(settings["step"]) if "step" in settings
-                          else None, float(settings.get("ms", 0)), settings.get("mode", "persistent"))
+                          else None, float(settings.get("ms", 0)), settings.get("mode", "persistent"),
+                          float(settings.get("factor", 1)))
         except ValueError:
             raise UsageError(f"{ENV}: '{item}' has a value that is not a number")
         if fault.mode not in ("transient", "persistent"):
@@ -89,10 +92,15 @@ class Injector:
             elif f.kind == "stop" and f.step == step and self.once(f):
                 os.kill(os.getpid(), signal.SIGSTOP)
 
-    def nan_loss(self, step: int) -> bool:
-        """True when this step's loss must be made NaN."""
-        return any(f.kind == "nan" and f.step == step
-                   and (f.mode == "persistent" or self.once(f)) for f in self.faults)
+    def loss_scale(self, step: int) -> float:
+        """What this step's loss is multiplied by: NaN for a nan fault, a spike's factor, else 1."""
+        scale = 1.0
+        for f in self.faults:
+            if f.kind == "nan" and f.step == step and (f.mode == "persistent" or self.once(f)):
+                scale = float("nan")
+            elif f.kind == "spike" and f.step == step:
+                scale *= f.factor
+        return scale
 
 
 def injected_hang() -> None:

@@ -267,14 +267,15 @@ class Trainer:
             host = self.plan.microbatches(dataset, first_sample, phase)
         else:
             host = self.loader.get(step, first_sample, phase)
-            if self.faults.nan_loss(step + 1):  # the test hook (training/inject.py)
-                host = [dict(host[0], inject_nan=True)] + host[1:]
+            scale = self.faults.loss_scale(step + 1)  # the test hook (training/inject.py)
+            if scale != 1.0:
+                host = [dict(host[0], loss_scale=scale)] + host[1:]
         if self.thd:
             set_attention_mask_type(self.model_chunks, AttnMaskType.causal
                                     if phase.objective == "clm" else AttnMaskType.no_mask)
         out = []
         for batch in host:
-            poison = batch.pop("inject_nan", False)
+            scale = batch.pop("loss_scale", None)
             batch = to_device(batch, phase, rt.device(), dense_mask=not self.thd)
             if self.thd:
                 batch = flatten_for_thd(batch, batch["document_ids"], self.thd_multiple)
@@ -282,8 +283,8 @@ class Trainer:
                 if cp > 1:
                     batch = split_for_context_parallel(
                         batch, cp, parallel_state.get_context_parallel_rank())
-            if poison:
-                batch["inject_nan"] = True
+            if scale is not None:
+                batch["loss_scale"] = scale
             out.append(batch)
         return out
 
@@ -565,15 +566,15 @@ def forward_step(data_iterator, model):
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"], loss_mask=batch["loss_mask"],
                    packed_seq_params=batch.get("packed_seq_params"))
-    return output, functools.partial(loss_func, inject_nan=batch.get("inject_nan", False))
+    return output, functools.partial(loss_func, scale=batch.get("loss_scale"))
 
 
-def loss_func(output, inject_nan: bool = False):
+def loss_func(output, scale: Optional[float] = None):
     """Per-token convention: (sum of losses, token count, logged [sum, count, correct])."""
     per_token_loss, correct = output
     total = per_token_loss.sum()
-    if inject_nan:  # the fault-injection test hook: a NaN loss, and NaN gradients behind it
-        total = total * float("nan")
+    if scale is not None:  # the fault-injection test hook: a NaN or spiked loss and gradients
+        total = total * scale
     count = torch.tensor(per_token_loss.numel(), dtype=torch.int, device=total.device)
     logged = torch.stack([total.detach().float(), count.float(), correct.sum().float()])
     return total, count, {"lm loss": logged}
