@@ -328,3 +328,12 @@ def test_a_stopped_rank_is_caught_by_the_rank_waiting_for_it(config, tmp_path):
     assert "rank 0 hung: step 5 made no progress for 5 s" in proc.stderr
     assert "all_reduce" in (run / "faults" / "hang-rank0-step5.txt").read_text()
     assert not (run / "faults" / "hang-rank1-step5.txt").exists()
+
+
+def test_straggler_figures_reach_tensorboard_and_wandb_tags():
+    from megatron_mlmclm.training.sinks import scalars
+
+    stats = {"objective": "mlm", "loss": 1.0, "accuracy": 0.5, "lr": 1e-3, "grad_norm": 1.0,
+             "tokens_per_s": 10.0, "straggler_rank": 1, "straggler_ratio": 1.9}
+    tags = scalars(stats)
+    assert (tags["faults/straggler_rank"], tags["faults/straggler_ratio"]) == (1, 1.9)

@@ -354,3 +354,24 @@ def test_resume_guard_names_the_phase_whose_definition_changed(two_shards, tmp_p
                  "phases.1.rotary_base=500000"]) == 2
     err = capsys.readouterr().err
     assert "(phases.1 is the first that changed)" in err and "rotary_base 500000" in err, err
+
+
+def test_the_interface_of_the_issue_reads_as_written(tmp_path):
+    """The phase interface as proposed, verbatim, plus the vocabulary a FLOPs budget needs."""
+    path = tmp_path / "run.yaml"
+    path.write_text("""
+model: {preset: 210m, vocab_size: 128256}
+data: {train: [0.5, web, 0.5, books]}
+train: {flops: 1.0e+21}          # or tokens: 1.0e+11, or steps: 42000 (exactly one)
+phases:
+  - {objective: mlm, share: 0.8, seq_length: 1024, mask_ratio: {from: 0.3, to: 0.15, shape: linear}}
+  - {objective: mlm, share: 0.1, seq_length: 8192, rotary_base: 160000, mask_ratio: 0.15}
+  - {objective: mlm, share: 0.1, mask_ratio: 0.05, data: {train: [0.5, web, 0.5, books]}}
+""")
+    c = load_config(path)
+    assert c.phases[0].mask_ratio == MaskSchedule(0.3, 0.15, "linear")
+    assert [p.seq_length for p in resolved_phases(c)] == [1024, 8192, 2048]
+    assert c.train.steps == sum(p.steps for p in c.phases) > 0
+    # A preset's steps cleared from the command line, a token budget instead:
+    c = load_config(path, ["train.flops=null", "train.tokens=1e11"])
+    assert c.train.tokens == 1e11 and c.train.flops is None
