@@ -22,16 +22,9 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import faults
 from megatron_mlmclm.training.inject import Fault, parse
+from test_resume import CONFIG as RESUME_CONFIG  # DP2-able tiny CLM -> MLM run, 8 steps
 
-CONFIG = {
-    "data": {"mock": True},
-    "model": {"preset": "tiny", "vocab_size": 1000},
-    "train": {"steps": 8, "micro_batch_size": 2, "global_batch_size": 4, "warmup_steps": 2,
-              "decay_steps": 2},
-    "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
-    "checkpoint": {"save_interval": 2, "keep_last": 2},
-    "logging": {"tensorboard": False, "log_interval": 2},
-}
+CONFIG = {**RESUME_CONFIG, "logging": {"tensorboard": False, "log_interval": 2}}
 
 
 def curve(run_dir) -> dict[int, float]:

@@ -136,14 +136,6 @@ class HangWatchdog:
         if step_time is not None:
             self.step_times.append(step_time)
 
-    @contextlib.contextmanager
-    def watching(self, name: str, step: int):
-        self.enter(name, step)
-        try:
-            yield
-        finally:
-            self.leave()
-
     def _watch(self) -> None:
         while not self.stopped.wait(self.poll_s):
             current = self.section
