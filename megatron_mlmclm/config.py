@@ -187,9 +187,9 @@ class TrainConfig:
     hang_timeout_long_s: Optional[float] = None
     # Skip an update whose gradient norm exceeds skip_spikes x the running median (None = never).
     skip_spikes: Optional[float] = None
-    # How budgets in FLOPs count causal attention: as the kernel spends it. auto = halved where the
-    # attention kernel skips masked blocks (TE or FlexAttention on GPU), full for SDPA's dense mask;
-    # resolved to causal-half or full in the run's config.yaml, so it reloads the same anywhere.
+    # How FLOPs count causal attention: as the kernel spends it. auto = halved where the attention
+    # kernel skips masked blocks (TE or FlexAttention on GPU), full for SDPA's dense mask; a budget
+    # in FLOPs pins it (causal-half or full) in the run's config.yaml, to reload the same anywhere.
     flops_attention: str = "auto"
 
 
@@ -709,7 +709,7 @@ def step_flops(cfg: RunConfig, ph: PhaseConfig) -> float:
     seq, gbs = phase_seq_length(cfg, ph), cfg.train.global_batch_size
     tokens = gbs * seq
     labelled = tokens if ph.objective == "clm" else mean_mask_ratio(ph) * tokens
-    causal = ph.objective == "clm" and cfg.train.flops_attention == "causal-half"
+    causal = ph.objective == "clm" and causal_attention_halved(cfg)
     return train_step_flops(cfg.model, cfg.model.vocab_size, seq, gbs, labelled, causal=causal)
 
 
@@ -774,7 +774,9 @@ def resolve_budget(cfg: RunConfig) -> None:
     if len(units) > 1:
         raise UsageError("train gives flops and tokens; the budget is exactly one of train.steps, "
                          "train.tokens or train.flops")
-    if t.flops_attention == "auto":
+    if t.flops_attention == "auto" and (units == ["flops"] or any(
+            ph.flops is not None for ph in phases)):
+        # Pinned in the resolved config, so the run reloads with the same steps on any machine.
         t.flops_attention = "causal-half" if causal_attention_halved(cfg) else "full"
     given_steps, units = t.steps, units or ["steps"]
     unit = units[0]
@@ -801,9 +803,7 @@ def resolve_budget(cfg: RunConfig) -> None:
             if ph.share is not None:
                 share_sum += ph.share
             elif ph.tokens is not None or ph.flops is not None:
-                used += (ph.flops if unit == "flops" and ph.flops is not None else
-                         ph.tokens if unit == "tokens" and ph.tokens is not None else
-                         _absolute_steps(cfg, ph) * per(cfg, ph))
+                used += _exact_steps(cfg, ph) * per(cfg, ph)
             elif ph.steps is not None:
                 used += ph.steps * per(cfg, ph)
             else:
@@ -830,10 +830,15 @@ def resolve_budget(cfg: RunConfig) -> None:
     resolve_decay(cfg)
 
 
-def _absolute_steps(cfg: RunConfig, ph: PhaseConfig) -> int:
+def _exact_steps(cfg: RunConfig, ph: PhaseConfig) -> float:
+    """The (fractional) steps a phase's own tokens or flops buy."""
     if ph.flops is not None:
-        return int(round(ph.flops / step_flops(cfg, ph)))
-    return int(round(ph.tokens / step_tokens(cfg, ph)))
+        return ph.flops / step_flops(cfg, ph)
+    return ph.tokens / step_tokens(cfg, ph)
+
+
+def _absolute_steps(cfg: RunConfig, ph: PhaseConfig) -> int:
+    return int(round(_exact_steps(cfg, ph)))
 
 
 def _set_steps(ph: PhaseConfig, i: int, n: int) -> None:
@@ -891,7 +896,7 @@ def budget_report(cfg: RunConfig) -> list[str]:
                      + (f", {flops:.4g} FLOPs" if flops is not None else "") + extra)
         start += ph.steps
     attention = ("causal attention counted at half (the kernel skips the masked blocks)"
-                 if cfg.train.flops_attention == "causal-half" else
+                 if causal_attention_halved(cfg) else
                  "causal attention counted in full (dense-mask kernel)")
     lines.append(f"total: {cfg.train.steps} steps, {total_tokens:.4g} tokens"
                  + (f", {total_flops:.4g} FLOPs; {attention}" if count_flops else
