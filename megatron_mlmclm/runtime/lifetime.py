@@ -12,7 +12,8 @@ folder that a restarted run then shared. Now:
   trackers end by themselves once every process holding their pipe is gone.
 - `RunLock`: an flock on `<output_dir>/.mlmclm.lock` held by rank 0 for the run's life; a second
   run pointed at a live run's folder is refused in one line (exit 2) naming the other run, and the
-  lock of a dead run (the kernel drops an flock with its process) is taken over.
+  lock of a dead run (the kernel drops an flock with its process) is taken over; a run that ends
+  cleanly clears its record, so only a dead run's is reported.
 """
 
 from __future__ import annotations
