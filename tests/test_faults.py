@@ -338,3 +338,22 @@ def test_straggler_figures_reach_tensorboard_and_wandb_tags():
              "tokens_per_s": 10.0, "straggler_rank": 1, "straggler_ratio": 1.9}
     tags = scalars(stats)
     assert (tags["faults/straggler_rank"], tags["faults/straggler_ratio"]) == (1, 1.9)
+
+
+def test_a_non_finite_step_names_its_stream_when_the_run_has_several(tmp_path):
+    """Phase 2 reads its own stream (another seq_length): positions restart there, so the message
+    says which stream they are of."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "data": {"mock": True}, "model": {"preset": "tiny", "vocab_size": 1000, "seq_length": 32},
+        "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "warmup_steps": 1,
+                  "decay_steps": 1},
+        "phases": [{"objective": "clm", "share": 0.5},
+                   {"objective": "mlm", "share": 0.5, "seq_length": 64}],
+        "logging": {"tensorboard": False}}))
+    proc = subprocess.run(pretrain_cmd(1) + [str(path), f"output_dir={tmp_path / 'run'}"],
+                          env=faulty_env(tmp_path, "nan rank=0 step=3"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == faults.EXIT_NONFINITE, proc.stderr[-2000:]
+    assert ("at step 3; the batch is samples 0-3 of stream 1 (data.train, seq_length 64)"
+            in proc.stderr)

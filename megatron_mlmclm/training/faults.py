@@ -210,9 +210,11 @@ class NonFiniteRecord:
         self.pending = None
 
 
-def describe_samples(first: int, count: int) -> str:
-    return f"samples {first}-{first + count - 1} of the stream" if count > 1 else \
-        f"sample {first} of the stream"
+def describe_samples(first: int, count: int, stream: str = "the stream") -> str:
+    """`stream` names the sample stream when a run has several (phases with their own data or
+    seq_length, training/phase_plan.py)."""
+    return f"samples {first}-{first + count - 1} of {stream}" if count > 1 else \
+        f"sample {first} of {stream}"
 
 
 class SpikePolicy:

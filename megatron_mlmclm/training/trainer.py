@@ -329,7 +329,8 @@ class Trainer:
             problem = "a gradient is not finite"
         note = self.faults.check_step(
             self.step + 1, problem and f"{problem} ({phase.objective})",
-            describe_samples(self.consumed_samples(), self.cfg.train.global_batch_size),
+            describe_samples(self.consumed_samples(), self.cfg.train.global_batch_size,
+                             self.stream_name(self.step)),
             self.ranks_with_nonfinite_loss() if problem else [], self.cfg.checkpoint.dir)
         if note:
             self.log(note)
@@ -466,6 +467,17 @@ class Trainer:
             set_rotary_base(self.model_chunks, self.cfg.model, phase.rotary_base)
             self.rotary_base = phase.rotary_base
         return phase
+
+    def stream_name(self, step: int) -> str:
+        """How a message names the sample stream of `step`: 'the stream' in a run of one."""
+        plan = self.plan.phase_plan
+        if len(plan.streams) == 1:
+            return "the stream"
+        s = plan.streams[plan.stream(step)]
+        data = ("data.train" if s.data is None and s.temperature is None else
+                f"data.train at temperature {s.temperature:g}" if s.temperature is not None else
+                "the phase's own data")
+        return f"stream {plan.stream(step)} ({data}, seq_length {s.seq_length})"
 
     def consumed_samples(self) -> int:
         """Where in its sample stream the global batch of step `self.step` starts (the samples of
