@@ -3,7 +3,8 @@
 Every check compares against an independent reference run on the same GPU, prints one row of the
 tier's table (check, result, expected) and fails when the result is outside the expected band:
 THD vs dense-mask attention, fusions on vs off, bf16 vs fp32, FP8 vs bf16, TP2 / PP2 vs TP1 (two
-GPUs), kill -9 and resume, then the throughput benchmark. None of it has run on a GPU yet.
+GPUs), kill -9 and resume (also across a phase change of seq_length and RoPE base), the hang
+watchdog under NCCL (two GPUs), then the throughput benchmark. None of it has run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -145,13 +146,22 @@ def test_model_parallel_layouts_match_tp1(record, tmp_path, layout):
                   f"max per-step rel. diff {worst:.2e}", "< 1e-3", worst < 1e-3)
 
 
-def test_kill_and_resume_is_exact(record, tmp_path):
+PHASE_CHANGE = {**RUN, "phases": [
+    {"objective": "mlm", "share": 0.5, "mask_ratio": {"from": 0.3, "to": 0.15}},
+    {"objective": "mlm", "share": 0.5, "mask_ratio": 0.15, "seq_length": 512,
+     "rotary_base": 160000}]}
+
+
+@pytest.mark.parametrize("run_config", [RUN, PHASE_CHANGE], ids=["clm-mlm", "seq-rope-change"])
+def test_kill_and_resume_is_exact(record, tmp_path, run_config):
     """kill -9 after the step-20 checkpoint, restart: every later loss equals an uninterrupted
-    run's (deterministic kernels requested for both)."""
+    run's (deterministic kernels requested for both). seq-rope-change crosses a phase boundary at
+    step 25 that doubles the sequence length (THD at another length) and switches the RoPE base
+    (TE's fused RoPE with rebuilt frequencies): never run on a GPU."""
     env = {**job_env(), "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
            "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(RUN))
+    config.write_text(yaml.safe_dump(run_config))
     args = [sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config),
             "checkpoint.save_interval=10"]
     ref, run = tmp_path / "ref", tmp_path / "run"
@@ -171,8 +181,32 @@ def test_kill_and_resume_is_exact(record, tmp_path):
     want = {m["step"]: m["loss"] for m in read_metrics(ref) if "loss" in m}
     later = [s for s in want if s > 20]
     same = sum(got.get(s) == want[s] for s in later)
-    assert record("kill -9 at step 20 and resume", f"{same}/{len(later)} later losses equal",
-                  "all equal (bitwise)", same == len(later))
+    finite = all(math.isfinite(v) for v in want.values())
+    name = "" if run_config is RUN else " across a seq_length + RoPE change"
+    assert record(f"kill -9 at step 20 and resume{name}", f"{same}/{len(later)} later losses "
+                  "equal", "all equal (bitwise), finite", same == len(later) and finite)
+
+
+@two_gpus
+def test_hung_rank_under_nccl_ends_the_job_with_the_hang_code(record, tmp_path):
+    """The watchdog under NCCL (never run on a GPU): rank 1 hangs at step 5; the rank waiting in
+    the NCCL all-reduce must fire its own watchdog (exit 76) before NCCL's collective timeout, and
+    the job must be gone within the allowance + 60 s."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(RUN))
+    exit_file = tmp_path / "exit_code"
+    env = {**job_env(), "MLMCLM_INJECT_FAULTS": "hang rank=1 step=5",
+           "MLMCLM_EXIT_FILE": str(exit_file)}
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", "-m", "megatron_mlmclm", "pretrain", str(config),
+                           f"output_dir={tmp_path / 'run'}", "train.hang_timeout_s=20"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    took = time.time() - start
+    code = exit_file.read_text().strip() if exit_file.exists() else "none"
+    ok = proc.returncode != 0 and code == "76" and took < 20 + 60 + 60  # + setup
+    assert record("hung rank under NCCL (DP2)", f"exit file {code}, {took:.0f} s",
+                  "76, within allowance + 60 s after setup", ok), proc.stderr[-3000:]
 
 
 def test_throughput_benchmark(record):
