@@ -153,11 +153,11 @@ def test_bf16_stop_signal_and_resume_is_exact(config, tmp_path):
     assert curve(run) == curve(ref)
 
 
-# Measured on this CPU (2026-11, torch 2.13.0, megatron-core 0.16.1): resuming a TP2 bf16
-# checkpoint at TP1 differs from the TP2 run by at most ~2e-3 in the loss over 4 steps (bf16's
+# Measured on this CPU (2026-11-24, torch 2.13.0, megatron-core 0.16.1): resuming a TP2 bf16
+# checkpoint at TP1 differs from the TP2 run by at most 1.3e-4 in the loss over 4 steps (bf16's
 # 8-bit mantissa: partial sums in another order round differently), while a run restarted from
-# random weights differs by nats. The bound keeps a margin of about 5x.
-BF16_LAYOUT_TOLERANCE = 1e-2
+# the initial weights is about 0.07 off at step 5 here. The bound keeps a margin of about 15x.
+BF16_LAYOUT_TOLERANCE = 2e-3
 
 
 @pytest.mark.slow
