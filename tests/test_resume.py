@@ -26,6 +26,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from jobs import job_env, pretrain_cmd, read_metrics, run_pretrain
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.checkpoint import read_trainer_state
@@ -285,3 +286,24 @@ def test_checkpoint_without_fingerprint_resumes_with_a_warning(shard_run):
     consumed, notes = check_resume(ckpt, state, cfg, {"train.global_batch_size": 8})
     assert consumed == 3 * GBS
     assert len(notes) == 1 and notes[0].startswith("warning: ") and "no data fingerprint" in notes[0]
+
+
+def test_checkpoint_of_the_length_dependent_sample_order_is_refused(shard_run):
+    """A checkpoint saved before the order stopped depending on the run's length holds no
+    data.sample_order: resuming it here would read other samples, so it is refused in one line
+    that names the way out; allow_data_change continues in the new order."""
+    path, root = shard_run
+    ckpt = root / "run" / "checkpoints" / "iter_0000003"
+    state = dict(read_trainer_state(ckpt)["trainer"])
+    fp = dict(state["data_fingerprint"])
+    assert fp.pop("data.sample_order") == 2
+    state["data_fingerprint"] = fp
+    cfg = load_config(path)
+    new_fp = dict(fp, **{"data.sample_order": 2})
+    with pytest.raises(UsageError) as e:
+        check_resume(ckpt, state, cfg, new_fp)
+    assert "sample order depended on the run's length" in str(e.value)
+    assert "continue in the new order from sample 12" in str(e.value)
+    cfg.checkpoint.allow_data_change = True
+    consumed, notes = check_resume(ckpt, state, cfg, new_fp)
+    assert consumed == 12 and any("data.sample_order" in n for n in notes)

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from megatron_mlmclm.config import (MaskSchedule, PhaseConfig, RunConfig, phase_rotary_base,
                                     phase_seq_length)
 from megatron_mlmclm.data.dataset import parse_prefixes
+from megatron_mlmclm.data.sample_index import SAMPLE_ORDER
 from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.errors import UsageError
 
@@ -56,7 +57,7 @@ def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
             end = start + ph.steps
             phases.append(phase_description(cfg, ph, start, end))
             start = end
-    return {
+    fp = {
         "data.train": train,
         "data.valid": valid,
         "data.seed": d.seed,
@@ -65,6 +66,12 @@ def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
         "train.global_batch_size": cfg.train.global_batch_size,
         "phases": "[" + ", ".join(phases) + "]",
     }
+    if not d.mock:  # synthetic samples are a function of their index, whatever the order rule
+        fp[ORDER_KEY] = SAMPLE_ORDER
+    return fp
+
+
+ORDER_KEY = "data.sample_order"
 
 
 def phase_description(cfg: RunConfig, ph: PhaseConfig, start: int, end: int) -> str:
@@ -145,7 +152,14 @@ def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict
         return consumed, [f"checkpoint.allow_data_change: {k} was {_show(saved_fp.get(k))}, now "
                           f"{_show(new_fp[k])}" for k in changed] + [
             f"continuing the data stream at sample {consumed} (the checkpoint's consumed_samples)"]
-    k = changed[0]
+    k = ORDER_KEY if ORDER_KEY in changed else changed[0]
+    if k == ORDER_KEY:
+        raise UsageError(
+            f"{ckpt} was saved by a version whose sample order depended on the run's length "
+            f"(sample order {saved_fp.get(k) or 1}, this version reads order {new_fp[k]}); "
+            f"resuming would read other samples: finish the run with the version that started it, "
+            f"set checkpoint.allow_data_change=true to continue in the new order from sample "
+            f"{consumed}, or use a new output_dir")
     also = f" (also changed: {', '.join(changed[1:])})" if len(changed) > 1 else ""
     if k == "phases" and isinstance(saved_fp.get(k), str):
         i = first_changed_phase(saved_fp[k], new_fp[k])
