@@ -89,7 +89,7 @@ def phase_description(cfg: RunConfig, ph: PhaseConfig, start: int, end: int) -> 
     if ph.data is not None:
         text += (f" data temperature {ph.data.temperature:g} over data.train"
                  if ph.data.temperature is not None else
-                 " data " + _show(shard_list(ph.data.train)))
+                 " data " + show_value(shard_list(ph.data.train)))
     return text
 
 
@@ -105,7 +105,7 @@ def first_changed_phase(saved: str, now: str) -> Optional[int]:
     return None
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     """Shards compare by content and weight, not by path: moved or staged data resumes."""
     if isinstance(a, list) and isinstance(b, list):
         return [_content(e) for e in a] == [_content(e) for e in b]
@@ -116,7 +116,7 @@ def _content(entry: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if k != "prefix"}
 
 
-def _show(value) -> str:
+def show_value(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(f"{e['prefix']} (idx {e['idx_bytes']} B, sha256 "
                                f"{e['idx_sha256'][:12]})" for e in value) + "]"
@@ -145,12 +145,12 @@ def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict
     if saved_fp is None:
         return consumed, [f"warning: {ckpt} holds no data fingerprint (saved by an older version); "
                           "resuming without checking the data, batch size and phases against it"]
-    changed = [k for k in new_fp if not _same(saved_fp.get(k), new_fp[k])]
+    changed = [k for k in new_fp if not same_value(saved_fp.get(k), new_fp[k])]
     if not changed:
         return consumed, []
     if cfg.checkpoint.allow_data_change:
-        return consumed, [f"checkpoint.allow_data_change: {k} was {_show(saved_fp.get(k))}, now "
-                          f"{_show(new_fp[k])}" for k in changed] + [
+        return consumed, [f"checkpoint.allow_data_change: {k} was {show_value(saved_fp.get(k))}, now "
+                          f"{show_value(new_fp[k])}" for k in changed] + [
             f"continuing the data stream at sample {consumed} (the checkpoint's consumed_samples)"]
     k = ORDER_KEY if ORDER_KEY in changed else changed[0]
     if k == ORDER_KEY:
@@ -165,7 +165,7 @@ def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict
         i = first_changed_phase(saved_fp[k], new_fp[k])
         also = f" (phases.{i} is the first that changed)" + also
     raise UsageError(
-        f"{ckpt} was saved with {k} = {_show(saved_fp.get(k))} but this run has "
-        f"{_show(new_fp[k])}{also}; resuming would change the training data or masks: restore "
+        f"{ckpt} was saved with {k} = {show_value(saved_fp.get(k))} but this run has "
+        f"{show_value(new_fp[k])}{also}; resuming would change the training data or masks: restore "
         f"{k}, set checkpoint.allow_data_change=true to continue from sample {consumed} anyway, "
         f"or use a new output_dir")
