@@ -240,6 +240,24 @@ def test_kept_checkpoints_are_saved_and_never_pruned(base, tmp_path):
     names = sorted(p.name for p in (out / "checkpoints").glob("iter_*"))
     assert names == [f"iter_{s:07d}" for s in (3, 5, 8, 10, 12)]
 
+    # several exports at once, named by step and tokens (128 a step); a step without a
+    # checkpoint is refused before any export
+    hf = tmp_path / "hf"
+    assert main(["convert", "to-hf", str(out / "checkpoints"), str(hf), "--steps", "4", "8"]) == 2
+    assert not hf.exists()
+    try:
+        assert main(["convert", "to-hf", str(out / "checkpoints"), str(hf), "--steps", "3",
+                     "8"]) == 0
+    finally:  # the conversions verify in a world of one in this process
+        rt.destroy_distributed()
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(key, None)
+    assert sorted(p.name for p in hf.iterdir()) == ["step0000003-tokens384",
+                                                      "step0000008-tokens1.02K"]
+    record = json.loads((hf / "step0000008-tokens1.02K" / "mlmclm_export.json").read_text())
+    assert (record["iteration"], record["pretraining_tokens"], record["lineage"]) == \
+        (8, 1024, "kept")
+
 
 @pytest.mark.parametrize("override,expected", [
     ("checkpoint.keep_steps=[9]", "checkpoint.keep_steps: step 9 is outside this run's steps 1-8"),
