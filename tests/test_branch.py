@@ -18,18 +18,19 @@ import torch
 import yaml
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from jobs import line_tokenizer, train_in_process
 from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.convert.common import read_global_tensors
-from megatron_mlmclm.data.tokenizer import load_tokenizer, token_spec_and_vocab, train_tokenizer
+from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training.branch import check_branch
 from megatron_mlmclm.training.loader import Plan
 from megatron_mlmclm.training.phase_plan import PhasePlan, resolved_phases
 from megatron_mlmclm.training.resume import fingerprint
-from megatron_mlmclm.training.trainer import Trainer, build_datasets
+from megatron_mlmclm.training.trainer import build_datasets
 
 GBS = 4
 CLM_THEN_MLM = [{"objective": "clm", "steps": 3}, {"objective": "mlm"}]  # MLM takes the rest
@@ -49,11 +50,7 @@ def base(tmp_path_factory):
     """A config over a blend of two shards of ~40 samples of 32 tokens per epoch: an 8-step run
     reads most of one epoch, a 14-step run goes into a second."""
     root = tmp_path_factory.mktemp("branch")
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"line {i} of a small corpus, word {i * 7}"})
-                              + "\n" for i in range(200)))
-    tok = train_tokenizer([str(corpus)], root / "tok", 300, progress=False)
-    vocab = len(load_tokenizer(tok))
+    tok, vocab = line_tokenizer(root)
     write_shard(root / "a", vocab, 1, 40)
     write_shard(root / "b", vocab, 2, 15)
     cfg = {"model": {"preset": "tiny", "seq_length": 32},
@@ -70,15 +67,7 @@ def base(tmp_path_factory):
 
 
 def train(config, overrides, stop_at=None):
-    trainer = Trainer(load_config(config, overrides), stop_at=stop_at)
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        trainer.close()
-        rt.destroy_distributed()
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # set for the world of one
-            os.environ.pop(key, None)
+    train_in_process(config, overrides, stop_at=stop_at)
 
 
 def losses(run) -> dict[int, float]:

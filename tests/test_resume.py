@@ -9,7 +9,6 @@ checkpoint.allow_data_change, which continues from the saved consumed_samples.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -23,11 +22,10 @@ import torch
 import yaml
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from jobs import job_env, pretrain_cmd, read_metrics, run_pretrain
+from jobs import job_env, line_tokenizer, pretrain_cmd, read_metrics, run_pretrain
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.training.resume import check_resume
@@ -160,11 +158,7 @@ def write_shard(prefix, vocab, seed):
 def shard_run(tmp_path_factory):
     """(config path, folder): a 3-step MLM run on shard `a`, checkpointed at every step."""
     root = tmp_path_factory.mktemp("shard_run")
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"line {i} of a small corpus, word {i * 7}"})
-                              + "\n" for i in range(200)))
-    tok = train_tokenizer([str(corpus)], root / "tok", 300, progress=False)
-    vocab = len(load_tokenizer(tok))
+    tok, vocab = line_tokenizer(root)
     write_shard(root / "a", vocab, seed=1)
     write_shard(root / "b", vocab, seed=2)
     cfg = {"output_dir": str(root / "run"), "model": {"preset": "tiny", "seq_length": 32},

@@ -7,8 +7,9 @@ kept (convert/).
     mlmclm convert from-megatron-lm CKPT OUT --tokenizer DIR [--force] [--seed N]
 
 CKPT is a run's checkpoints folder (its latest complete checkpoint) or one iter_NNNNNNN folder,
-saved at any TP/PP layout. With --all (every complete checkpoint of the folder) or --steps, OUT is a
-folder of exports named OUT/step<N>-tokens<T> (a run's kept checkpoints: learning curves). Bad input exits with status 2 and one line; nothing partial is left.
+saved at any TP/PP layout. With --all (every complete checkpoint of the folder) or --steps, OUT is
+a folder of exports named OUT/step<N>-tokens<T> (a run's kept checkpoints: learning curves). Bad
+input exits with status 2 and one line; nothing partial is left.
 """
 
 from __future__ import annotations

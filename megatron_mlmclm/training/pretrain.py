@@ -16,9 +16,9 @@ from megatron_mlmclm.training.trainer import Trainer
 
 
 def pretrain(cfg: RunConfig, stop_at: Optional[int] = None) -> int:
-    """0 when the run finished (or reached `stop_at`, with a checkpoint there); EXIT_PREEMPTED when a stop signal saved it; EXIT_NONFINITE /
-    EXIT_NONFINITE_PERSISTENT for a non-finite step (training/faults.py). A hung rank exits
-    EXIT_HANG from its watchdog thread."""
+    """0 when the run finished (or reached `stop_at`, with a checkpoint there); EXIT_PREEMPTED
+    when a stop signal saved it; EXIT_NONFINITE / EXIT_NONFINITE_PERSISTENT for a non-finite
+    step (training/faults.py). A hung rank exits EXIT_HANG from its watchdog thread."""
     # Nothing of a run outlives its launcher (runtime/lifetime.py).
     if under_torchrun():
         die_with_parent()
