@@ -2,10 +2,10 @@
 
 For each preset x sequence length x objective x precision, in one process:
 - ours: `Trainer.train_step(phase)` (megatron-core EncoderLM, megatron DDP + optimizer, packed mock
-  samples with per-document attention). Attention core: Transformer Engine's spec when TE imports
-  (bf16, and FP8 rows), else --attention: `sdpa` (SDPAttention, dense [b,1,s,s] document mask) or
-  `flex` (FlexDocumentAttention: block-sparse document masking; CUDA only, torch has no
-  FlexAttention backward on CPU). Default: flex on CUDA, sdpa on CPU.
+  samples with per-document attention). Attention core (`model.attention`): Transformer Engine's
+  packed THD path when TE imports (bf16, and FP8 rows), else --attention: `sdpa` (SDPAttention,
+  dense [b,1,s,s] document mask) or `flex` (FlexDocumentAttention: block-sparse document masking;
+  CUDA only, torch has no FlexAttention backward on CPU). Default: flex on CUDA, sdpa on CPU.
 - hf (MLM rows): EuroBertForMaskedLM(attn_implementation="sdpa") under torch.compile, fused AdamW,
   bf16 autocast on GPU, the same masked inputs (megatron_mlmclm.objectives.mlm_mask on the same
   samples), cross-entropy over full logits, padding-free batch with attention_mask all ones (HF's
@@ -76,21 +76,9 @@ def build_ours(args, preset: str, seq: int, objective: str, precision: str, fp8,
         overrides.append(f"phases.0.mask_ratio={args.mask_ratio}")
     if fp8:
         overrides.append(f"train.fp8={fp8}")
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, overrides + [f"model.attention={attention}"])
     trainer = Trainer(cfg)
     trainer.setup()
-    if attention == "flex":
-        from megatron_mlmclm.model.attention import (DocumentMasks, FlexDocumentAttention,
-                                                     SDPAttention)
-
-        for chunk in trainer.model_chunks:
-            masks = DocumentMasks()  # one block mask per micro-batch, shared by the layers
-            for layer in chunk.decoder.layers:
-                old = layer.self_attention.core_attention
-                assert isinstance(old, SDPAttention), "flex replaces the local spec's SDPAttention"
-                # Core attention has no parameters: swapping it after setup changes nothing else.
-                layer.self_attention.core_attention = FlexDocumentAttention(
-                    old.config, layer.layer_number, old.attn_mask_type, "self", masks=masks)
     return trainer, cfg, mb
 
 
@@ -229,8 +217,8 @@ def main() -> None:
 
 def run_row(args, preset, seq, objective, precision, fp8, attention, peak, train_step_flops,
             mlm_mask, IGNORE) -> dict:
-    trainer, cfg, mb = build_ours(args, preset, seq, objective,
-                                  precision, fp8, "flex" if attention == "flex" else "sdpa")
+    trainer, cfg, mb = build_ours(args, preset, seq, objective, precision, fp8,
+                                  {"te": "auto"}.get(attention, attention))
     phase, spec, seed = cfg.phases[0], trainer.spec, cfg.data.seed
     labelled = []
 
@@ -248,7 +236,7 @@ def run_row(args, preset, seq, objective, precision, fp8, attention, peak, train
 
         def step_hf(r):
             idx = list(range(r * mb, (r + 1) * mb))
-            samples = [trainer.train_ds[i] for i in idx]
+            samples = [trainer.train_ds[0][i] for i in idx]  # the run's one sample stream
             pairs = [mlm_mask(s["tokens"][:-1].astype(np.int64), i, seed, phase.mask_ratio, spec,
                               phase.mask_replace) for s, i in zip(samples, idx)]
             inputs = torch.from_numpy(np.stack([q[0] for q in pairs])).to(dev, non_blocking=True)

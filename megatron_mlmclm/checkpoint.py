@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
 from megatron_mlmclm.errors import UsageError
@@ -42,6 +43,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+EXTRA_STATE = "_extra_state"  # a module's non-tensor state (TE: FP8 metadata) in a checkpoint
 
 
 def iter_name(iteration: int) -> str:
@@ -170,30 +172,40 @@ def latest_verified_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
     return None
 
 
+def model_keys(chunks: list[torch.nn.Module]) -> list[str]:
+    """Where each model chunk lives in a checkpoint: `model`, or `model0`, `model1`... (VPP)."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict[str, Any]:
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    return {key: c.sharded_state_dict() for key, c in zip(model_keys(chunks), chunks)}
 
 
 def _rng_state() -> ShardedObject:
-    """Per-rank RNG state, stored under the (pp, tp, dp) coordinates of the rank."""
+    """Per-rank RNG state, stored under the (pp, tp, [cp,] dp) coordinates of the rank: every
+    rank writes its own shard (context-parallel ranks share pp, tp and dp, so CP is a coordinate
+    of its own when CP > 1; without it their shards would collide at the first save)."""
     state = {"torch": torch.get_rng_state(),
              "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    pp, tp, dp = (parallel_state.get_pipeline_model_parallel_rank(),
-                  parallel_state.get_tensor_model_parallel_rank(),
-                  parallel_state.get_data_parallel_rank())
-    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
-             parallel_state.get_tensor_model_parallel_world_size(),
-             parallel_state.get_data_parallel_world_size())
-    return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
+    ps = parallel_state
+    coords = [(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+              (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())]
+    if ps.get_context_parallel_world_size() > 1:
+        coords.append((ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()))
+    coords.append((ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
+    return ShardedObject("rng_state", state, tuple(n for _, n in coords),
+                         tuple(r for r, _ in coords), replica_id=0)
 
 
 def layout() -> dict[str, int]:
-    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size(),
-            "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 0}
+    out = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+           "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+           "dp": parallel_state.get_data_parallel_world_size(),
+           "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 0}
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:  # absent at CP 1, as in checkpoints written before CP
+        out["cp"] = cp
+    return out
 
 
 def save_checkpoint(ckpt_dir: str | Path, iteration: int, chunks, optimizer, scheduler,
@@ -260,12 +272,49 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     return common
 
 
+def load_weights(ckpt: Path, chunks, optimizer) -> dict[str, Any]:
+    """The weights of `ckpt` (no optimizer state, schedule or RNG) into model chunks whose
+    optimizer is already built: how continued pretraining starts (train.init_from). Returns the
+    checkpoint's trainer state.
+
+    megatron's mixed-precision optimizers (bf16: Float16OptimizerWithFloat16Params, the
+    distributed optimizer) keep fp32 main copies of the weights, taken when they were built, and
+    every step writes those back over the model. Loading only the model would let the first step
+    restore the initial weights; the main copies are refreshed from what was loaded
+    (`reload_model_params`, which Megatron-LM calls after a --finetune load) and then checked.
+    Every caller that puts weights into a trained model goes through here.
+    """
+    state = load_checkpoint(ckpt, chunks, optimizer=None, scheduler=None, load_rng=False)
+    if optimizer is not None:
+        optimizer.reload_model_params()
+        stale = stale_main_params(optimizer)
+        if stale:
+            raise RuntimeError(f"after loading {ckpt}, {stale} of the optimizer's main parameter "
+                               "copies still differ from the model's weights")
+    return state
+
+
+def stale_main_params(optimizer) -> int:
+    """How many of a mixed-precision optimizer's fp32 main copies differ from their model
+    parameter (compared in the model's dtype); 0 for an fp32 optimizer, which has none."""
+    stale = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        pairs = getattr(opt, "_get_model_and_main_params_data_float16", None)
+        if pairs is None:
+            continue
+        for model, main in zip(*pairs()):
+            if main is not None and not torch.equal(main.to(model.dtype), model):
+                stale += 1
+    return stale
+
+
 def load_checkpoint(ckpt: Path, chunks, optimizer=None, scheduler=None,
                     load_rng: bool = True) -> dict[str, Any]:
     """Load into model chunks (and optimizer/scheduler when given). Returns the trainer state.
 
-    With optimizer=None only the weights are read (continued pretraining: fresh optimizer and
-    schedule). RNG states are restored only when the parallel layout is unchanged.
+    With optimizer=None only the weights are read: converters use that; a model with a built
+    optimizer takes weights through `load_weights`. RNG states are restored only when the
+    parallel layout is unchanged.
     """
     common = read_trainer_state(ckpt)
     saved_layout = common["trainer"].get("layout", {})
@@ -277,15 +326,26 @@ def load_checkpoint(ckpt: Path, chunks, optimizer=None, scheduler=None,
     if load_rng and same_layout:
         state["rng_state"] = _rng_state()
     try:
-        loaded = dist_checkpointing.load(state, str(ckpt))
+        # Keys asked for but not in the checkpoint come back instead of failing inside the
+        # storage reader: a module's `_extra_state` may be absent (Transformer Engine's layers
+        # keep FP8 metadata there, which a checkpoint written with the local CPU spec or by an
+        # importer does not have: they start fresh, as in a new run); anything else is an error.
+        loaded, _, absent = dist_checkpointing.load(state, str(ckpt),
+                                                    strict=StrictHandling.RETURN_UNEXPECTED)
     except (Exception, CheckpointException) as e:  # corrupt or partial shards: one clear line
         raise UsageError(f"cannot load checkpoint {ckpt}: {type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''}") from e
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(loaded["model"], strict=True)
-    else:
-        for i, c in enumerate(chunks):
-            c.load_state_dict(loaded[f"model{i}"], strict=True)
+    absent = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
+    if absent:
+        more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+        raise UsageError(f"cannot load checkpoint {ckpt}: it has no {absent[0]}{more}; it was "
+                         "written for another model or optimizer (check model.* and "
+                         "parallel.use_distributed_optimizer against its config.yaml)")
+    for chunk, key in zip(chunks, model_keys(chunks)):
+        missing, unexpected = chunk.load_state_dict(loaded[key], strict=False)
+        wrong = unexpected + [k for k in missing if not k.endswith(EXTRA_STATE)]
+        if wrong:
+            raise UsageError(f"cannot load checkpoint {ckpt}: {wrong[0]} does not fit the model")
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None and loaded.get("scheduler") is not None:

@@ -59,8 +59,10 @@ class ModelConfig:
     init_method_std: float = 0.02
     qk_layernorm: bool = False  # Qwen3-style q/k RMSNorm
     tie_embeddings: bool = False  # the study unties input and output embeddings
-    # Core attention: auto = Transformer Engine (packed THD on GPU) when it imports, else SDPA with
-    # a dense document mask; flex = FlexAttention document masking (CUDA only for training).
+    # Core attention (model/kernels.py): auto = Transformer Engine on packed THD sequences on a
+    # GPU with TE (bf16), else SDPA with a dense document mask; sdpa; flex = FlexAttention document
+    # masking (CUDA only for training); thd = packed THD sequences everywhere (TE's kernel on a
+    # GPU, a pure-torch stand-in elsewhere: what the CPU suite runs the GPU path with).
     attention: str = "auto"
     # Fused kernels on CUDA (model/kernels.py): auto = Megatron-LM's defaults where the kernel is
     # present; off = none (a debugging switch). CPU runs use none either way.
@@ -129,6 +131,9 @@ class DataConfig:
     seed: int = 1234
     cache_dir: Optional[str] = None  # sample-index cache; default: <first prefix dir>/cache
     mock: bool = False  # synthetic tokens, no files needed (smoke tests)
+    # What synthetic text (data/mock.py): uniform tokens (nothing to learn) or a Markov chain a
+    # model can learn far below the unigram floor (tests and the GPU tier).
+    mock_kind: str = "uniform"
     # Who builds the training micro-batches (docs/data.md): sync (in the step), workers (torch
     # DataLoader processes, steps ahead) or dali (an NVIDIA DALI pipeline; needs the dali extra).
     loader: str = "workers"
@@ -488,6 +493,8 @@ LOADERS = ("sync", "workers", "dali")
 
 
 def validate_loader(d: DataConfig) -> None:
+    if d.mock_kind not in ("uniform", "markov"):
+        raise UsageError(f"data.mock_kind '{d.mock_kind}' must be uniform or markov")
     if d.loader not in LOADERS:
         raise UsageError(f"data.loader '{d.loader}' must be one of {', '.join(LOADERS)}")
     if d.num_workers < 1:
@@ -541,8 +548,8 @@ def validate_model(m: ModelConfig, p: ParallelConfig) -> None:
     if m.ffn_hidden_size % tp:
         raise UsageError(f"parallel.tensor_model_parallel_size ({tp}) must divide "
                          f"model.ffn_hidden_size ({m.ffn_hidden_size})")
-    if m.attention not in ("auto", "sdpa", "flex"):
-        raise UsageError(f"model.attention '{m.attention}' must be auto, sdpa or flex")
+    if m.attention not in ("auto", "sdpa", "flex", "thd"):
+        raise UsageError(f"model.attention '{m.attention}' must be auto, sdpa, flex or thd")
     if m.fusions not in ("auto", "off"):
         raise UsageError(f"model.fusions '{m.fusions}' must be auto or off")
     if m.rotary_base <= 0 or m.norm_epsilon <= 0 or m.init_method_std <= 0:
@@ -719,7 +726,9 @@ def causal_attention_halved(cfg: RunConfig) -> bool:
             device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.model.attention == "flex":  # block masks skip what they mask
         return True
-    if device == "cpu" or cfg.model.attention == "sdpa":
+    # TE's layers (which skip masked blocks) only on a GPU, in bf16; otherwise SDPA's dense mask
+    # or the THD stand-in, which compute every block.
+    if device == "cpu" or cfg.model.attention == "sdpa" or cfg.train.precision == "fp32":
         return False
     import importlib.util
     return importlib.util.find_spec("transformer_engine") is not None

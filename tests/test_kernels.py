@@ -3,6 +3,8 @@ really uses it. Each test pins one decision, so reverting it fails here."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -31,8 +33,11 @@ def test_cpu_plan_is_todays_cpu_path_everything_off():
     got = on(plan)
     assert all(got[f] is False for f in FUSIONS)
     assert got["overlap_grad_reduce"] is False and got["overlap_param_gather"] is False
-    assert got["use_cpu_initialization"] is True and got["attention"] == "sdpa"
-    assert plan.transformer_kwargs()["batch_p2p_comm"] is False
+    assert got["initialization"] == "global" and got["attention"] == "sdpa"
+    assert got["pipeline_p2p"] == "none"  # PP = 1
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in got and "tf32" not in got
+    assert on(plan_kernels(cfg("model.attention=thd"), "cpu", EVERYTHING))["attention"] == \
+        "thd-reference"
 
 
 def test_cuda_plan_is_megatron_lms_defaults_where_the_kernels_are_present():
@@ -42,7 +47,7 @@ def test_cuda_plan_is_megatron_lms_defaults_where_the_kernels_are_present():
         assert got[f] is True, f
     assert got["cross_entropy_loss_fusion"] is False  # opt-in in Megatron-LM
     assert got["overlap_grad_reduce"] is True and got["overlap_param_gather"] is True
-    assert got["attention"] == "te-thd" and got["use_cpu_initialization"] is True
+    assert got["attention"] == "te-thd" and got["initialization"] == "global"
 
 
 def test_cuda_plan_never_asks_for_a_missing_kernel():
@@ -73,24 +78,94 @@ def test_fusions_off_and_overlap_rules():
         cfg("parallel.overlap_param_gather=true")
 
 
-def test_te_thd_at_every_pipeline_layout_and_a_dense_mask_only_in_fp32():
+def test_te_thd_at_every_pipeline_layout_and_fp32_leaves_transformer_engine():
     for layout in (["parallel.pipeline_model_parallel_size=2"],
                    ["parallel.pipeline_model_parallel_size=2",
                     "parallel.virtual_pipeline_model_parallel_size=1"]):
         assert on(plan_kernels(cfg(*layout), "cuda", EVERYTHING))["attention"] == "te-thd"
-    fp32 = on(plan_kernels(cfg("train.precision=fp32"), "cuda", EVERYTHING))
-    assert fp32["attention"] == "te-dense"  # TE's unfused (fp32) attention has no THD
+    # TE runs fp32 GEMMs in TF32: an fp32 run takes the local layers, with TF32 off.
+    fp32 = plan_kernels(cfg("train.precision=fp32"), "cuda", EVERYTHING)
+    assert on(fp32)["attention"] == "sdpa" and "TF32" in fp32.attention_why
+    assert fp32.tf32 is False and on(fp32)["tf32"] == "off"
+    assert plan_kernels(cfg(), "cuda", EVERYTHING).tf32 is None  # bf16: torch's default
+    thd32 = plan_kernels(cfg("train.precision=fp32", "model.attention=thd"), "cuda", EVERYTHING)
+    assert thd32.attention == "thd-reference"
+
+
+def test_pipeline_p2p_and_aligned_gather_follow_megatron_lm():
+    """Batched p2p only without virtual stages (with PP = 2 and VPP both neighbours are one rank
+    and equal-shaped batched sends pair up in posting order); aligned parameter gathers only with
+    virtual stages, where the interleaved schedule issues them."""
+    pp2 = ["parallel.pipeline_model_parallel_size=2"]
+    vpp = pp2 + ["parallel.virtual_pipeline_model_parallel_size=1"]
+    dist = ["parallel.use_distributed_optimizer=true"]
+    for device in ("cuda", "cpu"):  # the CPU runs the GPU's choice
+        plain = plan_kernels(cfg(*pp2, *dist), device, EVERYTHING)
+        kw = plain.transformer_kwargs()
+        assert plain.p2p == "batched" and kw["batch_p2p_comm"] and not kw["overlap_p2p_comm"]
+        inter = plan_kernels(cfg(*vpp, *dist), device, EVERYTHING)
+        kw = inter.transformer_kwargs()
+        assert inter.p2p == "overlapped" and not kw["batch_p2p_comm"] and kw["overlap_p2p_comm"]
+        assert "PP > 2" in inter.p2p_why
+    gpu = plan_kernels(cfg(*pp2, *dist), "cuda", EVERYTHING)
+    assert gpu.overlap_param_gather.on and not gpu.align_param_gather.on
+    assert "pre-hooks" in gpu.align_param_gather.why
+    gpu_vpp = plan_kernels(cfg(*vpp, *dist), "cuda", EVERYTHING)
+    assert gpu_vpp.overlap_param_gather.on and gpu_vpp.align_param_gather.on
+    report = gpu_vpp.report()
+    assert "pipeline_p2p" in report and "align_param_gather" in report
+
+
+def test_process_settings_are_planned_and_applied(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP on a GPU (Megatron-LM asserts it), set before
+    CUDA starts and never over a value the user exported; TF32 off for fp32."""
+    import torch
+
+    tp2 = plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cuda", EVERYTHING)
+    assert tp2.cuda_device_max_connections == "1"
+    assert plan_kernels(cfg(), "cuda", EVERYTHING).cuda_device_max_connections is None
+    assert plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cpu",
+                        EVERYTHING).cuda_device_max_connections is None
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    tp2.apply_to_process()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    tp2.apply_to_process()
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"  # the user's choice stays
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        plan_kernels(cfg("train.precision=fp32"), "cuda", EVERYTHING).apply_to_process()
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_fp8_padding_follows_the_recipe_and_fp8_needs_te_layers():
+    for recipe, multiple in (("delayed", 16), ("current", 16), ("mxfp8", 32)):
+        plan = plan_kernels(cfg(f"train.fp8={recipe}"), "cuda", EVERYTHING)
+        assert plan.thd_token_multiple == multiple, recipe
+    sp = plan_kernels(cfg("train.fp8=mxfp8", "parallel.tensor_model_parallel_size=2"), "cuda",
+                      EVERYTHING)
+    assert sp.sequence_parallel.on and sp.thd_token_multiple == 32
+    assert plan_kernels(cfg("parallel.tensor_model_parallel_size=4", "model.num_query_groups=4",
+                            "model.attention=thd"), "cpu", NOTHING).thd_token_multiple == 1
+    for extra, kernels, says in [([], NOTHING, "needs Transformer Engine, which is not installed"),
+                                 (["model.attention=sdpa"], EVERYTHING, "attention is sdpa"),
+                                 (["model.attention=flex"], EVERYTHING, "attention is flex")]:
+        with pytest.raises(UsageError, match=says):
+            plan_kernels(cfg("train.fp8=delayed", *extra), "cuda", kernels)
 
 
 def test_transformer_config_takes_its_fields_from_the_plan():
-    c = cfg("parallel.use_distributed_optimizer=true")
+    c = cfg("parallel.use_distributed_optimizer=true", "parallel.pipeline_model_parallel_size=2")
     tc = transformer_config(c, plan_kernels(c, "cuda", Kernels()))
     assert tc.bias_activation_fusion and tc.bias_dropout_fusion and tc.batch_p2p_comm
     assert not tc.apply_rope_fusion and not tc.gradient_accumulation_fusion
-    # One set of initial weights for every TP/PP layout on GPU too: built on the CPU, sliced.
-    assert tc.use_cpu_initialization
+    # megatron's own init runs (it marks TP weights), then model/init.py redraws every weight.
+    assert tc.perform_initialization and not tc.use_cpu_initialization
     tc_cpu = transformer_config(c)  # this machine: CPU
-    assert not tc_cpu.bias_activation_fusion and tc_cpu.use_cpu_initialization
+    assert not tc_cpu.bias_activation_fusion and tc_cpu.batch_p2p_comm
 
 
 def test_runtime_device_cuda_without_a_gpu_plans_but_does_not_run(tmp_path, capsys):

@@ -265,13 +265,17 @@ class VarlenReferenceAttention(SDPAttention):
         return torch.cat(outs)  # [t, heads, d]; megatron reshapes to [t, 1, h]
 
 
+@pytest.mark.parametrize("core", ["reference", "product"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_thd_through_the_model_matches_dense_mask(model, causal):
-    """flatten_for_thd + megatron's THD handling (per-sequence RoPE restart) == dense masking.
+def test_thd_through_the_model_matches_dense_mask(model, causal, core):
+    """flatten_for_thd + megatron's THD handling (per-sequence RoPE restart) == dense masking,
+    forward and backward, with this file's per-sequence reference core and with the product's
+    stand-in for TE's kernel (model/attention.py THDReferenceAttention: the CPU's THD path).
 
     RoPE restarts at each cu_seqlens boundary in THD but runs over the whole sample with the
     dense mask; attention never crosses a document and RoPE is relative, so the two agree.
     """
+    from megatron_mlmclm.model.attention import THDReferenceAttention
     from megatron_mlmclm.model.packed import set_attention_mask_type
 
     b, s = 2, 160
@@ -284,18 +288,28 @@ def test_thd_through_the_model_matches_dense_mask(model, causal):
              "attention_mask": document_attention_mask(docs, causal)}
     thd = flatten_for_thd(batch, docs)
     kind = AttnMaskType.causal if causal else AttnMaskType.no_mask
+    thd_core = VarlenReferenceAttention if core == "reference" else THDReferenceAttention
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out
+
     try:
-        with torch.no_grad():
-            swap_core_attention(model, SDPAttention)
-            ref_logits = model(tokens, batch["position_ids"], batch["attention_mask"])
-            ref_loss, _ = model(tokens, batch["position_ids"], batch["attention_mask"],
-                                labels=labels, loss_mask=loss_mask)
-            swap_core_attention(model, VarlenReferenceAttention)
-            set_attention_mask_type([model], kind)
-            logits = model(thd["tokens"], thd["position_ids"], None,
-                           packed_seq_params=thd["packed_seq_params"])
-            loss, _ = model(thd["tokens"], thd["position_ids"], None, labels=thd["labels"],
-                            loss_mask=thd["loss_mask"], packed_seq_params=thd["packed_seq_params"])
+        swap_core_attention(model, SDPAttention)
+        ref_logits = model(tokens, batch["position_ids"], batch["attention_mask"]).detach()
+        ref_loss, _ = model(tokens, batch["position_ids"], batch["attention_mask"],
+                            labels=labels, loss_mask=loss_mask)
+        ref_loss.sum().backward()
+        ref_grads = grads()
+        swap_core_attention(model, thd_core)
+        set_attention_mask_type([model], kind)
+        logits = model(thd["tokens"], thd["position_ids"], None,
+                       packed_seq_params=thd["packed_seq_params"]).detach()
+        loss, _ = model(thd["tokens"], thd["position_ids"], None, labels=thd["labels"],
+                        loss_mask=thd["loss_mask"], packed_seq_params=thd["packed_seq_params"])
+        loss.sum().backward()
+        thd_grads = grads()
     finally:
         set_attention_mask_type([model], AttnMaskType.arbitrary)
         swap_core_attention(model, SDPAttention)
@@ -304,8 +318,76 @@ def test_thd_through_the_model_matches_dense_mask(model, causal):
     order = torch.arange(b * s).view(b, s).t()[loss_mask.t().bool()]
     flat_keep = loss_mask.view(-1).bool()
     thd_by_flat = torch.full((b * s,), float("nan"))
-    thd_by_flat[flat_keep] = loss
-    torch.testing.assert_close(thd_by_flat[order], ref_loss, rtol=1e-5, atol=1e-5)
+    thd_by_flat[flat_keep] = loss.detach()
+    torch.testing.assert_close(thd_by_flat[order], ref_loss.detach(), rtol=1e-5, atol=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(thd_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_thd_stand_in_leaves_padding_out(causal):
+    """THDReferenceAttention with cu_seqlens_padded (what the CP split hands TE): the real tokens
+    get what the per-sequence reference gives the unpadded stream, pad tokens attend to nothing
+    real and output zero, and nothing real attends to a pad."""
+    from megatron_mlmclm.model.attention import THDReferenceAttention
+    from megatron_mlmclm.model.packed import pad_sequences
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    config = attention_config()
+    ref = VarlenReferenceAttention(config, 1, AttnMaskType.no_mask, "self")
+    core = THDReferenceAttention(config, 1, AttnMaskType.no_mask, "self")
+    kind = AttnMaskType.causal if causal else AttnMaskType.no_mask
+    gen = torch.Generator().manual_seed(4)
+    docs = random_docs(2, 37, seed=5, mean=9)
+    flat = flatten_for_thd({"tokens": torch.zeros(2, 37, dtype=torch.long),
+                            "labels": torch.zeros(2, 37, dtype=torch.long),
+                            "loss_mask": torch.ones(2, 37), "position_ids": torch.zeros(2, 37,
+                                                                             dtype=torch.long)},
+                           docs)
+    cu = flat["packed_seq_params"].cu_seqlens_q
+    q, k, v = (torch.randn(74, n, 16, generator=gen) for n in (4, 2, 2))
+    want = ref(q, k, v, None, attn_mask_type=kind, packed_seq_params=flat["packed_seq_params"])
+    _, cu_padded = pad_sequences({"tokens": flat["tokens"]}, cu, 8)
+    total = int(cu_padded[-1])
+    real = torch.zeros(total, dtype=torch.bool)
+    for a, n in zip(cu_padded[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()):
+        real[a:a + n] = True
+    # Pads hold large random values: any pad a real token attended to would show.
+    qp, kp, vp = (100 * torch.randn(total, x.size(1), 16, generator=gen) for x in (q, k, v))
+    for padded_x, x in ((qp, q), (kp, k), (vp, v)):
+        padded_x[real] = x
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
+    got = core(qp, kp, vp, None, attn_mask_type=kind, packed_seq_params=params)
+    torch.testing.assert_close(got[real], want.reshape(74, -1), rtol=1e-5, atol=1e-5)
+    assert (got[~real] == 0).all() and (~real).any()
+
+
+def test_batch_builders_create_tensors_on_the_input_device():
+    """Every tensor the THD / CP batch builders create follows the input's device: run them on
+    CPU inputs while torch's default device is `meta`, so a factory call without a device (e.g. a
+    bare torch.arange, which would stay on the CPU while a GPU batch's tensors are on CUDA)
+    makes a meta tensor, and mixing it with the CPU inputs fails."""
+    from megatron_mlmclm.config import PhaseConfig
+    from megatron_mlmclm.model.packed import split_for_context_parallel
+    from megatron_mlmclm.objectives import to_device
+
+    docs = random_docs(2, 48, seed=1, mean=10)
+    host = {"tokens": torch.randint(4, 99, (2, 48)), "labels": torch.randint(4, 99, (2, 48)),
+            "loss_mask": torch.ones(2, 48), "position_ids": torch.arange(48).expand(2, 48),
+            "document_ids": docs}
+    with torch.device("meta"):
+        for objective in ("clm", "mlm"):
+            dense = to_device(dict(host), PhaseConfig(objective), dense_mask=True)
+            flat = flatten_for_thd(dense, docs, 16)
+            parts = [split_for_context_parallel(flat, 2, rank, 8) for rank in range(2)]
+    for batch in [dense, flat] + parts:
+        for key, value in batch.items():
+            tensors = ([value] if isinstance(value, torch.Tensor) else
+                       [getattr(value, f) for f in ("cu_seqlens_q", "cu_seqlens_kv",
+                                                     "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+                        if isinstance(getattr(value, f, None), torch.Tensor)])
+            assert all(t.device.type == "cpu" for t in tensors), key
 
 
 # ------------------------------------------------------------------- FP8 padding of THD streams
@@ -386,8 +468,7 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
 
     t = trainer_module.Trainer(cfg)  # only the batch path: no process groups, no model
     t.kernels, t.model_chunks, t.loader = plan, [], None  # CP = 1: no split
-    t.thd = t.kernels.attention == "te-thd"
-    t.thd_multiple = trainer_module.FP8_TOKEN_MULTIPLE
+    t.thd = t.kernels.thd
     spec = token_spec_and_vocab(cfg)
     t.plan = Plan(tuple(cfg.phases), spec, cfg.data.seed, 1, 4, 2, 1, 0, 0)
     monkeypatch.setattr(trainer_module.rt, "device", lambda: torch.device("cpu"))
@@ -470,7 +551,7 @@ def test_context_parallel_split_on_random_layouts(cp):
         assert sorted(shares) == list(range(int(cu_padded[-1])))
 
 
-def test_context_parallel_is_accepted_only_with_te_thd(capsys, tmp_path):
+def test_context_parallel_is_accepted_only_on_packed_thd_sequences(capsys, tmp_path):
     from megatron_mlmclm.cli import main
     from megatron_mlmclm.config import load_config
     from megatron_mlmclm.errors import UsageError
@@ -481,14 +562,21 @@ def test_context_parallel_is_accepted_only_with_te_thd(capsys, tmp_path):
     plan = plan_kernels(cfg, "cuda", Kernels(te_version=(2, 8, 0)))
     kw = plan.transformer_kwargs()
     assert (kw["context_parallel_size"], kw["cp_comm_type"]) == (2, "p2p")
+    assert plan.cp_sequence_multiple == 4
+    sp = plan_kernels(load_config(None, base + ["parallel.tensor_model_parallel_size=2"]), "cuda",
+                      Kernels(te_version=(2, 8, 0)))
+    assert sp.sequence_parallel.on and sp.cp_sequence_multiple == 8  # 2 x CP x TP
+    cpu = plan_kernels(load_config(None, base + ["model.attention=thd"]), "cpu", Kernels())
+    assert cpu.attention == "thd-reference" and cpu.context_parallel.on
     for device, kernels, extra in [("cpu", Kernels(te_version=(2, 8, 0)), []),
                                    ("cuda", Kernels(), []),
+                                   ("cuda", Kernels(te_version=(2, 8, 0)), ["model.attention=sdpa"]),
                                    ("cuda", Kernels(te_version=(2, 8, 0)), ["train.precision=fp32"])]:
-        with pytest.raises(UsageError, match="context_parallel_size=2 needs Transformer Engine"):
+        with pytest.raises(UsageError, match="context_parallel_size=2 needs packed THD attention"):
             plan_kernels(load_config(None, base + extra), device, kernels)
     with pytest.raises(UsageError, match="train.fp8=delayed with parallel.context_parallel_size"):
         load_config(None, base + ["train.fp8=delayed"])
     run = tmp_path / "run"
-    assert main(["pretrain", *base, f"output_dir={run}"]) == 2  # this CPU machine
-    assert "needs Transformer Engine's packed THD" in capsys.readouterr().err
+    assert main(["pretrain", *base, f"output_dir={run}"]) == 2  # this CPU machine, attention auto
+    assert "needs packed THD attention" in capsys.readouterr().err
     assert not run.exists()

@@ -5,6 +5,7 @@ resume after kill -9 across each kind of phase change."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -136,24 +137,24 @@ def test_mask_schedules_and_the_phase_plan_streams():
 def test_budget_attention_count_follows_the_kernel_plan():
     """causal_attention_halved (config, no torch needed) agrees with model/kernels.py's attention
     path: halved exactly where the plan picks a kernel that skips masked blocks."""
-    for device in ("cpu", "cuda"):
-        for attention in ("auto", "sdpa", "flex"):
-            for te in (None, (2, 8)):
-                c = cfg([f"runtime.device={device}", f"model.attention={attention}",
-                         "train.precision=bf16"])
-                c.train.flops_attention = "auto"
-                kernels = Kernels(te_version=te)
-                import importlib.util
-                real = importlib.util.find_spec
-                importlib.util.find_spec = (lambda name, *a: object() if name == "transformer_engine"
-                                            and te else (None if name == "transformer_engine"
-                                                         else real(name, *a)))
-                try:
-                    halved = causal_attention_halved(c)
-                finally:
-                    importlib.util.find_spec = real
-                plan = plan_kernels(c, device, kernels)
-                assert halved == (plan.attention in ("te-thd", "flex")), (device, attention, te)
+    for device, attention, te, precision in itertools.product(
+            ("cpu", "cuda"), ("auto", "sdpa", "flex", "thd"), (None, (2, 8)), ("bf16", "fp32")):
+        c = cfg([f"runtime.device={device}", f"model.attention={attention}",
+                 f"train.precision={precision}"])
+        c.train.flops_attention = "auto"
+        kernels = Kernels(te_version=te)
+        import importlib.util
+        real = importlib.util.find_spec
+        importlib.util.find_spec = (lambda name, *a: object() if name == "transformer_engine"
+                                    and te else (None if name == "transformer_engine"
+                                                 else real(name, *a)))
+        try:
+            halved = causal_attention_halved(c)
+        finally:
+            importlib.util.find_spec = real
+        plan = plan_kernels(c, device, kernels)
+        assert halved == (plan.attention in ("te-thd", "flex")), \
+            (device, attention, te, precision)
 
 
 def test_temperature_weights_by_hand(tmp_path):

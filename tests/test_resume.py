@@ -95,11 +95,14 @@ def test_sigkill_and_resume_is_exact(config, tmp_path, nproc, overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=2",
-                                    "parallel.pipeline_model_parallel_size=2"], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"],
+                                    ["parallel.pipeline_model_parallel_size=2"],
+                                    # The RNG shard is keyed by the CP rank too (one key per rank).
+                                    ["parallel.context_parallel_size=2", "model.attention=thd"]],
+                         ids=["tp2", "pp2", "cp2_thd"])
 def test_save_in_parallel_resume_in_one_process(config, tmp_path, layout):
     ref, resumed = tmp_path / "parallel", tmp_path / "single"
-    run_pretrain(config, [f"output_dir={ref}", layout, "checkpoint.keep_last=4"], nproc=2)
+    run_pretrain(config, [f"output_dir={ref}", *layout, "checkpoint.keep_last=4"], nproc=2)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref / "checkpoints" / "iter_0000004", resumed / "checkpoints" / "iter_0000004")
     run_pretrain(config, [f"output_dir={resumed}"], nproc=1)

@@ -16,18 +16,22 @@ import weakref
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from megatron_mlmclm.model.packed import cp_partition_indices
 from megatron_mlmclm.objectives import document_attention_mask
 
 
-class SDPAttention(MegatronModule):
-    """Drop-in for megatron's DotProductAttention (same constructor and forward signature)."""
+class CoreAttention(MegatronModule):
+    """What every core attention here shares: megatron's DotProductAttention constructor (this
+    rank's query heads and KV groups, the softmax scale, dropout)."""
 
     def __init__(
         self,
@@ -41,13 +45,20 @@ class SDPAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        assert config.context_parallel_size == 1, "SDPAttention does not support context parallel"
         tp = config.tensor_model_parallel_size
         self.attn_mask_type = attn_mask_type
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+
+class SDPAttention(CoreAttention):
+    """Drop-in for megatron's DotProductAttention (same constructor and forward signature)."""
+
+    def __init__(self, config: TransformerConfig, *args, **kwargs):
+        assert config.context_parallel_size == 1, "SDPAttention does not support context parallel"
+        super().__init__(config, *args, **kwargs)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -201,3 +212,98 @@ class FlexDocumentAttention(SDPAttention):
                 block_mask = document_block_mask(ones, True)
         out = self.masks.attend(q, k, v, block_mask, self.softmax_scale, self.heads != self.groups)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# Packed THD sequences without Transformer Engine: a stand-in for TE's kernel.
+#
+# On a GPU with TE, packed sequences go through TEDotProductAttention. This module takes exactly
+# what TE takes, in the same spec slot: query [t, heads, d] and key/value [t, groups, d] (this
+# rank's heads, batch dimension squeezed by megatron), PackedSeqParams(qkv_format="thd") with
+# cu_seqlens (real lengths) and, under context parallelism, cu_seqlens_padded (each sequence padded
+# to a multiple of 2 x CP, rank r holding chunks r and 2CP-1-r of every padded sequence), and the
+# mask kind set per phase (causal -> TE's padding_causal, no_mask -> padding). So the packed path
+# (flattening, pipeline shapes, padding, the CP split and its K/V exchange, checkpoints) runs on a
+# CPU exactly as a GPU runs it, and tests compare it with the dense-mask path.
+#
+# Under CP the keys and values of every rank are all-gathered over the CP group (TE passes them
+# around a p2p ring: the same attention); their gradients are summed back to their owners. One
+# SDPA call with a [t_local, t] mask: O(t^2) memory, for tests and CPU runs, not for speed.
+# --------------------------------------------------------------------------------------------
+
+
+class _GatherOverContextParallel(torch.autograd.Function):
+    """[t, ...] on each CP rank -> [cp, t, ...] on every rank; the backward sums each rank's
+    gradients for a slice and returns the owner its own."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def thd_positions(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For positions in a (padded) THD stream: (sequence index, offset inside the sequence,
+    whether the token is real, i.e. before its sequence's padding)."""
+    starts = cu_seqlens_padded[:-1].long()
+    seq = torch.bucketize(positions, starts, right=True) - 1
+    offset = positions - starts[seq]
+    length = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return seq, offset, offset < length[seq]
+
+
+class THDReferenceAttention(CoreAttention):
+    """Pure-torch attention over packed THD sequences, with TE's inputs (see above)."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        params = packed_seq_params
+        assert params is not None and params.qkv_format == "thd", \
+            "THDReferenceAttention takes packed THD sequences (PackedSeqParams qkv_format='thd')"
+        assert attention_bias is None and attention_mask is None
+        if self.training and self.dropout > 0:
+            raise NotImplementedError("THDReferenceAttention has no attention dropout")
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        device = query.device
+        cu = params.cu_seqlens_q.to(device)
+        cu_padded = (params.cu_seqlens_q_padded.to(device)
+                     if params.cu_seqlens_q_padded is not None else cu)
+        cp = self.config.context_parallel_size
+        if cp > 1:
+            group = parallel_state.get_context_parallel_group()
+            rank = parallel_state.get_context_parallel_rank()
+            mine = cp_partition_indices(cu_padded, cp, rank)
+            # Every rank's K/V back in stream order: rank q holds the positions of its partition.
+            held = torch.cat([cp_partition_indices(cu_padded, cp, q) for q in range(cp)])
+            order = torch.argsort(held)
+            key, value = (_GatherOverContextParallel.apply(x, group).flatten(0, 1)[order]
+                          for x in (key, value))
+        else:
+            mine = torch.arange(query.size(0), device=device)
+        keys_at = torch.arange(key.size(0), device=device)
+        q_seq, q_off, q_real = thd_positions(cu, cu_padded, mine)
+        k_seq, k_off, k_real = thd_positions(cu, cu_padded, keys_at)
+        allowed = (q_seq[:, None] == k_seq[None, :]) & k_real[None, :]
+        if causal:
+            allowed &= k_off[None, :] <= q_off[:, None]
+        # A padding query with no real key before it would have an empty row: let it see itself
+        # (its output is zeroed below, as TE leaves padding out).
+        empty = ~allowed.any(dim=1)
+        if empty.any():
+            allowed[empty.nonzero().squeeze(1), mine[empty]] = True
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, h, t, d]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None],
+                                             scale=self.softmax_scale,
+                                             enable_gqa=self.heads != self.groups)
+        out = out.squeeze(0).transpose(0, 1)  # [t_local, heads, d]
+        out = out * q_real.to(out.dtype)[:, None, None]
+        return out.reshape(out.size(0), -1)

@@ -25,10 +25,10 @@ from megatron.core.transformer.transformer_block import (TransformerBlockSubmodu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mlmclm.config import ModelConfig, RunConfig, final_model
-from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.model.attention import DocumentMasks, FlexDocumentAttention, SDPAttention
-from megatron_mlmclm.model.kernels import (KernelPlan, plan_kernels, probe_kernels,
-                                           resolve_device, uses_te_layers)
+from megatron_mlmclm.model.attention import (DocumentMasks, FlexDocumentAttention, SDPAttention,
+                                             THDReferenceAttention)
+from megatron_mlmclm.model.init import initialize_by_global_parameter
+from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
 
 
 def have_transformer_engine() -> bool:
@@ -87,18 +87,10 @@ def transformer_config(cfg: RunConfig, plan: Optional[KernelPlan] = None) -> Tra
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif t.recompute == "selective":
         kwargs.update(recompute_granularity="selective")
-    if t.fp8 is not None:
-        if not have_transformer_engine():
-            raise UsageError(f"train.fp8={t.fp8} needs Transformer Engine, which is not installed; "
-                             "set train.fp8=null or use the NGC PyTorch image")
+    if t.fp8 is not None:  # the kernel plan has refused FP8 without TE's layers
         kwargs.update(fp8="hybrid", fp8_recipe={"delayed": "delayed", "current": "tensorwise",
                                                  "mxfp8": "mxfp8"}[t.fp8])
     return TransformerConfig(**kwargs)
-
-
-def use_te(m: ModelConfig) -> bool:
-    """Transformer Engine's layers on this machine (the kernel plan's own test)."""
-    return uses_te_layers(m, "cuda" if torch.cuda.is_available() else "cpu", probe_kernels())
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -112,16 +104,17 @@ class RMSNorm(torch.nn.RMSNorm):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
 
-def layer_spec(config: TransformerConfig, m: ModelConfig, vp_stage: Optional[int] = None):
-    """Transformer Engine's spec when TE imports and CUDA is present, else local + SDPA/Flex with
-    our RMSNorm (a block spec, so the final norm is ours too)."""
-    if use_te(m):
+def layer_spec(config: TransformerConfig, attention: str, vp_stage: Optional[int] = None):
+    """The kernel plan's attention path as a layer spec: Transformer Engine's spec for te-thd,
+    else megatron's local spec with our core attention (SDPA, Flex or the THD stand-in) and our
+    RMSNorm (a block spec, so the final norm is ours too)."""
+    if attention == "te-thd":
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
         return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
-    core = SDPAttention
-    if m.attention == "flex":  # one DocumentMasks for all layers: one block mask per micro-batch
+    core = {"sdpa": SDPAttention, "thd-reference": THDReferenceAttention}.get(attention)
+    if attention == "flex":  # one DocumentMasks for all layers: one block mask per micro-batch
         core = functools.partial(FlexDocumentAttention, masks=DocumentMasks())
     spec.submodules.self_attention.submodules.core_attention = core
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
@@ -188,13 +181,17 @@ def vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -
 
 
 def build_model_chunk(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
-                      pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
+                      pre_process: bool, post_process: bool, vp_stage: Optional[int] = None,
+                      plan: Optional[KernelPlan] = None):
+    """One model chunk with its initial weights (model/init.py: the same model for every parallel
+    layout); its attention path is the kernel plan's (by default planned for this machine)."""
     # The model as the run leaves it: the last phase's RoPE base (the trainer switches the base
     # per phase, set_rotary_base) and room for the longest phase.
     m: ModelConfig = final_model(cfg)
+    plan = plan if plan is not None else plan_kernels(cfg, resolve_device(cfg))
     model = EncoderLM(
         config=config,
-        transformer_layer_spec=layer_spec(config, m, vp_stage),
+        transformer_layer_spec=layer_spec(config, plan.attention, vp_stage),
         vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=m.seq_length,
         pre_process=pre_process,
@@ -207,6 +204,7 @@ def build_model_chunk(cfg: RunConfig, config: TransformerConfig, vocab_size: int
     )
     if m.rope_scaling is not None:
         apply_rope_scaling(model, m)
+    initialize_by_global_parameter([model], config, cfg.train.seed)
     return model
 
 
@@ -243,7 +241,8 @@ def set_rotary_base(chunks: list[torch.nn.Module], m: ModelConfig, base: float) 
         type(rotary).forward.cache_clear()
 
 
-def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> list[torch.nn.Module]:
+def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
+                plan: Optional[KernelPlan] = None) -> list[torch.nn.Module]:
     """Model chunks for this rank (one, or several with virtual pipeline parallelism)."""
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []
@@ -251,7 +250,7 @@ def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int) -> l
         vp_stage = stage if vpp else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        chunk = build_model_chunk(cfg, config, vocab_size, pre, post, vp_stage)
+        chunk = build_model_chunk(cfg, config, vocab_size, pre, post, vp_stage, plan)
         chunk.model_type = ModelType.encoder_or_decoder
         chunks.append(chunk)
     return chunks

@@ -5,9 +5,12 @@ this machine (Transformer Engine and its version, Apex's CUDA extensions) and th
 CUDA the plan is Megatron-LM's (megatron/training/arguments.py in megatron-core 0.16): every fusion
 that Megatron-LM turns on by default is on here too, but only where its kernel is present, so the
 plan never asks megatron-core for a kernel that would raise; with the distributed optimizer,
-gradient reduce and parameter gather overlap the backward and forward passes. On CPU everything is
-off, as megatron-core's fused paths need CUDA (docs/parallelism.md). `model.fusions: off` turns the
-fusions off on any device (a debugging switch).
+gradient reduce and parameter gather overlap the backward and forward passes. On CPU the fusions are
+off, as megatron-core's fused paths need CUDA (docs/parallelism.md); every other decision (pipeline
+communication, initialisation, the packed THD path through a pure-torch stand-in for TE's kernel)
+is the GPU's, so the CPU suite runs what a GPU runs. `model.fusions: off` turns the fusions off on
+any device (a debugging switch). The plan also sets what must be set in the process before CUDA
+starts (`apply_to_process`: CUDA_DEVICE_MAX_CONNECTIONS, TF32).
 
 `mlmclm pretrain CONFIG --dry-run` prints the plan, and `runtime.device=cuda` plans a GPU run on a
 machine without one (a login node) as the kernels that import there allow. A training run logs the
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -82,26 +87,47 @@ class KernelPlan:
     fusions: dict[str, Choice]
     overlap_grad_reduce: Choice
     overlap_param_gather: Choice
+    align_param_gather: Choice
+    p2p: str  # pipeline send/recv: "batched" | "overlapped" | "none" (PP = 1)
+    p2p_why: str
     sequence_parallel: Choice
     context_parallel: Choice
-    cpu_initialization: Choice
-    attention: str  # "te-thd" | "te-dense" (fp32) | "sdpa" | "flex"
+    attention: str  # "te-thd" | "thd-reference" | "sdpa" | "flex"
     attention_why: str
     context_parallel_size: int = 1
+    # THD streams: the whole micro-batch's token count is padded to `thd_token_multiple` (FP8
+    # GEMMs; TP under sequence parallelism); with CP each sequence to `cp_sequence_multiple`.
+    thd_token_multiple: int = 1
+    thd_multiple_why: str = ""
+    cp_sequence_multiple: int = 1
+    # Process settings made before CUDA starts (apply_to_process).
+    cuda_device_max_connections: str | None = None
+    connections_why: str = ""
+    tf32: bool | None = None  # None: torch's default
+    tf32_why: str = ""
+
+    @property
+    def thd(self) -> bool:
+        """Packed THD sequences (TE's kernel, or its pure-torch stand-in on CPU)."""
+        return self.attention in THD_PATHS
 
     def transformer_kwargs(self) -> dict:
         """The TransformerConfig fields this plan sets."""
         kw = {name: c.on for name, c in self.fusions.items()}
-        kw.update(use_cpu_initialization=self.cpu_initialization.on,
-                  sequence_parallel=self.sequence_parallel.on,
-                  # Batched isend/irecv is megatron's default on NCCL; on gloo it gives wrong
-                  # results with PP (docs/parallelism.md).
-                  batch_p2p_comm=self.device == "cuda")
+        kw.update(sequence_parallel=self.sequence_parallel.on,
+                  # model/init.py redraws every weight by global parameter. megatron's own
+                  # init still runs: it is also where megatron marks tensor-parallel weights
+                  # (without the marks the gradient norm counts TP shards as replicas).
+                  use_cpu_initialization=False,
+                  batch_p2p_comm=self.p2p == "batched", overlap_p2p_comm=self.p2p == "overlapped")
         if self.context_parallel.on:
             # p2p ring exchange of K/V (what THD supports); each micro-batch's CP-padded length
             # differs, so pipeline stages exchange shapes first.
             kw.update(context_parallel_size=self.context_parallel_size, cp_comm_type="p2p",
-                      variable_seq_lengths=True)
+                      variable_seq_lengths=True,
+                      # megatron-core refuses variable lengths with its default MoE dispatcher,
+                      # even in a model without experts (this one): name the one it accepts.
+                      moe_token_dispatcher_type="alltoall")
         return kw
 
     def rows(self) -> list[tuple[str, bool | str, str]]:
@@ -110,10 +136,18 @@ class KernelPlan:
         out += [("overlap_grad_reduce", self.overlap_grad_reduce.on, self.overlap_grad_reduce.why),
                 ("overlap_param_gather", self.overlap_param_gather.on,
                  self.overlap_param_gather.why),
+                ("align_param_gather", self.align_param_gather.on, self.align_param_gather.why),
+                ("pipeline_p2p", self.p2p, self.p2p_why),
                 ("sequence_parallel", self.sequence_parallel.on, self.sequence_parallel.why),
                 ("context_parallel", self.context_parallel.on, self.context_parallel.why),
-                ("use_cpu_initialization", self.cpu_initialization.on, self.cpu_initialization.why),
+                ("initialization", "global", INIT_WHY),
                 ("attention", self.attention, self.attention_why)]
+        if self.thd:
+            out.append(("thd_token_multiple", str(self.thd_token_multiple), self.thd_multiple_why))
+        if self.device == "cuda":
+            out.append(("CUDA_DEVICE_MAX_CONNECTIONS", self.cuda_device_max_connections or "unset",
+                        self.connections_why))
+            out.append(("tf32", "off" if self.tf32 is False else "default", self.tf32_why))
         return out
 
     def report(self) -> str:
@@ -134,7 +168,23 @@ class KernelPlan:
                 off.setdefault(why, []).append(name)
         said = "; ".join(f"{', '.join(names)} ({why})" for why, names in off.items())
         return (f"kernels on {self.device}: on: {', '.join(on) or 'none'}; attention: "
-                f"{self.attention}; off: {said or 'none'}")
+                f"{self.attention}; pipeline p2p: {self.p2p}; off: {said or 'none'}")
+
+    def apply_to_process(self) -> None:
+        """What must be in place before CUDA starts: called by the trainer before the process
+        group (a value the user exported is kept)."""
+        if self.cuda_device_max_connections is not None:
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", self.cuda_device_max_connections)
+        if self.tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = self.tf32
+            torch.backends.cudnn.allow_tf32 = self.tf32
+
+
+INIT_WHY = ("every parameter drawn whole from (train.seed, its checkpoint key, its layer) and "
+            "sliced: every TP/PP/VPP layout starts from the single-process model (model/init.py)")
+THD_PATHS = ("te-thd", "thd-reference")
+# FP8 GEMMs take token counts divisible by 16; MXFP8's 32-element scaling blocks need 32.
+FP8_TOKEN_MULTIPLE = {"delayed": 16, "current": 16, "mxfp8": 32}
 
 
 def resolve_device(cfg: RunConfig, planning: bool = False) -> str:
@@ -155,22 +205,105 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
     k = kernels if kernels is not None else probe_kernels()
     p = cfg.parallel
     attention = _attention(cfg, device, k)
+    _check_fp8(cfg, device, k, attention)
     if device == "cuda":
         fusions = _cuda_fusions(cfg, k)
-        init = "weights initialised on the CPU, sliced and moved: a TP2 run and a TP1 run start " \
-               "from the same model"
     else:
         off = Choice(False, "CPU: megatron-core's fused kernels need CUDA")
         fusions = {n: off for n in FUSIONS}
-        init = "weights initialised once on the CPU and sliced: every TP/PP layout starts from " \
-               "the same model"
     grad, gather = _overlap(cfg, device)
+    sp = _sequence_parallel(cfg, device)
+    multiple, multiple_why, cp_multiple = _thd_multiples(cfg, sp.on)
+    connections, connections_why = _max_connections(cfg, device)
+    tf32, tf32_why = _tf32(cfg, device)
+    p2p, p2p_why = _pipeline_p2p(cfg)
     return KernelPlan(
         device=device, fusions=fusions, overlap_grad_reduce=grad, overlap_param_gather=gather,
-        sequence_parallel=_sequence_parallel(cfg, device),
-        context_parallel=_context_parallel(cfg, attention),
-        cpu_initialization=Choice(True, init), attention=attention[0], attention_why=attention[1],
-        context_parallel_size=p.context_parallel_size)
+        align_param_gather=_align_param_gather(cfg, gather), p2p=p2p, p2p_why=p2p_why,
+        sequence_parallel=sp, context_parallel=_context_parallel(cfg, attention, cp_multiple),
+        attention=attention[0], attention_why=attention[1],
+        context_parallel_size=p.context_parallel_size, thd_token_multiple=multiple,
+        thd_multiple_why=multiple_why, cp_sequence_multiple=cp_multiple,
+        cuda_device_max_connections=connections, connections_why=connections_why,
+        tf32=tf32, tf32_why=tf32_why)
+
+
+def _pipeline_p2p(cfg: RunConfig) -> tuple[str, str]:
+    """Megatron-LM's rule (arguments.py): the interleaved schedule overlaps its sends and
+    receives, one by one; otherwise they go batched. Batched interleaved p2p needs PP > 2: with
+    PP = 2 both neighbours are one rank, and two sends of equal shape to it pair up in posting
+    order, swapping activations and gradients without an error."""
+    p = cfg.parallel
+    if p.pipeline_model_parallel_size == 1:
+        return "none", "PP = 1: no pipeline communication"
+    if p.virtual_pipeline_model_parallel_size:
+        return "overlapped", ("interleaved schedule: sends/receives overlap compute one by one "
+                              "(batched needs PP > 2: with PP = 2 both neighbours are one rank)")
+    return "batched", "batch_isend_irecv per exchange (Megatron-LM's default without VPP)"
+
+
+def _align_param_gather(cfg: RunConfig, gather: Choice) -> Choice:
+    """Only the interleaved schedule issues the aligned parameter gathers megatron's DDP then
+    waits for; without virtual stages each bucket's gather is started by the forward pre-hook of
+    the bucket before it (Megatron-LM turns alignment off without VPP)."""
+    if not gather.on:
+        return Choice(False, "no overlapped parameter gather")
+    if not cfg.parallel.virtual_pipeline_model_parallel_size:
+        return Choice(False, "no virtual pipeline stages: the forward pre-hooks start each "
+                             "bucket's gather (Megatron-LM's rule)")
+    return Choice(True, "virtual pipeline stages: the interleaved schedule starts each chunk's "
+                        "parameter gather")
+
+
+def _thd_multiples(cfg: RunConfig, sequence_parallel: bool) -> tuple[int, str, int]:
+    """(token multiple of a THD stream, why, per-sequence multiple under CP)."""
+    t, p = cfg.train, cfg.parallel
+    tp = p.tensor_model_parallel_size if sequence_parallel else 1
+    fp8 = FP8_TOKEN_MULTIPLE[t.fp8] if t.fp8 is not None else 1
+    multiple = math.lcm(fp8, tp)
+    why = []
+    if t.fp8 is not None:
+        why.append(f"FP8 ({t.fp8}) GEMMs need {fp8}")
+    if tp > 1:
+        why.append(f"sequence parallelism splits tokens over TP={tp}")
+    cp = p.context_parallel_size
+    if cp > 1:
+        why.append(f"CP={cp}: each sequence to {2 * cp * tp} (2 x CP"
+                   + (" x TP" if tp > 1 else "") + ")")
+    return multiple, "; ".join(why) or "no padding needed", 2 * cp * tp
+
+
+def _max_connections(cfg: RunConfig, device: str) -> tuple[str | None, str]:
+    p = cfg.parallel
+    if device != "cuda":
+        return None, "CPU"
+    if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
+        return "1", ("TP/CP: one hardware queue keeps communication kernels in issue order so "
+                     "they overlap compute (Megatron-LM requires it before Blackwell; export "
+                     "another value to override)")
+    return None, "TP = CP = 1: nothing needs it"
+
+
+def _tf32(cfg: RunConfig, device: str) -> tuple[bool | None, str]:
+    if device != "cuda":
+        return None, "CPU"
+    if cfg.train.precision == "fp32":
+        return False, "train.precision=fp32: fp32 matmuls stay fp32 (a true fp32 reference)"
+    return None, "bf16 model: torch's default for the few fp32 matmuls outside it"
+
+
+def _check_fp8(cfg: RunConfig, device: str, k: Kernels, attention: tuple[str, str]) -> None:
+    """FP8 runs only inside Transformer Engine's layers; anything else would silently run bf16."""
+    fp8 = cfg.train.fp8
+    if fp8 is None:
+        return
+    if k.te_version is None:
+        raise UsageError(f"train.fp8={fp8} needs Transformer Engine, which is not installed; set "
+                         "train.fp8=null or use the NGC PyTorch image")
+    if attention[0] != "te-thd":
+        raise UsageError(f"train.fp8={fp8} needs Transformer Engine's layers, but this run's "
+                         f"attention is {attention[0]} ({attention[1]}); set model.attention=auto "
+                         "on a GPU or train.fp8=null")
 
 
 def _overlap(cfg: RunConfig, device: str) -> tuple[Choice, Choice]:
@@ -246,38 +379,44 @@ def _sequence_parallel(cfg: RunConfig, device: str) -> Choice:
     return Choice(False, "auto: off on CPU (parallel.sequence_parallel=true runs it on gloo)")
 
 
-def _context_parallel(cfg: RunConfig, attention: tuple[str, str]) -> Choice:
+def _context_parallel(cfg: RunConfig, attention: tuple[str, str], multiple: int) -> Choice:
     cp = cfg.parallel.context_parallel_size
     if cp == 1:
         return Choice(False, "parallel.context_parallel_size=1")
-    if attention[0] != "te-thd":
-        raise UsageError(f"parallel.context_parallel_size={cp} needs Transformer Engine's packed "
-                         f"THD attention (CUDA, TE, bf16), but this run's attention is "
-                         f"{attention[0]}: {attention[1]}")
-    return Choice(True, f"CP={cp}: each sequence padded to {2 * cp} x k tokens, CP rank r keeps "
+    if attention[0] not in THD_PATHS:
+        raise UsageError(f"parallel.context_parallel_size={cp} needs packed THD attention "
+                         f"(model.attention=thd, or auto with Transformer Engine on a GPU), but "
+                         f"this run's attention is {attention[0]}: {attention[1]}")
+    return Choice(True, f"CP={cp}: each sequence padded to {multiple} x k tokens, CP rank r keeps "
                         f"chunks r and {2 * cp - 1}-r (megatron's split), K/V exchanged by p2p")
 
 
-def uses_te_layers(m: ModelConfig, device: str, k: Kernels) -> bool:
-    """Transformer Engine's layer spec: model.attention auto, CUDA, and TE installed. The one
-    test of it: the plan's attention path and the model's layer spec (model/build.py) both ask."""
-    return m.attention == "auto" and device == "cuda" and k.te_version is not None
+def uses_te_layers(m: ModelConfig, precision: str, device: str, k: Kernels) -> bool:
+    """Transformer Engine's layer spec: model.attention auto or thd, CUDA, TE installed, and not
+    fp32 (TE runs fp32 GEMMs in TF32). The one test of it: the plan's attention path and the
+    model's layer spec (model/build.py) both ask."""
+    return (m.attention in ("auto", "thd") and device == "cuda" and k.te_version is not None
+            and precision != "fp32")
 
 
 def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
     m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
+    stages = " (pipeline stages pass [t, 1, h] THD activations)" if pp > 1 else ""
     if m.attention == "flex":
         return "flex", "model.attention=flex: FlexAttention with a document block mask"
     if m.attention == "sdpa":
         return "sdpa", "model.attention=sdpa: dense [b,1,s,s] document mask"
-    if not uses_te_layers(m, device, k):
-        why = ("CPU: Transformer Engine needs CUDA" if device != "cuda" else
-               "Transformer Engine not installed")
-        return "sdpa", f"{why}; dense [b,1,s,s] document mask"
-    if cfg.train.precision == "fp32":
-        return "te-dense", ("fp32: TE's fused attention needs bf16/fp16 and its unfused kernel "
-                            "takes no THD; dense mask")
-    stages = " (pipeline stages pass [b*s, 1, h] THD activations)" if pp > 1 else ""
-    return "te-thd", ("TE fused attention on packed THD sequences (cu_seqlens from document ids): "
-                      "no_mask / causal per phase, which megatron hands TE as padding / "
-                      f"padding_causal; no [b,1,s,s] mask{stages}")
+    if uses_te_layers(m, cfg.train.precision, device, k):
+        return "te-thd", ("TE fused attention on packed THD sequences (cu_seqlens from document "
+                          "ids): no_mask / causal per phase, which megatron hands TE as padding / "
+                          f"padding_causal; no [b,1,s,s] mask{stages}")
+    if m.attention == "thd":
+        why = ("CPU" if device != "cuda" else "fp32" if cfg.train.precision == "fp32"
+               else "Transformer Engine not installed")
+        return "thd-reference", (f"{why}: packed THD sequences through a pure-torch stand-in for "
+                                 f"TE's kernel (same inputs, context parallel included; slow: "
+                                 f"for tests){stages}")
+    why = ("CPU: Transformer Engine needs CUDA" if device != "cuda" else
+           "fp32: TE runs fp32 GEMMs in TF32, so the local layers keep fp32 exact"
+           if cfg.train.precision == "fp32" else "Transformer Engine not installed")
+    return "sdpa", f"{why}; dense [b,1,s,s] document mask"

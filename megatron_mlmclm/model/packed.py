@@ -62,11 +62,6 @@ def thd_packed_seq_params(document_ids: torch.Tensor) -> PackedSeqParams:
                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
 
-# FP8 GEMMs in Transformer Engine need token counts divisible by 16 (8 for some recipes): a THD
-# stream for an FP8 run is padded to this multiple.
-FP8_TOKEN_MULTIPLE = 16
-
-
 def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
     """(cu_seqlens of the stream padded to a multiple of `multiple` tokens, pad count). The pad is
     one extra sequence at the end, so every real sequence keeps its boundaries and no real token
@@ -149,14 +144,15 @@ def pad_sequences(flat: dict, cu_seqlens: torch.Tensor, multiple: int) -> tuple[
     """Pad every sequence of a THD stream ([1, t] tensors) to a multiple of `multiple` tokens
     with pad tokens right after it (no label, no loss; positions keep counting): returns the
     padded tensors and `cu_seqlens_padded`. The real lengths stay in `cu_seqlens`."""
+    device = cu_seqlens.device
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     padded = -(-lengths // multiple) * multiple
     cu_padded = torch.zeros_like(cu_seqlens)
     torch.cumsum(padded, dim=0, out=cu_padded[1:])
     total = int(cu_padded[-1])
     # Where each real token lands in the padded stream.
-    seq_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    target = torch.arange(int(lengths.sum())) - cu_seqlens[:-1].long()[seq_of] \
+    seq_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    target = torch.arange(int(lengths.sum()), device=device) - cu_seqlens[:-1].long()[seq_of] \
         + cu_padded[:-1].long()[seq_of]
     out = {}
     for key, tensor in flat.items():
@@ -186,13 +182,18 @@ def cp_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank:
     return keep.nonzero().view(-1)
 
 
-def split_for_context_parallel(flat: dict, cp_size: int, cp_rank: int) -> dict:
-    """A THD micro-batch (flatten_for_thd) -> this CP rank's share: sequences padded to 2 x CP,
-    the rank's chunks kept, packed_seq_params carrying the real and padded cu_seqlens (the whole
-    sequences: TE's CP attention exchanges the rest between ranks)."""
+def split_for_context_parallel(flat: dict, cp_size: int, cp_rank: int,
+                               multiple: int | None = None) -> dict:
+    """A THD micro-batch (flatten_for_thd) -> this CP rank's share: sequences padded to
+    `multiple` (2 x CP, times TP under sequence parallelism: the kernel plan's
+    cp_sequence_multiple), the rank's chunks kept, packed_seq_params carrying the real and padded
+    cu_seqlens (the whole sequences: the CP attention exchanges the rest between ranks)."""
+    multiple = multiple or 2 * cp_size
+    if multiple % (2 * cp_size):
+        raise ValueError(f"a CP sequence multiple must be a multiple of 2 x CP, got {multiple}")
     params = flat["packed_seq_params"]
     cu = params.cu_seqlens_q
-    padded, cu_padded = pad_sequences(flat, cu, 2 * cp_size)
+    padded, cu_padded = pad_sequences(flat, cu, multiple)
     keep = cp_partition_indices(cu_padded, cp_size, cp_rank).to(cu.device)
     out = {key: tensor.index_select(1, keep) for key, tensor in padded.items()}
     longest = int((cu_padded[1:] - cu_padded[:-1]).max())

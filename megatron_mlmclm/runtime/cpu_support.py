@@ -60,6 +60,15 @@ FIX_TARGETS = (
     ("megatron.core.optimizer.distrib_optimizer", "HAVE_APEX_OR_TE"),
 )
 
+# megatron-core private names this project relies on outside the patches (checkpoint.py: the
+# main-parameter check after loading weights); checked with the targets above.
+PRIVATE_API = (
+    ("megatron.core.optimizer.optimizer",
+     "Float16OptimizerWithFloat16Params._get_model_and_main_params_data_float16"),
+    ("megatron.core.optimizer.distrib_optimizer",
+     "DistributedOptimizer._get_model_and_main_params_data_float16"),
+)
+
 _FACTORIES = frozenset(
     "tensor zeros ones empty full arange rand randn randint empty_like zeros_like ones_like "
     "full_like as_tensor eye linspace".split()
@@ -118,7 +127,7 @@ def _resolve(module: str, attr: str):
 def check_targets() -> list[str]:
     """Targets that no longer exist in the installed torch/megatron-core (empty when all good)."""
     missing = []
-    for module, attr in PATCH_TARGETS + FIX_TARGETS:
+    for module, attr in PATCH_TARGETS + FIX_TARGETS + PRIVATE_API:
         try:
             _resolve(module, attr)
         except (ImportError, AttributeError):

@@ -48,7 +48,8 @@ def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
     """Everything that decides which tokens and masks step k trains on, keyed by config key."""
     d = cfg.data
     if d.mock:
-        train = valid = f"mock (vocab {spec.vocab_size})"
+        kind = "" if d.mock_kind == "uniform" else f"{d.mock_kind} "  # uniform: as before kinds
+        train = valid = f"mock {kind}(vocab {spec.vocab_size})"
     else:
         train, valid = shard_list(d.train), shard_list(d.valid) if d.valid else []
     phases, start = [], 0

@@ -41,8 +41,8 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, set_rotary_base, transformer_config
 from megatron_mlmclm.model.flops import train_step_flops
 from megatron_mlmclm.model.kernels import plan_kernels, resolve_device
-from megatron_mlmclm.model.packed import (FP8_TOKEN_MULTIPLE, flatten_for_thd,
-                                          set_attention_mask_type, split_for_context_parallel)
+from megatron_mlmclm.model.packed import (flatten_for_thd, set_attention_mask_type,
+                                          split_for_context_parallel)
 from megatron_mlmclm.objectives import to_device
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
@@ -76,9 +76,10 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
     def build():
         if d.mock:
             train = [MockPackedDataset(max(s.samples + sample_offset, gbs), s.seq_length,
-                                       spec.vocab_size, d.seed) for s in plan.streams]
-            return train, {n: MockPackedDataset(n_valid, n, spec.vocab_size, d.seed + 1)
-                           for n in lengths}
+                                       spec.vocab_size, d.seed, kind=d.mock_kind)
+                     for s in plan.streams]
+            return train, {n: MockPackedDataset(n_valid, n, spec.vocab_size, d.seed + 1,
+                                                kind=d.mock_kind) for n in lengths}
         train = [build_train_dataset(train_items(s), s.seq_length,
                                      max(s.samples + sample_offset, gbs), d.seed, d.cache_dir)
                  for s in plan.streams]
@@ -124,6 +125,7 @@ class Trainer:
         # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
         # this machine does not have.
         self.kernels = plan_kernels(cfg, resolve_device(cfg))
+        self.kernels.apply_to_process()  # before CUDA starts in init_distributed
         self.fingerprint = fingerprint(cfg, self.spec)
         self.take_output_dir()  # before anything in it is read or written
         self.resume_from = self.find_resume_checkpoint()
@@ -149,10 +151,10 @@ class Trainer:
 
         self.tconfig = transformer_config(cfg, self.kernels)
         self.log(self.kernels.summary())
-        # Packed THD sequences (no [s, s] mask) through TE's fused attention, at any PP layout.
-        self.thd = self.kernels.attention == "te-thd"
-        self.thd_multiple = FP8_TOKEN_MULTIPLE if t.fp8 is not None else 1
-        chunks = build_model(cfg, self.tconfig, self.spec.vocab_size)
+        # Packed THD sequences (no [s, s] mask) through TE's fused attention (its stand-in on
+        # CPU), at any PP layout.
+        self.thd = self.kernels.thd
+        chunks = build_model(cfg, self.tconfig, self.spec.vocab_size, self.kernels)
         if torch.cuda.is_available():
             chunks = [c.cuda() for c in chunks]
         self.model_chunks = chunks  # unwrapped: what checkpoints and conversion see
@@ -162,7 +164,8 @@ class Trainer:
         overlap_gather = self.kernels.overlap_param_gather.on
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=self.kernels.overlap_grad_reduce.on,
-            overlap_param_gather=overlap_gather, align_param_gather=overlap_gather,
+            overlap_param_gather=overlap_gather,
+            align_param_gather=self.kernels.align_param_gather.on,
             use_distributed_optimizer=p.use_distributed_optimizer)
         self.model = [DDP(self.tconfig, ddp_config, c, disable_bucketing=i > 0)
                       for i, c in enumerate(wrapped)]
@@ -249,8 +252,7 @@ class Trainer:
                      f"{self.step}")
         elif self.init_source is not None:
             source = self.init_source
-            origin = ckpt.load_checkpoint(source, self.model_chunks, optimizer=None,
-                                          scheduler=None, load_rng=False)
+            origin = ckpt.load_weights(source, self.model_chunks, self.optimizer)
             # Keep the record of an imported HF model (its family) through continued runs.
             self.source = origin.get("source")
             self.log(f"initialised weights from {source} (fresh optimizer and schedule)")
@@ -292,11 +294,13 @@ class Trainer:
             scale = batch.pop("loss_scale", None)
             batch = to_device(batch, phase, rt.device(), dense_mask=not self.thd)
             if self.thd:
-                batch = flatten_for_thd(batch, batch["document_ids"], self.thd_multiple)
+                batch = flatten_for_thd(batch, batch["document_ids"],
+                                        self.kernels.thd_token_multiple)
                 cp = self.kernels.context_parallel_size
                 if cp > 1:
                     batch = split_for_context_parallel(
-                        batch, cp, parallel_state.get_context_parallel_rank())
+                        batch, cp, parallel_state.get_context_parallel_rank(),
+                        self.kernels.cp_sequence_multiple)
             if scale is not None:
                 batch["loss_scale"] = scale
             out.append(batch)

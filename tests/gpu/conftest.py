@@ -6,6 +6,7 @@ Collected in every run; on a machine without CUDA each check is skipped with its
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,9 @@ def record():
     """record(check, result, expected, ok): one row of the table; returns ok for the assert."""
     def add(check: str, result: str, expected: str, ok: bool) -> bool:
         ROWS.append((check, result, expected, "pass" if ok else "FAIL"))
+        if os.environ.get("GPU_TIER_ROWS"):  # each row as it comes: a killed tier still tells
+            with open(os.environ["GPU_TIER_ROWS"], "a") as f:
+                f.write(" | ".join(ROWS[-1]) + "\n")
         return ok
     return add
 
