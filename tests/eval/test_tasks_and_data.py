@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.data import label_list, load_split, read_beir
+from megatron_mlmclm.eval.families import label_list, load_split
 from megatron_mlmclm.eval.tasks import load_registry
 
 
@@ -71,11 +71,11 @@ def test_readers_match_published_counts(data):
 
 def test_scifact_validation_is_a_deterministic_holdout_of_train(data):
     task = load_registry()["scifact"]
-    train, val, test = (read_beir(task, s) for s in ("train", "validation", "test"))
+    train, val, test = (load_split(task, s) for s in ("train", "validation", "test"))
     assert len(test.qrels) == 300 and len(train.corpus) == 5183
     assert len(train.qrels) + len(val.qrels) == 809
     assert not set(train.qrels) & set(val.qrels) and 40 < len(val.qrels) < 130
-    assert set(read_beir(task, "validation").qrels) == set(val.qrels)
+    assert set(load_split(task, "validation").qrels) == set(val.qrels)
 
 
 def test_sst2_validation_is_carved_out_of_train_by_content_hash(data):
