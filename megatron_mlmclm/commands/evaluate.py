@@ -83,7 +83,8 @@ def run(args) -> int:
         for name, t in sorted(load_registry(args.task_file).items()):
             where = t.path or t.hf_name
             suites = f"  [{', '.join(t.suites)}]" if t.suites else ""
-            print(f"{name:<14} {t.family}  {t.metric_name:<8} {t.format:<9} {where}{suites}")
+            metric = "training set" if t.train_only else t.metric_name
+            print(f"{name:<14} {t.family}  {metric:<12} {t.format:<9} {where}{suites}")
         return 0
     if not args.model:
         raise UsageError("--model is required (one or more HF model folders)")

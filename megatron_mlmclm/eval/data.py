@@ -156,19 +156,13 @@ def hub_dataset(task, name: str, config: str | None, split: str):
                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
-def hub_rows(task, split: str) -> list[dict[str, Any]]:
-    """The rows of the task's Hub dataset for one of its splits, class ids turned into class
-    names (a ClassLabel column, or a sequence of them)."""
+def hub_rows(task, split: str) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:
+    """The rows of the task's Hub dataset for one of its splits, and the class names of its
+    class-id columns (a ClassLabel column, or a sequence of them): {column: names}."""
     ds = hub_dataset(task, task.hf_name, task.hf_config, task.hub_split(split))
     names = {}
     for col, feat in ds.features.items():
-        if hasattr(feat, "names"):
-            names[col] = (feat.names, False)
-        elif hasattr(getattr(feat, "feature", None), "names"):
-            names[col] = (feat.feature.names, True)
-    rows = []
-    for r in ds:
-        for col, (vocab, is_list) in names.items():
-            r[col] = [vocab[x] for x in r[col]] if is_list else vocab[r[col]]
-        rows.append(r)
-    return rows
+        inner = getattr(feat, "feature", feat)
+        if hasattr(inner, "names"):
+            names[col] = list(inner.names)
+    return list(ds), names

@@ -362,6 +362,7 @@ def show_inputs(cfg: FinetuneConfig, n: int) -> str:
     task = resolve(get_task(cfg.task, cfg.task_files), cfg.protocol)
     tokenizer = load_tokenizer(cfg.model)
     family = family_of(task)
+    cfg = dataclasses.replace(cfg, max_eval_examples=1)  # evaluation data is not shown
     data = family.inputs(task, tokenizer, cfg, max_length_for(cfg))
     lines = [f"== {cfg.name} / {task.name} (protocol {cfg.protocol}): the first "
              f"{min(n, len(data.train))} of {len(data.train)} training inputs =="]

@@ -142,18 +142,20 @@ def _pair_records(task, rows, where) -> list[dict]:
             for r in rows]
 
 
-def from_hub(task, split):
-    """EncodEval's Hub datasets: BeIR/<name> (+ <name>-qrels), hgissbkh/mldr-en, msmarco-pairs."""
-    if task.format == "pairs":
-        return _pair_records(task, data.hub_rows(task, split), task.hf_name)
-    hub_split = task.hub_split(split)
-    if task.format == "mldr":
-        corpus = _cached(task, "mldr", lambda: {
-            str(r["docid"]): {"title": "", "text": r["text"]}
-            for r in data.hub_dataset(task, task.hf_name, "corpus", "corpus")})
-        rows = list(data.hub_dataset(task, task.hf_name, task.hf_config or "default", hub_split))
-        return _mldr_split(task, rows, corpus)
+def hub_pairs(task, split):
+    return _pair_records(task, data.hub_rows(task, split)[0], task.hf_name)
 
+
+def hub_mldr(task, split):
+    corpus = _cached(task, "mldr", lambda: {
+        str(r["docid"]): {"title": "", "text": r["text"]}
+        for r in data.hub_dataset(task, task.hf_name, "corpus", "corpus")})
+    rows = data.hub_dataset(task, task.hf_name, task.hf_config or "default", task.hub_split(split))
+    return _mldr_split(task, list(rows), corpus)
+
+
+def hub_beir(task, split):
+    """BeIR/<name> (configs corpus and queries) with its qrels in BeIR/<name>-qrels."""
     def base():
         corpus = {str(r["_id"]): {"title": r.get("title") or "", "text": r["text"]}
                   for r in data.hub_dataset(task, task.hf_name, "corpus", "corpus")}
@@ -162,12 +164,13 @@ def from_hub(task, split):
 
     corpus, queries = _cached(task, "beir", base)
     qrels: dict[str, dict[str, int]] = {}
-    for r in data.hub_dataset(task, f"{task.hf_name}-qrels", None, hub_split):
+    for r in data.hub_dataset(task, f"{task.hf_name}-qrels", None, task.hub_split(split)):
         qrels.setdefault(str(r["query-id"]), {})[str(r["corpus-id"])] = int(r["score"])
     return Beir(corpus=corpus, queries=queries, qrels=qrels)
 
 
 READERS = {"beir": read_beir, "mldr": read_mldr, "pairs": read_pairs}
+HUB = {"beir": hub_beir, "mldr": hub_mldr, "pairs": hub_pairs}  # EncodEval's Hub datasets
 
 
 def load_split(task, split, max_examples=None):
@@ -177,7 +180,7 @@ def load_split(task, split, max_examples=None):
         raise UsageError(f"task '{task.name}' has no {split} split"
                          + (" (a training set: evaluate a task that trains on it)"
                             if task.train_only else ""))
-    got = from_hub(task, split) if task.reads_hub() else READERS[task.format](task, split)
+    got = (HUB if task.reads_hub() else READERS)[task.format](task, split)
     if isinstance(got, list):  # pairs
         if not got:
             raise UsageError(f"task '{task.name}': split '{split}' has no pairs")

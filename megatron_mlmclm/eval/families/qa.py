@@ -145,7 +145,7 @@ def read_table(task, split):
 
 
 def from_hub(task, split):
-    return records(task, data.hub_rows(task, split), f"{task.hf_name}:{task.hub_split(split)}")
+    return records(task, data.hub_rows(task, split)[0], f"{task.hf_name}:{task.hub_split(split)}")
 
 
 READERS = {"squad": read_squad, "record": read_record, "qed": read_qed,

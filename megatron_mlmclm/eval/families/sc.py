@@ -21,7 +21,9 @@ from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder
 ID_COLUMNS = ("idx", "id", "guid")  # an example's id, when the source has one
 
 
-def records(task, rows: list[dict], where, require_values: bool = False) -> list[dict]:
+def records(task, rows: list[dict], where, require_values: bool = False,
+            class_names: list[str] | None = None) -> list[dict]:
+    """Rows -> records; an integer label indexes `labels` (else the Hub's `class_names`)."""
     cols = [task.text_a, task.label] + ([task.text_b] if task.text_b else [])
     data.need_columns(task, rows, cols, where)
     if require_values:
@@ -29,7 +31,8 @@ def records(task, rows: list[dict], where, require_values: bool = False) -> list
     id_col = next((c for c in ID_COLUMNS if rows and c in rows[0]), None)
     return [{"text_a": str(r[task.text_a]),
              "text_b": str(r[task.text_b]) if task.text_b else None,
-             "label": data.class_name(r[task.label], task.labels, f"row {i} of {where}"),
+             "label": data.class_name(r[task.label], task.labels or class_names,
+                                      f"row {i} of {where}"),
              **({"id": str(r[id_col])} if id_col else {})} for i, r in enumerate(rows, 1)]
 
 
@@ -49,7 +52,9 @@ def read_table(task, split):
 
 
 def from_hub(task, split):
-    return records(task, data.hub_rows(task, split), f"{task.hf_name}:{task.hub_split(split)}")
+    rows, names = data.hub_rows(task, split)
+    return records(task, rows, f"{task.hf_name}:{task.hub_split(split)}",
+                   class_names=names.get(task.label))
 
 
 READERS = {"glue_tsv": read_glue_tsv, "glue_json": read_glue_json,

@@ -71,7 +71,7 @@ def records(task, rows: list[dict], where, labels: list[str] | None = None) -> l
         tokens = [str(t) for t in data.as_list(r[cols[0]], "tokens", at)]
         tags = data.as_list(r[cols[1]], "tags", at)
         if tags and all(isinstance(t, int) or (isinstance(t, str) and t.isdigit()) for t in tags):
-            tags = [data.class_name(int(t), labels or task.labels, at) for t in tags]
+            tags = [data.class_name(int(t), task.labels or labels, at) for t in tags]
         if len(tokens) != len(tags):
             raise UsageError(f"{at}: {len(tokens)} tokens but {len(tags)} tags")
         out.append({"tokens": tokens, "tags": [str(t) for t in tags]})
@@ -96,7 +96,9 @@ def read_tner(task, split):
 
 
 def from_hub(task, split):
-    return records(task, data.hub_rows(task, split), f"{task.hf_name}:{task.hub_split(split)}")
+    rows, names = data.hub_rows(task, split)
+    return records(task, rows, f"{task.hf_name}:{task.hub_split(split)}",
+                   labels=names.get(task.tags_field))
 
 
 READERS = {"conll": read_conll, "tner": read_tner, **{fmt: read_table for fmt in data.TABLES}}
