@@ -114,15 +114,21 @@ def _short_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
 
 
+# The step budget: a protocol may set it per task (EncodEval trains CoNLL-2003 for one epoch, SST-2
+# for 1,000 steps), so it is part of a run's protocol id but not of the recipe (run_id).
+STEP_FIELDS = ("max_steps", "epochs")
+
+
 def protocol(cfg: FinetuneConfig, task) -> dict:
     """{"name", "id", "run_id", "run", "task"}: `name` = the evaluation protocol, `run` = the
     PROTOCOL_FIELDS (precision resolved for this machine), `task` = the task entry as the protocol
-    resolves it (splits, holdout, metric, ...); `run_id` hashes `run` (one fine-tuning recipe across
-    tasks), `id` hashes both (names the result file)."""
+    resolves it (splits, holdout, metric, ...); `run_id` hashes `run` but the step budget (one
+    fine-tuning recipe across tasks), `id` hashes both (names the result file)."""
     run = {k: getattr(cfg, k) for k in PROTOCOL_FIELDS}
     run["precision"] = resolved_precision(cfg, resolve_device(cfg))
     body = {"run": run, "task": task.to_dict()}
-    return {"name": cfg.protocol, "id": _short_hash(body), "run_id": _short_hash(run), **body}
+    recipe = {k: v for k, v in run.items() if k not in STEP_FIELDS}
+    return {"name": cfg.protocol, "id": _short_hash(body), "run_id": _short_hash(recipe), **body}
 
 
 def seed_everything(seed: int) -> None:

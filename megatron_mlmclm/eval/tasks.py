@@ -238,8 +238,10 @@ def get_task(name: str, extra_files: list[str] | None = None, registry: dict | N
 
 
 def suite(name: str, registry: dict[str, Task]) -> list[str]:
-    """The tasks of a suite, in registry order."""
-    tasks = [n for n, t in registry.items() if name in t.suites]
+    """The tasks of a suite, family by family (sc, tc, qa, ir), in registry order within one."""
+    order = list(FAMILIES)
+    tasks = sorted((n for n, t in registry.items() if name in t.suites),
+                   key=lambda n: order.index(registry[n].family))
     if not tasks:
         known = sorted({s for t in registry.values() for s in t.suites})
         raise UsageError(f"unknown suite '{name}'; known suites: {', '.join(known) or 'none'}")

@@ -96,6 +96,7 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
                                        ("validation", "validation", ".2f"), ("score", "score", ".2f"),
                                        ("ci_low", "95% CI low", ".2f"),
                                        ("ci_high", "95% CI high", ".2f"), ("seeds", "seeds", "d"),
+                                       ("steps", "steps", "s"),
                                        ("lrs", "complete LRs", "d"), ("lr_edge", "LR at edge", "s")])
     if s.incomplete:
         lines += ["", "## Incomplete learning rates (not eligible for the LR choice)", ""]

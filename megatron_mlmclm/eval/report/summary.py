@@ -96,7 +96,9 @@ def summarize(results: list[dict]) -> Summary:
             "model": model, "family": family[task], "task": task, "metric": m, "best_lr": best_lr,
             "validation": val[best_lr], "score": mean, "ci95": ci, "seeds": len(test[best_lr]),
             "lrs": len(complete), "lrs_incomplete": len(grid) - len(complete),
-            "lr_edge": edge_of_grid(best_lr, grid), "grid": " ".join(f"{lr:g}" for lr in grid)}))
+            "lr_edge": edge_of_grid(best_lr, grid), "grid": " ".join(f"{lr:g}" for lr in grid),
+            "steps": " ".join(str(x) for x in sorted({s["steps"] for s in complete[best_lr].values()
+                                                      if s.get("steps") is not None}))}))
         lr_means = {lr: statistics.mean(v.values()) for lr, v in test.items()}
         for lr in sorted(complete):
             lm, lci = mean_ci(list(test[lr].values()))
