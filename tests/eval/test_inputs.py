@@ -135,6 +135,19 @@ def test_every_family_encodes_inputs_as_preprocess_writes_documents(kind, tmp_pa
         assert tok.decode(pieces).strip() == word
     first = [words.index(w) for w in range(len(WORDS))]
     assert [i for i, lab in enumerate(got_tc["labels"]) if lab != -100] == first
+    # EncodEval's alignment: every token of a word carries its tag; a word's prediction is the
+    # majority of its tokens' (a tie: the tag predicted first)
+    label2id = {t: i for i, t in enumerate(sorted(set(TAGS)))}
+    every = tc.encode([{"tokens": WORDS, "tags": TAGS}], tok, 128, label2id, "all")[0]
+    assert every["input_ids"] == want[1]
+    assert every["labels"] == [label2id[TAGS[w]] if w >= 0 else -100 for w in words]
+    assert tc.word_tags([1, 0, 1, 2, 2, 0, 1], [0, 0, 0, 1, 1, 2, 2], 4, ["O", "A", "B"], "all") \
+        == ["A", "B", "O", "O"]  # word 3 has no token (cut by truncation)
+    # QA as EncodEval's token tagging: one window, 1 on the first answer's tokens
+    [tagged] = qa.encode_tagging(squad, [QUESTION], tok, 128)
+    assert tagged["input_ids"] == want[2]
+    answer = [i for i, x in zip(tagged["input_ids"], tagged["labels"]) if x == 1]
+    assert tok.decode(answer).strip() == "The war"
 
     if kind == "llama3":  # what the tokenizer does left to itself: the test can tell
         from transformers import AutoTokenizer
