@@ -65,46 +65,49 @@ def read_squad(task, split):
     return out
 
 
-def read_record(task, split):
-    """SuperGLUE ReCoRD: {"passage": {"text"}, "qas": [{"id"|"idx", "query", "answers": [{"start",
-    "end" (inclusive), "text"}]}]} per line."""
+def _jsonl_examples(task, split, parse, what: str) -> list[dict]:
+    """The records `parse(row)` makes of each JSON Lines row of the split's files; a row missing
+    a field is one line naming it (`what`: the layout expected)."""
     out = []
     for path in data.files(task, task.splits[split]):
         for i, row in enumerate(data.read_rows(task, [path], "jsonl"), 1):
             try:
-                context = row["passage"]["text"]
-                for qa in row["qas"]:
-                    ans = qa.get("answers", [])
-                    out.append({"id": str(qa.get("id", qa.get("idx"))), "question": qa["query"],
-                                "context": context,
-                                "answers": _answers([a["text"] for a in ans],
-                                                    [a["start"] for a in ans])})
+                out += parse(row)
             except (KeyError, TypeError):
-                raise UsageError(f"task '{task.name}': row {i} of {path} is not a ReCoRD passage "
-                                 "(passage.text, qas[].query, qas[].answers)") from None
+                raise UsageError(f"task '{task.name}': row {i} of {path} is not {what}") from None
     return out
+
+
+def _record_questions(row: dict) -> list[dict]:
+    context = row["passage"]["text"]
+    return [{"id": str(qa.get("id", qa.get("idx"))), "question": qa["query"], "context": context,
+             "answers": _answers([a["text"] for a in qa.get("answers", [])],
+                                 [a["start"] for a in qa.get("answers", [])])}
+            for qa in row["qas"]]
+
+
+def read_record(task, split):
+    """SuperGLUE ReCoRD: {"passage": {"text"}, "qas": [{"id"|"idx", "query", "answers": [{"start",
+    "end" (inclusive), "text"}]}]} per line."""
+    return _jsonl_examples(task, split, _record_questions, "a ReCoRD passage (passage.text, "
+                           "qas[].query, qas[].answers)")
+
+
+def _qed_question(row: dict) -> list[dict]:
+    refs = [a["paragraph_reference"] for a in (row.get("annotation") or {}).get("answer", [])]
+    if not refs:
+        nq = row.get("original_nq_answers") or []
+        refs = [a for group in nq for a in (group if isinstance(group, list) else [group])]
+    return [{"id": str(row["example_id"]), "question": row["question_text"],
+             "context": row["paragraph_text"],
+             "answers": _answers([a["string"] for a in refs], [a["start"] for a in refs])}]
 
 
 def read_qed(task, split):
     """QED: question_text, paragraph_text; answers = the annotation's answer spans in the
     paragraph, else the original NQ short answers (character offsets into the paragraph)."""
-    out = []
-    for path in data.files(task, task.splits[split]):
-        for i, row in enumerate(data.read_rows(task, [path], "jsonl"), 1):
-            try:
-                refs = [a["paragraph_reference"] for a in
-                        (row.get("annotation") or {}).get("answer", [])]
-                if not refs:
-                    nq = row.get("original_nq_answers") or []
-                    refs = [a for group in nq for a in (group if isinstance(group, list) else [group])]
-                out.append({"id": str(row["example_id"]), "question": row["question_text"],
-                            "context": row["paragraph_text"],
-                            "answers": _answers([a["string"] for a in refs],
-                                                [a["start"] for a in refs])})
-            except (KeyError, TypeError):
-                raise UsageError(f"task '{task.name}': row {i} of {path} is not a QED example "
-                                 "(example_id, question_text, paragraph_text)") from None
-    return out
+    return _jsonl_examples(task, split, _qed_question, "a QED example (example_id, "
+                           "question_text, paragraph_text)")
 
 
 def records(task, rows: list[dict], where) -> list[dict]:
