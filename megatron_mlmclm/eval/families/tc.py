@@ -126,10 +126,9 @@ def check(task, where):
 def word_of_tokens(words: list[str], offsets, special) -> list[int]:
     """For each token of the text " ".join(words), the index of the word its first non-space
     character lies in; -1 for special tokens (EOS) and tokens without a word character."""
-    owner, pos = [], 0
+    owner = []
     for w, word in enumerate(words):
         owner += [w] * len(word) + [-1]  # the word's characters, then the space after it
-        pos += len(word) + 1
     text = " ".join(words)
     out = []
     for (s, e), sp in zip(offsets, special):
