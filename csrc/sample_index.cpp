@@ -3,12 +3,22 @@
 // Documents (lengths[d] tokens each, zeros allowed) are shuffled per epoch and laid end to end in
 // one flat token stream. Packed sample i covers flat positions [i*S, i*S + S] (S + 1 tokens:
 // inputs and shifted targets), so consecutive packed samples share one token, exactly like
-// Megatron's GPTDataset. Every epoch is packed in full (M = (E*T - 1) / S samples for E epochs of
-// T tokens), even when fewer samples are asked for, so that the sample shuffle below can draw the
-// first stream positions from the whole of the last epoch, as Megatron does.
+// Megatron's GPTDataset. Sample i belongs to the epoch of its first token: epoch e holds samples
+// [ceil(e*T/S), ceil((e+1)*T/S)) for epochs of T tokens. An index of E epochs packs every sample
+// of those epochs, M = ceil(E*T/S), even when fewer are asked for, so that the sample shuffle
+// below can draw the first stream positions from the whole of the last epoch, as Megatron does;
+// the last sample of an epoch ends in the next one, so the documents are laid out (and shuffled)
+// as far into epoch E as that sample reaches.
+//
+// The order is a function of (lengths, S, seed) alone: every permutation is seeded by its epoch,
+// and epoch e's samples are the same whatever E is, so an index asked for N samples and one asked
+// for N' > N agree on their first N stream positions (a longer run reads what a shorter one read,
+// then more).
 //
 // Outputs (all built with the GIL released, no Python loop anywhere):
-//   doc_idx          int32  [E*D]     the shuffled document order, epoch after epoch
+//   doc_idx          int32  [E*D + k]  the shuffled document order, epoch after epoch, then the
+//                                     first k documents of epoch E's order that the last sample
+//                                     reaches into (more epochs when one holds fewer than S tokens)
 //   sample_idx       int64  [M+1, 2]  (position in doc_idx, token offset in that document) of the
 //                                     first token of packed sample i; row M is the last sample's
 //                                     final token. The position always names a document that
@@ -25,11 +35,10 @@
 //   documents, per epoch, seeded from (seed, epoch, kDocStream): which documents follow which;
 //   samples, per epoch, seeded from (seed, epoch, kSampleStream): without it adjacent stream
 //     positions are adjacent windows of one token stream, so every global batch is a stretch of
-//     one or two long documents. Epoch e's block is the packed samples whose first token lies in
-//     epoch e, [ceil(e*T/S), ceil((e+1)*T/S)) (the last block ends at M); each block is permuted
-//     in place, so the stream still finishes epoch e before it starts epoch e + 1 (a document is
-//     not seen twice before every other was seen once), and a stream that stops inside the last
-//     epoch reads a uniform sample of that whole epoch.
+//     one or two long documents. Epoch e's block (above) is permuted in place, so the stream
+//     still finishes epoch e before it starts epoch e + 1 (a document is not seen twice before
+//     every other was seen once), and a stream that stops inside the last epoch reads a uniform
+//     sample of that whole epoch.
 //
 // Blending: build_blend_index places blended samples by Tijdeman's chairman-assignment rule
 // (earliest due date among released datasets), so every prefix of n samples holds n * w[d]
@@ -119,18 +128,19 @@ void permute(I *out, int64_t n, int64_t base, uint64_t state) {
   }
 }
 
+// The first packed sample of epoch e: ceil(e*T/S), the first whose first token lies in epoch e.
+inline int64_t epoch_start(int64_t e, int64_t tokens_per_epoch, int64_t seq_length) {
+  const __int128 t = static_cast<__int128>(e) * tokens_per_epoch;
+  return static_cast<int64_t>((t + seq_length - 1) / seq_length);
+}
+
 // Epoch e's block of packed samples, [first, end): those whose first token i*S lies in epoch e.
 template <typename I>
-void shuffle_samples(I *out, int64_t packed, int64_t epochs, int64_t tokens_per_epoch,
-                     int64_t seq_length, uint64_t seed) {
-  auto block_start = [&](int64_t e) -> int64_t {
-    const __int128 t = static_cast<__int128>(e) * tokens_per_epoch;
-    const __int128 b = (t + seq_length - 1) / seq_length;
-    return b < packed ? static_cast<int64_t>(b) : packed;
-  };
+void shuffle_samples(I *out, int64_t epochs, int64_t tokens_per_epoch, int64_t seq_length,
+                     uint64_t seed) {
   for (int64_t e = 0; e < epochs; ++e) {
-    const int64_t first = block_start(e);
-    const int64_t end = e + 1 == epochs ? packed : block_start(e + 1);
+    const int64_t first = epoch_start(e, tokens_per_epoch, seq_length);
+    const int64_t end = epoch_start(e + 1, tokens_per_epoch, seq_length);
     permute(out + first, end - first, first, mix_seed(seed, e, kSampleStream));
   }
 }
@@ -141,25 +151,30 @@ py::array_t<T> owned_array(T *data, std::vector<py::ssize_t> shape) {
   return py::array_t<T>(shape, data, owner);
 }
 
-// Epochs E, packed samples M (every whole sample of E epochs) and stream length N (num_samples,
-// or M). tokens_per_epoch > 0 is checked by the caller.
+// Epochs E, packed samples M (every sample of E epochs), stream length N (num_samples, or M) and
+// the epochs whose document order the packing reads (E, and more as far as sample M-1 reaches).
+// tokens_per_epoch > 0 is checked by the caller.
 void plan(int64_t tokens_per_epoch, int64_t seq_length, int64_t num_samples, int64_t num_epochs,
-          int64_t &epochs_out, int64_t &packed_out, int64_t &stream_out) {
+          int64_t &epochs_out, int64_t &packed_out, int64_t &stream_out, int64_t &laid_out) {
+  const __int128 T = tokens_per_epoch;
   if (num_samples >= 0) {
-    // Smallest E with E*T >= N*S + 1 (the last sample needs its extra target token).
-    const __int128 need = static_cast<__int128>(num_samples) * seq_length + 1;
-    const __int128 e = (need + tokens_per_epoch - 1) / tokens_per_epoch;
+    // Smallest E >= 1 with ceil(E*T/S) >= N, i.e. E*T >= (N-1)*S + 1.
+    const __int128 need = static_cast<__int128>(num_samples - 1) * seq_length + 1;
+    const __int128 e = need <= T ? 1 : (need + T - 1) / T;
     if (e > std::numeric_limits<int32_t>::max()) throw std::invalid_argument("too many epochs");
     epochs_out = static_cast<int64_t>(e);
   } else {
     epochs_out = num_epochs;
   }
-  const __int128 total = static_cast<__int128>(epochs_out) * tokens_per_epoch;
-  const __int128 packed = (total - 1) / seq_length;
-  if (packed >= std::numeric_limits<int64_t>::max() / 2)
+  const __int128 packed = (static_cast<__int128>(epochs_out) * T + seq_length - 1) / seq_length;
+  if (packed >= std::numeric_limits<int64_t>::max() / (2 * seq_length))
     throw std::invalid_argument("too many samples");
   packed_out = static_cast<int64_t>(packed);
   stream_out = num_samples >= 0 ? num_samples : packed_out;
+  // The final token, at flat position M*S, must exist: epochs until the stream holds M*S + 1.
+  const __int128 laid = (packed * seq_length + 1 + T - 1) / T;
+  if (laid > std::numeric_limits<int32_t>::max()) throw std::invalid_argument("too many epochs");
+  laid_out = static_cast<int64_t>(laid);
 }
 
 py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array::forcecast> lengths_,
@@ -182,9 +197,9 @@ py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array:
   }
   if (tokens_per_epoch == 0) throw std::invalid_argument("the corpus has no tokens");
 
-  int64_t epochs = 0, n = 0, stream = 0;  // n: packed samples (M above); stream: N
-  plan(tokens_per_epoch, seq_length, num_samples, num_epochs, epochs, n, stream);
-  const int64_t doc_total = epochs * num_docs;
+  int64_t epochs = 0, n = 0, stream = 0, laid = 0;  // n: packed samples (M above); stream: N
+  plan(tokens_per_epoch, seq_length, num_samples, num_epochs, epochs, n, stream, laid);
+  const int64_t doc_total = laid * num_docs;  // documents laid out; those past row M are dropped
   const bool wide = n > std::numeric_limits<int32_t>::max();  // shuffle_idx needs int64
   const size_t shuffle_item = wide ? sizeof(int64_t) : sizeof(int32_t);
 
@@ -204,7 +219,7 @@ py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array:
   int64_t nnz = 0;
   {
     py::gil_scoped_release release;
-    for (int64_t e = 0; e < epochs; ++e)
+    for (int64_t e = 0; e < laid; ++e)
       permute(doc_idx + e * num_docs, num_docs, 0, mix_seed(seed, e, kDocStream));
 
     const int64_t last = n * seq_length;  // flat position of the final token (row M)
@@ -236,15 +251,19 @@ py::dict build_sample_index(py::array_t<int32_t, py::array::c_style | py::array:
     while (ptr_filled <= n) ptr[ptr_filled++] = nnz;
 
     const int64_t T = tokens_per_epoch;
-    if (wide) shuffle_samples(static_cast<int64_t *>(shuffle), n, epochs, T, seq_length, seed);
-    else shuffle_samples(static_cast<int32_t *>(shuffle), n, epochs, T, seq_length, seed);
+    if (wide) shuffle_samples(static_cast<int64_t *>(shuffle), epochs, T, seq_length, seed);
+    else shuffle_samples(static_cast<int32_t *>(shuffle), epochs, T, seq_length, seed);
   }
+  // Documents after the one holding the final token are never read.
+  const int64_t docs_used = sample_idx[2 * n] + 1;
+  int32_t *doc_shrunk = static_cast<int32_t *>(std::realloc(doc_idx, sizeof(int32_t) * docs_used));
+  if (doc_shrunk) doc_idx = doc_shrunk;
 
   int32_t *shrunk = static_cast<int32_t *>(std::realloc(offs, sizeof(int32_t) * std::max<int64_t>(nnz, 1)));
   if (shrunk) offs = shrunk;
 
   py::dict out;
-  out["doc_idx"] = owned_array<int32_t>(doc_idx, {static_cast<py::ssize_t>(doc_total)});
+  out["doc_idx"] = owned_array<int32_t>(doc_idx, {static_cast<py::ssize_t>(docs_used)});
   out["sample_idx"] = owned_array<int64_t>(sample_idx, {static_cast<py::ssize_t>(n + 1), 2});
   out["boundary_ptr"] = owned_array<int64_t>(ptr, {static_cast<py::ssize_t>(n + 1)});
   out["boundary_offsets"] = owned_array<int32_t>(offs, {static_cast<py::ssize_t>(nnz)});

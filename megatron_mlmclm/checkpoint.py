@@ -209,8 +209,9 @@ def layout() -> dict[str, int]:
 
 
 def save_checkpoint(ckpt_dir: str | Path, iteration: int, chunks, optimizer, scheduler,
-                    trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """Save model, optimizer, scheduler, trainer state and RNG; atomic; prune to keep_last."""
+                    trainer_state: dict[str, Any], keep_last: int, keep=frozenset()) -> Path:
+    """Save model, optimizer, scheduler, trainer state and RNG; atomic; prune to the newest
+    keep_last, never touching the iterations in `keep`."""
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / iter_name(iteration)
     tmp = ckpt_dir / (iter_name(iteration) + ".tmp")
@@ -246,10 +247,21 @@ def save_checkpoint(ckpt_dir: str | Path, iteration: int, chunks, optimizer, sch
             os.fsync(f.fileno())
         os.replace(tmp_latest, ckpt_dir / "latest")
         _fsync_dir(ckpt_dir)  # the renames themselves
-        for old in complete_checkpoints(ckpt_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune(ckpt_dir, keep_last, keep)
     dist.barrier()
     return final
+
+
+def checkpoint_iteration(ckpt: Path) -> int:
+    return int(_ITER_RE.match(ckpt.name).group(1))
+
+
+def prune(ckpt_dir: str | Path, keep_last: int, keep=frozenset()) -> None:
+    """Delete complete checkpoints older than the newest `keep_last`, except those of the
+    iterations in `keep` (checkpoint.keep_every / keep_steps / keep_tokens: kept for good)."""
+    for old in complete_checkpoints(ckpt_dir)[:-keep_last]:
+        if checkpoint_iteration(old) not in keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:

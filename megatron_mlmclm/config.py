@@ -8,6 +8,7 @@ problem raises UsageError naming the dotted key and the fix.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import os
@@ -103,7 +104,8 @@ class PhaseDataConfig:
 @dataclass
 class PhaseConfig:
     """One phase of a run. Its length is one of share (of the run's budget, in the run's unit),
-    steps, tokens or flops; everything else is optional and inherits the run's value."""
+    steps, tokens or flops; one phase may give none and takes what the others leave of the budget.
+    Everything else is optional and inherits the run's value."""
 
     objective: str = "mlm"  # "clm" or "mlm"
     share: Optional[float] = None
@@ -184,6 +186,10 @@ class TrainConfig:
     fp8: Optional[str] = None  # None | delayed | current | mxfp8 (Transformer Engine only)
     recompute: Optional[str] = None  # None | selective | full
     init_from: Optional[str] = None  # weights only: continued pretraining from a checkpoint
+    # A stable checkpoint of another run of this config with another budget (RUN/checkpoints/
+    # iter_N): this run starts there, as that run's resume would, and decays on its own budget
+    # (training/branch.py says what may differ).
+    branch_from: Optional[str] = None
     # Faults (training/faults.py, docs/cluster.md): a step that makes no progress for
     # hang_timeout_s ends the rank for a requeue. None = auto (20x the median step, >= 600 s);
     # 0 = no watchdog. Loading, the first step, evaluation and saving get hang_timeout_long_s
@@ -203,6 +209,12 @@ class CheckpointConfig:
     dir: Optional[str] = None  # default: <output_dir>/checkpoints
     save_interval: int = 0  # 0: only at the end
     keep_last: int = 2
+    # Checkpoints kept for good (never pruned), each saved even off save_interval: every
+    # keep_every-th step (0: none), the steps in keep_steps, and for each count in keep_tokens the
+    # first step by whose end the run has read that many tokens.
+    keep_every: int = 0
+    keep_steps: list[int] = field(default_factory=list)
+    keep_tokens: list[float] = field(default_factory=list)
     resume: bool = True  # resume from the latest complete checkpoint in dir
     # Resume even though the data stream or masks changed (batch size, data, seed, phases): the
     # run continues from the checkpoint's consumed_samples in the new stream (docs/pretrain.md).
@@ -433,6 +445,7 @@ def finalize_run_config(cfg: RunConfig) -> RunConfig:
         cfg.checkpoint.dir = str(Path(cfg.output_dir) / "checkpoints")
     if cfg.checkpoint.save_interval < 0 or cfg.checkpoint.keep_last < 1:
         raise UsageError("checkpoint.save_interval must be >= 0 and checkpoint.keep_last >= 1")
+    kept_steps(cfg)  # checks the keep_* settings against the budget
     if not cfg.data.mock and not cfg.data.train:
         raise UsageError("data.train is empty; give shard prefixes (mlmclm preprocess writes them) "
                          "or set data.mock=true")
@@ -611,28 +624,33 @@ def validate_train(t: TrainConfig) -> None:
 def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
     """Check phases and turn shares into integer step counts that sum exactly to `total`.
 
-    Each phase gives `share` (fraction of the budget) or `steps`. Shares are rounded so that the
-    phase boundaries are round(cumulative share x total): 25%/75% of 42000 -> 10500/31500. The
-    resolved counts are written back to `phase.steps`, so a dumped config holds both; a phase that
-    gives both is accepted when the steps are what the share resolves to (the config round trip).
+    Each phase gives `share` (fraction of the budget) or `steps`, except that one may give neither
+    and takes what the others leave. Shares are rounded so that the phase boundaries are
+    round(cumulative share x total): 25%/75% of 42000 -> 10500/31500. The resolved counts are
+    written back to `phase.steps`, so a dumped config holds both; a phase that gives both is
+    accepted when the steps are what the share resolves to (the config round trip).
     """
     if not phases:
         raise UsageError("phases is empty; give at least one phase, e.g. [{objective: mlm}]")
-    if len(phases) == 1 and phases[0].share is None and phases[0].steps is None:
-        phases[0].steps = total
-        return [total]
-    unset = [i for i, ph in enumerate(phases) if ph.share is None and ph.steps is None]
-    if unset:
-        raise UsageError(f"phases.{unset[0]} needs share or steps (several phases share the budget)")
-    shares = [ph.share if ph.share is not None else ph.steps / total for ph in phases]
+    rest = _rest_phase(phases)
+    shares = [ph.share if ph.share is not None else ph.steps / total if ph.steps is not None
+              else 0.0 for ph in phases]
+    if rest is not None:
+        shares[rest] = 1.0 - sum(shares)
+        if shares[rest] < -1e-9:
+            raise UsageError(f"the phases other than phases.{rest} take more than the budget "
+                             f"(train.steps={total}); shorten them or raise train.steps")
+        shares[rest] = max(shares[rest], 0.0)
     if not math.isclose(sum(shares), 1.0, abs_tol=1e-6):
         given = " + ".join(f"{s:g}" for s in shares)
         raise UsageError(f"phase shares must sum to the budget (train.steps={total}): "
-                         f"{given} = {sum(shares):g}; adjust phases.N.share or phases.N.steps")
+                         f"{given} = {sum(shares):g}; adjust phases.N.share or phases.N.steps, "
+                         "or leave one phase without a length to take the rest")
     counts, cum, prev = [], 0.0, 0
-    for ph, s in zip(phases, shares):
+    for i, (ph, s) in enumerate(zip(phases, shares)):
         cum += s
-        boundary = int(round(cum * total)) if ph.share is not None else ph.steps + prev
+        boundary = (int(round(cum * total)) if ph.share is not None or i == rest
+                    else ph.steps + prev)
         counts.append(boundary - prev)
         prev = boundary
     counts[-1] += total - prev
@@ -642,6 +660,17 @@ def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
                              f"and steps {ph.steps}, which disagree; keep one")
         ph.steps = c
     return counts
+
+
+def _rest_phase(phases: list[PhaseConfig]) -> Optional[int]:
+    """The one phase that gives no length (it takes the rest of the budget), or None."""
+    unset = [i for i, ph in enumerate(phases)
+             if all(getattr(ph, k) is None for k in ("share", "steps", "tokens", "flops"))]
+    if len(unset) > 1:
+        raise UsageError(f"phases.{unset[0]} and phases.{unset[1]} give no length; one phase may "
+                         "take the rest of the budget, the others need share, steps, tokens or "
+                         "flops")
+    return unset[0] if unset else None
 
 
 def phase_at(phases: list[PhaseConfig], step: int) -> tuple[int, PhaseConfig]:
@@ -803,10 +832,7 @@ def resolve_budget(cfg: RunConfig) -> None:
     else:
         budget = float(getattr(t, unit))
         per = step_flops if unit == "flops" else step_tokens
-        only = phases[0]
-        if len(phases) == 1 and only.steps is None and all(
-                getattr(only, n) is None for n in ("share", "tokens", "flops")):
-            only.share = 1.0  # one phase takes the whole budget
+        rest = _rest_phase(phases)  # it takes what the others leave, as a share
         used, share_sum = 0.0, 0.0
         for i, ph in enumerate(phases):
             if ph.share is not None:
@@ -815,9 +841,9 @@ def resolve_budget(cfg: RunConfig) -> None:
                 used += _exact_steps(cfg, ph) * per(cfg, ph)
             elif ph.steps is not None:
                 used += ph.steps * per(cfg, ph)
-            else:
-                raise UsageError(f"phases.{i} needs share, steps, tokens or flops (several phases "
-                                 "share the budget)")
+        if rest is not None:
+            phases[rest].share = max(1.0 - share_sum - used / budget, 0.0)
+            share_sum += phases[rest].share
         if not math.isclose(share_sum * budget + used, budget, rel_tol=1e-6):
             raise UsageError(f"phases must fill train.{unit}={budget:g}: shares {share_sum:g} x "
                              f"{budget:g} + {used:g} given in absolute lengths = "
@@ -877,9 +903,45 @@ def resolve_decay(cfg: RunConfig) -> None:
     t.decay_steps = steps
 
 
-def run_flops(cfg: RunConfig) -> float:
-    """Training FLOPs of the whole run as its phases spend them (step_flops)."""
-    return sum(ph.steps * step_flops(cfg, ph) for ph in cfg.phases)
+def run_flops(cfg: RunConfig, first_step: int = 0) -> float:
+    """Training FLOPs of the run as its phases spend them (step_flops), from step `first_step`
+    on (a branch trains only the steps after its branch point)."""
+    return sum(n * step_flops(cfg, ph) for ph, n in _steps_per_phase(cfg, first_step))
+
+
+def tokens_at_step(cfg: RunConfig, step: int) -> int:
+    """Tokens the run has read by the end of its first `step` steps."""
+    return sum(n * step_tokens(cfg, ph) for ph, n in _steps_per_phase(cfg, 0, step))
+
+
+def _steps_per_phase(cfg: RunConfig, first: int, end: Optional[int] = None):
+    """(phase, how many of the steps [first, end) it owns) for each phase."""
+    start, end = 0, cfg.train.steps if end is None else end
+    for ph in cfg.phases:
+        yield ph, max(0, min(end, start + ph.steps) - max(first, start))
+        start += ph.steps
+
+
+def kept_steps(cfg: RunConfig) -> list[int]:
+    """The steps whose checkpoints are kept for good (checkpoint.keep_every, keep_steps,
+    keep_tokens), sorted; UsageError for a setting the run never reaches."""
+    c, total = cfg.checkpoint, cfg.train.steps
+    if c.keep_every < 0:
+        raise UsageError(f"checkpoint.keep_every must be >= 0 (0: none), got {c.keep_every}")
+    kept = set(range(c.keep_every, total + 1, c.keep_every)) if c.keep_every else set()
+    for step in c.keep_steps:
+        if not 1 <= step <= total:
+            raise UsageError(f"checkpoint.keep_steps: step {step} is outside this run's steps "
+                             f"1-{total}")
+        kept.add(step)
+    run_tokens = tokens_at_step(cfg, total)
+    for tokens in c.keep_tokens:
+        if not 0 < tokens <= run_tokens:
+            raise UsageError(f"checkpoint.keep_tokens: {tokens:g} tokens is outside this run's "
+                             f"{run_tokens:g} tokens")
+        steps = range(1, total + 1)  # tokens_at_step grows with the step: bisect
+        kept.add(steps[bisect.bisect_left(steps, tokens, key=lambda k: tokens_at_step(cfg, k))])
+    return sorted(kept)
 
 
 def budget_report(cfg: RunConfig) -> list[str]:

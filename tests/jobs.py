@@ -1,5 +1,5 @@
-"""Test helpers: launching `mlmclm pretrain` as a real (torchrun) job and reading its metrics, and a
-small BPE tokenizer trained on a ten-word corpus."""
+"""Test helpers: launching `mlmclm pretrain` as a real (torchrun) job or training in this process,
+reading its metrics, and small BPE tokenizers."""
 
 from __future__ import annotations
 
@@ -40,6 +40,24 @@ def run_pretrain(config: Path, overrides: list[str], nproc: int = 1, check: bool
     return proc
 
 
+def train_in_process(config, overrides: list[str], **options):
+    """A whole run in this process (a world of one), torn down after; -> the Trainer."""
+    from megatron_mlmclm.config import load_config  # megatron-core: imported when needed
+    from megatron_mlmclm.runtime import distributed as rt
+    from megatron_mlmclm.training.trainer import Trainer
+
+    trainer = Trainer(load_config(config, overrides), **options)
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.close()
+        rt.destroy_distributed()
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # set for the world of one
+            os.environ.pop(key, None)
+    return trainer
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -59,3 +77,14 @@ def word_tokenizer(root: Path, vocab_size: int) -> Path:
     train_tokenizer([str(root / "corpus.txt")], root / "tok", vocab_size, txt_split_lines=True,
                     progress=False, min_frequency=1)
     return root / "tok"
+
+
+def line_tokenizer(root: Path) -> tuple[Path, int]:
+    """A 300-token BPE trained on 200 numbered lines; -> (root/tok, its vocabulary size)."""
+    from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
+
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"line {i} of a small corpus, word {i * 7}"})
+                              + "\n" for i in range(200)))
+    tok = train_tokenizer([str(corpus)], root / "tok", 300, progress=False)
+    return tok, len(load_tokenizer(tok))

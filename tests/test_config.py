@@ -107,6 +107,23 @@ def test_phase_steps_sum_exactly_and_zero_share_phases_are_skipped():
     assert [phase_at(phases, s)[1].objective for s in (0, 9, 10, 19)] == ["clm", "clm", "mlm", "mlm"]
 
 
+def test_one_phase_without_a_length_takes_the_rest_of_the_budget():
+    """CLM for an absolute length, MLM for whatever the budget leaves: a budget change moves only
+    the last phase's end (what a decay branch needs)."""
+    phases = "phases=[{objective: clm, steps: 30}, {objective: mlm}]"
+    for steps in (40, 100):
+        cfg = load_config(None, MOCK + [phases, f"train.steps={steps}"])
+        assert [p.steps for p in cfg.phases] == [30, steps - 30]
+    # in tokens: the tiny preset reads 8 x 128 = 1,024 tokens a step
+    cfg = load_config(None, MOCK + ["phases=[{objective: clm, tokens: 10240}, {objective: mlm}]",
+                                    "train.steps=null", "train.tokens=40960"])
+    assert [p.steps for p in cfg.phases] == [10, 30] and cfg.train.steps == 40
+    with pytest.raises(UsageError, match="phases.0 and phases.1 give no length"):
+        load_config(None, MOCK + ["phases=[{objective: clm}, {objective: mlm}]"])
+    with pytest.raises(UsageError, match="other than phases.1 take more than the budget"):
+        load_config(None, MOCK + [phases, "train.steps=20"])
+
+
 def test_dumped_and_dry_run_configs_load_back_unchanged(tmp_path, capsys):
     """A run's config.yaml and the --dry-run output are valid configs of the same run."""
     src = tmp_path / "c.yaml"

@@ -85,7 +85,7 @@ def test_packed_dataset_matches_reference(shards, tmp_path):
     total = sum(LENGTHS_A)
     n = (2 * total) // S + 3  # crosses into a third epoch
     ds = PackedDataset(shards[0], S, n, seed=3, cache_dir=tmp_path)
-    assert len(ds) == n and ds.index.num_epochs == 3 and ds.index.num_packed == (3 * total - 1) // S
+    assert len(ds) == n and ds.index.num_epochs == 3 and ds.index.num_packed == -(-3 * total // S)
     ref = check_dataset(ds, LENGTHS_A, 1, seed=3)
     # the 30-token document (id 2) appears in at least 3 consecutive packed samples, one of them
     # entirely inside it with positions continuing from its true offset
@@ -114,7 +114,7 @@ def test_long_documents_are_not_served_as_consecutive_windows(tmp_path):
     builder.finalize(prefix + ".idx")
     ds = PackedDataset(prefix, S, 0, seed=7, num_epochs=1)
     m = len(ds)
-    assert m == ds.index.num_packed == (12 * 2000 - 1) // S
+    assert m == ds.index.num_packed == 12 * 2000 // S
 
     def contiguous(get):
         last = np.array([get(k)["tokens"][-1] for k in range(m)])
@@ -148,6 +148,19 @@ def test_blended_dataset(shards):
     assert abs(ds2.weights[0] - share) < 1e-12
     with pytest.raises(ValueError):
         BlendedPackedDataset([ds.datasets[0]], [1.0], len(ds.datasets[0]) + 1)
+
+
+@pytest.mark.parametrize("blend", [False, True])
+def test_a_larger_budget_reads_the_same_samples_first(shards, tmp_path, blend):
+    """Datasets built for n and n' > n samples serve the same first n samples, token for token,
+    across epoch ends and through a blend (the trainer builds each for its run's samples)."""
+    items = ["0.7", shards[0], "0.3", shards[1]] if blend else [shards[0]]
+    longest = build_train_dataset(items, S, 90, seed=5, cache_dir=tmp_path)
+    for n in (1, 13, 14, 15, 29, 30, 44, 61):
+        ds = build_train_dataset(items, S, n, seed=5, cache_dir=tmp_path)
+        for k in range(n):
+            for key in ("tokens", "document_ids", "position_ids"):
+                assert ds[k][key].tolist() == longest[k][key].tolist(), (n, k, key)
 
 
 def test_parse_prefixes():

@@ -25,14 +25,12 @@ import torch
 import yaml
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from jobs import read_metrics
+from jobs import read_metrics, train_in_process
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import PhaseConfig, load_config
 from megatron_mlmclm.data.dataset import PackedDataset
 from megatron_mlmclm.training.loader import FIELDS, Plan, build_loader
 from megatron_mlmclm.objectives import TokenSpec, make_batch
-from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.trainer import Trainer
 
 LOADERS = ["sync", "workers", "dali"]
 SPEC = TokenSpec(vocab_size=300, mask_id=3, special_ids=(0, 1, 2, 3))
@@ -195,15 +193,7 @@ RUN = {
 
 def train_here(config, overrides) -> dict[int, float]:
     """A whole run in this process (a world of one); step -> loss, the last record of each step."""
-    trainer = Trainer(load_config(config, overrides))
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        trainer.close()
-        rt.destroy_distributed()
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # set for the world of one
-            os.environ.pop(key, None)
+    trainer = train_in_process(config, overrides)
     return {m["step"]: m["loss"] for m in read_metrics(trainer.cfg.output_dir) if "loss" in m}
 
 

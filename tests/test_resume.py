@@ -9,7 +9,6 @@ checkpoint.allow_data_change, which continues from the saved consumed_samples.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -23,10 +22,10 @@ import torch
 import yaml
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from jobs import job_env, pretrain_cmd, read_metrics, run_pretrain
+from jobs import job_env, line_tokenizer, pretrain_cmd, read_metrics, run_pretrain
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
-from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.training.resume import check_resume
@@ -162,11 +161,7 @@ def write_shard(prefix, vocab, seed):
 def shard_run(tmp_path_factory):
     """(config path, folder): a 3-step MLM run on shard `a`, checkpointed at every step."""
     root = tmp_path_factory.mktemp("shard_run")
-    corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"line {i} of a small corpus, word {i * 7}"})
-                              + "\n" for i in range(200)))
-    tok = train_tokenizer([str(corpus)], root / "tok", 300, progress=False)
-    vocab = len(load_tokenizer(tok))
+    tok, vocab = line_tokenizer(root)
     write_shard(root / "a", vocab, seed=1)
     write_shard(root / "b", vocab, seed=2)
     cfg = {"output_dir": str(root / "run"), "model": {"preset": "tiny", "seq_length": 32},
@@ -288,3 +283,24 @@ def test_checkpoint_without_fingerprint_resumes_with_a_warning(shard_run):
     consumed, notes = check_resume(ckpt, state, cfg, {"train.global_batch_size": 8})
     assert consumed == 3 * GBS
     assert len(notes) == 1 and notes[0].startswith("warning: ") and "no data fingerprint" in notes[0]
+
+
+def test_checkpoint_of_the_length_dependent_sample_order_is_refused(shard_run):
+    """A checkpoint saved before the order stopped depending on the run's length holds no
+    data.sample_order: resuming it here would read other samples, so it is refused in one line
+    that names the way out; allow_data_change continues in the new order."""
+    path, root = shard_run
+    ckpt = root / "run" / "checkpoints" / "iter_0000003"
+    state = dict(read_trainer_state(ckpt)["trainer"])
+    fp = dict(state["data_fingerprint"])
+    assert fp.pop("data.sample_order") == 2
+    state["data_fingerprint"] = fp
+    cfg = load_config(path)
+    new_fp = dict(fp, **{"data.sample_order": 2})
+    with pytest.raises(UsageError) as e:
+        check_resume(ckpt, state, cfg, new_fp)
+    assert "sample order depended on the run's length" in str(e.value)
+    assert "continue in the new order from sample 12" in str(e.value)
+    cfg.checkpoint.allow_data_change = True
+    consumed, notes = check_resume(ckpt, state, cfg, new_fp)
+    assert consumed == 12 and any("data.sample_order" in n for n in notes)

@@ -61,12 +61,20 @@ def ref_shuffle_idx(tokens_per_epoch, seq_length, packed, seed):
     return out
 
 
+def ref_epochs(T, seq_length, num_samples):
+    """Fewest epochs (>= 1) whose samples (those starting in them) number num_samples or more."""
+    e = 1
+    while -(-e * T // seq_length) < num_samples:
+        e += 1
+    return e
+
+
 def ref_index(lengths, doc_idx, seq_length, epochs):
     """Flatten token by token: each token is (position in doc_idx, offset in its document).
 
-    Every whole sample of the epochs is packed: M = (epochs * T - 1) // seq_length."""
+    Every sample whose first token lies in the epochs is packed: M = ceil(epochs * T / S)."""
     T = int(sum(lengths))
-    n = (epochs * T - 1) // seq_length
+    n = -(-epochs * T // seq_length)
     stream = []
     for j, d in enumerate(doc_idx):
         for o in range(lengths[d]):
@@ -84,16 +92,17 @@ def check_against_reference(lengths, seq_length, seed, num_samples=None, num_epo
                              num_epochs=num_epochs)
     D = len(lengths)
     T = int(lengths.sum())
-    if num_samples is not None:
-        epochs = -(-(num_samples * seq_length + 1) // T)
-    else:
-        epochs = num_epochs
+    epochs = ref_epochs(T, seq_length, num_samples) if num_samples is not None else num_epochs
     assert idx.num_epochs == epochs
-    assert idx.doc_idx.dtype == np.int32 and idx.doc_idx.shape == (epochs * D,)
+    # E whole epochs, then the next epochs' orders as far as the last sample reaches
+    assert idx.doc_idx.dtype == np.int32 and idx.doc_idx.shape[0] >= epochs * D
+    laid = -(-idx.doc_idx.shape[0] // D)
     for e in range(epochs):
         part = idx.doc_idx[e * D:(e + 1) * D]
         assert sorted(part.tolist()) == list(range(D)), f"epoch {e} is not a permutation"
-        assert part.tolist() == ref_shuffle(D, seed, e)
+    order = [d for e in range(laid) for d in ref_shuffle(D, seed, e)]
+    assert idx.doc_idx.tolist() == order[:idx.doc_idx.shape[0]]
+    assert idx.sample_idx[-1, 0] == idx.doc_idx.shape[0] - 1  # no document past the final token
     m, ref_sample_idx, ref_bounds = ref_index(lengths.tolist(), idx.doc_idx.tolist(), seq_length,
                                               epochs)
     assert idx.num_packed == m
@@ -150,17 +159,19 @@ def test_leading_empty_documents_and_boundary_at_window_end():
 
 def test_zero_samples():
     idx = build_sample_index([5, 3], 8, 0, num_samples=0)
-    assert idx.num_samples == 0 and idx.sample_idx.shape == (1, 2)
-    assert idx.boundary_ptr.tolist() == [0] and idx.shuffle_idx.shape == (0,)
+    # one epoch of 8 tokens holds one sample, which ends on the next epoch's first token
+    assert idx.num_samples == 0 and idx.num_packed == 1 and idx.sample_idx.shape == (2, 2)
+    assert idx.shuffle_idx.tolist() == [0]
+    check_against_reference([5, 3], 8, 0, num_samples=0)
     idx = check_against_reference([50, 30], 8, 4, num_samples=0)  # the epoch is still packed
-    assert len(idx) == 0 and idx.num_packed == 9
+    assert len(idx) == 0 and idx.num_packed == 10
 
 
 def test_short_run_draws_from_the_whole_epoch():
     # 10 of 999 samples: they come from all over the epoch, not from its first 10 windows
     lengths = np.full(20, 800, dtype=np.int32)
     idx = check_against_reference(lengths, 16, 2, num_samples=10)
-    assert idx.num_packed == (20 * 800 - 1) // 16 and idx.shuffle_idx[:10].max() > 100
+    assert idx.num_packed == 20 * 800 // 16 and idx.shuffle_idx[:10].max() > 100
 
 
 def test_each_epoch_is_finished_before_the_next():
@@ -169,6 +180,40 @@ def test_each_epoch_is_finished_before_the_next():
     T = int(lengths.sum())
     epoch_of_sample = idx.shuffle_idx.astype(np.int64) * 12 // T
     assert (np.diff(epoch_of_sample) >= 0).all() and epoch_of_sample[-1] == 3
+
+
+def stream_tokens(idx, lengths, k):
+    """The S + 1 tokens of stream position k as (document, offset) pairs, walked through doc_idx
+    from the sample's first token (empty documents skipped)."""
+    j, o = (int(x) for x in idx.sample_idx[int(idx.shuffle_idx[k])])
+    out = []
+    while len(out) < idx.seq_length + 1:
+        d = int(idx.doc_idx[j])
+        take = min(int(lengths[d]) - o, idx.seq_length + 1 - len(out))
+        out += [(d, o + t) for t in range(take)]
+        j, o = j + 1, 0
+    return out
+
+
+@pytest.mark.parametrize("seq_length", [16, 300])  # 300: longer than an epoch of 3 documents
+def test_a_longer_stream_begins_with_the_shorter_one(seq_length):
+    """The order is a function of (documents, seq_length, seed): asked for N or N' > N samples,
+    the index gives the same first N samples, at every N, across epoch ends (a run's budget
+    never changes what it reads)."""
+    rng = np.random.default_rng(12)
+    lengths = rng.integers(0, 50, size=70) if seq_length == 16 else np.array([40, 0, 90])
+    lengths[rng.choice(lengths.size, lengths.size // 5, replace=False)] = 0
+    lengths[-1] = max(int(lengths[-1]), 1)
+    per_epoch = -(-int(lengths.sum()) // seq_length)
+    longest = build_sample_index(lengths, seq_length, 7, num_samples=4 * per_epoch + 3)
+    reference = [stream_tokens(longest, lengths, k) for k in range(len(longest))]
+    for n in sorted({1, 2, per_epoch - 1, per_epoch, per_epoch + 1, 2 * per_epoch,
+                     2 * per_epoch + 1, 3 * per_epoch - 1} - {0}):
+        idx = build_sample_index(lengths, seq_length, 7, num_samples=n)
+        assert [stream_tokens(idx, lengths, k) for k in range(n)] == reference[:n], n
+    whole = build_sample_index(lengths, seq_length, 7, num_epochs=2)
+    assert len(whole) == -(-2 * int(lengths.sum()) // seq_length)
+    assert [stream_tokens(whole, lengths, k) for k in range(len(whole))] == reference[:len(whole)]
 
 
 def adjacent_fraction(shuffle_idx):

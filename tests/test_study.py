@@ -116,21 +116,23 @@ def test_bad_design_is_refused_before_any_work(tmp_path, capsys):
 @pytest.mark.timeout(1200)
 def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     """Five recipes x one pretraining seed, SST-2 only: the whole pipeline, the report's sections
-    (with the FLOPs of each recipe and the compute-matched comparison), then a second invocation
+    (with the FLOPs of each recipe, the compute-matched comparison and the learning curve of CLM
+    and MLM at 10 and 20 of 40 steps, decay branches of the full runs), then a second invocation
     that reuses every stage, and a changed design refused."""
     out = tmp_path / "study"
     args = [sys.executable, "-m", "megatron_mlmclm", "study", "--out", str(out),
             "--steps", "40", "--cpt-steps", "10", "--pretrain-seeds", "0", "--tasks", "sst2",
             "--seeds", "0", "1", "2", "--finetune-steps", "4", "--batch-size", "8",
             "--max-length", "32", "--max-train-examples", "64", "--max-eval-examples", "32",
-            "--max-widen", "1", "--vocab-size", "1024"]
+            "--max-widen", "1", "--curve-tasks", "sst2", "--vocab-size", "1024"]
     env = dict(os.environ, MLMCLM_DATA_DIR=str(data_dir))
     first = subprocess.run(args, env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]
 
     report = (out / "report.md").read_text()
     for section in ("## Pretraining: does MLM use context?", "## Fine-tuning learning-rate grids",
-                    "## Scores per recipe", "## The study's comparisons"):
+                    "## Scores per recipe", "## The study's comparisons",
+                    "## Learning curve: score against pretraining tokens"):
         assert section in report
     pre = (out / "pretraining.csv").read_text().splitlines()
     assert len(pre) == 1 + 5  # five recipes, one seed
@@ -145,18 +147,27 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     assert steps > 40 and f"MLM 40% trains {steps} steps where CLM trains 40" in report
     assert max(json.loads(l)["step"] for l in
                (out / "runs" / "mlm40-flops-p0" / "metrics.jsonl").read_text().splitlines()) == steps
-    for plot in ("lr_sst2.png", "comparisons.png", "pretraining.png"):
+    for name, start in (("clm-b10-p0", 9), ("mlm40-b20-p0", 18)):  # branched where decay starts
+        train = (out / "runs" / name / "train.log").read_text()
+        assert f"iter_{start:07d}" in train and "branching from" in train
+    curve = (out / "learning_curve.csv").read_text().splitlines()
+    assert len(curve) == 1 + 2 * 3 * 2  # CLM, MLM x 10, 20, 40 steps x (sst2, overall)
+    for plot in ("lr_sst2.png", "comparisons.png", "pretraining.png", "learning_curve.png"):
         assert (out / "plots" / plot).stat().st_size > 1000
     assert (out / "models" / "report.md").is_file()
     results = sorted(out.glob("eval/**/*.json"))
     final_grid = max(len(json.loads(p.read_text())["grid"]["lrs"]) for p in results)
-    assert len(results) == 5 * final_grid * 3  # every model, every LR of the final grid, 3 seeds
+    curve_results = [p for p in results if "-b" in json.loads(p.read_text())["model"]]
+    # every model, every LR of the final grid, 3 seeds; the curve's 4 models at the LR their
+    # recipe's one full model chose
+    assert len(results) - len(curve_results) == 5 * final_grid * 3
+    assert len(curve_results) == 4 * 3
 
     stamps = {p: p.stat().st_mtime_ns for p in results}
     # --workers changes the pace, not the design: the folder is reused.
     second = subprocess.run(args + ["--workers", "1"], env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "5 runs" in second.stderr and "5 done already" in second.stderr
+    assert "9 runs" in second.stderr and "9 done already" in second.stderr
     assert {p: p.stat().st_mtime_ns for p in sorted(out.glob("eval/**/*.json"))} == stamps
     report = (out / "report.md").read_text()
     assert len(json.loads((out / "study.json").read_text())["invocations"]) == 2
@@ -180,3 +191,67 @@ def test_compute_matched_recipe_gets_the_steps_the_clm_runs_flops_buy():
     per_step = step_flops(matched, matched.phases[0])
     assert abs(run_flops(matched) - clm) <= per_step / 2
     assert recipe_steps(design, "mlm40-flops") == matched.train.steps > design.steps
+
+
+def test_learning_curve_points_and_verdicts_against_hand_computed_values(tmp_path):
+    """CLM and MLM 40% at 250, 500 and 1,000 steps on SciFact, 2 pretraining x 3 fine-tuning seeds:
+    every point's tokens (steps x 16 sequences x 128 tokens), mean and interval, the paired CLM -
+    MLM rows and the early-vs-full lead, the figure; and where the branches start."""
+    import yaml
+
+    from megatron_mlmclm.study.curves import curve_comparisons, curve_rows, plot_curves
+    from megatron_mlmclm.study.pipeline import _config
+
+    design = StudyDesign()  # steps 1000, curve shares 0.25 / 0.5
+    assert design.curve_budgets() == [250, 500]
+    base = {("clm", 250): 0.20, ("clm", 500): 0.25, ("clm", 1000): 0.29,
+            ("mlm40", 250): 0.08, ("mlm40", 500): 0.12, ("mlm40", 1000): 0.15}
+    noise = {(p, s): 0.01 * ((3 * p + 7 * s) % 5 - 2) for p in (0, 1) for s in (0, 1, 2)}
+    full, curve = [], []
+    for (recipe, steps), score in base.items():
+        for p in (0, 1):
+            name = f"{recipe}-p{p}" if steps == 1000 else f"{recipe}-b{steps}-p{p}"
+            clm_noise = 1 + (recipe == "clm")  # CLM's pairs vary twice as much
+            if steps == 1000:
+                full += grid(name, "scifact", lambda lr, s: score + clm_noise * noise[(p, s)]
+                             - 0.05 * (lr != 3e-3))
+            else:  # fine-tuned at the one LR the full models chose
+                curve += [result(name, "scifact", 3e-3, s, score + clm_noise * noise[(p, s)], 0.9)
+                          for s in (0, 1, 2)]
+    grids = {"scifact": {"results": full, "curve_results": curve}}
+
+    rows = {(r["recipe"], r["steps"], r["task"]): r for r in curve_rows(design, grids, ["scifact"])}
+    assert len(rows) == 2 * 3 * 2  # recipe x budget x (scifact, overall)
+    for (recipe, steps), score in base.items():
+        r = rows[(recipe, steps, "scifact")]
+        samples = [100 * (score + (1 + (recipe == "clm")) * noise[k]) for k in sorted(noise)]
+        mean, lo, hi = reference_ci(samples)
+        assert r["tokens"] == steps * 16 * 128 and r["pairs"] == 6
+        assert math.isclose(r["score"], mean) and math.isclose(r["score"] - r["ci95"], lo)
+
+    cmp = curve_comparisons(design, grids, ["scifact"])
+    assert [r["pairs"] for r in cmp] == [6] * 4
+    for r, steps in zip(cmp, (250, 500, 1000)):
+        diffs = [100 * (base[("clm", steps)] - base[("mlm40", steps)] + noise[k])
+                 for k in sorted(noise)]
+        mean, lo, hi = reference_ci(diffs)
+        assert math.isclose(r["diff"], mean) and math.isclose(r["lo"], lo)
+        assert r["verdict"] == "agrees"  # CLM ahead by 10-14 points at every budget
+    # CLM's lead: 12 points at 250 steps, 14 at 1,000 (noise cancels): it grows, not shrinks.
+    assert math.isclose(cmp[-1]["diff"], 12 - 14) and cmp[-1]["verdict"] == "disagrees"
+
+    assert (tmp_path / plot_curves(tmp_path, list(rows.values()), ["scifact"],
+                                   {"scifact": "ndcg@10"})).stat().st_size > 1000
+
+    # The full CLM run keeps the checkpoints where the branches' decays start (25 and 50 steps
+    # before their ends); the 250-step branch starts from the first.
+    prefixes = {"train": "t", "valid": "v"}
+    full_cfg = yaml.safe_load(_config(tmp_path, design, "clm-p0", tmp_path, prefixes).read_text())
+    assert full_cfg["checkpoint"]["keep_steps"] == [225, 450]
+    branch = yaml.safe_load(_config(tmp_path, design, "clm-b250-p0", tmp_path,
+                                    prefixes).read_text())
+    assert branch["train"]["steps"] == 250 and branch["train"]["decay_steps"] == 25
+    assert branch["train"]["branch_from"].endswith("runs/clm-p0/checkpoints/iter_0000225")
+    assert {k: v for k, v in branch["train"].items() if k not in ("steps", "decay_steps",
+                                                                   "branch_from")} \
+        == {k: v for k, v in full_cfg["train"].items() if k not in ("steps", "decay_steps")}

@@ -2,12 +2,14 @@
 kept (convert/).
 
     mlmclm convert to-hf CKPT OUT [--arch eurobert|llama|qwen3] [--causal-lm] [--tokenizer DIR]
-                                  [--clf-pooling late|mean|bos] [--force]
+                                  [--clf-pooling late|mean|bos] [--force] [--all | --steps N ...]
     mlmclm convert from-hf HF_DIR OUT [--force] [--seed N]
     mlmclm convert from-megatron-lm CKPT OUT --tokenizer DIR [--force] [--seed N]
 
 CKPT is a run's checkpoints folder (its latest complete checkpoint) or one iter_NNNNNNN folder,
-saved at any TP/PP layout. Bad input exits with status 2 and one line; nothing partial is left.
+saved at any TP/PP layout. With --all (every complete checkpoint of the folder) or --steps, OUT is
+a folder of exports named OUT/step<N>-tokens<T> (a run's kept checkpoints: learning curves). Bad
+input exits with status 2 and one line; nothing partial is left.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ def add_arguments(parser) -> None:
     p.add_argument("--clf-pooling", default="late", choices=("late", "mean", "bos"),
                    help="EuroBERT classifier_pooling for sequence classification (default: late)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
+    many = p.add_mutually_exclusive_group()
+    many.add_argument("--all", action="store_true",
+                      help="export every complete checkpoint of the CKPT folder into "
+                           "OUT/step<N>-tokens<T>/")
+    many.add_argument("--steps", nargs="+", type=int, metavar="N",
+                      help="export these steps' checkpoints of the CKPT folder into "
+                           "OUT/step<N>-tokens<T>/")
 
     q = sub.add_parser("from-hf", help="Hugging Face decoder -> megatron checkpoint for MLM",
                        description="Import a local Llama-family / Qwen3 / EuroBERT folder as a "
@@ -64,10 +73,14 @@ def run(args) -> int:
     warnings.filterwarnings("ignore")
     # Imported here, one direction at a time: megatron-core and transformers would slow `--help`.
     if args.direction == "to-hf":
-        from megatron_mlmclm.convert.hf_export import to_hf
+        from megatron_mlmclm.convert.hf_export import to_hf, to_hf_many
 
-        to_hf(args.checkpoint, args.out, arch=args.arch, causal_lm=args.causal_lm,
-              tokenizer=args.tokenizer, force=args.force, clf_pooling=args.clf_pooling)
+        options = dict(arch=args.arch, causal_lm=args.causal_lm, tokenizer=args.tokenizer,
+                       force=args.force, clf_pooling=args.clf_pooling)
+        if args.all or args.steps:
+            to_hf_many(args.checkpoint, args.out, steps=args.steps, **options)
+        else:
+            to_hf(args.checkpoint, args.out, **options)
     elif args.direction == "from-hf":
         from megatron_mlmclm.convert.hf_import import from_hf
 

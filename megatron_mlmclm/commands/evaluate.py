@@ -3,6 +3,8 @@
 
     mlmclm evaluate --model exports/610m-mlm40 exports/610m-clm --task sst2 conll2003 squad scifact \
         --out results/eval --workers 4
+    mlmclm evaluate --model M --suite paper --protocol encodeval   # the paper's evaluation
+    mlmclm evaluate ... --show-inputs 3         # the first training inputs as tokens with labels
     mlmclm evaluate ... --list                  # print the grid (size it for a SLURM array)
     mlmclm evaluate ... --array-index 17        # run grid element 17 only ($SLURM_ARRAY_TASK_ID)
     mlmclm evaluate --list-tasks
@@ -15,14 +17,26 @@ from __future__ import annotations
 import os
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.finetune import PRECISIONS, FinetuneConfig, show_inputs
 from megatron_mlmclm.eval.grid import (DEFAULT_LRS, DEFAULT_SEEDS, expand, is_done, result_paths,
                                        run_grid)
-from megatron_mlmclm.eval.tasks import load_registry
+from megatron_mlmclm.eval.protocols import PROTOCOLS
+from megatron_mlmclm.eval.tasks import load_registry, suite
+
+DEFAULTS = FinetuneConfig(model="", task="")  # the run settings a flag left out falls back to
+RUN_FLAGS = ("batch_size", "eval_batch_size", "max_steps", "epochs", "warmup_ratio",
+             "weight_decay", "eval_every", "max_length", "max_train_examples",
+             "max_eval_examples", "ir_mini_batch_size", "device", "precision", "threads")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", nargs="+", default=[], help="HF model folder(s) with a tokenizer")
     p.add_argument("--task", nargs="+", default=[], help="task name(s); see --list-tasks")
+    p.add_argument("--suite", default=None,
+                   help="every task of a suite (e.g. paper: the paper's twelve evaluation sets)")
+    p.add_argument("--protocol", choices=tuple(PROTOCOLS), default="default",
+                   help="evaluation protocol: default (the field's usual metrics) or encodeval "
+                        "(the paper's, as its code runs it); see docs/evaluate.md")
     p.add_argument("--out", default="results/eval", help="results folder (default results/eval)")
     p.add_argument("--lrs", nargs="+", type=float, default=list(DEFAULT_LRS))
     p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
@@ -32,61 +46,70 @@ def add_arguments(p) -> None:
                    help="run one grid element (default: $SLURM_ARRAY_TASK_ID when set)")
     p.add_argument("--list", action="store_true", help="print the grid with indices and exit")
     p.add_argument("--list-tasks", action="store_true", help="print the known tasks and exit")
-    g = p.add_argument_group("fine-tuning (defaults: the study's protocol)")
-    g.add_argument("--batch-size", type=int, default=32)
-    g.add_argument("--eval-batch-size", type=int, default=64)
-    g.add_argument("--max-steps", type=int, default=1000)
-    g.add_argument("--epochs", type=float, default=1.0)
-    g.add_argument("--warmup-ratio", type=float, default=0.1)
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--eval-every", type=int, default=100)
-    g.add_argument("--max-length", type=int, default=None, help="cap on 0.99 x max positions")
-    g.add_argument("--max-train-examples", type=int, default=None)
-    g.add_argument("--max-eval-examples", type=int, default=None)
-    g.add_argument("--ir-mini-batch-size", type=int, default=32)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads per run")
+    p.add_argument("--show-inputs", type=int, default=None, metavar="N",
+                   help="print the first N training inputs of each task as tokens with their "
+                        "labels, and exit")
+    p.add_argument("--save-models", action="store_true",
+                   help="keep each fine-tuned model beside its result (<result>.model/; IR: a "
+                        "sentence-transformers folder)")
+    g = p.add_argument_group("fine-tuning (defaults: the protocol's, else those shown)")
+    d = DEFAULTS
+    g.add_argument("--batch-size", type=int, help=f"default {d.batch_size}")
+    g.add_argument("--eval-batch-size", type=int, help=f"default {d.eval_batch_size}")
+    g.add_argument("--max-steps", type=int, help=f"default {d.max_steps}")
+    g.add_argument("--epochs", type=float, help=f"default {d.epochs}")
+    g.add_argument("--warmup-ratio", type=float, help=f"default {d.warmup_ratio}")
+    g.add_argument("--weight-decay", type=float, help=f"default {d.weight_decay}")
+    g.add_argument("--eval-every", type=int, help=f"default {d.eval_every}")
+    g.add_argument("--max-length", type=int, help="cap on 0.99 x max positions")
+    g.add_argument("--max-train-examples", type=int)
+    g.add_argument("--max-eval-examples", type=int)
+    g.add_argument("--ir-mini-batch-size", type=int, help=f"default {d.ir_mini_batch_size}")
+    g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    g.add_argument("--precision", choices=PRECISIONS,
+                   help="auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32 | bf16-pure (bf16 "
+                        "weights, no fp32 copy); default: the protocol's, else auto")
+    g.add_argument("--threads", type=int, help="torch CPU threads per run")
     g.add_argument("--no-progress", action="store_true")
 
 
-def _positive(name: str, value, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise UsageError(f"--{name} must be > 0")
+def _positive(name: str, value) -> None:
+    if value is not None and value <= 0:
+        raise UsageError(f"--{name.replace('_', '-')} must be > 0")
 
 
 def run(args) -> int:
     if args.list_tasks:
         for name, t in sorted(load_registry(args.task_file).items()):
-            print(f"{name:<12} {t.family}  {t.metric:<8} {t.format:<9} {t.path or t.hf_name}")
+            where = t.path or t.hf_name
+            suites = f"  [{', '.join(t.suites)}]" if t.suites else ""
+            metric = "training set" if t.train_only else t.metric_name
+            print(f"{name:<14} {t.family}  {metric:<12} {t.format:<9} {where}{suites}")
         return 0
     if not args.model:
         raise UsageError("--model is required (one or more HF model folders)")
-    if not args.task:
-        raise UsageError("--task is required; see `mlmclm evaluate --list-tasks`")
-    for name in ("batch_size", "max_steps", "eval_every", "workers", "epochs"):
-        _positive(name.replace("_", "-"), getattr(args, name), allow_none=False)
-    for name in ("max_length", "max_train_examples", "max_eval_examples", "threads"):
-        _positive(name.replace("_", "-"), getattr(args, name))
+    registry = load_registry(args.task_file)
+    tasks = list(args.task) + (suite(args.suite, registry) if args.suite else [])
+    if not tasks:
+        raise UsageError("--task or --suite is required; see `mlmclm evaluate --list-tasks`")
+    for name in ("batch_size", "max_steps", "eval_every", "workers", "epochs", "max_length",
+                 "max_train_examples", "max_eval_examples", "threads", "show_inputs"):
+        _positive(name, getattr(args, name))
     if not args.lrs or any(lr <= 0 for lr in args.lrs):
         raise UsageError("--lrs must be positive learning rates")
     if not args.seeds:
         raise UsageError("--seeds needs at least one seed")
-    registry = load_registry(args.task_file)
-    for t in args.task:  # fail on a typo before anything is loaded
+    for t in tasks:  # fail on a typo before anything is loaded
         if t not in registry:
             raise UsageError(f"unknown task '{t}'; known tasks: {', '.join(sorted(registry))}")
-    cfgs = expand(args.model, args.task, args.lrs, args.seeds,
-                  batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
-                  max_steps=args.max_steps, epochs=args.epochs, warmup_ratio=args.warmup_ratio,
-                  weight_decay=args.weight_decay, eval_every=args.eval_every,
-                  max_length=args.max_length, max_train_examples=args.max_train_examples,
-                  max_eval_examples=args.max_eval_examples,
-                  ir_mini_batch_size=args.ir_mini_batch_size, device=args.device,
-                  precision=args.precision, threads=args.threads, task_files=args.task_file,
-                  progress=not args.no_progress)
+    flags = {k: getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None}
+    cfgs = expand(args.model, list(dict.fromkeys(tasks)), args.lrs, args.seeds,
+                  protocol=args.protocol, task_files=args.task_file,
+                  progress=not args.no_progress, save_model=args.save_models, **flags)
+    if args.show_inputs:
+        for cfg in {(c.model, c.task): c for c in cfgs}.values():
+            print(show_inputs(cfg, args.show_inputs))
+        return 0
     if args.list:
         for i, (c, path) in enumerate(zip(cfgs, result_paths(cfgs, args.out))):
             state = "done" if is_done(path) else "todo"

@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     g.add_argument("--cpt-mask-ratio", type=float, default=d.cpt_mask_ratio)
     g.add_argument("--cpt-warmup-steps", type=int, default=d.cpt_warmup_steps,
                    help="warmup of a CPT run (its decay is min(2000, steps - warmup))")
+    g.add_argument("--no-branches", dest="branches", action="store_false",
+                   help="train every budget from scratch instead of the smaller single-objective "
+                        "budgets as decay branches of the largest")
     r = p.add_argument_group("data and outputs")
     r.add_argument("--data", nargs="*", default=d.data,
                    help="data.train prefixes (optionally with blend weights)")
@@ -60,7 +63,8 @@ def add_arguments(p) -> None:
     c = p.add_argument_group("cluster and compute estimate")
     c.add_argument("--throughput-tokens-per-gpu-s", "--throughput", dest="throughput", nargs="*",
                    default=d.throughput, metavar="SIZE=N",
-                   help="tokens/s per GPU per size (defaults: " + ", ".join(
+                   help="CLM tokens/s per GPU per size; other objectives at the same FLOP rate "
+                        "(defaults: " + ", ".join(
                        f"{k}={v:,.0f}" for k, v in DEFAULT_THROUGHPUT.items()) + ")")
     c.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
     c.add_argument("--nodes", nargs="*", default=d.nodes, metavar="N|SIZE=N",
@@ -74,6 +78,7 @@ def run(args) -> int:
     totals = write_plan(args.out, options, force=args.force)
     out = args.out
     print(f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
-          f"{totals['gpu_hours']:,.0f} GPU-hours at the stated throughput -> {out}")
+          f"{totals['gpu_hours']:,.0f} GPU-hours at the stated throughput "
+          f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch) -> {out}")
     print(f"  {out}/SUMMARY.md, {out}/submit_slurm.sh, {out}/jobs/<run>.sh, {out}/configs/")
     return 0

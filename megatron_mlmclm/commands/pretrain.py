@@ -9,6 +9,7 @@ from __future__ import annotations
 import yaml
 
 from megatron_mlmclm.config import budget_report, load_config, to_dict
+from megatron_mlmclm.errors import UsageError
 
 
 def add_arguments(parser) -> None:
@@ -19,6 +20,10 @@ def add_arguments(parser) -> None:
                         help="validate the config, print it resolved with its kernel plan "
                              "(runtime.device=cuda plans a GPU run here) and each phase's steps, "
                              "tokens and FLOPs, and exit")
+    parser.add_argument("--stop-at", type=int, metavar="STEP",
+                        help="train up to step STEP, save a checkpoint there and exit 0; running "
+                             "again without it continues the run (a job that ends where a decay "
+                             "branch starts)")
 
 
 def run(args) -> int:
@@ -26,6 +31,9 @@ def run(args) -> int:
     if config is not None and "=" in config:  # no file, only overrides
         config, overrides = None, [config] + overrides
     cfg = load_config(config, overrides)
+    if args.stop_at is not None and not 1 <= args.stop_at <= cfg.train.steps:
+        raise UsageError(f"--stop-at {args.stop_at} is outside this run's steps 1-"
+                         f"{cfg.train.steps}")
     if args.dry_run:
         # The kernel plan as YAML comments, so the output still loads back as the run's config.
         from megatron_mlmclm.model.kernels import plan_kernels, resolve_device  # imports torch
@@ -38,4 +46,4 @@ def run(args) -> int:
     # Imported here: megatron-core would slow `--help` and `--dry-run`.
     from megatron_mlmclm.training.pretrain import pretrain
 
-    return pretrain(cfg)
+    return pretrain(cfg, stop_at=args.stop_at)

@@ -32,6 +32,13 @@ def add_arguments(parser) -> None:
     g.add_argument("--max-eval-examples", type=int, default=_D.max_eval_examples)
     g.add_argument("--max-widen", type=int, default=_D.max_widen,
                    help="times a task's LR grid may be widened (default %(default)s)")
+    g = parser.add_argument_group("learning curve")
+    g.add_argument("--curve-shares", nargs="*", type=float, default=_D.curve_shares,
+                   help="smaller budgets of CLM and MLM 40%%, as shares of --steps, trained as decay "
+                        "branches of the full runs (default %(default)s; none: no learning curve)")
+    g.add_argument("--curve-tasks", nargs="+", default=_D.curve_tasks,
+                   help="tasks the learning-curve models are fine-tuned on, among --tasks "
+                        "(default %(default)s)")
     parser.add_argument("--workers", type=int, default=_D.workers,
                         help="runs side by side, one thread each (default %(default)s)")
 

@@ -28,8 +28,8 @@ from typing import Any, Optional
 import transformers
 from safetensors.torch import save_file
 
-from megatron_mlmclm.checkpoint import resolve_checkpoint
-from megatron_mlmclm.config import final_model
+from megatron_mlmclm.checkpoint import checkpoint_iteration, complete_checkpoints, resolve_checkpoint
+from megatron_mlmclm.config import final_model, tokens_at_step
 from megatron_mlmclm.convert import common, mapping
 from megatron_mlmclm.convert.verify import (SEQ, Verification, load_hf, megatron_from_checkpoint,
                                             verify_pair)
@@ -210,7 +210,8 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
         tok.save_pretrained(str(tmp))
         ver = _verify(ckpt, cfg, vocab, tmp, arch, causal_lm)
         (tmp / EXPORT_FILE).write_text(json.dumps({
-            "checkpoint": str(ckpt), "iteration": trainer.get("iteration"), "arch": arch,
+            "checkpoint": str(ckpt), "iteration": trainer.get("iteration"),
+            **pretraining_record(cfg, trainer.get("iteration")), "arch": arch,
             "causal_lm": causal_lm, "saved_layout": trainer.get("layout"),
             "source": source, "verification": ver.__dict__,
         }, indent=2, default=str) + "\n")
@@ -221,6 +222,51 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
         print(f"exported {ckpt} (saved at {_layout_text(trainer.get('layout'))}) to {out}: "
               f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers")
     return result
+
+
+def pretraining_record(cfg, iteration: Optional[int]) -> dict[str, Any]:
+    """Where a checkpoint stands in its pretraining, for learning curves: the run, the run its
+    curve belongs to (a decay branch's stable source, else itself) and the tokens read so far (a
+    branch counts its source's steps, which it shares; a continued run only its own)."""
+    lineage = (Path(cfg.train.branch_from).parents[1].name if cfg.train.branch_from
+               else Path(cfg.output_dir).name)
+    tokens = tokens_at_step(cfg, int(iteration)) if iteration is not None else None
+    return {"run": cfg.name, "lineage": lineage, "pretraining_tokens": tokens}
+
+
+def export_name(tokens: int, iteration: int) -> str:
+    """`step0001000-tokens2.05M`: the step and the tokens read, in an export folder's name."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if tokens >= scale:
+            return f"step{iteration:07d}-tokens{tokens / scale:.3g}{unit}"
+    return f"step{iteration:07d}-tokens{tokens}"
+
+
+def to_hf_many(ckpt_dir, out, steps: Optional[list[int]] = None, force: bool = False,
+               **options) -> list[ExportResult]:
+    """Export several checkpoints of a run's checkpoints folder into OUT/step<N>-tokens<T>/: the
+    `steps` given (None: every complete checkpoint). Every checkpoint and target is checked before
+    the first export; each export is verified as to_hf's."""
+    ckpt_dir = Path(ckpt_dir)
+    found = {checkpoint_iteration(c): c for c in complete_checkpoints(ckpt_dir)}
+    if not found:
+        raise UsageError(f"{ckpt_dir} holds no complete checkpoint (iter_NNNNNNN folders); give a "
+                         "run's checkpoints folder")
+    missing = sorted(set(steps or []) - set(found))
+    if missing:
+        raise UsageError(f"{ckpt_dir} holds no complete checkpoint of step {missing[0]}; it has "
+                         f"{', '.join(map(str, sorted(found)))}")
+    picked = [found[s] for s in sorted(set(steps) if steps else found)]
+    out = Path(out).absolute()
+    targets = []
+    for ckpt in picked:
+        trainer = common.read_common(ckpt)
+        cfg = common.run_config_from_dict(trainer["config"])
+        it = int(trainer["iteration"])
+        target = out / export_name(tokens_at_step(cfg, it), it)
+        common.check_output(target, force)
+        targets.append((ckpt, target))
+    return [to_hf(ckpt, target, force=force, **options) for ckpt, target in targets]
 
 
 def trained_vocab_size(cfg, tok, verbose: bool) -> int:

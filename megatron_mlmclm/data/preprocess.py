@@ -3,10 +3,10 @@
 For every text key K the output is ``{output_prefix}_{K}_document.bin`` / ``.idx``, exactly the
 files Megatron-LM's ``tools/preprocess_data.py`` writes (megatron-core ``IndexedDatasetBuilder``,
 dtype ``DType.optimal_dtype(len(tokenizer))``: uint16 below 65500 tokens, else int32): one
-sequence per document, one document per sequence, eos appended (``--no-append-eod`` to skip), in
-input order. Documents are encoded without the tokenizer's own special tokens
-(``add_special_tokens=False``), so a Llama-style tokenizer adds no bos. Whitespace-only documents
-are dropped and counted.
+sequence per document, one document per sequence, in input order. A document is encoded by the
+rule of megatron_mlmclm/document.py, which fine-tuning shares: the text's tokens without the
+tokenizer's own special tokens (a Llama-style tokenizer adds no bos), then eos (``--no-append-eod``
+to skip). Whitespace-only documents are dropped and counted.
 
 Parallelism (``--workers N``), identical output for any N:
   * ``threads`` (default): batches are encoded by the Rust tokenizer's own thread pool
@@ -39,6 +39,7 @@ from tqdm import tqdm
 from megatron_mlmclm.data.encode import encode_texts, pack, worker_encode, worker_init
 from megatron_mlmclm.data.text_sources import expand_inputs, iter_documents
 from megatron_mlmclm.data.tokenizer import load_tokenizer
+from megatron_mlmclm.document import make_document_tokenizer
 from megatron_mlmclm.errors import UsageError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -196,11 +197,13 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
     if os.environ.get("RAYON_NUM_THREADS") is None:
         os.environ["RAYON_NUM_THREADS"] = str(workers)  # effective if no batch encoded yet
     backend_tok = getattr(tok, "backend_tokenizer", None)
-    if backend == "processes" and backend_tok is None:
-        raise UsageError("--backend processes needs a fast (tokenizer.json) tokenizer")
+    if backend_tok is None:
+        raise UsageError(f"tokenizer {tokenizer_path} is not a fast tokenizer; save it with a "
+                         "tokenizer.json (`mlmclm tokenize --from` does)")
+    eos = tok.eos_token_id if append_eod else None
+    make_document_tokenizer(backend_tok, tok.eos_token if append_eod else None, eos)
 
     dtype = DType.optimal_dtype(len(tok))
-    eos = tok.eos_token_id if append_eod else None
     parent = Path(str(output_prefix)).parent
     parent.mkdir(parents=True, exist_ok=True)
     tag = f".tmp-{os.getpid()}"
@@ -234,7 +237,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
             def texts_only():
                 for k, n, dropped, texts in job_iter:
                     side.put((k, n, dropped))
-                    yield texts, eos, dtype
+                    yield texts, dtype
 
             def results():
                 for packed in pool.imap(worker_encode, texts_only(), chunksize=1):
@@ -244,12 +247,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
             def results():
                 for batch in _prefetch(batches):
                     for k, (texts, dropped) in _split_batch(batch, keys).items():
-                        if backend_tok is not None:
-                            ids = encode_texts(backend_tok, texts)
-                        else:  # slow (python) tokenizer
-                            enc = tok(texts, add_special_tokens=False)["input_ids"]
-                            ids = [list(x) for x in enc]
-                        yield k, len(batch), dropped, pack(ids, eos, dtype)
+                        yield k, len(batch), dropped, pack(encode_texts(backend_tok, texts), dtype)
 
         for k, n, dropped, (flat, lengths) in results():
             keep = lengths > (0 if eos is None else 1)  # no token besides eos: empty

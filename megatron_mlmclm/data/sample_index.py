@@ -5,14 +5,23 @@
 as in Megatron's GPTDataset), then shuffles the packed samples once per epoch, so that stream
 position k reads packed sample `shuffle_idx[k]`. Without the second shuffle, adjacent stream
 positions are adjacent windows of one token stream and a global batch is a stretch of one or two
-long documents. Every epoch is packed in full even when fewer samples are asked for, so a short run
-still draws its samples from the whole of its last epoch (Megatron does the same); each epoch's
-samples are permuted among themselves, so the stream finishes an epoch before starting the next.
+long documents. A sample belongs to the epoch of its first token; every epoch is packed in full
+even when fewer samples are asked for, so a short run still draws its samples from the whole of its
+last epoch (Megatron does the same); each epoch's samples are permuted among themselves, so the
+stream finishes an epoch before starting the next.
+
+The order is a function of (documents, seq_length, seed) only, never of how many samples are asked
+for: every permutation is seeded by its epoch and an epoch's samples do not depend on how many
+epochs follow. Two runs that differ only in their budget read the same samples in the same order
+for as long as both run (the shorter one's stream is a prefix of the longer one's), which is what
+lets a run branch off another's checkpoint (training/branch.py).
 The work is done by the C++ extension `megatron_mlmclm._sample_index` (csrc/sample_index.cpp)
 with the GIL released; this module validates inputs and caches results.
 
 Arrays (see `SampleIndex`; M packed samples, N = num_samples stream positions, N <= M):
-    doc_idx           int32 [epochs * documents]  shuffled document order, epoch after epoch
+    doc_idx           int32 [epochs * documents + k]  shuffled document order, epoch after epoch,
+                                        then the first k documents of the next epoch's order, as
+                                        far as the last sample reaches
     sample_idx        int64 [M + 1, 2]  (position in doc_idx, token offset) of packed sample i's
                                         first token; row M is the final token of the last sample
     boundary_ptr      int64 [M + 1]     CSR rows: packed sample i's boundaries are
@@ -31,7 +40,9 @@ num_samples / num_epochs and the bytes of the lengths array (first 16 hex digits
     <cache_dir>/sample_index-<key>.json        written last: its presence marks a complete entry
 Every file is written to a temporary name in the same directory, then os.replace'd into place, so
 concurrent builders (one per rank) never read a partial file. Hits are loaded with mmap.
-FORMAT_VERSION 2 added the sample shuffle: version-1 entries have other keys and are rebuilt.
+FORMAT_VERSION 2 added the sample shuffle; 3 made the order independent of num_samples (an
+epoch's last sample, which ends in the next epoch, is packed and shuffled with its epoch). Entries
+of older versions have other keys and are rebuilt.
 """
 
 from __future__ import annotations
@@ -46,7 +57,11 @@ from typing import Optional
 
 import numpy as np
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# The rule that orders a stream, recorded in every checkpoint's data fingerprint
+# (training/resume.py) so that a run is never resumed in another order. 1: before FORMAT_VERSION 3,
+# when the last epoch's sample shuffle depended on num_samples (the run's length).
+SAMPLE_ORDER = 2
 ARRAYS = ("doc_idx", "sample_idx", "boundary_ptr", "boundary_offsets", "shuffle_idx")
 
 
@@ -82,7 +97,7 @@ class SampleIndex:
 
     @property
     def num_packed(self) -> int:
-        """Packed samples: every whole sample of num_epochs epochs."""
+        """Packed samples: every sample whose first token lies in the first num_epochs epochs."""
         return int(self.sample_idx.shape[0]) - 1
 
     def boundaries(self, i: int) -> np.ndarray:
@@ -161,8 +176,8 @@ def build_sample_index(lengths, seq_length: int, seed: int, num_samples: Optiona
     """Pack documents of `lengths` tokens into samples; exactly one of num_samples / num_epochs.
 
     num_samples: as many epochs as needed (each fully shuffled, kept in doc_idx and packed),
-    exactly num_samples stream positions. num_epochs: all whole samples those epochs hold (last
-    partial dropped). Stream position k is packed sample index.shuffle_idx[k].
+    exactly num_samples stream positions. num_epochs: every sample that starts in those epochs.
+    Stream position k is packed sample index.shuffle_idx[k], whatever num_samples is.
     Raises ValueError for bad arguments and for a corpus with no tokens.
     """
     lengths = _check_inputs(lengths, seq_length, seed, num_samples, num_epochs)

@@ -2,9 +2,12 @@
 
 The loop is shared by the four families; each family (megatron_mlmclm/eval/families/) supplies the
 model, the training items and their collate function, the loss and the evaluation (families.Setup).
-Protocol defaults (docs/study.md): batch 32, at most 1000 steps or one epoch, 10% warmup then linear
-decay, AdamW (0.9, 0.95, eps 1e-5), weight decay 0.1 (not on biases and norm weights), validation
-every 100 steps, bf16 autocast on GPU and fp32 on CPU, max length 0.99 x the model's positions.
+The task entry is first resolved for the run's evaluation protocol (eval/protocols.py). Defaults
+(the `default` protocol, docs/evaluate.md): batch 32, at most 1000 steps or one epoch, 10% warmup
+then linear decay, AdamW (0.9, 0.95, eps 1e-5), weight decay 0.1 (not on biases and norm weights),
+validation every 100 steps, bf16 autocast on GPU and fp32 on CPU, max length 0.99 x the model's
+positions. Precision `bf16-pure` (the `encodeval` protocol) casts the model to bf16 before the
+optimizer is built, so the weights and AdamW's state are bf16 and there is no fp32 master copy.
 
 The test metric is computed once, on the final model; the validation curve (every `eval_every`
 steps and at the end) is kept in the result, and the final validation score is what the report
@@ -37,11 +40,15 @@ from tqdm.auto import tqdm
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import families
-from megatron_mlmclm.eval.families import Setup
+from megatron_mlmclm.eval.families import Setup, family_of
 from megatron_mlmclm.eval.heads import load_tokenizer, max_positions
+from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.tasks import get_task
 
-RESULT_SCHEMA = 2  # 2: protocol and grid fields, protocol id in the file name
+# 2: protocol and grid fields, protocol id in the file name; 3: inputs encoded as pretraining
+# documents, the protocol's name
+RESULT_SCHEMA = 3
+PRECISIONS = ("auto", "bf16", "fp32", "bf16-pure")
 
 
 @dataclass
@@ -53,10 +60,12 @@ class FinetuneConfig:
     lr: float = 5e-5
     seed: int = 0
     model_name: Optional[str] = None  # label in results/report; default: the folder name
+    protocol: str = "default"  # evaluation protocol (eval/protocols.py)
     batch_size: int = 32
     eval_batch_size: int = 64
-    max_steps: int = 1000
-    epochs: float = 1.0  # training stops at max_steps or after this many epochs, whichever is first
+    # training stops at max_steps or after this many epochs, whichever is first (None: no cap)
+    max_steps: Optional[int] = 1000
+    epochs: Optional[float] = 1.0
     warmup_ratio: float = 0.1
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -70,10 +79,11 @@ class FinetuneConfig:
     max_eval_examples: Optional[int] = None
     ir_mini_batch_size: int = 32  # CachedMNRL chunk size (memory only; the loss is the same)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 | bf16-pure
     threads: Optional[int] = None  # torch CPU threads; None: leave torch's default
     task_files: list[str] = field(default_factory=list)
     progress: bool = True
+    save_model: bool = False  # keep the fine-tuned model (run_finetune's save_to)
     # the LR x seed grid this run belongs to: the report's seed set counts requested runs too
     grid_lrs: list[float] = field(default_factory=list)
     grid_seeds: list[int] = field(default_factory=list)
@@ -90,28 +100,35 @@ class FinetuneConfig:
 # others do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe the
 # sweep, and eval_batch_size, eval_every (evaluation never touches the RNG or the weights),
 # ir_mini_batch_size (CachedMNRL: same loss), device, threads, task_files (the entry itself is
-# hashed) and progress are execution knobs. tests/eval/test_protocol.py checks every field is in
-# exactly one of the two sets.
-PROTOCOL_FIELDS = ("batch_size", "max_steps", "epochs", "warmup_ratio", "weight_decay", "adam_beta1",
-                   "adam_beta2", "adam_eps", "grad_clip", "max_length", "max_length_ratio",
-                   "max_train_examples", "max_eval_examples", "precision")
+# hashed), progress and save_model are execution knobs. tests/eval/test_protocol.py checks every
+# field is in exactly one of the two sets.
+PROTOCOL_FIELDS = ("protocol", "batch_size", "max_steps", "epochs", "warmup_ratio", "weight_decay",
+                   "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "max_length",
+                   "max_length_ratio", "max_train_examples", "max_eval_examples", "precision")
 NOT_PROTOCOL_FIELDS = ("model", "task", "lr", "seed", "model_name", "eval_batch_size", "eval_every",
                        "ir_mini_batch_size", "device", "threads", "task_files", "progress",
-                       "grid_lrs", "grid_seeds")
+                       "save_model", "grid_lrs", "grid_seeds")
 
 
 def _short_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
 
 
+# The step budget: a protocol may set it per task (EncodEval trains CoNLL-2003 for one epoch, SST-2
+# for 1,000 steps), so it is part of a run's protocol id but not of the recipe (run_id).
+STEP_FIELDS = ("max_steps", "epochs")
+
+
 def protocol(cfg: FinetuneConfig, task) -> dict:
-    """{"id", "run_id", "run", "task"}: `run` = the PROTOCOL_FIELDS (precision resolved to bf16 or
-    fp32 for this machine), `task` = the task entry (splits, holdout, ...); `run_id` hashes `run`
-    (one fine-tuning recipe across tasks), `id` hashes both (names the result file)."""
+    """{"name", "id", "run_id", "run", "task"}: `name` = the evaluation protocol, `run` = the
+    PROTOCOL_FIELDS (precision resolved for this machine), `task` = the task entry as the protocol
+    resolves it (splits, holdout, metric, ...); `run_id` hashes `run` but the step budget (one
+    fine-tuning recipe across tasks), `id` hashes both (names the result file)."""
     run = {k: getattr(cfg, k) for k in PROTOCOL_FIELDS}
     run["precision"] = resolved_precision(cfg, resolve_device(cfg))
     body = {"run": run, "task": task.to_dict()}
-    return {"id": _short_hash(body), "run_id": _short_hash(run), **body}
+    recipe = {k: v for k, v in run.items() if k not in STEP_FIELDS}
+    return {"name": cfg.protocol, "id": _short_hash(body), "run_id": _short_hash(recipe), **body}
 
 
 def seed_everything(seed: int) -> None:
@@ -130,12 +147,13 @@ def resolve_device(cfg: FinetuneConfig) -> torch.device:
 
 
 def resolved_precision(cfg: FinetuneConfig, device: torch.device) -> str:
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-    return "bf16" if bf16 else "fp32"
+    if cfg.precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return cfg.precision
 
 
 def autocast_for(cfg: FinetuneConfig, device: torch.device):
-    if resolved_precision(cfg, device) == "bf16":
+    if resolved_precision(cfg, device) in ("bf16", "bf16-pure"):
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -173,8 +191,13 @@ def linear_warmup_decay(optimizer, warmup: int, total: int):
 
 
 def num_steps(n_train: int, cfg: FinetuneConfig, per_epoch: int | None = None) -> int:
+    """max_steps or `epochs` epochs, whichever comes first (a None cap does not apply)."""
     per_epoch = per_epoch or math.ceil(n_train / cfg.batch_size)
-    return max(1, min(cfg.max_steps, math.ceil(per_epoch * cfg.epochs)))
+    caps = [c for c in (cfg.max_steps, None if cfg.epochs is None else
+                        math.ceil(per_epoch * cfg.epochs)) if c is not None]
+    if not caps:
+        raise UsageError(f"task {cfg.task}: neither max_steps nor epochs bounds the run")
+    return max(1, min(caps))
 
 
 def batches(n: int, batch_size: int, steps: int, seed: int):
@@ -238,6 +261,8 @@ def build_setup(cfg: FinetuneConfig, task, tokenizer, device) -> Setup:
 def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) -> dict:
     """The shared loop; returns steps, curve and timings."""
     model = setup.model.to(device)
+    if resolved_precision(cfg, device) == "bf16-pure":  # before the optimizer: no fp32 copy
+        model.to(torch.bfloat16)
     model.train()
     n, keys = len(setup.train_items), setup.batch_keys
     if keys is not None:  # an epoch may take more batches than n / batch_size: count the first
@@ -285,12 +310,13 @@ def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) ->
             "train_examples_per_s": seen / max(total - eval_time, 1e-9)}
 
 
-def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
-    """Fine-tune once and return the result dict (see docs/evaluate.md for its schema)."""
+def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = None) -> dict:
+    """Fine-tune once and return the result dict (see docs/evaluate.md for its schema); with
+    `save_to`, the fine-tuned model is written there (IR: a sentence-transformers folder)."""
     t_start = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    task = get_task(cfg.task, cfg.task_files)
+    task = resolve(get_task(cfg.task, cfg.task_files), cfg.protocol)
     tokenizer = load_tokenizer(cfg.model)
     device = resolve_device(cfg)
     seed_everything(cfg.seed)
@@ -301,6 +327,8 @@ def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
     validation = {k: v for k, v in out["validation_curve"][-1].items() if k not in ("step", "train_loss")}
     with torch.no_grad(), autocast_for(cfg, device)():  # the registry keeps test apart from validation
         test = setup.evaluate(model, "test")
+    if save_to is not None:
+        setup.save(str(save_to))
     return {
         "schema": RESULT_SCHEMA,
         "status": "done",
@@ -308,7 +336,7 @@ def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
         "model_path": str(Path(cfg.model).resolve()),
         "task": task.name,
         "family": task.family,
-        "metric": task.metric,
+        "metric": task.metric_name,
         "lr": cfg.lr,
         "seed": cfg.seed,
         "protocol": protocol(cfg, task),
@@ -332,6 +360,21 @@ def run_finetune(cfg: FinetuneConfig, log=print) -> dict:
         "host": platform.node(),
         "pid": os.getpid(),
     }
+
+
+def show_inputs(cfg: FinetuneConfig, n: int) -> str:
+    """The first `n` training inputs of the run's task, as the model sees them: tokens with their
+    labels (no model is built)."""
+    task = resolve(get_task(cfg.task, cfg.task_files), cfg.protocol)
+    tokenizer = load_tokenizer(cfg.model)
+    family = family_of(task)
+    cfg = dataclasses.replace(cfg, max_eval_examples=1)  # evaluation data is not shown
+    data = family.inputs(task, tokenizer, cfg, max_length_for(cfg))
+    lines = [f"== {cfg.name} / {task.name} (protocol {cfg.protocol}): the first "
+             f"{min(n, len(data.train))} of {len(data.train)} training inputs =="]
+    for i, item in enumerate(data.train[:n]):
+        lines.append(f"#{i} {family.show(item, tokenizer, data)}")
+    return "\n".join(lines)
 
 
 def write_result(result: dict, path: Path) -> None:

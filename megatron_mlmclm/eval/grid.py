@@ -3,8 +3,9 @@ one SLURM array element), one result JSON per run.
 
 Layout: <out>/<model name>/<task>/lr<lr>_seed<seed>_<protocol id>.json, written atomically when a
 run finishes, so an interrupted sweep resumes where it stopped. The protocol id (finetune.protocol)
-hashes the fine-tuning settings and the task entry: a run with other settings never counts as done.
-A run that raised leaves <...>.failed.json (traceback) and is retried next time.
+hashes the fine-tuning settings and the task entry as the evaluation protocol resolves it: a run
+with other settings never counts as done. A run that raised leaves <...>.failed.json (traceback) and
+is retried next time. With `save_model`, the fine-tuned model goes to <...>.model/ beside its JSON.
 """
 
 from __future__ import annotations
@@ -21,31 +22,45 @@ import transformers
 from tqdm.auto import tqdm
 
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.data import load_split
+from megatron_mlmclm.eval.families import load_split
 from megatron_mlmclm.eval.finetune import FinetuneConfig, protocol, run_finetune, write_result
 from megatron_mlmclm.eval.heads import load_tokenizer
+from megatron_mlmclm.eval.protocols import resolve, run_settings
 from megatron_mlmclm.eval.tasks import get_task, load_registry
 
 DEFAULT_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 
 
-def expand(models: list[str], tasks: list[str], lrs, seeds, **overrides) -> list[FinetuneConfig]:
-    """Grid order: model, task, lr, seed (stable, so an array index always names the same run)."""
+def expand(models: list[str], tasks: list[str], lrs, seeds, protocol: str = "default",
+           **overrides) -> list[FinetuneConfig]:
+    """Grid order: model, task, lr, seed (stable, so an array index always names the same run).
+    Each run takes the protocol's settings for its task (protocols.run_settings), then
+    `overrides` (the flags a user gave)."""
     grid = {"grid_lrs": [float(x) for x in lrs], "grid_seeds": [int(x) for x in seeds]}
-    return [FinetuneConfig(model=m, task=t, lr=float(lr), seed=int(s), **grid, **overrides)
+    registry = load_registry(overrides.get("task_files"))
+    per_task = {t: run_settings(get_task(t, registry=registry), protocol) for t in tasks}
+    return [FinetuneConfig(model=m, task=t, lr=float(lr), seed=int(s), protocol=protocol, **grid,
+                           **{**per_task[t], **overrides})
             for m in models for t in tasks for lr in lrs for s in seeds]
 
 
 def result_path(out_dir: str | Path, cfg: FinetuneConfig, task) -> Path:
-    """`task`: the registry entry of cfg.task (its fields are part of the protocol id)."""
+    """`task`: the entry of cfg.task as cfg.protocol resolves it (part of the protocol id)."""
     pid = protocol(cfg, task)["id"]
     return Path(out_dir) / cfg.name / cfg.task / f"lr{cfg.lr:g}_seed{cfg.seed}_{pid}.json"
 
 
 def result_paths(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[Path]:
     registry = load_registry(cfgs[0].task_files) if cfgs else {}
-    return [result_path(out_dir, c, registry[c.task]) for c in cfgs]
+    resolved = {(c.task, c.protocol): resolve(get_task(c.task, registry=registry), c.protocol)
+                for c in cfgs}
+    return [result_path(out_dir, c, resolved[(c.task, c.protocol)]) for c in cfgs]
+
+
+def model_folder(result: Path) -> Path:
+    """Where a run with `save_model` keeps its fine-tuned model."""
+    return result.with_suffix(".model")
 
 
 def is_done(path: Path) -> bool:
@@ -68,11 +83,17 @@ def preflight(cfgs: list[FinetuneConfig]) -> None:
     registry = load_registry(cfgs[0].task_files if cfgs else [])
     for model in dict.fromkeys(c.model for c in cfgs):
         load_tokenizer(model)
-    for name in dict.fromkeys(c.task for c in cfgs):
-        task = get_task(name, registry=registry)
-        limit = {"train": cfgs[0].max_train_examples}
-        for split in ("train", "validation", "test"):
-            load_split(task, split, limit.get(split, cfgs[0].max_eval_examples))
+    for name, proto in dict.fromkeys((c.task, c.protocol) for c in cfgs):
+        task = resolve(get_task(name, registry=registry), proto)
+        if task.train_only:
+            raise UsageError(f"task '{name}' is a training set (splits: train only); evaluate a "
+                             "task that trains on it: "
+                             + (", ".join(n for n, t in registry.items() if t.train_task == name)
+                                or "none in the registry"))
+        source = vars(task).get("train_source") or task
+        load_split(source, "train", cfgs[0].max_train_examples)
+        for split in ("validation", "test"):
+            load_split(task, split, cfgs[0].max_eval_examples)
 
 
 def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
@@ -82,7 +103,7 @@ def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
     cfg = FinetuneConfig(**cfg_dict)
     failed = Path(path).with_suffix(".failed.json")
     try:
-        result = run_finetune(cfg)
+        result = run_finetune(cfg, save_to=model_folder(Path(path)) if cfg.save_model else None)
     except Exception:  # keep the sweep going; the failure is recorded and retried next time
         failed.parent.mkdir(parents=True, exist_ok=True)
         failed.write_text(json.dumps({"status": "failed", "config": cfg_dict,

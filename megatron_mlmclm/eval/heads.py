@@ -1,19 +1,25 @@
-"""Loading an encoder folder and putting a task head on it.
+"""Loading an encoder folder (its tokenizer encoding inputs as pretraining documents) and the task
+heads the families put on it.
+
+`load_tokenizer` returns the folder's fast tokenizer with the document rule of
+megatron_mlmclm/document.py in place of its own template: ``tokenizer(text)`` gives the text's
+tokens then EOS, no BOS, exactly what `mlmclm preprocess` wrote for that text.
 
 Every model runs with bidirectional attention: `make_bidirectional` sets `config.is_causal=False`
 (the transformers masking utilities then build a bidirectional mask for Llama/Qwen3-style models)
 and clears `is_causal` on every attention module (SDPA would otherwise fall back to its causal
 kernel when the mask is elided). EuroBert is bidirectional already.
 
-Heads:
+Heads (which family uses which is the family's choice, eval/families/):
 - SC: `MeanPoolClassifier` (AutoModel + masked mean pooling + linear), the same for every
   architecture. EuroBertForSequenceClassification has `classifier_pooling="mean"` and computes a
   correct masked mean, but it adds a dense+GELU layer and only exists for EuroBert (Llama/Qwen3
   classifiers pool the last token), so one small head of our own keeps the protocol identical
   across architectures.
-- TC: AutoModelForTokenClassification where transformers has one, else `TokenTagger`.
-- QA: AutoModelForQuestionAnswering where transformers has one, else `SpanQAModel` (EuroBert has
-  none): a linear start/end head over AutoModel.
+- token classification (TC; QA as token tagging): AutoModelForTokenClassification where
+  transformers has one, else `TokenTagger` (`token_classifier`).
+- span QA: AutoModelForQuestionAnswering where transformers has one, else `SpanQAModel` (EuroBert has
+  none): a linear start/end head over AutoModel (`span_qa_model`).
 Our heads save with `save_pretrained(dir)` (encoder files + head.safetensors + head_config.json)
 and load with `<Head>.from_pretrained(dir)`.
 """
@@ -30,6 +36,7 @@ from torch import nn
 from transformers import (AutoConfig, AutoModel, AutoModelForQuestionAnswering,
                           AutoModelForTokenClassification, AutoTokenizer)
 
+from megatron_mlmclm.document import make_document_tokenizer
 from megatron_mlmclm.errors import UsageError
 
 
@@ -51,8 +58,14 @@ def load_tokenizer(model_dir: str):
         raise UsageError(f"the tokenizer in {model_dir} has no pad token; add one "
                          f"(e.g. `mlmclm tokenize` adds bos/eos/pad/mask)")
     if not getattr(tok, "is_fast", False):
-        raise UsageError(f"the tokenizer in {model_dir} is not a fast tokenizer; TC and QA need "
-                         f"offsets and word ids (save a tokenizer.json)")
+        raise UsageError(f"the tokenizer in {model_dir} is not a fast tokenizer; inputs are "
+                         f"encoded through its tokenizer.json (save one)")
+    return document_tokenizer(tok)
+
+
+def document_tokenizer(tok):
+    """`tok` (a fast tokenizer), made to encode a text as a pretraining document; in place."""
+    make_document_tokenizer(tok.backend_tokenizer, tok.eos_token, tok.eos_token_id)
     return tok
 
 
@@ -187,16 +200,15 @@ def _auto_head(auto_cls, model_dir: str, **kwargs):
     return make_bidirectional(auto_cls.from_pretrained(model_dir, **kwargs))
 
 
-def build_model(family: str, model_dir: str, labels: list[str] | None = None) -> nn.Module:
-    """A fresh task model on the encoder in `model_dir` (random head; seed torch first)."""
-    if family == "sc":
-        return MeanPoolClassifier(load_encoder(model_dir), num_labels=len(labels))
-    if family == "tc":
-        id2label = dict(enumerate(labels))
-        model = _auto_head(AutoModelForTokenClassification, model_dir, num_labels=len(labels),
-                           id2label=id2label, label2id={v: k for k, v in id2label.items()})
-        return model if model is not None else TokenTagger(load_encoder(model_dir), len(labels))
-    if family == "qa":
-        model = _auto_head(AutoModelForQuestionAnswering, model_dir)
-        return model if model is not None else SpanQAModel(load_encoder(model_dir))
-    raise ValueError(f"no head for family {family}")
+def token_classifier(model_dir: str, labels: list[str]) -> nn.Module:
+    """A fresh token-classification model on the encoder (random head; seed torch first)."""
+    id2label = dict(enumerate(labels))
+    model = _auto_head(AutoModelForTokenClassification, model_dir, num_labels=len(labels),
+                       id2label=id2label, label2id={v: k for k, v in id2label.items()})
+    return model if model is not None else TokenTagger(load_encoder(model_dir), len(labels))
+
+
+def span_qa_model(model_dir: str) -> nn.Module:
+    """A fresh start/end span model on the encoder (random head; seed torch first)."""
+    model = _auto_head(AutoModelForQuestionAnswering, model_dir)
+    return model if model is not None else SpanQAModel(load_encoder(model_dir))

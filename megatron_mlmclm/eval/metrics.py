@@ -2,11 +2,18 @@
 
 - accuracy (SC)
 - entity_f1 (TC): seqeval, entity level, default (conlleval) mode
+- sentence_macro_f1 (TC, EncodEval's): per sentence, the macro-F1 over the tags of the gold and
+  predicted words (O included, as scikit-learn's f1_score(average="macro")), averaged over sentences
 - squad_em_f1 (QA): the official SQuAD normalisation (lower case, strip punctuation and the
   articles a/an/the, collapse white space); max over the reference answers; for v2 an empty
   reference list means "no answer" and only the empty prediction scores
+- token_set_f1 (QA as token tagging, EncodEval's): F1 between the predicted and the gold sets of
+  answer token positions (both empty: 1), averaged over questions
 - ndcg_at_k / recall_at_k (IR): trec_eval conventions (linear gain, log2 discount, ideal ranking
   from all judged relevant documents of the query); queries without a relevant document are skipped
+- ndcg_at_k_retrieved (IR, EncodEval's): scikit-learn's ndcg_score over the top k retrieved with
+  binary gains, so the ideal ranking is that of the relevant documents *retrieved* (a query with
+  none in the top k scores 0); every query with a relevant document counts
 """
 
 from __future__ import annotations
@@ -31,6 +38,28 @@ def entity_f1(predictions: list[list[str]], references: list[list[str]]) -> dict
     return {"f1": float(f1_score(references, predictions, **kw)),
             "precision": float(precision_score(references, predictions, **kw)),
             "recall": float(recall_score(references, predictions, **kw))}
+
+
+def f1_from_counts(tp: int, n_pred: int, n_gold: int) -> float:
+    """2 tp / (n_pred + n_gold): the F1 of a predicted against a gold set (0 when both empty)."""
+    return 2 * tp / (n_pred + n_gold) if n_pred + n_gold else 0.0
+
+
+def sentence_macro_f1(predictions: list[list[str]], references: list[list[str]]) -> float:
+    scores = []
+    for pred, gold in zip(predictions, references):
+        per_tag = []
+        for tag in sorted(set(gold) | set(pred)):
+            tp = sum(p == g == tag for p, g in zip(pred, gold))
+            per_tag.append(f1_from_counts(tp, pred.count(tag), gold.count(tag)))
+        scores.append(sum(per_tag) / len(per_tag) if per_tag else 1.0)
+    return sum(scores) / len(scores) if scores else 0.0
+
+
+def token_set_f1(predicted: list[set[int]], gold: list[set[int]]) -> float:
+    scores = [1.0 if not p and not g else f1_from_counts(len(p & g), len(p), len(g))
+              for p, g in zip(predicted, gold)]
+    return sum(scores) / len(scores) if scores else 0.0
 
 
 # ----------------------------------------------------------------------------------- squad
@@ -100,4 +129,20 @@ def recall_at_k(run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Mapp
             continue
         ranked = sorted(run.get(qid, {}).items(), key=lambda x: (-x[1], x[0]))[:k]
         vals.append(len(relevant & {d for d, _ in ranked}) / len(relevant))
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def ndcg_at_k_retrieved(run: Mapping[str, Mapping[str, float]],
+                        qrels: Mapping[str, Mapping[str, int]], k: int = 10) -> float:
+    """Mean over the queries with a relevant document: DCG of the top k retrieved (binary gains)
+    over the DCG of those same k gains sorted, 0 when none of them is relevant."""
+    vals = []
+    for qid, judged in qrels.items():
+        if not any(r > 0 for r in judged.values()):
+            continue
+        ranked = sorted(run.get(qid, {}).items(), key=lambda x: (-x[1], x[0]))[:k]
+        gains = [1.0 if judged.get(d, 0) > 0 else 0.0 for d, _ in ranked]
+        dcg = sum(g / math.log2(i + 2) for i, g in enumerate(gains))
+        idcg = sum(g / math.log2(i + 2) for i, g in enumerate(sorted(gains, reverse=True)))
+        vals.append(dcg / idcg if idcg else 0.0)
     return sum(vals) / len(vals) if vals else 0.0

@@ -4,12 +4,17 @@ no code.
 Entries ship in `megatron_mlmclm/eval/tasks/*.yaml` (one file per family); more can be added with
 `--task-file FILE.yaml` or $MLMCLM_EVAL_TASKS (paths separated by os.pathsep). A later entry with the
 same name replaces an earlier one. The fields of an entry are those of `Task`; anything not listed
-there is a UsageError, so a typo never silently falls back to a default.
+there is a UsageError, so a typo never silently falls back to a default. What a field may hold for
+a family (formats, metrics, methods) is the family's to say (eval/families/).
 
 Validation is never the reported test split: an entry whose validation and test name the same split
-is refused. Where a release has no labelled test split, the public dev split becomes `test` and
-`validation_holdout: F` carves the validation split out of train (a stable hash, see
-data.in_holdout; `splits.validation` then names the train split), removing it from training.
+is refused unless `validation_holdout` carves validation out of it (eval/splits.py). An entry whose
+splits name only `train` is a training set for other tasks (an IR task's `train_task`).
+
+`protocols: {NAME: {...}}` overrides fields of the entry (and the run's `max_steps` / `epochs`)
+under one evaluation protocol (eval/protocols.py); `suites: [NAME]` puts the task in a named suite
+(`mlmclm evaluate --suite NAME`); `encodeval_name` is the dataset's name in EncodEval's results tree
+(`mlmclm report --encodeval`).
 """
 
 from __future__ import annotations
@@ -23,13 +28,12 @@ from typing import Any, Optional
 import yaml
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.families import FAMILIES
 from megatron_mlmclm.paths import data_dir
 
-FAMILIES = {"sc": "accuracy", "tc": "f1", "qa": "f1", "ir": "ndcg@10"}  # family -> main metric
-TABLES = ("csv", "tsv", "jsonl", "parquet")  # any sc / tc / qa table (eval/data.py read_table)
-FORMATS = {"sc": ("glue_tsv", "glue_json", "hf", *TABLES), "tc": ("conll", "hf", *TABLES),
-           "qa": ("squad", "hf", *TABLES), "ir": ("beir",)}
 SPLITS = ("train", "validation", "test")
+HOLDOUT_METHODS = ("hash", "permutation")
+RUN_OVERRIDES = ("max_steps", "epochs")  # run settings a task may set under a protocol
 
 
 @dataclass
@@ -39,48 +43,87 @@ class Task:
     format: str
     splits: dict[str, str]
     path: Optional[str] = None  # folder under the data dir (or absolute); None for format hf
+    # every family
+    metric: Optional[str] = None  # the main metric; None: the family's first
+    validation_holdout: float = 0.0  # fraction carved out as the validation split (splits.py)
+    holdout_method: str = "hash"  # hash | permutation
+    holdout_seed: int = 42  # permutation only
+    suites: list[str] = field(default_factory=list)
+    encodeval_name: Optional[str] = None
+    protocols: dict[str, dict] = field(default_factory=dict)
     # sc
     text_a: str = "text_a"
     text_b: Optional[str] = None
     label: str = "label"
     labels: Optional[list[str]] = None
+    template: Optional[str] = None  # sc: {text_a} {text_b}; qa: {question} {context}
     # tc
     token_column: int = 0
     tag_column: int = -1
+    comment_prefix: Optional[str] = None  # conll: lines starting with it are skipped (CoNLL-U "#")
     tokens_field: str = "tokens"  # hf and tables (csv/tsv/jsonl/parquet)
     tags_field: str = "ner_tags"  # hf and tables; integer tags are mapped through `labels`
+    label_subtokens: str = "first"  # first | all: which sub-tokens of a word carry its tag
     # qa
     version: int = 1
+    qa_head: str = "span"  # span | tagging
     doc_stride: int = 128
     max_answer_tokens: int = 30
     null_threshold: float = 0.0
-    # every family: fraction of train carved out (by a hash) as the validation split; 0 = none
-    validation_holdout: float = 0.0
     # ir
     corpus: str = "judged"
-    # hf datasets (online only)
+    train_task: Optional[str] = None  # the task whose train split gives the training pairs
+    query_template: str = "{text}"
+    document_template: Optional[str] = None  # {title} {text}; None: "{title} {text}" or "{text}"
+    query_field: str = "query"  # format pairs
+    positive_field: str = "positive"  # format pairs
+    batches: str = "no_duplicates"  # no_duplicates | shuffled
+    # the Hugging Face Hub: the whole task (format hf), or where the local folder is absent
     hf_name: Optional[str] = None
     hf_config: Optional[str] = None
+    hf_splits: Optional[dict[str, str]] = None  # split -> Hub split name; default: `splits`
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def metric(self) -> str:
-        return FAMILIES[self.family]
+    def metric_name(self) -> str:
+        """The main metric (the report's score)."""
+        return FAMILIES[self.family].metric(self)
+
+    @property
+    def train_only(self) -> bool:
+        return set(self.splits) == {"train"}
 
     def folder(self) -> Path:
         if self.path is None:
             raise UsageError(f"task '{self.name}' has no path; set `path:` in its entry")
         p = Path(self.path)
         if not p.is_absolute():
-            root = data_dir(required=True)
-            p = root / p
+            root = data_dir(required=self.hf_name is None)
+            p = (root or Path("<no data folder>")) / p
         return p
 
-    def file(self, split: str) -> Path:
-        return self.folder() / self.splits[split]
+    def reads_hub(self) -> bool:
+        """From the Hub: format hf, or an `hf_name` while the local folder is absent."""
+        return self.format == "hf" or (self.hf_name is not None and not self.folder().is_dir())
+
+    def hub_split(self, split: str) -> str:
+        return (self.hf_splits or self.splits)[split]
+
+    def holdout_source(self) -> str:
+        """The split that `validation_holdout` carves validation out of: train, or test for a
+        task without one (trained on another task's pairs)."""
+        return "train" if "train" in self.splits else "test"
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The entry (what a result's protocol id hashes); with its training task's entry."""
+        d = dataclasses.asdict(self)
+        source = vars(self).get("train_source")
+        if source is not None:
+            d["train_task_entry"] = source.to_dict()
+        return d
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Task))
 
 
 def _builtin_files() -> list[Path]:
@@ -88,46 +131,65 @@ def _builtin_files() -> list[Path]:
 
 
 def _parse(name: str, entry: Any, source: Path) -> Task:
+    where = f"task '{name}' in {source}"
     if not isinstance(entry, dict):
-        raise UsageError(f"task '{name}' in {source}: expected a mapping of fields")
-    known = {f.name for f in dataclasses.fields(Task)} - {"name"}
+        raise UsageError(f"{where}: expected a mapping of fields")
+    known = set(FIELDS) - {"name"}
     unknown = sorted(set(entry) - known)
     if unknown:
-        raise UsageError(f"task '{name}' in {source}: unknown field(s) {', '.join(unknown)}; "
+        raise UsageError(f"{where}: unknown field(s) {', '.join(unknown)}; "
                          f"allowed: {', '.join(sorted(known))}")
-    family = entry.get("family")
-    if family not in FAMILIES:
-        raise UsageError(f"task '{name}' in {source}: family must be one of {', '.join(FAMILIES)}")
-    fmt = entry.get("format")
-    if fmt not in FORMATS[family]:
-        raise UsageError(f"task '{name}' in {source}: format for family {family} must be one of "
-                         f"{', '.join(FORMATS[family])}")
-    splits = entry.get("splits") or {}
-    missing = [s for s in SPLITS if s not in splits]
-    if missing:
-        raise UsageError(f"task '{name}' in {source}: splits needs {', '.join(missing)}")
-    if fmt == "hf" and not entry.get("hf_name"):
-        raise UsageError(f"task '{name}' in {source}: format hf needs hf_name")
+    for proto, over in (entry.get("protocols") or {}).items():
+        if not isinstance(over, dict):
+            raise UsageError(f"{where}: protocols.{proto} must be a mapping of fields")
+        bad = sorted(set(over) - (known - {"family", "protocols"}) - set(RUN_OVERRIDES))
+        if bad:
+            raise UsageError(f"{where}: protocols.{proto} sets unknown field(s) {', '.join(bad)}")
     task = Task(name=name, **entry)
-    if task.labels is not None:
-        task.labels = [str(x) for x in task.labels]
-    if task.corpus not in ("judged", "full"):
-        raise UsageError(f"task '{name}': corpus must be 'judged' or 'full'")
-    _check_splits(task, source)
+    check(task, where)
     return task
 
 
-def _check_splits(task: Task, source: Path) -> None:
+def check(task: Task, where: str) -> None:
+    """Every rule an entry must follow (also applied to an entry resolved for a protocol)."""
+    family = FAMILIES.get(task.family)
+    if family is None:
+        raise UsageError(f"{where}: family must be one of {', '.join(FAMILIES)}")
+    if task.format not in (*family.formats, "hf"):
+        raise UsageError(f"{where}: format for family {task.family} must be one of "
+                         f"{', '.join((*family.formats, 'hf'))}")
+    splits = task.splits or {}
+    need = [s for s in SPLITS if s != "train" or task.train_task is None]
+    missing = [s for s in need if s not in splits]
+    if missing and set(splits) != {"train"}:
+        raise UsageError(f"{where}: splits needs {', '.join(missing)} (or train alone, for a "
+                         "training set)")
+    if task.format == "hf" and not task.hf_name:
+        raise UsageError(f"{where}: format hf needs hf_name")
+    if task.labels is not None:
+        task.labels = [str(x) for x in task.labels]
+    if task.metric is not None and task.metric not in family.metrics:
+        raise UsageError(f"{where}: metric for family {task.family} must be one of "
+                         f"{', '.join(family.metrics)}")
+    if task.holdout_method not in HOLDOUT_METHODS:
+        raise UsageError(f"{where}: holdout_method must be one of {', '.join(HOLDOUT_METHODS)}")
+    family.check(task, where)
+    if not task.train_only:
+        _check_splits(task, where)
+
+
+def _check_splits(task: Task, where: str) -> None:
     """Choosing the LR on the split whose score is reported would overstate it: refuse."""
     sp = {k: os.path.normpath(str(v)) for k, v in task.splits.items()}
-    where = f"task '{task.name}' in {source}"
     if not 0 <= task.validation_holdout < 1:
         raise UsageError(f"{where}: validation_holdout must be in [0, 1)")
     if task.validation_holdout > 0:
-        if sp["validation"] != sp["train"]:
-            raise UsageError(f"{where}: validation_holdout carves validation out of train; set "
-                             f"splits.validation to the train split ({task.splits['train']})")
-        if sp["test"] == sp["train"]:
+        source = task.holdout_source()
+        if sp["validation"] != sp[source]:
+            raise UsageError(f"{where}: validation_holdout carves validation out of {source}; "
+                             f"set splits.validation to the {source} split "
+                             f"({task.splits[source]})")
+        if sp["test"] == sp.get("train"):
             raise UsageError(f"{where}: test is the train split; point test at a held-out split")
     elif sp["validation"] == sp["test"]:
         raise UsageError(f"{where}: validation and test are the same split "
@@ -143,6 +205,7 @@ def load_registry(extra_files: list[str] | None = None) -> dict[str, Task]:
         files += [Path(p) for p in env.split(os.pathsep) if p]
     files += [Path(p) for p in (extra_files or [])]
     registry: dict[str, Task] = {}
+    sources: dict[str, Path] = {}
     for f in files:
         if not f.is_file():
             raise UsageError(f"task file {f} not found")
@@ -154,6 +217,15 @@ def load_registry(extra_files: list[str] | None = None) -> dict[str, Task]:
             raise UsageError(f"task file {f}: expected `name: {{fields}}` entries")
         for name, entry in doc.items():
             registry[str(name)] = _parse(str(name), entry, f)
+            sources[str(name)] = f
+    for name, task in registry.items():  # an IR task trained on another task's pairs
+        if task.train_task is None:
+            continue
+        source = registry.get(task.train_task)
+        if source is None or source.family != task.family:
+            raise UsageError(f"task '{name}' in {sources[name]}: train_task '{task.train_task}' "
+                             f"is not a {task.family} task of the registry")
+        task.train_source = source
     return registry
 
 
@@ -163,3 +235,14 @@ def get_task(name: str, extra_files: list[str] | None = None, registry: dict | N
         raise UsageError(f"unknown task '{name}'; known tasks: {', '.join(sorted(registry))} "
                          f"(add one with --task-file)")
     return registry[name]
+
+
+def suite(name: str, registry: dict[str, Task]) -> list[str]:
+    """The tasks of a suite, family by family (sc, tc, qa, ir), in registry order within one."""
+    order = list(FAMILIES)
+    tasks = sorted((n for n, t in registry.items() if name in t.suites),
+                   key=lambda n: order.index(registry[n].family))
+    if not tasks:
+        known = sorted({s for t in registry.values() for s in t.suites})
+        raise UsageError(f"unknown suite '{name}'; known suites: {', '.join(known) or 'none'}")
+    return tasks

@@ -8,6 +8,13 @@ part off):
   * continued pretraining (CPT): from the decayed CLM and MLM runs of cpt_size at cpt_budget,
     +N MLM steps with train.init_from (fresh optimizer, its own warmup and decay).
 
+Decay branches (`branches`, on by default): the single-objective runs of one size and objective
+differ only in their budget, so the largest budget is trained as the stable run and every smaller
+budget b is its decay branch: train.branch_from the stable run's checkpoint at step b - decay
+(kept with checkpoint.keep_steps), then b's own decay (training/branch.py; bitwise the run from
+scratch). CLM -> MLM runs give the CLM phase as a share of the budget, so their phases differ
+before any branch point: they stay runs of their own.
+
 Names follow the released models (see docs/plan.md): `610m-mlm40-42k`, `610m-clm-42k`,
 `610m-clm-10k-mlm40-42k` (CLM steps in thousands, rounded down: 25% of 42K = 10,500 -> 10k),
 `610m-clm-dec42k-mlm40-64k` (CPT: 22K MLM steps on the decayed 42K CLM run; total 64K).
@@ -58,12 +65,14 @@ def single_name(size: str, objective: str, steps: int, ratio: float) -> str:
 class Run:
     name: str
     size: str
-    kind: str  # single | biphasic | cpt
+    kind: str  # single | biphasic | cpt | branch
     steps: int
     phases: list[dict]
     warmup: int
     decay: int
-    depends_on: Optional[str] = None
+    depends_on: Optional[str] = None  # a CPT run's source; a branch's stable run
+    branch_at: Optional[int] = None  # a branch starts at this step of its stable run
+    keep_steps: list[int] = field(default_factory=list)  # a stable run's branch points
     config: dict = field(default_factory=dict)
     row: dict = field(default_factory=dict)
 
@@ -154,8 +163,26 @@ def build_grid(opts: PlanOptions) -> list[Run]:
                 add(Run(name, size, "cpt", n,
                         [{"objective": "mlm", "mask_ratio": opts.cpt_mask_ratio}],
                         warmup, decay, depends_on=src.name))
-    # Sources first (CPT runs come last and depend only on single runs).
-    return sorted(runs.values(), key=lambda r: r.kind == "cpt")
+    if opts.branches:
+        plan_branches(list(runs.values()))
+    # Sources first: stable runs, then their branches, then CPT runs (whose source may be either).
+    return sorted(runs.values(), key=lambda r: {"branch": 1, "cpt": 2}.get(r.kind, 0))
+
+
+def plan_branches(runs: list[Run]) -> None:
+    """Per size and single objective: the largest budget stays a run from scratch (the stable
+    run); every smaller budget becomes its decay branch at step budget - decay."""
+    families: dict[tuple, list[Run]] = {}
+    for r in runs:
+        if r.kind == "single":
+            families.setdefault((r.size, tuple(sorted(r.phases[0].items()))), []).append(r)
+    for family in families.values():
+        stable = max(family, key=lambda r: r.steps)
+        for r in family:
+            if r is not stable:
+                r.kind, r.depends_on, r.branch_at = "branch", stable.name, r.steps - r.decay
+                stable.keep_steps.append(r.branch_at)
+        stable.keep_steps.sort()
 
 
 
@@ -179,9 +206,14 @@ def run_config(run: Run, opts: PlanOptions, runs_dir: Path, lay: dict) -> dict:
                   "warmup_steps": run.warmup, "decay_steps": run.decay,
                   "recompute": lay["recompute"],
                   "init_from": (str(runs_dir / run.depends_on / "checkpoints")
-                                if run.depends_on else None)},
+                                if run.kind == "cpt" else None)},
         "checkpoint": {"save_interval": opts.save_interval, "keep_last": 2, "resume": True},
         "logging": {"log_interval": 10, "eval_interval": 1000 if opts.valid else 0,
                     "eval_iters": 4, "tensorboard": True},
     }
+    if run.branch_at is not None:
+        cfg["train"]["branch_from"] = str(runs_dir / run.depends_on / "checkpoints"
+                                          / f"iter_{run.branch_at:07d}")
+    if run.keep_steps:
+        cfg["checkpoint"]["keep_steps"] = list(run.keep_steps)
     return cfg

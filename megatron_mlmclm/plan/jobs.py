@@ -19,7 +19,7 @@ def job_script(run: Run, cfg_path: Path, runs_dir: Path, hf_dir: Path, results: 
     export = hf_dir / run.name
     eval_args = " ".join(q(t) for t in tasks + grid)  # task names, then --lrs/--seeds
     return f"""#!/usr/bin/env bash
-# {run.name}: {run.kind} run, {run.steps} steps{f', continues {run.depends_on}' if run.depends_on else ''}.
+# {run.name}: {run.kind} run, {run.steps} steps{_relation(run)}.
 # Written by `mlmclm plan`. Usage: bash {run.name}.sh pretrain|convert|evaluate|all [extra args]
 #   pretrain  launches with $LAUNCH (default: torchrun on this node, {gpus_per_node} GPUs); under
 #             SLURM use submit_slurm.sh ({lay['nodes']} node(s) x {gpus_per_node} GPUs) instead.
@@ -42,6 +42,17 @@ case "$STEP" in
   *) echo "usage: $0 pretrain|convert|evaluate|all [extra args]" >&2; exit 2 ;;
 esac
 """
+
+
+def _relation(run: Run) -> str:
+    if run.kind == "branch":
+        return f", the decay branch of {run.depends_on} from its step {run.branch_at}"
+    if run.depends_on:
+        return f", continues {run.depends_on}"
+    if run.keep_steps:
+        return (f"; keeps its checkpoints at steps {', '.join(map(str, run.keep_steps))}, where "
+                "its decay branches start")
+    return ""
 
 
 def eval_grid_args(opts: PlanOptions) -> list[str]:
@@ -67,7 +78,10 @@ def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path
     lines = [
         "#!/usr/bin/env bash",
         "# Submit every run of the plan to SLURM: pretrain -> convert -> evaluation array, and",
-        "# continued-pretraining runs after their source; the report after every array.",
+        "# continued-pretraining runs after their source; the report after every array. A stable",
+        "# run with decay branches is submitted in segments that end at its branch points",
+        "# (`pretrain --stop-at STEP`): each branch waits for the segment that saves its",
+        "# checkpoint, the next segment for the one before.",
         "# Written by `mlmclm plan`. Variables (all optional):",
         f"#   GPUS_PER_NODE   GPUs requested per node for pretraining ({gpn}); 0 on CPU-only nodes",
         "#                   (convert and evaluate jobs then ask for no GPU, else for one)",
@@ -88,7 +102,8 @@ def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path
         "PRETRAIN_ARGS=${PRETRAIN_ARGS:-} EVAL_ARGS=${EVAL_ARGS:-}",
         "sub() { sbatch --parsable $SBATCH_EXTRA \"$@\"; }",
         "gpus() { if [ \"$GPUS_PER_NODE\" -gt 0 ]; then echo \"--gpus-per-node=$1\"; fi; }",
-        "declare -A PRETRAIN",
+        "declare -A PRETRAIN  # run -> its last pretraining job",
+        "declare -A SEGMENT  # stable run@step -> the job that ends there",
         "EVALS=",
         "",
     ]
@@ -97,13 +112,27 @@ def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path
     for i, run in enumerate(runs):
         lay = layouts[run.name]
         var = f"j{i}"
-        dep = f" --dependency=afterok:${{PRETRAIN[{q(run.depends_on)}]}}" if run.depends_on else ""
+        if run.kind == "branch":  # waits for the segment that saves its branch point
+            dep = f" --dependency=afterok:${{SEGMENT[{q(f'{run.depends_on}@{run.branch_at}')}]}}"
+        else:
+            dep = (f" --dependency=afterok:${{PRETRAIN[{q(run.depends_on)}]}}" if run.depends_on
+                   else "")
         ckpt, export = runs_dir / run.name / "checkpoints", hf_dir / run.name
+
+        def pretrain(job: str, dependency: str, stop: str = "") -> str:
+            return (f"{job}=$(sub{dependency} --job-name {q('pt-' + run.name)} --nodes "
+                    f"{lay['nodes']} $(gpus \"$GPUS_PER_NODE\") --export=ALL,NPROC_PER_NODE={gpn} "
+                    f"$PRETRAIN_SBATCH \"$SLURM_DIR/pretrain.sbatch\" "
+                    f"{q(str(cfg_paths[run.name]))}{stop} $PRETRAIN_ARGS)")
+
+        lines.append(f"# {run.name}")
+        for k, step in enumerate(run.keep_steps):  # segments ending at the branch points
+            seg = f"s{i}_{k}"
+            lines += [pretrain(seg, dep, f" --stop-at {step}"),
+                      f"SEGMENT[{q(f'{run.name}@{step}')}]=${seg}"]
+            dep = f" --dependency=afterok:${seg}"
         lines += [
-            f"# {run.name}",
-            f"{var}=$(sub{dep} --job-name {q('pt-' + run.name)} --nodes {lay['nodes']} "
-            f"$(gpus \"$GPUS_PER_NODE\") --export=ALL,NPROC_PER_NODE={gpn} $PRETRAIN_SBATCH "
-            f"\"$SLURM_DIR/pretrain.sbatch\" {q(str(cfg_paths[run.name]))} $PRETRAIN_ARGS)",
+            pretrain(var, dep),
             f"PRETRAIN[{q(run.name)}]=${var}",
             f"c{i}=$(sub --dependency=afterok:${var} --job-name {q('cv-' + run.name)} $(gpus 1) "
             f"$CONVERT_SBATCH \"$SLURM_DIR/convert.sbatch\" {q(str(ckpt))} {q(str(export))} "

@@ -27,6 +27,8 @@ class PlanOptions:
     cpt_from: list[str] = field(default_factory=lambda: ["clm", "mlm"])
     cpt_mask_ratio: float = 0.4
     cpt_warmup_steps: int = 200
+    # smaller budgets of a single-objective run as decay branches of the largest (plan/grid.py)
+    branches: bool = True
     # data and outputs
     data: list[str] = field(default_factory=lambda: ["data/shards/fineweb_edu_text_document"])
     valid: list[str] = field(default_factory=list)

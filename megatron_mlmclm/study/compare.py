@@ -2,13 +2,13 @@
 
 Unit of comparison: one (pretraining seed p, fine-tuning seed s) pair. For a recipe and a task,
 the sample of pair (p, s) is the test score (percent) of the model pretrained with seed p,
-fine-tuned with seed s at the learning rate chosen for that model on validation (eval.report's
-rule). Two recipes are compared on the pairs they share, so a difference is always between models
-that saw the same pretraining samples and the same fine-tuning seed. A family score is the mean
-over the family's tasks; "overall" is the mean over every task. The interval is the t-interval of
-the mean paired difference (eval.report.mean_ci), treating the pairs as exchangeable samples; the
-per-pretraining-seed means are reported beside it so a reader sees how much the pretraining seed
-moves the difference.
+fine-tuned with seed s at the learning rate chosen for that model on validation (the report's
+rule, eval/report/summary.py). Two recipes are compared on the pairs they share, so a difference is
+always between models that saw the same pretraining samples and the same fine-tuning seed. A family
+score is the mean over the family's tasks; "overall" is the mean over every task. The interval is
+the t-interval of the mean paired difference (eval/report/stats.py), treating the pairs as
+exchangeable samples; the per-pretraining-seed means are reported beside it so a reader sees how
+much the pretraining seed moves the difference.
 
 Verdicts, for a claim "A beats B" (difference d = A - B):
     agrees        the interval lies above 0
@@ -29,7 +29,9 @@ import math
 import statistics
 from collections import defaultdict
 
-from megatron_mlmclm.eval.report import add_interval, format_interval, mean_ci, summarize
+from megatron_mlmclm.eval.report.render import format_interval
+from megatron_mlmclm.eval.report.stats import add_interval, mean_ci
+from megatron_mlmclm.eval.report.summary import summarize
 from megatron_mlmclm.study.design import RECIPES, parse_run_name
 
 MARGIN = 1.0  # points: "matches" = at most this much worse, with 95% confidence
@@ -39,8 +41,7 @@ MIN_PAIRS = 3
 def task_samples(results: list[dict]) -> tuple[dict, dict]:
     """({(recipe, task): {(p, s): test score at the chosen LR}},
         {(recipe, task): {(p, s): best - worst test score across the LR grid}})."""
-    s = summarize(results)
-    chosen = {(r["model"], r["task"]): r["best_lr"] for r in s["per_task"]}
+    chosen = {(r["model"], r["task"]): r["best_lr"] for r in summarize(results).per_task}
     by_lr = defaultdict(lambda: defaultdict(dict))  # (model, task) -> seed -> lr -> score
     for r in results:
         by_lr[(r["model"], r["task"])][r["seed"]][r["lr"]] = 100 * r["metrics"]["test"][r["metric"]]
@@ -160,7 +161,7 @@ def recipe_table(results: list[dict], families: dict[str, str]) -> list[dict]:
     the chosen LRs of the recipe's models."""
     scores, _ = task_samples(results)
     chosen = defaultdict(list)
-    for r in summarize(results)["per_task"]:
+    for r in summarize(results).per_task:
         chosen[(parse_run_name(r["model"])[0], r["task"])].append(f"{r['best_lr']:g}")
     rows = []
     order = [r.key for r in RECIPES]

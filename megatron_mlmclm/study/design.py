@@ -13,6 +13,14 @@ and masks, so recipes with the same seed see the same samples in the same order)
 Every model is fine-tuned on each task over that task's learning rates x `finetune_seeds`. The LR
 grids start at `lrs` and are widened along LR_LADDER (the whole task, every model) while a model's
 chosen LR sits at an edge, at most `max_widen` times per task.
+
+The learning curve (study/curves.py): the single-objective recipes (CURVE_RECIPES) are also trained
+at smaller budgets, `curve_shares` of `steps`, each as a decay branch of the full run (it starts from
+the full run's checkpoint kept at the smaller budget's decay start and decays on its own budget:
+bitwise the run trained from scratch with that budget, at the cost of its decay). A branch is named
+`{recipe}-b{steps}-p{seed}` and fine-tuned on `curve_tasks` only (every fine-tuning seed), at the LRs
+its recipe's full-budget models chose there: the curve costs its branches' decays and a few dozen
+fine-tuning runs, not another grid.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ RECIPES = (
     Recipe("mlm40-flops", "MLM 40% at CLM's FLOPs", (MLM,), flops_of="clm"),
 )
 RECIPE = {r.key: r for r in RECIPES}
+CURVE_RECIPES = ("clm", "mlm40")  # one objective each: a smaller budget is a decay branch
 
 
 @dataclass
@@ -70,6 +79,11 @@ class StudyDesign:
     max_train_examples: int = 1280  # = finetune_steps x batch_size: one epoch
     max_eval_examples: int = 300
     max_widen: int = 3
+    # the learning curve's smaller budgets, as shares of `steps` (empty: no learning curve)
+    curve_shares: list[float] = field(default_factory=lambda: [0.25, 0.5])
+    # the tasks the learning-curve models are fine-tuned on: SciFact, where CLM's lead over MLM
+    # was largest and its interval narrowest (docs/mini_study.md)
+    curve_tasks: list[str] = field(default_factory=lambda: ["scifact"])
     workers: int = 2  # parallel pretraining runs and fine-tuning runs, one thread each
 
     def check(self) -> "StudyDesign":
@@ -99,7 +113,29 @@ class StudyDesign:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_widen < 0:
             raise UsageError("--max-widen must be >= 0")
+        warmup = decay_steps(self.steps)
+        for share in self.curve_shares:
+            budget = round(share * self.steps)
+            if not 0 < share < 1 or branch_point(budget) < warmup:
+                raise UsageError(f"--curve-shares {share:g}: a learning-curve budget must be a share "
+                                 f"in (0, 1) of --steps whose decay starts after the warmup of the "
+                                 f"full run (step {warmup}); {budget} steps decay from step "
+                                 f"{branch_point(budget)}")
+        if len({round(x * self.steps) for x in self.curve_shares}) != len(self.curve_shares):
+            raise UsageError("--curve-shares gives the same budget twice")
+        off = [t for t in self.curve_tasks if t not in self.tasks]
+        if self.curve_shares and (off or not self.curve_tasks):
+            raise UsageError(f"--curve-tasks {' '.join(off) or '(none)'}: the learning curve is "
+                             f"fine-tuned on one or more of --tasks ({' '.join(self.tasks)})")
         return self
+
+    def curve_budgets(self) -> list[int]:
+        return sorted(round(x * self.steps) for x in self.curve_shares)
+
+    def curve_runs(self) -> list[tuple[str, int, int]]:
+        """(recipe key, budget, pretraining seed) of every learning-curve branch."""
+        return [(k, b, s) for k in CURVE_RECIPES for b in self.curve_budgets()
+                for s in self.pretrain_seeds]
 
     def runs(self) -> list[tuple[Recipe, int]]:
         """(recipe, pretraining seed) in a start order that lets continuations start early."""
@@ -114,9 +150,37 @@ def run_name(recipe: Recipe | str, seed: int) -> str:
 
 
 def parse_run_name(name: str) -> tuple[str, int]:
-    """Inverse of run_name: ('mlm40', 1) for 'mlm40-p1'."""
+    """Inverse of run_name: ('mlm40', 1) for 'mlm40-p1', ('mlm40-b250', 1) for a curve branch."""
     key, _, seed = name.rpartition("-p")
     return key, int(seed)
+
+
+def curve_key(key: str, budget: int) -> str:
+    """The run-name key of recipe `key` at a learning-curve budget: 'mlm40-b250'."""
+    return f"{key}-b{budget}"
+
+
+def parse_curve_key(key: str) -> tuple[str, int] | None:
+    """('mlm40', 250) for 'mlm40-b250'; None for a recipe's own key."""
+    base, _, budget = key.rpartition("-b")
+    return (base, int(budget)) if base in CURVE_RECIPES and budget.isdigit() else None
+
+
+def decay_steps(steps: int) -> int:
+    """Warmup and decay of a study run: 10% each (quickstart.small_run_config)."""
+    return max(1, steps // 10)
+
+
+def branch_point(budget: int) -> int:
+    """Where a learning-curve branch of `budget` steps starts: its decay's first step."""
+    return budget - decay_steps(budget)
+
+
+def run_steps(design: StudyDesign, name: str) -> int:
+    """The steps of any run of the study: a recipe's, or a learning-curve branch's budget."""
+    key, _ = parse_run_name(name)
+    curve = parse_curve_key(key)
+    return curve[1] if curve else recipe_steps(design, key)
 
 
 def widen(lrs: list[float], low: bool, high: bool) -> list[float]:

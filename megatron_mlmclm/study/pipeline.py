@@ -1,8 +1,10 @@
 """`mlmclm study`: the study's design in miniature, end to end on CPU (design.py says what is run).
 
     tokenizer -> shards -> unigram floor -> pretraining (design.workers runs at a time, one thread
-    each) -> Hugging Face exports -> fine-tuning, task by task, with the LR grid widened while a
-    chosen LR sits at its edge -> OUT/report.md (report.py) and OUT/models/ (the per-model report)
+    each; a learning-curve decay branch once its branch point is saved) -> Hugging
+    Face exports -> fine-tuning, task by task, with the LR grid widened while a chosen LR sits at
+    its edge, then the learning-curve models at the LRs their recipe chose -> OUT/report.md
+    (report.py, curves.py) and OUT/models/ (the per-model report)
 
 Resumable like the quickstart: finished pretraining runs, exports and fine-tuning results are kept
 and reused; the report is rebuilt from what is on disk. OUT/study.json records the design; a second
@@ -27,8 +29,9 @@ from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid
 from megatron_mlmclm.eval.report import summarize
 from megatron_mlmclm.quickstart import build_corpus, cli, resolve_sources, small_run_config
 from megatron_mlmclm.quickstart import log as quickstart_log
-from megatron_mlmclm.study.design import (RECIPE, StudyDesign, parse_run_name, recipe_flops, run_name,
-                                          widen)
+from megatron_mlmclm.study.design import (CURVE_RECIPES, RECIPE, StudyDesign, branch_point,
+                                          curve_key, decay_steps, parse_curve_key, parse_run_name,
+                                          recipe_flops, run_name, run_steps, widen)
 from megatron_mlmclm.study.runs import final_val_loss, finished, last_step, run_dir, steps_of
 
 
@@ -104,6 +107,32 @@ def _record_invocation(out: Path, start: float) -> list[float]:
 
 def _config(out: Path, design: StudyDesign, name: str, tokenizer: Path, prefixes) -> Path:
     key, seed = parse_run_name(name)
+    curve = parse_curve_key(key)
+    if curve:
+        cfg = _branch_config(out, design, name, curve, seed, tokenizer, prefixes)
+    else:
+        cfg = _recipe_config(out, design, name, key, seed, tokenizer, prefixes)
+    path = out / "configs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _branch_config(out: Path, design: StudyDesign, name: str, curve: tuple[str, int], seed: int,
+                   tokenizer: Path, prefixes) -> dict:
+    """A learning-curve budget of a single-objective recipe: the full run's config with its own
+    budget and decay, branching off the full run's checkpoint where that decay starts."""
+    key, budget = curve
+    cfg = _recipe_config(out, design, run_name(key, seed), key, seed, tokenizer, prefixes)
+    cfg.update(name=name, output_dir=str(run_dir(out, name)))
+    cfg["train"].update(steps=budget, decay_steps=decay_steps(budget), branch_from=str(
+        run_dir(out, run_name(key, seed)) / "checkpoints" / f"iter_{branch_point(budget):07d}"))
+    del cfg["checkpoint"]["keep_steps"]
+    return cfg
+
+
+def _recipe_config(out: Path, design: StudyDesign, name: str, key: str, seed: int, tokenizer: Path,
+                   prefixes) -> dict:
     recipe = RECIPE[key]
     init_from = None
     if recipe.continues:
@@ -120,24 +149,42 @@ def _config(out: Path, design: StudyDesign, name: str, tokenizer: Path, prefixes
         # design's vocabulary, as budget_config does.
         cfg["train"]["flops"] = recipe_flops(design, recipe.flops_of)
         cfg["model"]["vocab_size"] = design.vocab_size
-    path = out / "configs" / f"{name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    if key in CURVE_RECIPES and design.curve_shares:  # where its learning-curve branches start
+        cfg["checkpoint"]["keep_steps"] = [branch_point(b) for b in design.curve_budgets()]
+    return cfg
+
+
+def _can_start(out: Path, design: StudyDesign, name: str) -> bool:
+    """A continuation once its base run has finished; a learning-curve branch once its full run
+    has saved the branch point (the folder appears complete: checkpoints are renamed into place)."""
+    key, seed = parse_run_name(name)
+    curve = parse_curve_key(key)
+    if curve:
+        return (run_dir(out, run_name(curve[0], seed)) / "checkpoints"
+                / f"iter_{branch_point(curve[1]):07d}").is_dir()
+    base = RECIPE[key].continues
+    return not base or finished(out, design, run_name(base, seed))
+
+
+def all_runs(design: StudyDesign) -> list[str]:
+    """Every pretraining run of the study: the recipes, then the learning-curve branches."""
+    return ([run_name(r, s) for r, s in design.runs()]
+            + [run_name(curve_key(k, b), s) for k, b, s in design.curve_runs()])
 
 
 def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> None:
     """Every (recipe, seed) run, `design.workers` at a time (one thread each: two small runs side
     by side use two cores better than one run on both); a continuation starts once its base run
     has finished. A failing run stops the study with its exit status and log path."""
-    names = [run_name(r, s) for r, s in design.runs()]
+    names = all_runs(design)
     todo = [n for n in names if not finished(out, design, n)]
     log(f"3/6 pretraining: {len(names)} runs ({design.steps} steps; continuations "
-        f"{design.cpt_steps}), {len(names) - len(todo)} done already, "
+        f"{design.cpt_steps}; learning-curve branches {design.curve_budgets()}), "
+        f"{len(names) - len(todo)} done already, "
         f"{design.workers} at a time; logs in {out / 'runs'}/NAME/train.log")
     if not todo:
         return
-    total = {n: steps_of(design, parse_run_name(n)[0]) for n in todo}
+    total = {n: run_steps(design, n) for n in todo}
     bar = tqdm(total=sum(total.values()), desc="pretraining", unit="step")
     running: dict[str, tuple[subprocess.Popen, object]] = {}
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -149,8 +196,7 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
             for name in list(todo):
                 if len(running) >= design.workers:
                     break
-                base = RECIPE[parse_run_name(name)[0]].continues
-                if base and not finished(out, design, run_name(base, parse_run_name(name)[1])):
+                if not _can_start(out, design, name):
                     continue
                 config = _config(out, design, name, tokenizer, prefixes)
                 run_dir(out, name).mkdir(parents=True, exist_ok=True)
@@ -190,9 +236,9 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
 
 
 def export_all(out: Path, design: StudyDesign) -> dict[str, Path]:
+    """{run name: its Hugging Face folder} of every run, learning-curve branches included."""
     exports = {}
-    for recipe, seed in design.runs():
-        name = run_name(recipe, seed)
+    for name in all_runs(design):
         target = out / "hf" / name
         if not (target / "config.json").is_file():
             log(f"4/6 export {name} to Hugging Face")
@@ -219,10 +265,13 @@ def finetune_settings(design: StudyDesign) -> dict:
 def finetune_all(out: Path, design: StudyDesign, tasks: list[str],
                  exports: dict[str, Path]) -> dict[str, dict]:
     """Per task: run the grid, and widen it along the ladder while any model's chosen LR is at
-    an edge (at most design.max_widen times). Returns {task: {"lrs", "widened", "edge",
-    "results"}}, the results being those of the final grid."""
+    an edge (at most design.max_widen times); then, on design.curve_tasks, the learning-curve
+    models (finetune_curve). Returns {task: {"lrs", "widened", "edge", "results",
+    "curve_results"}}, the results being those of the final grid."""
     grids = {}
-    models = [str(p) for p in exports.values()]
+    curve_tasks = {t for name, t in zip(design.tasks, tasks) if name in design.curve_tasks}
+    curves = {n: p for n, p in exports.items() if parse_curve_key(parse_run_name(n)[0])}
+    models = [str(p) for n, p in exports.items() if n not in curves]
     for task in tasks:
         lrs, widened = sorted(design.lrs), []
         while True:
@@ -244,6 +293,32 @@ def finetune_all(out: Path, design: StudyDesign, tasks: list[str],
                 f"to {wider}")
             lrs = wider
         grids[task] = {"lrs": lrs, "widened": widened, "results": results,
-                       "edge": sorted(set(low) | set(high))}
+                       "edge": sorted(set(low) | set(high)),
+                       "curve_results": (finetune_curve(out, design, task, curves, chosen)
+                                         if task in curve_tasks else [])}
     return grids
+
+
+def finetune_curve(out: Path, design: StudyDesign, task: str, curves: dict[str, Path],
+                   chosen: dict[str, float]) -> list[dict]:
+    """The learning-curve models of each recipe on `task`, every fine-tuning seed, at the LRs the
+    recipe's full-budget models chose (`chosen`: model -> LR): each model's own choice is made on
+    validation among those, at a fraction of the full grid's cost."""
+    results = []
+    for key in CURVE_RECIPES:
+        models = [str(p) for n, p in curves.items()
+                  if parse_curve_key(parse_run_name(n)[0])[0] == key]
+        lrs = sorted({chosen[m] for m in (run_name(key, s) for s in design.pretrain_seeds)
+                      if m in chosen})
+        if not models or not lrs:
+            continue
+        log(f"5/6 learning curve on {task}: {len(models)} {key} models at lr {lrs} x seeds "
+            f"{design.finetune_seeds}")
+        cfgs = expand(models, [task], lrs, design.finetune_seeds, **finetune_settings(design))
+        if run_grid(cfgs, out / "eval", workers=design.workers, log=log)["failed"]:
+            raise SystemExit(f"fine-tuning run(s) of the learning curve failed; their tracebacks "
+                             f"are in {out / 'eval'}/**/*.failed.json")
+        results += [json.loads(p.read_text()) for p in result_paths(cfgs, out / "eval")
+                    if is_done(p)]
+    return results
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from megatron_mlmclm.eval.report import (add_interval, fmt, md_table, mean_ci, summarize, write_csv,
                                          write_report, yerr)
 from megatron_mlmclm.study.compare import MARGIN, recipe_table, study_comparisons
+from megatron_mlmclm.study.curves import curve_comparisons, curve_rows, curve_section, plot_curves
 from megatron_mlmclm.study.design import (RECIPES, StudyDesign, parse_run_name, recipe_flops,
                                           run_name)
 from megatron_mlmclm.study.runs import final_val_loss, steps_of, val_losses
@@ -137,6 +138,13 @@ def write_study_report(out: Path, design: StudyDesign, grids: dict[str, dict],
                        ("lr_curves", curves)):
         write_csv(out / f"{name}.csv", rows)
     written = write_plots(out, curves, comparisons, design, unigram, metric_of) if plots else []
+    on = sorted({r["task"] for g in grids.values() for r in g.get("curve_results", [])})
+    learning = curve_rows(design, grids, on) if on else []
+    learning_cmp = curve_comparisons(design, grids, on) if learning else []
+    write_csv(out / "learning_curve.csv", learning)
+    write_csv(out / "learning_curve_comparisons.csv", learning_cmp)
+    if plots and learning:
+        written.append(plot_curves(out, learning, on, metric_of))
 
     d = design
     lines = ["# Mini-study report", "",
@@ -203,6 +211,8 @@ def write_study_report(out: Path, design: StudyDesign, grids: dict[str, dict],
         lines.append(f"- {r['claim']}: {r['verdict']}"
                      + ("" if math.isnan(r["diff"]) else f" ({r['a']} - {r['b']} = "
                         f"{r['diff']:+.2f} ± {r['ci95']:.2f} points, {r['pairs']} pairs)") + ".")
+    if learning:
+        lines += [""] + curve_section(design, learning, learning_cmp)
     if written:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in written]
     lines += ["", "Per-model tables (every model and task, ties, LR stability): "

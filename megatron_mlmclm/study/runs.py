@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_mlmclm.study.design import StudyDesign, parse_run_name, recipe_steps
+from megatron_mlmclm.study.design import StudyDesign, recipe_steps, run_steps
 
 
 def steps_of(design: StudyDesign, key: str) -> int:
@@ -20,8 +20,7 @@ def run_dir(out: Path, name: str) -> Path:
 
 
 def finished(out: Path, design: StudyDesign, name: str) -> bool:
-    key, _ = parse_run_name(name)
-    return (run_dir(out, name) / "checkpoints" / f"iter_{steps_of(design, key):07d}").is_dir()
+    return (run_dir(out, name) / "checkpoints" / f"iter_{run_steps(design, name):07d}").is_dir()
 
 
 def last_step(metrics: Path) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.runtime import distributed as rt
@@ -14,15 +15,15 @@ from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted
 from megatron_mlmclm.training.trainer import Trainer
 
 
-def pretrain(cfg: RunConfig) -> int:
-    """0 when the run finished; EXIT_PREEMPTED when a stop signal saved it; EXIT_NONFINITE /
-    EXIT_NONFINITE_PERSISTENT for a non-finite step (training/faults.py). A hung rank exits
-    EXIT_HANG from its watchdog thread."""
+def pretrain(cfg: RunConfig, stop_at: Optional[int] = None) -> int:
+    """0 when the run finished (or reached `stop_at`, with a checkpoint there); EXIT_PREEMPTED
+    when a stop signal saved it; EXIT_NONFINITE / EXIT_NONFINITE_PERSISTENT for a non-finite
+    step (training/faults.py). A hung rank exits EXIT_HANG from its watchdog thread."""
     # Nothing of a run outlives its launcher (runtime/lifetime.py).
     if under_torchrun():
         die_with_parent()
     checkpoint_helper_dies_with_us()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, stop_at=stop_at)
     code = 0
     try:
         with children_die_with_us():  # loader workers, dist_checkpointing's forked writers

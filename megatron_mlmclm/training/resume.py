@@ -20,6 +20,7 @@ from typing import Any, Optional
 from megatron_mlmclm.config import (MaskSchedule, PhaseConfig, RunConfig, phase_rotary_base,
                                     phase_seq_length)
 from megatron_mlmclm.data.dataset import parse_prefixes
+from megatron_mlmclm.data.sample_index import SAMPLE_ORDER
 from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.errors import UsageError
 
@@ -57,7 +58,7 @@ def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
             end = start + ph.steps
             phases.append(phase_description(cfg, ph, start, end))
             start = end
-    return {
+    fp = {
         "data.train": train,
         "data.valid": valid,
         "data.seed": d.seed,
@@ -66,6 +67,12 @@ def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
         "train.global_batch_size": cfg.train.global_batch_size,
         "phases": "[" + ", ".join(phases) + "]",
     }
+    if not d.mock:  # synthetic samples are a function of their index, whatever the order rule
+        fp[ORDER_KEY] = SAMPLE_ORDER
+    return fp
+
+
+ORDER_KEY = "data.sample_order"
 
 
 def phase_description(cfg: RunConfig, ph: PhaseConfig, start: int, end: int) -> str:
@@ -83,7 +90,7 @@ def phase_description(cfg: RunConfig, ph: PhaseConfig, start: int, end: int) -> 
     if ph.data is not None:
         text += (f" data temperature {ph.data.temperature:g} over data.train"
                  if ph.data.temperature is not None else
-                 " data " + _show(shard_list(ph.data.train)))
+                 " data " + show_value(shard_list(ph.data.train)))
     return text
 
 
@@ -99,7 +106,7 @@ def first_changed_phase(saved: str, now: str) -> Optional[int]:
     return None
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     """Shards compare by content and weight, not by path: moved or staged data resumes."""
     if isinstance(a, list) and isinstance(b, list):
         return [_content(e) for e in a] == [_content(e) for e in b]
@@ -110,7 +117,7 @@ def _content(entry: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if k != "prefix"}
 
 
-def _show(value) -> str:
+def show_value(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(f"{e['prefix']} (idx {e['idx_bytes']} B, sha256 "
                                f"{e['idx_sha256'][:12]})" for e in value) + "]"
@@ -139,20 +146,27 @@ def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict
     if saved_fp is None:
         return consumed, [f"warning: {ckpt} holds no data fingerprint (saved by an older version); "
                           "resuming without checking the data, batch size and phases against it"]
-    changed = [k for k in new_fp if not _same(saved_fp.get(k), new_fp[k])]
+    changed = [k for k in new_fp if not same_value(saved_fp.get(k), new_fp[k])]
     if not changed:
         return consumed, []
     if cfg.checkpoint.allow_data_change:
-        return consumed, [f"checkpoint.allow_data_change: {k} was {_show(saved_fp.get(k))}, now "
-                          f"{_show(new_fp[k])}" for k in changed] + [
+        return consumed, [f"checkpoint.allow_data_change: {k} was {show_value(saved_fp.get(k))}, now "
+                          f"{show_value(new_fp[k])}" for k in changed] + [
             f"continuing the data stream at sample {consumed} (the checkpoint's consumed_samples)"]
-    k = changed[0]
+    k = ORDER_KEY if ORDER_KEY in changed else changed[0]
+    if k == ORDER_KEY:
+        raise UsageError(
+            f"{ckpt} was saved by a version whose sample order depended on the run's length "
+            f"(sample order {saved_fp.get(k) or 1}, this version reads order {new_fp[k]}); "
+            f"resuming would read other samples: finish the run with the version that started it, "
+            f"set checkpoint.allow_data_change=true to continue in the new order from sample "
+            f"{consumed}, or use a new output_dir")
     also = f" (also changed: {', '.join(changed[1:])})" if len(changed) > 1 else ""
     if k == "phases" and isinstance(saved_fp.get(k), str):
         i = first_changed_phase(saved_fp[k], new_fp[k])
         also = f" (phases.{i} is the first that changed)" + also
     raise UsageError(
-        f"{ckpt} was saved with {k} = {_show(saved_fp.get(k))} but this run has "
-        f"{_show(new_fp[k])}{also}; resuming would change the training data or masks: restore "
+        f"{ckpt} was saved with {k} = {show_value(saved_fp.get(k))} but this run has "
+        f"{show_value(new_fp[k])}{also}; resuming would change the training data or masks: restore "
         f"{k}, set checkpoint.allow_data_change=true to continue from sample {consumed} anyway, "
         f"or use a new output_dir")

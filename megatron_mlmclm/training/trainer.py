@@ -33,7 +33,7 @@ from megatron.core.transformer.module import Float16Module
 from tqdm import tqdm
 
 from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import RunConfig, dump_yaml, to_dict
+from megatron_mlmclm.config import RunConfig, dump_yaml, kept_steps, to_dict
 from megatron_mlmclm.data.dataset import build_train_dataset, temperature_blend
 from megatron_mlmclm.data.mock import MockPackedDataset
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
@@ -47,6 +47,7 @@ from megatron_mlmclm.objectives import to_device
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import sinks
+from megatron_mlmclm.training.branch import branch_source, inherit_metrics
 from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
 from megatron_mlmclm.training.inject import Injector
 from megatron_mlmclm.training.loader import Plan, build_loader
@@ -97,9 +98,12 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, stop_at: Optional[int] = None):
         self.cfg = cfg
         self.step = 0
+        self.stop_at = stop_at  # `pretrain --stop-at`: save at this step and end (exit 0)
+        self.kept = set(kept_steps(cfg))  # checkpoints saved there and never pruned
+        self.branched_from = None  # train.branch_from's checkpoint, when this run started there
         self.sinks = None  # TensorBoard / W&B (rank 0)
         self.metrics_file = None
         self.source = None  # provenance of imported weights, carried into every save
@@ -213,7 +217,10 @@ class Trainer:
             self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
             lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.steps, lr_decay_style="WSD",
             start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps,
-            wd_incr_style="constant", wsd_decay_steps=t.decay_steps, lr_wsd_decay_style="linear")
+            wd_incr_style="constant", wsd_decay_steps=t.decay_steps, lr_wsd_decay_style="linear",
+            # A checkpoint gives the schedule's position; its shape is this run's config (a
+            # branch decays on its own budget, not on its source's).
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
     def find_resume_checkpoint(self) -> Optional[Path]:
         """The run's latest complete checkpoint, checked against this run (optimizer kind, data
@@ -226,6 +233,9 @@ class Trainer:
             consumed, self.resume_notes = check_resume(latest, state, cfg, self.fingerprint)
             plan = PhasePlan(resolved_phases(cfg), cfg.train.global_batch_size)
             self.sample_offset = consumed - plan.position(int(state["iteration"]))
+        elif cfg.train.branch_from:  # a stable checkpoint of this config at another budget
+            latest, self.resume_notes = branch_source(cfg, self.fingerprint)
+            self.branched_from = latest  # read as a fresh run reads: sample_offset stays 0
         return latest
 
     def restore(self) -> None:
@@ -238,7 +248,8 @@ class Trainer:
             self.faults.spikes.load(state.get("spikes"))
             for note in self.resume_notes:
                 self.log(note)
-            self.log(f"resumed from {latest} at step {self.step}")
+            self.log(f"{'branched' if self.branched_from else 'resumed'} from {latest} at step "
+                     f"{self.step}")
         elif self.init_source is not None:
             source = self.init_source
             origin = ckpt.load_weights(source, self.model_chunks, self.optimizer)
@@ -252,6 +263,9 @@ class Trainer:
         out = Path(self.cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         dump_yaml(self.cfg, out / "config.yaml")
+        if self.branched_from is not None:  # the source's curve up to the branch point, once
+            inherit_metrics(ckpt.read_trainer_state(self.branched_from)["trainer"]["config"],
+                            self.step, out)
         self.metrics_file = open(out / "metrics.jsonl", "a", encoding="utf-8")
         self.sinks = sinks.Sinks(self.cfg, out, self.step)
 
@@ -423,7 +437,7 @@ class Trainer:
             with faults.section("evaluation", 0):
                 self.record({"step": 0, "objective": first.objective,
                              "val_loss": self.evaluate(first)}, None)
-        while self.step < t.steps:
+        while self.step < t.steps and (self.stop_at is None or self.step < self.stop_at):
             phase_index, phase = self.plan.phase_plan.index(self.step), self.phase_at_step(self.step)
             tokens_per_step = t.global_batch_size * phase.seq_length
             start = time.perf_counter()
@@ -452,7 +466,8 @@ class Trainer:
             last = stats
             interval = cfg.checkpoint.save_interval
             stop = self.step < t.steps and self.stop.agreed(rt.device())
-            if interval and self.step % interval == 0 or self.step == t.steps or stop:
+            if (interval and self.step % interval == 0 or self.step in (t.steps, self.stop_at)
+                    or self.step in self.kept or stop):
                 faults.enter("save", self.step)
                 self.save()
             faults.step_ended(elapsed)
@@ -461,6 +476,9 @@ class Trainer:
                                 f"{EXIT_PREEMPTED}, start the same run again to resume")
         for line in faults.summary():
             self.log(line)
+        if self.step < t.steps:  # --stop-at
+            self.log(f"stopped at step {self.step} of {t.steps} (--stop-at); run again without it "
+                     "to continue")
         return last
 
     def phase_at_step(self, step: int):
@@ -498,7 +516,7 @@ class Trainer:
         with self.parameters_gathered():
             path = ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model_chunks,
                                         self.optimizer, self.scheduler, state,
-                                        self.cfg.checkpoint.keep_last)
+                                        self.cfg.checkpoint.keep_last, keep=self.kept)
         self.log(f"saved {path}")
 
     def record(self, stats: dict[str, Any], bar) -> None:

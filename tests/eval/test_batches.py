@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mlmclm.eval.data import load_split
+from megatron_mlmclm.eval.families import load_split
 from megatron_mlmclm.eval.families import Setup
 from megatron_mlmclm.eval.finetune import FinetuneConfig, batches, no_duplicate_batches, train
 from megatron_mlmclm.eval.tasks import load_registry
@@ -60,7 +60,7 @@ def test_scifact_pairs_have_duplicates_that_the_sampler_keeps_apart(data, tiny_m
     setup = ir.setup(task, load_tokenizer(tiny_model),
                      FinetuneConfig(model=tiny_model, task="scifact"), 64, torch.device("cpu"))
     items, keys = setup.train_items, setup.batch_keys
-    assert len(items) == len(load_split(task, "train").pairs())
+    assert len(items) == len(ir.pairs_of(task, load_split(task, "train")))
     # the keys say exactly when two pairs share a query text or a positive text
     for i in range(0, len(items), 7):
         for j in range(i + 1, len(items)):

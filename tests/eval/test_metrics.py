@@ -71,3 +71,54 @@ def test_ndcg_and_recall_against_brute_force():
     assert metrics.recall_at_k(run, qrels, 10) == pytest.approx((2 / 3 + 1) / 2)
     assert metrics.recall_at_k(run, qrels, 100) == pytest.approx(1.0)
     assert metrics.ndcg_at_k({"q2": {"d3": 1.0}}, {"q2": {"d3": 1}}) == pytest.approx(1.0)
+
+
+def test_sentence_macro_f1_is_scikit_learns_macro_f1_per_sentence():
+    from sklearn.metrics import f1_score
+
+    gold = [["B-PER", "I-PER", "O", "B-LOC", "O"], ["O", "O"], ["B-ORG", "O", "B-MISC"]]
+    pred = [["B-PER", "O", "O", "B-ORG", "O"], ["O", "O"], ["B-MISC", "O", "B-MISC"]]
+    want = sum(f1_score(g, p, average="macro", zero_division=0) for g, p in zip(gold, pred)) / 3
+    assert metrics.sentence_macro_f1(pred, gold) == pytest.approx(want)
+    # by hand, sentence 1: B-PER 1, I-PER 0, O: tp 2 of 3 predicted and 2 gold, B-LOC 0, B-ORG 0
+    s1 = (1 + 0 + 2 * 2 / (3 + 2) + 0 + 0) / 5
+    s3 = (0 + 1 + 2 * 1 / (2 + 1)) / 3  # B-ORG 0, O 1, B-MISC: tp 1, 2 predicted, 1 gold
+    assert metrics.sentence_macro_f1(pred, gold) == pytest.approx((s1 + 1.0 + s3) / 3)
+
+
+def test_token_set_f1_by_hand():
+    pred = [{3, 4, 5}, set(), {7}, set()]
+    gold = [{4, 5}, set(), {8}, {1}]
+    # 2*2/(3+2) = 0.8; both empty: 1; disjoint: 0; nothing predicted: 0
+    assert metrics.token_set_f1(pred, gold) == pytest.approx((0.8 + 1 + 0 + 0) / 4)
+
+
+def test_ndcg_over_the_top_10_retrieved_is_scikit_learns():
+    """EncodEval's NDCG@10: sklearn's ndcg_score on the binary gains of the 10 retrieved documents,
+    so the ideal ranking is that of the relevant documents retrieved, not of all judged ones."""
+    import random
+
+    from sklearn.metrics import ndcg_score
+
+    rng = random.Random(0)
+    run, qrels, want = {}, {}, []
+    for q in range(30):
+        docs = [f"d{i}" for i in range(25)]
+        scores = rng.sample(range(1000), len(docs))  # distinct: no tie order to agree on
+        run[f"q{q}"] = {d: float(s) for d, s in zip(docs, scores)}
+        judged = {d: rng.choice([0, 0, 0, 1, 2]) for d in rng.sample(docs, 8)}
+        if not any(judged.values()):
+            continue  # skipped by both
+        qrels[f"q{q}"] = judged
+        top = sorted(run[f"q{q}"].items(), key=lambda x: -x[1])[:10]
+        gains = [[1.0 if judged.get(d, 0) > 0 else 0.0 for d, _ in top]]
+        want.append(ndcg_score(gains, [[s for _, s in top]], k=10) if sum(gains[0]) else 0.0)
+    qrels["no_relevant"] = {"d0": 0}
+    assert metrics.ndcg_at_k_retrieved(run, qrels, 10) == pytest.approx(sum(want) / len(want))
+    # one relevant document at rank 3, two others judged but not retrieved: DCG 1/log2(4) over
+    # the ideal of that one document (1) here; over the ideal of all three for trec_eval
+    one = {"q": {f"d{i}": float(10 - i) for i in range(10)}}
+    judged = {"d2": 1, "x1": 1, "x2": 1}
+    assert metrics.ndcg_at_k_retrieved(one, {"q": judged}, 10) == pytest.approx(0.5)
+    assert metrics.ndcg_at_k(one, {"q": judged}, 10) == pytest.approx(
+        0.5 / (1 + 1 / math.log2(3) + 0.5))

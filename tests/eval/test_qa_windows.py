@@ -1,11 +1,13 @@
-"""QA windows (doc stride) put the answer where it is, and v2 null-score handling."""
+"""QA windows (doc stride) put the answer where it is, keep the question part and EOS in every
+window, and v2 null-score handling."""
 
 from __future__ import annotations
 
 import torch
 
-from megatron_mlmclm.eval.families.qa import encode_eval, encode_train, postprocess
+from megatron_mlmclm.eval.families.qa import encode_train, postprocess, windows
 from megatron_mlmclm.eval.heads import load_tokenizer
+from megatron_mlmclm.eval.tasks import load_registry
 
 CONTEXT = " ".join(f"w{i}" for i in range(60)) + " the answer is Paris France today ."
 RECORD = {"id": "q1", "question": "where is it ?", "context": CONTEXT,
@@ -14,17 +16,23 @@ RECORD = {"id": "q1", "question": "where is it ?", "context": CONTEXT,
 
 def test_doc_stride_windows_label_the_answer(tiny_model):
     tok = load_tokenizer(tiny_model)
-    feats = encode_train([RECORD], tok, max_length=32, stride=8)
+    task = load_registry()["squad"]
+    full = tok(f"Question: {RECORD['question']}\nContext: {CONTEXT}")["input_ids"]
+    feats = encode_train(task, [RECORD], tok, max_length=32, stride=8)
     assert len(feats) > 2  # long context -> several windows
     hits = [f for f in feats if f["start_positions"] > 0]
     assert hits and all(f["start_positions"] == 0 for f in feats if f not in hits)
     for f in hits:
         span = f["input_ids"][f["start_positions"]:f["end_positions"] + 1]
         assert tok.decode(span) == "Paris France"
+    head = full[:len(tok(f"Question: {RECORD['question']}\nContext:")["input_ids"]) - 1]
+    for f in feats:  # every window: the question part, a slice of the context, then EOS
+        assert f["input_ids"][:len(head)] == head and f["input_ids"][-1] == tok.eos_token_id
+        assert len(f["input_ids"]) <= 32
 
-    evals = encode_eval([RECORD], tok, max_length=32, stride=8)
-    f = next(i for i, e in enumerate(evals) if any(o and CONTEXT[o[0]:o[1]] == "Paris" for o in e["offsets"]))
-    s = next(i for i, o in enumerate(evals[f]["offsets"]) if o and CONTEXT[o[0]:o[1]] == "Paris")
+    evals = windows(task, [RECORD], tok, 32, 8)
+    f = next(i for i, e in enumerate(evals) if any(o and CONTEXT[o[0]:o[1]].strip() == "Paris" for o in e["offsets"]))
+    s = next(i for i, o in enumerate(evals[f]["offsets"]) if o and CONTEXT[o[0]:o[1]].strip() == "Paris")
     starts = [torch.zeros(len(e["input_ids"])) for e in evals]
     ends = [torch.zeros(len(e["input_ids"])) for e in evals]
     starts[f][s], ends[f][s + 1] = 5.0, 5.0
@@ -39,15 +47,15 @@ def test_doc_stride_windows_label_the_answer(tiny_model):
 
 def test_a_question_longer_than_the_stride_room_is_cut_not_fatal(tiny_model):
     """max_length 32 leaves stride 8 room only if the question takes <= 8 tokens: a 40-word
-    question used to panic inside the tokenizer (stride >= room); it is now cut to a quarter of
-    max_length and the answer is still labelled in the context."""
+    question is cut to a quarter of max_length and the answer is still labelled in the context."""
     tok = load_tokenizer(tiny_model)
+    task = load_registry()["squad"]
     long = dict(RECORD, question=" ".join(["where"] * 40) + " ?")
-    feats = encode_train([long], tok, max_length=32, stride=8)
+    feats = encode_train(task, [long], tok, max_length=32, stride=8)
     hits = [f for f in feats if f["start_positions"] > 0]
     assert hits
     for f in hits:
         assert tok.decode(f["input_ids"][f["start_positions"]:f["end_positions"] + 1]) == "Paris France"
-        question = f["input_ids"][1:f["input_ids"].index(tok.sep_token_id or tok.eos_token_id)]
-        assert 0 < len(question) <= 32 // 4
-    assert encode_eval([long], tok, max_length=32, stride=8)
+    for w in windows(task, [long], tok, 32, 8):
+        question = next(i for i, o in enumerate(w["offsets"]) if o is not None)
+        assert 0 < question <= 32 // 4

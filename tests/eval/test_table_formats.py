@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.data import load_split
+from megatron_mlmclm.eval.families import load_split
 from megatron_mlmclm.eval.tasks import load_registry
 
 BOM = "\ufeff"

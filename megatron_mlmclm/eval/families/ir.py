@@ -1,23 +1,235 @@
 """Retrieval: a SentenceTransformer (models.Transformer on the local folder + mean Pooling),
 contrastive fine-tuning on (query, relevant document) pairs with in-batch negatives
-(CachedMultipleNegativesRankingLoss), evaluated with NDCG@10 and recall@100 by cosine similarity.
-A training batch never holds the same query or the same positive twice (finetune.no_duplicate_batches):
-a query with two relevant documents, or a document relevant to two queries, would otherwise make a
-relevant document one of the query's in-batch negatives.
+(CachedMultipleNegativesRankingLoss), evaluated by cosine similarity.
 
-The evaluated corpus is either the documents judged in the split's qrels (`corpus: judged`, as in
-the study) or the whole corpus (`corpus: full`).
+The training pairs come from the task's own train qrels, or from another task's train split
+(`train_task`: EncodEval trains on msmarco-pairs and evaluates MS MARCO, NQ and MLDR-en). Queries
+and documents are the entry's `query_template` / `document_template` filled (EncodEval: "Query: "
+and "Document: " prefixes) and encoded as pretraining documents (text, EOS): the module's tokenizer
+is made a document tokenizer, so sentence-transformers itself encodes them that way.
+
+`batches: no_duplicates` (default): a training batch never holds the same query or the same
+positive twice (finetune.no_duplicate_batches): a query with two relevant documents, or a document
+relevant to two queries, would otherwise make a relevant document one of the query's in-batch
+negatives; `shuffled`: plain shuffled batches (sentence-transformers' default sampler, EncodEval).
+
+The evaluated corpus (`corpus`): `judged`, the documents judged in the evaluated split's qrels (as
+in the study); `judged_eval`, those judged in the validation or the test qrels (EncodEval: one
+corpus for both); `full`, the whole corpus. Metrics: `ndcg@10` (trec_eval's), `ndcg@10_top10`
+(EncodEval's, scikit-learn over the top 10 retrieved) and `recall@100`.
+
+Formats: beir (corpus.jsonl[.gz], queries.jsonl[.gz], qrels/<split>.tsv: the BEIR distribution;
+from the Hub, BeIR/<name> with its <name>-qrels), mldr (MLDR's JSON Lines of {query_id, query,
+positive_passages: [{docid, text}]} per split and corpus.jsonl[.gz] of {docid, text}; negative
+passages are not used) and pairs (a training set: a table of query / positive texts, as
+msmarco-pairs).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from megatron_mlmclm.eval import metrics
-from megatron_mlmclm.eval.data import load_split, subsample
-from megatron_mlmclm.eval.families import Setup
-from megatron_mlmclm.eval.heads import make_bidirectional
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval import data, metrics
+from megatron_mlmclm.eval.families.base import (Family, Inputs, Setup, check_template, fill,
+                                                tokens_with)
+from megatron_mlmclm.eval.heads import document_tokenizer, make_bidirectional
+from megatron_mlmclm.eval.splits import holdout, subsample
 
+CORPUS = ("judged", "judged_eval", "full")
+BATCHES = ("no_duplicates", "shuffled")
+
+
+@dataclass
+class Beir:
+    corpus: dict[str, dict]  # doc id -> {"title", "text"}
+    queries: dict[str, str]
+    qrels: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def query_text(task, text: str) -> str:
+    return fill(task.query_template, text=text)
+
+
+def document_text(task, doc: dict) -> str:
+    if task.document_template is not None:
+        return fill(task.document_template, title=doc.get("title", ""), text=doc["text"])
+    title = (doc.get("title") or "").strip()
+    return f"{title} {doc['text']}".strip() if title else doc["text"]
+
+
+def _qrels_tsv(task, path) -> dict[str, dict[str, int]]:
+    qrels: dict[str, dict[str, int]] = {}
+    with data.open_text(path) as f:
+        for i, line in enumerate(f):
+            parts = line.rstrip("\r\n").split("\t")
+            if i == 0 and not parts[-1].lstrip("-").isdigit():
+                continue  # header
+            if len(parts) >= 3:
+                qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+    return qrels
+
+
+def _cached(task, key: str, make):
+    """Corpus and queries are read once per Task object: the splits of one run (and of one
+    preflight) share them. Kept on the object, outside its fields (not part of the protocol)."""
+    cache = vars(task).setdefault("_cache", {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def read_beir(task, split) -> Beir:
+    folder = task.folder()
+
+    def base():
+        corpus_f = data.first_existing(folder, ("corpus.jsonl", "corpus.jsonl.gz"))
+        queries_f = data.first_existing(folder, ("queries.jsonl", "queries.jsonl.gz"))
+        if corpus_f is None or queries_f is None:
+            raise UsageError(f"task '{task.name}': {folder} needs corpus.jsonl[.gz] and "
+                             "queries.jsonl[.gz]")
+        corpus = {str(r["_id"]): {"title": r.get("title") or "", "text": r.get("text", "")}
+                  for r in data.read_rows(task, [corpus_f], "jsonl")}
+        return corpus, {str(r["_id"]): r["text"]
+                        for r in data.read_rows(task, [queries_f], "jsonl")}
+
+    corpus, queries = _cached(task, "beir", base)
+    qrels = _qrels_tsv(task, data.need(folder / "qrels" / f"{task.splits[split]}.tsv", task))
+    return Beir(corpus=corpus, queries=queries, qrels=qrels)
+
+
+def _mldr_split(task, rows: list[dict], corpus: dict) -> Beir:
+    queries, qrels = {}, {}
+    for r in rows:
+        qid = str(r["query_id"])
+        queries[qid] = r["query"]
+        for p in r.get("positive_passages") or []:
+            qrels.setdefault(qid, {})[str(p["docid"])] = 1
+            corpus.setdefault(str(p["docid"]), {"title": "", "text": p.get("text", "")})
+    return Beir(corpus=corpus, queries=queries, qrels=qrels)
+
+
+def read_mldr(task, split) -> Beir:
+    folder = task.folder()
+
+    def base():
+        f = data.first_existing(folder, ("corpus.jsonl", "corpus.jsonl.gz"))
+        if f is None:
+            raise UsageError(f"task '{task.name}': {folder} needs corpus.jsonl[.gz]")
+        return {str(r["docid"]): {"title": "", "text": r["text"]}
+                for r in data.read_rows(task, [f], "jsonl")}
+
+    corpus = _cached(task, "mldr", base)
+    rows = data.read_rows(task, data.files(task, task.splits[split]), "jsonl")
+    return _mldr_split(task, rows, corpus)
+
+
+def read_pairs(task, split) -> list[dict]:
+    """A table of pairs, its format told by the file name (.parquet, .csv, .tsv, else JSON Lines)."""
+    paths = data.files(task, task.splits[split])
+    name = paths[0].name.removesuffix(".gz")
+    fmt = next((f for f in ("parquet", "csv", "tsv") if name.endswith("." + f)), "jsonl")
+    return _pair_records(task, data.read_rows(task, paths, fmt), paths[0])
+
+
+def _pair_records(task, rows, where) -> list[dict]:
+    cols = [task.query_field, task.positive_field]
+    data.need_columns(task, rows, cols, where, " (set query_field / positive_field)")
+    data.check_values(task, rows, cols, where)
+    return [{"query": str(r[cols[0]]), "positive": {"title": "", "text": str(r[cols[1]])}}
+            for r in rows]
+
+
+def hub_pairs(task, split):
+    return _pair_records(task, data.hub_rows(task, split)[0], task.hf_name)
+
+
+def hub_mldr(task, split):
+    corpus = _cached(task, "mldr", lambda: {
+        str(r["docid"]): {"title": "", "text": r["text"]}
+        for r in data.hub_dataset(task, task.hf_name, "corpus", "corpus")})
+    rows = data.hub_dataset(task, task.hf_name, task.hf_config or "default", task.hub_split(split))
+    return _mldr_split(task, list(rows), corpus)
+
+
+def hub_beir(task, split):
+    """BeIR/<name> (configs corpus and queries) with its qrels in BeIR/<name>-qrels."""
+    def base():
+        corpus = {str(r["_id"]): {"title": r.get("title") or "", "text": r["text"]}
+                  for r in data.hub_dataset(task, task.hf_name, "corpus", "corpus")}
+        return corpus, {str(r["_id"]): r["text"]
+                        for r in data.hub_dataset(task, task.hf_name, "queries", "queries")}
+
+    corpus, queries = _cached(task, "beir", base)
+    qrels: dict[str, dict[str, int]] = {}
+    for r in data.hub_dataset(task, f"{task.hf_name}-qrels", None, task.hub_split(split)):
+        qrels.setdefault(str(r["query-id"]), {})[str(r["corpus-id"])] = int(r["score"])
+    return Beir(corpus=corpus, queries=queries, qrels=qrels)
+
+
+READERS = {"beir": read_beir, "mldr": read_mldr, "pairs": read_pairs}
+HUB = {"beir": hub_beir, "mldr": hub_mldr, "pairs": hub_pairs}  # EncodEval's Hub datasets
+
+
+def load_split(task, split, max_examples=None):
+    """A Beir split (qrels carved by query id for `validation_holdout`; an evaluated split
+    subsampled by query), or the pair records of a training set."""
+    if split not in task.splits:
+        raise UsageError(f"task '{task.name}' has no {split} split"
+                         + (" (a training set: evaluate a task that trains on it)"
+                            if task.train_only else ""))
+    got = (HUB if task.reads_hub() else READERS)[task.format](task, split)
+    if isinstance(got, list):  # pairs
+        if not got:
+            raise UsageError(f"task '{task.name}': split '{split}' has no pairs")
+        return subsample(got, max_examples)
+    got.qrels = dict(holdout(task, split, list(got.qrels.items()), key=lambda qd: qd[0]))
+    if max_examples and split != "train":
+        keep = subsample(sorted(got.qrels), max_examples)
+        got.qrels = {q: got.qrels[q] for q in keep}
+    n = len(pairs_of(task, got)) if split == "train" else len(got.qrels)
+    if n == 0:
+        raise UsageError(f"task '{task.name}': split '{split}' has no judged queries")
+    return got
+
+
+def pairs_of(task, split_data) -> list[tuple[str, str]]:
+    """(query text, relevant document text), templated by `task`, for every positive judgement
+    (or every pair of a training set)."""
+    if isinstance(split_data, list):
+        return [(query_text(task, r["query"]), document_text(task, r["positive"]))
+                for r in split_data]
+    return [(query_text(task, split_data.queries[q]), document_text(task, split_data.corpus[d]))
+            for q, docs in split_data.qrels.items() for d, s in docs.items()
+            if s > 0 and q in split_data.queries and d in split_data.corpus]
+
+
+def training_pairs(task, max_examples) -> list[tuple[str, str]]:
+    """The pairs `task` is fine-tuned on: its training task's train split, else its own."""
+    source = vars(task).get("train_source") or task
+    return subsample(pairs_of(source, load_split(source, "train")), max_examples)
+
+
+def labels(task, train):
+    return []
+
+
+def check(task, where):
+    if task.corpus not in CORPUS:
+        raise UsageError(f"{where}: corpus must be one of {', '.join(CORPUS)}")
+    if task.batches not in BATCHES:
+        raise UsageError(f"{where}: batches must be one of {', '.join(BATCHES)}")
+    if task.format == "pairs" and set(task.splits) != {"train"}:
+        raise UsageError(f"{where}: format pairs is a training set: give splits.train only")
+    if "train" not in task.splits and task.train_task is None:
+        raise UsageError(f"{where}: no train split: set train_task (the task whose pairs train it)")
+    check_template(task.query_template, {"text"}, where, "query_template")
+    check_template(task.document_template, {"title", "text"}, where, "document_template")
+
+
+# -------------------------------------------------------------------------- model and metrics
 
 def _st_imports():
     """(SentenceTransformer, Transformer, Pooling, CachedMNRL) from the ST 6 layout, else ST 5.
@@ -38,24 +250,31 @@ def build_sentence_transformer(model_dir: str, max_length: int, device):
 
     word = Transformer(model_dir, max_seq_length=max_length)
     make_bidirectional(word.auto_model)
+    document_tokenizer(word.tokenizer)
     dim = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension
     pooling = Pooling(dim(), pooling_mode="mean")
     return SentenceTransformer(modules=[word, pooling], device=str(device))
 
 
-def retrieve(model, data, corpus_mode: str, batch_size: int, k: int = 100) -> dict:
+def doc_ids_of(corpus_mode: str, split_data: Beir, evaluated: list[Beir]) -> list[str]:
+    if corpus_mode == "full":
+        return sorted(split_data.corpus)
+    qrels = [split_data.qrels] if corpus_mode == "judged" else [e.qrels for e in evaluated]
+    return sorted({d for q in qrels for docs in q.values() for d in docs
+                   if d in split_data.corpus})
+
+
+def retrieve(model, task, split_data: Beir, doc_ids: list[str], batch_size: int,
+             k: int = 100) -> dict:
     """{qid: {doc_id: cosine}} for the top-k documents of each judged query."""
-    if corpus_mode == "judged":
-        doc_ids = sorted({d for docs in data.qrels.values() for d in docs if d in data.corpus})
-    else:
-        doc_ids = sorted(data.corpus)
-    qids = [q for q in data.qrels if q in data.queries]
+    qids = [q for q in split_data.qrels if q in split_data.queries]
 
     def embed(texts):
         return model.encode(texts, batch_size=batch_size, convert_to_tensor=True,
                             normalize_embeddings=True, show_progress_bar=False)
 
-    q_emb, d_emb = embed([data.queries[q] for q in qids]), embed([data.corpus[d] for d in doc_ids])
+    q_emb = embed([query_text(task, split_data.queries[q]) for q in qids])
+    d_emb = embed([document_text(task, split_data.corpus[d]) for d in doc_ids])
     run = {}
     k = min(k, len(doc_ids))
     for start in range(0, len(qids), 256):
@@ -67,15 +286,30 @@ def retrieve(model, data, corpus_mode: str, batch_size: int, k: int = 100) -> di
     return run
 
 
-def setup(task, tokenizer, cfg, max_length, device):
-    CachedMultipleNegativesRankingLoss = _st_imports()[3]
+def prefix(template: str, slot: str = "text") -> str | None:
+    """The template's text before `{slot}` when the template is that prefix and the slot alone."""
+    marker = "{" + slot + "}"
+    return template[:-len(marker)] if template.endswith(marker) and template.count("{") == 1 \
+        else None
 
-    train = load_split(task, "train")
-    pairs = subsample(train.pairs(), cfg.max_train_examples)
+
+def inputs(task, tokenizer, cfg, max_length) -> Inputs:
+    pairs = training_pairs(task, cfg.max_train_examples)
     evals = {s: load_split(task, s, cfg.max_eval_examples) for s in ("validation", "test")}
+    source = vars(task).get("train_source") or task
+    return Inputs(train=pairs, evals=evals,
+                  info={"max_length": max_length, "train_pairs": len(pairs),
+                        "train_task": source.name, "corpus": task.corpus,
+                        "batches": task.batches,
+                        "eval_queries": {s: len(d.qrels) for s, d in evals.items()}})
+
+
+def setup(task, tokenizer, cfg, max_length, device) -> Setup:
+    CachedMultipleNegativesRankingLoss = _st_imports()[3]
+    data_ = inputs(task, tokenizer, cfg, max_length)
+    pairs = data_.train
     model = build_sentence_transformer(cfg.model, max_length, device)
     loss_fn = CachedMultipleNegativesRankingLoss(model, mini_batch_size=cfg.ir_mini_batch_size)
-
     tokenize = getattr(model, "preprocess", None) or model.tokenize  # `tokenize` before ST 6
 
     def collate(items):
@@ -85,12 +319,35 @@ def setup(task, tokenizer, cfg, max_length, device):
         return loss_fn(list(batch), None)
 
     def evaluate(model_, split):
-        data = evals[split]
-        run = retrieve(model_, data, task.corpus, cfg.eval_batch_size)
-        return {"ndcg@10": metrics.ndcg_at_k(run, data.qrels, 10),
-                "recall@100": metrics.recall_at_k(run, data.qrels, 100)}
+        split_data = data_.evals[split]
+        docs = doc_ids_of(task.corpus, split_data, list(data_.evals.values()))
+        run = retrieve(model_, task, split_data, docs, cfg.eval_batch_size)
+        return {"ndcg@10": metrics.ndcg_at_k(run, split_data.qrels, 10),
+                "ndcg@10_top10": metrics.ndcg_at_k_retrieved(run, split_data.qrels, 10),
+                "recall@100": metrics.recall_at_k(run, split_data.qrels, 100)}
 
+    def save(folder: str) -> None:
+        """A sentence-transformers folder (modules.json, the pooling config, the document
+        tokenizer); the templates, where they are prefixes, as its query/document prompts."""
+        prompts = {"query": prefix(task.query_template),
+                   "document": prefix(task.document_template or "{text}")}
+        model.prompts = {**model.prompts, **{k: v for k, v in prompts.items() if v}}
+        if "document" in model.prompts:
+            model.prompts["passage"] = model.prompts["document"]  # MTEB < 2 names it passage
+        model.save(folder)
+
+    keys = [(f"q:{q}", f"d:{d}") for q, d in pairs] if task.batches == "no_duplicates" else None
     return Setup(model=model, train_items=pairs, collate=collate, loss=loss, evaluate=evaluate,
-                 batch_keys=[(f"q:{q}", f"d:{d}") for q, d in pairs],
-                 info={"max_length": max_length, "train_pairs": len(pairs), "corpus": task.corpus,
-                       "eval_queries": {s: len(d.qrels) for s, d in evals.items()}})
+                 batch_keys=keys, info=data_.info, save=save)
+
+
+def show(item, tokenizer, data_: Inputs) -> str:
+    q, d = item
+    qi, di = tokenizer(q)["input_ids"], tokenizer(d)["input_ids"]
+    return (f"query: {tokens_with(tokenizer, qi, [None] * len(qi))}\n"
+            f"    positive: {tokens_with(tokenizer, di, [None] * len(di))}")
+
+
+FAMILY = Family(name="ir", metrics=("ndcg@10", "ndcg@10_top10", "recall@100"), readers=READERS,
+                load_split=load_split, labels=labels, check=check, inputs=inputs, setup=setup,
+                show=show)

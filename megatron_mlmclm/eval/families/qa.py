@@ -1,79 +1,272 @@
-"""Extractive QA (SQuAD v1.1 / v2): long contexts split with a document stride, span head,
-official EM/F1, and for v2 a no-answer prediction when the null score beats the best span by more
-than `null_threshold`.
+"""Extractive QA (SQuAD v1.1 / v2, ReCoRD, QED).
 
-A training feature whose window does not contain the answer (and every v2 unanswerable question)
-points at position 0, the null position. At evaluation every window of an example is scored;
-the best span over all windows wins (at most 20 start x 20 end candidates per window, spans of at
-most `max_answer_tokens` tokens inside the context).
+An input is the entry's `template` (default ``Question: {question}\\nContext: {context}``, as
+EncodEval) filled with the example, encoded as a pretraining document (text, EOS) in one piece, so
+the tokens at the seam between question and context are those of the running text. The tokens
+before the context (the question part, cut to a quarter of the maximum length when longer) and
+after it (the template's tail and EOS) are kept in every window. Two heads (`qa_head`):
+
+- ``span`` (the field's usual choice): a long context is split into windows overlapping by
+  `doc_stride` tokens; a start/end head; a training window whose context lacks the answer (and every
+  v2 unanswerable question) points at position 0, the null position. At evaluation every window is
+  scored and the best span over all windows wins (at most 20 start x 20 end candidates per window,
+  spans of at most `max_answer_tokens` tokens inside the context); v2 predicts no answer when the
+  null score beats the best span by more than `null_threshold`. Official SQuAD EM/F1 (`f1`,
+  `exact_match`).
+- ``tagging`` (EncodEval): one window (the context truncated); a 2-label token classifier, 1 on the
+  tokens of the first gold answer; the score is the F1 between the predicted and the gold sets of
+  answer positions, averaged over questions (`token_f1`).
+
+Records: {"id", "question", "context", "answers": {"text": [str], "answer_start": [int]}}.
+Formats: squad (SQuAD JSON), record (SuperGLUE ReCoRD JSON Lines: one passage with its queries per
+line; the @placeholder query is the question), qed (QED's JSON Lines: question_text,
+paragraph_text, the annotation's answers in the paragraph, else the original NQ answers) and the
+tables.
 """
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from megatron_mlmclm.eval import metrics
-from megatron_mlmclm.eval.data import load_split
-from megatron_mlmclm.eval.families import Setup, collate_ids, length_sorted_batches
-from megatron_mlmclm.eval.heads import build_model
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval import data, metrics
+from megatron_mlmclm.eval.families.base import (Family, Inputs, Setup, check_template, collate_ids,
+                                                fill, length_sorted_batches, load_records,
+                                                predict_tokens, saver, split_template, tokens_with)
+from megatron_mlmclm.eval.heads import span_qa_model, token_classifier
 
 N_BEST = 20
+IGNORE = -100
+TEMPLATE = "Question: {question}\nContext: {context}"
+HEADS = ("span", "tagging")
 
 
-def _tokenize(records, tokenizer, max_length: int, stride: int):
-    if tokenizer.padding_side != "right":
-        tokenizer.padding_side = "right"
-    # The tokenizer needs stride < the room left for the context, so a question may take at most
-    # a quarter of max_length (longer ones are cut at a token boundary; their context span and
-    # answer offsets are untouched): room >= 3/4 max_length - 3 > stride <= max_length / 2.
-    questions = [r["question"].lstrip() for r in records]
-    cut = tokenizer(questions, add_special_tokens=False, truncation=True,
-                    max_length=max(1, max_length // 4), return_offsets_mapping=True)["offset_mapping"]
-    questions = [q[:spans[-1][1]] if spans else q for q, spans in zip(questions, cut)]
-    stride = min(stride, max_length // 2)
-    return tokenizer(questions, [r["context"] for r in records], truncation="only_second",
-                     max_length=max_length, stride=stride, return_overflowing_tokens=True,
-                     return_offsets_mapping=True)
+def _answers(texts: list[str], starts: list[int]) -> dict:
+    return {"text": [str(t) for t in texts], "answer_start": [int(s) for s in starts]}
 
 
-def _context_span(seq_ids: list) -> tuple[int, int]:
-    start = seq_ids.index(1)
-    end = len(seq_ids) - 1 - seq_ids[::-1].index(1)
-    return start, end
-
-
-def encode_train(records, tokenizer, max_length: int, stride: int) -> list[dict]:
-    enc = _tokenize(records, tokenizer, max_length, stride)
+def read_squad(task, split):
     out = []
-    for i, offsets in enumerate(enc["offset_mapping"]):
-        r = records[enc["overflow_to_sample_mapping"][i]]
-        seq_ids = enc.sequence_ids(i)
-        start_pos = end_pos = 0
-        if r["answers"]["text"] and 1 in seq_ids:
-            a_start = r["answers"]["answer_start"][0]
-            a_end = a_start + len(r["answers"]["text"][0])
-            c0, c1 = _context_span(seq_ids)
-            if offsets[c0][0] <= a_start and offsets[c1][1] >= a_end:
-                s = c0
-                while s <= c1 and offsets[s][0] <= a_start:
-                    s += 1
-                e = c1
-                while e >= c0 and offsets[e][1] >= a_end:
-                    e -= 1
-                start_pos, end_pos = s - 1, e + 1
-        out.append({"input_ids": enc["input_ids"][i], "start_positions": start_pos,
-                    "end_positions": end_pos})
+    for path in data.files(task, task.splits[split]):
+        with data.open_text(path) as f:
+            doc = json.load(f)
+        if "data" not in doc:
+            raise UsageError(f"task '{task.name}': {path} is not SQuAD JSON (no 'data' key)")
+        for article in doc["data"]:
+            for para in article["paragraphs"]:
+                for qa in para["qas"]:
+                    ans = [] if qa.get("is_impossible") else qa.get("answers", [])
+                    out.append({"id": str(qa["id"]), "question": qa["question"],
+                                "context": para["context"],
+                                "answers": _answers([a["text"] for a in ans],
+                                                    [a["answer_start"] for a in ans])})
     return out
 
 
-def encode_eval(records, tokenizer, max_length: int, stride: int) -> list[dict]:
-    enc = _tokenize(records, tokenizer, max_length, stride)
+def _jsonl_examples(task, split, parse, what: str) -> list[dict]:
+    """The records `parse(row)` makes of each JSON Lines row of the split's files; a row missing
+    a field is one line naming it (`what`: the layout expected)."""
     out = []
-    for i, offsets in enumerate(enc["offset_mapping"]):
-        seq_ids = enc.sequence_ids(i)
-        out.append({"input_ids": enc["input_ids"][i],
-                    "example": enc["overflow_to_sample_mapping"][i],
-                    "offsets": [o if s == 1 else None for o, s in zip(offsets, seq_ids)]})
+    for path in data.files(task, task.splits[split]):
+        for i, row in enumerate(data.read_rows(task, [path], "jsonl"), 1):
+            try:
+                out += parse(row)
+            except (KeyError, TypeError):
+                raise UsageError(f"task '{task.name}': row {i} of {path} is not {what}") from None
+    return out
+
+
+def _record_questions(row: dict) -> list[dict]:
+    context = row["passage"]["text"]
+    return [{"id": str(qa.get("id", qa.get("idx"))), "question": qa["query"], "context": context,
+             "answers": _answers([a["text"] for a in qa.get("answers", [])],
+                                 [a["start"] for a in qa.get("answers", [])])}
+            for qa in row["qas"]]
+
+
+def read_record(task, split):
+    """SuperGLUE ReCoRD: {"passage": {"text"}, "qas": [{"id"|"idx", "query", "answers": [{"start",
+    "end" (inclusive), "text"}]}]} per line."""
+    return _jsonl_examples(task, split, _record_questions, "a ReCoRD passage (passage.text, "
+                           "qas[].query, qas[].answers)")
+
+
+def _qed_question(row: dict) -> list[dict]:
+    refs = [a["paragraph_reference"] for a in (row.get("annotation") or {}).get("answer", [])]
+    if not refs:
+        nq = row.get("original_nq_answers") or []
+        refs = [a for group in nq for a in (group if isinstance(group, list) else [group])]
+    return [{"id": str(row["example_id"]), "question": row["question_text"],
+             "context": row["paragraph_text"],
+             "answers": _answers([a["string"] for a in refs], [a["start"] for a in refs])}]
+
+
+def read_qed(task, split):
+    """QED: question_text, paragraph_text; answers = the annotation's answer spans in the
+    paragraph, else the original NQ short answers (character offsets into the paragraph)."""
+    return _jsonl_examples(task, split, _qed_question, "a QED example (example_id, "
+                           "question_text, paragraph_text)")
+
+
+def records(task, rows: list[dict], where) -> list[dict]:
+    """SQuAD-style fields: id, question, context, answers {text: [...], answer_start: [...]} (in
+    csv/tsv a JSON object, or the flattened columns answers.text / answers.answer_start)."""
+    if rows and "answers" not in rows[0] and "answers.text" in rows[0]:
+        rows = [{**r, "answers": {"text": r["answers.text"],
+                                  "answer_start": r.get("answers.answer_start")}} for r in rows]
+    cols = ["question", "context", "answers"]
+    if rows and any(c not in rows[0] for c in cols):
+        raise UsageError(f"task '{task.name}': {where} needs SQuAD-style fields id, question, "
+                         f"context, answers (fields: {', '.join(map(str, rows[0]))})")
+    data.check_values(task, rows, cols, where)
+    out = []
+    for i, r in enumerate(rows, 1):
+        at = f"task '{task.name}': row {i} of {where}"
+        ans = r["answers"]
+        if isinstance(ans, str):
+            try:
+                ans = json.loads(ans)
+            except ValueError:
+                raise UsageError(f"{at}: answers {ans[:40]!r} is not JSON") from None
+        if not isinstance(ans, dict) or "text" not in ans or "answer_start" not in ans:
+            raise UsageError(f"{at}: answers must hold 'text' and 'answer_start' lists")
+        texts = data.as_list(ans["text"], "answers.text", at)
+        starts = data.as_list(ans["answer_start"], "answers.answer_start", at)
+        if len(texts) != len(starts):
+            raise UsageError(f"{at}: {len(texts)} answer texts but {len(starts)} starts")
+        out.append({"id": str(r["id"]) if r.get("id") is not None else str(i),
+                    "question": str(r["question"]), "context": str(r["context"]),
+                    "answers": _answers(texts, starts)})
+    return out
+
+
+def read_table(task, split):
+    paths = data.files(task, task.splits[split])
+    return records(task, data.read_rows(task, paths, task.format), paths[0])
+
+
+def from_hub(task, split):
+    return records(task, data.hub_rows(task, split)[0], f"{task.hf_name}:{task.hub_split(split)}")
+
+
+READERS = {"squad": read_squad, "record": read_record, "qed": read_qed,
+           **{fmt: read_table for fmt in data.TABLES}}
+
+
+def holdout_key(record: dict) -> str:
+    """The paragraph: every question on it stays on one side (the official SQuAD splits are by
+    article), so validation contexts are unseen in training."""
+    return record["context"]
+
+
+def load_split(task, split, max_examples=None):
+    return load_records(task, split, max_examples, READERS, from_hub, holdout_key)
+
+
+def labels(task, train):
+    return []
+
+
+def check(task, where):
+    if task.qa_head not in HEADS:
+        raise UsageError(f"{where}: qa_head must be one of {', '.join(HEADS)}")
+    want = {"span": ("f1", "exact_match"), "tagging": ("token_f1",)}[task.qa_head]
+    if task.metric is not None and task.metric not in want:
+        raise UsageError(f"{where}: qa_head {task.qa_head} scores {', '.join(want)}, not "
+                         f"{task.metric}")
+    check_template(task.template, {"question", "context"}, where)
+    split_template(task.template or TEMPLATE, "context")
+
+
+def metric_of(task) -> str:
+    return "token_f1" if task.qa_head == "tagging" else "f1"
+
+
+# ------------------------------------------------------------------------------------ windows
+
+def windows(task, recs: list[dict], tokenizer, max_length: int, stride: int | None) -> list[dict]:
+    """Encoded windows: per window {"example", "input_ids", "offsets"} where offsets are character
+    spans in the context for context tokens (None elsewhere). `stride` None: one window per
+    example (the context truncated)."""
+    before, after = split_template(task.template or TEMPLATE, "context")
+    texts, starts = [], []
+    for r in recs:
+        head = fill(before, question=r["question"].lstrip())
+        texts.append(head + r["context"] + fill(after, question=r["question"].lstrip()))
+        starts.append(len(head))
+    enc = tokenizer(texts, return_offsets_mapping=True, return_special_tokens_mask=True)
+    out = []
+    for i, r in enumerate(recs):
+        ids, offs, special = (enc["input_ids"][i], enc["offset_mapping"][i],
+                              enc["special_tokens_mask"][i])
+        c0, c1 = starts[i], starts[i] + len(r["context"])
+        ctx = [j for j, ((s, e), sp) in enumerate(zip(offs, special)) if not sp and e > c0 and s < c1]
+        first = ctx[0] if ctx else next((j for j, sp in enumerate(special) if sp), len(ids))
+        last = ctx[-1] + 1 if ctx else first
+        head, tail = ids[:first][:max(1, max_length // 4)], ids[last:]  # a long question is cut
+        ctx_ids = ids[first:last]
+        ctx_offs = [(max(s, c0) - c0, min(e, c1) - c0) for s, e in offs[first:last]]
+        room = max_length - len(head) - len(tail)
+        if room < 1:
+            raise UsageError(f"task '{task.name}': max length {max_length} leaves no room for the "
+                             "context after the question and the template")
+        step = room if stride is None else room - min(stride, max_length // 2, room - 1)
+        a = 0
+        while True:
+            b = min(a + room, len(ctx_ids))
+            out.append({"example": i, "input_ids": head + ctx_ids[a:b] + tail,
+                        "offsets": [None] * len(head) + ctx_offs[a:b] + [None] * len(tail)})
+            if stride is None or b >= len(ctx_ids):
+                break
+            a += step
+    return out
+
+
+def answer_tokens(offsets: list, record: dict) -> list[int]:
+    """Positions of the tokens overlapping the first gold answer ([] for no answer)."""
+    if not record["answers"]["text"]:
+        return []
+    a = record["answers"]["answer_start"][0]
+    b = a + len(record["answers"]["text"][0])
+    context = record["context"]
+    hits = []
+    for j, o in enumerate(offsets):
+        if o is None:
+            continue
+        s, e = o
+        while s < e and context[s].isspace():  # a token's span may hold the space before it
+            s += 1
+        if s < b and e > a and s < e:
+            hits.append(j)
+    return hits
+
+
+def encode_train(task, recs, tokenizer, max_length: int, stride: int) -> list[dict]:
+    """Span head: windows with start/end positions; 0, the null position, when the window's
+    context does not hold the whole first answer (or there is none)."""
+    out = []
+    for w in windows(task, recs, tokenizer, max_length, stride):
+        rec = recs[w["example"]]
+        hits = answer_tokens(w["offsets"], rec)
+        spans = [o for o in w["offsets"] if o is not None]
+        start = end = 0
+        if hits:
+            a = rec["answers"]["answer_start"][0]
+            if spans[0][0] <= a and spans[-1][1] >= a + len(rec["answers"]["text"][0]):
+                start, end = hits[0], hits[-1]
+        out.append({"input_ids": w["input_ids"], "start_positions": start, "end_positions": end})
+    return out
+
+
+def encode_tagging(task, recs, tokenizer, max_length: int) -> list[dict]:
+    """Tagging head: one window per question, label 1 on its first answer's tokens."""
+    out = []
+    for w in windows(task, recs, tokenizer, max_length, None):
+        hits = set(answer_tokens(w["offsets"], recs[w["example"]]))
+        out.append({"input_ids": w["input_ids"], "example": w["example"],
+                    "labels": [int(j in hits) for j in range(len(w["input_ids"]))]})
     return out
 
 
@@ -99,7 +292,7 @@ def postprocess(records, features, start_logits, end_logits, version: int,
                     continue
                 score = float(s_log[s] + e_log[e])
                 if ex not in best or score > best[ex][0]:
-                    best[ex] = (score, context[offsets[s][0]:offsets[e][1]])
+                    best[ex] = (score, context[offsets[s][0]:offsets[e][1]].strip())
     preds = {}
     for ex, r in enumerate(records):
         score, text = best.get(ex, (float("-inf"), ""))
@@ -109,16 +302,31 @@ def postprocess(records, features, start_logits, end_logits, version: int,
     return preds
 
 
-def setup(task, tokenizer, cfg, max_length, device):
+def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     train = load_split(task, "train", cfg.max_train_examples)
     evals = {}
     for s in ("validation", "test"):
         recs = load_split(task, s, cfg.max_eval_examples)
-        evals[s] = (recs, encode_eval(recs, tokenizer, max_length, task.doc_stride))
+        evals[s] = (recs, encode_tagging(task, recs, tokenizer, max_length)
+                    if task.qa_head == "tagging"
+                    else windows(task, recs, tokenizer, max_length, task.doc_stride))
+    if task.qa_head == "tagging":
+        items = [{"input_ids": f["input_ids"], "labels": f["labels"]}
+                 for f in encode_tagging(task, train, tokenizer, max_length)]
+    else:
+        items = encode_train(task, train, tokenizer, max_length, task.doc_stride)
+    return Inputs(train=items, evals=evals,
+                  info={"max_length": max_length, "qa_head": task.qa_head,
+                        "doc_stride": task.doc_stride, "train_questions": len(train),
+                        "train_features": len(items)})
+
+
+def setup(task, tokenizer, cfg, max_length, device) -> Setup:
+    data_ = inputs(task, tokenizer, cfg, max_length)
     pad_id = tokenizer.pad_token_id
 
-    def evaluate(model, split):
-        records, feats = evals[split]
+    def evaluate_spans(model, split):
+        recs, feats = data_.evals[split]
         starts, ends = [None] * len(feats), [None] * len(feats)
         for idx in length_sorted_batches([len(f["input_ids"]) for f in feats], cfg.eval_batch_size):
             batch = collate_ids([{"input_ids": feats[i]["input_ids"]} for i in idx], pad_id)
@@ -128,17 +336,42 @@ def setup(task, tokenizer, cfg, max_length, device):
                 n = len(feats[i]["input_ids"])
                 starts[i] = out.start_logits[row, :n].float().cpu()
                 ends[i] = out.end_logits[row, :n].float().cpu()
-        preds = postprocess(records, feats, starts, ends, task.version, task.max_answer_tokens,
+        preds = postprocess(recs, feats, starts, ends, task.version, task.max_answer_tokens,
                             task.null_threshold)
-        return metrics.squad_em_f1(preds, {r["id"]: r["answers"]["text"] for r in records})
+        return metrics.squad_em_f1(preds, {r["id"]: r["answers"]["text"] for r in recs})
 
-    train_items = encode_train(train, tokenizer, max_length, task.doc_stride)
-    return Setup(
-        model=build_model("qa", cfg.model),
-        train_items=train_items,
-        collate=lambda items: collate_ids(items, pad_id),
-        loss=lambda model, batch: model(**batch).loss,
-        evaluate=evaluate,
-        info={"max_length": max_length, "doc_stride": task.doc_stride,
-              "train_questions": len(train), "train_features": len(train_items)},
-    )
+    def evaluate_tags(model, split):
+        recs, feats = data_.evals[split]
+        preds = predict_tokens(model, feats, pad_id, cfg.eval_batch_size, device)
+        predicted = [{j for j, p in enumerate(ps) if p == 1} for ps in preds]
+        gold = [{j for j, x in enumerate(f["labels"]) if x == 1} for f in feats]
+        return {"token_f1": metrics.token_set_f1(predicted, gold)}
+
+    if task.qa_head == "tagging":
+        model = token_classifier(cfg.model, ["O", "answer"])
+        collate = lambda items: collate_ids(items, pad_id, {"labels": IGNORE})  # noqa: E731
+        evaluate = evaluate_tags
+    else:
+        model = span_qa_model(cfg.model)
+        collate = lambda items: collate_ids(items, pad_id)  # noqa: E731
+        evaluate = evaluate_spans
+    return Setup(model=model, train_items=data_.train, collate=collate,
+                 loss=lambda model, batch: model(**batch).loss, evaluate=evaluate,
+                 info=data_.info, save=saver(model, tokenizer))
+
+
+def show(item: dict, tokenizer, data_: Inputs) -> str:
+    n = len(item["input_ids"])
+    if "labels" in item:
+        return tokens_with(tokenizer, item["input_ids"], item["labels"])
+    s, e = item["start_positions"], item["end_positions"]
+    marks = ["START" if j == s and s else "END" if j == e and e else None for j in range(n)]
+    if s and s == e:
+        marks[s] = "START+END"
+    where = "answer in this window" if s else "no answer in this window (null position 0)"
+    return f"{where}: " + tokens_with(tokenizer, item["input_ids"], marks)
+
+
+FAMILY = Family(name="qa", metrics=("f1", "exact_match", "token_f1"), readers=READERS,
+                load_split=load_split, labels=labels, check=check, inputs=inputs, setup=setup,
+                show=show, default_metric=metric_of)

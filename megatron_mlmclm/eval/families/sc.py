@@ -1,20 +1,116 @@
-"""Sequence classification: single sentences or pairs, accuracy, mean-pooling head."""
+"""Sequence classification: single sentences or pairs, accuracy, mean-pooling head.
+
+An input is the entry's `template` filled with the example's text(s) (default ``{text_a}``, and
+``{text_a}\\n{text_b}`` for pairs; EncodEval's MNLI template is
+``Premise: {text_a}\\nHypothesis: {text_b}``), encoded as a pretraining document (text, EOS).
+
+Records: {"text_a", "text_b" (or None), "label": str, "id" (only when the source has an id column)}.
+Formats: glue_tsv (GLUE's unquoted TSV), glue_json (a JSON object or list of rows, or JSON Lines)
+and the tables csv / tsv / jsonl / parquet (a split may name parquet shards by a glob).
+"""
 
 from __future__ import annotations
 
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval import data, metrics
+from megatron_mlmclm.eval.families.base import (Family, Inputs, Setup, check_template, collate_ids,
+                                                fill, length_sorted_batches, load_records, saver,
+                                                tokens_with)
+from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder
 
-from megatron_mlmclm.eval import metrics
-from megatron_mlmclm.eval.data import label_list, load_split
-from megatron_mlmclm.eval.families import Setup, collate_ids, length_sorted_batches
-from megatron_mlmclm.eval.heads import build_model
+ID_COLUMNS = ("idx", "id", "guid")  # an example's id, when the source has one
 
 
-def encode(records: list[dict], tokenizer, max_length: int, label2id: dict) -> list[dict]:
-    a = [r["text_a"] for r in records]
-    b = [r["text_b"] for r in records] if records[0]["text_b"] is not None else None
-    enc = tokenizer(a, b, truncation=True, max_length=max_length)
+def records(task, rows: list[dict], where, require_values: bool = False,
+            class_names: list[str] | None = None) -> list[dict]:
+    """Rows -> records; an integer label indexes `labels` (else the Hub's `class_names`)."""
+    cols = [task.text_a, task.label] + ([task.text_b] if task.text_b else [])
+    data.need_columns(task, rows, cols, where)
+    if require_values:
+        data.check_values(task, rows, cols, where)
+    id_col = next((c for c in ID_COLUMNS if rows and c in rows[0]), None)
+    return [{"text_a": str(r[task.text_a]),
+             "text_b": str(r[task.text_b]) if task.text_b else None,
+             "label": data.class_name(r[task.label], task.labels or class_names,
+                                      f"row {i} of {where}"),
+             **({"id": str(r[id_col])} if id_col else {})} for i, r in enumerate(rows, 1)]
+
+
+def read_glue_tsv(task, split):
+    paths = data.files(task, task.splits[split])
+    return records(task, data.read_rows(task, paths, "tsv", quoting=False), paths[0])
+
+
+def read_glue_json(task, split):
+    paths = data.files(task, task.splits[split])
+    return records(task, [r for p in paths for r in data.json_rows(p, keyed=True)], paths[0])
+
+
+def read_table(task, split):
+    paths = data.files(task, task.splits[split])
+    return records(task, data.read_rows(task, paths, task.format), paths[0], require_values=True)
+
+
+def from_hub(task, split):
+    rows, names = data.hub_rows(task, split)
+    return records(task, rows, f"{task.hf_name}:{task.hub_split(split)}",
+                   class_names=names.get(task.label))
+
+
+READERS = {"glue_tsv": read_glue_tsv, "glue_json": read_glue_json,
+           **{fmt: read_table for fmt in data.TABLES}}
+
+
+def holdout_key(record: dict) -> str:
+    """The example's id where the source has one; else its text(s), so exact duplicates land on
+    the same side."""
+    if record.get("id") is not None:
+        return str(record["id"])
+    b = record["text_b"]
+    return record["text_a"] if b is None else f"{record['text_a']}\t{b}"
+
+
+def load_split(task, split, max_examples=None):
+    return load_records(task, split, max_examples, READERS, from_hub, holdout_key)
+
+
+def labels(task, train: list[dict]) -> list[str]:
+    """The entry's `labels`, else the sorted labels seen in train."""
+    seen = sorted({r["label"] for r in train})
+    if task.labels:
+        extra = [x for x in seen if x not in task.labels]
+        if extra:
+            raise UsageError(f"task '{task.name}': train labels {extra} not in `labels`")
+        return list(task.labels)
+    return seen
+
+
+def check(task, where):
+    check_template(task.template, {"text_a", "text_b"}, where)
+    if task.template and "{text_b}" in task.template and not task.text_b:
+        raise UsageError(f"{where}: template names {{text_b}} but the task has no text_b")
+
+
+def text_of(task, record: dict) -> str:
+    template = task.template or ("{text_a}" if record["text_b"] is None else "{text_a}\n{text_b}")
+    return fill(template, text_a=record["text_a"], text_b=record["text_b"])
+
+
+def encode(task, recs: list[dict], tokenizer, max_length: int, label2id: dict) -> list[dict]:
+    enc = tokenizer([text_of(task, r) for r in recs], truncation=True, max_length=max_length)
     return [{"input_ids": ids, "labels": label2id.get(r["label"], -1)}
-            for ids, r in zip(enc["input_ids"], records)]
+            for ids, r in zip(enc["input_ids"], recs)]
+
+
+def inputs(task, tokenizer, cfg, max_length) -> Inputs:
+    train = load_split(task, "train", cfg.max_train_examples)
+    names = labels(task, train)
+    label2id = {name: i for i, name in enumerate(names)}
+    evals = {s: encode(task, load_split(task, s, cfg.max_eval_examples), tokenizer, max_length,
+                       label2id) for s in ("validation", "test")}
+    counts = {name: sum(r["label"] == name for r in train) for name in names}
+    return Inputs(train=encode(task, train, tokenizer, max_length, label2id), evals=evals,
+                  info={"labels": names, "train_label_counts": counts, "max_length": max_length})
 
 
 def predict(model, features: list[dict], pad_id: int, batch_size: int, device) -> list[int]:
@@ -28,25 +124,27 @@ def predict(model, features: list[dict], pad_id: int, batch_size: int, device) -
     return preds
 
 
-def setup(task, tokenizer, cfg, max_length, device):
-    train = load_split(task, "train", cfg.max_train_examples)
-    labels = label_list(task, train)
-    label2id = {l: i for i, l in enumerate(labels)}
-    evals = {s: encode(load_split(task, s, cfg.max_eval_examples), tokenizer, max_length, label2id)
-             for s in ("validation", "test")}
+def setup(task, tokenizer, cfg, max_length, device) -> Setup:
+    data_ = inputs(task, tokenizer, cfg, max_length)
     pad_id = tokenizer.pad_token_id
 
     def evaluate(model, split):
-        feats = evals[split]
+        feats = data_.evals[split]
         preds = predict(model, feats, pad_id, cfg.eval_batch_size, device)
         return {"accuracy": metrics.accuracy(preds, [f["labels"] for f in feats])}
 
-    counts = {l: sum(r["label"] == l for r in train) for l in labels}
-    return Setup(
-        model=build_model("sc", cfg.model, labels),
-        train_items=encode(train, tokenizer, max_length, label2id),
-        collate=lambda items: collate_ids(items, pad_id),
-        loss=lambda model, batch: model(**batch).loss,
-        evaluate=evaluate,
-        info={"labels": labels, "train_label_counts": counts, "max_length": max_length},
-    )
+    model = MeanPoolClassifier(load_encoder(cfg.model), num_labels=len(data_.info["labels"]))
+    return Setup(model=model, train_items=data_.train,
+                 collate=lambda items: collate_ids(items, pad_id),
+                 loss=lambda model, batch: model(**batch).loss, evaluate=evaluate,
+                 info=data_.info, save=saver(model, tokenizer))
+
+
+def show(item: dict, tokenizer, data_: Inputs) -> str:
+    label = data_.info["labels"][item["labels"]] if item["labels"] >= 0 else "?"
+    return f"label={label}: " + tokens_with(tokenizer, item["input_ids"],
+                                             [None] * len(item["input_ids"]))
+
+
+FAMILY = Family(name="sc", metrics=("accuracy",), readers=READERS, load_split=load_split,
+                labels=labels, check=check, inputs=inputs, setup=setup, show=show)

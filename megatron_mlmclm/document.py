@@ -1,0 +1,37 @@
+"""What a pretraining document is, token by token: the one rule that `mlmclm preprocess` writes
+the shards by and that every fine-tuning input (eval/) is encoded by.
+
+A document is its text's tokens, encoded without the tokenizer's own template (no BOS: a Llama-3
+tokenizer would add one that no shard holds, a BERT-style one [CLS]/[SEP]), followed by EOS when
+the shards end documents with it (`mlmclm preprocess` does, unless ``--no-append-eod``). An
+encoder fine-tuned on inputs of another form meets token sequences it never saw in pretraining.
+
+The rule is expressed as a `tokenizers` post-processor that replaces the tokenizer's own: with it,
+``tokenizer(text)`` (special tokens on) *is* the document, and truncation keeps the EOS. The shard
+writer, the fine-tuning families and a saved sentence-transformers folder all encode through it,
+so none can drift from the others.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, processors
+
+
+def document_processor(eos_token: str | None, eos_id: int | None):
+    """The post-processor that turns a text's tokens into a document: EOS appended, nothing else
+    (a pair, should one be encoded, gets an EOS after each part)."""
+    if eos_token is None:
+        return processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
+    return processors.TemplateProcessing(single=f"$A {eos_token}",
+                                         pair=f"$A {eos_token} $B:1 {eos_token}:1",
+                                         special_tokens=[(eos_token, int(eos_id))])
+
+
+def make_document_tokenizer(backend: Tokenizer, eos_token: str | None,
+                            eos_id: int | None) -> Tokenizer:
+    """Make `backend` (a `tokenizers.Tokenizer`, e.g. a Hugging Face fast tokenizer's
+    ``backend_tokenizer``) encode a text as a document when special tokens are on; in place,
+    returned for convenience. Token ids of the text itself are unchanged; offsets lose the trimming
+    a ByteLevel post-processor did (a token's span may include the space before it)."""
+    backend.post_processor = document_processor(eos_token, eos_id)
+    return backend

@@ -1,0 +1,174 @@
+"""What every family module provides (`Family`, one row of the table in families/__init__.py), what
+it hands the shared fine-tuning loop (`Setup`), and the helpers they share: reading a split of
+records, filling an input template, padding and batching."""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.splits import holdout, subsample
+
+
+@dataclass(frozen=True)
+class Family:
+    """A task family: its data, its labels, its model and how it is evaluated.
+
+    readers: local format -> read(task, split) -> records (or rows for `records`);
+    load_split(task, split, max_examples): a split's records, carved and subsampled;
+    labels(task, train_records): the label vocabulary ([] when the family has none);
+    check(task, where): the rules of the family's own fields;
+    inputs(task, tokenizer, cfg, max_length): the encoded data, no model (`Inputs`);
+    setup(task, tokenizer, cfg, max_length, device): what the loop trains (`Setup`);
+    show(item, tokenizer, inputs): one training input as tokens with labels (--show-inputs);
+    default_metric(task): the main metric when the entry names none (default: the first of
+    `metrics`).
+    """
+
+    name: str
+    metrics: tuple[str, ...]  # metric keys a main metric may name; the first is the default
+    readers: dict[str, Callable]
+    load_split: Callable
+    labels: Callable
+    check: Callable
+    inputs: Callable
+    setup: Callable
+    show: Callable
+    default_metric: Optional[Callable] = None
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(self.readers)
+
+    def metric(self, task) -> str:
+        """The task's main metric (the report's score)."""
+        if task.metric:
+            return task.metric
+        return self.default_metric(task) if self.default_metric else self.metrics[0]
+
+
+@dataclass
+class Inputs:
+    """A task's data encoded for the model: training items, what evaluation needs per split, and
+    facts for the result's `info`."""
+
+    train: list
+    evals: dict[str, Any]
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Setup:
+    """What a family hands the shared loop."""
+
+    model: torch.nn.Module
+    train_items: list
+    collate: Callable[[list], Any]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module, str], dict]  # split name -> {metric: value}
+    info: dict = field(default_factory=dict)
+    # per train item, the values no two items of one batch may share (IR: query and positive text,
+    # see no_duplicate_batches); None = plain shuffled batches
+    batch_keys: Optional[list[tuple]] = None
+    save: Optional[Callable[[str], None]] = None  # write the fine-tuned model to a folder
+
+
+def load_records(task, split: str, max_examples: int | None, readers: dict, from_hub: Callable,
+                 key: Callable[[dict], str]) -> list[dict]:
+    """The records of one split: read (locally, or from the Hub), carved (`validation_holdout`,
+    keyed by `key`) and subsampled; UsageError when the split is empty."""
+    if split not in task.splits:
+        raise UsageError(f"task '{task.name}' has no {split} split")
+    records = from_hub(task, split) if task.reads_hub() else readers[task.format](task, split)
+    records = holdout(task, split, records, key)
+    if not records:
+        raise UsageError(f"task '{task.name}': split '{split}' ({task.splits[split]}) is empty")
+    return subsample(records, max_examples)
+
+
+def check_template(template: str | None, allowed: set[str], where: str, what: str = "template"):
+    if template is None:
+        return
+    try:
+        names = {n for _, n, _, _ in string.Formatter().parse(template) if n is not None}
+    except ValueError as e:
+        raise UsageError(f"{where}: {what} {template!r}: {e}") from None
+    if names - allowed:
+        raise UsageError(f"{where}: {what} {template!r} may name only "
+                         f"{', '.join('{' + n + '}' for n in sorted(allowed))}")
+
+
+def fill(template: str, **values) -> str:
+    return template.format_map(values)
+
+
+def split_template(template: str, slot: str) -> tuple[str, str]:
+    """(text before, text after) the one `{slot}` of a template, other placeholders left."""
+    marker = "{" + slot + "}"
+    if template.count(marker) != 1:
+        raise UsageError(f"template {template!r} must name {marker} exactly once")
+    before, after = template.split(marker)
+    return before, after
+
+
+def pad(seqs: list[list[int]], value: int):
+    """Right-pad lists of ids into a LongTensor."""
+    width = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), width), value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def collate_ids(items: list[dict], pad_id: int, extra_pad: dict | None = None) -> dict:
+    """input_ids/attention_mask padding plus any per-token field in extra_pad {name: pad value};
+    other fields become tensors of scalars."""
+    batch = {"input_ids": pad([x["input_ids"] for x in items], pad_id),
+             "attention_mask": pad([[1] * len(x["input_ids"]) for x in items], 0)}
+    for key in items[0]:
+        if key in batch:
+            continue
+        if extra_pad and key in extra_pad:
+            batch[key] = pad([x[key] for x in items], extra_pad[key])
+        elif isinstance(items[0][key], (int, float)):
+            batch[key] = torch.tensor([x[key] for x in items])
+    return batch
+
+
+def length_sorted_batches(n_items: list[int], batch_size: int):
+    """Index batches for evaluation, longest first (less padding)."""
+    order = sorted(range(len(n_items)), key=lambda i: -n_items[i])
+    for i in range(0, len(order), batch_size):
+        yield order[i:i + batch_size]
+
+
+def predict_tokens(model, features: list[dict], pad_id: int, batch_size: int, device) -> list:
+    """Per feature, the argmax label of every token (a token-classification head)."""
+    out = [None] * len(features)
+    for idx in length_sorted_batches([len(f["input_ids"]) for f in features], batch_size):
+        batch = collate_ids([{"input_ids": features[i]["input_ids"]} for i in idx], pad_id)
+        logits = model(input_ids=batch["input_ids"].to(device),
+                       attention_mask=batch["attention_mask"].to(device)).logits
+        best = logits.argmax(-1).tolist()
+        for row, i in enumerate(idx):
+            out[i] = best[row][:len(features[i]["input_ids"])]
+    return out
+
+
+def saver(model, tokenizer) -> Callable[[str], None]:
+    """Save the fine-tuned model with the (document) tokenizer it was trained with."""
+    def save(folder: str) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return save
+
+
+def tokens_with(tokenizer, ids: list[int], marks: list) -> str:
+    """'token/mark token/mark ...' (mark None: the token alone), for --show-inputs."""
+    toks = tokenizer.convert_ids_to_tokens(ids)
+    return " ".join(t if m is None else f"{t}/{m}" for t, m in zip(toks, marks))
+

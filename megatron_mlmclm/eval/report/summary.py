@@ -1,0 +1,184 @@
+"""The numbers of a report, without any formatting: per (model, task) the learning rate chosen on
+validation among the complete ones, the test score with its interval, the stability across the
+grid; per family the mean over its tasks with an interval over per-seed family scores; ties with
+each family's best model (module docstring of eval/report/__init__.py)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from megatron_mlmclm.eval.report.results import protocol_name
+from megatron_mlmclm.eval.report.stats import ALPHA, add_interval, mean_ci, paired_t
+
+FAMILY_ORDER = ["sc", "tc", "qa", "ir"]
+
+
+@dataclass
+class Summary:
+    """A report's tables (rows are dicts, written as the CSVs of the same names) and what the runs
+    were."""
+
+    per_task: list[dict]
+    per_family: list[dict]
+    ties: list[dict]
+    stability: list[dict]
+    lr_curves: list[dict]
+    seed_points: list[dict]
+    family_seed_points: list[dict]
+    incomplete: list[dict]
+    models: list[str]
+    runs: int
+    protocol: dict  # the fine-tuning settings of our runs
+    run_id: str
+    protocol_name: str
+    task_ids: dict[str, str]
+    external: dict = field(default_factory=dict)  # {"runs", "models"} read from EncodEval's tree
+
+    TABLES = ("per_task", "per_family", "ties", "incomplete", "stability", "lr_curves",
+              "seed_points")
+
+    def __getitem__(self, table: str):
+        """A table by name, as its CSV is named (summary["per_task"])."""
+        return getattr(self, table)
+
+
+def edge_of_grid(chosen: float, grid: list[float]) -> str:
+    """'' if the chosen LR is inside the grid, else which edge it sits on."""
+    if len(grid) < 2:
+        return "only LR"
+    if chosen == min(grid):
+        return "smallest"
+    if chosen == max(grid):
+        return "largest"
+    return ""
+
+
+def summarize(results: list[dict]) -> Summary:
+    """All numbers of the report (percent), without any formatting. `results`: one protocol."""
+    runs = defaultdict(lambda: defaultdict(dict))  # (model, task) -> lr -> seed -> result
+    want_seeds, want_lrs = defaultdict(set), defaultdict(set)  # requested or seen
+    family, metric = {}, {}
+    for r in results:
+        key = (r["model"], r["task"])
+        runs[key][r["lr"]][r["seed"]] = r
+        want_seeds[key].update([r["seed"], *r["grid"]["seeds"]])
+        want_lrs[key].update([r["lr"], *r["grid"]["lrs"]])
+        family[r["task"]], metric[r["task"]] = r["family"], r["metric"]
+    per_task, stability, curves, incomplete, seed_points = [], [], [], [], []
+    seed_scores = {}  # (model, task) -> {seed: test score at the chosen lr}
+    for (model, task), by_lr in sorted(runs.items()):
+        m, seeds = metric[task], want_seeds[(model, task)]
+        complete = {}
+        for lr in sorted(want_lrs[(model, task)]):
+            lack = sorted(seeds - set(by_lr.get(lr, {})))
+            if lack:
+                incomplete.append({"model": model, "task": task, "lr": lr,
+                                   "missing_seeds": " ".join(map(str, lack)),
+                                   "seeds_done": len(by_lr.get(lr, {})), "seeds": len(seeds)})
+            else:
+                complete[lr] = by_lr[lr]
+        if not complete:
+            incomplete.append({"model": model, "task": task, "lr": "none complete",
+                               "missing_seeds": "", "seeds_done": 0, "seeds": len(seeds)})
+            continue
+        val = {lr: statistics.mean(100 * s["metrics"]["validation"][m] for s in done.values())
+               for lr, done in complete.items()}
+        test = {lr: {seed: 100 * s["metrics"]["test"][m] for seed, s in done.items()}
+                for lr, done in complete.items()}
+        best_lr = max(val, key=lambda lr: (val[lr], -lr))
+        mean, ci = mean_ci(list(test[best_lr].values()))
+        seed_scores[(model, task)] = test[best_lr]
+        grid = sorted(want_lrs[(model, task)])
+        per_task.append(add_interval({
+            "model": model, "family": family[task], "task": task, "metric": m, "best_lr": best_lr,
+            "validation": val[best_lr], "score": mean, "ci95": ci, "seeds": len(test[best_lr]),
+            "lrs": len(complete), "lrs_incomplete": len(grid) - len(complete),
+            "lr_edge": edge_of_grid(best_lr, grid), "grid": " ".join(f"{lr:g}" for lr in grid),
+            "steps": " ".join(str(x) for x in sorted({s["steps"] for s in complete[best_lr].values()
+                                                      if s.get("steps") is not None}))}))
+        lr_means = {lr: statistics.mean(v.values()) for lr, v in test.items()}
+        for lr in sorted(complete):
+            lm, lci = mean_ci(list(test[lr].values()))
+            curves.append(add_interval({"model": model, "task": task, "lr": lr,
+                                        "validation": val[lr], "score": lm, "ci95": lci,
+                                        "seeds": len(test[lr])}))
+            seed_points += [{"model": model, "task": task, "lr": lr, "seed": seed, "score": v}
+                            for seed, v in sorted(test[lr].items())]
+        vals = list(lr_means.values())
+        stability.append({"model": model, "task": task, "best_lr": best_lr,
+                          "best": max(vals), "worst": min(vals),
+                          "worst_lr": min(lr_means, key=lr_means.get),
+                          "spread": max(vals) - min(vals),
+                          "sd_across_lrs": statistics.pstdev(vals),
+                          "lrs_within_1pt": sum(v >= max(vals) - 1.0 for v in vals), "lrs": len(vals)})
+    models = sorted({m for m, _ in runs})
+    per_family, family_seeds = _families(runs, family, seed_scores, per_task, models)
+    ours = [r for r in results if not r["protocol"].get("external")] or results
+    theirs = [r for r in results if r["protocol"].get("external")]
+    return Summary(
+        per_task=per_task, per_family=per_family, ties=_ties(per_family, family_seeds),
+        stability=stability, lr_curves=curves, seed_points=seed_points,
+        family_seed_points=[{"model": model, "family": fam, "seed": seed, "score": v}
+                            for (model, fam), samples in sorted(family_seeds.items())
+                            for seed, v in sorted(samples.items())],
+        incomplete=incomplete, models=models, runs=len(results),
+        protocol=ours[0]["protocol"]["run"], run_id=ours[0]["protocol"]["run_id"],
+        protocol_name=protocol_name(ours[0]),
+        task_ids={r["task"]: r["protocol"]["id"] for r in ours},
+        external={"runs": len(theirs), "models": sorted({r["model"] for r in theirs})}
+        if theirs else {})
+
+
+def _families(runs, family, seed_scores, per_task, models):
+    """Family rows, and {(model, family): {seed: family score of that seed}}."""
+    score = {(r["model"], r["task"]): r["score"] for r in per_task}
+    rows, samples_of = [], {}
+    for fam in FAMILY_ORDER:
+        tasks = sorted(t for t, f in family.items() if f == fam)
+        for model in models:
+            if not tasks or not any((model, t) in runs for t in tasks):
+                continue
+            row = {"model": model, "family": fam, "tasks": len(tasks), "task_names": " ".join(tasks),
+                   "score": None, "ci95": None, "seeds": 0, "note": ""}
+            lacking = [t for t in tasks if (model, t) not in seed_scores]
+            if lacking:
+                row["note"] = f"no score for {' '.join(lacking)}"
+                rows.append(row)
+                continue
+            seeds = sorted(set.intersection(*(set(seed_scores[(model, t)]) for t in tasks)))
+            samples = {s: statistics.mean(seed_scores[(model, t)][s] for t in tasks) for s in seeds}
+            row["score"] = statistics.mean(score[(model, t)] for t in tasks)
+            row["ci95"] = mean_ci(list(samples.values()))[1] if samples else 0.0
+            row["seeds"] = len(seeds)
+            samples_of[(model, fam)] = samples
+            rows.append(row)
+    return [add_interval(r) for r in rows], samples_of
+
+
+def _ties(per_family, samples_of) -> list[dict]:
+    """Each scored model against its family's best, paired by seed (see the module docstring)."""
+    out = []
+    for fam in FAMILY_ORDER:
+        rows = [r for r in per_family if r["family"] == fam and r["score"] is not None]
+        if not rows:
+            continue
+        best = max(rows, key=lambda r: r["score"])
+        ref = samples_of[(best["model"], fam)]
+        for r in sorted(rows, key=lambda r: -r["score"]):
+            mine = samples_of[(r["model"], fam)]
+            common = sorted(set(mine) & set(ref))
+            t = p = math.nan
+            if r is best:
+                verdict = "best"
+            elif len(common) < 2:
+                verdict = "untested (< 2 paired seeds)"
+            else:
+                t, p = paired_t([mine[s] for s in common], [ref[s] for s in common])
+                verdict = "tied" if p >= ALPHA else "below"
+            out.append({"family": fam, "model": r["model"], "best": best["model"], "score": r["score"],
+                        "diff": r["score"] - best["score"], "pairs": len(common), "t": t, "p": p,
+                        "verdict": verdict})
+    return out
