@@ -62,6 +62,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def curve(run_dir: Path) -> dict[int, float]:
+    """step -> loss; a resumed run re-logs steps after its checkpoint: the last record wins."""
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
 def losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]  # skip step-0 validation
 

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import yaml
 
-from jobs import job_env, pretrain_cmd, read_metrics, run_pretrain
+from jobs import curve, job_env, pretrain_cmd, read_metrics, run_pretrain
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime.lifetime import RunLock
@@ -26,9 +26,6 @@ from test_resume import CONFIG as RESUME_CONFIG  # DP2-able tiny CLM -> MLM run,
 
 CONFIG = {**RESUME_CONFIG, "logging": {"tensorboard": False, "log_interval": 2}}
 
-
-def curve(run_dir) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
 
 
 def faulty_env(tmp_path, inject: str) -> dict[str, str]:

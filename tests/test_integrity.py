@@ -18,7 +18,7 @@ import time
 import pytest
 import yaml
 
-from jobs import job_env, pretrain_cmd, read_metrics, run_pretrain
+from jobs import curve, job_env, pretrain_cmd, run_pretrain
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.checkpoint import (MANIFEST, complete_checkpoints,
                                                  resolve_checkpoint, verify_checkpoint)
@@ -34,9 +34,6 @@ CONFIG = {
     "logging": {"tensorboard": False},
 }
 
-
-def curve(run_dir) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
 
 
 @pytest.fixture(scope="module")

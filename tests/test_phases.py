@@ -16,7 +16,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from jobs import REPO, pretrain_cmd, read_metrics, run_pretrain, word_tokenizer
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.config import (MaskSchedule, PhaseConfig, budget_report,
+from megatron_mlmclm.config import (MaskSchedule, budget_report,
                                     causal_attention_halved, dump_yaml, load_config)
 from megatron_mlmclm.data.dataset import temperature_blend
 from megatron_mlmclm.errors import UsageError

@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from jobs import job_env, pretrain_cmd, read_metrics, run_pretrain
+from jobs import curve, job_env, pretrain_cmd, run_pretrain
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.convert.common import read_global_tensors
@@ -44,10 +44,6 @@ CONFIG = {
     "logging": {"tensorboard": False, "eval_interval": 0},
 }
 
-
-def curve(run_dir) -> dict[int, float]:
-    """step -> loss; a resumed run re-logs steps after its checkpoint: keep the last record."""
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
 
 
 @pytest.fixture(scope="module")

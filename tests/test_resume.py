@@ -22,7 +22,7 @@ import torch
 import yaml
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from jobs import job_env, line_tokenizer, pretrain_cmd, read_metrics, run_pretrain
+from jobs import curve, job_env, line_tokenizer, pretrain_cmd, run_pretrain
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
@@ -41,10 +41,6 @@ CONFIG = {
     "logging": {"tensorboard": False},
 }
 
-
-def curve(run_dir) -> dict[int, float]:
-    """step -> loss; a resumed run re-logs steps after its checkpoint: keep the last record."""
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
 
 
 def kill_after_checkpoint(cmd, run_dir, iteration: str, timeout=240):

@@ -25,7 +25,7 @@ from datetime import datetime
 import pytest
 import yaml
 
-from jobs import REPO, job_env, read_metrics, run_pretrain
+from jobs import REPO, curve, job_env, run_pretrain
 from megatron_mlmclm.cli import main
 from slurm_cluster import free_port
 
@@ -53,9 +53,6 @@ def shards(tmp_path_factory, data_dir):
 def job_environment(**extra) -> dict[str, str]:
     return {**job_env(), "MLMCLM_PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **extra}
 
-
-def curve(run_dir) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
 
 
 def until(ready, timeout: float, what: str) -> None:
