@@ -265,15 +265,18 @@ class VarlenReferenceAttention(SDPAttention):
         return torch.cat(outs)  # [t, heads, d]; megatron reshapes to [t, 1, h]
 
 
-@pytest.mark.parametrize("core", ["reference", "product"])
+@pytest.mark.parametrize("core,multiple", [("reference", 1), ("product", 1), ("product", 48)],
+                         ids=["reference", "product", "product_padded"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_thd_through_the_model_matches_dense_mask(model, causal, core):
+def test_thd_through_the_model_matches_dense_mask(model, causal, core, multiple):
     """flatten_for_thd + megatron's THD handling (per-sequence RoPE restart) == dense masking,
     forward and backward, with this file's per-sequence reference core and with the product's
     stand-in for TE's kernel (model/attention.py THDReferenceAttention: the CPU's THD path).
 
     RoPE restarts at each cu_seqlens boundary in THD but runs over the whole sample with the
     dense mask; attention never crosses a document and RoPE is relative, so the two agree.
+    `product_padded` pads the stream as FP8 does (to 336 = 7 x 48 of 320 tokens: one pad
+    sequence of 16 that carries no loss), through the whole model, forward and backward.
     """
     from megatron_mlmclm.model.attention import THDReferenceAttention
     from megatron_mlmclm.model.packed import set_attention_mask_type
@@ -286,7 +289,8 @@ def test_thd_through_the_model_matches_dense_mask(model, causal, core):
     batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
              "position_ids": torch.arange(s).expand(b, s),
              "attention_mask": document_attention_mask(docs, causal)}
-    thd = flatten_for_thd(batch, docs)
+    thd = flatten_for_thd(batch, docs, multiple)
+    assert thd["tokens"].shape[1] == b * s + (-(b * s) % multiple)
     kind = AttnMaskType.causal if causal else AttnMaskType.no_mask
     thd_core = VarlenReferenceAttention if core == "reference" else THDReferenceAttention
 
@@ -313,7 +317,8 @@ def test_thd_through_the_model_matches_dense_mask(model, causal, core):
     finally:
         set_attention_mask_type([model], AttnMaskType.arbitrary)
         swap_core_attention(model, SDPAttention)
-    torch.testing.assert_close(logits.view(b, s, -1), ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[:, :b * s].reshape(b, s, -1), ref_logits, rtol=1e-5,
+                               atol=1e-5)
     # Per-token losses come in (sequence, batch) order on the dense path, flattened on THD.
     order = torch.arange(b * s).view(b, s).t()[loss_mask.t().bool()]
     flat_keep = loss_mask.view(-1).bool()
