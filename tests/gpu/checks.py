@@ -95,7 +95,8 @@ def judge_learned(clm_tail: float, mlm_tail: float) -> Row:
     MLM's bound is loose on purpose: CLM predicts the next token where the previous one sits, with
     no attention needed, while MLM must first learn to move the neighbour's identity to the masked
     position; measured on CPU (tiny, seq 128, lr 3e-3), MLM alone is at 6.50 nats after 200 steps
-    against a unigram level of about 6.77, where CLM reaches 2.4 in 30."""
+    against a unigram level of about 6.77, where CLM reaches 2.4 in 30, and HF's EuroBERT with the
+    same dimensions and batches plateaus alike (6.61 at step 121, 6.27 at 200)."""
     floor, entropy = math.log(VOCAB), markov_entropy()
     learned = clm_tail < floor - 3 and mlm_tail < floor - 0.1
     no_leak = clm_tail >= entropy - 0.1
