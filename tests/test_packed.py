@@ -225,28 +225,6 @@ def test_flex_model_layers_share_one_block_mask(model, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="FlexAttention backward exists only on CUDA in torch 2.13")
-@pytest.mark.parametrize("causal", [True, False])
-def test_flex_matches_sdpa_backward_cuda(causal):
-    torch.manual_seed(0)
-    config = attention_config()
-    sdpa = SDPAttention(config, 1, AttnMaskType.arbitrary, "self")
-    flex = FlexDocumentAttention(config, 1, AttnMaskType.arbitrary, "self")
-    s, b, d = 512, 2, 16
-    base = [torch.randn(s, b, n, d, device="cuda") for n in (4, 2, 2)]
-    docs = random_docs(b, s, seed=3, mean=100).cuda()
-    mask = document_attention_mask(docs, causal)
-    grads = []
-    for core in (sdpa, flex):
-        inputs = [t.clone().requires_grad_() for t in base]
-        out = core(*inputs, mask)
-        out.square().sum().backward()
-        grads.append([out.detach()] + [t.grad for t in inputs])
-    for ref, got in zip(*grads):
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-
-
 # ------------------------------------------------- THD through megatron (reference core on CPU)
 class VarlenReferenceAttention(SDPAttention):
     """THD core attention for CPU tests: SDPA per cu_seqlens sequence (what TE fused computes)."""
