@@ -66,7 +66,7 @@ def test_without_local_data_the_hub_serves_corpus_and_tasks(tmp_path, monkeypatc
 
     from megatron_mlmclm.data.preprocess import preprocess
     from megatron_mlmclm.data.tokenizer import train_tokenizer
-    from megatron_mlmclm.eval.data import load_split
+    from megatron_mlmclm.eval.families import load_split
     from megatron_mlmclm.eval.tasks import get_task
 
     tok = train_tokenizer([corpus["train"]], tmp_path / "tok", vocab_size=300, progress=False)
