@@ -1,4 +1,5 @@
-"""Where the shared real data lives: $MLMCLM_DATA_DIR, else ../shared/data beside the checkout."""
+"""Where the shared real data lives: $MLMCLM_DATA_DIR, else ../shared/data beside the checkout;
+and the name of the record `mlmclm convert to-hf` writes beside every export (read by the report)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 from pathlib import Path
 
 from megatron_mlmclm.errors import UsageError
+
+# provenance written into every HF export: its checkpoint, verification and place in pretraining
+EXPORT_FILE = "mlmclm_export.json"
 
 
 def data_dir(required: bool = False) -> Path | None:

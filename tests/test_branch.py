@@ -244,8 +244,8 @@ def test_kept_checkpoints_are_saved_and_never_pruned(base, tmp_path):
     assert sorted(p.name for p in hf.iterdir()) == ["step0000003-tokens384",
                                                       "step0000008-tokens1.02K"]
     record = json.loads((hf / "step0000008-tokens1.02K" / "mlmclm_export.json").read_text())
-    assert (record["iteration"], record["pretraining_tokens"], record["lineage"]) == \
-        (8, 1024, "kept")
+    assert (record["iteration"], record["pretraining_tokens"], record["lineage"],
+            record["objective"]) == (8, 1024, "kept", "mlm")
 
 
 @pytest.mark.parametrize("override,expected", [

@@ -199,7 +199,8 @@ def test_learning_curve_points_and_verdicts_against_hand_computed_values(tmp_pat
     MLM rows and the early-vs-full lead, the figure; and where the branches start."""
     import yaml
 
-    from megatron_mlmclm.study.curves import curve_comparisons, curve_rows, plot_curves
+    from megatron_mlmclm.eval.report import plot_curves
+    from megatron_mlmclm.study.curves import curve_comparisons, curve_rows
     from megatron_mlmclm.study.pipeline import _config
 
     design = StudyDesign()  # steps 1000, curve shares 0.25 / 0.5
@@ -240,7 +241,7 @@ def test_learning_curve_points_and_verdicts_against_hand_computed_values(tmp_pat
     # CLM's lead: 12 points at 250 steps, 14 at 1,000 (noise cancels): it grows, not shrinks.
     assert math.isclose(cmp[-1]["diff"], 12 - 14) and cmp[-1]["verdict"] == "disagrees"
 
-    assert (tmp_path / plot_curves(tmp_path, list(rows.values()), ["scifact"],
+    assert (tmp_path / plot_curves(tmp_path, list(rows.values()),
                                    {"scifact": "ndcg@10"})).stat().st_size > 1000
 
     # The full CLM run keeps the checkpoints where the branches' decays start (25 and 50 steps

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,10 +37,10 @@ from megatron_mlmclm.convert.verify import (SEQ, Verification, load_hf, megatron
 from megatron_mlmclm.data.tokenizer import load_tokenizer, special_token_ids, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import padded_vocab_size
+from megatron_mlmclm.paths import EXPORT_FILE
 
 ARCHS = ("eurobert", "llama", "qwen3")
 SOURCE_FILE = "mlmclm_source.json"  # sidecar written by from-hf next to the checkpoints folder
-EXPORT_FILE = "mlmclm_export.json"  # provenance written into every export
 
 
 @dataclass
@@ -226,12 +227,15 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
 
 def pretraining_record(cfg, iteration: Optional[int]) -> dict[str, Any]:
     """Where a checkpoint stands in its pretraining, for learning curves: the run, the run its
-    curve belongs to (a decay branch's stable source, else itself) and the tokens read so far (a
-    branch counts its source's steps, which it shares; a continued run only its own)."""
+    curve belongs to (a decay branch's stable source, else itself), its objectives in phase order
+    and the tokens read so far (a branch counts its source's steps, which it shares; a continued
+    run only its own)."""
     lineage = (Path(cfg.train.branch_from).parents[1].name if cfg.train.branch_from
                else Path(cfg.output_dir).name)
     tokens = tokens_at_step(cfg, int(iteration)) if iteration is not None else None
-    return {"run": cfg.name, "lineage": lineage, "pretraining_tokens": tokens}
+    objective = " -> ".join(k for k, _ in groupby(ph.objective for ph in cfg.phases))
+    return {"run": cfg.name, "lineage": lineage, "objective": objective,
+            "pretraining_tokens": tokens}
 
 
 def export_name(tokens: int, iteration: int) -> str:

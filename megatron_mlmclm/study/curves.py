@@ -6,7 +6,8 @@ the learning-curve models were fine-tuned on (design.curve_tasks). A point is th
 over the (pretraining seed, fine-tuning seed) pairs at each model's LR chosen on validation, with
 its 95% interval (compare.py's samples). The study's claim that CLM is more
 data-efficient (it learns faster early) is checked as paired comparisons: CLM - MLM at every
-budget, and whether CLM's lead at the smallest budget is larger than at the full one.
+budget, and whether CLM's lead at the smallest budget is larger than at the full one. The figure is
+the report's (eval/report/curves.py), one line per recipe.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_mlmclm.config import tokens_at_step
-from megatron_mlmclm.eval.report import add_interval, fmt, md_table, mean_ci, yerr
+from megatron_mlmclm.eval.report import add_interval, fmt, md_table, mean_ci
 from megatron_mlmclm.study.compare import averaged, compare, task_samples
 from megatron_mlmclm.study.design import (CURVE_RECIPES, RECIPE, StudyDesign, budget_config,
                                           curve_key)
@@ -54,7 +55,8 @@ def curve_rows(design: StudyDesign, grids: dict[str, dict], tasks: list[str]) ->
                 if not samples:
                     continue
                 mean, half = mean_ci(list(samples.values()))
-                rows.append(add_interval({"recipe": recipe, "steps": steps,
+                rows.append(add_interval({"recipe": recipe, "label": LABEL[recipe],
+                                          "steps": steps,
                                           "tokens": tokens(design, steps), "task": task,
                                           "score": mean, "ci95": half, "pairs": len(samples)}))
     return rows
@@ -82,38 +84,6 @@ def curve_comparisons(design: StudyDesign, grids: dict[str, dict], tasks: list[s
     return rows
 
 
-def plot_curves(out: Path, rows: list[dict], tasks: list[str], metric_of: dict[str, str]) -> str:
-    import matplotlib  # optional: [eval] extra
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = tasks + ["overall"] if len(tasks) > 1 else tasks
-    cols = min(3, len(panels))
-    nrows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows), squeeze=False)
-    for ax, task in zip(axes.flat, panels):
-        for recipe in CURVE_RECIPES:
-            pts = sorted((r for r in rows if r["task"] == task and r["recipe"] == recipe),
-                         key=lambda r: r["tokens"])
-            if pts:
-                ax.errorbar([p["tokens"] / 1e6 for p in pts], [p["score"] for p in pts],
-                            yerr=yerr(pts), marker="o", capsize=3, label=LABEL[recipe])
-        ax.set_xlabel("pretraining tokens (M)")
-        ax.set_ylabel("mean score (%)" if task == "overall" else f"{metric_of[task]} (%)")
-        ax.set_title(task)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle("fine-tuning score vs pretraining tokens (95% CI over the seed pairs)")
-    fig.tight_layout()
-    path = out / "plots" / "learning_curve.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return "plots/learning_curve.png"
-
-
 def curve_section(design: StudyDesign, rows: list[dict], comparisons: list[dict]) -> list[str]:
     """The report's learning-curve section (markdown lines)."""
     lines = ["## Learning curve: score against pretraining tokens", "",
@@ -126,7 +96,6 @@ def curve_section(design: StudyDesign, rows: list[dict], comparisons: list[dict]
              f"{', '.join(sorted({r['task'] for r in rows} - {'overall'}))}.", ""]
     overall = [r for r in rows if r["task"] == "overall"]
     for r in overall:
-        r["label"] = LABEL[r["recipe"]]
         r["interval"] = fmt(r["score"], ".2f") + f" ± {r['ci95']:.2f}"
     lines += md_table(overall, [("label", "recipe", "s"), ("steps", "steps", "d"),
                                 ("tokens", "tokens", ",d"), ("interval", "mean score (95% CI)", "s"),

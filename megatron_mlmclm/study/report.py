@@ -10,10 +10,10 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from megatron_mlmclm.eval.report import (add_interval, fmt, md_table, mean_ci, summarize, write_csv,
-                                         write_report, yerr)
+from megatron_mlmclm.eval.report import (add_interval, fmt, md_table, mean_ci, plot_curves,
+                                         summarize, write_csv, write_report, yerr)
 from megatron_mlmclm.study.compare import MARGIN, recipe_table, study_comparisons
-from megatron_mlmclm.study.curves import curve_comparisons, curve_rows, curve_section, plot_curves
+from megatron_mlmclm.study.curves import curve_comparisons, curve_rows, curve_section
 from megatron_mlmclm.study.design import (RECIPES, StudyDesign, parse_run_name, recipe_flops,
                                           run_name)
 from megatron_mlmclm.study.runs import final_val_loss, steps_of, val_losses
@@ -144,7 +144,7 @@ def write_study_report(out: Path, design: StudyDesign, grids: dict[str, dict],
     write_csv(out / "learning_curve.csv", learning)
     write_csv(out / "learning_curve_comparisons.csv", learning_cmp)
     if plots and learning:
-        written.append(plot_curves(out, learning, on, metric_of))
+        written.append(plot_curves(out, learning, metric_of))
 
     d = design
     lines = ["# Mini-study report", "",

@@ -34,7 +34,9 @@ the means.
 
 Writes report.md, per_task.csv, per_family.csv, ties.csv, incomplete.csv, stability.csv,
 lr_curves.csv, seed_points.csv (each seed's test score per LR), plots/lr_<task>.png (score vs LR
-per model, seeds as points) and plots/families.png.
+per model, seeds as points) and plots/families.png. When the models are exports that record their
+place in pretraining and some lineage has two token counts or more: learning_curve.csv and
+plots/learning_curve.png, the per-task score against pretraining tokens (curves.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.report.curves import plot_curves, pretraining_of, report_curve
 from megatron_mlmclm.eval.report.plots import write_plots, yerr
 from megatron_mlmclm.eval.report.render import (fmt, format_interval, md_table, write_csv,
                                                 write_markdown)
@@ -50,7 +53,8 @@ from megatron_mlmclm.eval.report.stats import Interval, add_interval, mean_ci, p
 from megatron_mlmclm.eval.report.summary import Summary, summarize
 
 __all__ = ["make_report", "write_report", "summarize", "Summary", "Interval", "mean_ci",
-           "paired_t", "add_interval", "format_interval", "fmt", "md_table", "write_csv", "yerr"]
+           "paired_t", "add_interval", "format_interval", "fmt", "md_table", "write_csv", "yerr",
+           "plot_curves"]
 
 
 def write_report(s: Summary, out: Path, plots: bool = True) -> Summary:
@@ -58,7 +62,11 @@ def write_report(s: Summary, out: Path, plots: bool = True) -> Summary:
     out.mkdir(parents=True, exist_ok=True)
     for key in Summary.TABLES:
         write_csv(out / f"{key}.csv", s[key])
-    write_markdown(s, out / "report.md", write_plots(s, out) if plots else [])
+    written = write_plots(s, out) if plots else []
+    if plots and s.learning_curve:
+        written.append(plot_curves(out, s.learning_curve,
+                                   {r["task"]: r["metric"] for r in s.learning_curve}))
+    write_markdown(s, out / "report.md", written)
     return s
 
 
@@ -84,7 +92,9 @@ def make_report(results_dir: str | Path | None, out_dir: str | Path | None = Non
         log(f"report: ignored {legacy} result(s) without a protocol (written before results were "
             f"keyed by protocol); re-run them with `mlmclm evaluate`")
     out = Path(out_dir) if out_dir else Path(results_dir) / "report"
-    s = write_report(summarize(results), out, plots)
+    s = summarize(results)
+    s.learning_curve = report_curve(s.per_task, pretraining_of(results))
+    write_report(s, out, plots)
     if s.incomplete:
         log(f"report: {len(s.incomplete)} incomplete learning rate(s) left out of the LR choice "
             f"(listed in report.md)")

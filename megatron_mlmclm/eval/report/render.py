@@ -115,9 +115,27 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
                                         ("worst_lr", "worst LR", "g"), ("spread", "spread", ".2f"),
                                         ("sd_across_lrs", "sd", ".2f"),
                                         ("lrs_within_1pt", "LRs within 1 pt", "d"), ("lrs", "LRs", "d")])
+    if s.learning_curve:
+        lines += ["", "## Learning curve: score against pretraining tokens", ""]
+        lines += learning_curve_section(s.learning_curve)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
     path.write_text("\n".join(lines) + "\n")
+
+
+def learning_curve_section(rows: list[dict]) -> list[str]:
+    """The exports that record their place in pretraining, one line per lineage (learning_curve.csv,
+    plots/learning_curve.png)."""
+    lines = ["Each export that records where it stands in pretraining (`mlmclm convert to-hf` "
+             "writes its run, lineage and tokens read beside the model) at its pretraining "
+             "tokens: the score of the per-task table (mean test score over seeds at the LR chosen "
+             "on validation, 95% CI). A lineage is a run with its kept checkpoints and the decay "
+             "branches that start from it.", ""]
+    for r in rows:
+        r["interval"] = format_interval(r)
+    return lines + md_table(rows, [("label", "lineage", "s"), ("task", "task", "s"),
+                                   ("tokens", "tokens", ",d"), ("model", "model", "s"),
+                                   ("interval", "score (95% CI)", "s"), ("seeds", "seeds", "d")])
 
 
 def caveats(s: Summary) -> list[str]:

@@ -36,9 +36,10 @@ class Summary:
     protocol_name: str
     task_ids: dict[str, str]
     external: dict = field(default_factory=dict)  # {"runs", "models"} read from EncodEval's tree
+    learning_curve: list[dict] = field(default_factory=list)  # score vs tokens (curves.py)
 
     TABLES = ("per_task", "per_family", "ties", "incomplete", "stability", "lr_curves",
-              "seed_points")
+              "seed_points", "learning_curve")
 
     def __getitem__(self, table: str):
         """A table by name, as its CSV is named (summary["per_task"])."""
