@@ -1,4 +1,5 @@
 """Builds the C++ sample-index extension; all metadata lives in pyproject.toml."""
+
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 

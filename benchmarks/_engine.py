@@ -30,15 +30,23 @@ def build_trainer(args, extra_overrides: list[str], prefix: str):
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     steps = 10 * (args.warmup + args.steps) + 10
     overrides = [
-        f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.resume=false",
-        "logging.tensorboard=false", "data.mock=true",
+        f"output_dir={out}",
+        f"checkpoint.dir={out}/ckpt",
+        "checkpoint.resume=false",
+        "logging.tensorboard=false",
+        "data.mock=true",
         "data.loader=sync",  # the step as it was measured: batches built in it (data_loader.py)
-        f"model.vocab_size={args.vocab}", f"model.num_layers={args.layers}",
-        f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}",
-        f"model.num_attention_heads={args.heads}", f"model.num_query_groups={args.kv_heads}",
-        f"model.kv_channels={args.hidden // args.heads}", f"model.seq_length={args.seq}",
+        f"model.vocab_size={args.vocab}",
+        f"model.num_layers={args.layers}",
+        f"model.hidden_size={args.hidden}",
+        f"model.ffn_hidden_size={args.ffn}",
+        f"model.num_attention_heads={args.heads}",
+        f"model.num_query_groups={args.kv_heads}",
+        f"model.kv_channels={args.hidden // args.heads}",
+        f"model.seq_length={args.seq}",
         f"train.steps={steps}",
-        f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.micro_batch}",
         "train.precision=fp32",
     ] + extra_overrides
     cfg = load_config(None, overrides)

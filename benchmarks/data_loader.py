@@ -55,8 +55,13 @@ def build_data(work: Path) -> tuple[Path, str]:
     books = data_dir(required=True) / "gutenberg_en"
     tokenizer = work / "tokenizer"
     if not (tokenizer / "mlmclm_tokenizer.json").is_file():
-        train_tokenizer([str(books / "train.jsonl.gz")], tokenizer, vocab_size=8192,
-                        max_documents=60, progress=False)
+        train_tokenizer(
+            [str(books / "train.jsonl.gz")],
+            tokenizer,
+            vocab_size=8192,
+            max_documents=60,
+            progress=False,
+        )
     prefix = work / "shards" / "gutenberg_train"
     if not Path(f"{prefix}_text_document.idx").is_file():
         preprocess([str(books / "train.jsonl.gz")], prefix, tokenizer, workers=2, progress=False)
@@ -104,8 +109,9 @@ class Prebuilt:
 
     def __init__(self, dataset, plan, steps: int):
         self.plan = plan
-        self.batches = [plan.microbatches(dataset, plan.first_sample(s), plan.phase(s))
-                        for s in range(steps)]
+        self.batches = [
+            plan.microbatches(dataset, plan.first_sample(s), plan.phase(s)) for s in range(steps)
+        ]
 
     def get(self, step, first_sample, phase):
         return self.batches[step]
@@ -123,17 +129,33 @@ def overlap(args, tokenizer: Path, prefix: str, kinds: list[str]):
     out = tempfile.mkdtemp(prefix="bench_data_loader_")
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     steps_per_arm = args.rounds * args.block
-    cfg = load_config(None, [
-        f"output_dir={out}", "checkpoint.resume=false", "logging.tensorboard=false",
-        f"data.train=[{prefix}]", f"data.tokenizer={tokenizer}", f"data.cache_dir={out}/cache",
-        "data.loader=sync", f"model.seq_length={SEQ}", "model.preset=tiny",
-        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}",
-        f"model.ffn_hidden_size={3 * args.hidden}", f"model.num_attention_heads={args.heads}",
-        f"model.num_query_groups={args.heads}", f"model.kv_channels={args.hidden // args.heads}",
-        f"train.steps={steps_per_arm}", "train.warmup_steps=1", "train.decay_steps=1",
-        f"train.micro_batch_size={args.overlap_mbs}",
-        f"train.global_batch_size={args.overlap_mbs * MICROBATCHES}", "train.precision=fp32",
-        f"phases.0.mask_ratio={MASK_RATIO}"])
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={out}",
+            "checkpoint.resume=false",
+            "logging.tensorboard=false",
+            f"data.train=[{prefix}]",
+            f"data.tokenizer={tokenizer}",
+            f"data.cache_dir={out}/cache",
+            "data.loader=sync",
+            f"model.seq_length={SEQ}",
+            "model.preset=tiny",
+            f"model.num_layers={args.layers}",
+            f"model.hidden_size={args.hidden}",
+            f"model.ffn_hidden_size={3 * args.hidden}",
+            f"model.num_attention_heads={args.heads}",
+            f"model.num_query_groups={args.heads}",
+            f"model.kv_channels={args.hidden // args.heads}",
+            f"train.steps={steps_per_arm}",
+            "train.warmup_steps=1",
+            "train.decay_steps=1",
+            f"train.micro_batch_size={args.overlap_mbs}",
+            f"train.global_batch_size={args.overlap_mbs * MICROBATCHES}",
+            "train.precision=fp32",
+            f"phases.0.mask_ratio={MASK_RATIO}",
+        ],
+    )
     trainer = Trainer(cfg)
     trainer.setup()
     ds, plan = trainer.train_ds, trainer.plan
@@ -144,12 +166,14 @@ def overlap(args, tokenizer: Path, prefix: str, kinds: list[str]):
     loaders = {name: Timed(loader) for name, loader in loaders.items()}
     names = list(loaders)
     n_params = sum(p.numel() for c in trainer.model_chunks for p in c.parameters())
-    print(f"overlap: {n_params / 1e6:.2f}M parameters ({args.layers} layers, hidden "
-          f"{args.hidden}, vocab {trainer.spec.vocab_size}), seq {SEQ}, {MICROBATCHES} "
-          f"micro-batches of {args.overlap_mbs} a step, torch threads "
-          f"{torch.get_num_threads()}, {args.overlap_workers} loader worker(s); {args.rounds} "
-          f"rounds x blocks of {args.block} steps per arm ({args.settle} untimed), arms "
-          f"{', '.join(names)}")
+    print(
+        f"overlap: {n_params / 1e6:.2f}M parameters ({args.layers} layers, hidden "
+        f"{args.hidden}, vocab {trainer.spec.vocab_size}), seq {SEQ}, {MICROBATCHES} "
+        f"micro-batches of {args.overlap_mbs} a step, torch threads "
+        f"{torch.get_num_threads()}, {args.overlap_workers} loader worker(s); {args.rounds} "
+        f"rounds x blocks of {args.block} steps per arm ({args.settle} untimed), arms "
+        f"{', '.join(names)}"
+    )
     times, cpu, waits = {n: [] for n in names}, {n: [] for n in names}, {n: [] for n in names}
     position = {n: 0 for n in names}
     try:
@@ -203,6 +227,7 @@ def main() -> None:
 
     try:
         import nvidia.dali  # noqa: F401
+
         kinds = ["sync", "workers", "dali"]
     except ImportError:
         kinds = ["sync", "workers"]
@@ -220,10 +245,17 @@ def main() -> None:
     cfg = load_config(None, [f"data.tokenizer={tokenizer}", f"data.train=[{prefix}]"])
     spec = token_spec_and_vocab(cfg)
     gbs = MBS * MICROBATCHES
-    plan = Plan((PhaseConfig("mlm", steps=args.steps, mask_ratio=MASK_RATIO),), spec,
-                cfg.data.seed, args.steps, gbs, MBS, 1, 0)
-    dataset = build_train_dataset([prefix], SEQ, args.steps * gbs, cfg.data.seed,
-                                  work / "cache")
+    plan = Plan(
+        (PhaseConfig("mlm", steps=args.steps, mask_ratio=MASK_RATIO),),
+        spec,
+        cfg.data.seed,
+        args.steps,
+        gbs,
+        MBS,
+        1,
+        0,
+    )
+    dataset = build_train_dataset([prefix], SEQ, args.steps * gbs, cfg.data.seed, work / "cache")
     runs = {kind: [] for kind in kinds}
     for _ in range(args.repeats):  # loaders in turn, so machine noise hits each alike
         for kind in kinds:
@@ -231,9 +263,11 @@ def main() -> None:
     rates = {kind: max(r) for kind, r in runs.items()}
     for kind, r in runs.items():
         workers = "" if kind == "sync" else f", {args.workers} workers"
-        print(f"throughput {kind}{workers}: best {rates[kind]:,.0f} samples/s, runs "
-              f"{' '.join(f'{x:,.0f}' for x in r)} (seq {SEQ}, MLM {MASK_RATIO:.0%}, "
-              f"{args.steps - 1} steps of {gbs} samples)")
+        print(
+            f"throughput {kind}{workers}: best {rates[kind]:,.0f} samples/s, runs "
+            f"{' '.join(f'{x:,.0f}' for x in r)} (seq {SEQ}, MLM {MASK_RATIO:.0%}, "
+            f"{args.steps - 1} steps of {gbs} samples)"
+        )
     print(f"load average after throughput: {load_average()}")
 
     ratio, ours_s, base_s = float("nan"), float("nan"), float("nan")
@@ -243,17 +277,20 @@ def main() -> None:
         base_min, base_cpu = min(times["prebuilt"]), statistics.median(cpu["prebuilt"])
         for name, ts in times.items():
             med, c = statistics.median(ts), statistics.median(cpu[name])
-            print(f"step fed by {name:>8}: wall median {med:.4f} s ({med / base_s:.3f} x "
-                  f"prebuilt), min {min(ts):.4f} s ({min(ts) / base_min:.3f} x), max "
-                  f"{max(ts):.4f} s, n={len(ts)}; training-thread CPU median {c:.4f} s "
-                  f"({c / base_cpu:.3f} x); waits {1e3 * statistics.median(waits[name]):.2f} ms "
-                  f"a step for its batches")
+            print(
+                f"step fed by {name:>8}: wall median {med:.4f} s ({med / base_s:.3f} x "
+                f"prebuilt), min {min(ts):.4f} s ({min(ts) / base_min:.3f} x), max "
+                f"{max(ts):.4f} s, n={len(ts)}; training-thread CPU median {c:.4f} s "
+                f"({c / base_cpu:.3f} x); waits {1e3 * statistics.median(waits[name]):.2f} ms "
+                f"a step for its batches"
+            )
         ours_s = statistics.median(times["workers"])
         ratio = ours_s / base_s
         print(f"load average after overlap: {load_average()}")
     rest = " ".join(f"{k}_samples_per_s={v:.0f}" for k, v in rates.items())
-    print(f"RESULT data_loader ratio={ratio:.3f} ours_s={ours_s:.4f} baseline_s={base_s:.4f} "
-          f"{rest}")
+    print(
+        f"RESULT data_loader ratio={ratio:.3f} ours_s={ours_s:.4f} baseline_s={base_s:.4f} {rest}"
+    )
 
 
 if __name__ == "__main__":

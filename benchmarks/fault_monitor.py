@@ -65,14 +65,26 @@ def build_tiny_trainer(args):
 
     out = tempfile.mkdtemp(prefix="bench_fault_monitor_")
     atexit.register(shutil.rmtree, out, ignore_errors=True)
-    cfg = load_config(None, [
-        f"output_dir={out}", f"checkpoint.dir={out}/ckpt", "checkpoint.resume=false",
-        "logging.tensorboard=false", "logging.log_interval=10", "data.mock=true",
-        "data.loader=sync", "model.preset=tiny", "model.vocab_size=1000",
-        "train.steps=1000000", "train.warmup_steps=10", "train.decay_steps=10",
-        f"train.micro_batch_size={args.micro_batch}",
-        f"train.global_batch_size={args.micro_batch}", "train.precision=fp32",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={out}",
+            f"checkpoint.dir={out}/ckpt",
+            "checkpoint.resume=false",
+            "logging.tensorboard=false",
+            "logging.log_interval=10",
+            "data.mock=true",
+            "data.loader=sync",
+            "model.preset=tiny",
+            "model.vocab_size=1000",
+            "train.steps=1000000",
+            "train.warmup_steps=10",
+            "train.decay_steps=10",
+            f"train.micro_batch_size={args.micro_batch}",
+            f"train.global_batch_size={args.micro_batch}",
+            "train.precision=fp32",
+        ],
+    )
     trainer = Trainer(cfg)
     trainer.setup()
     return trainer, cfg
@@ -133,13 +145,17 @@ def measure_steps(args) -> dict:
     rounds = []  # per round: mode -> the block's step times
     t_start = time.perf_counter()
     for r in range(args.rounds):
-        order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
         rounds.append({mode: block(mode, args.block) for mode in order})
         history = history[-50:]
     wall = time.perf_counter() - t_start
     trainer.close()
-    return {"rounds": rounds, "wall_s": wall,
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {
+        "rounds": rounds,
+        "wall_s": wall,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
 
 
 def bootstrap_ratio(rounds, num: str, den: str, n: int = 2000, seed: int = 0):
@@ -150,8 +166,10 @@ def bootstrap_ratio(rounds, num: str, den: str, n: int = 2000, seed: int = 0):
     ratios = []
     for _ in range(n):
         pick = rng.integers(0, len(rounds), len(rounds))
-        ratios.append(np.median(np.concatenate([a[i] for i in pick]))
-                      / np.median(np.concatenate([b[i] for i in pick])))
+        ratios.append(
+            np.median(np.concatenate([a[i] for i in pick]))
+            / np.median(np.concatenate([b[i] for i in pick]))
+        )
     return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
 
@@ -166,8 +184,13 @@ def quartiles(xs):
 CONFIG = {
     "data": {"mock": True},
     "model": {"preset": "tiny", "vocab_size": 1000},
-    "train": {"steps": 8, "micro_batch_size": 2, "global_batch_size": 4, "warmup_steps": 2,
-              "decay_steps": 2},
+    "train": {
+        "steps": 8,
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "warmup_steps": 2,
+        "decay_steps": 2,
+    },
     "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
     # Every 3 steps: the requeue resumes from step 3, and no save sits between step 4's record
     # and the hang at the start of step 5.
@@ -211,17 +234,31 @@ def measure_hang(timeout_s: float, limit_s: float) -> dict:
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     config, run, exit_file = root / "run.yaml", root / "run", root / "exit_code"
     config.write_text(yaml.safe_dump(CONFIG))
-    env = {**job_env(), "MLMCLM_INJECT_FAULTS": f"hang rank=1 step={HANG_STEP}",
-           "MLMCLM_EXIT_FILE": str(exit_file)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "megatron_mlmclm", "pretrain", str(config), f"output_dir={run}",
-           f"train.hang_timeout_s={timeout_s:g}"]
+    env = {
+        **job_env(),
+        "MLMCLM_INJECT_FAULTS": f"hang rank=1 step={HANG_STEP}",
+        "MLMCLM_EXIT_FILE": str(exit_file),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "megatron_mlmclm",
+        "pretrain",
+        str(config),
+        f"output_dir={run}",
+        f"train.hang_timeout_s={timeout_s:g}",
+    ]
     metrics = run / "metrics.jsonl"
     stderr_path = root / "stderr.txt"
     with open(stderr_path, "w") as err:
         t_launch = time.time()
-        launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                    start_new_session=True)
+        launcher = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
         tree: dict[int, psutil.Process] = {}
         t_step4 = t_exit_file = None
         killed = False
@@ -243,6 +280,7 @@ def measure_hang(timeout_s: float, limit_s: float) -> dict:
                 break
             time.sleep(0.02)
         t_exit = time.time()
+
     # Every process the job started (ranks, loader workers, checkpoint helpers) must be gone:
     # polled as the launcher was, a zombie counting as gone.
     def running(p: psutil.Process) -> bool:
@@ -252,6 +290,7 @@ def measure_hang(timeout_s: float, limit_s: float) -> dict:
             return False
 
     alive = [p for p in tree.values() if running(p)]
+
     def name(p: psutil.Process) -> str:
         try:
             return f"{p.pid} " + " ".join(p.cmdline()[-3:])
@@ -271,10 +310,17 @@ def measure_hang(timeout_s: float, limit_s: float) -> dict:
     marker = run / "faults" / f"injected-hang-rank1-step{HANG_STEP}"
     dump = run / "faults" / f"hang-rank1-step{HANG_STEP}.txt"
     return {
-        "cmd": cmd, "returncode": launcher.returncode, "killed": killed,
-        "t_launch": t_launch, "t_step4": t_step4, "t_hang": mtime(marker), "t_fired": mtime(dump),
-        "t_exit_file_seen": t_exit_file, "t_exit": t_exit,
-        "leftover": [p.pid for p in alive], "outlived_launcher": last_names,
+        "cmd": cmd,
+        "returncode": launcher.returncode,
+        "killed": killed,
+        "t_launch": t_launch,
+        "t_step4": t_step4,
+        "t_hang": mtime(marker),
+        "t_fired": mtime(dump),
+        "t_exit_file_seen": t_exit_file,
+        "t_exit": t_exit,
+        "leftover": [p.pid for p in alive],
+        "outlived_launcher": last_names,
         "leftover_wait_s": t_all_gone - t_exit,
         "exit_code": exit_file.read_text().strip() if exit_file.exists() else None,
         "rank_exitcode_76": "exitcode  : 76" in stderr,
@@ -294,8 +340,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=24, help="timed rounds (every mode once)")
     p.add_argument("--block", type=int, default=25, help="steps per mode per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds")
-    p.add_argument("--hang-timeout", type=float, default=None,
-                   help="train.hang_timeout_s T of the hang run (default 10; 5 with --quick)")
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="train.hang_timeout_s T of the hang run (default 10; 5 with --quick)",
+    )
     args = p.parse_args()
     if args.quick:
         args.rounds, args.block = 4, 10
@@ -305,12 +355,16 @@ def main() -> None:
     rounds = s["rounds"]
     times = {m: [t for r in rounds for t in r[m]] for m in MODES}
     med = {m: statistics.median(times[m]) for m in MODES}
-    print(f"1. step cost: torch {s['torch']}, {s['threads']} torch thread(s), CPU, fp32; model "
-          f"preset tiny (4 layers, hidden 128, seq 128), vocab 1000, micro-batch "
-          f"{args.micro_batch}, data.loader=sync; {args.rounds} rounds x {len(MODES)} modes x "
-          f"{args.block} steps ({s['wall_s']:.0f} s), after {args.warmup} untimed round(s)")
-    print(f"   {'mode':<8} {'median s/step':>13} {'q1':>8} {'q3':>8} {'min':>8}   "
-          f"{'vs off':>6}  95% CI (bootstrap over rounds)  per-round ratio q1..q3")
+    print(
+        f"1. step cost: torch {s['torch']}, {s['threads']} torch thread(s), CPU, fp32; model "
+        f"preset tiny (4 layers, hidden 128, seq 128), vocab 1000, micro-batch "
+        f"{args.micro_batch}, data.loader=sync; {args.rounds} rounds x {len(MODES)} modes x "
+        f"{args.block} steps ({s['wall_s']:.0f} s), after {args.warmup} untimed round(s)"
+    )
+    print(
+        f"   {'mode':<8} {'median s/step':>13} {'q1':>8} {'q3':>8} {'min':>8}   "
+        f"{'vs off':>6}  95% CI (bootstrap over rounds)  per-round ratio q1..q3"
+    )
     for m in MODES:
         q1, q3 = quartiles(times[m])
         row = f"   {m:<8} {med[m]:>13.5f} {q1:>8.5f} {q3:>8.5f} {min(times[m]):>8.5f}   "
@@ -318,24 +372,32 @@ def main() -> None:
             lo, hi = bootstrap_ratio(rounds, m, "off")
             per = [statistics.median(r[m]) / statistics.median(r["off"]) for r in rounds]
             p1, p3 = quartiles(per)
-            row += (f"{med[m] / med['off']:>6.3f}  [{lo:.3f}, {hi:.3f}]{'':<19}"
-                    f"{statistics.median(per):.3f} ({p1:.3f}..{p3:.3f})")
+            row += (
+                f"{med[m] / med['off']:>6.3f}  [{lo:.3f}, {hi:.3f}]{'':<19}"
+                f"{statistics.median(per):.3f} ({p1:.3f}..{p3:.3f})"
+            )
         else:
             row += f"{1.0:>6.3f}"
         print(row)
     lo, hi = bootstrap_ratio(rounds, "on-0.01", "off")
     verdict = "within noise (the interval holds 1)" if lo <= 1.0 <= hi else "outside the noise"
-    print(f"   on-0.01 / off = {med['on-0.01'] / med['off']:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]: "
-          f"{verdict}")
+    print(
+        f"   on-0.01 / off = {med['on-0.01'] / med['off']:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]: "
+        f"{verdict}"
+    )
 
     h = measure_hang(T, limit_s=T + 180)
-    print(f"\n2. hang to requeue-ready: DP2 torchrun, {CONFIG['train']['steps']} steps, "
-          f"MLMCLM_INJECT_FAULTS='hang rank=1 step={HANG_STEP}', train.hang_timeout_s={T:g} "
-          f"(watchdog poll 1 s)")
+    print(
+        f"\n2. hang to requeue-ready: DP2 torchrun, {CONFIG['train']['steps']} steps, "
+        f"MLMCLM_INJECT_FAULTS='hang rank=1 step={HANG_STEP}', train.hang_timeout_s={T:g} "
+        f"(watchdog poll 1 s)"
+    )
     print("   " + " ".join(h["cmd"][1:]).replace(str(REPO) + "/", ""))
     if h["t_step4"] is None:
-        print(f"   step {HANG_STEP - 1} was never seen in metrics.jsonl (launcher exit "
-              f"{h['returncode']}, killed={h['killed']}); stderr tail:\n{h['stderr_tail']}")
+        print(
+            f"   step {HANG_STEP - 1} was never seen in metrics.jsonl (launcher exit "
+            f"{h['returncode']}, killed={h['killed']}); stderr tail:\n{h['stderr_tail']}"
+        )
         hang_to_exit = float("nan")
     else:
         t0 = h["t_step4"]
@@ -351,25 +413,38 @@ def main() -> None:
         print(f"   {'exit file seen':<52}{rel(h['t_exit_file_seen'])}")
         print(f"   {'launcher exited':<52}{rel(h['t_exit'])}")
         if h["t_hang"] is not None and h["t_fired"] is not None:
-            print(f"   detection: fired {h['t_fired'] - h['t_hang']:.2f} s after the hang began "
-                  f"(T={T:g} + {h['t_fired'] - h['t_hang'] - T:.2f} s poll latency)")
-            print(f"   teardown: launcher gone {h['t_exit'] - h['t_fired']:.2f} s after the "
-                  f"watchdog fired")
-        print(f"   hang_to_exit_s = {hang_to_exit:.2f} s; minus T = {hang_to_exit - T:.2f} s "
-              f"(detection + teardown overhead)")
+            print(
+                f"   detection: fired {h['t_fired'] - h['t_hang']:.2f} s after the hang began "
+                f"(T={T:g} + {h['t_fired'] - h['t_hang'] - T:.2f} s poll latency)"
+            )
+            print(
+                f"   teardown: launcher gone {h['t_exit'] - h['t_fired']:.2f} s after the "
+                f"watchdog fired"
+            )
+        print(
+            f"   hang_to_exit_s = {hang_to_exit:.2f} s; minus T = {hang_to_exit - T:.2f} s "
+            f"(detection + teardown overhead)"
+        )
     ok = h["exit_code"] == "76"
-    print(f"   checks: exit file says {h['exit_code']!r} ({'ok' if ok else 'EXPECTED 76'}); "
-          f"launcher exit status {h['returncode']}; torchrun reports 'exitcode  : 76': "
-          f"{h['rank_exitcode_76']}; the hung rank is named: {h['named']}; processes left after "
-          f"the launcher: {len(h['outlived_launcher'])}"
-          + (f" (all gone {h['leftover_wait_s']:.2f} s after it: {h['outlived_launcher']})"
-             if h["outlived_launcher"] else "")
-          + (f"; STILL RUNNING after 30 s: pids {h['leftover']}" if h["leftover"] else ""))
+    print(
+        f"   checks: exit file says {h['exit_code']!r} ({'ok' if ok else 'EXPECTED 76'}); "
+        f"launcher exit status {h['returncode']}; torchrun reports 'exitcode  : 76': "
+        f"{h['rank_exitcode_76']}; the hung rank is named: {h['named']}; processes left after "
+        f"the launcher: {len(h['outlived_launcher'])}"
+        + (
+            f" (all gone {h['leftover_wait_s']:.2f} s after it: {h['outlived_launcher']})"
+            if h["outlived_launcher"]
+            else ""
+        )
+        + (f"; STILL RUNNING after 30 s: pids {h['leftover']}" if h["leftover"] else "")
+    )
     if not ok:
         print(f"   stderr tail:\n{h['stderr_tail']}")
-    print(f"RESULT fault_monitor ratio={med['on-0.01'] / med['off']:.3f} "
-          f"on_s={med['on-0.01']:.5f} off_s={med['off']:.5f} hang_to_exit_s={hang_to_exit:.2f} "
-          f"timeout_s={T:g}")
+    print(
+        f"RESULT fault_monitor ratio={med['on-0.01'] / med['off']:.3f} "
+        f"on_s={med['on-0.01']:.5f} off_s={med['off']:.5f} hang_to_exit_s={hang_to_exit:.2f} "
+        f"timeout_s={T:g}"
+    )
 
 
 if __name__ == "__main__":

@@ -43,27 +43,48 @@ def main() -> None:
     from megatron_mlmclm.paths import data_dir
 
     tmp = tempfile.mkdtemp(prefix="ft_bench_")
-    model_dir = str(build_tiny_model(f"{tmp}/tiny", sample_texts(data_dir(required=True)),
-                                     hidden_size=args.hidden, layers=args.layers, max_positions=256))
+    model_dir = str(
+        build_tiny_model(
+            f"{tmp}/tiny",
+            sample_texts(data_dir(required=True)),
+            hidden_size=args.hidden,
+            layers=args.layers,
+            max_positions=256,
+        )
+    )
     tok = load_tokenizer(model_dir)
     task = get_task("sst2")
     n = args.steps * args.batch_size
     features = encode(load_split(task, "train", n), tok, 252, {"0": 0, "1": 1})
-    cfg = FinetuneConfig(model=model_dir, task="sst2", lr=1e-4, batch_size=args.batch_size,
-                         max_steps=args.steps, eval_every=10 ** 9, threads=args.threads,
-                         progress=False)
+    cfg = FinetuneConfig(
+        model=model_dir,
+        task="sst2",
+        lr=1e-4,
+        batch_size=args.batch_size,
+        max_steps=args.steps,
+        eval_every=10**9,
+        threads=args.threads,
+        progress=False,
+    )
     pad_id = tok.pad_token_id
     collate = lambda items: collate_ids(items, pad_id)  # noqa: E731
-    print(f"{len(features)} SST-2 examples, {args.steps} steps x batch {args.batch_size}, "
-          f"hidden {args.hidden}, {args.layers} layers, {torch.get_num_threads()} thread(s)")
+    print(
+        f"{len(features)} SST-2 examples, {args.steps} steps x batch {args.batch_size}, "
+        f"hidden {args.hidden}, {args.layers} layers, {torch.get_num_threads()} thread(s)"
+    )
 
     def fresh_model():
         seed_everything(0)
         return MeanPoolClassifier(load_encoder(model_dir), num_labels=2)
 
     def ours() -> float:
-        setup = Setup(model=fresh_model(), train_items=features, collate=collate,
-                      loss=lambda m, b: m(**b).loss, evaluate=lambda m, s: {})
+        setup = Setup(
+            model=fresh_model(),
+            train_items=features,
+            collate=collate,
+            loss=lambda m, b: m(**b).loss,
+            evaluate=lambda m, s: {},
+        )
         t = time.perf_counter()
         train(setup, cfg, torch.device("cpu"))
         return time.perf_counter() - t
@@ -79,14 +100,30 @@ def main() -> None:
 
     def baseline() -> float:
         targs = TrainingArguments(
-            output_dir=f"{tmp}/trainer", per_device_train_batch_size=args.batch_size,
-            max_steps=args.steps, learning_rate=cfg.lr, warmup_steps=int(0.1 * args.steps),
-            lr_scheduler_type="linear", weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-            adam_epsilon=1e-5, max_grad_norm=1.0, logging_steps=10 ** 9, save_strategy="no",
-            eval_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
-            disable_tqdm=True, seed=0, remove_unused_columns=False)
-        trainer = Trainer(model=DictOut(fresh_model()), args=targs, train_dataset=features,
-                          data_collator=collate)
+            output_dir=f"{tmp}/trainer",
+            per_device_train_batch_size=args.batch_size,
+            max_steps=args.steps,
+            learning_rate=cfg.lr,
+            warmup_steps=int(0.1 * args.steps),
+            lr_scheduler_type="linear",
+            weight_decay=0.1,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            adam_epsilon=1e-5,
+            max_grad_norm=1.0,
+            logging_steps=10**9,
+            save_strategy="no",
+            eval_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            seed=0,
+            remove_unused_columns=False,
+        )
+        trainer = Trainer(
+            model=DictOut(fresh_model()), args=targs, train_dataset=features, data_collator=collate
+        )
         t = time.perf_counter()
         trainer.train()
         return time.perf_counter() - t
@@ -96,7 +133,9 @@ def main() -> None:
     seen = args.steps * args.batch_size
     print(f"ours:    {ours_s:.2f} s  {seen / ours_s:.1f} examples/s")
     print(f"Trainer: {base_s:.2f} s  {seen / base_s:.1f} examples/s")
-    print(f"RESULT finetune ratio={ours_s / base_s:.3f} ours_s={ours_s:.2f} baseline_s={base_s:.2f}")
+    print(
+        f"RESULT finetune ratio={ours_s / base_s:.3f} ours_s={ours_s:.2f} baseline_s={base_s:.2f}"
+    )
 
 
 if __name__ == "__main__":

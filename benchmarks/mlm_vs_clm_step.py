@@ -32,11 +32,19 @@ warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE
 
 
 def build(args):
-    return build_trainer(args, [
-        "train.warmup_steps=1", "train.decay_steps=1",
-        "phases.0.objective=clm", "phases.0.share=0.5",
-        "phases.1.objective=mlm", "phases.1.share=0.5", f"phases.1.mask_ratio={args.mask_ratio}",
-    ], prefix="bench_mlm_vs_clm_")
+    return build_trainer(
+        args,
+        [
+            "train.warmup_steps=1",
+            "train.decay_steps=1",
+            "phases.0.objective=clm",
+            "phases.0.share=0.5",
+            "phases.1.objective=mlm",
+            "phases.1.share=0.5",
+            f"phases.1.mask_ratio={args.mask_ratio}",
+        ],
+        prefix="bench_mlm_vs_clm_",
+    )
 
 
 def main() -> None:
@@ -44,7 +52,9 @@ def main() -> None:
     add_shape_arguments(p)
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds per objective")
     p.add_argument("--steps", type=int, default=16, help="timed steps per objective")
-    p.add_argument("--forward-reps", type=int, default=6, help="timed forward-only passes (0: skip)")
+    p.add_argument(
+        "--forward-reps", type=int, default=6, help="timed forward-only passes (0: skip)"
+    )
     args = p.parse_args()
     if args.quick:
         args.warmup, args.steps, args.forward_reps = 1, 4, 2
@@ -54,14 +64,20 @@ def main() -> None:
     trainer, cfg = build(args)
     clm, mlm = cfg.phases[0], cfg.phases[1]
     n_params = sum(p.numel() for c in trainer.model_chunks for p in c.parameters())
-    print(f"torch {torch.__version__}, torch threads = {torch.get_num_threads()} (set explicitly), "
-          f"device cpu, fp32")
-    print(f"shapes: vocab {args.vocab}, hidden {args.hidden}, ffn {args.ffn}, layers {args.layers}, "
-          f"heads {args.heads}, kv heads {args.kv_heads}, seq {args.seq}, micro-batch "
-          f"{args.micro_batch} (one micro-batch per step), {n_params / 1e6:.1f}M parameters "
-          f"(output layer {args.vocab * args.hidden / 1e6:.1f}M)")
-    print(f"MLM mask ratio {args.mask_ratio}; {args.warmup} warmup + {args.steps} timed steps per "
-          f"objective, interleaved ABBA")
+    print(
+        f"torch {torch.__version__}, torch threads = {torch.get_num_threads()} (set explicitly), "
+        f"device cpu, fp32"
+    )
+    print(
+        f"shapes: vocab {args.vocab}, hidden {args.hidden}, ffn {args.ffn}, layers {args.layers}, "
+        f"heads {args.heads}, kv heads {args.kv_heads}, seq {args.seq}, micro-batch "
+        f"{args.micro_batch} (one micro-batch per step), {n_params / 1e6:.1f}M parameters "
+        f"(output layer {args.vocab * args.hidden / 1e6:.1f}M)"
+    )
+    print(
+        f"MLM mask ratio {args.mask_ratio}; {args.warmup} warmup + {args.steps} timed steps per "
+        f"objective, interleaved ABBA"
+    )
 
     times = {"clm": [], "mlm": []}
     tokens = {"clm": [], "mlm": []}
@@ -83,13 +99,17 @@ def main() -> None:
     clm_s, mlm_s = statistics.median(times["clm"]), statistics.median(times["mlm"])
     for name in ("clm", "mlm"):
         ts = times[name]
-        print(f"{name}: median {statistics.median(ts):.4f} s/step, min {min(ts):.4f}, max "
-              f"{max(ts):.4f}, loss positions per step {statistics.mean(tokens[name]):.0f} of "
-              f"{args.micro_batch * args.seq}")
+        print(
+            f"{name}: median {statistics.median(ts):.4f} s/step, min {min(ts):.4f}, max "
+            f"{max(ts):.4f}, loss positions per step {statistics.mean(tokens[name]):.0f} of "
+            f"{args.micro_batch * args.seq}"
+        )
 
     paired = [m / c for m, c in zip(times["mlm"], times["clm"])]
-    print(f"noise check: median of per-round mlm/clm ratios {statistics.median(paired):.3f}, "
-          f"ratio of min times {min(times['mlm']) / min(times['clm']):.3f}")
+    print(
+        f"noise check: median of per-round mlm/clm ratios {statistics.median(paired):.3f}, "
+        f"ratio of min times {min(times['mlm']) / min(times['clm']):.3f}"
+    )
 
     if args.forward_reps > 0:
         fwd = {"clm": [], "mlm": []}
@@ -103,11 +123,15 @@ def main() -> None:
                     if r > 0:  # the first round is warmup
                         fwd[name].append(time.perf_counter() - t0)
         fc, fm = statistics.median(fwd["clm"]), statistics.median(fwd["mlm"])
-        print(f"forward only (no_grad, batch prebuilt): clm {fc:.4f} s, mlm {fm:.4f} s, "
-              f"ratio mlm/clm = {fm / fc:.3f}")
+        print(
+            f"forward only (no_grad, batch prebuilt): clm {fc:.4f} s, mlm {fm:.4f} s, "
+            f"ratio mlm/clm = {fm / fc:.3f}"
+        )
 
-    print(f"RESULT mlm_vs_clm_step ratio={mlm_s / clm_s:.3f} ours_s={mlm_s:.4f} "
-          f"baseline_s={clm_s:.4f}")
+    print(
+        f"RESULT mlm_vs_clm_step ratio={mlm_s / clm_s:.3f} ours_s={mlm_s:.4f} "
+        f"baseline_s={clm_s:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", help="tokenizer folder (default: train one here)")
     ap.add_argument("--backend", choices=("threads", "processes"), default="threads")
     ap.add_argument("--repeats", type=int, default=2, help="best of N for each side")
-    ap.add_argument("--compare-processes", action="store_true",
-                    help="also time --backend processes (information only)")
+    ap.add_argument(
+        "--compare-processes",
+        action="store_true",
+        help="also time --backend processes (information only)",
+    )
     args = ap.parse_args(argv)
     os.environ["RAYON_NUM_THREADS"] = str(args.workers)  # before tokenizers' pool starts
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -57,12 +60,15 @@ def main(argv=None) -> int:
         tok_dir = args.tokenizer
         if tok_dir is None:
             (tmp / "first.txt").write_text("\n\n".join(texts[: len(texts) // args.books]))
-            tok_dir = train_tokenizer([str(tmp / "first.txt")], tmp / "tok", args.vocab_size,
-                                      progress=False)
+            tok_dir = train_tokenizer(
+                [str(tmp / "first.txt")], tmp / "tok", args.vocab_size, progress=False
+            )
         backend_tok = load_tokenizer(tok_dir).backend_tokenizer
         n_chars = sum(map(len, texts))
-        print(f"documents={len(texts)} chars={n_chars:,} workers={args.workers} "
-              f"backend={args.backend}")
+        print(
+            f"documents={len(texts)} chars={n_chars:,} workers={args.workers} "
+            f"backend={args.backend}"
+        )
 
         def baseline(fn):
             best, n = float("inf"), 0
@@ -77,8 +83,15 @@ def main(argv=None) -> int:
         def ours(backend):
             best, s = float("inf"), None
             for r in range(args.repeats):
-                s = preprocess([str(corpus)], tmp / f"out_{backend}", tok_dir,
-                               workers=args.workers, backend=backend, force=True, progress=False)
+                s = preprocess(
+                    [str(corpus)],
+                    tmp / f"out_{backend}",
+                    tok_dir,
+                    workers=args.workers,
+                    backend=backend,
+                    force=True,
+                    progress=False,
+                )
                 best = min(best, s["seconds"])
             return best, s
 
@@ -88,8 +101,10 @@ def main(argv=None) -> int:
         assert ours_tokens == base_tokens, (ours_tokens, base_tokens)
         base_tput, ours_tput = base_tokens / base_s, ours_tokens / ours_s
         print(f"baseline encode_batch:  {base_s:7.2f} s  {base_tput:12,.0f} tokens/s")
-        print(f"ours ({args.backend}):  {ours_s:7.2f} s  {ours_tput:12,.0f} tokens/s  "
-              f"(end to end: read jsonl + tokenize + write shards)")
+        print(
+            f"ours ({args.backend}):  {ours_s:7.2f} s  {ours_tput:12,.0f} tokens/s  "
+            f"(end to end: read jsonl + tokenize + write shards)"
+        )
         fast_s, _ = baseline(backend_tok.encode_batch_fast)
         print(f"info: encode_batch_fast: {fast_s:7.2f} s  {base_tokens / fast_s:12,.0f} tokens/s")
         if args.compare_processes:

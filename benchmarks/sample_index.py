@@ -88,9 +88,23 @@ def child(which: str, path: str, seq_length: int, seed: int) -> None:
 
 
 def peak_mib(which: str, path: str, seq_length: int, seed: int) -> float:
-    out = subprocess.run([sys.executable, __file__, "--child", which, "--lengths-file", path,
-                          "--seq-length", str(seq_length), "--seed", str(seed)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            which,
+            "--lengths-file",
+            path,
+            "--seq-length",
+            str(seq_length),
+            "--seed",
+            str(seed),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -115,8 +129,10 @@ def main() -> None:
 
     lengths = make_lengths(args.docs)
     total = int(lengths.sum(dtype=np.int64))
-    print(f"documents={args.docs} tokens={total} (mean {total / args.docs:.1f}, "
-          f"{int((lengths == 0).sum())} empty) seq_length={args.seq_length} epochs=1")
+    print(
+        f"documents={args.docs} tokens={total} (mean {total / args.docs:.1f}, "
+        f"{int((lengths == 0).sum())} empty) seq_length={args.seq_length} epochs=1"
+    )
 
     t_ours, t_base = [], []
     for _ in range(args.repeats):
@@ -136,12 +152,16 @@ def main() -> None:
     assert ref.shape == idx.sample_idx.shape, (ref.shape, idx.sample_idx.shape)
     assert np.array_equal(ref[1:], idx.sample_idx[1:]), "sample_idx differs from megatron's"
     assert np.array_equal(np.sort(idx.shuffle_idx), np.arange(idx.num_samples)), "not a permutation"
-    print(f"samples={idx.num_samples} boundaries={idx.boundary_offsets.shape[0]} "
-          f"({idx.boundary_offsets.shape[0] / idx.num_samples:.2f}/sample); "
-          f"sample_idx equals megatron build_sample_idx on the same order; "
-          f"shuffle_idx is a permutation ({idx.shuffle_idx.dtype})")
-    print(f"ours_s runs: {' '.join(f'{t:.3f}' for t in t_ours)}; "
-          f"baseline_s runs: {' '.join(f'{t:.3f}' for t in t_base)}")
+    print(
+        f"samples={idx.num_samples} boundaries={idx.boundary_offsets.shape[0]} "
+        f"({idx.boundary_offsets.shape[0] / idx.num_samples:.2f}/sample); "
+        f"sample_idx equals megatron build_sample_idx on the same order; "
+        f"shuffle_idx is a permutation ({idx.shuffle_idx.dtype})"
+    )
+    print(
+        f"ours_s runs: {' '.join(f'{t:.3f}' for t in t_ours)}; "
+        f"baseline_s runs: {' '.join(f'{t:.3f}' for t in t_base)}"
+    )
     del idx, ref
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,8 +169,10 @@ def main() -> None:
         np.save(path, lengths)
         mem_ours = peak_mib("ours", path, args.seq_length, args.seed)
         mem_base = peak_mib("baseline", path, args.seq_length, args.seed)
-    print(f"PEAK_MEMORY (peak RSS growth during the build, fresh subprocess each) "
-          f"ours_mib={mem_ours:.1f} baseline_mib={mem_base:.1f} ratio={mem_ours / mem_base:.2f}")
+    print(
+        f"PEAK_MEMORY (peak RSS growth during the build, fresh subprocess each) "
+        f"ours_mib={mem_ours:.1f} baseline_mib={mem_base:.1f} ratio={mem_ours / mem_base:.2f}"
+    )
     o, b = min(t_ours), min(t_base)
     print(f"RESULT sample_index ratio={o / b:.3f} ours_s={o:.3f} baseline_s={b:.3f}")
 

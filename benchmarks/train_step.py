@@ -44,27 +44,52 @@ LR, BETAS, EPS, WD, CLIP = 5e-4, (0.9, 0.95), 1e-5, 0.1, 1.0
 
 
 def build_ours(args):
-    return build_trainer(args, [
-        "train.warmup_steps=0", "train.decay_steps=0",
-        f"train.lr={LR}", f"train.adam_beta1={BETAS[0]}", f"train.adam_beta2={BETAS[1]}",
-        f"train.adam_eps={EPS}", f"train.weight_decay={WD}", f"train.clip_grad={CLIP}",
-        "phases.0.objective=mlm", f"phases.0.mask_ratio={args.mask_ratio}",
-    ], prefix="bench_train_step_")
+    return build_trainer(
+        args,
+        [
+            "train.warmup_steps=0",
+            "train.decay_steps=0",
+            f"train.lr={LR}",
+            f"train.adam_beta1={BETAS[0]}",
+            f"train.adam_beta2={BETAS[1]}",
+            f"train.adam_eps={EPS}",
+            f"train.weight_decay={WD}",
+            f"train.clip_grad={CLIP}",
+            "phases.0.objective=mlm",
+            f"phases.0.mask_ratio={args.mask_ratio}",
+        ],
+        prefix="bench_train_step_",
+    )
 
 
 def build_hf(args, seed: int):
     from transformers import AutoModelForMaskedLM, EuroBertConfig
 
     config = EuroBertConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
-        max_position_embeddings=max(args.seq, 512), hidden_act="silu", rms_norm_eps=1e-5,
-        initializer_range=0.02, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=max(args.seq, 512),
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        mask_token_id=3,
+    )
     torch.manual_seed(seed)
-    model = AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa",
-                                             dtype=torch.float32)
+    model = AutoModelForMaskedLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -90,27 +115,46 @@ def main() -> None:
     n_ours = sum(p.numel() for c in trainer.model_chunks for p in c.parameters())
     n_hf = sum(p.numel() for p in hf_full.parameters())
 
-    print(f"torch {torch.__version__}, torch threads = {torch.get_num_threads()} (set explicitly), "
-          f"device cpu, fp32")
-    print(f"shapes: vocab {args.vocab}, hidden {args.hidden}, ffn {args.ffn}, layers {args.layers}, "
-          f"heads {args.heads}, kv heads {args.kv_heads}, head dim {args.hidden // args.heads}, seq "
-          f"{args.seq}, micro-batch {args.micro_batch} (one micro-batch per step); parameters: ours "
-          f"{n_ours / 1e6:.3f}M, hf {n_hf / 1e6:.3f}M")
-    print(f"MLM mask ratio {args.mask_ratio}; AdamW lr {LR} betas {BETAS} eps {EPS} wd {WD}, clip "
-          f"{CLIP}; {args.warmup} warmup rounds + {args.steps} timed steps per loop, rotating order")
-    print("attention: ours = document-masked bidirectional (explicit [b,1,s,s] bool mask from "
-          "packed samples -> SDPA); hf = padding-free batch, attention_mask all ones, which HF turns "
-          "into no mask at all (SDPA unmasked: cheaper, and blind to document boundaries)")
-    print("note: megatron's optimizer skips weight decay on norms (and biases; there are none); "
-          "the plain AdamW loop decays every parameter")
+    print(
+        f"torch {torch.__version__}, torch threads = {torch.get_num_threads()} (set explicitly), "
+        f"device cpu, fp32"
+    )
+    print(
+        f"shapes: vocab {args.vocab}, hidden {args.hidden}, ffn {args.ffn}, layers {args.layers}, "
+        f"heads {args.heads}, kv heads {args.kv_heads}, head dim {args.hidden // args.heads}, seq "
+        f"{args.seq}, micro-batch {args.micro_batch} (one micro-batch per step); parameters: ours "
+        f"{n_ours / 1e6:.3f}M, hf {n_hf / 1e6:.3f}M"
+    )
+    print(
+        f"MLM mask ratio {args.mask_ratio}; AdamW lr {LR} betas {BETAS} eps {EPS} wd {WD}, clip "
+        f"{CLIP}; {args.warmup} warmup rounds + {args.steps} timed steps per loop, rotating order"
+    )
+    print(
+        "attention: ours = document-masked bidirectional (explicit [b,1,s,s] bool mask from "
+        "packed samples -> SDPA); hf = padding-free batch, attention_mask all ones, which HF turns "
+        "into no mask at all (SDPA unmasked: cheaper, and blind to document boundaries)"
+    )
+    print(
+        "note: megatron's optimizer skips weight decay on norms (and biases; there are none); "
+        "the plain AdamW loop decays every parameter"
+    )
 
     def hf_batch(step: int):
         """The same samples and masks as our step `step` (what a data collator would produce)."""
         first = step * args.micro_batch
         idx = list(range(first, first + args.micro_batch))
         samples = [trainer.train_ds[i] for i in idx]
-        pairs = [mlm_mask(s["tokens"][:-1].astype(np.int64), i, seed, phase.mask_ratio, spec,
-                          phase.mask_replace) for s, i in zip(samples, idx)]
+        pairs = [
+            mlm_mask(
+                s["tokens"][:-1].astype(np.int64),
+                i,
+                seed,
+                phase.mask_ratio,
+                spec,
+                phase.mask_replace,
+            )
+            for s, i in zip(samples, idx)
+        ]
         inputs = torch.from_numpy(np.stack([q[0] for q in pairs]))
         labels = torch.from_numpy(np.stack([q[1] for q in pairs]))
         return inputs, labels, torch.ones_like(inputs)
@@ -118,8 +162,9 @@ def main() -> None:
     def step_hf_full(step: int):
         inputs, labels, attn = hf_batch(step)
         logits = hf_full(input_ids=inputs, attention_mask=attn).logits  # [b, s, V]
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1),
-                               ignore_index=IGNORE)
+        loss = F.cross_entropy(
+            logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=IGNORE
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(hf_full.parameters(), CLIP)
         opt_full.step()
@@ -147,7 +192,7 @@ def main() -> None:
     times = {n: [] for n in names}
     losses = {n: [] for n in names}
     for r in range(args.warmup + args.steps):
-        order = names[r % 3:] + names[:r % 3]
+        order = names[r % 3 :] + names[: r % 3]
         for n in order:
             t0 = time.perf_counter()
             loss = loops[n](r)
@@ -159,21 +204,31 @@ def main() -> None:
     med = {n: statistics.median(times[n]) for n in names}
     for n in names:
         ts = times[n]
-        print(f"{n:>9}: median {med[n]:.4f} s/step, min {min(ts):.4f}, max {max(ts):.4f}, "
-              f"last loss {losses[n][-1]:.3f}")
+        print(
+            f"{n:>9}: median {med[n]:.4f} s/step, min {min(ts):.4f}, max {max(ts):.4f}, "
+            f"last loss {losses[n][-1]:.3f}"
+        )
     tokens = args.micro_batch * args.seq
-    print(f"throughput: ours {tokens / med['ours']:.0f} tok/s, hf {tokens / med['hf']:.0f} tok/s, "
-          f"hf-gather {tokens / med['hf-gather']:.0f} tok/s")
-    print(f"info, against the plain loop (HF logits at every position): ratio ours/hf = "
-          f"{med['ours'] / med['hf']:.3f} ours_s={med['ours']:.4f} hf_s={med['hf']:.4f}")
+    print(
+        f"throughput: ours {tokens / med['ours']:.0f} tok/s, hf {tokens / med['hf']:.0f} tok/s, "
+        f"hf-gather {tokens / med['hf-gather']:.0f} tok/s"
+    )
+    print(
+        f"info, against the plain loop (HF logits at every position): ratio ours/hf = "
+        f"{med['ours'] / med['hf']:.3f} ours_s={med['ours']:.4f} hf_s={med['hf']:.4f}"
+    )
     paired = [a / b for a, b in zip(times["ours"], times["hf"])]
     paired_g = [a / b for a, b in zip(times["ours"], times["hf-gather"])]
-    print(f"noise check: median of per-round ratios (same round, adjacent steps): ours/hf "
-          f"{statistics.median(paired):.3f}, ours/hf-gather {statistics.median(paired_g):.3f}; "
-          f"ratio of min times: ours/hf {min(times['ours']) / min(times['hf']):.3f}, ours/hf-gather "
-          f"{min(times['ours']) / min(times['hf-gather']):.3f}")
-    print(f"RESULT train_step ratio={med['ours'] / med['hf-gather']:.3f} ours_s={med['ours']:.4f} "
-          f"baseline_s={med['hf-gather']:.4f}")
+    print(
+        f"noise check: median of per-round ratios (same round, adjacent steps): ours/hf "
+        f"{statistics.median(paired):.3f}, ours/hf-gather {statistics.median(paired_g):.3f}; "
+        f"ratio of min times: ours/hf {min(times['ours']) / min(times['hf']):.3f}, ours/hf-gather "
+        f"{min(times['ours']) / min(times['hf-gather']):.3f}"
+    )
+    print(
+        f"RESULT train_step ratio={med['ours'] / med['hf-gather']:.3f} ours_s={med['ours']:.4f} "
+        f"baseline_s={med['hf-gather']:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,11 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     d = Path(ckpt_dir)
     if not d.is_dir():
         return []
-    found = [p for p in d.iterdir() if p.is_dir() and _ITER_RE.match(p.name)
-             and (p / "metadata.json").is_file()]
+    found = [
+        p
+        for p in d.iterdir()
+        if p.is_dir() and _ITER_RE.match(p.name) and (p / "metadata.json").is_file()
+    ]
     return sorted(found, key=lambda p: int(_ITER_RE.match(p.name).group(1)))
 
 
@@ -74,12 +77,15 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
     else:
         ckpt = latest_checkpoint(p)
         if ckpt is None:
-            raise UsageError(f"{p} holds no complete checkpoint (expected iter_NNNNNNN/ folders "
-                             "with metadata.json); check the path or let the run finish a save")
+            raise UsageError(
+                f"{p} holds no complete checkpoint (expected iter_NNNNNNN/ folders "
+                "with metadata.json); check the path or let the run finish a save"
+            )
     problem = verify_checkpoint(ckpt) if verify else None
     if problem is not None:
-        raise UsageError(f"checkpoint {ckpt} fails verification: {problem}; give an earlier "
-                         "iter_NNNNNNN folder")
+        raise UsageError(
+            f"checkpoint {ckpt} fails verification: {problem}; give an earlier iter_NNNNNNN folder"
+        )
     return ckpt
 
 
@@ -114,8 +120,11 @@ def _digest(path: Path, sync: bool = False) -> dict[str, Any]:
 def write_manifest(folder: Path) -> None:
     """Collective: fsync and checksum every file of `folder` (each rank a share), then rank 0
     writes manifest.json last and fsyncs it and the folders."""
-    names = [sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
-             if dist.get_rank() == 0 else None]
+    names = [
+        sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
+        if dist.get_rank() == 0
+        else None
+    ]
     dist.broadcast_object_list(names, src=0)  # rank 0's listing is the one the manifest lists
     names = names[0]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -164,11 +173,15 @@ def latest_verified_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
         problem = verify_checkpoint(ck)
         if problem is None:
             return ck
-        _say(f"checkpoint {ck} fails verification ({problem}); left on disk untouched, "
-             "trying the previous one")
+        _say(
+            f"checkpoint {ck} fails verification ({problem}); left on disk untouched, "
+            "trying the previous one"
+        )
     if ckpts:
-        raise UsageError(f"no checkpoint in {ckpt_dir} passes verification; move the folder "
-                         "away to start over, or restore a good copy")
+        raise UsageError(
+            f"no checkpoint in {ckpt_dir} passes verification; move the folder "
+            "away to start over, or restore a good copy"
+        )
     return None
 
 
@@ -185,31 +198,46 @@ def _rng_state() -> ShardedObject:
     """Per-rank RNG state, stored under the (pp, tp, [cp,] dp) coordinates of the rank: every
     rank writes its own shard (context-parallel ranks share pp, tp and dp, so CP is a coordinate
     of its own when CP > 1; without it their shards would collide at the first save)."""
-    state = {"torch": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    state = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
     ps = parallel_state
-    coords = [(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
-              (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())]
+    coords = [
+        (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+        (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+    ]
     if ps.get_context_parallel_world_size() > 1:
         coords.append((ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()))
     coords.append((ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
-    return ShardedObject("rng_state", state, tuple(n for _, n in coords),
-                         tuple(r for r, _ in coords), replica_id=0)
+    return ShardedObject(
+        "rng_state", state, tuple(n for _, n in coords), tuple(r for r, _ in coords), replica_id=0
+    )
 
 
 def layout() -> dict[str, int]:
-    out = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
-           "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-           "dp": parallel_state.get_data_parallel_world_size(),
-           "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 0}
+    out = {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "vpp": parallel_state.get_virtual_pipeline_model_parallel_world_size() or 0,
+    }
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:  # absent at CP 1, as in checkpoints written before CP
         out["cp"] = cp
     return out
 
 
-def save_checkpoint(ckpt_dir: str | Path, iteration: int, chunks, optimizer, scheduler,
-                    trainer_state: dict[str, Any], keep_last: int, keep=frozenset()) -> Path:
+def save_checkpoint(
+    ckpt_dir: str | Path,
+    iteration: int,
+    chunks,
+    optimizer,
+    scheduler,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+    keep=frozenset(),
+) -> Path:
     """Save model, optimizer, scheduler, trainer state and RNG; atomic; prune to the newest
     keep_last, never touching the iterations in `keep`."""
     ckpt_dir = Path(ckpt_dir)
@@ -225,8 +253,9 @@ def save_checkpoint(ckpt_dir: str | Path, iteration: int, chunks, optimizer, sch
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPTIMIZER_METADATA)
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-    state["trainer"] = dict(trainer_state, iteration=iteration, format_version=FORMAT_VERSION,
-                            layout=layout())
+    state["trainer"] = dict(
+        trainer_state, iteration=iteration, format_version=FORMAT_VERSION, layout=layout()
+    )
     state["rng_state"] = _rng_state()
     dist_checkpointing.save(state, str(tmp), content_metadata=dict(OPTIMIZER_METADATA))
     dist.barrier()
@@ -289,8 +318,10 @@ def load_weights(ckpt: Path, chunks, optimizer) -> dict[str, Any]:
         optimizer.reload_model_params()
         stale = stale_main_params(optimizer)
         if stale:
-            raise RuntimeError(f"after loading {ckpt}, {stale} of the optimizer's main parameter "
-                               "copies still differ from the model's weights")
+            raise RuntimeError(
+                f"after loading {ckpt}, {stale} of the optimizer's main parameter "
+                "copies still differ from the model's weights"
+            )
     return state
 
 
@@ -308,8 +339,9 @@ def stale_main_params(optimizer) -> int:
     return stale
 
 
-def load_checkpoint(ckpt: Path, chunks, optimizer=None, scheduler=None,
-                    load_rng: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    ckpt: Path, chunks, optimizer=None, scheduler=None, load_rng: bool = True
+) -> dict[str, Any]:
     """Load into model chunks (and optimizer/scheduler when given). Returns the trainer state.
 
     With optimizer=None only the weights are read: converters use that; a model with a built
@@ -321,8 +353,9 @@ def load_checkpoint(ckpt: Path, chunks, optimizer=None, scheduler=None,
     state = model_sharded_state_dict(chunks)
     same_layout = saved_layout == layout()
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True,
-                                                          metadata=OPTIMIZER_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=True, metadata=OPTIMIZER_METADATA
+        )
     if load_rng and same_layout:
         state["rng_state"] = _rng_state()
     try:
@@ -330,17 +363,22 @@ def load_checkpoint(ckpt: Path, chunks, optimizer=None, scheduler=None,
         # storage reader: a module's `_extra_state` may be absent (Transformer Engine's layers
         # keep FP8 metadata there, which a checkpoint written with the local CPU spec or by an
         # importer does not have: they start fresh, as in a new run); anything else is an error.
-        loaded, _, absent = dist_checkpointing.load(state, str(ckpt),
-                                                    strict=StrictHandling.RETURN_UNEXPECTED)
+        loaded, _, absent = dist_checkpointing.load(
+            state, str(ckpt), strict=StrictHandling.RETURN_UNEXPECTED
+        )
     except (Exception, CheckpointException) as e:  # corrupt or partial shards: one clear line
-        raise UsageError(f"cannot load checkpoint {ckpt}: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}") from e
+        raise UsageError(
+            f"cannot load checkpoint {ckpt}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
     absent = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
     if absent:
         more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
-        raise UsageError(f"cannot load checkpoint {ckpt}: it has no {absent[0]}{more}; it was "
-                         "written for another model or optimizer (check model.* and "
-                         "parallel.use_distributed_optimizer against its config.yaml)")
+        raise UsageError(
+            f"cannot load checkpoint {ckpt}: it has no {absent[0]}{more}; it was "
+            "written for another model or optimizer (check model.* and "
+            "parallel.use_distributed_optimizer against its config.yaml)"
+        )
     for chunk, key in zip(chunks, model_keys(chunks)):
         missing, unexpected = chunk.load_state_dict(loaded[key], strict=False)
         wrong = unexpected + [k for k in missing if not k.endswith(EXTRA_STATE)]

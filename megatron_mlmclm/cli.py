@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else EXIT_USAGE
     name = argv[0]
     if name not in commands:
-        print(f"mlmclm: error: unknown command '{name}'; choose one of {', '.join(commands)}",
-              file=sys.stderr)
+        print(
+            f"mlmclm: error: unknown command '{name}'; choose one of {', '.join(commands)}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         module, parser = command_parser(name)

@@ -259,16 +259,51 @@ class RunConfig:
 # per second and its MLM loss falls faster per step too (docs/mini_study.md).
 
 MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(num_layers=4, hidden_size=128, ffn_hidden_size=384, num_attention_heads=4,
-                 num_query_groups=2, kv_channels=32, seq_length=128),
-    "mini": dict(num_layers=2, hidden_size=128, ffn_hidden_size=384, num_attention_heads=4,
-                 num_query_groups=2, kv_channels=32, seq_length=128),
-    "210m": dict(num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12,
-                 num_query_groups=12, kv_channels=64, seq_length=2048),
-    "610m": dict(num_layers=26, hidden_size=1152, ffn_hidden_size=4096, num_attention_heads=18,
-                 num_query_groups=6, kv_channels=64, seq_length=2048),
-    "1b": dict(num_layers=28, hidden_size=1728, ffn_hidden_size=5120, num_attention_heads=18,
-               num_query_groups=6, kv_channels=96, seq_length=2048),
+    "tiny": dict(
+        num_layers=4,
+        hidden_size=128,
+        ffn_hidden_size=384,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,
+        seq_length=128,
+    ),
+    "mini": dict(
+        num_layers=2,
+        hidden_size=128,
+        ffn_hidden_size=384,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=32,
+        seq_length=128,
+    ),
+    "210m": dict(
+        num_layers=12,
+        hidden_size=768,
+        ffn_hidden_size=3072,
+        num_attention_heads=12,
+        num_query_groups=12,
+        kv_channels=64,
+        seq_length=2048,
+    ),
+    "610m": dict(
+        num_layers=26,
+        hidden_size=1152,
+        ffn_hidden_size=4096,
+        num_attention_heads=18,
+        num_query_groups=6,
+        kv_channels=64,
+        seq_length=2048,
+    ),
+    "1b": dict(
+        num_layers=28,
+        hidden_size=1728,
+        ffn_hidden_size=5120,
+        num_attention_heads=18,
+        num_query_groups=6,
+        kv_channels=96,
+        seq_length=2048,
+    ),
 }
 
 OBJECTIVES = ("clm", "mlm")
@@ -304,7 +339,9 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise UsageError(f"config file {p} must hold a mapping of sections, not {type(raw).__name__}")
+        raise UsageError(
+            f"config file {p} must hold a mapping of sections, not {type(raw).__name__}"
+        )
     return raw
 
 
@@ -447,8 +484,10 @@ def finalize_run_config(cfg: RunConfig) -> RunConfig:
         raise UsageError("checkpoint.save_interval must be >= 0 and checkpoint.keep_last >= 1")
     kept_steps(cfg)  # checks the keep_* settings against the budget
     if not cfg.data.mock and not cfg.data.train:
-        raise UsageError("data.train is empty; give shard prefixes (mlmclm preprocess writes them) "
-                         "or set data.mock=true")
+        raise UsageError(
+            "data.train is empty; give shard prefixes (mlmclm preprocess writes them) "
+            "or set data.mock=true"
+        )
     validate_loader(cfg.data)
     if cfg.runtime.device not in ("auto", "cuda", "cpu"):
         raise UsageError(f"runtime.device '{cfg.runtime.device}' must be auto, cuda or cpu")
@@ -462,31 +501,45 @@ def refuse_contradictions(cfg: RunConfig) -> None:
     d, t, c = cfg.data, cfg.train, cfg.checkpoint
     for key in ("train", "valid"):
         if d.mock and getattr(d, key):
-            raise UsageError(f"data.mock=true (synthetic tokens) contradicts data.{key}="
-                             f"{getattr(d, key)}: those shards would be ignored; add data.mock=false "
-                             f"to train on them, or drop data.{key}")
+            raise UsageError(
+                f"data.mock=true (synthetic tokens) contradicts data.{key}="
+                f"{getattr(d, key)}: those shards would be ignored; add data.mock=false "
+                f"to train on them, or drop data.{key}"
+            )
     if cfg.logging.eval_interval and not d.mock and not d.valid:
-        raise UsageError(f"logging.eval_interval={cfg.logging.eval_interval} asks for validation but "
-                         "data.valid is empty: give validation shards or set logging.eval_interval=0")
+        raise UsageError(
+            f"logging.eval_interval={cfg.logging.eval_interval} asks for validation but "
+            "data.valid is empty: give validation shards or set logging.eval_interval=0"
+        )
     if t.fp8 is not None and t.precision == "fp32":
-        raise UsageError(f"train.fp8={t.fp8} contradicts train.precision=fp32: FP8 GEMMs run inside "
-                         "bf16 training; set train.precision=bf16 (or auto) or train.fp8=null")
+        raise UsageError(
+            f"train.fp8={t.fp8} contradicts train.precision=fp32: FP8 GEMMs run inside "
+            "bf16 training; set train.precision=bf16 (or auto) or train.fp8=null"
+        )
     p = cfg.parallel
     if p.overlap_param_gather and not p.use_distributed_optimizer:
-        raise UsageError("parallel.overlap_param_gather=true contradicts "
-                         "parallel.use_distributed_optimizer=false: only the distributed optimizer "
-                         "gathers parameters; enable it or drop overlap_param_gather")
+        raise UsageError(
+            "parallel.overlap_param_gather=true contradicts "
+            "parallel.use_distributed_optimizer=false: only the distributed optimizer "
+            "gathers parameters; enable it or drop overlap_param_gather"
+        )
     if p.overlap_param_gather and p.overlap_grad_reduce is False:
-        raise UsageError("parallel.overlap_param_gather=true contradicts "
-                         "parallel.overlap_grad_reduce=false: megatron-core overlaps the gather "
-                         "only together with the reduce")
+        raise UsageError(
+            "parallel.overlap_param_gather=true contradicts "
+            "parallel.overlap_grad_reduce=false: megatron-core overlaps the gather "
+            "only together with the reduce"
+        )
     if p.context_parallel_size > 1 and t.fp8 is not None:
-        raise UsageError(f"train.fp8={t.fp8} with parallel.context_parallel_size="
-                         f"{p.context_parallel_size} is not supported yet (FP8 token padding and "
-                         "the CP split are not combined); drop one of them")
+        raise UsageError(
+            f"train.fp8={t.fp8} with parallel.context_parallel_size="
+            f"{p.context_parallel_size} is not supported yet (FP8 token padding and "
+            "the CP split are not combined); drop one of them"
+        )
     if c.allow_data_change and not c.resume:
-        raise UsageError("checkpoint.allow_data_change=true contradicts checkpoint.resume=false: "
-                         "it only applies when resuming; drop one of them")
+        raise UsageError(
+            "checkpoint.allow_data_change=true contradicts checkpoint.resume=false: "
+            "it only applies when resuming; drop one of them"
+        )
 
 
 LOADERS = ("sync", "workers", "dali")
@@ -503,15 +556,19 @@ def validate_loader(d: DataConfig) -> None:
         try:
             import nvidia.dali  # noqa: F401  (optional: only this loader needs it)
         except ImportError as e:
-            raise UsageError(f"data.loader=dali needs NVIDIA DALI, which does not import ({e}); "
-                             "pip install 'megatron_mlmclm[dali]' or use data.loader=workers")
+            raise UsageError(
+                f"data.loader=dali needs NVIDIA DALI, which does not import ({e}); "
+                "pip install 'megatron_mlmclm[dali]' or use data.loader=workers"
+            )
 
 
 def resolve_model(m: ModelConfig) -> None:
     if m.preset is not None:
         if m.preset not in MODEL_PRESETS:
-            raise UsageError(f"model.preset '{m.preset}' is unknown; choose one of "
-                             f"{', '.join(MODEL_PRESETS)} or set every model field")
+            raise UsageError(
+                f"model.preset '{m.preset}' is unknown; choose one of "
+                f"{', '.join(MODEL_PRESETS)} or set every model field"
+            )
         for k, v in MODEL_PRESETS[m.preset].items():
             if getattr(m, k) is None:
                 setattr(m, k, v)
@@ -519,41 +576,69 @@ def resolve_model(m: ModelConfig) -> None:
         m.num_query_groups = m.num_attention_heads
     if m.kv_channels is None and m.hidden_size and m.num_attention_heads:
         m.kv_channels = m.hidden_size // m.num_attention_heads
-    missing = [k for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                           "seq_length") if getattr(m, k) is None]
+    missing = [
+        k
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "seq_length",
+        )
+        if getattr(m, k) is None
+    ]
     if missing:
         raise UsageError(f"model.{missing[0]} is not set; set it or choose a model.preset")
 
 
 def validate_model(m: ModelConfig, p: ParallelConfig) -> None:
-    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-              "num_query_groups", "kv_channels", "seq_length"):
+    for k in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "seq_length",
+    ):
         if getattr(m, k) <= 0:
             raise UsageError(f"model.{k} must be positive, got {getattr(m, k)}")
     if m.vocab_size is not None and m.vocab_size <= 0:
         raise UsageError(f"model.vocab_size must be positive, got {m.vocab_size}")
     if m.hidden_size % m.num_attention_heads:
-        raise UsageError(f"model.num_attention_heads ({m.num_attention_heads}) must divide "
-                         f"model.hidden_size ({m.hidden_size})")
+        raise UsageError(
+            f"model.num_attention_heads ({m.num_attention_heads}) must divide "
+            f"model.hidden_size ({m.hidden_size})"
+        )
     if m.num_attention_heads % m.num_query_groups:
-        raise UsageError(f"model.num_query_groups ({m.num_query_groups}) must divide "
-                         f"model.num_attention_heads ({m.num_attention_heads})")
+        raise UsageError(
+            f"model.num_query_groups ({m.num_query_groups}) must divide "
+            f"model.num_attention_heads ({m.num_attention_heads})"
+        )
     tp = p.tensor_model_parallel_size
     if m.num_attention_heads % tp:
-        raise UsageError(f"parallel.tensor_model_parallel_size ({tp}) must divide "
-                         f"model.num_attention_heads ({m.num_attention_heads})")
+        raise UsageError(
+            f"parallel.tensor_model_parallel_size ({tp}) must divide "
+            f"model.num_attention_heads ({m.num_attention_heads})"
+        )
     if m.num_query_groups % tp:
-        raise UsageError(f"parallel.tensor_model_parallel_size ({tp}) must divide "
-                         f"model.num_query_groups ({m.num_query_groups}, the KV heads)")
+        raise UsageError(
+            f"parallel.tensor_model_parallel_size ({tp}) must divide "
+            f"model.num_query_groups ({m.num_query_groups}, the KV heads)"
+        )
     if m.ffn_hidden_size % tp:
-        raise UsageError(f"parallel.tensor_model_parallel_size ({tp}) must divide "
-                         f"model.ffn_hidden_size ({m.ffn_hidden_size})")
+        raise UsageError(
+            f"parallel.tensor_model_parallel_size ({tp}) must divide "
+            f"model.ffn_hidden_size ({m.ffn_hidden_size})"
+        )
     if m.attention not in ("auto", "sdpa", "flex", "thd"):
         raise UsageError(f"model.attention '{m.attention}' must be auto, sdpa, flex or thd")
     if m.fusions not in ("auto", "off"):
         raise UsageError(f"model.fusions '{m.fusions}' must be auto or off")
     if m.rotary_base <= 0 or m.norm_epsilon <= 0 or m.init_method_std <= 0:
-        raise UsageError("model.rotary_base, model.norm_epsilon and model.init_method_std must be > 0")
+        raise UsageError(
+            "model.rotary_base, model.norm_epsilon and model.init_method_std must be > 0"
+        )
     if m.rope_scaling is not None:
         validate_rope_scaling(m.rope_scaling)
 
@@ -564,32 +649,46 @@ def validate_rope_scaling(r: RopeScalingConfig) -> None:
     if r.factor < 1.0:
         raise UsageError(f"model.rope_scaling.factor must be >= 1, got {r.factor}")
     if not 0.0 < r.low_freq_factor < r.high_freq_factor:
-        raise UsageError("model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                         f"{r.low_freq_factor} and {r.high_freq_factor}")
+        raise UsageError(
+            "model.rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+            f"{r.low_freq_factor} and {r.high_freq_factor}"
+        )
     if r.original_max_position_embeddings < 1:
         raise UsageError("model.rope_scaling.original_max_position_embeddings must be >= 1")
 
 
 def validate_parallel(cfg: RunConfig) -> None:
     p, m = cfg.parallel, cfg.model
-    for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+    for k in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+    ):
         if getattr(p, k) < 1:
             raise UsageError(f"parallel.{k} must be >= 1, got {getattr(p, k)}")
     pp = p.pipeline_model_parallel_size
     if pp > m.num_layers:
-        raise UsageError(f"parallel.pipeline_model_parallel_size ({pp}) is larger than "
-                         f"model.num_layers ({m.num_layers}); use at most {m.num_layers}")
+        raise UsageError(
+            f"parallel.pipeline_model_parallel_size ({pp}) is larger than "
+            f"model.num_layers ({m.num_layers}); use at most {m.num_layers}"
+        )
     vpp = p.virtual_pipeline_model_parallel_size
     if vpp is not None:
         if vpp < 1 or pp < 2:
-            raise UsageError("parallel.virtual_pipeline_model_parallel_size needs "
-                             "pipeline_model_parallel_size >= 2 and a value >= 1")
+            raise UsageError(
+                "parallel.virtual_pipeline_model_parallel_size needs "
+                "pipeline_model_parallel_size >= 2 and a value >= 1"
+            )
         if m.num_layers % (pp * vpp):
-            raise UsageError(f"model.num_layers ({m.num_layers}) must be divisible by "
-                             f"pipeline x virtual pipeline size ({pp * vpp})")
+            raise UsageError(
+                f"model.num_layers ({m.num_layers}) must be divisible by "
+                f"pipeline x virtual pipeline size ({pp * vpp})"
+            )
     elif m.num_layers % pp:
-        raise UsageError(f"parallel.pipeline_model_parallel_size ({pp}) must divide "
-                         f"model.num_layers ({m.num_layers})")
+        raise UsageError(
+            f"parallel.pipeline_model_parallel_size ({pp}) must divide "
+            f"model.num_layers ({m.num_layers})"
+        )
 
 
 def validate_train(t: TrainConfig) -> None:
@@ -598,13 +697,17 @@ def validate_train(t: TrainConfig) -> None:
     if t.micro_batch_size < 1 or t.global_batch_size < 1:
         raise UsageError("train.micro_batch_size and train.global_batch_size must be >= 1")
     if t.global_batch_size % t.micro_batch_size:
-        raise UsageError(f"train.micro_batch_size ({t.micro_batch_size}) must divide "
-                         f"train.global_batch_size ({t.global_batch_size})")
+        raise UsageError(
+            f"train.micro_batch_size ({t.micro_batch_size}) must divide "
+            f"train.global_batch_size ({t.global_batch_size})"
+        )
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise UsageError("train.lr must be > 0 and 0 <= train.min_lr <= train.lr")
     if t.warmup_steps < 0 or t.decay_steps < 0 or t.warmup_steps + t.decay_steps > t.steps:
-        raise UsageError(f"train.warmup_steps ({t.warmup_steps}) + train.decay_steps "
-                         f"({t.decay_steps}) must fit in train.steps ({t.steps})")
+        raise UsageError(
+            f"train.warmup_steps ({t.warmup_steps}) + train.decay_steps "
+            f"({t.decay_steps}) must fit in train.steps ({t.steps})"
+        )
     if t.precision not in ("auto", "fp32", "bf16"):
         raise UsageError(f"train.precision '{t.precision}' must be auto, fp32 or bf16")
     if t.fp8 not in (None, "delayed", "current", "mxfp8"):
@@ -617,8 +720,10 @@ def validate_train(t: TrainConfig) -> None:
         if getattr(t, key) is not None and getattr(t, key) < 0:
             raise UsageError(f"train.{key} must be >= 0 seconds (0: no watchdog) or null (auto)")
     if t.skip_spikes is not None and t.skip_spikes <= 1.0:
-        raise UsageError(f"train.skip_spikes must be > 1 (a multiple of the running median "
-                         f"gradient norm) or null, got {t.skip_spikes}")
+        raise UsageError(
+            f"train.skip_spikes must be > 1 (a multiple of the running median "
+            f"gradient norm) or null, got {t.skip_spikes}"
+        )
 
 
 def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
@@ -633,43 +738,55 @@ def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
     if not phases:
         raise UsageError("phases is empty; give at least one phase, e.g. [{objective: mlm}]")
     rest = _rest_phase(phases)
-    shares = [ph.share if ph.share is not None else ph.steps / total if ph.steps is not None
-              else 0.0 for ph in phases]
+    shares = [
+        ph.share if ph.share is not None else ph.steps / total if ph.steps is not None else 0.0
+        for ph in phases
+    ]
     if rest is not None:
         shares[rest] = 1.0 - sum(shares)
         if shares[rest] < -1e-9:
-            raise UsageError(f"the phases other than phases.{rest} take more than the budget "
-                             f"(train.steps={total}); shorten them or raise train.steps")
+            raise UsageError(
+                f"the phases other than phases.{rest} take more than the budget "
+                f"(train.steps={total}); shorten them or raise train.steps"
+            )
         shares[rest] = max(shares[rest], 0.0)
     if not math.isclose(sum(shares), 1.0, abs_tol=1e-6):
         given = " + ".join(f"{s:g}" for s in shares)
-        raise UsageError(f"phase shares must sum to the budget (train.steps={total}): "
-                         f"{given} = {sum(shares):g}; adjust phases.N.share or phases.N.steps, "
-                         "or leave one phase without a length to take the rest")
+        raise UsageError(
+            f"phase shares must sum to the budget (train.steps={total}): "
+            f"{given} = {sum(shares):g}; adjust phases.N.share or phases.N.steps, "
+            "or leave one phase without a length to take the rest"
+        )
     counts, cum, prev = [], 0.0, 0
     for i, (ph, s) in enumerate(zip(phases, shares)):
         cum += s
-        boundary = (int(round(cum * total)) if ph.share is not None or i == rest
-                    else ph.steps + prev)
+        boundary = int(round(cum * total)) if ph.share is not None or i == rest else ph.steps + prev
         counts.append(boundary - prev)
         prev = boundary
     counts[-1] += total - prev
     for i, (ph, c) in enumerate(zip(phases, counts)):
         if ph.share is not None and ph.steps is not None and ph.steps != c:
-            raise UsageError(f"phases.{i} gives share {ph.share:g} (= {c} of train.steps={total}) "
-                             f"and steps {ph.steps}, which disagree; keep one")
+            raise UsageError(
+                f"phases.{i} gives share {ph.share:g} (= {c} of train.steps={total}) "
+                f"and steps {ph.steps}, which disagree; keep one"
+            )
         ph.steps = c
     return counts
 
 
 def _rest_phase(phases: list[PhaseConfig]) -> Optional[int]:
     """The one phase that gives no length (it takes the rest of the budget), or None."""
-    unset = [i for i, ph in enumerate(phases)
-             if all(getattr(ph, k) is None for k in ("share", "steps", "tokens", "flops"))]
+    unset = [
+        i
+        for i, ph in enumerate(phases)
+        if all(getattr(ph, k) is None for k in ("share", "steps", "tokens", "flops"))
+    ]
     if len(unset) > 1:
-        raise UsageError(f"phases.{unset[0]} and phases.{unset[1]} give no length; one phase may "
-                         "take the rest of the budget, the others need share, steps, tokens or "
-                         "flops")
+        raise UsageError(
+            f"phases.{unset[0]} and phases.{unset[1]} give no length; one phase may "
+            "take the rest of the budget, the others need share, steps, tokens or "
+            "flops"
+        )
     return unset[0] if unset else None
 
 
@@ -703,8 +820,11 @@ def max_seq_length(cfg: RunConfig) -> int:
 def final_model(cfg: RunConfig) -> ModelConfig:
     """The model as the run leaves it: the last phase's RoPE base and the longest sequence.
     What converters build and export."""
-    return dataclasses.replace(cfg.model, rotary_base=phase_rotary_base(cfg, cfg.phases[-1]),
-                               seq_length=max_seq_length(cfg))
+    return dataclasses.replace(
+        cfg.model,
+        rotary_base=phase_rotary_base(cfg, cfg.phases[-1]),
+        seq_length=max_seq_length(cfg),
+    )
 
 
 def mean_mask_ratio(ph: PhaseConfig) -> float:
@@ -720,9 +840,11 @@ def causal_attention_halved(cfg: RunConfig) -> bool:
     device = cfg.runtime.device
     if device == "auto":
         import importlib.util
+
         device = "cpu"
         if importlib.util.find_spec("torch") is not None:
             import torch
+
             device = "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.model.attention == "flex":  # block masks skip what they mask
         return True
@@ -731,6 +853,7 @@ def causal_attention_halved(cfg: RunConfig) -> bool:
     if device == "cpu" or cfg.model.attention == "sdpa" or cfg.train.precision == "fp32":
         return False
     import importlib.util
+
     return importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -742,8 +865,10 @@ def step_flops(cfg: RunConfig, ph: PhaseConfig) -> float:
     """Training FLOPs of one step of `ph` as the model spends them (model/flops.py): the sparse MLM
     head over the expected masked tokens, causal attention halved where the kernel halves it."""
     if cfg.model.vocab_size is None:
-        raise UsageError("a budget in FLOPs needs model.vocab_size (the output head's size); set "
-                         "it to the tokenizer's vocabulary, e.g. model.vocab_size=128256")
+        raise UsageError(
+            "a budget in FLOPs needs model.vocab_size (the output head's size); set "
+            "it to the tokenizer's vocabulary, e.g. model.vocab_size=128256"
+        )
     seq, gbs = phase_seq_length(cfg, ph), cfg.train.global_batch_size
     tokens = gbs * seq
     labelled = tokens if ph.objective == "clm" else mean_mask_ratio(ph) * tokens
@@ -758,14 +883,21 @@ def validate_phase(cfg: RunConfig, i: int, ph: PhaseConfig) -> None:
     key = f"phases.{i}"
     if ph.objective not in OBJECTIVES:
         raise UsageError(f"{key}.objective '{ph.objective}' must be one of {', '.join(OBJECTIVES)}")
-    ratios = ([ph.mask_ratio.start, ph.mask_ratio.end] if isinstance(ph.mask_ratio, MaskSchedule)
-              else [ph.mask_ratio])
+    ratios = (
+        [ph.mask_ratio.start, ph.mask_ratio.end]
+        if isinstance(ph.mask_ratio, MaskSchedule)
+        else [ph.mask_ratio]
+    )
     if ph.objective == "mlm" and not all(0.0 < r < 1.0 for r in ratios):
-        raise UsageError(f"{key}.mask_ratio {ph.mask_ratio} must be in (0, 1), e.g. 0.4 or "
-                         "{from: 0.3, to: 0.15, shape: linear}")
+        raise UsageError(
+            f"{key}.mask_ratio {ph.mask_ratio} must be in (0, 1), e.g. 0.4 or "
+            "{from: 0.3, to: 0.15, shape: linear}"
+        )
     if isinstance(ph.mask_ratio, MaskSchedule) and ph.mask_ratio.shape not in MASK_SHAPES:
-        raise UsageError(f"{key}.mask_ratio.shape '{ph.mask_ratio.shape}' must be one of "
-                         f"{', '.join(MASK_SHAPES)}")
+        raise UsageError(
+            f"{key}.mask_ratio.shape '{ph.mask_ratio.shape}' must be one of "
+            f"{', '.join(MASK_SHAPES)}"
+        )
     if ph.mask_replace not in ("mask", "80-10-10"):
         raise UsageError(f"{key}.mask_replace '{ph.mask_replace}' must be mask or 80-10-10")
     if ph.share is not None and not 0.0 <= ph.share <= 1.0:
@@ -775,8 +907,10 @@ def validate_phase(cfg: RunConfig, i: int, ph: PhaseConfig) -> None:
             raise UsageError(f"{key}.{name} must be >= 0")
     given = [n for n in ("share", "tokens", "flops") if getattr(ph, n) is not None]
     if len(given) > 1:
-        raise UsageError(f"{key} gives {' and '.join(given)}; a phase's length is one of share, "
-                         "steps, tokens or flops")
+        raise UsageError(
+            f"{key} gives {' and '.join(given)}; a phase's length is one of share, "
+            "steps, tokens or flops"
+        )
     if ph.seq_length is not None and ph.seq_length < 1:
         raise UsageError(f"{key}.seq_length must be >= 1, got {ph.seq_length}")
     if ph.rotary_base is not None and ph.rotary_base <= 0:
@@ -784,15 +918,21 @@ def validate_phase(cfg: RunConfig, i: int, ph: PhaseConfig) -> None:
     d = ph.data
     if d is not None:
         if bool(d.train) == (d.temperature is not None):
-            raise UsageError(f"{key}.data needs exactly one of train (its own prefixes) or "
-                             "temperature (a sampling temperature over data.train)")
+            raise UsageError(
+                f"{key}.data needs exactly one of train (its own prefixes) or "
+                "temperature (a sampling temperature over data.train)"
+            )
         if cfg.data.mock:
-            raise UsageError(f"data.mock=true (synthetic tokens) contradicts {key}.data: that "
-                             "phase's data would be ignored; train on shards or drop it")
+            raise UsageError(
+                f"data.mock=true (synthetic tokens) contradicts {key}.data: that "
+                "phase's data would be ignored; train on shards or drop it"
+            )
         if d.temperature is not None and not (d.temperature > 0 and len(cfg.data.train) >= 2):
-            raise UsageError(f"{key}.data.temperature needs a value > 0 and at least two sources "
-                             f"in data.train to sample from, got {d.temperature} over "
-                             f"{len(cfg.data.train)}")
+            raise UsageError(
+                f"{key}.data.temperature needs a value > 0 and at least two sources "
+                f"in data.train to sample from, got {d.temperature} over "
+                f"{len(cfg.data.train)}"
+            )
 
 
 def resolve_budget(cfg: RunConfig) -> None:
@@ -802,18 +942,22 @@ def resolve_budget(cfg: RunConfig) -> None:
     steps; given steps must agree with what the budget resolves to (the config round trip)."""
     t, phases = cfg.train, cfg.phases
     if t.flops_attention not in ("auto", "causal-half", "full"):
-        raise UsageError(f"train.flops_attention '{t.flops_attention}' must be auto, causal-half "
-                         "or full")
+        raise UsageError(
+            f"train.flops_attention '{t.flops_attention}' must be auto, causal-half or full"
+        )
     if not phases:
         raise UsageError("phases is empty; give at least one phase, e.g. [{objective: mlm}]")
     for i, ph in enumerate(phases):
         validate_phase(cfg, i, ph)
     units = [u for u in ("flops", "tokens") if getattr(t, u) is not None]
     if len(units) > 1:
-        raise UsageError("train gives flops and tokens; the budget is exactly one of train.steps, "
-                         "train.tokens or train.flops")
-    if t.flops_attention == "auto" and (units == ["flops"] or any(
-            ph.flops is not None for ph in phases)):
+        raise UsageError(
+            "train gives flops and tokens; the budget is exactly one of train.steps, "
+            "train.tokens or train.flops"
+        )
+    if t.flops_attention == "auto" and (
+        units == ["flops"] or any(ph.flops is not None for ph in phases)
+    ):
         # Pinned in the resolved config, so the run reloads with the same steps on any machine.
         t.flops_attention = "causal-half" if causal_attention_halved(cfg) else "full"
     given_steps, units = t.steps, units or ["steps"]
@@ -824,8 +968,9 @@ def resolve_budget(cfg: RunConfig) -> None:
                 _set_steps(ph, i, _absolute_steps(cfg, ph))
         if t.steps is None:  # the phases' own lengths, else the default
             absolute = [ph.steps for ph in phases if ph.share is None]
-            t.steps = (sum(absolute) if len(absolute) == len(phases) and None not in absolute
-                       else 100)
+            t.steps = (
+                sum(absolute) if len(absolute) == len(phases) and None not in absolute else 100
+            )
         if t.steps < 1:
             raise UsageError(f"train.steps must be >= 1, got {t.steps}")
         resolve_phase_steps(phases, t.steps)
@@ -845,9 +990,11 @@ def resolve_budget(cfg: RunConfig) -> None:
             phases[rest].share = max(1.0 - share_sum - used / budget, 0.0)
             share_sum += phases[rest].share
         if not math.isclose(share_sum * budget + used, budget, rel_tol=1e-6):
-            raise UsageError(f"phases must fill train.{unit}={budget:g}: shares {share_sum:g} x "
-                             f"{budget:g} + {used:g} given in absolute lengths = "
-                             f"{share_sum * budget + used:g}")
+            raise UsageError(
+                f"phases must fill train.{unit}={budget:g}: shares {share_sum:g} x "
+                f"{budget:g} + {used:g} given in absolute lengths = "
+                f"{share_sum * budget + used:g}"
+            )
         for i, ph in enumerate(phases):
             if ph.share is not None:
                 _set_steps(ph, i, int(round(ph.share * budget / per(cfg, ph))))
@@ -855,12 +1002,16 @@ def resolve_budget(cfg: RunConfig) -> None:
                 _set_steps(ph, i, _absolute_steps(cfg, ph))
         total = sum(ph.steps for ph in phases)
         if total < 1:
-            raise UsageError(f"train.{unit}={budget:g} is less than one step of this model "
-                             f"({per(cfg, phases[0]):.3g} {unit} a step)")
+            raise UsageError(
+                f"train.{unit}={budget:g} is less than one step of this model "
+                f"({per(cfg, phases[0]):.3g} {unit} a step)"
+            )
         if given_steps is not None and given_steps != total:
-            raise UsageError(f"train.steps={given_steps} disagrees with train.{unit}={budget:g} "
-                             f"({total} steps); the budget is exactly one of train.steps, "
-                             "train.tokens or train.flops (train.steps=null clears a preset's)")
+            raise UsageError(
+                f"train.steps={given_steps} disagrees with train.{unit}={budget:g} "
+                f"({total} steps); the budget is exactly one of train.steps, "
+                "train.tokens or train.flops (train.steps=null clears a preset's)"
+            )
         t.steps = total
     resolve_decay(cfg)
 
@@ -878,10 +1029,14 @@ def _absolute_steps(cfg: RunConfig, ph: PhaseConfig) -> int:
 
 def _set_steps(ph: PhaseConfig, i: int, n: int) -> None:
     if ph.steps is not None and ph.steps != n:
-        given = next(f"{k} {getattr(ph, k):g}" for k in ("share", "tokens", "flops")
-                     if getattr(ph, k) is not None)
-        raise UsageError(f"phases.{i} gives {given} (= {n} steps) and steps {ph.steps}, which "
-                         "disagree; keep one")
+        given = next(
+            f"{k} {getattr(ph, k):g}"
+            for k in ("share", "tokens", "flops")
+            if getattr(ph, k) is not None
+        )
+        raise UsageError(
+            f"phases.{i} gives {given} (= {n} steps) and steps {ph.steps}, which disagree; keep one"
+        )
     ph.steps = n
 
 
@@ -894,12 +1049,16 @@ def resolve_decay(cfg: RunConfig) -> None:
             t.decay_steps = 10
         return
     if marked != list(range(marked[0], len(phases))):
-        raise UsageError(f"phases.{marked[0]} is marked decay but phases.{len(phases) - 1} after it "
-                         "is not: the decay phases are the run's last")
+        raise UsageError(
+            f"phases.{marked[0]} is marked decay but phases.{len(phases) - 1} after it "
+            "is not: the decay phases are the run's last"
+        )
     steps = sum(phases[i].steps for i in marked)
     if t.decay_steps is not None and t.decay_steps != steps:
-        raise UsageError(f"train.decay_steps={t.decay_steps} disagrees with the decay phases "
-                         f"(phases.{marked[0]}-{len(phases) - 1}: {steps} steps); keep one")
+        raise UsageError(
+            f"train.decay_steps={t.decay_steps} disagrees with the decay phases "
+            f"(phases.{marked[0]}-{len(phases) - 1}: {steps} steps); keep one"
+        )
     t.decay_steps = steps
 
 
@@ -931,14 +1090,17 @@ def kept_steps(cfg: RunConfig) -> list[int]:
     kept = set(range(c.keep_every, total + 1, c.keep_every)) if c.keep_every else set()
     for step in c.keep_steps:
         if not 1 <= step <= total:
-            raise UsageError(f"checkpoint.keep_steps: step {step} is outside this run's steps "
-                             f"1-{total}")
+            raise UsageError(
+                f"checkpoint.keep_steps: step {step} is outside this run's steps 1-{total}"
+            )
         kept.add(step)
     run_tokens = tokens_at_step(cfg, total)
     for tokens in c.keep_tokens:
         if not 0 < tokens <= run_tokens:
-            raise UsageError(f"checkpoint.keep_tokens: {tokens:g} tokens is outside this run's "
-                             f"{run_tokens:g} tokens")
+            raise UsageError(
+                f"checkpoint.keep_tokens: {tokens:g} tokens is outside this run's "
+                f"{run_tokens:g} tokens"
+            )
         steps = range(1, total + 1)  # tokens_at_step grows with the step: bisect
         kept.add(steps[bisect.bisect_left(steps, tokens, key=lambda k: tokens_at_step(cfg, k))])
     return sorted(kept)
@@ -955,21 +1117,46 @@ def budget_report(cfg: RunConfig) -> list[str]:
         total_tokens += tokens
         total_flops += flops or 0.0
         r = ph.mask_ratio
-        what = ph.objective if ph.objective == "clm" else (
-            f"mlm {r.start:g}->{r.end:g} {r.shape}" if isinstance(r, MaskSchedule) else f"mlm {r:g}")
-        extra = "".join(f", {k} {v:g}" for k, v in (("rotary_base", phase_rotary_base(cfg, ph)),)
-                        if v != cfg.model.rotary_base)
+        what = (
+            ph.objective
+            if ph.objective == "clm"
+            else (
+                f"mlm {r.start:g}->{r.end:g} {r.shape}"
+                if isinstance(r, MaskSchedule)
+                else f"mlm {r:g}"
+            )
+        )
+        extra = "".join(
+            f", {k} {v:g}"
+            for k, v in (("rotary_base", phase_rotary_base(cfg, ph)),)
+            if v != cfg.model.rotary_base
+        )
         extra += ", decay" if ph.decay else ""
-        extra += (f", data temperature {ph.data.temperature:g}" if ph.data and ph.data.temperature
-                  else ", own data" if ph.data else "")
-        lines.append(f"phases.{i}: {what}, steps {start}-{start + ph.steps} ({ph.steps}), "
-                     f"seq_length {phase_seq_length(cfg, ph)}, {tokens:.4g} tokens"
-                     + (f", {flops:.4g} FLOPs" if flops is not None else "") + extra)
+        extra += (
+            f", data temperature {ph.data.temperature:g}"
+            if ph.data and ph.data.temperature
+            else ", own data"
+            if ph.data
+            else ""
+        )
+        lines.append(
+            f"phases.{i}: {what}, steps {start}-{start + ph.steps} ({ph.steps}), "
+            f"seq_length {phase_seq_length(cfg, ph)}, {tokens:.4g} tokens"
+            + (f", {flops:.4g} FLOPs" if flops is not None else "")
+            + extra
+        )
         start += ph.steps
-    attention = ("causal attention counted at half (the kernel skips the masked blocks)"
-                 if causal_attention_halved(cfg) else
-                 "causal attention counted in full (dense-mask kernel)")
-    lines.append(f"total: {cfg.train.steps} steps, {total_tokens:.4g} tokens"
-                 + (f", {total_flops:.4g} FLOPs; {attention}" if count_flops else
-                    "; FLOPs need model.vocab_size"))
+    attention = (
+        "causal attention counted at half (the kernel skips the masked blocks)"
+        if causal_attention_halved(cfg)
+        else "causal attention counted in full (dense-mask kernel)"
+    )
+    lines.append(
+        f"total: {cfg.train.steps} steps, {total_tokens:.4g} tokens"
+        + (
+            f", {total_flops:.4g} FLOPs; {attention}"
+            if count_flops
+            else "; FLOPs need model.vocab_size"
+        )
+    )
     return lines

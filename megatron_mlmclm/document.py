@@ -22,13 +22,16 @@ def document_processor(eos_token: str | None, eos_id: int | None):
     (a pair, should one be encoded, gets an EOS after each part)."""
     if eos_token is None:
         return processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
-    return processors.TemplateProcessing(single=f"$A {eos_token}",
-                                         pair=f"$A {eos_token} $B:1 {eos_token}:1",
-                                         special_tokens=[(eos_token, int(eos_id))])
+    return processors.TemplateProcessing(
+        single=f"$A {eos_token}",
+        pair=f"$A {eos_token} $B:1 {eos_token}:1",
+        special_tokens=[(eos_token, int(eos_id))],
+    )
 
 
-def make_document_tokenizer(backend: Tokenizer, eos_token: str | None,
-                            eos_id: int | None) -> Tokenizer:
+def make_document_tokenizer(
+    backend: Tokenizer, eos_token: str | None, eos_id: int | None
+) -> Tokenizer:
     """Make `backend` (a `tokenizers.Tokenizer`, e.g. a Hugging Face fast tokenizer's
     ``backend_tokenizer``) encode a text as a document when special tokens are on; in place,
     returned for convenience. Token ids of the text itself are unchanged; offsets lose the trimming

@@ -32,8 +32,14 @@ def document_attention_mask(document_ids: torch.Tensor, causal: bool) -> torch.T
     return (~same_doc).unsqueeze(1)
 
 
-def mlm_mask(tokens: np.ndarray, sample_index: int, seed: int, ratio: float, spec: TokenSpec,
-             replace: str = "mask") -> tuple[np.ndarray, np.ndarray]:
+def mlm_mask(
+    tokens: np.ndarray,
+    sample_index: int,
+    seed: int,
+    ratio: float,
+    spec: TokenSpec,
+    replace: str = "mask",
+) -> tuple[np.ndarray, np.ndarray]:
     """Mask round(ratio * #eligible) positions of one sample. Returns (inputs, labels)."""
     rng = np.random.default_rng([seed, sample_index, 0x4D4C4D])  # MLM stream of this sample
     eligible = np.flatnonzero(~np.isin(tokens, spec.special_ids))
@@ -64,8 +70,9 @@ def regular_ids(r: np.ndarray, specials: np.ndarray) -> np.ndarray:
     return r + np.searchsorted(specials - np.arange(specials.size), r, side="right")
 
 
-def batch_arrays(samples: list[dict], sample_indices: list[int], phase: PhaseConfig,
-                 spec: TokenSpec, seed: int) -> dict[str, np.ndarray]:
+def batch_arrays(
+    samples: list[dict], sample_indices: list[int], phase: PhaseConfig, spec: TokenSpec, seed: int
+) -> dict[str, np.ndarray]:
     """The host side of a micro-batch for `phase.objective`: numpy arrays, no attention mask.
 
     Every row depends only on its own sample and stream position, so building a batch row by row
@@ -79,8 +86,10 @@ def batch_arrays(samples: list[dict], sample_indices: list[int], phase: PhaseCon
         loss_mask = docs[:, :-1] == docs[:, 1:]
         labels[~loss_mask] = IGNORE
     else:
-        pairs = [mlm_mask(t[:-1], i, seed, phase.mask_ratio, spec, phase.mask_replace)
-                 for t, i in zip(tokens, sample_indices)]
+        pairs = [
+            mlm_mask(t[:-1], i, seed, phase.mask_ratio, spec, phase.mask_replace)
+            for t, i in zip(tokens, sample_indices)
+        ]
         inputs = np.stack([p[0] for p in pairs])
         labels = np.stack([p[1] for p in pairs])
         loss_mask = labels != IGNORE
@@ -93,23 +102,30 @@ def batch_arrays(samples: list[dict], sample_indices: list[int], phase: PhaseCon
     }
 
 
-def make_batch(samples: list[dict], sample_indices: list[int], phase: PhaseConfig,
-               spec: TokenSpec, seed: int, device=None,
-               dense_mask: bool = True) -> dict[str, torch.Tensor]:
+def make_batch(
+    samples: list[dict],
+    sample_indices: list[int],
+    phase: PhaseConfig,
+    spec: TokenSpec,
+    seed: int,
+    device=None,
+    dense_mask: bool = True,
+) -> dict[str, torch.Tensor]:
     """Stack packed samples into one micro-batch for `phase.objective`."""
     arrays = batch_arrays(samples, sample_indices, phase, spec, seed)
-    return to_device({k: torch.from_numpy(v) for k, v in arrays.items()}, phase, device,
-                     dense_mask)
+    return to_device({k: torch.from_numpy(v) for k, v in arrays.items()}, phase, device, dense_mask)
 
 
-def to_device(batch: dict[str, torch.Tensor], phase: PhaseConfig, device=None,
-              dense_mask: bool = True) -> dict[str, torch.Tensor]:
+def to_device(
+    batch: dict[str, torch.Tensor], phase: PhaseConfig, device=None, dense_mask: bool = True
+) -> dict[str, torch.Tensor]:
     """A host micro-batch moved where it is used (non-blocking: loaders hand over pinned memory),
     with the dense [b, 1, s, s] document mask built there: s bytes a token against 32 for the rest
     of the batch, so it is never built on the host or copied (the packed THD path needs none)."""
     if device is not None:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     if dense_mask:
-        batch["attention_mask"] = document_attention_mask(batch["document_ids"],
-                                                          causal=phase.objective == "clm")
+        batch["attention_mask"] = document_attention_mask(
+            batch["document_ids"], causal=phase.objective == "clm"
+        )
     return batch

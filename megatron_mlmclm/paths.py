@@ -21,6 +21,8 @@ def data_dir(required: bool = False) -> Path | None:
         if c.is_dir():
             return c
     if required:
-        raise UsageError("no data folder found; set MLMCLM_DATA_DIR to the folder holding "
-                         "gutenberg_en/, sst2/, conll2003/ ...")
+        raise UsageError(
+            "no data folder found; set MLMCLM_DATA_DIR to the folder holding "
+            "gutenberg_en/, sst2/, conll2003/ ..."
+        )
     return None

@@ -27,14 +27,28 @@ def job_env() -> dict[str, str]:
 def pretrain_cmd(nproc: int) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "megatron_mlmclm", "pretrain"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", "-m", "megatron_mlmclm", "pretrain"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "megatron_mlmclm",
+        "pretrain",
+    ]
 
 
-def run_pretrain(config: Path, overrides: list[str], nproc: int = 1, check: bool = True,
-                 timeout: int = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(pretrain_cmd(nproc) + [str(config)] + overrides, env=job_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def run_pretrain(
+    config: Path, overrides: list[str], nproc: int = 1, check: bool = True, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        pretrain_cmd(nproc) + [str(config)] + overrides,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
@@ -77,10 +91,17 @@ def word_tokenizer(root: Path, vocab_size: int) -> Path:
 
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "encoder", "model", "token", "the", "of", "and"]
-    (root / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(20))
-                                               for _ in range(200)))
-    train_tokenizer([str(root / "corpus.txt")], root / "tok", vocab_size, txt_split_lines=True,
-                    progress=False, min_frequency=1)
+    (root / "corpus.txt").write_text(
+        "\n".join(" ".join(rng.choice(words) for _ in range(20)) for _ in range(200))
+    )
+    train_tokenizer(
+        [str(root / "corpus.txt")],
+        root / "tok",
+        vocab_size,
+        txt_split_lines=True,
+        progress=False,
+        min_frequency=1,
+    )
     return root / "tok"
 
 
@@ -89,7 +110,11 @@ def line_tokenizer(root: Path) -> tuple[Path, int]:
     from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
 
     corpus = root / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"line {i} of a small corpus, word {i * 7}"})
-                              + "\n" for i in range(200)))
+    corpus.write_text(
+        "".join(
+            json.dumps({"text": f"line {i} of a small corpus, word {i * 7}"}) + "\n"
+            for i in range(200)
+        )
+    )
     tok = train_tokenizer([str(corpus)], root / "tok", 300, progress=False)
     return tok, len(load_tokenizer(tok))

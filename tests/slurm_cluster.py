@@ -29,12 +29,18 @@ def ensure_packages() -> None:
     if all(shutil.which(d) for d in DAEMONS):
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise RuntimeError("SLURM is not installed: run `make slurm-deps` (as root, apt-get) or "
-                           f"install {' '.join(PACKAGES)}")
+        raise RuntimeError(
+            "SLURM is not installed: run `make slurm-deps` (as root, apt-get) or "
+            f"install {' '.join(PACKAGES)}"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True)
-    subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
-                   check=True, env=env, capture_output=True)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
 
 
 def free_port() -> int:
@@ -67,60 +73,77 @@ class Cluster:
             (r / d).mkdir(mode=0o700)
         key, sock = r / "munge" / "munge.key", r / "munge" / "socket"
         subprocess.run(["mungekey", "--create", "--keyfile", str(key)], check=True)
-        self._spawn(["munged", "--foreground", "--force", f"--socket={sock}",
-                     f"--key-file={key}", f"--pid-file={r / 'munge' / 'pid'}",
-                     f"--log-file={r / 'log' / 'munged.log'}",
-                     f"--seed-file={r / 'munge' / 'seed'}"], "munged")
+        self._spawn(
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={sock}",
+                f"--key-file={key}",
+                f"--pid-file={r / 'munge' / 'pid'}",
+                f"--log-file={r / 'log' / 'munged.log'}",
+                f"--seed-file={r / 'munge' / 'seed'}",
+            ],
+            "munged",
+        )
         self._await(sock.exists, "munged did not create its socket")
         self.conf.write_text(self.slurm_conf(sock))
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
         self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", self.node], "slurmd")
-        self._await(lambda: self.run(["sinfo", "-h", "-o", "%T"], check=False).stdout.strip()
-                    == "idle", "the node did not come up idle")
+        self._await(
+            lambda: self.run(["sinfo", "-h", "-o", "%T"], check=False).stdout.strip() == "idle",
+            "the node did not come up idle",
+        )
         return self
 
     def slurm_conf(self, munge_socket: Path) -> str:
         r = self.root
-        return "\n".join([
-            "ClusterName=mlmclmtest",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={munge_socket}",
-            f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
-            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
-            # No cgroups in a container: linuxproc tracks a step's processes by ancestry, so a
-            # signal to a step reaches torchrun's workers (they run in their own sessions).
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            "SchedulerType=sched/builtin",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/none",
-            "MpiDefault=none",
-            "ReturnToService=2",
-            "MinJobAge=3600",  # finished jobs stay visible to `scontrol show job`
-            "KillWait=30",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} "
-            f"RealMemory={int(memory_mb() * 0.9)} State=UNKNOWN",
-            "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
-        ]) + "\n"
+        return (
+            "\n".join(
+                [
+                    "ClusterName=mlmclmtest",
+                    f"SlurmctldHost={self.node}(127.0.0.1)",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    f"AuthInfo=socket={munge_socket}",
+                    f"StateSaveLocation={r / 'state'}",
+                    f"SlurmdSpoolDir={r / 'spool'}",
+                    f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={r / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+                    # No cgroups in a container: linuxproc tracks a step's processes by ancestry, so a
+                    # signal to a step reaches torchrun's workers (they run in their own sessions).
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_CPU",
+                    "SchedulerType=sched/builtin",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "JobCompType=jobcomp/none",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "MinJobAge=3600",  # finished jobs stay visible to `scontrol show job`
+                    "KillWait=30",
+                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} "
+                    f"RealMemory={int(memory_mb() * 0.9)} State=UNKNOWN",
+                    "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+                ]
+            )
+            + "\n"
+        )
 
     def stop(self) -> None:
         if self.procs and any(p.poll() is None for p in self.procs):
             self.run(["scancel", "--full", "--user", "root"], check=False)
-            self._await(lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(),
-                        None, timeout=60)
+            self._await(
+                lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(), None, timeout=60
+            )
         for p in reversed(self.procs):  # slurmd, slurmctld, munged
             if p.poll() is None:
                 p.terminate()
@@ -141,10 +164,16 @@ class Cluster:
         self.stop()
 
     # ------------------------------------------------------------------------------ use
-    def run(self, cmd: list[str], check: bool = True, env: dict | None = None,
-            **kw) -> subprocess.CompletedProcess:
-        proc = subprocess.run(cmd, env={**self.env, **(env or {}), "SLURM_CONF": str(self.conf)},
-                              capture_output=True, text=True, **kw)
+    def run(
+        self, cmd: list[str], check: bool = True, env: dict | None = None, **kw
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            cmd,
+            env={**self.env, **(env or {}), "SLURM_CONF": str(self.conf)},
+            capture_output=True,
+            text=True,
+            **kw,
+        )
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr}")
         return proc
@@ -155,25 +184,43 @@ class Cluster:
     def jobs(self, job: str) -> list[dict[str, str]]:
         """`scontrol show job` records (one per array element) as field -> value."""
         out = self.run(["scontrol", "show", "job", "-o", job]).stdout
-        return [dict(f.split("=", 1) for f in line.split() if "=" in f)
-                for line in out.splitlines() if line.strip()]
+        return [
+            dict(f.split("=", 1) for f in line.split() if "=" in f)
+            for line in out.splitlines()
+            if line.strip()
+        ]
 
     def state(self, job: str) -> list[str]:
         return [j["JobState"] for j in self.jobs(job)]
 
     def wait(self, jobs: list[str], timeout: float = 300) -> None:
         """Until every job (and array element) has ended; raises on a timeout."""
-        final = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                 "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
-        self._await(lambda: all(s in final for j in jobs for s in self.state(j)),
-                    f"jobs {jobs} did not end in {timeout} s", timeout=timeout)
+        final = {
+            "COMPLETED",
+            "FAILED",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+            "BOOT_FAIL",
+            "DEADLINE",
+            "PREEMPTED",
+        }
+        self._await(
+            lambda: all(s in final for j in jobs for s in self.state(j)),
+            f"jobs {jobs} did not end in {timeout} s",
+            timeout=timeout,
+        )
 
     # --------------------------------------------------------------------------- helpers
     def _spawn(self, cmd: list[str], name: str) -> None:
         log = open(self.root / "log" / f"{name}.stdout", "w")
         self.logs.append(log)
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                           env=self.env, start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        )
 
     def _await(self, ready, message, timeout: float = 60) -> None:
         deadline = time.time() + timeout
@@ -189,5 +236,8 @@ class Cluster:
 
     def daemon_logs(self, chars: int = 2000) -> str:
         """The end of each daemon's log (slurmctld's and slurmd's say why a job ended as it did)."""
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-chars:]}"
-                         for p in sorted((self.root / "log").glob("*")) if p.is_file())
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text()[-chars:]}"
+            for p in sorted((self.root / "log").glob("*"))
+            if p.is_file()
+        )

@@ -18,8 +18,14 @@ PKG = "megatron_mlmclm"
 DOC = REPO / "docs" / "architecture.md"
 # Where argparse may be used: the command modules and the entry point.
 COMMAND_LINE = ("commands", "cli")
-ARGPARSE_CALLS = {"ArgumentParser", "add_argument", "add_argument_group", "add_subparsers",
-                  "add_parser", "add_mutually_exclusive_group"}
+ARGPARSE_CALLS = {
+    "ArgumentParser",
+    "add_argument",
+    "add_argument_group",
+    "add_subparsers",
+    "add_parser",
+    "add_mutually_exclusive_group",
+}
 
 
 def read_rules(doc: Path = DOC) -> dict[str, set[str]]:
@@ -61,7 +67,7 @@ def imported(path: Path, module: str):
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             targets = [f"{base}.{a.name}" for a in node.names]
         else:
@@ -81,16 +87,22 @@ def violations(root: Path, rules: dict[str, set[str]]) -> list[str]:
         unit = unit_of(module)
         where = path.relative_to(root.parent)
         if unit not in rules:
-            out.append(f"{where}: package '{unit}' has no row in the rule table of "
-                       "docs/architecture.md")
+            out.append(
+                f"{where}: package '{unit}' has no row in the rule table of docs/architecture.md"
+            )
             continue
         source = path.read_text()
         for node, targets in imported(path, module):
-            bad = {unit_of(t) for t in targets
-                   if unit_of(t) != unit and not allowed(t[len(PKG) + 1:], rules[unit])}
+            bad = {
+                unit_of(t)
+                for t in targets
+                if unit_of(t) != unit and not allowed(t[len(PKG) + 1 :], rules[unit])
+            }
             text = " ".join(ast.get_source_segment(source, node).split())
-            out += [f"{where}:{node.lineno}: `{text}`: {unit} may not import {b} "
-                    "(docs/architecture.md)" for b in sorted(bad)]
+            out += [
+                f"{where}:{node.lineno}: `{text}`: {unit} may not import {b} (docs/architecture.md)"
+                for b in sorted(bad)
+            ]
     return out
 
 
@@ -124,8 +136,9 @@ def test_the_rule_table_names_every_package_and_only_those():
     rules = read_rules()
     present = {unit_of(m) for _, m in modules(REPO / PKG)}
     assert len(rules) >= 15
-    assert set(rules) == present, (f"no row: {sorted(present - set(rules))}, "
-                                   f"rows for nothing: {sorted(set(rules) - present)}")
+    assert set(rules) == present, (
+        f"no row: {sorted(present - set(rules))}, rows for nothing: {sorted(set(rules) - present)}"
+    )
     for unit, entries in rules.items():  # every name a row allows exists
         for e in entries:
             first = e.split(".")[0]
@@ -150,7 +163,10 @@ def test_violations_are_found_with_file_line_and_import(tmp_path):
     write(root, "__init__.py", "")
     write(root, "errors.py", "")
     write(root, "convert/__init__.py", "")
-    write(root, "convert/export.py", """\
+    write(
+        root,
+        "convert/export.py",
+        """\
         import json
 
         from megatron_mlmclm.checkpoint import load_checkpoint
@@ -160,20 +176,29 @@ def test_violations_are_found_with_file_line_and_import(tmp_path):
         def vocab(cfg):
             from megatron_mlmclm.training.trainer import token_spec_and_vocab
             return token_spec_and_vocab(cfg)
-        """)
+        """,
+    )
     write(root, "eval/__init__.py", "")
     write(root, "eval/heads.py", "import megatron_mlmclm.model.build as build\n")
     write(root, "plan/__init__.py", "")
-    write(root, "plan/compute.py", """\
+    write(
+        root,
+        "plan/compute.py",
+        """\
         from megatron_mlmclm.model import flops
         from megatron_mlmclm.model.flops import train_step_flops
         from megatron_mlmclm.model import build
-        """)
+        """,
+    )
     write(root, "data/__init__.py", "")
-    write(root, "data/loader.py", """\
+    write(
+        root,
+        "data/loader.py",
+        """\
         from .. import objectives
         from . import tokenizer
-        """)
+        """,
+    )
     write(root, "objectives.py", "from megatron_mlmclm import checkpoint, data\n")
     write(root, "newpkg/__init__.py", "")
     got = violations(root, read_rules())
@@ -196,13 +221,23 @@ def test_violations_are_found_with_file_line_and_import(tmp_path):
 def test_argparse_outside_commands_is_found(tmp_path):
     root = tmp_path / PKG
     write(root, "__init__.py", "")
-    write(root, "data/dataset.py", """\
+    write(
+        root,
+        "data/dataset.py",
+        """\
         def add_arguments(parser):
             parser.add_argument("--seq-length", type=int)
-        """)
-    write(root, "commands/index.py", """\
+        """,
+    )
+    write(
+        root,
+        "commands/index.py",
+        """\
         def add_arguments(parser):
             parser.add_argument("--seq-length", type=int)
-        """)
-    assert argparse_outside_commands(root) == [f"{PKG}/data/dataset.py:1: def add_arguments",
-                                               f"{PKG}/data/dataset.py:2: add_argument"]
+        """,
+    )
+    assert argparse_outside_commands(root) == [
+        f"{PKG}/data/dataset.py:1: def add_arguments",
+        f"{PKG}/data/dataset.py:2: add_argument",
+    ]

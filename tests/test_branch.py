@@ -53,14 +53,25 @@ def base(tmp_path_factory):
     tok, vocab = line_tokenizer(root)
     write_shard(root / "a", vocab, 1, 40)
     write_shard(root / "b", vocab, 2, 15)
-    cfg = {"model": {"preset": "tiny", "seq_length": 32},
-           "phases": [{"objective": "mlm"}],
-           "data": {"train": ["0.7", str(root / "a"), "0.3", str(root / "b")],
-                    "tokenizer": str(tok), "loader": "sync", "cache_dir": str(root / "cache")},
-           "train": {"steps": 8, "micro_batch_size": 2, "global_batch_size": GBS,
-                     "warmup_steps": 2, "decay_steps": 2},
-           "checkpoint": {"save_interval": 0, "keep_last": 1},
-           "logging": {"tensorboard": False}}
+    cfg = {
+        "model": {"preset": "tiny", "seq_length": 32},
+        "phases": [{"objective": "mlm"}],
+        "data": {
+            "train": ["0.7", str(root / "a"), "0.3", str(root / "b")],
+            "tokenizer": str(tok),
+            "loader": "sync",
+            "cache_dir": str(root / "cache"),
+        },
+        "train": {
+            "steps": 8,
+            "micro_batch_size": 2,
+            "global_batch_size": GBS,
+            "warmup_steps": 2,
+            "decay_steps": 2,
+        },
+        "checkpoint": {"save_interval": 0, "keep_last": 1},
+        "logging": {"tensorboard": False},
+    }
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path, root
@@ -71,8 +82,11 @@ def train(config, overrides, stop_at=None):
 
 
 def losses(run) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text()
-                                              .splitlines()) if "loss" in m}
+    return {
+        m["step"]: m["loss"]
+        for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "loss" in m
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,16 +101,22 @@ def batches(config, overrides, steps: int) -> tuple[list[dict], list[int]]:
     spec = token_spec_and_vocab(cfg)
     train_ds, _ = build_datasets(cfg, spec, PhasePlan(resolved_phases(cfg), GBS))
     loader = Plan(resolved_phases(cfg), spec, cfg.data.seed, cfg.train.steps, GBS, GBS, 1, 0)
-    return [loader.microbatches(train_ds[loader.stream(s)], loader.first_sample(s),
-                                loader.phase(s))[0] for s in range(steps)], [len(d) for d in train_ds]
+    return [
+        loader.microbatches(train_ds[loader.stream(s)], loader.first_sample(s), loader.phase(s))[0]
+        for s in range(steps)
+    ], [len(d) for d in train_ds]
 
 
-@pytest.mark.parametrize("phases", [
-    "[{objective: mlm}]",
-    "[{objective: clm, steps: 5}, {objective: mlm, mask_ratio: 0.3}]",
-    # a second stream (another seq_length) that starts at an absolute token count
-    "[{objective: clm, tokens: 640}, {objective: mlm, seq_length: 16}]",
-], ids=["mlm", "clm-steps-then-mlm", "tokens-and-a-second-stream"])
+@pytest.mark.parametrize(
+    "phases",
+    [
+        "[{objective: mlm}]",
+        "[{objective: clm, steps: 5}, {objective: mlm, mask_ratio: 0.3}]",
+        # a second stream (another seq_length) that starts at an absolute token count
+        "[{objective: clm, tokens: 640}, {objective: mlm, seq_length: 16}]",
+    ],
+    ids=["mlm", "clm-steps-then-mlm", "tokens-and-a-second-stream"],
+)
 def test_the_first_batches_do_not_depend_on_the_budget(base, phases):
     """A 40-step and a 100-step run of one config: the first 40 global batches (tokens, labels,
     masks, positions, documents) are equal. The streams (~40 samples an epoch per shard) were
@@ -115,9 +135,11 @@ def test_the_first_batches_do_not_depend_on_the_budget(base, phases):
 # Decay branches
 
 
-@pytest.mark.parametrize("phases,at", [("[{objective: mlm}]", 5),
-                                       (json.dumps(CLM_THEN_MLM), 2)],
-                         ids=["mlm", "clm-then-mlm"])
+@pytest.mark.parametrize(
+    "phases,at",
+    [("[{objective: mlm}]", 5), (json.dumps(CLM_THEN_MLM), 2)],
+    ids=["mlm", "clm-then-mlm"],
+)
 def test_a_branch_is_bitwise_the_run_from_scratch(base, tmp_path, phases, at):
     """An 8-step run from scratch; a 14-step run of the same config stopped at step `at` (its
     stream built for 56 samples, two epochs); an 8-step branch from that checkpoint. Every loss
@@ -126,10 +148,15 @@ def test_a_branch_is_bitwise_the_run_from_scratch(base, tmp_path, phases, at):
     scratch, stable, branch = tmp_path / "scratch", tmp_path / "stable", tmp_path / "branch"
     p = f"phases={phases}"
     train(path, [p, f"output_dir={scratch}"])
-    train(path, [p, f"output_dir={stable}", "train.steps=14", f"checkpoint.keep_steps=[{at}]"],
-          stop_at=at)
-    assert sorted(x.name for x in (stable / "checkpoints").iterdir()) == \
-        [f"iter_{at:07d}", "latest"]
+    train(
+        path,
+        [p, f"output_dir={stable}", "train.steps=14", f"checkpoint.keep_steps=[{at}]"],
+        stop_at=at,
+    )
+    assert sorted(x.name for x in (stable / "checkpoints").iterdir()) == [
+        f"iter_{at:07d}",
+        "latest",
+    ]
     source = stable / "checkpoints" / f"iter_{at:07d}"
     train(path, [p, f"output_dir={branch}", f"train.branch_from={source}"])
 
@@ -139,8 +166,9 @@ def test_a_branch_is_bitwise_the_run_from_scratch(base, tmp_path, phases, at):
     records = (branch / "metrics.jsonl").read_text().splitlines()
     assert records[:at] == (stable / "metrics.jsonl").read_text().splitlines()[:at]
     assert [json.loads(r)["step"] for r in records] == list(range(1, 9))
-    assert {s: v for s, v in losses(stable).items() if s <= at} == \
-        {s: v for s, v in expected.items() if s <= at}
+    assert {s: v for s, v in losses(stable).items() if s <= at} == {
+        s: v for s, v in expected.items() if s <= at
+    }
     assert losses(branch) == expected  # its own steps, after the source's inherited records
     a = read_global_tensors(scratch / "checkpoints" / "iter_0000008")
     b = read_global_tensors(branch / "checkpoints" / "iter_0000008")
@@ -154,8 +182,11 @@ def source(base, tmp_path_factory):
     """A stable CLM -> MLM checkpoint at step 3 of a 14-step run (the step where MLM starts)."""
     path, _ = base
     out = tmp_path_factory.mktemp("source") / "stable"
-    train(path, [f"phases={json.dumps(CLM_THEN_MLM)}", f"output_dir={out}", "train.steps=14"],
-          stop_at=3)
+    train(
+        path,
+        [f"phases={json.dumps(CLM_THEN_MLM)}", f"output_dir={out}", "train.steps=14"],
+        stop_at=3,
+    )
     ckpt = out / "checkpoints" / "iter_0000003"
     return ckpt, read_trainer_state(ckpt)["trainer"]
 
@@ -163,31 +194,53 @@ def source(base, tmp_path_factory):
 def branch_check(base, source, overrides):
     path, _ = base
     ckpt, state = source
-    cfg = load_config(path, [f"phases={json.dumps(CLM_THEN_MLM)}",
-                             f"train.branch_from={ckpt}"] + overrides)
+    cfg = load_config(
+        path, [f"phases={json.dumps(CLM_THEN_MLM)}", f"train.branch_from={ckpt}"] + overrides
+    )
     return check_branch(ckpt, state, cfg, fingerprint(cfg, token_spec_and_vocab(cfg)))
 
 
 def test_a_branch_may_change_its_budget_folder_and_execution(base, source, tmp_path):
-    notes = branch_check(base, source, [
-        "train.steps=6", "train.decay_steps=3", f"output_dir={tmp_path / 'b'}", "name=b",
-        "train.micro_batch_size=1", "data.loader=workers", "logging.log_interval=5",
-        "checkpoint.keep_last=3", "checkpoint.save_interval=2"])
+    notes = branch_check(
+        base,
+        source,
+        [
+            "train.steps=6",
+            "train.decay_steps=3",
+            f"output_dir={tmp_path / 'b'}",
+            "name=b",
+            "train.micro_batch_size=1",
+            "data.loader=workers",
+            "logging.log_interval=5",
+            "checkpoint.keep_last=3",
+            "checkpoint.save_interval=2",
+        ],
+    )
     assert notes == [f"branching from {source[0]} at step 3 of 14: this run decays over steps 3-6"]
     # a longer budget than the source's is a branch too (its stable part goes on)
     branch_check(base, source, ["train.steps=30"])
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("train.lr=1e-3", "was trained with train.lr = 0.0005 but this run has 0.001"),
-    ("train.warmup_steps=1", "train.warmup_steps = 2 but this run has 1"),
-    ("model.num_layers=2", "model.num_layers = 4 but this run has 2"),
-    ("data.seed=9", "data.seed = 1234 but this run has 9"),
-    ("phases.0.steps=2", "step 3 trains differently, the source in phases.0 (clm steps 0-3), "
-                         "this run in phases.1 (mlm steps 2-"),
-    ("phases.1.mask_ratio=0.3", None),  # after the branch point: the branch's own choice
-    ("train.steps=4", "past the end of this run's stable phase (its decay starts after step 2)"),
-], ids=["lr", "warmup", "model", "seed", "phase-boundary", "later-phase", "decay"])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("train.lr=1e-3", "was trained with train.lr = 0.0005 but this run has 0.001"),
+        ("train.warmup_steps=1", "train.warmup_steps = 2 but this run has 1"),
+        ("model.num_layers=2", "model.num_layers = 4 but this run has 2"),
+        ("data.seed=9", "data.seed = 1234 but this run has 9"),
+        (
+            "phases.0.steps=2",
+            "step 3 trains differently, the source in phases.0 (clm steps 0-3), "
+            "this run in phases.1 (mlm steps 2-",
+        ),
+        ("phases.1.mask_ratio=0.3", None),  # after the branch point: the branch's own choice
+        (
+            "train.steps=4",
+            "past the end of this run's stable phase (its decay starts after step 2)",
+        ),
+    ],
+    ids=["lr", "warmup", "model", "seed", "phase-boundary", "later-phase", "decay"],
+)
 def test_the_branch_guard_names_what_a_branch_may_not_change(base, source, override, expected):
     if expected is None:
         branch_check(base, source, [override])
@@ -206,8 +259,19 @@ def test_stop_at_outside_the_run_exits_2(base, capsys):
 def test_a_refused_branch_exits_2_before_any_work(base, source, tmp_path, capsys):
     path, _ = base
     out = tmp_path / "b"
-    assert main(["pretrain", str(path), f"phases={json.dumps(CLM_THEN_MLM)}", f"output_dir={out}",
-                 f"train.branch_from={source[0]}", "train.clip_grad=0.5"]) == 2
+    assert (
+        main(
+            [
+                "pretrain",
+                str(path),
+                f"phases={json.dumps(CLM_THEN_MLM)}",
+                f"output_dir={out}",
+                f"train.branch_from={source[0]}",
+                "train.clip_grad=0.5",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "train.clip_grad = 1.0 but this run has 0.5" in err, err
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
@@ -223,9 +287,17 @@ def test_kept_checkpoints_are_saved_and_never_pruned(base, tmp_path):
     # 12 steps of 4 samples x 32 tokens (128 tokens a step): every 5th step, step 3, and the
     # first step by whose end 1,000 tokens were read (step 8); save_interval 4 and keep_last 1
     # prune the rest
-    train(path, [f"output_dir={out}", "train.steps=12", "checkpoint.save_interval=4",
-                 "checkpoint.keep_every=5", "checkpoint.keep_steps=[3]",
-                 "checkpoint.keep_tokens=[1000]"])
+    train(
+        path,
+        [
+            f"output_dir={out}",
+            "train.steps=12",
+            "checkpoint.save_interval=4",
+            "checkpoint.keep_every=5",
+            "checkpoint.keep_steps=[3]",
+            "checkpoint.keep_tokens=[1000]",
+        ],
+    )
     names = sorted(p.name for p in (out / "checkpoints").glob("iter_*"))
     assert names == [f"iter_{s:07d}" for s in (3, 5, 8, 10, 12)]
 
@@ -235,24 +307,37 @@ def test_kept_checkpoints_are_saved_and_never_pruned(base, tmp_path):
     assert main(["convert", "to-hf", str(out / "checkpoints"), str(hf), "--steps", "4", "8"]) == 2
     assert not hf.exists()
     try:
-        assert main(["convert", "to-hf", str(out / "checkpoints"), str(hf), "--steps", "3",
-                     "8"]) == 0
+        assert (
+            main(["convert", "to-hf", str(out / "checkpoints"), str(hf), "--steps", "3", "8"]) == 0
+        )
     finally:  # the conversions verify in a world of one in this process
         rt.destroy_distributed()
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             os.environ.pop(key, None)
-    assert sorted(p.name for p in hf.iterdir()) == ["step0000003-tokens384",
-                                                      "step0000008-tokens1.02K"]
+    assert sorted(p.name for p in hf.iterdir()) == [
+        "step0000003-tokens384",
+        "step0000008-tokens1.02K",
+    ]
     record = json.loads((hf / "step0000008-tokens1.02K" / "mlmclm_export.json").read_text())
-    assert (record["iteration"], record["pretraining_tokens"], record["lineage"],
-            record["objective"]) == (8, 1024, "kept", "mlm")
+    assert (
+        record["iteration"],
+        record["pretraining_tokens"],
+        record["lineage"],
+        record["objective"],
+    ) == (8, 1024, "kept", "mlm")
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("checkpoint.keep_steps=[9]", "checkpoint.keep_steps: step 9 is outside this run's steps 1-8"),
-    ("checkpoint.keep_tokens=[5000]", "5000 tokens is outside this run's 1024 tokens"),
-    ("checkpoint.keep_every=-1", "checkpoint.keep_every must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        (
+            "checkpoint.keep_steps=[9]",
+            "checkpoint.keep_steps: step 9 is outside this run's steps 1-8",
+        ),
+        ("checkpoint.keep_tokens=[5000]", "5000 tokens is outside this run's 1024 tokens"),
+        ("checkpoint.keep_every=-1", "checkpoint.keep_every must be >= 0"),
+    ],
+)
 def test_keep_settings_the_run_never_reaches_are_refused(base, override, expected):
     path, _ = base
     with pytest.raises(UsageError, match=expected):

@@ -7,7 +7,13 @@ import yaml
 
 from jobs import REPO
 from megatron_mlmclm.cli import COMMANDS, main
-from megatron_mlmclm.config import dump_yaml, load_config, phase_at, resolve_phase_steps, PhaseConfig
+from megatron_mlmclm.config import (
+    dump_yaml,
+    load_config,
+    phase_at,
+    resolve_phase_steps,
+    PhaseConfig,
+)
 from megatron_mlmclm.errors import UsageError
 
 MOCK = ["data.mock=true"]
@@ -16,42 +22,75 @@ MOCK = ["data.mock=true"]
 def test_defaults_fill_the_preset():
     cfg = load_config(None, MOCK + ["model.preset=610m"])
     m = cfg.model
-    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads,
-            m.num_query_groups, m.kv_channels, m.seq_length) == (26, 1152, 4096, 18, 6, 64, 2048)
+    assert (
+        m.num_layers,
+        m.hidden_size,
+        m.ffn_hidden_size,
+        m.num_attention_heads,
+        m.num_query_groups,
+        m.kv_channels,
+        m.seq_length,
+    ) == (26, 1152, 4096, 18, 6, 64, 2048)
     assert cfg.checkpoint.dir.endswith("checkpoints")
 
 
 def test_overrides_parse_yaml_values_and_list_indices(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"phases": [{"objective": "clm", "share": 0.25},
-                                               {"objective": "mlm", "share": 0.75}],
-                                    "train": {"steps": 42000, "warmup_steps": 2000,
-                                              "decay_steps": 2000}, "data": {"train": ["x"]}}))
-    cfg = load_config(path, ["phases.1.mask_ratio=0.3", "train.lr=3e-4", "model.preset=tiny",
-                             "data.train=[0.5, a, 0.5, b]"])
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "phases": [
+                    {"objective": "clm", "share": 0.25},
+                    {"objective": "mlm", "share": 0.75},
+                ],
+                "train": {"steps": 42000, "warmup_steps": 2000, "decay_steps": 2000},
+                "data": {"train": ["x"]},
+            }
+        )
+    )
+    cfg = load_config(
+        path,
+        [
+            "phases.1.mask_ratio=0.3",
+            "train.lr=3e-4",
+            "model.preset=tiny",
+            "data.train=[0.5, a, 0.5, b]",
+        ],
+    )
     assert cfg.phases[1].mask_ratio == 0.3 and cfg.train.lr == 3e-4
     assert [p.steps for p in cfg.phases] == [10500, 31500]
     assert cfg.data.train == ["0.5", "a", "0.5", "b"]
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["model.hiden_size=3"], "unknown config key 'model.hiden_size'"),
-    (["train.steps=ten"], "'train.steps' must be an integer"),
-    (["model.hidden_size=130"], "must divide model.hidden_size"),
-    (["parallel.tensor_model_parallel_size=4"], "must divide model.num_query_groups"),
-    (["parallel.tensor_model_parallel_size=3"], "must divide model.num_attention_heads"),
-    (["parallel.pipeline_model_parallel_size=8"], "larger than model.num_layers"),
-    (["phases.0.mask_ratio=1.0"], "mask_ratio 1.0 must be in (0, 1)"),
-    (["phases=[{objective: clm, share: 0.3}, {objective: mlm, share: 0.6}]"], "must sum to the budget"),
-    (["phases.0.objective=bert"], "objective 'bert'"),
-    (["train.global_batch_size=6", "train.micro_batch_size=4"], "must divide train.global_batch_size"),
-    (["train.warmup_steps=80", "train.decay_steps=30"], "must fit in train.steps"),
-    (["model.preset=huge"], "model.preset 'huge' is unknown"),
-    (["data.mock=false"], "data.train is empty"),
-    (["train.steps"], "must look like key.sub=value"),
-    (["phases=[{objective: clm, share: 0.5, steps: 40}, {objective: mlm, share: 0.5}]"],
-     "phases.0 gives share 0.5 (= 50 of train.steps=100) and steps 40, which disagree"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["model.hiden_size=3"], "unknown config key 'model.hiden_size'"),
+        (["train.steps=ten"], "'train.steps' must be an integer"),
+        (["model.hidden_size=130"], "must divide model.hidden_size"),
+        (["parallel.tensor_model_parallel_size=4"], "must divide model.num_query_groups"),
+        (["parallel.tensor_model_parallel_size=3"], "must divide model.num_attention_heads"),
+        (["parallel.pipeline_model_parallel_size=8"], "larger than model.num_layers"),
+        (["phases.0.mask_ratio=1.0"], "mask_ratio 1.0 must be in (0, 1)"),
+        (
+            ["phases=[{objective: clm, share: 0.3}, {objective: mlm, share: 0.6}]"],
+            "must sum to the budget",
+        ),
+        (["phases.0.objective=bert"], "objective 'bert'"),
+        (
+            ["train.global_batch_size=6", "train.micro_batch_size=4"],
+            "must divide train.global_batch_size",
+        ),
+        (["train.warmup_steps=80", "train.decay_steps=30"], "must fit in train.steps"),
+        (["model.preset=huge"], "model.preset 'huge' is unknown"),
+        (["data.mock=false"], "data.train is empty"),
+        (["train.steps"], "must look like key.sub=value"),
+        (
+            ["phases=[{objective: clm, share: 0.5, steps: 40}, {objective: mlm, share: 0.5}]"],
+            "phases.0 gives share 0.5 (= 50 of train.steps=100) and steps 40, which disagree",
+        ),
+    ],
+)
 def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(UsageError) as e:
         load_config(None, MOCK + overrides)
@@ -60,25 +99,53 @@ def test_bad_values_name_the_key(overrides, needle):
 
 
 # Pairs that contradict each other (one would be silently ignored): refused in one line naming both.
-@pytest.mark.parametrize("overrides,one_alone,first,second", [
-    (["data.train=[shards/a_text_document]"], [], "data.mock=true", "data.train"),
-    (["data.valid=[shards/v_text_document]"], [], "data.mock=true", "data.valid"),
-    (["data.mock=false", "data.train=[a]", "logging.eval_interval=10"],
-     ["data.mock=false", "data.train=[a]"], "logging.eval_interval=10", "data.valid is empty"),
-    (["train.fp8=delayed", "train.precision=fp32"], ["train.fp8=delayed"], "train.fp8=delayed",
-     "train.precision=fp32"),
-    (["checkpoint.allow_data_change=true", "checkpoint.resume=false"],
-     ["checkpoint.allow_data_change=true"], "checkpoint.allow_data_change=true",
-     "checkpoint.resume=false"),
-    (["parallel.overlap_param_gather=true"], [], "parallel.overlap_param_gather=true",
-     "parallel.use_distributed_optimizer=false"),
-    (["parallel.use_distributed_optimizer=true", "parallel.overlap_param_gather=true",
-      "parallel.overlap_grad_reduce=false"],
-     ["parallel.use_distributed_optimizer=true", "parallel.overlap_param_gather=true"],
-     "parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=false"),
-    (["train.fp8=delayed", "parallel.context_parallel_size=2"],
-     ["parallel.context_parallel_size=2"], "train.fp8=delayed", "context_parallel_size=2"),
-])
+@pytest.mark.parametrize(
+    "overrides,one_alone,first,second",
+    [
+        (["data.train=[shards/a_text_document]"], [], "data.mock=true", "data.train"),
+        (["data.valid=[shards/v_text_document]"], [], "data.mock=true", "data.valid"),
+        (
+            ["data.mock=false", "data.train=[a]", "logging.eval_interval=10"],
+            ["data.mock=false", "data.train=[a]"],
+            "logging.eval_interval=10",
+            "data.valid is empty",
+        ),
+        (
+            ["train.fp8=delayed", "train.precision=fp32"],
+            ["train.fp8=delayed"],
+            "train.fp8=delayed",
+            "train.precision=fp32",
+        ),
+        (
+            ["checkpoint.allow_data_change=true", "checkpoint.resume=false"],
+            ["checkpoint.allow_data_change=true"],
+            "checkpoint.allow_data_change=true",
+            "checkpoint.resume=false",
+        ),
+        (
+            ["parallel.overlap_param_gather=true"],
+            [],
+            "parallel.overlap_param_gather=true",
+            "parallel.use_distributed_optimizer=false",
+        ),
+        (
+            [
+                "parallel.use_distributed_optimizer=true",
+                "parallel.overlap_param_gather=true",
+                "parallel.overlap_grad_reduce=false",
+            ],
+            ["parallel.use_distributed_optimizer=true", "parallel.overlap_param_gather=true"],
+            "parallel.overlap_param_gather=true",
+            "parallel.overlap_grad_reduce=false",
+        ),
+        (
+            ["train.fp8=delayed", "parallel.context_parallel_size=2"],
+            ["parallel.context_parallel_size=2"],
+            "train.fp8=delayed",
+            "context_parallel_size=2",
+        ),
+    ],
+)
 def test_contradictory_settings_are_refused_naming_both(overrides, one_alone, first, second):
     with pytest.raises(UsageError) as e:
         load_config(None, MOCK + overrides)
@@ -89,22 +156,39 @@ def test_contradictory_settings_are_refused_naming_both(overrides, one_alone, fi
 
 def test_tiny_yaml_with_shards_on_the_command_line_exits_2_before_any_work(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["pretrain", str(REPO / "examples/configs/tiny.yaml"), "data.train=[my_shards]",
-                 f"output_dir={out}"]) == 2
+    assert (
+        main(
+            [
+                "pretrain",
+                str(REPO / "examples/configs/tiny.yaml"),
+                "data.train=[my_shards]",
+                f"output_dir={out}",
+            ]
+        )
+        == 2
+    )
     assert "data.mock=false" in capsys.readouterr().err
     assert not out.exists()
 
 
 def test_phase_steps_sum_exactly_and_zero_share_phases_are_skipped():
-    phases = [PhaseConfig("clm", share=1 / 3), PhaseConfig("mlm", share=1 / 3),
-              PhaseConfig("mlm", share=1 / 3, mask_ratio=0.2)]
+    phases = [
+        PhaseConfig("clm", share=1 / 3),
+        PhaseConfig("mlm", share=1 / 3),
+        PhaseConfig("mlm", share=1 / 3, mask_ratio=0.2),
+    ]
     assert sum(resolve_phase_steps(phases, 100)) == 100
     phases = [PhaseConfig("clm", share=0.0), PhaseConfig("mlm", share=1.0)]
     assert resolve_phase_steps(phases, 12) == [0, 12]
     assert phase_at(phases, 0)[0] == 1
     phases = [PhaseConfig("clm", steps=10), PhaseConfig("mlm", share=0.5)]
     assert resolve_phase_steps(phases, 20) == [10, 10]
-    assert [phase_at(phases, s)[1].objective for s in (0, 9, 10, 19)] == ["clm", "clm", "mlm", "mlm"]
+    assert [phase_at(phases, s)[1].objective for s in (0, 9, 10, 19)] == [
+        "clm",
+        "clm",
+        "mlm",
+        "mlm",
+    ]
 
 
 def test_one_phase_without_a_length_takes_the_rest_of_the_budget():
@@ -115,8 +199,15 @@ def test_one_phase_without_a_length_takes_the_rest_of_the_budget():
         cfg = load_config(None, MOCK + [phases, f"train.steps={steps}"])
         assert [p.steps for p in cfg.phases] == [30, steps - 30]
     # in tokens: the tiny preset reads 8 x 128 = 1,024 tokens a step
-    cfg = load_config(None, MOCK + ["phases=[{objective: clm, tokens: 10240}, {objective: mlm}]",
-                                    "train.steps=null", "train.tokens=40960"])
+    cfg = load_config(
+        None,
+        MOCK
+        + [
+            "phases=[{objective: clm, tokens: 10240}, {objective: mlm}]",
+            "train.steps=null",
+            "train.tokens=40960",
+        ],
+    )
     assert [p.steps for p in cfg.phases] == [10, 30] and cfg.train.steps == 40
     with pytest.raises(UsageError, match="phases.0 and phases.1 give no length"):
         load_config(None, MOCK + ["phases=[{objective: clm}, {objective: mlm}]"])
@@ -127,20 +218,45 @@ def test_one_phase_without_a_length_takes_the_rest_of_the_budget():
 def test_dumped_and_dry_run_configs_load_back_unchanged(tmp_path, capsys):
     """A run's config.yaml and the --dry-run output are valid configs of the same run."""
     src = tmp_path / "c.yaml"
-    src.write_text(yaml.safe_dump({
-        "data": {"train": ["t1"], "valid": ["0.3", "v1", "0.7", "v2"]},
-        "train": {"steps": 31, "warmup_steps": 3, "decay_steps": 3, "lr": "5e-4"},
-        "phases": [{"objective": "clm", "share": 1 / 3}, {"objective": "mlm", "steps": 10},
-                   {"objective": "mlm", "share": 1 - 1 / 3 - 10 / 31, "mask_ratio": 0.2,
-                    "mask_replace": "80-10-10"}]}))
+    src.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"train": ["t1"], "valid": ["0.3", "v1", "0.7", "v2"]},
+                "train": {"steps": 31, "warmup_steps": 3, "decay_steps": 3, "lr": "5e-4"},
+                "phases": [
+                    {"objective": "clm", "share": 1 / 3},
+                    {"objective": "mlm", "steps": 10},
+                    {
+                        "objective": "mlm",
+                        "share": 1 - 1 / 3 - 10 / 31,
+                        "mask_ratio": 0.2,
+                        "mask_replace": "80-10-10",
+                    },
+                ],
+            }
+        )
+    )
     cfg = load_config(src, ["model.preset=610m", "checkpoint.allow_data_change=true"])
     # Resolved: shares and steps side by side (what used to be refused on reload).
-    assert [(p.share, p.steps) for p in cfg.phases] == [(1 / 3, 10), (None, 10),
-                                                        (1 - 1 / 3 - 10 / 31, 11)]
+    assert [(p.share, p.steps) for p in cfg.phases] == [
+        (1 / 3, 10),
+        (None, 10),
+        (1 - 1 / 3 - 10 / 31, 11),
+    ]
     dump_yaml(cfg, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == cfg
-    assert main(["pretrain", str(src), "model.preset=610m", "checkpoint.allow_data_change=true",
-                 "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "pretrain",
+                str(src),
+                "model.preset=610m",
+                "checkpoint.allow_data_change=true",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     (tmp_path / "dry.yaml").write_text(capsys.readouterr().out)
     assert load_config(tmp_path / "dry.yaml") == cfg
 

@@ -24,10 +24,25 @@ from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.convert.hf_export import to_hf
 from megatron_mlmclm.convert.hf_import import from_hf
 
-MODEL = {"preset": None, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
-         "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16, "seq_length": 64}
-HF_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+MODEL = {
+    "preset": None,
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "kv_channels": 16,
+    "seq_length": 64,
+}
+HF_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 VOCAB_TOKENIZER = 300
 
 
@@ -53,46 +68,95 @@ def ws(tmp_path_factory):
     # lr 1e-30 (an fp32 no-op on weights of magnitude > 1e-22), so their iter_0000001 holds the TP1
     # weights saved at another layout.
     config = root / "run.yaml"
-    config.write_text(yaml.safe_dump({
-        "data": {"mock": True, "tokenizer": str(tok_dir)}, "model": MODEL,
-        "train": {"micro_batch_size": 1, "global_batch_size": 2},
-        "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
-        "logging": {"tensorboard": False}}))
-    run_pretrain(config, [f"output_dir={root / 'tp1'}", "train.steps=2", "train.warmup_steps=0",
-                          "train.decay_steps=0"])
-    lr0 = [f"train.init_from={root / 'tp1' / 'checkpoints'}", "train.steps=1",
-           "train.lr=1e-30", "train.warmup_steps=0", "train.decay_steps=0",
-           "phases=[{objective: mlm}]"]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "megatron_mlmclm", "pretrain", str(config), f"output_dir={root / name}",
-         f"parallel.{key}=2"] + lr0, env=job_env(), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
-        for name, key in (("tp2", "tensor_model_parallel_size"),
-                          ("pp2", "pipeline_model_parallel_size"))]
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"mock": True, "tokenizer": str(tok_dir)},
+                "model": MODEL,
+                "train": {"micro_batch_size": 1, "global_batch_size": 2},
+                "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
+                "logging": {"tensorboard": False},
+            }
+        )
+    )
+    run_pretrain(
+        config,
+        [
+            f"output_dir={root / 'tp1'}",
+            "train.steps=2",
+            "train.warmup_steps=0",
+            "train.decay_steps=0",
+        ],
+    )
+    lr0 = [
+        f"train.init_from={root / 'tp1' / 'checkpoints'}",
+        "train.steps=1",
+        "train.lr=1e-30",
+        "train.warmup_steps=0",
+        "train.decay_steps=0",
+        "phases=[{objective: mlm}]",
+    ]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "megatron_mlmclm",
+                "pretrain",
+                str(config),
+                f"output_dir={root / name}",
+                f"parallel.{key}=2",
+            ]
+            + lr0,
+            env=job_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, key in (
+            ("tp2", "tensor_model_parallel_size"),
+            ("pp2", "pipeline_model_parallel_size"),
+        )
+    ]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
 
     hf = {}
     for name, kind, extra in (
-            ("llama", "llama", dict(vocab_size=320, tie_word_embeddings=False)),
-            ("llama_tied", "llama", dict(vocab_size=300, tie_word_embeddings=True)),
-            ("qwen3", "qwen3", dict(vocab_size=320, tie_word_embeddings=False))):
+        ("llama", "llama", dict(vocab_size=320, tie_word_embeddings=False)),
+        ("llama_tied", "llama", dict(vocab_size=300, tie_word_embeddings=True)),
+        ("qwen3", "qwen3", dict(vocab_size=320, tie_word_embeddings=False)),
+    ):
         hf[name] = make_hf(root / f"hf_{name}", kind, tok, **extra)
-    return {"root": root, "tok": tok_dir, "config": config, "hf": hf,
-            "ckpt": {"tp1": root / "tp1" / "checkpoints",
-                     "tp2": root / "tp2" / "checkpoints" / "iter_0000001",
-                     "pp2": root / "pp2" / "checkpoints" / "iter_0000001"}}
+    return {
+        "root": root,
+        "tok": tok_dir,
+        "config": config,
+        "hf": hf,
+        "ckpt": {
+            "tp1": root / "tp1" / "checkpoints",
+            "tp2": root / "tp2" / "checkpoints" / "iter_0000001",
+            "pp2": root / "pp2" / "checkpoints" / "iter_0000001",
+        },
+    }
 
 
 def make_hf(path: Path, kind: str, tok, seed: int = 0, **extra) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    kw = dict(HF_DIMS, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-              pad_token_id=tok.pad_token_id)
+    kw = dict(
+        HF_DIMS,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     kw.update(extra)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
@@ -125,8 +189,10 @@ def megatron_reference(ws, ckpt_dir: Path, tokens: torch.Tensor, causal: bool) -
     from megatron_mlmclm.runtime.distributed import init_distributed
     from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
 
-    cfg = load_config(ws["config"], ["train.precision=fp32", "train.steps=2",
-                                     "train.warmup_steps=0", "train.decay_steps=0"])
+    cfg = load_config(
+        ws["config"],
+        ["train.precision=fp32", "train.steps=2", "train.warmup_steps=0", "train.decay_steps=0"],
+    )
     init_distributed(1, 1, None, 0)
     model = build_model_chunk(cfg, transformer_config(cfg), VOCAB_TOKENIZER, True, True).eval()
     load_checkpoint(latest_checkpoint(ckpt_dir), [model], load_rng=False)
@@ -143,8 +209,13 @@ def pretrain_subprocess(config: Path, overrides: list[str]) -> subprocess.Comple
     env = job_env()
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config),
-                           *overrides], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config), *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -188,8 +259,10 @@ def test_export_loads_in_plain_transformers_and_matches_megatron(ws, exported):
 
     base = transformers.AutoModel.from_pretrained(str(out), dtype=torch.float32)
     assert type(base).__name__ == "EuroBertModel"
-    for auto, head in ((transformers.AutoModelForSequenceClassification, ("dense", "classifier")),
-                       (transformers.AutoModelForTokenClassification, ("classifier",))):
+    for auto, head in (
+        (transformers.AutoModelForSequenceClassification, ("dense", "classifier")),
+        (transformers.AutoModelForTokenClassification, ("classifier",)),
+    ):
         model, info = auto.from_pretrained(str(out), num_labels=3, output_loading_info=True)
         assert all(k.startswith(head) for k in info["missing_keys"]), info
         with torch.no_grad():
@@ -274,8 +347,10 @@ def test_hf_megatron_hf_round_trip_is_exact(ws, name):
     cfg = json.loads((exp.path / "config.json").read_text())
     assert cfg["is_causal"] is False and cfg["tie_word_embeddings"] == (name == "llama_tied")
     assert cfg["rope_parameters"]["rope_type"] == "default" and "rope_scaling" not in cfg
-    src, got = load_file(str(src_dir / "model.safetensors")), load_file(
-        str(exp.path / "model.safetensors"))
+    src, got = (
+        load_file(str(src_dir / "model.safetensors")),
+        load_file(str(exp.path / "model.safetensors")),
+    )
     if name == "llama_tied":
         src.pop("lm_head.weight", None)
     assert got.keys() == src.keys()
@@ -286,14 +361,20 @@ def test_hf_megatron_hf_round_trip_is_exact(ws, name):
 # Llama 3.1-style RoPE scaling. original_max_position_embeddings=32 (not megatron's built-in 8192)
 # and factor 16 (not 8), so a converter that passed only the factor, or none, would be caught; the
 # logits are compared at 160 positions, far past 32, where the scaled low frequencies matter.
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 16.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 LONG = 160
 
 
-def _megatron_run_logits(run_yaml: Path, tokens: torch.Tensor, causal: bool,
-                         overrides=()) -> torch.Tensor:
+def _megatron_run_logits(
+    run_yaml: Path, tokens: torch.Tensor, causal: bool, overrides=()
+) -> torch.Tensor:
     """Logits of the model a `mlmclm pretrain` of `run_yaml` would start from (its init_from)."""
     from megatron_mlmclm.config import load_config
     from megatron_mlmclm.objectives import document_attention_mask
@@ -301,8 +382,15 @@ def _megatron_run_logits(run_yaml: Path, tokens: torch.Tensor, causal: bool,
     from megatron_mlmclm.runtime.distributed import init_distributed
     from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
 
-    cfg = load_config(run_yaml, ["data.mock=true", "train.precision=fp32",
-                                 f"model.seq_length={tokens.shape[1]}", *overrides])
+    cfg = load_config(
+        run_yaml,
+        [
+            "data.mock=true",
+            "train.precision=fp32",
+            f"model.seq_length={tokens.shape[1]}",
+            *overrides,
+        ],
+    )
     init_distributed(1, 1, None, 0)
     model = build_model_chunk(cfg, transformer_config(cfg), VOCAB_TOKENIZER, True, True).eval()
     load_checkpoint(latest_checkpoint(cfg.train.init_from), [model], load_rng=False)
@@ -325,24 +413,39 @@ def test_llama3_rope_scaling_round_trip(ws, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ws["tok"]))
-    src = make_hf(tmp_path / "llama31", "llama", tok, vocab_size=320, tie_word_embeddings=False,
-                  rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=256)
-    tokens = torch.randint(0, VOCAB_TOKENIZER, (2, LONG), generator=torch.Generator().manual_seed(5))
+    src = make_hf(
+        tmp_path / "llama31",
+        "llama",
+        tok,
+        vocab_size=320,
+        tie_word_embeddings=False,
+        rope_parameters=dict(LLAMA3_ROPE),
+        max_position_embeddings=256,
+    )
+    tokens = torch.randint(
+        0, VOCAB_TOKENIZER, (2, LONG), generator=torch.Generator().manual_seed(5)
+    )
     ref = _hf_logits(src, tokens)  # HF's own forward, llama3 frequencies
-    plain = _hf_logits(src, tokens, rope_parameters={"rope_type": "default",
-                                                     "rope_theta": 500000.0})
+    plain = _hf_logits(
+        src, tokens, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}
+    )
     assert (plain - ref).abs().max().item() > 1e-3  # the scaling matters (10x the tolerance)
 
     imp = from_hf(src, tmp_path / "imp", verbose=False)
     assert imp.verification.max_abs_diff <= 1e-4
     model_cfg = yaml.safe_load((imp.path / "config.yaml").read_text())["model"]
     assert model_cfg["rope_scaling"] == {
-        "type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}
+        "type": "llama3",
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     ours = _megatron_run_logits(imp.path / "config.yaml", tokens, causal=True)
     assert (ours - ref).abs().max().item() < 1e-4
-    unscaled = _megatron_run_logits(imp.path / "config.yaml", tokens, causal=True,
-                                    overrides=["model.rope_scaling=null"])
+    unscaled = _megatron_run_logits(
+        imp.path / "config.yaml", tokens, causal=True, overrides=["model.rope_scaling=null"]
+    )
     assert (unscaled - plain).abs().max().item() < 1e-4  # and without it, plain RoPE
 
     # Back to HF: the causal export reproduces the source's forward; EuroBERT carries it too.
@@ -364,8 +467,15 @@ def test_llama32_legacy_rope_scaling_config_and_bad_rope(ws, capsys, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ws["tok"]))
-    src = make_hf(tmp_path / "legacy", "llama", tok, vocab_size=300, tie_word_embeddings=True,
-                  rope_parameters=dict(LLAMA3_ROPE), max_position_embeddings=256)
+    src = make_hf(
+        tmp_path / "legacy",
+        "llama",
+        tok,
+        vocab_size=300,
+        tie_word_embeddings=True,
+        rope_parameters=dict(LLAMA3_ROPE),
+        max_position_embeddings=256,
+    )
     raw = json.loads((src / "config.json").read_text())
     rope = raw.pop("rope_parameters")
     raw["rope_theta"] = rope.pop("rope_theta")
@@ -377,11 +487,26 @@ def test_llama32_legacy_rope_scaling_config_and_bad_rope(ws, capsys, tmp_path):
     assert model_cfg["rotary_base"] == 500000.0
 
     out = tmp_path / "out"
-    for bad, match in (({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 32}, "yarn"),
-                       (dict(LLAMA3_ROPE, high_freq_factor=0.5), "high_freq_factor")):
-        path = make_hf(tmp_path / bad["rope_type"], "llama", tok, vocab_size=300,
-                       rope_parameters=bad, max_position_embeddings=256)
+    for bad, match in (
+        (
+            {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "yarn",
+        ),
+        (dict(LLAMA3_ROPE, high_freq_factor=0.5), "high_freq_factor"),
+    ):
+        path = make_hf(
+            tmp_path / bad["rope_type"],
+            "llama",
+            tok,
+            vocab_size=300,
+            rope_parameters=bad,
+            max_position_embeddings=256,
+        )
         assert_refused(capsys, out, "from-hf", path, out, match=match)
 
 
@@ -389,17 +514,33 @@ def test_imported_checkpoint_continues_with_mlm(ws):
     imp = ws["root"] / "imp_llama"
     if not imp.exists():
         from_hf(ws["hf"]["llama"], imp, verbose=False)
-    proc = pretrain_subprocess(imp / "config.yaml", [
-        "data.mock=true", f"output_dir={ws['root'] / 'continued'}", "model.seq_length=32",
-        "train.steps=1", "train.warmup_steps=0", "train.decay_steps=0",
-        "train.micro_batch_size=1", "train.global_batch_size=1", "logging.tensorboard=false"])
+    proc = pretrain_subprocess(
+        imp / "config.yaml",
+        [
+            "data.mock=true",
+            f"output_dir={ws['root'] / 'continued'}",
+            "model.seq_length=32",
+            "train.steps=1",
+            "train.warmup_steps=0",
+            "train.decay_steps=0",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=1",
+            "logging.tensorboard=false",
+        ],
+    )
     assert f"initialised weights from {imp / 'checkpoints'}" in proc.stderr
-    metrics = [m for m in map(json.loads, (ws["root"] / "continued" / "metrics.jsonl").read_text()
-                                  .splitlines()) if "loss" in m]
+    metrics = [
+        m
+        for m in map(
+            json.loads, (ws["root"] / "continued" / "metrics.jsonl").read_text().splitlines()
+        )
+        if "loss" in m
+    ]
     assert metrics[0]["objective"] == "mlm" and metrics[0]["loss"] == metrics[0]["loss"]
     # The continued run's export still defaults to the source family (followed via init_from).
-    res = to_hf(ws["root"] / "continued" / "checkpoints", ws["root"] / "export_continued",
-                verbose=False)
+    res = to_hf(
+        ws["root"] / "continued" / "checkpoints", ws["root"] / "export_continued", verbose=False
+    )
     assert res.arch == "llama"
 
 
@@ -411,16 +552,19 @@ def test_vocab_grows_for_mask_token(tmp_path):
     words = ["<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(61)]
     wl = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     wl.pre_tokenizer = pre_tokenizers.Whitespace()
-    small = PreTrainedTokenizerFast(tokenizer_object=wl, bos_token="<s>", eos_token="</s>",
-                                    unk_token="<unk>")
+    small = PreTrainedTokenizerFast(
+        tokenizer_object=wl, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     assert small.mask_token_id is None and len(small) == 64
     src = make_hf(tmp_path / "hf", "llama", small, vocab_size=64, tie_word_embeddings=False)
     res = from_hf(src, tmp_path / "imp", verbose=False)
     assert res.vocab_grew and res.vocab_size == 66  # <mask> and <pad> added
     state = read_global_tensors(res.checkpoint)
     orig = load_file(str(src / "model.safetensors"))
-    for ours, theirs in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-                         ("output_layer.weight", "lm_head.weight")):
+    for ours, theirs in (
+        ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        ("output_layer.weight", "lm_head.weight"),
+    ):
         assert torch.equal(state[ours][:64], orig[theirs])
         assert torch.allclose(state[ours][64], orig[theirs].mean(0))
 
@@ -435,10 +579,14 @@ def test_refuses_unsupported_hf_models(ws, capsys, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(ws["tok"]))
     out = tmp_path / "out"
     cases = {
-        "sliding": (make_hf(tmp_path / "mistral", "mistral", tok, vocab_size=300,
-                            sliding_window=16), "sliding-window"),
-        "bias": (make_hf(tmp_path / "bias", "llama", tok, vocab_size=300, attention_bias=True),
-                 "biases"),
+        "sliding": (
+            make_hf(tmp_path / "mistral", "mistral", tok, vocab_size=300, sliding_window=16),
+            "sliding-window",
+        ),
+        "bias": (
+            make_hf(tmp_path / "bias", "llama", tok, vocab_size=300, attention_bias=True),
+            "biases",
+        ),
         "vocab": (make_hf(tmp_path / "small", "llama", tok, vocab_size=256), "tokenizer"),
     }
     unknown = tmp_path / "gpt2"
@@ -473,12 +621,14 @@ def test_refuses_partial_or_corrupt_checkpoints(ws, capsys, tmp_path):
             for f in it.glob("*.distcp"):
                 f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
         for target in (bad, it):
-            assert_refused(capsys, out, "to-hf", target, out, "--tokenizer", ws["tok"],
-                           match="checkpoint")
+            assert_refused(
+                capsys, out, "to-hf", target, out, "--tokenizer", ws["tok"], match="checkpoint"
+            )
 
 
-def test_output_exists_needs_force_and_failed_verification_leaves_nothing(ws, capsys, tmp_path,
-                                                                          monkeypatch):
+def test_output_exists_needs_force_and_failed_verification_leaves_nothing(
+    ws, capsys, tmp_path, monkeypatch
+):
     out = tmp_path / "exists"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
@@ -508,16 +658,37 @@ def test_tokenizer_larger_than_vocab_and_tools_script(ws, capsys, tmp_path):
     big.add_tokens([f"extra{i}" for i in range(20)])
     big.save_pretrained(str(tmp_path / "big"))
     out = tmp_path / "out"
-    assert_refused(capsys, out, "to-hf", ws["ckpt"]["tp1"], out, "--tokenizer", tmp_path / "big",
-                   match="vocabulary")
+    assert_refused(
+        capsys,
+        out,
+        "to-hf",
+        ws["ckpt"]["tp1"],
+        out,
+        "--tokenizer",
+        tmp_path / "big",
+        match="vocabulary",
+    )
     # The Megatron-style script runs the same code: exit 2 and one line on an existing output.
     out.mkdir()
     env = job_env()
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "tools" /
-                                               "convert_checkpoint.py"),
-                           "--loader", "megatron", "--saver", "hf", "--load-dir",
-                           str(ws["ckpt"]["tp1"]), "--save-dir", str(out)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parent.parent / "tools" / "convert_checkpoint.py"),
+            "--loader",
+            "megatron",
+            "--saver",
+            "hf",
+            "--load-dir",
+            str(ws["ckpt"]["tp1"]),
+            "--save-dir",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "exists" in proc.stderr
 
@@ -527,7 +698,7 @@ def test_wrong_arch_for_qk_norm_is_refused(ws, capsys, tmp_path):
     if not imp.exists():
         from_hf(ws["hf"]["qwen3"], imp, verbose=False)
     out = tmp_path / "out"
-    assert_refused(capsys, out, "to-hf", imp / "checkpoints", out, "--arch", "eurobert",
-                   match="qk-norm")
-    assert_refused(capsys, out, "to-hf", ws["ckpt"]["tp1"], out, "--arch", "qwen3",
-                   match="qk-norm")
+    assert_refused(
+        capsys, out, "to-hf", imp / "checkpoints", out, "--arch", "eurobert", match="qk-norm"
+    )
+    assert_refused(capsys, out, "to-hf", ws["ckpt"]["tp1"], out, "--arch", "qwen3", match="qk-norm")

@@ -30,19 +30,47 @@ VOCAB = 300  # tokenizer size; the source's padded vocabulary is larger (Megatro
 
 def megatron_lm_args(**over) -> argparse.Namespace:
     """The architecture part of Megatron-LM's args for a Llama-style GPT (plus run fields)."""
-    a = dict(num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention_heads=4,
-             group_query_attention=True, num_query_groups=2, kv_channels=16,
-             normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
-             position_embedding_type="rope", rotary_base=500000, rotary_percent=1.0,
-             rotary_interleaved=False, rotary_seq_len_interpolation_factor=None,
-             use_rope_scaling=False, rope_scaling_factor=8.0,
-             untie_embeddings_and_output_weights=True, padded_vocab_size=512,
-             make_vocab_size_divisible_by=128, seq_length=64, max_position_embeddings=64,
-             qk_layernorm=False, add_bias_linear=False, add_qkv_bias=False, num_experts=None,
-             multi_latent_attention=False, apply_layernorm_1p=False, window_size=None,
-             init_method_std=0.02, ckpt_format="torch_dist", tensor_model_parallel_size=1,
-             pipeline_model_parallel_size=1, bf16=True, tokenizer_type="HuggingFaceTokenizer",
-             lr=3e-4, train_iters=10, micro_batch_size=1, global_batch_size=8)
+    a = dict(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=160,
+        num_attention_heads=4,
+        group_query_attention=True,
+        num_query_groups=2,
+        kv_channels=16,
+        normalization="RMSNorm",
+        norm_epsilon=1e-5,
+        swiglu=True,
+        position_embedding_type="rope",
+        rotary_base=500000,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        rotary_seq_len_interpolation_factor=None,
+        use_rope_scaling=False,
+        rope_scaling_factor=8.0,
+        untie_embeddings_and_output_weights=True,
+        padded_vocab_size=512,
+        make_vocab_size_divisible_by=128,
+        seq_length=64,
+        max_position_embeddings=64,
+        qk_layernorm=False,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        num_experts=None,
+        multi_latent_attention=False,
+        apply_layernorm_1p=False,
+        window_size=None,
+        init_method_std=0.02,
+        ckpt_format="torch_dist",
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        bf16=True,
+        tokenizer_type="HuggingFaceTokenizer",
+        lr=3e-4,
+        train_iters=10,
+        micro_batch_size=1,
+        global_batch_size=8,
+    )
     a.update(over)
     return argparse.Namespace(**a)
 
@@ -59,24 +87,42 @@ def write_megatron_lm(save_dir: Path, args: argparse.Namespace, iteration: int =
     init_single_process(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
-        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu, activation_func=F.silu,
-        add_bias_linear=args.add_bias_linear, qk_layernorm=args.qk_layernorm,
-        init_method_std=0.2, use_cpu_initialization=True, hidden_dropout=0.0,
-        attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False)
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu,
+        add_bias_linear=args.add_bias_linear,
+        qk_layernorm=args.qk_layernorm,
+        init_method_std=0.2,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization,
-                                                        qk_layernorm=args.qk_layernorm),
-        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization=args.normalization, qk_layernorm=args.qk_layernorm
+        ),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor).eval()
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+    ).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:  # away from 1 so a mapping mistake shows in the logits
@@ -86,9 +132,14 @@ def write_megatron_lm(save_dir: Path, args: argparse.Namespace, iteration: int =
     for sh in sharded.values():
         if hasattr(sh, "data") and torch.is_tensor(sh.data) and sh.data.is_floating_point():
             sh.data = sh.data.bfloat16()  # Megatron-LM saves the bf16 model params
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": sharded,
-             "opt_param_scheduler": {"num_steps": iteration * args.global_batch_size},
-             "num_floating_point_operations_so_far": 0}
+    state = {
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "model": sharded,
+        "opt_param_scheduler": {"num_steps": iteration * args.global_batch_size},
+        "num_floating_point_operations_so_far": 0,
+    }
     it = save_dir / f"iter_{iteration:07d}"
     it.mkdir(parents=True)
     dist_checkpointing.save(state, str(it))
@@ -101,8 +152,9 @@ def causal_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None).float()
 
 
-def ours_from_run_config(run_yaml: Path, tokens: torch.Tensor, causal: bool,
-                         overrides=()) -> torch.Tensor:
+def ours_from_run_config(
+    run_yaml: Path, tokens: torch.Tensor, causal: bool, overrides=()
+) -> torch.Tensor:
     """Logits of the model `mlmclm pretrain run_yaml` starts from (its init_from), loaded the
     trainer's way."""
     from megatron_mlmclm.config import load_config
@@ -128,44 +180,71 @@ def tok_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("variant", ["gqa_untied", "tied_qknorm_llama3"])
 def test_megatron_lm_checkpoint_imports_exactly(tmp_path, tok_dir, variant):
-    over = {} if variant == "gqa_untied" else dict(
-        untie_embeddings_and_output_weights=False, qk_layernorm=True, group_query_attention=False,
-        num_query_groups=None, use_rope_scaling=True, rope_scaling_factor=32.0,
-        seq_length=96, max_position_embeddings=96)
+    over = (
+        {}
+        if variant == "gqa_untied"
+        else dict(
+            untie_embeddings_and_output_weights=False,
+            qk_layernorm=True,
+            group_query_attention=False,
+            num_query_groups=None,
+            use_rope_scaling=True,
+            rope_scaling_factor=32.0,
+            seq_length=96,
+            max_position_embeddings=96,
+        )
+    )
     args = megatron_lm_args(**over)
     if args.num_query_groups is None:  # Megatron-LM without GQA: one KV head per query head
         args.num_query_groups = args.num_attention_heads
     writer = write_megatron_lm(tmp_path / "mlm", args)
 
-    res = from_megatron_lm(tmp_path / "mlm", tmp_path / "out", tokenizer=str(tok_dir),
-                           verbose=False)
+    res = from_megatron_lm(
+        tmp_path / "mlm", tmp_path / "out", tokenizer=str(tok_dir), verbose=False
+    )
     assert res.verification.max_abs_diff <= 1e-4 and res.vocab_size == VOCAB
     run = yaml.safe_load((res.path / "config.yaml").read_text())
     m = run["model"]
-    assert (m["num_layers"], m["hidden_size"], m["ffn_hidden_size"], m["num_attention_heads"],
-            m["kv_channels"], m["seq_length"], m["rotary_base"]) == (2, 64, 160, 4, 16,
-                                                                      args.seq_length, 500000.0)
+    assert (
+        m["num_layers"],
+        m["hidden_size"],
+        m["ffn_hidden_size"],
+        m["num_attention_heads"],
+        m["kv_channels"],
+        m["seq_length"],
+        m["rotary_base"],
+    ) == (2, 64, 160, 4, 16, args.seq_length, 500000.0)
     assert m["num_query_groups"] == (2 if variant == "gqa_untied" else 4)
     assert m["tie_embeddings"] == (variant != "gqa_untied")
     assert m["qk_layernorm"] == (variant != "gqa_untied")
-    assert m["rope_scaling"] == (None if variant == "gqa_untied" else {
-        "type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192})
+    assert m["rope_scaling"] == (
+        None
+        if variant == "gqa_untied"
+        else {
+            "type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    )
     assert run["train"]["init_from"] == str(res.path / "checkpoints")
     assert (res.path / "tokenizer" / "tokenizer.json").is_file()
     source = json.loads((res.path / "mlmclm_source.json").read_text())
     assert source["family"] == "megatron-lm" and source["iteration"] == 10
 
-    tokens = torch.randint(0, VOCAB, (2, args.seq_length),
-                           generator=torch.Generator().manual_seed(11))
+    tokens = torch.randint(
+        0, VOCAB, (2, args.seq_length), generator=torch.Generator().manual_seed(11)
+    )
     ref = causal_logits(writer, tokens)[..., :VOCAB]
     ours = ours_from_run_config(res.path / "config.yaml", tokens, causal=True)[..., :VOCAB]
     assert (ours - ref).abs().max().item() < 1e-4
     bidir = ours_from_run_config(res.path / "config.yaml", tokens, causal=False)[..., :VOCAB]
     assert (bidir - ref).abs().max().item() > 1e-3  # the comparison can tell attention kinds apart
     if args.use_rope_scaling:  # ... and scaled RoPE from plain RoPE
-        plain = ours_from_run_config(res.path / "config.yaml", tokens, causal=True,
-                                     overrides=["model.rope_scaling=null"])[..., :VOCAB]
+        plain = ours_from_run_config(
+            res.path / "config.yaml", tokens, causal=True, overrides=["model.rope_scaling=null"]
+        )[..., :VOCAB]
         assert (plain - ref).abs().max().item() > 1e-3
 
 
@@ -197,18 +276,33 @@ def test_refusals_are_one_line(tmp_path, tok_dir, capsys):
         torch.save(state, common_pt)
         rc, err = run_cli(capsys, "from-megatron-lm", bad, out, "--tokenizer", tok_dir)
         assert rc == 2 and err.strip().count("\n") == 0 and match in err, (name, err)
-    for args, match in (((good, out), "--tokenizer"),
-                        ((tmp_path / "missing", out, "--tokenizer", tok_dir), "does not exist"),
-                        ((tok_dir, out, "--tokenizer", tok_dir), "torch_dist"),
-                        ((good, out, "--tokenizer", good), "tokenizer")):
+    for args, match in (
+        ((good, out), "--tokenizer"),
+        ((tmp_path / "missing", out, "--tokenizer", tok_dir), "does not exist"),
+        ((tok_dir, out, "--tokenizer", tok_dir), "torch_dist"),
+        ((good, out, "--tokenizer", good), "tokenizer"),
+    ):
         rc, err = run_cli(capsys, "from-megatron-lm", *args)
         assert rc == 2 and err.strip().count("\n") == 0 and match in err, err
     assert not out.exists() and not list(tmp_path.glob("out.tmp-*"))
     # The Megatron-style script runs the same code.
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "tools" /
-                                               "convert_checkpoint.py"),
-                           "--loader", "megatron-lm", "--saver", "megatron", "--load-dir",
-                           str(good), "--save-dir", str(out)],
-                          env=job_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parent.parent / "tools" / "convert_checkpoint.py"),
+            "--loader",
+            "megatron-lm",
+            "--saver",
+            "megatron",
+            "--load-dir",
+            str(good),
+            "--save-dir",
+            str(out),
+        ],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "--tokenizer" in proc.stderr and not out.exists()

@@ -9,8 +9,12 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_mlmclm.cli import main as cli_main
-from megatron_mlmclm.data.dataset import (BlendedPackedDataset, PackedDataset, build_train_dataset,
-                                          parse_prefixes)
+from megatron_mlmclm.data.dataset import (
+    BlendedPackedDataset,
+    PackedDataset,
+    build_train_dataset,
+    parse_prefixes,
+)
 from megatron_mlmclm.errors import UsageError
 from test_sample_index import adjacent_fraction, ref_shuffle_idx
 
@@ -133,8 +137,10 @@ def test_blended_dataset(shards):
     counts = np.bincount(ds.dataset_index, minlength=2)
     assert abs(counts[0] - 28) <= 1 and abs(counts[1] - 12) <= 1
     # blended position i -> dataset k, its stream position j -> its packed sample shuffle_k[j]
-    shuffles = [ref_shuffle_idx(sum(lengths), S, d.index.num_packed, 1)
-                for d, lengths in zip(ds.datasets, (LENGTHS_A, LENGTHS_B))]
+    shuffles = [
+        ref_shuffle_idx(sum(lengths), S, d.index.num_packed, 1)
+        for d, lengths in zip(ds.datasets, (LENGTHS_A, LENGTHS_B))
+    ]
     for i in range(len(ds)):
         k, j = int(ds.dataset_index[i]), int(ds.dataset_sample_index[i])
         packed = ds.datasets[k].packed_sample(shuffles[k][j])
@@ -176,7 +182,10 @@ def test_bad_shards_raise_usage_error(shards, tmp_path):
         PackedDataset(str(tmp_path / "missing"), S, 4, 0)
     src = shards[0]
     for name, mangle in [
-        ("truncated_bin", lambda p: open(p + ".bin", "r+b").truncate(os.path.getsize(p + ".bin") - 4)),
+        (
+            "truncated_bin",
+            lambda p: open(p + ".bin", "r+b").truncate(os.path.getsize(p + ".bin") - 4),
+        ),
         ("long_bin", lambda p: open(p + ".bin", "ab").write(b"\0" * 8)),
         ("corrupt_idx", lambda p: open(p + ".idx", "r+b").write(b"garbage!!")),
         ("truncated_idx", lambda p: open(p + ".idx", "r+b").truncate(40)),
@@ -198,15 +207,47 @@ def test_bad_shards_raise_usage_error(shards, tmp_path):
 
 def test_index_cli(shards, tmp_path, capsys):
     cache = tmp_path / "cache"
-    argv = ["index", "--data-prefix", "0.5", shards[0], "0.5", shards[1], "--seq-length", str(S),
-            "--num-samples", "20", "--seed", "2", "--cache-dir", str(cache)]
+    argv = [
+        "index",
+        "--data-prefix",
+        "0.5",
+        shards[0],
+        "0.5",
+        shards[1],
+        "--seq-length",
+        str(S),
+        "--num-samples",
+        "20",
+        "--seed",
+        "2",
+        "--cache-dir",
+        str(cache),
+    ]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("built") == 2 and "boundaries/sample" in out
     assert len([f for f in os.listdir(cache) if f.endswith(".json")]) == 2
     assert cli_main(argv) == 0
     assert capsys.readouterr().out.count("cache hit") == 2
-    assert cli_main(["index", "--data-prefix", shards[1], "--seq-length", str(S), "--epochs", "2",
-                     "--cache-dir", str(cache)]) == 0
-    assert cli_main(["index", "--data-prefix", str(tmp_path / "nope"), "--seq-length", "8",
-                     "--epochs", "1"]) == 2
+    assert (
+        cli_main(
+            [
+                "index",
+                "--data-prefix",
+                shards[1],
+                "--seq-length",
+                str(S),
+                "--epochs",
+                "2",
+                "--cache-dir",
+                str(cache),
+            ]
+        )
+        == 0
+    )
+    assert (
+        cli_main(
+            ["index", "--data-prefix", str(tmp_path / "nope"), "--seq-length", "8", "--epochs", "1"]
+        )
+        == 2
+    )

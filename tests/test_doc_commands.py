@@ -65,9 +65,13 @@ def mlmclm_argv(line: str) -> list[str] | None:
     except ValueError:
         return None
     for i, tok in enumerate(tokens):
-        if tok == "mlmclm" or tok.endswith(("/mlmclm", "$(mlmclm")) or (tok == "megatron_mlmclm" and tokens[i - 1] == "-m"):
+        if (
+            tok == "mlmclm"
+            or tok.endswith(("/mlmclm", "$(mlmclm"))
+            or (tok == "megatron_mlmclm" and tokens[i - 1] == "-m")
+        ):
             argv = []
-            for t in tokens[i + 1:]:
+            for t in tokens[i + 1 :]:
                 if t in SHELL_BREAK:
                     break
                 argv.append(t)
@@ -88,8 +92,9 @@ def documented_commands() -> list[tuple[str, list[str]]]:
         for line in logical_lines(example_header(path)):
             found.append((f"{path.relative_to(REPO)}: {line}", mlmclm_argv(line)))
     # Lines that use shell variables or `...` cannot be parsed as written: they are shown, not run.
-    return [(w, a) for w, a in found
-            if a is not None and not any("$" in t or "..." in t for t in a)]
+    return [
+        (w, a) for w, a in found if a is not None and not any("$" in t or "..." in t for t in a)
+    ]
 
 
 @pytest.mark.parametrize("where,argv", documented_commands(), ids=lambda x: str(x)[:90])
@@ -121,8 +126,16 @@ def test_the_documentation_shows_checked_commands():
     """The extraction above keeps finding commands (a format change must not silence it)."""
     commands = documented_commands()
     assert len(commands) >= 20, commands
-    assert {a[0] for _, a in commands} >= {"tokenize", "preprocess", "index", "pretrain",
-                                           "convert", "evaluate", "report", "plan"}
+    assert {a[0] for _, a in commands} >= {
+        "tokenize",
+        "preprocess",
+        "index",
+        "pretrain",
+        "convert",
+        "evaluate",
+        "report",
+        "plan",
+    }
 
 
 SMOKE_FILES = [p for p in DOCS if smoke_blocks(p)]
@@ -130,8 +143,17 @@ SMOKE_FILES = [p for p in DOCS if smoke_blocks(p)]
 
 def test_every_flow_step_has_a_smoke_example():
     shown = " ".join(" ".join(smoke_blocks(p)) for p in SMOKE_FILES)
-    for sub in ("tokenize", "preprocess", "index", "pretrain", "convert to-hf", "convert from-hf",
-                "evaluate", "report", "plan"):
+    for sub in (
+        "tokenize",
+        "preprocess",
+        "index",
+        "pretrain",
+        "convert to-hf",
+        "convert from-hf",
+        "evaluate",
+        "report",
+        "plan",
+    ):
         assert f"mlmclm {sub}" in shown, f"no ```bash smoke``` block runs `mlmclm {sub}`"
 
 
@@ -140,10 +162,20 @@ def test_every_flow_step_has_a_smoke_example():
 def test_smoke_blocks_run_as_written(doc, tmp_path, data_dir):
     (tmp_path / "examples").symlink_to(REPO / "examples")
     script = "\n".join(smoke_blocks(doc))
-    env = dict(os.environ, MLMCLM_DATA_DIR=str(data_dir),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (f"{doc.name}: a smoke block failed (rc {proc.returncode})\n"
-                                  f"{proc.stderr[-3000:]}")
+    env = dict(
+        os.environ,
+        MLMCLM_DATA_DIR=str(data_dir),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (
+        f"{doc.name}: a smoke block failed (rc {proc.returncode})\n{proc.stderr[-3000:]}"
+    )

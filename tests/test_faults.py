@@ -27,10 +27,12 @@ from test_resume import CONFIG as RESUME_CONFIG  # DP2-able tiny CLM -> MLM run,
 CONFIG = {**RESUME_CONFIG, "logging": {"tensorboard": False, "log_interval": 2}}
 
 
-
 def faulty_env(tmp_path, inject: str) -> dict[str, str]:
-    return {**job_env(), "MLMCLM_INJECT_FAULTS": inject,
-            "MLMCLM_EXIT_FILE": str(tmp_path / "exit_code")}
+    return {
+        **job_env(),
+        "MLMCLM_INJECT_FAULTS": inject,
+        "MLMCLM_EXIT_FILE": str(tmp_path / "exit_code"),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +56,19 @@ def reference(config, tmp_path_factory):
 
 def test_fault_specs_parse_and_bad_ones_are_refused_in_one_line():
     assert parse("hang rank=1 step=5; nan rank=0 step=7 mode=transient;slow rank=1 ms=200") == [
-        Fault("hang", 1, 5), Fault("nan", 0, 7, mode="transient"), Fault("slow", 1, None, 200.0)]
+        Fault("hang", 1, 5),
+        Fault("nan", 0, 7, mode="transient"),
+        Fault("slow", 1, None, 200.0),
+    ]
     assert parse("nan rank=0 step=3") == [Fault("nan", 0, 3, mode="persistent")]
     assert parse("spike rank=0 step=12 factor=1000") == [Fault("spike", 0, 12, factor=1000.0)]
-    for bad in ("hang rank=1", "wobble rank=0 step=1", "slow rank=x ms=2", "nan rank=0 step=1 mode=x",
-                "hang rank=1 step=5 ms=3"):
+    for bad in (
+        "hang rank=1",
+        "wobble rank=0 step=1",
+        "slow rank=x ms=2",
+        "nan rank=0 step=1 mode=x",
+        "hang rank=1 step=5 ms=3",
+    ):
         with pytest.raises(UsageError) as e:
             parse(bad)
         assert "MLMCLM_INJECT_FAULTS" in str(e.value) and "\n" not in str(e.value)
@@ -92,13 +102,19 @@ def test_watchdog_dumps_the_hung_frame_and_exits_with_the_hang_code(tmp_path):
         stuck_in_a_collective()
     """)
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", script], env=faulty_env(tmp_path, ""),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=faulty_env(tmp_path, ""),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert time.time() - start < 20
     assert proc.returncode == faults.EXIT_HANG, proc.stderr
     line = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(line) == 1 and line[0].startswith("mlmclm pretrain: error: rank 3 hung: step 12 "), \
+    assert len(line) == 1 and line[0].startswith("mlmclm pretrain: error: rank 3 hung: step 12 "), (
         proc.stderr
+    )
     dump = (tmp_path / "hang-rank3-step12.txt").read_text()
     assert "in stuck_in_a_collective" in dump and "Thread MainThread" in dump
     assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_HANG)
@@ -117,14 +133,23 @@ def test_spike_policy_skips_only_above_k_times_the_running_median():
 
 
 def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from megatron_mlmclm.runtime.lifetime import RunLock
         lock = RunLock({str(tmp_path)!r})
         lock.acquire()
         print("locked", flush=True)
         time.sleep(60)
-    """)], env=job_env(), stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "locked"
     with pytest.raises(UsageError) as e:
         RunLock(tmp_path).acquire()
@@ -140,7 +165,11 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
 def test_a_child_armed_to_die_with_its_parent_does(tmp_path):
     """The parent is SIGKILLed; its armed child (in a session of its own, as torchrun's ranks are)
     goes too."""
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c",
             "from megatron_mlmclm.runtime.lifetime import die_with_parent; import time; "
@@ -149,7 +178,12 @@ def test_a_child_armed_to_die_with_its_parent_does(tmp_path):
         assert child.stdout.readline().strip() == "armed"
         print(child.pid, flush=True)
         time.sleep(60)
-    """)], env=job_env(), stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = psutil.Process(int(parent.stdout.readline()))
     parent.kill()
     parent.wait()
@@ -163,13 +197,18 @@ def test_a_child_armed_to_die_with_its_parent_does(tmp_path):
 
 @pytest.mark.slow
 def test_hung_rank_is_named_torn_down_and_the_restart_matches_an_uninterrupted_run(
-        config, reference, tmp_path):
+    config, reference, tmp_path
+):
     run, timeout = tmp_path / "run", 10
     env = faulty_env(tmp_path, "hang rank=1 step=5")
-    launcher = subprocess.Popen(pretrain_cmd(2) + [str(config), f"output_dir={run}",
-                                                   f"train.hang_timeout_s={timeout}"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        pretrain_cmd(2) + [str(config), f"output_dir={run}", f"train.hang_timeout_s={timeout}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     start = time.time()
     tree = []
     while launcher.poll() is None and time.time() - start < 60:  # the ranks and their helpers
@@ -190,23 +229,27 @@ def test_hung_rank_is_named_torn_down_and_the_restart_matches_an_uninterrupted_r
     dump = (run / "faults" / "hang-rank1-step5.txt").read_text()
     assert "in injected_hang" in dump
     # The restart (what the sbatch script's requeue does) resumes and matches the reference.
-    resumed = run_pretrain(config, [f"output_dir={run}", f"train.hang_timeout_s={timeout}"],
-                           nproc=2)
+    resumed = run_pretrain(
+        config, [f"output_dir={run}", f"train.hang_timeout_s={timeout}"], nproc=2
+    )
     assert "resumed from" in resumed.stderr and "at step 4" in resumed.stderr
     assert curve(run) == reference
 
 
 @pytest.mark.slow
-def test_transient_nan_is_rerun_from_the_checkpoint_and_training_goes_on(config, reference,
-                                                                       tmp_path):
+def test_transient_nan_is_rerun_from_the_checkpoint_and_training_goes_on(
+    config, reference, tmp_path
+):
     run = tmp_path / "run"
     cmd = pretrain_cmd(2) + [str(config), f"output_dir={run}"]
     env = faulty_env(tmp_path, "nan rank=0 step=7 mode=transient")
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode != 0
     assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_NONFINITE)
-    assert ("loss is nan (mlm) at step 7; the batch is samples 24-27 of the stream (non-finite "
-            "on data-parallel rank 0)") in first.stderr
+    assert (
+        "loss is nan (mlm) at step 7; the batch is samples 24-27 of the stream (non-finite "
+        "on data-parallel rank 0)"
+    ) in first.stderr
     assert max(curve(run)) == 6  # stopped before step 7's update; nothing saved after step 6
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -221,27 +264,39 @@ def test_transient_nan_is_rerun_from_the_checkpoint_and_training_goes_on(config,
 def test_persistent_nan_stops_for_good_with_the_sample_indices(config, tmp_path):
     run = tmp_path / "run"
     env = faulty_env(tmp_path, "nan rank=0 step=3")
-    cmd = pretrain_cmd(1) + [str(config), f"output_dir={run}", "train.steps=4",
-                             "logging.log_interval=1"]
+    cmd = pretrain_cmd(1) + [
+        str(config),
+        f"output_dir={run}",
+        "train.steps=4",
+        "logging.log_interval=1",
+    ]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == faults.EXIT_NONFINITE, first.stderr[-2000:]
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == faults.EXIT_NONFINITE_PERSISTENT, second.stderr[-2000:]
-    assert ("loss is nan (mlm) at step 3; the batch is samples 8-11 of the stream" in second.stderr
-            and "a persistent fault" in second.stderr)
+    assert (
+        "loss is nan (mlm) at step 3; the batch is samples 8-11 of the stream" in second.stderr
+        and "a persistent fault" in second.stderr
+    )
     record = json.loads((run / "faults" / "nonfinite.json").read_text())
     assert (record["step"], record["verdict"], record["samples"]) == (
-        3, "persistent", "samples 8-11 of the stream")
+        3,
+        "persistent",
+        "samples 8-11 of the stream",
+    )
     assert max(curve(run)) == 2
 
 
 @pytest.mark.slow
 def test_a_rank_slowed_200_ms_a_step_is_named_the_straggler(config, tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run(pretrain_cmd(2) + [str(config), f"output_dir={run}",
-                                             "checkpoint.save_interval=0"],
-                          env=faulty_env(tmp_path, "slow rank=1 ms=200"), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        pretrain_cmd(2) + [str(config), f"output_dir={run}", "checkpoint.save_interval=0"],
+        env=faulty_env(tmp_path, "slow rank=1 ms=200"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     intervals = [m for m in read_metrics(run) if "straggler_rank" in m]
     assert [m["step"] for m in intervals] == [2, 4, 6, 8]
@@ -250,13 +305,16 @@ def test_a_rank_slowed_200_ms_a_step_is_named_the_straggler(config, tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_launcher_leaves_no_process_and_a_live_run_owns_its_folder(config, tmp_path,
-                                                                         capsys):
+def test_killed_launcher_leaves_no_process_and_a_live_run_owns_its_folder(config, tmp_path, capsys):
     run = tmp_path / "run"
-    launcher = subprocess.Popen(pretrain_cmd(2) + [str(config), f"output_dir={run}",
-                                                   "train.steps=400", "checkpoint.save_interval=5"],
-                                env=job_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+    launcher = subprocess.Popen(
+        pretrain_cmd(2)
+        + [str(config), f"output_dir={run}", "train.steps=400", "checkpoint.save_interval=5"],
+        env=job_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     while not (run / "checkpoints" / "iter_0000005").is_dir():
         assert time.time() < deadline and launcher.poll() is None, "the run never saved"
@@ -282,10 +340,20 @@ def test_skip_spikes_skips_the_spiked_update_counts_it_and_resumes_the_same(conf
     checkpoint before the spike decides the same."""
     run, ref = tmp_path / "run", tmp_path / "ref"
     env = faulty_env(tmp_path, "spike rank=0 step=13 factor=1000")
-    overrides = ["train.steps=16", "train.skip_spikes=5", "logging.log_interval=1",
-                 "checkpoint.save_interval=12", "checkpoint.keep_last=3"]
-    first = subprocess.run(pretrain_cmd(1) + [str(config), f"output_dir={ref}"] + overrides,
-                           env=env, capture_output=True, text=True, timeout=300)
+    overrides = [
+        "train.steps=16",
+        "train.skip_spikes=5",
+        "logging.log_interval=1",
+        "checkpoint.save_interval=12",
+        "checkpoint.keep_last=3",
+    ]
+    first = subprocess.run(
+        pretrain_cmd(1) + [str(config), f"output_dir={ref}"] + overrides,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     records = {m["step"]: m for m in read_metrics(ref) if "loss" in m}
     assert [s for s, m in records.items() if m.get("spike_skipped")] == [13]
@@ -295,9 +363,15 @@ def test_skip_spikes_skips_the_spiked_update_counts_it_and_resumes_the_same(conf
     # Resume from step 12's checkpoint (the window holds 12 norms): the same decision, same losses.
     (run / "checkpoints").mkdir(parents=True)
     import shutil
+
     shutil.copytree(ref / "checkpoints" / "iter_0000012", run / "checkpoints" / "iter_0000012")
-    second = subprocess.run(pretrain_cmd(1) + [str(config), f"output_dir={run}"] + overrides,
-                            env=env, capture_output=True, text=True, timeout=300)
+    second = subprocess.run(
+        pretrain_cmd(1) + [str(config), f"output_dir={run}"] + overrides,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert second.returncode == 0, second.stderr[-2000:]
     assert curve(run) == {s: m["loss"] for s, m in records.items() if s > 12}
 
@@ -309,11 +383,13 @@ def test_a_stopped_rank_is_caught_by_the_rank_waiting_for_it(config, tmp_path):
     stopped rank 30 s later; the test does not wait: it kills the launcher, and the stopped rank
     dies with it.)"""
     run, timeout = tmp_path / "run", 5
-    launcher = subprocess.Popen(pretrain_cmd(2) + [str(config), f"output_dir={run}",
-                                                   f"train.hang_timeout_s={timeout}"],
-                                env=faulty_env(tmp_path, "stop rank=1 step=5"),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        pretrain_cmd(2) + [str(config), f"output_dir={run}", f"train.hang_timeout_s={timeout}"],
+        env=faulty_env(tmp_path, "stop rank=1 step=5"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     dump, deadline = run / "faults" / "hang-rank0-step5.txt", time.time() + timeout + 90
     tree = []
     while not (tmp_path / "exit_code").exists():
@@ -328,11 +404,20 @@ def test_a_stopped_rank_is_caught_by_the_rank_waiting_for_it(config, tmp_path):
     gone, alive = psutil.wait_procs(tree, timeout=30)
     assert not alive, [p.cmdline()[-3:] for p in alive]
 
+
 def test_straggler_figures_reach_tensorboard_and_wandb_tags():
     from megatron_mlmclm.training.sinks import scalars
 
-    stats = {"objective": "mlm", "loss": 1.0, "accuracy": 0.5, "lr": 1e-3, "grad_norm": 1.0,
-             "tokens_per_s": 10.0, "straggler_rank": 1, "straggler_ratio": 1.9}
+    stats = {
+        "objective": "mlm",
+        "loss": 1.0,
+        "accuracy": 0.5,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_s": 10.0,
+        "straggler_rank": 1,
+        "straggler_ratio": 1.9,
+    }
     tags = scalars(stats)
     assert (tags["faults/straggler_rank"], tags["faults/straggler_ratio"]) == (1, 1.9)
 
@@ -341,16 +426,34 @@ def test_a_non_finite_step_names_its_stream_when_the_run_has_several(tmp_path):
     """Phase 2 reads its own stream (another seq_length): positions restart there, so the message
     says which stream they are of."""
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({
-        "data": {"mock": True}, "model": {"preset": "tiny", "vocab_size": 1000, "seq_length": 32},
-        "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "warmup_steps": 1,
-                  "decay_steps": 1},
-        "phases": [{"objective": "clm", "share": 0.5},
-                   {"objective": "mlm", "share": 0.5, "seq_length": 64}],
-        "logging": {"tensorboard": False}}))
-    proc = subprocess.run(pretrain_cmd(1) + [str(path), f"output_dir={tmp_path / 'run'}"],
-                          env=faulty_env(tmp_path, "nan rank=0 step=3"), capture_output=True,
-                          text=True, timeout=300)
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"mock": True},
+                "model": {"preset": "tiny", "vocab_size": 1000, "seq_length": 32},
+                "train": {
+                    "steps": 4,
+                    "micro_batch_size": 2,
+                    "global_batch_size": 4,
+                    "warmup_steps": 1,
+                    "decay_steps": 1,
+                },
+                "phases": [
+                    {"objective": "clm", "share": 0.5},
+                    {"objective": "mlm", "share": 0.5, "seq_length": 64},
+                ],
+                "logging": {"tensorboard": False},
+            }
+        )
+    )
+    proc = subprocess.run(
+        pretrain_cmd(1) + [str(path), f"output_dir={tmp_path / 'run'}"],
+        env=faulty_env(tmp_path, "nan rank=0 step=3"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == faults.EXIT_NONFINITE, proc.stderr[-2000:]
-    assert ("at step 3; the batch is samples 0-3 of stream 1 (data.train, seq_length 64)"
-            in proc.stderr)
+    assert (
+        "at step 3; the batch is samples 0-3 of stream 1 (data.train, seq_length 64)" in proc.stderr
+    )

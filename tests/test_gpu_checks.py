@@ -15,8 +15,7 @@ from megatron_mlmclm.data.mock import markov_entropy
 
 
 def finite(row) -> bool:
-    return all(math.isfinite(float(x)) for x in
-               __import__("re").findall(r"-?\d+\.\d+", row.result))
+    return all(math.isfinite(float(x)) for x in __import__("re").findall(r"-?\d+\.\d+", row.result))
 
 
 @pytest.mark.slow
@@ -35,8 +34,9 @@ def test_thd_check_passes_on_the_stand_in(tmp_path):
 
 @pytest.mark.slow
 def test_trains_alike_check_measures_noise(tmp_path):
-    row = checks.check_trains_alike(tmp_path, CPU_SIZE, "bf16 vs fp32", ["train.precision=bf16"],
-                                    ["train.precision=fp32"])
+    row = checks.check_trains_alike(
+        tmp_path, CPU_SIZE, "bf16 vs fp32", ["train.precision=bf16"], ["train.precision=fp32"]
+    )
     noise = float(row.result.split("noise ")[1].rstrip(")"))
     assert finite(row) and noise > 0  # a second data seed really moves the run
 
@@ -44,9 +44,9 @@ def test_trains_alike_check_measures_noise(tmp_path):
 def test_judges_fail_what_they_should():
     h = markov_entropy()
     assert judge_learned(h + 0.3, h + 0.8).ok
-    assert not judge_learned(h - 0.5, h + 0.8).ok       # CLM below the entropy: it saw the future
-    assert not judge_learned(5.0, 5.0).ok               # CLM near ln V: nothing learned
-    assert not judge_learned(h + 0.3, 6.92).ok          # MLM at ln V: not even the unigram
+    assert not judge_learned(h - 0.5, h + 0.8).ok  # CLM below the entropy: it saw the future
+    assert not judge_learned(5.0, 5.0).ok  # CLM near ln V: nothing learned
+    assert not judge_learned(h + 0.3, 6.92).ok  # MLM at ln V: not even the unigram
     assert judge_close("x", diff=0.04, noise=0.001, floor=0.05).ok
     assert not judge_close("x", diff=0.2, noise=0.01, floor=0.05).ok
     assert judge_close("x", diff=0.2, noise=0.1, floor=0.05).ok

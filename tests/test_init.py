@@ -24,18 +24,41 @@ from megatron_mlmclm.model.build import build_model_chunk, transformer_config
 from megatron_mlmclm.model.init import init_method_for
 
 SCRIPT = Path(__file__).parent / "scripts" / "save_initial_weights.py"
-CONFIG = {"data": {"mock": True}, "model": {"preset": "tiny", "vocab_size": 1000},
-          "train": {"steps": 1, "warmup_steps": 0, "decay_steps": 0},
-          "logging": {"tensorboard": False, "eval_interval": 0}}
+CONFIG = {
+    "data": {"mock": True},
+    "model": {"preset": "tiny", "vocab_size": 1000},
+    "train": {"steps": 1, "warmup_steps": 0, "decay_steps": 0},
+    "logging": {"tensorboard": False, "eval_interval": 0},
+}
 
 
 def initial_weights(config: Path, out: Path, nproc: int, overrides: list[str]) -> dict:
-    launch = ([sys.executable] if nproc == 1 else
-              [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}"])
-    proc = subprocess.run(launch + [str(SCRIPT), str(config), str(out),
-                                    f"output_dir={out.parent / (out.name + '_run')}", *overrides],
-                          env=job_env(), capture_output=True, text=True, timeout=300, cwd=REPO)
+    launch = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+        ]
+    )
+    proc = subprocess.run(
+        launch
+        + [
+            str(SCRIPT),
+            str(config),
+            str(out),
+            f"output_dir={out.parent / (out.name + '_run')}",
+            *overrides,
+        ],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_global_tensors(out / "iter_0000000")
 
@@ -46,18 +69,30 @@ def single(tmp_path_factory):
     root = tmp_path_factory.mktemp("single")
     config = root / "run.yaml"
     config.write_text(yaml.safe_dump(CONFIG))
-    return {tied: initial_weights(config, root / f"tied{tied}", 1,
-                                  [f"model.tie_embeddings={str(tied).lower()}"])
-            for tied in (False, True)}
+    return {
+        tied: initial_weights(
+            config, root / f"tied{tied}", 1, [f"model.tie_embeddings={str(tied).lower()}"]
+        )
+        for tied in (False, True)
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,layout", [
-    (4, ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"]),
-    (2, ["parallel.pipeline_model_parallel_size=2",
-         "parallel.virtual_pipeline_model_parallel_size=2"]),
-    (2, ["parallel.pipeline_model_parallel_size=2", "model.tie_embeddings=true"]),
-], ids=["tp2xpp2", "pp2_vpp2", "pp2_tied"])
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [
+        (4, ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"]),
+        (
+            2,
+            [
+                "parallel.pipeline_model_parallel_size=2",
+                "parallel.virtual_pipeline_model_parallel_size=2",
+            ],
+        ),
+        (2, ["parallel.pipeline_model_parallel_size=2", "model.tie_embeddings=true"]),
+    ],
+    ids=["tp2xpp2", "pp2_vpp2", "pp2_tied"],
+)
 def test_every_layout_starts_from_the_single_process_model(single, tmp_path, nproc, layout):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(CONFIG))

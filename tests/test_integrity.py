@@ -20,20 +20,28 @@ import yaml
 
 from jobs import curve, job_env, pretrain_cmd, run_pretrain
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.checkpoint import (MANIFEST, complete_checkpoints,
-                                                 resolve_checkpoint, verify_checkpoint)
+from megatron_mlmclm.checkpoint import (
+    MANIFEST,
+    complete_checkpoints,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED
 
 CONFIG = {
     "data": {"mock": True},
     "model": {"preset": "tiny", "vocab_size": 1000},
     # ~0.5 s per step on 2 shared cores: room to land a signal mid-run
-    "train": {"steps": 10, "micro_batch_size": 8, "global_batch_size": 32, "warmup_steps": 2,
-              "decay_steps": 2},
+    "train": {
+        "steps": 10,
+        "micro_batch_size": 8,
+        "global_batch_size": 32,
+        "warmup_steps": 2,
+        "decay_steps": 2,
+    },
     "checkpoint": {"save_interval": 2, "keep_last": 4},
     "logging": {"tensorboard": False},
 }
-
 
 
 @pytest.fixture(scope="module")
@@ -75,22 +83,32 @@ def test_verification_catches_truncation_and_flipped_bytes(reference, tmp_path):
     flip_byte(shard, len(good) // 2)
     assert verify_checkpoint(ck) == f"{shard.name} does not match its checksum"
     shard.write_bytes(good[:-100])
-    assert verify_checkpoint(ck) == (f"{shard.name} has {len(good) - 100} bytes, the manifest "
-                                     f"says {len(good)}")
+    assert verify_checkpoint(ck) == (
+        f"{shard.name} has {len(good) - 100} bytes, the manifest says {len(good)}"
+    )
     shard.unlink()
     assert verify_checkpoint(ck) == f"{shard.name} is missing"
 
 
 @pytest.mark.slow
-def test_stop_signal_then_damaged_latest_resumes_from_the_one_before(config, reference, tmp_path,
-                                                                     capsys):
+def test_stop_signal_then_damaged_latest_resumes_from_the_one_before(
+    config, reference, tmp_path, capsys
+):
     run = tmp_path / "run"
-    proc = subprocess.Popen(pretrain_cmd(1) + [str(config), f"output_dir={run}"], env=job_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        pretrain_cmd(1) + [str(config), f"output_dir={run}"],
+        env=job_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None and \
-            not (metrics.is_file() and '"step": 3,' in metrics.read_text()):
+    while (
+        time.time() < deadline
+        and proc.poll() is None
+        and not (metrics.is_file() and '"step": 3,' in metrics.read_text())
+    ):
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=240)

@@ -16,8 +16,12 @@ from megatron_mlmclm.model.kernels import FUSIONS, Kernels, plan_kernels, resolv
 
 BASE = ["data.mock=true", "model.vocab_size=256", "model.seq_length=32", "model.num_layers=2"]
 NOTHING = Kernels()  # a machine with no Transformer Engine and no Apex
-EVERYTHING = Kernels(te_version=(2, 8, 0), apex_grad_accum=True, apex_masked_softmax=True,
-                     apex_persist_layer_norm=True)
+EVERYTHING = Kernels(
+    te_version=(2, 8, 0),
+    apex_grad_accum=True,
+    apex_masked_softmax=True,
+    apex_persist_layer_norm=True,
+)
 
 
 def cfg(*overrides):
@@ -36,14 +40,22 @@ def test_cpu_plan_is_todays_cpu_path_everything_off():
     assert got["initialization"] == "global" and got["attention"] == "sdpa"
     assert got["pipeline_p2p"] == "none"  # PP = 1
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in got and "tf32" not in got
-    assert on(plan_kernels(cfg("model.attention=thd"), "cpu", EVERYTHING))["attention"] == \
-        "thd-reference"
+    assert (
+        on(plan_kernels(cfg("model.attention=thd"), "cpu", EVERYTHING))["attention"]
+        == "thd-reference"
+    )
 
 
 def test_cuda_plan_is_megatron_lms_defaults_where_the_kernels_are_present():
     got = on(plan_kernels(cfg("parallel.use_distributed_optimizer=true"), "cuda", EVERYTHING))
-    for f in ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
-              "gradient_accumulation_fusion", "masked_softmax_fusion", "persist_layer_norm"):
+    for f in (
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "apply_rope_fusion",
+        "gradient_accumulation_fusion",
+        "masked_softmax_fusion",
+        "persist_layer_norm",
+    ):
         assert got[f] is True, f
     assert got["cross_entropy_loss_fusion"] is False  # opt-in in Megatron-LM
     assert got["overlap_grad_reduce"] is True and got["overlap_param_gather"] is True
@@ -55,33 +67,51 @@ def test_cuda_plan_never_asks_for_a_missing_kernel():
     got = on(plan)
     # Pure torch JIT fusions need no extension; the rest need TE or Apex.
     assert got["bias_activation_fusion"] is True and got["bias_dropout_fusion"] is True
-    for f in ("apply_rope_fusion", "gradient_accumulation_fusion", "masked_softmax_fusion",
-              "persist_layer_norm"):
+    for f in (
+        "apply_rope_fusion",
+        "gradient_accumulation_fusion",
+        "masked_softmax_fusion",
+        "persist_layer_norm",
+    ):
         assert got[f] is False, f
-    assert "Transformer Engine >= 1.4" in dict((n, w) for n, _, w in plan.rows())["apply_rope_fusion"]
+    assert (
+        "Transformer Engine >= 1.4" in dict((n, w) for n, _, w in plan.rows())["apply_rope_fusion"]
+    )
     assert got["attention"] == "sdpa"  # no TE: dense mask
     old_te = on(plan_kernels(cfg(), "cuda", Kernels(te_version=(1, 3, 0))))
     assert old_te["apply_rope_fusion"] is False and old_te["attention"] == "te-thd"
 
 
 def test_fusions_off_and_overlap_rules():
-    got = on(plan_kernels(cfg("model.fusions=off", "parallel.use_distributed_optimizer=true"),
-                          "cuda", EVERYTHING))
+    got = on(
+        plan_kernels(
+            cfg("model.fusions=off", "parallel.use_distributed_optimizer=true"), "cuda", EVERYTHING
+        )
+    )
     assert all(got[f] is False for f in FUSIONS)
     assert got["overlap_param_gather"] is True  # fusions=off leaves overlap alone
     plain = on(plan_kernels(cfg(), "cuda", EVERYTHING))  # no distributed optimizer
     assert plain["overlap_grad_reduce"] is False and plain["overlap_param_gather"] is False
-    no_gather = on(plan_kernels(cfg("parallel.use_distributed_optimizer=true",
-                                    "parallel.overlap_param_gather=false"), "cuda", EVERYTHING))
+    no_gather = on(
+        plan_kernels(
+            cfg("parallel.use_distributed_optimizer=true", "parallel.overlap_param_gather=false"),
+            "cuda",
+            EVERYTHING,
+        )
+    )
     assert no_gather["overlap_grad_reduce"] is True and no_gather["overlap_param_gather"] is False
     with pytest.raises(UsageError, match="overlap_param_gather=true contradicts"):
         cfg("parallel.overlap_param_gather=true")
 
 
 def test_te_thd_at_every_pipeline_layout_and_fp32_leaves_transformer_engine():
-    for layout in (["parallel.pipeline_model_parallel_size=2"],
-                   ["parallel.pipeline_model_parallel_size=2",
-                    "parallel.virtual_pipeline_model_parallel_size=1"]):
+    for layout in (
+        ["parallel.pipeline_model_parallel_size=2"],
+        [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=1",
+        ],
+    ):
         assert on(plan_kernels(cfg(*layout), "cuda", EVERYTHING))["attention"] == "te-thd"
     # TE runs fp32 GEMMs in TF32: an fp32 run takes the local layers, with TF32 off.
     fp32 = plan_kernels(cfg("train.precision=fp32"), "cuda", EVERYTHING)
@@ -124,8 +154,12 @@ def test_process_settings_are_planned_and_applied(monkeypatch):
     tp2 = plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cuda", EVERYTHING)
     assert tp2.cuda_device_max_connections == "1"
     assert plan_kernels(cfg(), "cuda", EVERYTHING).cuda_device_max_connections is None
-    assert plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cpu",
-                        EVERYTHING).cuda_device_max_connections is None
+    assert (
+        plan_kernels(
+            cfg("parallel.tensor_model_parallel_size=2"), "cpu", EVERYTHING
+        ).cuda_device_max_connections
+        is None
+    )
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     tp2.apply_to_process()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
@@ -145,14 +179,27 @@ def test_fp8_padding_follows_the_recipe_and_fp8_needs_te_layers():
     for recipe, multiple in (("delayed", 16), ("current", 16), ("mxfp8", 32)):
         plan = plan_kernels(cfg(f"train.fp8={recipe}"), "cuda", EVERYTHING)
         assert plan.thd_token_multiple == multiple, recipe
-    sp = plan_kernels(cfg("train.fp8=mxfp8", "parallel.tensor_model_parallel_size=2"), "cuda",
-                      EVERYTHING)
+    sp = plan_kernels(
+        cfg("train.fp8=mxfp8", "parallel.tensor_model_parallel_size=2"), "cuda", EVERYTHING
+    )
     assert sp.sequence_parallel.on and sp.thd_token_multiple == 32
-    assert plan_kernels(cfg("parallel.tensor_model_parallel_size=4", "model.num_query_groups=4",
-                            "model.attention=thd"), "cpu", NOTHING).thd_token_multiple == 1
-    for extra, kernels, says in [([], NOTHING, "needs Transformer Engine, which is not installed"),
-                                 (["model.attention=sdpa"], EVERYTHING, "attention is sdpa"),
-                                 (["model.attention=flex"], EVERYTHING, "attention is flex")]:
+    assert (
+        plan_kernels(
+            cfg(
+                "parallel.tensor_model_parallel_size=4",
+                "model.num_query_groups=4",
+                "model.attention=thd",
+            ),
+            "cpu",
+            NOTHING,
+        ).thd_token_multiple
+        == 1
+    )
+    for extra, kernels, says in [
+        ([], NOTHING, "needs Transformer Engine, which is not installed"),
+        (["model.attention=sdpa"], EVERYTHING, "attention is sdpa"),
+        (["model.attention=flex"], EVERYTHING, "attention is flex"),
+    ]:
         with pytest.raises(UsageError, match=says):
             plan_kernels(cfg("train.fp8=delayed", *extra), "cuda", kernels)
 

@@ -36,8 +36,11 @@ LOADERS = ["sync", "workers", "dali"]
 SPEC = TokenSpec(vocab_size=300, mask_id=3, special_ids=(0, 1, 2, 3))
 SEED = 77
 GBS, MBS, DP, RANK, OFFSET = 8, 2, 2, 1, 5
-PHASES = (PhaseConfig("clm", steps=3), PhaseConfig("mlm", steps=3, mask_ratio=0.4),
-          PhaseConfig("mlm", steps=2, mask_ratio=0.3, mask_replace="80-10-10"))
+PHASES = (
+    PhaseConfig("clm", steps=3),
+    PhaseConfig("mlm", steps=3, mask_ratio=0.4),
+    PhaseConfig("mlm", steps=2, mask_ratio=0.3, mask_replace="80-10-10"),
+)
 STEPS = 8
 
 
@@ -50,8 +53,16 @@ def reference(dataset, step: int, phase=None) -> list[dict]:
     for j in range(GBS // (MBS * DP)):
         first = step * GBS + OFFSET + RANK * (GBS // DP) + j * MBS
         idx = list(range(first, first + MBS))
-        out.append(make_batch([dataset[i] for i in idx], idx, phase or expected_phase(step), SPEC,
-                              SEED, dense_mask=False))
+        out.append(
+            make_batch(
+                [dataset[i] for i in idx],
+                idx,
+                phase or expected_phase(step),
+                SPEC,
+                SEED,
+                dense_mask=False,
+            )
+        )
     return out
 
 
@@ -88,11 +99,11 @@ def test_loaders_give_the_reference_batches_across_phase_switches_and_jumps(data
     try:
         p = plan()
         for step in [2, 3, 4, 5, 6, 7, 4, 6, 0]:  # in order, then back, forward and to the start
-            assert_same(loader.get(step, p.first_sample(step), p.phase(step)),
-                        reference(dataset, step))
+            assert_same(
+                loader.get(step, p.first_sample(step), p.phase(step)), reference(dataset, step)
+            )
         # Not the plan's request (another phase for this step): built as asked.
-        assert_same(loader.get(1, p.first_sample(1), PHASES[1]),
-                    reference(dataset, 1, PHASES[1]))
+        assert_same(loader.get(1, p.first_sample(1), PHASES[1]), reference(dataset, 1, PHASES[1]))
     finally:
         loader.close()
 
@@ -114,8 +125,9 @@ def test_worker_processes_ignore_the_stop_signals(dataset, kind):
         time.sleep(0.5)
         assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
         for step in range(1, STEPS):
-            assert_same(loader.get(step, p.first_sample(step), p.phase(step)),
-                        reference(dataset, step))
+            assert_same(
+                loader.get(step, p.first_sample(step), p.phase(step)), reference(dataset, step)
+            )
     finally:
         loader.close()
 
@@ -168,9 +180,13 @@ print("same batches")
 def test_workers_never_finalize_what_the_trainer_has_not_collected_yet(dataset, kind):
     """DALI's finalizer run in a forked worker on an inherited pipeline crashed the worker or hung
     it for good (a CI run hung): workers start with the garbage collector frozen."""
-    proc = subprocess.Popen([sys.executable, "-c", INHERITED_GARBAGE, kind, dataset.prefix,
-                             str(Path(__file__).parent)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INHERITED_GARBAGE, kind, dataset.prefix, str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -183,8 +199,13 @@ def test_workers_never_finalize_what_the_trainer_has_not_collected_yet(dataset, 
 RUN = {
     "data": {"mock": True, "loader": "sync"},
     "model": {"preset": "tiny", "vocab_size": 1000, "seq_length": 64},
-    "train": {"steps": 6, "micro_batch_size": 2, "global_batch_size": 4, "warmup_steps": 1,
-              "decay_steps": 1},
+    "train": {
+        "steps": 6,
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "warmup_steps": 1,
+        "decay_steps": 1,
+    },
     "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
     "checkpoint": {"save_interval": 2, "keep_last": 3},
     "logging": {"tensorboard": False, "eval_iters": 1},
@@ -206,8 +227,7 @@ def test_resume_with_workers_and_dali_continues_a_sync_run_exactly(tmp_path):
     for kind in ("workers", "dali"):
         run = tmp_path / kind
         (run / "checkpoints").mkdir(parents=True)
-        shutil.copytree(ref / "checkpoints" / "iter_0000002",
-                        run / "checkpoints" / "iter_0000002")
+        shutil.copytree(ref / "checkpoints" / "iter_0000002", run / "checkpoints" / "iter_0000002")
         got = train_here(config, [f"output_dir={run}", f"data.loader={kind}"])
         assert sorted(got) == [3, 4, 5, 6]  # resumed at step 2, across the CLM -> MLM switch
         assert got == {s: expected[s] for s in got}  # bitwise
@@ -226,10 +246,13 @@ def test_without_dali_only_the_dali_loader_fails_in_one_line(monkeypatch, tmp_pa
         assert load_config(None, args + [f"data.loader={kind}"]).data.loader == kind
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("data.loader=threads", "data.loader 'threads' must be one of sync, workers, dali"),
-    ("data.num_workers=0", "data.num_workers must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("data.loader=threads", "data.loader 'threads' must be one of sync, workers, dali"),
+        ("data.num_workers=0", "data.num_workers must be >= 1"),
+    ],
+)
 def test_bad_loader_settings_name_the_key(override, needle):
     with pytest.raises(Exception, match=needle):
         load_config(None, ["data.mock=true", override])

@@ -14,8 +14,10 @@ def setup():
     from megatron_mlmclm.model.build import build_model, transformer_config
     from megatron_mlmclm.runtime.distributed import init_distributed
 
-    cfg = load_config(None, ["data.mock=true", "model.vocab_size=256", "model.seq_length=32",
-                             "model.num_layers=2"])
+    cfg = load_config(
+        None,
+        ["data.mock=true", "model.vocab_size=256", "model.seq_length=32", "model.num_layers=2"],
+    )
     init_distributed(1, 1, None, seed=7)
     tconfig = transformer_config(cfg)
     (model,) = build_model(cfg, tconfig, 256)
@@ -63,9 +65,14 @@ def test_sdpa_matches_megatron_dot_product_attention(setup):
     cfg, tconfig, model = setup
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")  # megatron's own core attention
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
-    reference = EncoderLM(config=tconfig, transformer_layer_spec=spec, vocab_size=256,
-                          max_sequence_length=32, position_embedding_type="rope",
-                          share_embeddings_and_output_weights=False).eval()
+    reference = EncoderLM(
+        config=tconfig,
+        transformer_layer_spec=spec,
+        vocab_size=256,
+        max_sequence_length=32,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    ).eval()
     reference.load_state_dict(model.state_dict(), strict=False)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(4, 256, (2, 32), generator=g)

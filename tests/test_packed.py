@@ -31,8 +31,7 @@ from megatron_mlmclm.objectives import document_attention_mask
 def test_cu_seqlens_hand_example():
     # Sample 0: docs 0 (2 tokens), 1 (3), 2 (1, continues into sample 1);
     # sample 1: doc 2 (2 tokens: the piece after the boundary), doc 3 (4).
-    docs = torch.tensor([[0, 0, 1, 1, 1, 2],
-                         [2, 2, 3, 3, 3, 3]])
+    docs = torch.tensor([[0, 0, 1, 1, 1, 2], [2, 2, 3, 3, 3, 3]])
     cu, max_len = cu_seqlens_from_document_ids(docs)
     assert cu.dtype == torch.int32
     assert cu.tolist() == [0, 2, 5, 6, 8, 12]  # the spanning document is split at the boundary
@@ -63,16 +62,21 @@ def test_cu_seqlens_matches_dense_mask_on_mock_samples():
     # be exactly the dense document mask.
     seq = torch.repeat_interleave(torch.arange(cu.numel() - 1), (cu[1:] - cu[:-1]).long())
     seq = seq.view(4, 300)
-    assert torch.equal(document_attention_mask(seq, causal=False),
-                       document_attention_mask(docs, causal=False))
+    assert torch.equal(
+        document_attention_mask(seq, causal=False), document_attention_mask(docs, causal=False)
+    )
     assert max_len == int((cu[1:] - cu[:-1]).max())
 
 
 def test_flatten_for_thd():
     docs = torch.tensor([[0, 0, 1, 1], [1, 2, 2, 2]])
-    batch = {"tokens": torch.arange(8).view(2, 4), "labels": torch.arange(8).view(2, 4),
-             "loss_mask": torch.ones(2, 4), "position_ids": torch.arange(4).repeat(2, 1),
-             "attention_mask": document_attention_mask(docs, causal=True)}
+    batch = {
+        "tokens": torch.arange(8).view(2, 4),
+        "labels": torch.arange(8).view(2, 4),
+        "loss_mask": torch.ones(2, 4),
+        "position_ids": torch.arange(4).repeat(2, 1),
+        "attention_mask": document_attention_mask(docs, causal=True),
+    }
     out = flatten_for_thd(batch, docs)
     assert out["tokens"].tolist() == [list(range(8))]
     assert out["attention_mask"] is None
@@ -81,8 +85,14 @@ def test_flatten_for_thd():
 
 # -------------------------------------------------------------------------- FlexAttention path
 def attention_config(heads=4, groups=2, d=16):
-    return TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
-                             num_query_groups=groups, kv_channels=d, attention_dropout=0.0)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * d,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=d,
+        attention_dropout=0.0,
+    )
 
 
 def random_docs(b, s, seed, mean=50):
@@ -161,8 +171,10 @@ def model():
     from megatron_mlmclm.model.build import build_model, transformer_config
     from megatron_mlmclm.runtime.distributed import init_distributed
 
-    cfg = load_config(None, ["data.mock=true", "model.vocab_size=256", "model.seq_length=160",
-                             "model.num_layers=2"])
+    cfg = load_config(
+        None,
+        ["data.mock=true", "model.vocab_size=256", "model.seq_length=160", "model.num_layers=2"],
+    )
     init_distributed(1, 1, None, seed=7)
     (m,) = build_model(cfg, transformer_config(cfg), 256)
     return m.eval()
@@ -189,8 +201,9 @@ def test_whole_model_flex_matches_sdpa(model, causal):
             ref = model(tokens, positions, mask)
             swap_core_attention(model, FlexDocumentAttention)
             out_mask = model(tokens, positions, mask)
-            out_ids = model(tokens, positions, None,
-                            packed_seq_params=document_seq_params(docs, causal))
+            out_ids = model(
+                tokens, positions, None, packed_seq_params=document_seq_params(docs, causal)
+            )
     finally:
         swap_core_attention(model, SDPAttention)
     torch.testing.assert_close(out_mask, ref, rtol=1e-5, atol=1e-5)
@@ -204,8 +217,16 @@ def test_flex_model_layers_share_one_block_mask(model, monkeypatch):
     from megatron_mlmclm.model import attention
     from megatron_mlmclm.model.build import build_model, transformer_config
 
-    cfg = load_config(None, ["data.mock=true", "model.vocab_size=256", "model.seq_length=160",
-                             "model.num_layers=2", "model.attention=flex"])
+    cfg = load_config(
+        None,
+        [
+            "data.mock=true",
+            "model.vocab_size=256",
+            "model.seq_length=160",
+            "model.num_layers=2",
+            "model.attention=flex",
+        ],
+    )
     (flex_model,) = build_model(cfg, transformer_config(cfg), 256)
     flex_model.load_state_dict(model.state_dict())
     cores = [layer.self_attention.core_attention for layer in flex_model.decoder.layers]
@@ -213,8 +234,9 @@ def test_flex_model_layers_share_one_block_mask(model, monkeypatch):
     assert cores[0].masks is cores[1].masks
     built = []
     real = attention.document_block_mask
-    monkeypatch.setattr(attention, "document_block_mask",
-                        lambda *a, **k: built.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        attention, "document_block_mask", lambda *a, **k: built.append(1) or real(*a, **k)
+    )
     tokens = torch.randint(4, 256, (2, 160), generator=torch.Generator().manual_seed(8))
     positions = torch.arange(160).expand_as(tokens)
     mask = document_attention_mask(random_docs(2, 160, seed=9, mean=40), causal=False)
@@ -229,22 +251,40 @@ def test_flex_model_layers_share_one_block_mask(model, monkeypatch):
 class VarlenReferenceAttention(SDPAttention):
     """THD core attention for CPU tests: SDPA per cu_seqlens sequence (what TE fused computes)."""
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         assert attention_mask is None and packed_seq_params.qkv_format == "thd"
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         cu = packed_seq_params.cu_seqlens_q.tolist()
         outs = []
         for a, b in zip(cu[:-1], cu[1:]):  # query/key/value: [t, heads, d]
             q, k, v = (x[a:b].transpose(0, 1) for x in (query, key, value))
-            outs.append(torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, scale=self.softmax_scale,
-                enable_gqa=self.heads != self.groups).transpose(0, 1))
+            outs.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    is_causal=causal,
+                    scale=self.softmax_scale,
+                    enable_gqa=self.heads != self.groups,
+                ).transpose(0, 1)
+            )
         return torch.cat(outs)  # [t, heads, d]; megatron reshapes to [t, 1, h]
 
 
-@pytest.mark.parametrize("core,multiple", [("reference", 1), ("product", 1), ("product", 48)],
-                         ids=["reference", "product", "product_padded"])
+@pytest.mark.parametrize(
+    "core,multiple",
+    [("reference", 1), ("product", 1), ("product", 48)],
+    ids=["reference", "product", "product_padded"],
+)
 @pytest.mark.parametrize("causal", [True, False])
 def test_thd_through_the_model_matches_dense_mask(model, causal, core, multiple):
     """flatten_for_thd + megatron's THD handling (per-sequence RoPE restart) == dense masking,
@@ -264,9 +304,13 @@ def test_thd_through_the_model_matches_dense_mask(model, causal, core, multiple)
     docs = random_docs(b, s, seed=9, mean=40)
     labels = torch.randint(4, 256, (b, s), generator=torch.Generator().manual_seed(10))
     loss_mask = (torch.rand(b, s, generator=torch.Generator().manual_seed(11)) < 0.4).float()
-    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-             "position_ids": torch.arange(s).expand(b, s),
-             "attention_mask": document_attention_mask(docs, causal)}
+    batch = {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(s).expand(b, s),
+        "attention_mask": document_attention_mask(docs, causal),
+    }
     thd = flatten_for_thd(batch, docs, multiple)
     assert thd["tokens"].shape[1] == b * s + (-(b * s) % multiple)
     kind = AttnMaskType.causal if causal else AttnMaskType.no_mask
@@ -280,23 +324,36 @@ def test_thd_through_the_model_matches_dense_mask(model, causal, core, multiple)
     try:
         swap_core_attention(model, SDPAttention)
         ref_logits = model(tokens, batch["position_ids"], batch["attention_mask"]).detach()
-        ref_loss, _ = model(tokens, batch["position_ids"], batch["attention_mask"],
-                            labels=labels, loss_mask=loss_mask)
+        ref_loss, _ = model(
+            tokens,
+            batch["position_ids"],
+            batch["attention_mask"],
+            labels=labels,
+            loss_mask=loss_mask,
+        )
         ref_loss.sum().backward()
         ref_grads = grads()
         swap_core_attention(model, thd_core)
         set_attention_mask_type([model], kind)
-        logits = model(thd["tokens"], thd["position_ids"], None,
-                       packed_seq_params=thd["packed_seq_params"]).detach()
-        loss, _ = model(thd["tokens"], thd["position_ids"], None, labels=thd["labels"],
-                        loss_mask=thd["loss_mask"], packed_seq_params=thd["packed_seq_params"])
+        logits = model(
+            thd["tokens"], thd["position_ids"], None, packed_seq_params=thd["packed_seq_params"]
+        ).detach()
+        loss, _ = model(
+            thd["tokens"],
+            thd["position_ids"],
+            None,
+            labels=thd["labels"],
+            loss_mask=thd["loss_mask"],
+            packed_seq_params=thd["packed_seq_params"],
+        )
         loss.sum().backward()
         thd_grads = grads()
     finally:
         set_attention_mask_type([model], AttnMaskType.arbitrary)
         swap_core_attention(model, SDPAttention)
-    torch.testing.assert_close(logits[:, :b * s].reshape(b, s, -1), ref_logits, rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(
+        logits[:, : b * s].reshape(b, s, -1), ref_logits, rtol=1e-5, atol=1e-5
+    )
     # Per-token losses come in (sequence, batch) order on the dense path, flattened on THD.
     order = torch.arange(b * s).view(b, s).t()[loss_mask.t().bool()]
     flat_keep = loss_mask.view(-1).bool()
@@ -322,11 +379,15 @@ def test_thd_stand_in_leaves_padding_out(causal):
     kind = AttnMaskType.causal if causal else AttnMaskType.no_mask
     gen = torch.Generator().manual_seed(4)
     docs = random_docs(2, 37, seed=5, mean=9)
-    flat = flatten_for_thd({"tokens": torch.zeros(2, 37, dtype=torch.long),
-                            "labels": torch.zeros(2, 37, dtype=torch.long),
-                            "loss_mask": torch.ones(2, 37), "position_ids": torch.zeros(2, 37,
-                                                                             dtype=torch.long)},
-                           docs)
+    flat = flatten_for_thd(
+        {
+            "tokens": torch.zeros(2, 37, dtype=torch.long),
+            "labels": torch.zeros(2, 37, dtype=torch.long),
+            "loss_mask": torch.ones(2, 37),
+            "position_ids": torch.zeros(2, 37, dtype=torch.long),
+        },
+        docs,
+    )
     cu = flat["packed_seq_params"].cu_seqlens_q
     q, k, v = (torch.randn(74, n, 16, generator=gen) for n in (4, 2, 2))
     want = ref(q, k, v, None, attn_mask_type=kind, packed_seq_params=flat["packed_seq_params"])
@@ -334,13 +395,18 @@ def test_thd_stand_in_leaves_padding_out(causal):
     total = int(cu_padded[-1])
     real = torch.zeros(total, dtype=torch.bool)
     for a, n in zip(cu_padded[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()):
-        real[a:a + n] = True
+        real[a : a + n] = True
     # Pads hold large random values: any pad a real token attended to would show.
     qp, kp, vp = (100 * torch.randn(total, x.size(1), 16, generator=gen) for x in (q, k, v))
     for padded_x, x in ((qp, q), (kp, k), (vp, v)):
         padded_x[real] = x
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+    )
     got = core(qp, kp, vp, None, attn_mask_type=kind, packed_seq_params=params)
     torch.testing.assert_close(got[real], want.reshape(74, -1), rtol=1e-5, atol=1e-5)
     assert (got[~real] == 0).all() and (~real).any()
@@ -356,9 +422,13 @@ def test_batch_builders_create_tensors_on_the_input_device():
     from megatron_mlmclm.objectives import to_device
 
     docs = random_docs(2, 48, seed=1, mean=10)
-    host = {"tokens": torch.randint(4, 99, (2, 48)), "labels": torch.randint(4, 99, (2, 48)),
-            "loss_mask": torch.ones(2, 48), "position_ids": torch.arange(48).expand(2, 48),
-            "document_ids": docs}
+    host = {
+        "tokens": torch.randint(4, 99, (2, 48)),
+        "labels": torch.randint(4, 99, (2, 48)),
+        "loss_mask": torch.ones(2, 48),
+        "position_ids": torch.arange(48).expand(2, 48),
+        "document_ids": docs,
+    }
     with torch.device("meta"):
         for objective in ("clm", "mlm"):
             dense = to_device(dict(host), PhaseConfig(objective), dense_mask=True)
@@ -366,10 +436,20 @@ def test_batch_builders_create_tensors_on_the_input_device():
             parts = [split_for_context_parallel(flat, 2, rank, 8) for rank in range(2)]
     for batch in [dense, flat] + parts:
         for key, value in batch.items():
-            tensors = ([value] if isinstance(value, torch.Tensor) else
-                       [getattr(value, f) for f in ("cu_seqlens_q", "cu_seqlens_kv",
-                                                     "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-                        if isinstance(getattr(value, f, None), torch.Tensor)])
+            tensors = (
+                [value]
+                if isinstance(value, torch.Tensor)
+                else [
+                    getattr(value, f)
+                    for f in (
+                        "cu_seqlens_q",
+                        "cu_seqlens_kv",
+                        "cu_seqlens_q_padded",
+                        "cu_seqlens_kv_padded",
+                    )
+                    if isinstance(getattr(value, f, None), torch.Tensor)
+                ]
+            )
             assert all(t.device.type == "cpu" for t in tensors), key
 
 
@@ -402,9 +482,12 @@ def test_padded_thd_streams_on_random_document_layouts(multiple):
         s = int(torch.randint(1, 70, (1,), generator=gen))
         cuts = torch.rand(b, s, generator=gen) < float(torch.rand(1, generator=gen))
         docs = torch.cumsum(cuts.long(), dim=1)
-        batch = {"tokens": torch.randint(1, 99, (b, s), generator=gen),
-                 "labels": torch.randint(1, 99, (b, s), generator=gen),
-                 "loss_mask": torch.ones(b, s), "position_ids": torch.arange(s).expand(b, s)}
+        batch = {
+            "tokens": torch.randint(1, 99, (b, s), generator=gen),
+            "labels": torch.randint(1, 99, (b, s), generator=gen),
+            "loss_mask": torch.ones(b, s),
+            "position_ids": torch.arange(s).expand(b, s),
+        }
         out = flatten_for_thd(batch, docs, multiple)
         p = out["packed_seq_params"]
         cu = p.cu_seqlens_q.tolist()
@@ -438,15 +521,25 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
     from megatron_mlmclm.training import trainer as trainer_module
     from megatron_mlmclm.training.loader import Plan
 
-    cfg = load_config(None, ["data.mock=true", "model.vocab_size=256", "model.seq_length=40",
-                             "model.num_layers=2", "train.micro_batch_size=2",
-                             "train.global_batch_size=4", "train.fp8=delayed",
-                             f"parallel.pipeline_model_parallel_size={pp}"])
+    cfg = load_config(
+        None,
+        [
+            "data.mock=true",
+            "model.vocab_size=256",
+            "model.seq_length=40",
+            "model.num_layers=2",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+            "train.fp8=delayed",
+            f"parallel.pipeline_model_parallel_size={pp}",
+        ],
+    )
     plan = plan_kernels(cfg, "cuda", Kernels(te_version=(2, 8, 0)))
     assert plan.attention == "te-thd"
 
     def no_dense_mask(*a, **k):
         raise AssertionError("a dense [b,1,s,s] document mask was built on the THD path")
+
     monkeypatch.setattr(objectives, "document_attention_mask", no_dense_mask)
 
     t = trainer_module.Trainer(cfg)  # only the batch path: no process groups, no model
@@ -466,13 +559,14 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
     def schedule(**kw):
         seen.update(kw)
         return []
+
     monkeypatch.setattr(trainer_module, "get_forward_backward_func", lambda: schedule)
     monkeypatch.setattr(trainer_module.dist, "all_reduce", lambda *a, **k: None)
     monkeypatch.setattr(trainer_module.parallel_state, "is_pipeline_last_stage", lambda **k: False)
-    monkeypatch.setattr(trainer_module.parallel_state, "get_data_parallel_group",
-                        lambda **k: None)
-    monkeypatch.setattr(trainer_module.parallel_state, "get_pipeline_model_parallel_group",
-                        lambda: None)
+    monkeypatch.setattr(trainer_module.parallel_state, "get_data_parallel_group", lambda **k: None)
+    monkeypatch.setattr(
+        trainer_module.parallel_state, "get_pipeline_model_parallel_group", lambda: None
+    )
     t.model = [object()]
     t.run_schedule(batches, forward_only=True)
     assert (seen["seq_length"], seen["micro_batch_size"]) == (80, 1)  # [t, 1, h] between stages
@@ -497,8 +591,11 @@ def reference_cp_indices(cu_padded: list[int], cp: int, rank: int) -> list[int]:
 def test_context_parallel_split_on_random_layouts(cp):
     """300 random packed micro-batches: sequences padded to 2 x CP with no-loss pads, each rank's
     indices equal the reference, and the ranks' shares cover the padded stream exactly once."""
-    from megatron_mlmclm.model.packed import (cp_partition_indices, pad_sequences,
-                                              split_for_context_parallel)
+    from megatron_mlmclm.model.packed import (
+        cp_partition_indices,
+        pad_sequences,
+        split_for_context_parallel,
+    )
     from megatron_mlmclm.objectives import IGNORE
 
     gen = torch.Generator().manual_seed(cp)
@@ -506,9 +603,12 @@ def test_context_parallel_split_on_random_layouts(cp):
         b = int(torch.randint(1, 4, (1,), generator=gen))
         s = int(torch.randint(1, 60, (1,), generator=gen))
         docs = torch.cumsum((torch.rand(b, s, generator=gen) < 0.2).long(), dim=1)
-        batch = {"tokens": torch.randint(1, 99, (b, s), generator=gen),
-                 "labels": torch.randint(1, 99, (b, s), generator=gen),
-                 "loss_mask": torch.ones(b, s), "position_ids": torch.arange(s).expand(b, s)}
+        batch = {
+            "tokens": torch.randint(1, 99, (b, s), generator=gen),
+            "labels": torch.randint(1, 99, (b, s), generator=gen),
+            "loss_mask": torch.ones(b, s),
+            "position_ids": torch.arange(s).expand(b, s),
+        }
         flat = flatten_for_thd(batch, docs)
         cu = flat["packed_seq_params"].cu_seqlens_q
         padded, cu_padded = pad_sequences(flat, cu, 2 * cp)
@@ -516,10 +616,13 @@ def test_context_parallel_split_on_random_layouts(cp):
         plens = (cu_padded[1:] - cu_padded[:-1]).tolist()
         assert all(p % (2 * cp) == 0 and 0 <= p - n < 2 * cp for p, n in zip(plens, lengths))
         for (start, n), pstart in zip(zip(cu[:-1].tolist(), lengths), cu_padded[:-1].tolist()):
-            assert torch.equal(padded["tokens"][0, pstart:pstart + n],
-                               flat["tokens"][0, start:start + n])
-            assert padded["position_ids"][0, pstart:pstart + n].tolist() == \
-                flat["position_ids"][0, start:start + n].tolist()
+            assert torch.equal(
+                padded["tokens"][0, pstart : pstart + n], flat["tokens"][0, start : start + n]
+            )
+            assert (
+                padded["position_ids"][0, pstart : pstart + n].tolist()
+                == flat["position_ids"][0, start : start + n].tolist()
+            )
         real = padded["loss_mask"][0].bool()
         assert int(real.sum()) == b * s and (padded["labels"][0][~real] == IGNORE).all()
         shares = []
@@ -546,15 +649,20 @@ def test_context_parallel_is_accepted_only_on_packed_thd_sequences(capsys, tmp_p
     kw = plan.transformer_kwargs()
     assert (kw["context_parallel_size"], kw["cp_comm_type"]) == (2, "p2p")
     assert plan.cp_sequence_multiple == 4
-    sp = plan_kernels(load_config(None, base + ["parallel.tensor_model_parallel_size=2"]), "cuda",
-                      Kernels(te_version=(2, 8, 0)))
+    sp = plan_kernels(
+        load_config(None, base + ["parallel.tensor_model_parallel_size=2"]),
+        "cuda",
+        Kernels(te_version=(2, 8, 0)),
+    )
     assert sp.sequence_parallel.on and sp.cp_sequence_multiple == 8  # 2 x CP x TP
     cpu = plan_kernels(load_config(None, base + ["model.attention=thd"]), "cpu", Kernels())
     assert cpu.attention == "thd-reference" and cpu.context_parallel.on
-    for device, kernels, extra in [("cpu", Kernels(te_version=(2, 8, 0)), []),
-                                   ("cuda", Kernels(), []),
-                                   ("cuda", Kernels(te_version=(2, 8, 0)), ["model.attention=sdpa"]),
-                                   ("cuda", Kernels(te_version=(2, 8, 0)), ["train.precision=fp32"])]:
+    for device, kernels, extra in [
+        ("cpu", Kernels(te_version=(2, 8, 0)), []),
+        ("cuda", Kernels(), []),
+        ("cuda", Kernels(te_version=(2, 8, 0)), ["model.attention=sdpa"]),
+        ("cuda", Kernels(te_version=(2, 8, 0)), ["train.precision=fp32"]),
+    ]:
         with pytest.raises(UsageError, match="context_parallel_size=2 needs packed THD attention"):
             plan_kernels(load_config(None, base + extra), device, kernels)
     with pytest.raises(UsageError, match="train.fp8=delayed with parallel.context_parallel_size"):

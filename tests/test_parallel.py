@@ -17,8 +17,13 @@ from jobs import losses, run_pretrain
 CONFIG = {
     "data": {"mock": True},
     "model": {"preset": "tiny", "vocab_size": 1000},
-    "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4, "warmup_steps": 1,
-              "decay_steps": 1},
+    "train": {
+        "steps": 4,
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "warmup_steps": 1,
+        "decay_steps": 1,
+    },
     "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
     "logging": {"tensorboard": False, "eval_interval": 0},
 }
@@ -26,32 +31,67 @@ CONFIG = {
 LAYOUTS = {
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
     "pp2": (2, ["parallel.pipeline_model_parallel_size=2"]),
-    "vpp2": (2, ["parallel.pipeline_model_parallel_size=2",
-                 "parallel.virtual_pipeline_model_parallel_size=2"]),
-    "tp2pp2": (4, ["parallel.tensor_model_parallel_size=2",
-                   "parallel.pipeline_model_parallel_size=2"]),
+    "vpp2": (
+        2,
+        [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+        ],
+    ),
+    "tp2pp2": (
+        4,
+        ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"],
+    ),
     # Sequence parallelism (runs on gloo when asked for explicitly; on GPU it is the TP default).
     "tp2_sp": (2, ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
-    "tp2pp2_sp_distopt": (4, ["parallel.tensor_model_parallel_size=2",
-                              "parallel.pipeline_model_parallel_size=2",
-                              "parallel.sequence_parallel=true",
-                              "parallel.use_distributed_optimizer=true"]),
+    "tp2pp2_sp_distopt": (
+        4,
+        [
+            "parallel.tensor_model_parallel_size=2",
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.sequence_parallel=true",
+            "parallel.use_distributed_optimizer=true",
+        ],
+    ),
     "dp2": (2, []),
     # Overlapped gradient reduce-scatter and parameter all-gather (the GPU default), run on gloo.
-    "dp2_distopt_overlap": (2, ["parallel.use_distributed_optimizer=true",
-                                "parallel.overlap_grad_reduce=true",
-                                "parallel.overlap_param_gather=true"]),
+    "dp2_distopt_overlap": (
+        2,
+        [
+            "parallel.use_distributed_optimizer=true",
+            "parallel.overlap_grad_reduce=true",
+            "parallel.overlap_param_gather=true",
+        ],
+    ),
     "dp2_distopt": (2, ["parallel.use_distributed_optimizer=true"]),
     "recompute_full": (1, ["train.recompute=full"]),
     # The packed THD path and context parallelism (TE's path on GPU), with the stand-in kernel.
     "cp2_thd": (2, ["parallel.context_parallel_size=2", "model.attention=thd"]),
-    "dp2cp2_thd_distopt": (4, ["parallel.context_parallel_size=2", "model.attention=thd",
-                               "parallel.use_distributed_optimizer=true"]),
-    "tp2cp2_sp_thd": (4, ["parallel.tensor_model_parallel_size=2",
-                          "parallel.context_parallel_size=2", "parallel.sequence_parallel=true",
-                          "model.attention=thd"]),
-    "vpp2_thd": (2, ["parallel.pipeline_model_parallel_size=2",
-                     "parallel.virtual_pipeline_model_parallel_size=2", "model.attention=thd"]),
+    "dp2cp2_thd_distopt": (
+        4,
+        [
+            "parallel.context_parallel_size=2",
+            "model.attention=thd",
+            "parallel.use_distributed_optimizer=true",
+        ],
+    ),
+    "tp2cp2_sp_thd": (
+        4,
+        [
+            "parallel.tensor_model_parallel_size=2",
+            "parallel.context_parallel_size=2",
+            "parallel.sequence_parallel=true",
+            "model.attention=thd",
+        ],
+    ),
+    "vpp2_thd": (
+        2,
+        [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+            "model.attention=thd",
+        ],
+    ),
 }
 
 

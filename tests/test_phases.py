@@ -16,8 +16,13 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from jobs import REPO, pretrain_cmd, read_metrics, run_pretrain, word_tokenizer
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.config import (MaskSchedule, budget_report,
-                                    causal_attention_halved, dump_yaml, load_config)
+from megatron_mlmclm.config import (
+    MaskSchedule,
+    budget_report,
+    causal_attention_halved,
+    dump_yaml,
+    load_config,
+)
 from megatron_mlmclm.data.dataset import temperature_blend
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.kernels import Kernels, plan_kernels
@@ -59,10 +64,17 @@ def test_flops_budgets_match_hand_computed_flops_for_two_presets():
     ]
     for preset, vocab, gbs, objective, attention, per_step in cases:
         budget = 1000.4 * per_step  # 1000 steps and a bit: rounds to 1000
-        c = cfg([f"model.preset={preset}", f"model.vocab_size={vocab}",
-                 f"train.global_batch_size={gbs}", "train.micro_batch_size=1",
-                 f"train.flops={budget}", f"train.flops_attention={attention}",
-                 f"phases=[{{objective: {objective}, mask_ratio: 0.4}}]"])
+        c = cfg(
+            [
+                f"model.preset={preset}",
+                f"model.vocab_size={vocab}",
+                f"train.global_batch_size={gbs}",
+                "train.micro_batch_size=1",
+                f"train.flops={budget}",
+                f"train.flops_attention={attention}",
+                f"phases=[{{objective: {objective}, mask_ratio: 0.4}}]",
+            ]
+        )
         assert c.train.steps == 1000 and c.phases[0].steps == 1000, (preset, objective)
         report = budget_report(c)[0]
         assert f"{1000 * per_step:.4g} FLOPs" in report, (report, per_step)
@@ -72,20 +84,38 @@ def test_equal_flops_gives_mlm_more_steps_and_a_tokens_budget_follows_seq_length
     flops = 1e15
     steps = {}
     for objective in ("clm", "mlm"):
-        c = cfg(["model.vocab_size=1000", f"train.flops={flops}", "train.flops_attention=full",
-                 f"phases=[{{objective: {objective}, mask_ratio: 0.4}}]"])
+        c = cfg(
+            [
+                "model.vocab_size=1000",
+                f"train.flops={flops}",
+                "train.flops_attention=full",
+                f"phases=[{{objective: {objective}, mask_ratio: 0.4}}]",
+            ]
+        )
         steps[objective] = c.train.steps
     assert steps["mlm"] > steps["clm"]
     # 2 phases by share of 1.6M tokens, GBS 8: 1024-token samples then 2048-token ones.
-    c = cfg(["model.seq_length=1024", "train.tokens=1.6e6", "train.warmup_steps=1",
-             "phases=[{objective: mlm, share: 0.5}, {objective: mlm, share: 0.5, seq_length: 2048}]"])
+    c = cfg(
+        [
+            "model.seq_length=1024",
+            "train.tokens=1.6e6",
+            "train.warmup_steps=1",
+            "phases=[{objective: mlm, share: 0.5}, {objective: mlm, share: 0.5, seq_length: 2048}]",
+        ]
+    )
     assert [p.steps for p in c.phases] == [98, 49]  # 8e5 / 8192 = 97.7, 8e5 / 16384 = 48.8
     assert c.train.steps == 147
 
 
 def test_budget_rules_round_trip_and_refusals(tmp_path):
-    c = cfg(["model.vocab_size=1000", "train.flops=1e15", "train.warmup_steps=1",
-             "phases=[{objective: clm, share: 0.25}, {objective: mlm, share: 0.75, decay: true}]"])
+    c = cfg(
+        [
+            "model.vocab_size=1000",
+            "train.flops=1e15",
+            "train.warmup_steps=1",
+            "phases=[{objective: clm, share: 0.25}, {objective: mlm, share: 0.75, decay: true}]",
+        ]
+    )
     assert c.train.decay_steps == c.phases[1].steps and c.train.flops_attention == "full"
     dump_yaml(c, tmp_path / "run.yaml")  # the resolved config loads back to the same steps
     again = load_config(tmp_path / "run.yaml")
@@ -96,13 +126,22 @@ def test_budget_rules_round_trip_and_refusals(tmp_path):
         (["model.vocab_size=1000", "train.flops=1e15", "train.steps=7"], "train.steps=null"),
         (["train.flops=1e15"], "needs model.vocab_size"),
         (["phases=[{objective: mlm, share: 0.5, tokens: 1e6}]"], "gives share and tokens"),
-        (["phases=[{objective: mlm, share: 0.5, decay: true}, {objective: mlm, share: 0.5}]"],
-         "the decay phases are the run's last"),
-        (["train.decay_steps=3", "phases=[{objective: mlm, share: 0.5}, "
-          "{objective: mlm, share: 0.5, decay: true}]"], "disagrees with the decay phases"),
+        (
+            ["phases=[{objective: mlm, share: 0.5, decay: true}, {objective: mlm, share: 0.5}]"],
+            "the decay phases are the run's last",
+        ),
+        (
+            [
+                "train.decay_steps=3",
+                "phases=[{objective: mlm, share: 0.5}, {objective: mlm, share: 0.5, decay: true}]",
+            ],
+            "disagrees with the decay phases",
+        ),
         (["phases=[{objective: mlm, mask_ratio: {from: 0.3, to: 1.5}}]"], "must be in (0, 1)"),
-        (["phases=[{objective: mlm, mask_ratio: {from: 0.3, to: 0.1, shape: zigzag}}]"],
-         "linear, cosine, step"),
+        (
+            ["phases=[{objective: mlm, mask_ratio: {from: 0.3, to: 0.1, shape: zigzag}}]"],
+            "linear, cosine, step",
+        ),
         (["phases=[{objective: mlm, data: {temperature: 0.5}}]"], "contradicts phases.0.data"),
     ]
     for overrides, message in refusals:
@@ -121,11 +160,18 @@ def test_mask_schedules_and_the_phase_plan_streams():
     assert (st.at(0.49), st.at(0.5)) == (0.3, 0.1)
     # clm 4 steps, mlm 4 (same stream: continues), mlm at seq 64 (new stream from 0), mlm back at
     # the run's length (continues the first stream after its 8 x 4 samples).
-    run = cfg(["model.seq_length=32", "train.steps=16", "train.warmup_steps=1",
-               "train.global_batch_size=4", "train.micro_batch_size=2",
-               "phases=[{objective: clm, steps: 4}, {objective: mlm, steps: 4, mask_ratio: "
-               "{from: 0.4, to: 0.1}}, {objective: mlm, steps: 4, seq_length: 64}, "
-               "{objective: mlm, steps: 4, seq_length: 32}]"])
+    run = cfg(
+        [
+            "model.seq_length=32",
+            "train.steps=16",
+            "train.warmup_steps=1",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            "phases=[{objective: clm, steps: 4}, {objective: mlm, steps: 4, mask_ratio: "
+            "{from: 0.4, to: 0.1}}, {objective: mlm, steps: 4, seq_length: 64}, "
+            "{objective: mlm, steps: 4, seq_length: 32}]",
+        ]
+    )
     plan = PhasePlan(resolved_phases(run), 4)
     assert [plan.stream(k) for k in (0, 4, 8, 12)] == [0, 0, 1, 0]
     assert [plan.position(k) for k in (0, 3, 4, 7, 8, 11, 12, 15)] == [0, 12, 16, 28, 0, 12, 32, 44]
@@ -138,23 +184,31 @@ def test_budget_attention_count_follows_the_kernel_plan():
     """causal_attention_halved (config, no torch needed) agrees with model/kernels.py's attention
     path: halved exactly where the plan picks a kernel that skips masked blocks."""
     for device, attention, te, precision in itertools.product(
-            ("cpu", "cuda"), ("auto", "sdpa", "flex", "thd"), (None, (2, 8)), ("bf16", "fp32")):
-        c = cfg([f"runtime.device={device}", f"model.attention={attention}",
-                 f"train.precision={precision}"])
+        ("cpu", "cuda"), ("auto", "sdpa", "flex", "thd"), (None, (2, 8)), ("bf16", "fp32")
+    ):
+        c = cfg(
+            [
+                f"runtime.device={device}",
+                f"model.attention={attention}",
+                f"train.precision={precision}",
+            ]
+        )
         c.train.flops_attention = "auto"
         kernels = Kernels(te_version=te)
         import importlib.util
+
         real = importlib.util.find_spec
-        importlib.util.find_spec = (lambda name, *a: object() if name == "transformer_engine"
-                                    and te else (None if name == "transformer_engine"
-                                                 else real(name, *a)))
+        importlib.util.find_spec = lambda name, *a: (
+            object()
+            if name == "transformer_engine" and te
+            else (None if name == "transformer_engine" else real(name, *a))
+        )
         try:
             halved = causal_attention_halved(c)
         finally:
             importlib.util.find_spec = real
         plan = plan_kernels(c, device, kernels)
-        assert halved == (plan.attention in ("te-thd", "flex")), \
-            (device, attention, te, precision)
+        assert halved == (plan.attention in ("te-thd", "flex")), (device, attention, te, precision)
 
 
 def test_temperature_weights_by_hand(tmp_path):
@@ -167,8 +221,10 @@ def test_temperature_weights_by_hand(tmp_path):
         prefixes.append(str(tmp_path / name))
     items = temperature_blend(prefixes, 0.5)
     w = [float(x) for x in items[0::2]]
-    expected = [math.sqrt(0.1) / (math.sqrt(0.1) + math.sqrt(0.9)),
-                math.sqrt(0.9) / (math.sqrt(0.1) + math.sqrt(0.9))]
+    expected = [
+        math.sqrt(0.1) / (math.sqrt(0.1) + math.sqrt(0.9)),
+        math.sqrt(0.9) / (math.sqrt(0.1) + math.sqrt(0.9)),
+    ]
     assert items[1::2] == prefixes and w == pytest.approx(expected, rel=1e-12)
 
 
@@ -183,8 +239,9 @@ def test_a_phase_rope_base_is_megatrons_own_frequencies_for_that_base():
     class Chunk(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.rotary_pos_emb = RotaryEmbedding(32, 1.0, rotary_base=10000,
-                                                  use_cpu_initialization=True)
+            self.rotary_pos_emb = RotaryEmbedding(
+                32, 1.0, rotary_base=10000, use_cpu_initialization=True
+            )
 
     chunk = Chunk()
     before = chunk.rotary_pos_emb(16).clone()
@@ -221,15 +278,26 @@ def tiny_recipe(recipe: dict, shards: dict, tok, out) -> dict:
     """The recipe at the tiny preset: 8 steps of 4 samples, sequence lengths / 64, its shards."""
     r = yaml.safe_load(yaml.safe_dump(recipe))
     r["output_dir"] = str(out)
-    r["model"] = {"preset": "tiny", "seq_length": max(8, r["model"].get("seq_length", 128) // 64),
-                  "rotary_base": r["model"].get("rotary_base", 10000.0)}
-    r["train"] = {"steps": 8, "global_batch_size": 4, "micro_batch_size": 2, "warmup_steps": 1,
-                  "lr": 1e-3}
+    r["model"] = {
+        "preset": "tiny",
+        "seq_length": max(8, r["model"].get("seq_length", 128) // 64),
+        "rotary_base": r["model"].get("rotary_base", 10000.0),
+    }
+    r["train"] = {
+        "steps": 8,
+        "global_batch_size": 4,
+        "micro_batch_size": 2,
+        "warmup_steps": 1,
+        "lr": 1e-3,
+    }
     if not any(ph.get("decay") for ph in r["phases"]):
         r["train"]["decay_steps"] = 1
     swap = lambda items: [shards.get(x, x) if isinstance(x, str) else x for x in items]  # noqa
-    r["data"] = {"train": swap(r["data"]["train"]), "valid": swap(r["data"]["valid"]),
-                 "tokenizer": str(tok)}
+    r["data"] = {
+        "train": swap(r["data"]["train"]),
+        "valid": swap(r["data"]["valid"]),
+        "tokenizer": str(tok),
+    }
     for ph in r["phases"]:
         if "seq_length" in ph:
             ph["seq_length"] //= 64
@@ -247,9 +315,11 @@ def recipe_data(tmp_path_factory):
     names = set()
     for path in RECIPES.glob("*.yaml"):
         text = path.read_text()
-        names |= {w.split("/")[-1][:-len("_text_document")]
-                  for w in text.replace(",", " ").replace("[", " ").replace("]", " ").split()
-                  if w.startswith("data/shards/")}
+        names |= {
+            w.split("/")[-1][: -len("_text_document")]
+            for w in text.replace(",", " ").replace("[", " ").replace("]", " ").split()
+            if w.startswith("data/shards/")
+        }
     return root, tok, tiny_shards(root, names, tok)
 
 
@@ -257,8 +327,15 @@ RECIPE_NAMES = sorted(p.stem for p in RECIPES.glob("*.yaml"))
 
 
 def test_there_are_the_recipes_the_docs_promise():
-    assert RECIPE_NAMES == ["equal-flops-clm", "equal-flops-mlm", "ettin-decoder", "ettin-encoder",
-                            "mmbert", "modernbert", "study-clm-mlm"]
+    assert RECIPE_NAMES == [
+        "equal-flops-clm",
+        "equal-flops-mlm",
+        "ettin-decoder",
+        "ettin-encoder",
+        "mmbert",
+        "modernbert",
+        "study-clm-mlm",
+    ]
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
@@ -322,13 +399,21 @@ def boundary_config(two_shards, change: str, out):
     second = {"objective": "mlm", "share": 0.5, **CHANGES[change]}
     if change == "data":
         second["data"] = {"train": [shards["data/shards/b_text_document"]]}
-    cfg_ = {"output_dir": str(out), "model": {"preset": "tiny", "seq_length": 16},
-            "data": {"train": [shards["data/shards/a_text_document"]], "tokenizer": str(tok)},
-            "phases": [{"objective": "clm", "share": 0.5}, second],
-            "train": {"steps": 8, "micro_batch_size": 2, "global_batch_size": 4,
-                      "warmup_steps": 1, "decay_steps": 2},
-            "checkpoint": {"save_interval": 2, "keep_last": 2},
-            "logging": {"tensorboard": False}}
+    cfg_ = {
+        "output_dir": str(out),
+        "model": {"preset": "tiny", "seq_length": 16},
+        "data": {"train": [shards["data/shards/a_text_document"]], "tokenizer": str(tok)},
+        "phases": [{"objective": "clm", "share": 0.5}, second],
+        "train": {
+            "steps": 8,
+            "micro_batch_size": 2,
+            "global_batch_size": 4,
+            "warmup_steps": 1,
+            "decay_steps": 2,
+        },
+        "checkpoint": {"save_interval": 2, "keep_last": 2},
+        "logging": {"tensorboard": False},
+    }
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(cfg_))
     return path
@@ -351,8 +436,18 @@ def test_kill_9_before_a_phase_change_resumes_bitwise(two_shards, tmp_path, chan
 def test_resume_guard_names_the_phase_whose_definition_changed(two_shards, tmp_path, capsys):
     path = boundary_config(two_shards, "rope", tmp_path / "run")
     run_pretrain(path, ["train.steps=4", "train.decay_steps=1"])
-    assert main(["pretrain", str(path), "train.steps=4", "train.decay_steps=1",
-                 "phases.1.rotary_base=500000"]) == 2
+    assert (
+        main(
+            [
+                "pretrain",
+                str(path),
+                "train.steps=4",
+                "train.decay_steps=1",
+                "phases.1.rotary_base=500000",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "(phases.1 is the first that changed)" in err and "rotary_base 500000" in err, err
 

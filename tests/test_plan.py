@@ -96,7 +96,9 @@ def test_smaller_budgets_are_decay_branches_of_the_largest(plan_dir):
         assert cfg.train.branch_from == f"{runs[stable].checkpoint.dir}/iter_{at:07d}"
         assert runs[stable].checkpoint.keep_steps == [10000, 20000]
         assert cfg.train.init_from is None and cfg.train.steps == budget
-    assert not any(c.train.branch_from for n, c in runs.items() if "-mlm40-" in n[5:] or "-dec" in n)
+    assert not any(
+        c.train.branch_from for n, c in runs.items() if "-mlm40-" in n[5:] or "-dec" in n
+    )
 
 
 def flops_per_token_210m(objective: str) -> int:
@@ -124,7 +126,8 @@ def test_summary_totals_and_dependencies(plan_dir):
             assert hours == scratch
         if "mlm" not in r["phases"]:  # the stated throughput is a CLM step's
             assert scratch == pytest.approx(
-                int(r["tokens"]) / float(r["tokens_per_gpu_s"]) / 3600, abs=0.01)
+                int(r["tokens"]) / float(r["tokens_per_gpu_s"]) / 3600, abs=0.01
+            )
         if "-dec" in r["name"]:
             assert r["depends_on"] == r["name"].split("-dec")[0] + "-42k"
         elif r["kind"] != "branch":
@@ -134,13 +137,16 @@ def test_summary_totals_and_dependencies(plan_dir):
     # an MLM step costs its own FLOPs at the CLM step's FLOP rate
     ratio = flops_per_token_210m("mlm") / flops_per_token_210m("clm")
     assert float(by_name["210m-mlm40-42k"]["gpu_hours"]) == pytest.approx(
-        float(by_name["210m-clm-42k"]["gpu_hours"]) * ratio, rel=1e-3)
+        float(by_name["210m-clm-42k"]["gpu_hours"]) * ratio, rel=1e-3
+    )
     md = (plan_dir / "SUMMARY.md").read_text()
     total = round(sum(float(r["gpu_hours"]) for r in rows), 2)
     alone = round(sum(float(r["gpu_hours_from_scratch"]) for r in rows), 2)
     total_tokens = sum(int(r["tokens"]) for r in rows)
-    assert f"{total:,.1f} GPU-hours with decay branches, {alone:,.1f} GPU-hours with every run " \
+    assert (
+        f"{total:,.1f} GPU-hours with decay branches, {alone:,.1f} GPU-hours with every run "
         "from scratch" in md
+    )
     assert total < 0.75 * alone
     assert f"{total_tokens / 1e12:.2f}T tokens" in md
     manifest = (plan_dir / "manifest.tsv").read_text().splitlines()
@@ -151,8 +157,12 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
     jobs = sorted((plan_dir / "jobs").glob("*.sh"))
     # one template: check a single-objective, a biphasic, a CPT and a branch job (`bash -n a b`
     # checks a only)
-    picked = [p for p in jobs if p.stem in ("210m-clm-42k", "610m-clm-10k-mlm40-42k",
-                                            "610m-clm-dec42k-mlm40-64k", "210m-clm-12k")]
+    picked = [
+        p
+        for p in jobs
+        if p.stem
+        in ("210m-clm-42k", "610m-clm-10k-mlm40-42k", "610m-clm-dec42k-mlm40-64k", "210m-clm-12k")
+    ]
     assert len(picked) == 4
     for s in picked + [plan_dir / "submit_slurm.sh"]:
         subprocess.run(["bash", "-n", str(s)], check=True)
@@ -160,11 +170,17 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
     # that logs its arguments and prints the job id (= its line number in the log)
     log = tmp_path / "sbatch.log"
     log.touch()
-    fake = ('sbatch() { echo "$*" >> "$SBATCH_LOG"; local l; mapfile -t l < "$SBATCH_LOG"; '
-            'echo "${#l[@]}"; }; export -f sbatch; bash "$1"')
+    fake = (
+        'sbatch() { echo "$*" >> "$SBATCH_LOG"; local l; mapfile -t l < "$SBATCH_LOG"; '
+        'echo "${#l[@]}"; }; export -f sbatch; bash "$1"'
+    )
     env = dict(os.environ, SBATCH_LOG=str(log))
-    subprocess.run(["bash", "-c", fake, "_", str(plan_dir / "submit_slurm.sh")], check=True,
-                   env=env, capture_output=True)
+    subprocess.run(
+        ["bash", "-c", fake, "_", str(plan_dir / "submit_slurm.sh")],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     lines = log.read_text().splitlines()
     # pretrain, convert, evaluate per run; two more pretraining segments per stable run (15);
     # one report
@@ -183,13 +199,20 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
         src = ln.split("pt-")[1].split("-dec")[0] + "-42k.yaml"
         assert "pretrain.sbatch" in dep and dep.endswith(f"/configs/{src}")
     # a stable run: segments ending at 10K and 20K, each after the one before, then the rest
-    stable = [ln for ln in lines if "pretrain.sbatch" in ln and "/configs/610m-mlm40-42k.yaml" in ln]
-    assert [ln.split("--stop-at ")[1].split()[0] if "--stop-at" in ln else "end" for ln in stable] \
-        == ["10000", "20000", "end"]
+    stable = [
+        ln for ln in lines if "pretrain.sbatch" in ln and "/configs/610m-mlm40-42k.yaml" in ln
+    ]
+    assert [
+        ln.split("--stop-at ")[1].split()[0] if "--stop-at" in ln else "end" for ln in stable
+    ] == ["10000", "20000", "end"]
     assert dependency(stable[1]) == stable[0] and dependency(stable[2]) == stable[1]
     # a branch waits for the segment that saves its branch point
     for budget, at in ((12, "10000"), (22, "20000")):
-        ln = next(x for x in lines if "pretrain.sbatch" in x and f"/configs/610m-mlm40-{budget}k.yaml" in x)
+        ln = next(
+            x
+            for x in lines
+            if "pretrain.sbatch" in x and f"/configs/610m-mlm40-{budget}k.yaml" in x
+        )
         assert dependency(ln) == stable[0 if at == "10000" else 1]
     evals = [ln for ln in lines if "evaluate_array.sbatch" in ln]
     assert all("--array=0-179" in ln for ln in evals) and len(evals) == 60
@@ -203,8 +226,23 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
 
 def test_no_branches_trains_every_budget_from_scratch(tmp_path):
     out = tmp_path / "p"
-    assert main(["plan", "--out", str(out), "--sizes", "210m", "--objectives", "clm",
-                 "--clm-shares", "--cpt-steps", "--no-branches"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--out",
+                str(out),
+                "--sizes",
+                "210m",
+                "--objectives",
+                "clm",
+                "--clm-shares",
+                "--cpt-steps",
+                "--no-branches",
+            ]
+        )
+        == 0
+    )
     for path in (out / "configs").glob("*.yaml"):
         cfg = load_config(path)
         assert cfg.train.branch_from is None and not cfg.checkpoint.keep_steps
@@ -214,27 +252,51 @@ def test_no_branches_trains_every_budget_from_scratch(tmp_path):
 
 def test_subset_and_rounding(tmp_path):
     out = tmp_path / "p"
-    assert main(["plan", "--out", str(out), "--sizes", "210m", "--budgets", "22000",
-                 "--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "0.25", "1",
-                 "--cpt-steps", "--nodes", "610m=4"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--out",
+                str(out),
+                "--sizes",
+                "210m",
+                "--budgets",
+                "22000",
+                "--objectives",
+                "mlm",
+                "--mask-ratios",
+                "0.4",
+                "--clm-shares",
+                "0.25",
+                "1",
+                "--cpt-steps",
+                "--nodes",
+                "610m=4",
+            ]
+        )
+        == 0
+    )
     names = {p.stem for p in (out / "configs").glob("*.yaml")}
     assert names == {"210m-mlm40-22k", "610m-clm-5k-mlm40-22k", "610m-clm-22k"}
     cfg = load_config(out / "configs" / "610m-clm-5k-mlm40-22k.yaml")
     assert [p.steps for p in cfg.phases] == [5500, 16500]
 
 
-@pytest.mark.parametrize("argv", [
-    ["--sizes", "2b"],
-    ["--clm-shares", "1.5"],
-    ["--clm-shares", "-0.1"],
-    ["--budgets"],
-    ["--sizes", "--clm-shares", "--cpt-steps"],
-    ["--mask-ratios", "0"],
-    ["--objectives", "xlm"],
-    ["--split-size", "7b"],
-    ["--throughput", "610m=abc"],
-    ["--nodes", "1b=5"],  # 40 GPUs: 1152 is not divisible by micro-batch 4 x DP 40
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sizes", "2b"],
+        ["--clm-shares", "1.5"],
+        ["--clm-shares", "-0.1"],
+        ["--budgets"],
+        ["--sizes", "--clm-shares", "--cpt-steps"],
+        ["--mask-ratios", "0"],
+        ["--objectives", "xlm"],
+        ["--split-size", "7b"],
+        ["--throughput", "610m=abc"],
+        ["--nodes", "1b=5"],  # 40 GPUs: 1152 is not divisible by micro-batch 4 x DP 40
+    ],
+)
 def test_bad_input_exits_2(tmp_path, capsys, argv):
     out = tmp_path / "p"
     assert main(["plan", "--out", str(out), *argv]) == 2
@@ -247,8 +309,17 @@ def test_existing_out_needs_force(tmp_path):
     out = tmp_path / "p"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    args = ["plan", "--out", str(out), "--sizes", "210m", "--budgets", "12000",
-            "--clm-shares", "--cpt-steps"]
+    args = [
+        "plan",
+        "--out",
+        str(out),
+        "--sizes",
+        "210m",
+        "--budgets",
+        "12000",
+        "--clm-shares",
+        "--cpt-steps",
+    ]
     assert main(args) == 2
     assert (out / "keep.txt").exists()
     assert main(args + ["--force"]) == 0
@@ -256,9 +327,21 @@ def test_existing_out_needs_force(tmp_path):
 
 
 def test_cli_subprocess_exit_code(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "megatron_mlmclm", "plan", "--out",
-                        str(tmp_path / "p"), "--sizes", "3b"], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_mlmclm",
+            "plan",
+            "--out",
+            str(tmp_path / "p"),
+            "--sizes",
+            "3b",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert r.returncode == 2 and "unknown size '3b'" in r.stderr
 
 

@@ -37,13 +37,18 @@ BF16 = "train.precision=bf16"
 CONFIG = {
     "data": {"mock": True, "mock_kind": "markov"},
     "model": {"preset": "tiny", "vocab_size": 1000},
-    "train": {"steps": 8, "micro_batch_size": 2, "global_batch_size": 8, "warmup_steps": 1,
-              "decay_steps": 2, "lr": 3.0e-3},
+    "train": {
+        "steps": 8,
+        "micro_batch_size": 2,
+        "global_batch_size": 8,
+        "warmup_steps": 1,
+        "decay_steps": 2,
+        "lr": 3.0e-3,
+    },
     "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
     "checkpoint": {"save_interval": 2, "keep_last": 4},
     "logging": {"tensorboard": False, "eval_interval": 0},
 }
-
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +62,18 @@ def config(tmp_path_factory):
 def learned(config, tmp_path_factory):
     """A bf16 CLM model trained 40 steps on the chain: far below ln(1000) = 6.91 nats."""
     run = tmp_path_factory.mktemp("learned") / "run"
-    run_pretrain(config, [f"output_dir={run}", BF16, "train.steps=40", "phases=[{objective: clm}]",
-                          "checkpoint.save_interval=0", "train.warmup_steps=2",
-                          "train.decay_steps=0"])
+    run_pretrain(
+        config,
+        [
+            f"output_dir={run}",
+            BF16,
+            "train.steps=40",
+            "phases=[{objective: clm}]",
+            "checkpoint.save_interval=0",
+            "train.warmup_steps=2",
+            "train.decay_steps=0",
+        ],
+    )
     return run
 
 
@@ -86,14 +100,29 @@ def test_init_from_under_bf16_continues_from_the_loaded_model(config, learned, t
     assert base_loss < math.log(1000) - 3  # the chain was learned
 
     run = tmp_path / "continued"
-    overrides = [f"output_dir={run}", BF16, f"train.init_from={source}", "train.steps=4",
-                 "train.lr=1e-6", "train.warmup_steps=0", "train.decay_steps=0",
-                 "phases=[{objective: clm}]", "checkpoint.save_interval=0"]
+    overrides = [
+        f"output_dir={run}",
+        BF16,
+        f"train.init_from={source}",
+        "train.steps=4",
+        "train.lr=1e-6",
+        "train.warmup_steps=0",
+        "train.decay_steps=0",
+        "phases=[{objective: clm}]",
+        "checkpoint.save_interval=0",
+    ]
     trainer = setup_trainer(config, overrides)
     try:  # after setup: the checkpoint's weights, bit for bit, and main copies that agree
         assert trainer.tconfig.bf16
-        ckpt.save_checkpoint(tmp_path / "after_setup", 0, trainer.model_chunks, None, None,
-                             {"config": {}}, keep_last=1)
+        ckpt.save_checkpoint(
+            tmp_path / "after_setup",
+            0,
+            trainer.model_chunks,
+            None,
+            None,
+            {"config": {}},
+            keep_last=1,
+        )
         assert ckpt.stale_main_params(trainer.optimizer) == 0
     finally:
         close(trainer)
@@ -119,8 +148,9 @@ def test_bf16_kill_and_resume_with_the_distributed_optimizer_is_exact(config, tm
     extra = [BF16, "parallel.use_distributed_optimizer=true"]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     run_pretrain(config, [f"output_dir={ref}", *extra], nproc=2)
-    kill_after_checkpoint(pretrain_cmd(2) + [str(config), f"output_dir={cut}", *extra], cut,
-                          "iter_0000002")
+    kill_after_checkpoint(
+        pretrain_cmd(2) + [str(config), f"output_dir={cut}", *extra], cut, "iter_0000002"
+    )
     resumed = run_pretrain(config, [f"output_dir={cut}", *extra], nproc=2)
     assert any(f"at step {s}" in resumed.stderr for s in (2, 4, 6)), resumed.stderr[-2000:]
     assert curve(cut) == curve(ref)
@@ -130,16 +160,27 @@ def test_bf16_kill_and_resume_with_the_distributed_optimizer_is_exact(config, tm
 @pytest.mark.slow
 def test_bf16_stop_signal_and_resume_is_exact(config, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
-    slow = ["train.global_batch_size=32", "train.micro_batch_size=8", "train.steps=10",
-            "checkpoint.save_interval=0"]  # ~0.4 s a step: room to land the signal
+    slow = [
+        "train.global_batch_size=32",
+        "train.micro_batch_size=8",
+        "train.steps=10",
+        "checkpoint.save_interval=0",
+    ]  # ~0.4 s a step: room to land the signal
     run_pretrain(config, [f"output_dir={ref}", BF16, *slow])
-    proc = subprocess.Popen(pretrain_cmd(1) + [str(config), f"output_dir={run}", BF16, *slow],
-                            env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        pretrain_cmd(1) + [str(config), f"output_dir={run}", BF16, *slow],
+        env=job_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None and \
-            not (metrics.is_file() and '"step": 3,' in metrics.read_text()):
+    while (
+        time.time() < deadline
+        and proc.poll() is None
+        and not (metrics.is_file() and '"step": 3,' in metrics.read_text())
+    ):
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
@@ -159,8 +200,9 @@ BF16_LAYOUT_TOLERANCE = 2e-3
 @pytest.mark.slow
 def test_bf16_resume_at_another_layout_stays_within_the_stated_tolerance(config, tmp_path):
     tp2, tp1 = tmp_path / "tp2", tmp_path / "tp1"
-    run_pretrain(config, [f"output_dir={tp2}", BF16, "parallel.tensor_model_parallel_size=2"],
-                 nproc=2)
+    run_pretrain(
+        config, [f"output_dir={tp2}", BF16, "parallel.tensor_model_parallel_size=2"], nproc=2
+    )
     (tp1 / "checkpoints").mkdir(parents=True)
     shutil.copytree(tp2 / "checkpoints" / "iter_0000004", tp1 / "checkpoints" / "iter_0000004")
     resumed = run_pretrain(config, [f"output_dir={tp1}", BF16])

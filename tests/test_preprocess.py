@@ -47,8 +47,9 @@ def docs(books):
 
 
 def _reference(tok, texts) -> list[list[int]]:
-    return [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]
-            for t in texts if t.strip()]
+    return [
+        tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in texts if t.strip()
+    ]
 
 
 def _read_docs(prefix) -> list[list[int]]:
@@ -64,16 +65,22 @@ def _write_inputs(folder: Path, docs: list[str]) -> dict[str, list[str]]:
     import pyarrow.parquet as pq
 
     folder.mkdir()
-    (folder / "a.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n"
-                                            for i, t in enumerate(docs)))
+    (folder / "a.jsonl").write_text(
+        "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(docs))
+    )
     with gzip.open(folder / "b.jsonl.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in docs[::-1])
     (folder / "c.json").write_text(json.dumps([{"text": t} for t in docs[:5]]))
     (folder / "d.txt").write_text(docs[4])
     tbl = pa.table({"text": docs[5:], "n": list(range(len(docs) - 5))})
     pq.write_table(tbl, folder / "e.parquet", row_group_size=7)
-    return {"a.jsonl": docs, "b.jsonl.gz": docs[::-1], "c.json": docs[:5], "d.txt": [docs[4]],
-            "e.parquet": docs[5:]}
+    return {
+        "a.jsonl": docs,
+        "b.jsonl.gz": docs[::-1],
+        "c.json": docs[:5],
+        "d.txt": [docs[4]],
+        "e.parquet": docs[5:],
+    }
 
 
 def test_every_format_matches_reference_tokens(tmp_path, tok_dir, docs):
@@ -91,18 +98,28 @@ def test_every_format_matches_reference_tokens(tmp_path, tok_dir, docs):
     want = _reference(tok, [t for n in sorted(expected) for t in expected[n]])
     assert _read_docs(tmp_path / "all_text_document") == want
     assert inspect_shard(tmp_path / "all_text_document") == {
-        "documents": len(want), "sequences": len(want), "tokens": sum(map(len, want)),
-        "dtype": "uint16"}
+        "documents": len(want),
+        "sequences": len(want),
+        "tokens": sum(map(len, want)),
+        "dtype": "uint16",
+    }
     assert s["empty_dropped"] == 3  # a.jsonl, b.jsonl.gz, e.parquet hold the blank document
 
 
 def test_txt_split_lines_and_no_eod(tmp_path, tok_dir):
     tok = load_tokenizer(tok_dir)
     (tmp_path / "x.txt").write_text("first line\n\nsecond line\n  \nthird\n")
-    preprocess([str(tmp_path / "x.txt")], tmp_path / "o", tok_dir, txt_split_lines=True,
-               append_eod=False, progress=False)
+    preprocess(
+        [str(tmp_path / "x.txt")],
+        tmp_path / "o",
+        tok_dir,
+        txt_split_lines=True,
+        append_eod=False,
+        progress=False,
+    )
     assert _read_docs(tmp_path / "o_text_document") == [
-        tok.encode(t, add_special_tokens=False) for t in ("first line", "second line", "third")]
+        tok.encode(t, add_special_tokens=False) for t in ("first line", "second line", "third")
+    ]
 
 
 def test_output_identical_for_one_and_two_workers(tmp_path, tok_dir, docs):
@@ -111,10 +128,18 @@ def test_output_identical_for_one_and_two_workers(tmp_path, tok_dir, docs):
     outs = []
     for workers, backend in ((1, "threads"), (2, "threads"), (2, "processes")):
         prefix = tmp_path / f"w{workers}{backend}"
-        preprocess([str(src)], prefix, tok_dir, json_keys=["text", "title"], workers=workers,
-                   backend=backend, progress=False)
-        outs.append({k: [shard_paths(prefix, k)[i].read_bytes() for i in (0, 1)]
-                     for k in ("text", "title")})
+        preprocess(
+            [str(src)],
+            prefix,
+            tok_dir,
+            json_keys=["text", "title"],
+            workers=workers,
+            backend=backend,
+            progress=False,
+        )
+        outs.append(
+            {k: [shard_paths(prefix, k)[i].read_bytes() for i in (0, 1)] for k in ("text", "title")}
+        )
     assert outs[0] == outs[1] == outs[2]
 
 
@@ -130,16 +155,27 @@ def test_gpt_dataset_reads_our_shards(tmp_path, tok_dir, books):
     prefix = str(tmp_path / "g_text_document")
     ds = IndexedDataset(prefix)
     cfg = GPTDatasetConfig(
-        random_seed=1, sequence_length=64, reset_position_ids=False, reset_attention_mask=False,
-        eod_mask_loss=False, mmap_bin_files=True, split="1,0,0", path_to_cache=None,
-        tokenizer=SimpleNamespace(eod=tok.eos_token_id, pad=tok.pad_token_id,
-                                  vocab_size=len(tok), unique_identifiers={"class": "test"}))
+        random_seed=1,
+        sequence_length=64,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        mmap_bin_files=True,
+        split="1,0,0",
+        path_to_cache=None,
+        tokenizer=SimpleNamespace(
+            eod=tok.eos_token_id,
+            pad=tok.pad_token_id,
+            vocab_size=len(tok),
+            unique_identifiers={"class": "test"},
+        ),
+    )
     gpt = GPTDataset(ds, prefix, np.arange(len(ds), dtype=np.int32), None, Split.train, cfg)
     assert len(gpt) == (s["tokens"] - 1) // 64
     sample = gpt[0]["tokens"].tolist() + [gpt[0]["labels"][-1].item()]
     flat = np.concatenate([ds[i] for i in range(len(ds))]).tolist()
     assert tok.eos_token_id in flat and len(sample) == 65
-    assert any(flat[i:i + 65] == sample for i in range(len(flat) - 64))
+    assert any(flat[i : i + 65] == sample for i in range(len(flat) - 64))
 
 
 def test_megatron_lm_written_shard_is_readable(tmp_path):
@@ -157,8 +193,12 @@ def test_megatron_lm_written_shard_is_readable(tmp_path):
     b.finalize(prefix + ".idx")
     ds = IndexedDataset(prefix)  # keep it alive: its items are views of its mmap
     assert [ds[i].tolist() for i in range(len(ds))] == docs
-    assert inspect_shard(prefix) == {"documents": 4, "sequences": 4, "tokens": 323,
-                                     "dtype": "uint16"}
+    assert inspect_shard(prefix) == {
+        "documents": 4,
+        "sequences": 4,
+        "tokens": 323,
+        "dtype": "uint16",
+    }
 
 
 def test_truncated_or_corrupt_shards_are_refused(tmp_path):
@@ -214,8 +254,17 @@ def test_bad_input_raises_and_leaves_nothing(case, bad_dir, tok_dir, tmp_path, c
     with pytest.raises(UsageError, match=pattern):
         preprocess(inputs, out / "x", tok_dir, progress=False)
     assert not out.exists() or list(out.iterdir()) == []
-    rc = cli.main(["preprocess", "--input", *inputs, "--output-prefix", str(out / "x"),
-                   "--tokenizer", str(tok_dir)])
+    rc = cli.main(
+        [
+            "preprocess",
+            "--input",
+            *inputs,
+            "--output-prefix",
+            str(out / "x"),
+            "--tokenizer",
+            str(tok_dir),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("mlmclm preprocess: error:")
     assert not out.exists() or list(out.iterdir()) == []
@@ -228,8 +277,9 @@ def test_tokenizer_without_mask_and_existing_output_are_refused(tmp_path, tok_di
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel()
     raw.add_special_tokens(["<s>", "</s>", "<pad>"])
-    PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(str(tmp_path / "nomask"))
+    PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    ).save_pretrained(str(tmp_path / "nomask"))
     good = [str(bad_dir / "good.jsonl")]
     with pytest.raises(UsageError, match="no mask token; run `mlmclm tokenize --from"):
         preprocess(good, tmp_path / "o" / "x", tmp_path / "nomask", progress=False)
@@ -239,10 +289,27 @@ def test_tokenizer_without_mask_and_existing_output_are_refused(tmp_path, tok_di
     with pytest.raises(UsageError, match="exists.*--force"):
         preprocess(good, tmp_path / "o" / "x", tok_dir, progress=False)
     assert shard_paths(tmp_path / "o" / "x", "text")[0].read_bytes() == before
-    assert cli.main(["preprocess", "--input", *good, "--output-prefix", str(tmp_path / "o" / "x"),
-                     "--tokenizer", str(tok_dir), "--force", "--workers", "2"]) == 0
+    assert (
+        cli.main(
+            [
+                "preprocess",
+                "--input",
+                *good,
+                "--output-prefix",
+                str(tmp_path / "o" / "x"),
+                "--tokenizer",
+                str(tok_dir),
+                "--force",
+                "--workers",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
-        "x_text_document.bin", "x_text_document.idx"]
+        "x_text_document.bin",
+        "x_text_document.idx",
+    ]
 
 
 def test_gutenberg_valid_split(tmp_path, tok_dir, books):
@@ -250,8 +317,12 @@ def test_gutenberg_valid_split(tmp_path, tok_dir, books):
     tok = load_tokenizer(tok_dir)
     src = data_dir() / "gutenberg_en" / "valid.jsonl.gz"
     s = preprocess([str(src)], tmp_path / "valid", tok_dir, workers=2, progress=False)
-    want = sum(len(e.ids) + 1 for e in tok.backend_tokenizer.encode_batch(
-        [b["text"] for b in books], add_special_tokens=False))
+    want = sum(
+        len(e.ids) + 1
+        for e in tok.backend_tokenizer.encode_batch(
+            [b["text"] for b in books], add_special_tokens=False
+        )
+    )
     assert (s["documents"], s["empty_dropped"], s["tokens"]) == (7, 0, want)
     info = inspect_shard(tmp_path / "valid_text_document")
     assert info == {"documents": 7, "sequences": 7, "tokens": want, "dtype": "uint16"}

@@ -38,11 +38,15 @@ def stand_in_datasets(calls):
         if name == "deepmind/pg19":
             return iter([{"text": book, "short_book_title": f"b{i}"} for i in range(3)])
         if name == "stanfordnlp/sst2":
-            return FakeSplit([{"idx": i, "sentence": f"good film {i}", "label": i % 2}
-                              for i in range(30)], {"label": label})
+            return FakeSplit(
+                [{"idx": i, "sentence": f"good film {i}", "label": i % 2} for i in range(30)],
+                {"label": label},
+            )
         if name == "eriktks/conll2003":
-            return FakeSplit([{"id": "0", "tokens": ["Ann", "went", "to", "Rome"],
-                               "ner_tags": [1, 0, 0, 3]}], {"ner_tags": ner})
+            return FakeSplit(
+                [{"id": "0", "tokens": ["Ann", "went", "to", "Rome"], "ner_tags": [1, 0, 0, 3]}],
+                {"ner_tags": ner},
+            )
         raise AssertionError(f"unexpected dataset {name}")
 
     fake = types.ModuleType("datasets")
@@ -87,9 +91,11 @@ def test_without_local_data_the_hub_serves_corpus_and_tasks(tmp_path, monkeypatc
 
 def test_no_data_and_no_datasets_package_is_one_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(quickstart, "data_dir", lambda: None)
-    monkeypatch.setattr(quickstart.importlib.util, "find_spec",
-                        lambda name: None if name == "datasets" else
-                        importlib.machinery.ModuleSpec(name, None))
+    monkeypatch.setattr(
+        quickstart.importlib.util,
+        "find_spec",
+        lambda name: None if name == "datasets" else importlib.machinery.ModuleSpec(name, None),
+    )
     with pytest.raises(UsageError, match="set MLMCLM_DATA_DIR"):
         quickstart.resolve_sources(None, TASKS)
     monkeypatch.undo()

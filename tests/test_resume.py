@@ -34,18 +34,27 @@ from megatron_mlmclm.training.trainer import Trainer
 CONFIG = {
     "data": {"mock": True},
     "model": {"preset": "tiny", "vocab_size": 1000},
-    "train": {"steps": 8, "micro_batch_size": 2, "global_batch_size": 4, "warmup_steps": 2,
-              "decay_steps": 2},
+    "train": {
+        "steps": 8,
+        "micro_batch_size": 2,
+        "global_batch_size": 4,
+        "warmup_steps": 2,
+        "decay_steps": 2,
+    },
     "phases": [{"objective": "clm", "share": 0.5}, {"objective": "mlm", "share": 0.5}],
     "checkpoint": {"save_interval": 2, "keep_last": 2},
     "logging": {"tensorboard": False},
 }
 
 
-
 def kill_after_checkpoint(cmd, run_dir, iteration: str, timeout=240):
-    proc = subprocess.Popen(cmd, env=job_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=job_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     target = run_dir / "checkpoints" / iteration
     deadline = time.time() + timeout
     while not target.is_dir() and time.time() < deadline and proc.poll() is None:
@@ -68,10 +77,14 @@ def config(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,overrides", [
-    (1, []),
-    (2, ["parallel.use_distributed_optimizer=true"]),
-], ids=["single", "dp2_distopt"])
+@pytest.mark.parametrize(
+    "nproc,overrides",
+    [
+        (1, []),
+        (2, ["parallel.use_distributed_optimizer=true"]),
+    ],
+    ids=["single", "dp2_distopt"],
+)
 def test_sigkill_and_resume_is_exact(config, tmp_path, nproc, overrides):
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     run_pretrain(config, [f"output_dir={ref}"] + overrides, nproc=nproc)
@@ -91,11 +104,16 @@ def test_sigkill_and_resume_is_exact(config, tmp_path, nproc, overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2"],
-                                    ["parallel.pipeline_model_parallel_size=2"],
-                                    # The RNG shard is keyed by the CP rank too (one key per rank).
-                                    ["parallel.context_parallel_size=2", "model.attention=thd"]],
-                         ids=["tp2", "pp2", "cp2_thd"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tensor_model_parallel_size=2"],
+        ["parallel.pipeline_model_parallel_size=2"],
+        # The RNG shard is keyed by the CP rank too (one key per rank).
+        ["parallel.context_parallel_size=2", "model.attention=thd"],
+    ],
+    ids=["tp2", "pp2", "cp2_thd"],
+)
 def test_save_in_parallel_resume_in_one_process(config, tmp_path, layout):
     ref, resumed = tmp_path / "parallel", tmp_path / "single"
     run_pretrain(config, [f"output_dir={ref}", *layout, "checkpoint.keep_last=4"], nproc=2)
@@ -115,12 +133,18 @@ def test_resume_across_sequence_parallelism(config, tmp_path, saved="true", resu
     direction loads the same files)."""
     tp2 = "parallel.tensor_model_parallel_size=2"
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
-    run_pretrain(config, [f"output_dir={ref}", tp2, f"parallel.sequence_parallel={saved}",
-                          "checkpoint.keep_last=4"], nproc=2)
+    run_pretrain(
+        config,
+        [f"output_dir={ref}", tp2, f"parallel.sequence_parallel={saved}", "checkpoint.keep_last=4"],
+        nproc=2,
+    )
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref / "checkpoints" / "iter_0000004", resumed / "checkpoints" / "iter_0000004")
-    proc = run_pretrain(config, [f"output_dir={resumed}", tp2,
-                                 f"parallel.sequence_parallel={resumed_with}"], nproc=2)
+    proc = run_pretrain(
+        config,
+        [f"output_dir={resumed}", tp2, f"parallel.sequence_parallel={resumed_with}"],
+        nproc=2,
+    )
     assert "at step 4" in proc.stderr
     expected, got = curve(ref), curve(resumed)
     assert sorted(got) == [5, 6, 7, 8]
@@ -130,10 +154,15 @@ def test_resume_across_sequence_parallelism(config, tmp_path, saved="true", resu
 
 def test_resume_with_the_other_optimizer_kind_is_refused(config, tmp_path):
     run = tmp_path / "run"
-    run_pretrain(config, [f"output_dir={run}", "train.steps=2", "train.warmup_steps=0",
-                          "train.decay_steps=0"])
-    proc = run_pretrain(config, [f"output_dir={run}", "train.steps=4",
-                                 "parallel.use_distributed_optimizer=true"], check=False)
+    run_pretrain(
+        config,
+        [f"output_dir={run}", "train.steps=2", "train.warmup_steps=0", "train.decay_steps=0"],
+    )
+    proc = run_pretrain(
+        config,
+        [f"output_dir={run}", "train.steps=4", "parallel.use_distributed_optimizer=true"],
+        check=False,
+    )
     assert proc.returncode == 2
     assert "was saved without the distributed optimizer" in proc.stderr
 
@@ -160,13 +189,21 @@ def shard_run(tmp_path_factory):
     tok, vocab = line_tokenizer(root)
     write_shard(root / "a", vocab, seed=1)
     write_shard(root / "b", vocab, seed=2)
-    cfg = {"output_dir": str(root / "run"), "model": {"preset": "tiny", "seq_length": 32},
-           "phases": [{"objective": "mlm"}],
-           "data": {"train": [str(root / "a")], "tokenizer": str(tok)},
-           "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": GBS,
-                     "warmup_steps": 0, "decay_steps": 0},
-           "checkpoint": {"save_interval": 1, "keep_last": 3},
-           "logging": {"tensorboard": False}}
+    cfg = {
+        "output_dir": str(root / "run"),
+        "model": {"preset": "tiny", "seq_length": 32},
+        "phases": [{"objective": "mlm"}],
+        "data": {"train": [str(root / "a")], "tokenizer": str(tok)},
+        "train": {
+            "steps": 3,
+            "micro_batch_size": 2,
+            "global_batch_size": GBS,
+            "warmup_steps": 0,
+            "decay_steps": 0,
+        },
+        "checkpoint": {"save_interval": 1, "keep_last": 3},
+        "logging": {"tensorboard": False},
+    }
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_pretrain(path, [])
@@ -176,28 +213,40 @@ def shard_run(tmp_path_factory):
 def snapshot(folder):
     """Every file under `folder` with its modification time and content hash; not the run lock,
     which each run rewrites with its own pid before anything else (runtime/lifetime.py)."""
-    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes())
-                                         .hexdigest()) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != ".mlmclm.lock"}
+    return {
+        str(p.relative_to(folder)): (
+            p.stat().st_mtime_ns,
+            hashlib.sha256(p.read_bytes()).hexdigest(),
+        )
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".mlmclm.lock"
+    }
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("train.global_batch_size=8", "train.global_batch_size = 4 but this run has 8"),
-    ("model.seq_length=64", "model.seq_length = 32 but this run has 64"),
-    ("data.seed=7", "data.seed = 1234 but this run has 7"),
-    ("data.train=[{root}/b]", "data.train = [{root}/a (idx "),
-    ("phases=[{{objective: clm, share: 0.5}}, {{objective: mlm, share: 0.5}}]",
-     "phases = [mlm steps 0-3 (mask_ratio 0.4, mask_replace mask)] but this run has "
-     "[clm steps 0-2, mlm steps 2-3 (mask_ratio 0.4, mask_replace mask)]"),
-], ids=["gbs", "seq_length", "seed", "train_prefix", "phases"])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("train.global_batch_size=8", "train.global_batch_size = 4 but this run has 8"),
+        ("model.seq_length=64", "model.seq_length = 32 but this run has 64"),
+        ("data.seed=7", "data.seed = 1234 but this run has 7"),
+        ("data.train=[{root}/b]", "data.train = [{root}/a (idx "),
+        (
+            "phases=[{{objective: clm, share: 0.5}}, {{objective: mlm, share: 0.5}}]",
+            "phases = [mlm steps 0-3 (mask_ratio 0.4, mask_replace mask)] but this run has "
+            "[clm steps 0-2, mlm steps 2-3 (mask_ratio 0.4, mask_replace mask)]",
+        ),
+    ],
+    ids=["gbs", "seq_length", "seed", "train_prefix", "phases"],
+)
 def test_resume_that_changes_the_data_is_refused(shard_run, capsys, override, expected):
     path, root = shard_run
     before = snapshot(root / "run")
     assert main(["pretrain", str(path), override.format(root=root)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err
-    assert err.startswith(f"mlmclm pretrain: error: {root}/run/checkpoints/iter_0000003 was saved "
-                          "with "), err
+    assert err.startswith(
+        f"mlmclm pretrain: error: {root}/run/checkpoints/iter_0000003 was saved with "
+    ), err
     assert expected.format(root=root) in err
     # The fix names the option and where the stream would continue: 3 steps x 4 samples.
     assert "set checkpoint.allow_data_change=true to continue from sample 12 anyway" in err
@@ -227,7 +276,7 @@ def train_and_record(config, overrides) -> list[int]:
         trainer.close()
         rt.destroy_distributed()
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # set for the world of one: a later
-            os.environ.pop(key, None)                    # one in this process would rendezvous
+            os.environ.pop(key, None)  # one in this process would rendezvous
     return seen
 
 
@@ -257,11 +306,19 @@ def test_allow_data_change_continues_from_consumed_samples(shard_run, tmp_path):
     run = resumable_copy(root, tmp_path, 2)
     # Saved at step 2 after 2 x 4 = 8 samples; steps 3 and 4 at GBS 8 read [8, 16) and [16, 24)
     # (not [16, 24) and [24, 32) as step x GBS would).
-    seen = train_and_record(path, [f"output_dir={run}", "train.global_batch_size=8",
-                                   "train.steps=4", "checkpoint.allow_data_change=true"])
+    seen = train_and_record(
+        path,
+        [
+            f"output_dir={run}",
+            "train.global_batch_size=8",
+            "train.steps=4",
+            "checkpoint.allow_data_change=true",
+        ],
+    )
     assert seen == list(range(8, 24))
-    states = {s: read_trainer_state(run / "checkpoints" / f"iter_000000{s}")["trainer"]
-              for s in (3, 4)}
+    states = {
+        s: read_trainer_state(run / "checkpoints" / f"iter_000000{s}")["trainer"] for s in (3, 4)
+    }
     assert [states[s]["consumed_samples"] for s in (3, 4)] == [16, 24]
     assert states[4]["data_fingerprint"]["train.global_batch_size"] == 8
     # A later plain resume from the run's own config.yaml keeps reading from consumed_samples.
@@ -278,7 +335,9 @@ def test_checkpoint_without_fingerprint_resumes_with_a_warning(shard_run):
     cfg = load_config(path, ["train.global_batch_size=8"])
     consumed, notes = check_resume(ckpt, state, cfg, {"train.global_batch_size": 8})
     assert consumed == 3 * GBS
-    assert len(notes) == 1 and notes[0].startswith("warning: ") and "no data fingerprint" in notes[0]
+    assert (
+        len(notes) == 1 and notes[0].startswith("warning: ") and "no data fingerprint" in notes[0]
+    )
 
 
 def test_checkpoint_of_the_length_dependent_sample_order_is_refused(shard_run):

@@ -11,13 +11,22 @@ import torch
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
 
-BASE = ["data.mock=true", "model.preset=null", "model.num_layers=1", "model.hidden_size=64",
-        "model.ffn_hidden_size=128", "model.num_attention_heads=4", "model.kv_channels=16",
-        "model.seq_length=32", "train.precision=fp32"]
+BASE = [
+    "data.mock=true",
+    "model.preset=null",
+    "model.num_layers=1",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.kv_channels=16",
+    "model.seq_length=32",
+    "train.precision=fp32",
+]
 
 
-def llama3_inv_freq(base: float, dim: int, factor: float, low: float, high: float,
-                    original: int) -> list[float]:
+def llama3_inv_freq(
+    base: float, dim: int, factor: float, low: float, high: float, original: int
+) -> list[float]:
     """Per frequency: kept above the high-frequency cut, divided by `factor` below the low one,
     and in between a linear blend in original/wavelength."""
     out = []
@@ -42,14 +51,19 @@ def test_model_frequencies_follow_the_llama3_rule(scaling):
     over = ["model.rotary_base=10000"]
     if scaling is not None:
         f, lo, hi, orig = scaling
-        over.append(f"model.rope_scaling={{factor: {f}, low_freq_factor: {lo}, "
-                    f"high_freq_factor: {hi}, original_max_position_embeddings: {orig}}}")
+        over.append(
+            f"model.rope_scaling={{factor: {f}, low_freq_factor: {lo}, "
+            f"high_freq_factor: {hi}, original_max_position_embeddings: {orig}}}"
+        )
     cfg = load_config(None, BASE + over)
     init_distributed(1, 1, None, 0)
     model = build_model_chunk(cfg, transformer_config(cfg), 256, True, True)
     got = model.rotary_pos_emb.inv_freq.double()
-    expect = (llama3_inv_freq(10000.0, 16, *scaling) if scaling
-              else [1.0 / 10000.0 ** (i / 16) for i in range(0, 16, 2)])
+    expect = (
+        llama3_inv_freq(10000.0, 16, *scaling)
+        if scaling
+        else [1.0 / 10000.0 ** (i / 16) for i in range(0, 16, 2)]
+    )
     assert torch.allclose(got, torch.tensor(expect, dtype=torch.float64), rtol=1e-6, atol=0)
     if scaling == (16.0, 2.0, 8.0, 64):  # every regime occurs: kept, blended, divided
         plain = [1.0 / 10000.0 ** (i / 16) for i in range(0, 16, 2)]
@@ -58,13 +72,16 @@ def test_model_frequencies_follow_the_llama3_rule(scaling):
         assert any(1.01 < r < 15.9 for r in ratios)
 
 
-@pytest.mark.parametrize("value,match", [
-    ("{type: yarn}", "only llama3"),
-    ("{factor: 0.5}", "factor must be >= 1"),
-    ("{low_freq_factor: 4, high_freq_factor: 4}", "low_freq_factor < high_freq_factor"),
-    ("{original_max_position_embeddings: 0}", "original_max_position_embeddings"),
-    ("{scale: 2}", "unknown config key 'model.rope_scaling.scale'"),
-])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ("{type: yarn}", "only llama3"),
+        ("{factor: 0.5}", "factor must be >= 1"),
+        ("{low_freq_factor: 4, high_freq_factor: 4}", "low_freq_factor < high_freq_factor"),
+        ("{original_max_position_embeddings: 0}", "original_max_position_embeddings"),
+        ("{scale: 2}", "unknown config key 'model.rope_scaling.scale'"),
+    ],
+)
 def test_invalid_rope_scaling_is_refused(value, match):
     with pytest.raises(UsageError, match=match):
         load_config(None, BASE + [f"model.rope_scaling={value}"])
@@ -72,6 +89,11 @@ def test_invalid_rope_scaling_is_refused(value, match):
 
 def test_defaults_are_llama31():
     r = load_config(None, BASE + ["model.rope_scaling={}"]).model.rope_scaling
-    assert (r.type, r.factor, r.low_freq_factor, r.high_freq_factor,
-            r.original_max_position_embeddings) == ("llama3", 8.0, 1.0, 4.0, 8192)
+    assert (
+        r.type,
+        r.factor,
+        r.low_freq_factor,
+        r.high_freq_factor,
+        r.original_max_position_embeddings,
+    ) == ("llama3", 8.0, 1.0, 4.0, 8192)
     assert load_config(None, BASE).model.rope_scaling is None

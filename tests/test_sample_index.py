@@ -81,15 +81,18 @@ def ref_index(lengths, doc_idx, seq_length, epochs):
             stream.append((j, o))
     assert len(stream) >= n * seq_length + 1
     sample_idx = [stream[i * seq_length] for i in range(n + 1)]
-    bounds = [[k for k in range(1, seq_length + 1) if stream[i * seq_length + k][1] == 0]
-              for i in range(n)]
+    bounds = [
+        [k for k in range(1, seq_length + 1) if stream[i * seq_length + k][1] == 0]
+        for i in range(n)
+    ]
     return n, np.array(sample_idx, dtype=np.int64).reshape(n + 1, 2), bounds
 
 
 def check_against_reference(lengths, seq_length, seed, num_samples=None, num_epochs=None):
     lengths = np.asarray(lengths, dtype=np.int32)
-    idx = build_sample_index(lengths, seq_length, seed, num_samples=num_samples,
-                             num_epochs=num_epochs)
+    idx = build_sample_index(
+        lengths, seq_length, seed, num_samples=num_samples, num_epochs=num_epochs
+    )
     D = len(lengths)
     T = int(lengths.sum())
     epochs = ref_epochs(T, seq_length, num_samples) if num_samples is not None else num_epochs
@@ -98,13 +101,14 @@ def check_against_reference(lengths, seq_length, seed, num_samples=None, num_epo
     assert idx.doc_idx.dtype == np.int32 and idx.doc_idx.shape[0] >= epochs * D
     laid = -(-idx.doc_idx.shape[0] // D)
     for e in range(epochs):
-        part = idx.doc_idx[e * D:(e + 1) * D]
+        part = idx.doc_idx[e * D : (e + 1) * D]
         assert sorted(part.tolist()) == list(range(D)), f"epoch {e} is not a permutation"
     order = [d for e in range(laid) for d in ref_shuffle(D, seed, e)]
-    assert idx.doc_idx.tolist() == order[:idx.doc_idx.shape[0]]
+    assert idx.doc_idx.tolist() == order[: idx.doc_idx.shape[0]]
     assert idx.sample_idx[-1, 0] == idx.doc_idx.shape[0] - 1  # no document past the final token
-    m, ref_sample_idx, ref_bounds = ref_index(lengths.tolist(), idx.doc_idx.tolist(), seq_length,
-                                              epochs)
+    m, ref_sample_idx, ref_bounds = ref_index(
+        lengths.tolist(), idx.doc_idx.tolist(), seq_length, epochs
+    )
     assert idx.num_packed == m
     assert idx.num_samples == len(idx) == (m if num_samples is None else num_samples)
     assert idx.sample_idx.dtype == np.int64 and idx.boundary_ptr.dtype == np.int64
@@ -128,7 +132,7 @@ def test_random_lengths_with_empty_and_long_documents(seed):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 40, size=60)
     lengths[rng.choice(60, 12, replace=False)] = 0  # empty documents
-    lengths[:3] = [70, 0, 55]                        # longer than a sample
+    lengths[:3] = [70, 0, 55]  # longer than a sample
     check_against_reference(lengths, 16, seed, num_epochs=1)
     check_against_reference(lengths, 16, seed, num_epochs=3)
 
@@ -145,7 +149,7 @@ def test_num_samples_needs_partial_epoch():
 def test_single_document_and_exact_fit():
     check_against_reference([100], 9, 1, num_epochs=1)
     check_against_reference([100], 9, 1, num_samples=30)
-    check_against_reference([17], 8, 2, num_epochs=1)      # 17 = 2*8 + 1: exactly two samples
+    check_against_reference([17], 8, 2, num_epochs=1)  # 17 = 2*8 + 1: exactly two samples
     check_against_reference([0, 0, 8, 0, 9], 8, 5, num_epochs=2)
     check_against_reference([1] * 50, 4, 3, num_epochs=1)  # a boundary at every offset
 
@@ -207,13 +211,24 @@ def test_a_longer_stream_begins_with_the_shorter_one(seq_length):
     per_epoch = -(-int(lengths.sum()) // seq_length)
     longest = build_sample_index(lengths, seq_length, 7, num_samples=4 * per_epoch + 3)
     reference = [stream_tokens(longest, lengths, k) for k in range(len(longest))]
-    for n in sorted({1, 2, per_epoch - 1, per_epoch, per_epoch + 1, 2 * per_epoch,
-                     2 * per_epoch + 1, 3 * per_epoch - 1} - {0}):
+    for n in sorted(
+        {
+            1,
+            2,
+            per_epoch - 1,
+            per_epoch,
+            per_epoch + 1,
+            2 * per_epoch,
+            2 * per_epoch + 1,
+            3 * per_epoch - 1,
+        }
+        - {0}
+    ):
         idx = build_sample_index(lengths, seq_length, 7, num_samples=n)
         assert [stream_tokens(idx, lengths, k) for k in range(n)] == reference[:n], n
     whole = build_sample_index(lengths, seq_length, 7, num_epochs=2)
     assert len(whole) == -(-2 * int(lengths.sum()) // seq_length)
-    assert [stream_tokens(whole, lengths, k) for k in range(len(whole))] == reference[:len(whole)]
+    assert [stream_tokens(whole, lengths, k) for k in range(len(whole))] == reference[: len(whole)]
 
 
 def adjacent_fraction(shuffle_idx):
@@ -281,16 +296,24 @@ def test_cache_hit_key_and_atomic_files(tmp_path):
         arr = getattr(b, name)
         assert isinstance(arr, np.memmap), name
         np.testing.assert_array_equal(arr, getattr(a, name))
-    assert (b.num_samples, b.num_epochs, b.tokens_per_epoch) == (a.num_samples, a.num_epochs,
-                                                                 a.tokens_per_epoch)
+    assert (b.num_samples, b.num_epochs, b.tokens_per_epoch) == (
+        a.num_samples,
+        a.num_epochs,
+        a.tokens_per_epoch,
+    )
     assert b.num_packed == a.num_packed
 
     key = si.cache_key(lengths, 32, 3, 200, None)
     changed = lengths.copy()
     changed[17] += 1
-    variants = [si.cache_key(changed, 32, 3, 200, None), si.cache_key(lengths, 33, 3, 200, None),
-                si.cache_key(lengths, 32, 4, 200, None), si.cache_key(lengths, 32, 3, 201, None),
-                si.cache_key(lengths, 32, 3, None, 200), si.cache_key(lengths[:-1], 32, 3, 200, None)]
+    variants = [
+        si.cache_key(changed, 32, 3, 200, None),
+        si.cache_key(lengths, 33, 3, 200, None),
+        si.cache_key(lengths, 32, 4, 200, None),
+        si.cache_key(lengths, 32, 3, 201, None),
+        si.cache_key(lengths, 32, 3, None, 200),
+        si.cache_key(lengths[:-1], 32, 3, 200, None),
+    ]
     assert len({key, *variants}) == len(variants) + 1
     old = si.FORMAT_VERSION
     try:
@@ -329,8 +352,15 @@ def test_old_format_cache_entry_is_rebuilt(tmp_path):
 # Blend index
 
 
-@pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 1, 1], [5, 0.1, 2.5, 1e-3, 3],
-                                     list(np.random.default_rng(0).random(7) + 0.01)])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        [0.7, 0.3],
+        [1, 1, 1],
+        [5, 0.1, 2.5, 1e-3, 3],
+        list(np.random.default_rng(0).random(7) + 0.01),
+    ],
+)
 def test_blend_proportions_exact_at_every_prefix(weights):
     size = 5000
     di, dsi = build_blend_index(weights, size, seed=1)

@@ -46,13 +46,15 @@ def shards(tmp_path_factory, data_dir):
     src.write_text("".join(json.dumps({"text": b}) + "\n" for b in books))
     tok = train_tokenizer([str(src)], root / "tok", 1000, progress=False)
     preprocess([str(src)], root / "gutenberg", tok, progress=False)
-    return {"train": str(root / "gutenberg_text_document"), "tokenizer": str(tok),
-            "cache": str(root / "cache")}
+    return {
+        "train": str(root / "gutenberg_text_document"),
+        "tokenizer": str(tok),
+        "cache": str(root / "cache"),
+    }
 
 
 def job_environment(**extra) -> dict[str, str]:
     return {**job_env(), "MLMCLM_PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **extra}
-
 
 
 def until(ready, timeout: float, what: str) -> None:
@@ -67,22 +69,39 @@ def when(stamp: str) -> datetime:
 
 
 def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run(
-        slurm, shards, tmp_path):
-    cfg = {"model": {"preset": "tiny", "seq_length": 64},
-           "phases": [{"objective": "mlm", "mask_ratio": 0.4}],
-           "data": {"train": [shards["train"]], "tokenizer": shards["tokenizer"],
-                    "cache_dir": shards["cache"]},
-           "train": {"steps": 16, "micro_batch_size": 4, "global_batch_size": 16,
-                     "warmup_steps": 2, "decay_steps": 2},
-           "checkpoint": {"save_interval": 0, "keep_last": 2},
-           "logging": {"tensorboard": False}}
+    slurm, shards, tmp_path
+):
+    cfg = {
+        "model": {"preset": "tiny", "seq_length": 64},
+        "phases": [{"objective": "mlm", "mask_ratio": 0.4}],
+        "data": {
+            "train": [shards["train"]],
+            "tokenizer": shards["tokenizer"],
+            "cache_dir": shards["cache"],
+        },
+        "train": {
+            "steps": 16,
+            "micro_batch_size": 4,
+            "global_batch_size": 16,
+            "warmup_steps": 2,
+            "decay_steps": 2,
+        },
+        "checkpoint": {"save_interval": 0, "keep_last": 2},
+        "logging": {"tensorboard": False},
+    }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))
     (tmp_path / "logs").mkdir()
     run = tmp_path / "run"
     env = job_environment(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
-    job = slurm.sbatch("--cpus-per-task=2", str(SLURM_DIR / "pretrain.sbatch"), str(config),
-                       f"output_dir={run}", env=env, cwd=tmp_path)
+    job = slurm.sbatch(
+        "--cpus-per-task=2",
+        str(SLURM_DIR / "pretrain.sbatch"),
+        str(config),
+        f"output_dir={run}",
+        env=env,
+        cwd=tmp_path,
+    )
     metrics = run / "metrics.jsonl"
     until(lambda: metrics.is_file() and '"step": 3,' in metrics.read_text(), 240, "step 3")
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
@@ -91,8 +110,11 @@ def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run
     # clock is past the second of the revocation: slurmd refuses a credential issued in that same
     # second ("Job credential revoked") and the job would end FAILED without running again.
     requeued = [("PENDING", "1")]  # not COMPLETING: the killed instance has ended
-    until(lambda: [(j["JobState"], j.get("Restarts")) for j in slurm.jobs(job)] == requeued,
-          120, "the requeue")
+    until(
+        lambda: [(j["JobState"], j.get("Restarts")) for j in slurm.jobs(job)] == requeued,
+        120,
+        "the requeue",
+    )
     time.sleep(2)
     slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
 
@@ -102,8 +124,9 @@ def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run
     slurm.wait([job], timeout=300)
     log = (tmp_path / "logs" / f"mlmclm-pretrain-{job}.out").read_text()
     info = slurm.jobs(job)[0]
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (
         log + slurm.daemon_logs()
+    )
 
     stopped = int(log.split("stop signal: saved at step ")[1].split()[0])
     assert 3 <= stopped < 16, log  # step 3 was logged when the signal went out
@@ -115,36 +138,83 @@ def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run
     assert got == expected  # bitwise, across the stop and the requeue
 
 
-def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(slurm, shards, tmp_path,
-                                                                          data_dir):
+def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(
+    slurm, shards, tmp_path, data_dir
+):
     plan = tmp_path / "plan"
-    assert main(["plan", "--out", str(plan), "--sizes", "tiny", "--budgets", "4000",
-                 "--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps",
-                 "--nodes", "1", "--gpus-per-node", "2", "--data", shards["train"],
-                 "--tokenizer", shards["tokenizer"], "--eval-tasks", "sst2",
-                 "--eval-lrs", "1e-3", "--eval-seeds", "0", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--out",
+                str(plan),
+                "--sizes",
+                "tiny",
+                "--budgets",
+                "4000",
+                "--objectives",
+                "mlm",
+                "--mask-ratios",
+                "0.4",
+                "--clm-shares",
+                "--cpt-steps",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--data",
+                shards["train"],
+                "--tokenizer",
+                shards["tokenizer"],
+                "--eval-tasks",
+                "sst2",
+                "--eval-lrs",
+                "1e-3",
+                "--eval-seeds",
+                "0",
+                "1",
+            ]
+        )
+        == 0
+    )
     env = job_environment(
-        GPUS_PER_NODE="0", MASTER_PORT=str(free_port()), MLMCLM_DATA_DIR=str(data_dir),
-        PRETRAIN_SBATCH="--cpus-per-task=2", CONVERT_SBATCH="--cpus-per-task=1 --mem=1G",
-        EVAL_SBATCH="--cpus-per-task=1", REPORT_SBATCH="--cpus-per-task=1",
-        PRETRAIN_ARGS=("train.steps=4 train.global_batch_size=4 train.micro_batch_size=2 "
-                       "train.warmup_steps=1 train.decay_steps=1 model.seq_length=64 "
-                       f"data.cache_dir={shards['cache']} logging.tensorboard=false"),
-        EVAL_ARGS=("--max-steps 3 --eval-every 3 --batch-size 8 --eval-batch-size 16 "
-                   "--max-length 64 --max-train-examples 48 --max-eval-examples 32 --threads 1 "
-                   "--no-progress"))
+        GPUS_PER_NODE="0",
+        MASTER_PORT=str(free_port()),
+        MLMCLM_DATA_DIR=str(data_dir),
+        PRETRAIN_SBATCH="--cpus-per-task=2",
+        CONVERT_SBATCH="--cpus-per-task=1 --mem=1G",
+        EVAL_SBATCH="--cpus-per-task=1",
+        REPORT_SBATCH="--cpus-per-task=1",
+        PRETRAIN_ARGS=(
+            "train.steps=4 train.global_batch_size=4 train.micro_batch_size=2 "
+            "train.warmup_steps=1 train.decay_steps=1 model.seq_length=64 "
+            f"data.cache_dir={shards['cache']} logging.tensorboard=false"
+        ),
+        EVAL_ARGS=(
+            "--max-steps 3 --eval-every 3 --batch-size 8 --eval-batch-size 16 "
+            "--max-length 64 --max-train-examples 48 --max-eval-examples 32 --threads 1 "
+            "--no-progress"
+        ),
+    )
     out = slurm.run(["bash", str(plan / "submit_slurm.sh")], env=env, cwd=tmp_path).stdout
-    m = re.search(r"pretrain (\d+), convert (\d+), evaluate array (\d+) of 2\n"
-                  r"submitted the report (\d+):", out)
+    m = re.search(
+        r"pretrain (\d+), convert (\d+), evaluate array (\d+) of 2\n"
+        r"submitted the report (\d+):",
+        out,
+    )
     assert m, out
     ids = list(m.groups())
     slurm.wait(ids, timeout=400)
     logs = "\n".join(p.read_text()[-1500:] for p in sorted((tmp_path / "logs").iterdir()))
-    jobs = {name: slurm.jobs(j) for name, j in zip(("pretrain", "convert", "evaluate", "report"),
-                                                   ids)}
+    jobs = {
+        name: slurm.jobs(j) for name, j in zip(("pretrain", "convert", "evaluate", "report"), ids)
+    }
     for name, records in jobs.items():
-        assert [r["JobState"] for r in records] == ["COMPLETED"] * len(records), \
-            (name, logs, slurm.daemon_logs())
+        assert [r["JobState"] for r in records] == ["COMPLETED"] * len(records), (
+            name,
+            logs,
+            slurm.daemon_logs(),
+        )
     assert len(jobs["evaluate"]) == 2  # sst2 x 1 LR x 2 seeds
     # Each stage started only after the one it depends on had ended.
     assert when(jobs["convert"][0]["StartTime"]) >= when(jobs["pretrain"][0]["EndTime"])
@@ -158,7 +228,9 @@ def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(slurm
     results = sorted(p.name for p in (plan / "results" / "eval").rglob("*.json"))
     # one result per seed, named lr<lr>_seed<seed>_<protocol id>.json (eval/grid.py), one protocol
     assert [re.sub(r"_[0-9a-f]{10}\.json$", "", r) for r in results] == [
-        "lr0.001_seed0", "lr0.001_seed1"], results
+        "lr0.001_seed0",
+        "lr0.001_seed1",
+    ], results
     assert len({r.rsplit("_", 1)[1] for r in results}) == 1, results
     assert (plan / "results" / "report" / "report.md").is_file()
 
@@ -167,29 +239,50 @@ def test_pretrain_sbatch_requeues_a_hung_rank_and_the_job_completes(slurm, tmp_p
     """Rank 1 hangs at step 5 (the fault-injection hook): its watchdog ends the run with exit 76,
     which the script reads from $MLMCLM_EXIT_FILE (torchrun says 1) and requeues; the requeued job
     resumes from step 4 and completes."""
-    cfg = {"data": {"mock": True}, "model": {"preset": "tiny", "vocab_size": 1000},
-           "phases": [{"objective": "mlm"}],
-           "train": {"steps": 8, "micro_batch_size": 2, "global_batch_size": 4,
-                     "warmup_steps": 2, "decay_steps": 2, "hang_timeout_s": 10},
-           "checkpoint": {"save_interval": 2}, "logging": {"tensorboard": False}}
+    cfg = {
+        "data": {"mock": True},
+        "model": {"preset": "tiny", "vocab_size": 1000},
+        "phases": [{"objective": "mlm"}],
+        "train": {
+            "steps": 8,
+            "micro_batch_size": 2,
+            "global_batch_size": 4,
+            "warmup_steps": 2,
+            "decay_steps": 2,
+            "hang_timeout_s": 10,
+        },
+        "checkpoint": {"save_interval": 2},
+        "logging": {"tensorboard": False},
+    }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))
     (tmp_path / "logs").mkdir()
     run = tmp_path / "run"
-    env = job_environment(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()),
-                          MLMCLM_INJECT_FAULTS="hang rank=1 step=5")
-    job = slurm.sbatch("--cpus-per-task=2", str(SLURM_DIR / "pretrain.sbatch"), str(config),
-                       f"output_dir={run}", env=env, cwd=tmp_path)
+    env = job_environment(
+        NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), MLMCLM_INJECT_FAULTS="hang rank=1 step=5"
+    )
+    job = slurm.sbatch(
+        "--cpus-per-task=2",
+        str(SLURM_DIR / "pretrain.sbatch"),
+        str(config),
+        f"output_dir={run}",
+        env=env,
+        cwd=tmp_path,
+    )
     # Released early as in the SIGUSR1 test: once PENDING again, and a second or two later.
-    until(lambda: [(j["JobState"], j.get("Restarts")) for j in slurm.jobs(job)] ==
-          [("PENDING", "1")], 180, "the requeue")
+    until(
+        lambda: [(j["JobState"], j.get("Restarts")) for j in slurm.jobs(job)] == [("PENDING", "1")],
+        180,
+        "the requeue",
+    )
     time.sleep(2)
     slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     slurm.wait([job], timeout=300)
     log = (tmp_path / "logs" / f"mlmclm-pretrain-{job}.out").read_text()
     info = slurm.jobs(job)[0]
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (
         log + slurm.daemon_logs()
+    )
     assert "rank 1 hung: step 5 made no progress for 10 s" in log
     assert f"a hung rank (exit 76): requeueing job {job}" in log
     assert f"resumed from {run / 'checkpoints' / 'iter_0000004'} at step 4" in log
@@ -214,8 +307,13 @@ def test_scancel_stays_a_cancel(slurm, tmp_path):
     stub.write_text(STUB_PYTHON.format(python=sys.executable, started=started))
     stub.chmod(0o755)
     (tmp_path / "logs").mkdir()
-    job = slurm.sbatch("--cpus-per-task=1", str(SLURM_DIR / "pretrain.sbatch"), "cfg.yaml",
-                       env=job_environment(MLMCLM_PYTHON=str(stub)), cwd=tmp_path)
+    job = slurm.sbatch(
+        "--cpus-per-task=1",
+        str(SLURM_DIR / "pretrain.sbatch"),
+        "cfg.yaml",
+        env=job_environment(MLMCLM_PYTHON=str(stub)),
+        cwd=tmp_path,
+    )
     until(started.exists, 60, "the stand-in trainer")
     slurm.run(["scancel", job])
     until(lambda: slurm.state(job) != ["RUNNING"], 60, "the cancel")
@@ -233,30 +331,70 @@ def test_every_sbatch_script_runs_from_a_fresh_clone_as_its_header_shows(slurm, 
     mlmclm refuses at once (exit 2), which is enough to show the job ran and logged."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(REPO), str(clone)], check=True)
-    assert (clone / "logs").is_dir() and not any(p.name != ".gitignore"
-                                                for p in (clone / "logs").iterdir())
+    assert (clone / "logs").is_dir() and not any(
+        p.name != ".gitignore" for p in (clone / "logs").iterdir()
+    )
     env = job_environment(MASTER_PORT=str(free_port()), MLMCLM_DATA_DIR=str(tmp_path / "none"))
     jobs = {
         "pretrain": slurm.sbatch(
-            "--cpus-per-task", "2", "examples/slurm/pretrain.sbatch", "examples/configs/tiny.yaml",
-            "train.steps=2", "train.warmup_steps=1", "train.decay_steps=1",
-            "train.micro_batch_size=4", "train.global_batch_size=8", "logging.eval_interval=0",
-            "logging.tensorboard=false", env={**env, "NPROC_PER_NODE": "2"}, cwd=clone),
-        "convert": slurm.sbatch("--cpus-per-task", "1", "--mem", "1G",
-                                "examples/slurm/convert.sbatch", "runs/none/checkpoints", "hf/none",
-                                env=env, cwd=clone),
-        "eval": slurm.sbatch("--cpus-per-task", "1", "--array=0-0",
-                             "examples/slurm/evaluate_array.sbatch", "--model", "hf/none", "--task",
-                             "sst2", "--out", "results/eval", env=env, cwd=clone),
-        "report": slurm.sbatch("--cpus-per-task", "1", "examples/slurm/report.sbatch",
-                               "results/eval", "--out", "results/report", env=env, cwd=clone),
+            "--cpus-per-task",
+            "2",
+            "examples/slurm/pretrain.sbatch",
+            "examples/configs/tiny.yaml",
+            "train.steps=2",
+            "train.warmup_steps=1",
+            "train.decay_steps=1",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=8",
+            "logging.eval_interval=0",
+            "logging.tensorboard=false",
+            env={**env, "NPROC_PER_NODE": "2"},
+            cwd=clone,
+        ),
+        "convert": slurm.sbatch(
+            "--cpus-per-task",
+            "1",
+            "--mem",
+            "1G",
+            "examples/slurm/convert.sbatch",
+            "runs/none/checkpoints",
+            "hf/none",
+            env=env,
+            cwd=clone,
+        ),
+        "eval": slurm.sbatch(
+            "--cpus-per-task",
+            "1",
+            "--array=0-0",
+            "examples/slurm/evaluate_array.sbatch",
+            "--model",
+            "hf/none",
+            "--task",
+            "sst2",
+            "--out",
+            "results/eval",
+            env=env,
+            cwd=clone,
+        ),
+        "report": slurm.sbatch(
+            "--cpus-per-task",
+            "1",
+            "examples/slurm/report.sbatch",
+            "results/eval",
+            "--out",
+            "results/report",
+            env=env,
+            cwd=clone,
+        ),
     }
     slurm.wait(list(jobs.values()), timeout=300)
     logs = {p.name: p.read_text() for p in (clone / "logs").glob("*.out")}
-    expected = {"pretrain": f"mlmclm-pretrain-{jobs['pretrain']}.out",
-                "convert": f"mlmclm-convert-{jobs['convert']}.out",
-                "eval": f"mlmclm-eval-{jobs['eval']}_0.out",
-                "report": f"mlmclm-report-{jobs['report']}.out"}
+    expected = {
+        "pretrain": f"mlmclm-pretrain-{jobs['pretrain']}.out",
+        "convert": f"mlmclm-convert-{jobs['convert']}.out",
+        "eval": f"mlmclm-eval-{jobs['eval']}_0.out",
+        "report": f"mlmclm-report-{jobs['report']}.out",
+    }
     for kind, name in expected.items():
         assert name in logs, f"{kind}: no {name} in {sorted(logs)}\n{slurm.daemon_logs()}"
     info = slurm.jobs(jobs["pretrain"])[0]

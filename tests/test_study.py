@@ -15,28 +15,49 @@ from scipy import stats
 
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.study.compare import MARGIN, study_comparisons, verdict
-from megatron_mlmclm.study.design import (LR_LADDER, RECIPE, StudyDesign, budget_config,
-                                          recipe_flops, recipe_steps, widen)
+from megatron_mlmclm.study.design import (
+    LR_LADDER,
+    RECIPE,
+    StudyDesign,
+    budget_config,
+    recipe_flops,
+    recipe_steps,
+    widen,
+)
 from megatron_mlmclm.study.pipeline import next_grid
 
-FAMILY = {"sst2": ("sc", "accuracy"), "conll2003": ("tc", "f1"), "squad": ("qa", "f1"),
-          "scifact": ("ir", "ndcg@10")}
+FAMILY = {
+    "sst2": ("sc", "accuracy"),
+    "conll2003": ("tc", "f1"),
+    "squad": ("qa", "f1"),
+    "scifact": ("ir", "ndcg@10"),
+}
 LRS = [1e-3, 3e-3, 1e-2]
 
 
 def result(model, task, lr, seed, test, val):
     family, metric = FAMILY[task]
-    return {"model": model, "task": task, "lr": lr, "seed": seed, "family": family,
-            "metric": metric, "grid": {"lrs": LRS, "seeds": [0, 1, 2]},
-            "metrics": {"validation": {metric: val}, "test": {metric: test}},
-            "protocol": {"id": f"id-{task}", "run_id": "run", "run": {"max_steps": 5}}}
+    return {
+        "model": model,
+        "task": task,
+        "lr": lr,
+        "seed": seed,
+        "family": family,
+        "metric": metric,
+        "grid": {"lrs": LRS, "seeds": [0, 1, 2]},
+        "metrics": {"validation": {metric: val}, "test": {metric: test}},
+        "protocol": {"id": f"id-{task}", "run_id": "run", "run": {"max_steps": 5}},
+    }
 
 
 def grid(model, task, test_at, best_lr=3e-3):
     """Results of one model on one task: test_at(lr, seed) -> score in [0, 1]; validation makes
     best_lr the chosen one."""
-    return [result(model, task, lr, s, test_at(lr, s), 0.9 if lr == best_lr else 0.5)
-            for lr in LRS for s in (0, 1, 2)]
+    return [
+        result(model, task, lr, s, test_at(lr, s), 0.9 if lr == best_lr else 0.5)
+        for lr in LRS
+        for s in (0, 1, 2)
+    ]
 
 
 def reference_ci(diffs):
@@ -55,10 +76,20 @@ def test_comparisons_match_a_hand_computed_reference():
     for recipe in base:
         for p in (0, 1):
             model = f"{recipe}-p{p}"
-            results += grid(model, "sst2", lambda lr, s: base[recipe] + noise[(p, s)]
-                            - (0.2 if lr != 3e-3 and recipe == "mlm40" else 0.02 * (lr != 3e-3)))
-            results += grid(model, "conll2003",
-                            lambda lr, s: conll[recipe] + 0.5 * noise[(p, s)] * (1 + (recipe == "clm")))
+            results += grid(
+                model,
+                "sst2",
+                lambda lr, s: (
+                    base[recipe]
+                    + noise[(p, s)]
+                    - (0.2 if lr != 3e-3 and recipe == "mlm40" else 0.02 * (lr != 3e-3))
+                ),
+            )
+            results += grid(
+                model,
+                "conll2003",
+                lambda lr, s: conll[recipe] + 0.5 * noise[(p, s)] * (1 + (recipe == "clm")),
+            )
     rows = {r["claim"]: r for r in study_comparisons(results, {"sst2": "sc", "conll2003": "tc"})}
 
     sc = rows["MLM beats CLM on sequence classification"]
@@ -68,9 +99,13 @@ def test_comparisons_match_a_hand_computed_reference():
     assert sc["verdict"] == "agrees"  # a constant +5 difference: zero-width interval above 0
 
     tc = rows["CLM is competitive with MLM on token classification"]
-    diffs = [100 * ((conll["clm"] + noise[k]) - (conll["mlm40"] + 0.5 * noise[k])) for k in sorted(noise)]
+    diffs = [
+        100 * ((conll["clm"] + noise[k]) - (conll["mlm40"] + 0.5 * noise[k])) for k in sorted(noise)
+    ]
     mean, lo, hi = reference_ci(diffs)
-    assert math.isclose(tc["diff"], mean) and math.isclose(tc["lo"], lo) and math.isclose(tc["hi"], hi)
+    assert (
+        math.isclose(tc["diff"], mean) and math.isclose(tc["lo"], lo) and math.isclose(tc["hi"], hi)
+    )
     assert lo > 0 and tc["verdict"] == "agrees (beats)"  # CLM ahead by ~3 points, little noise
 
     # LR spread per (p, s), averaged over the two tasks: MLM loses 20 points off its best LR on
@@ -84,15 +119,19 @@ def test_comparisons_match_a_hand_computed_reference():
     assert not any("question answering" in claim for claim in rows)  # no QA task: no QA claim
 
 
-@pytest.mark.parametrize("mean,half,n,kind,expected", [
-    (2.0, 1.0, 6, "beats", "agrees"), (-2.0, 1.0, 6, "beats", "disagrees"),
-    (0.5, 1.0, 6, "beats", "inconclusive at this scale"),
-    (2.0, 1.0, 2, "beats", "inconclusive (fewer than 3 pairs)"),
-    (0.5, 0.2, 6, "matches", "agrees (beats)"),
-    (0.0, MARGIN - 0.1, 6, "matches", f"agrees (matches within {MARGIN:g} pt)"),
-    (-3.0, 1.0, 6, "matches", "disagrees"),
-    (-0.5, 3.0, 6, "matches", "inconclusive at this scale"),
-])
+@pytest.mark.parametrize(
+    "mean,half,n,kind,expected",
+    [
+        (2.0, 1.0, 6, "beats", "agrees"),
+        (-2.0, 1.0, 6, "beats", "disagrees"),
+        (0.5, 1.0, 6, "beats", "inconclusive at this scale"),
+        (2.0, 1.0, 2, "beats", "inconclusive (fewer than 3 pairs)"),
+        (0.5, 0.2, 6, "matches", "agrees (beats)"),
+        (0.0, MARGIN - 0.1, 6, "matches", f"agrees (matches within {MARGIN:g} pt)"),
+        (-3.0, 1.0, 6, "matches", "disagrees"),
+        (-0.5, 3.0, 6, "matches", "inconclusive at this scale"),
+    ],
+)
 def test_verdict_rules(mean, half, n, kind, expected):
     assert verdict(mean, half, n, kind) == expected
 
@@ -120,19 +159,54 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     and MLM at 10 and 20 of 40 steps, decay branches of the full runs), then a second invocation
     that reuses every stage, and a changed design refused."""
     out = tmp_path / "study"
-    args = [sys.executable, "-m", "megatron_mlmclm", "study", "--out", str(out),
-            "--steps", "40", "--cpt-steps", "10", "--pretrain-seeds", "0", "--tasks", "sst2",
-            "--seeds", "0", "1", "2", "--finetune-steps", "4", "--batch-size", "8",
-            "--max-length", "32", "--max-train-examples", "64", "--max-eval-examples", "32",
-            "--max-widen", "1", "--curve-tasks", "sst2", "--vocab-size", "1024"]
+    args = [
+        sys.executable,
+        "-m",
+        "megatron_mlmclm",
+        "study",
+        "--out",
+        str(out),
+        "--steps",
+        "40",
+        "--cpt-steps",
+        "10",
+        "--pretrain-seeds",
+        "0",
+        "--tasks",
+        "sst2",
+        "--seeds",
+        "0",
+        "1",
+        "2",
+        "--finetune-steps",
+        "4",
+        "--batch-size",
+        "8",
+        "--max-length",
+        "32",
+        "--max-train-examples",
+        "64",
+        "--max-eval-examples",
+        "32",
+        "--max-widen",
+        "1",
+        "--curve-tasks",
+        "sst2",
+        "--vocab-size",
+        "1024",
+    ]
     env = dict(os.environ, MLMCLM_DATA_DIR=str(data_dir))
     first = subprocess.run(args, env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]
 
     report = (out / "report.md").read_text()
-    for section in ("## Pretraining: does MLM use context?", "## Fine-tuning learning-rate grids",
-                    "## Scores per recipe", "## The study's comparisons",
-                    "## Learning curve: score against pretraining tokens"):
+    for section in (
+        "## Pretraining: does MLM use context?",
+        "## Fine-tuning learning-rate grids",
+        "## Scores per recipe",
+        "## The study's comparisons",
+        "## Learning curve: score against pretraining tokens",
+    ):
         assert section in report
     pre = (out / "pretraining.csv").read_text().splitlines()
     assert len(pre) == 1 + 5  # five recipes, one seed
@@ -145,8 +219,13 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     design = StudyDesign(steps=40, cpt_steps=10, micro_batch_size=16, vocab_size=1024)
     steps = recipe_steps(design, "mlm40-flops")
     assert steps > 40 and f"MLM 40% trains {steps} steps where CLM trains 40" in report
-    assert max(json.loads(l)["step"] for l in
-               (out / "runs" / "mlm40-flops-p0" / "metrics.jsonl").read_text().splitlines()) == steps
+    assert (
+        max(
+            json.loads(l)["step"]
+            for l in (out / "runs" / "mlm40-flops-p0" / "metrics.jsonl").read_text().splitlines()
+        )
+        == steps
+    )
     for name, start in (("clm-b10-p0", 9), ("mlm40-b20-p0", 18)):  # branched where decay starts
         train = (out / "runs" / name / "train.log").read_text()
         assert f"iter_{start:07d}" in train and "branching from" in train
@@ -173,8 +252,9 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     assert len(json.loads((out / "study.json").read_text())["invocations"]) == 2
     assert "over 2 invocation(s)" in report
 
-    changed = subprocess.run(args[:-2] + ["--vocab-size", "2048"], env=env, capture_output=True,
-                             text=True)
+    changed = subprocess.run(
+        args[:-2] + ["--vocab-size", "2048"], env=env, capture_output=True, text=True
+    )
     assert changed.returncode == 2
     assert "holds a study with another design (vocab_size" in changed.stderr
     assert (out / "report.md").read_text() == report  # nothing overwritten
@@ -205,8 +285,14 @@ def test_learning_curve_points_and_verdicts_against_hand_computed_values(tmp_pat
 
     design = StudyDesign()  # steps 1000, curve shares 0.25 / 0.5
     assert design.curve_budgets() == [250, 500]
-    base = {("clm", 250): 0.20, ("clm", 500): 0.25, ("clm", 1000): 0.29,
-            ("mlm40", 250): 0.08, ("mlm40", 500): 0.12, ("mlm40", 1000): 0.15}
+    base = {
+        ("clm", 250): 0.20,
+        ("clm", 500): 0.25,
+        ("clm", 1000): 0.29,
+        ("mlm40", 250): 0.08,
+        ("mlm40", 500): 0.12,
+        ("mlm40", 1000): 0.15,
+    }
     noise = {(p, s): 0.01 * ((3 * p + 7 * s) % 5 - 2) for p in (0, 1) for s in (0, 1, 2)}
     full, curve = [], []
     for (recipe, steps), score in base.items():
@@ -214,11 +300,16 @@ def test_learning_curve_points_and_verdicts_against_hand_computed_values(tmp_pat
             name = f"{recipe}-p{p}" if steps == 1000 else f"{recipe}-b{steps}-p{p}"
             clm_noise = 1 + (recipe == "clm")  # CLM's pairs vary twice as much
             if steps == 1000:
-                full += grid(name, "scifact", lambda lr, s: score + clm_noise * noise[(p, s)]
-                             - 0.05 * (lr != 3e-3))
+                full += grid(
+                    name,
+                    "scifact",
+                    lambda lr, s: score + clm_noise * noise[(p, s)] - 0.05 * (lr != 3e-3),
+                )
             else:  # fine-tuned at the one LR the full models chose
-                curve += [result(name, "scifact", 3e-3, s, score + clm_noise * noise[(p, s)], 0.9)
-                          for s in (0, 1, 2)]
+                curve += [
+                    result(name, "scifact", 3e-3, s, score + clm_noise * noise[(p, s)], 0.9)
+                    for s in (0, 1, 2)
+                ]
     grids = {"scifact": {"results": full, "curve_results": curve}}
 
     rows = {(r["recipe"], r["steps"], r["task"]): r for r in curve_rows(design, grids, ["scifact"])}
@@ -233,26 +324,29 @@ def test_learning_curve_points_and_verdicts_against_hand_computed_values(tmp_pat
     cmp = curve_comparisons(design, grids, ["scifact"])
     assert [r["pairs"] for r in cmp] == [6] * 4
     for r, steps in zip(cmp, (250, 500, 1000)):
-        diffs = [100 * (base[("clm", steps)] - base[("mlm40", steps)] + noise[k])
-                 for k in sorted(noise)]
+        diffs = [
+            100 * (base[("clm", steps)] - base[("mlm40", steps)] + noise[k]) for k in sorted(noise)
+        ]
         mean, lo, hi = reference_ci(diffs)
         assert math.isclose(r["diff"], mean) and math.isclose(r["lo"], lo)
         assert r["verdict"] == "agrees"  # CLM ahead by 10-14 points at every budget
     # CLM's lead: 12 points at 250 steps, 14 at 1,000 (noise cancels): it grows, not shrinks.
     assert math.isclose(cmp[-1]["diff"], 12 - 14) and cmp[-1]["verdict"] == "disagrees"
 
-    assert (tmp_path / plot_curves(tmp_path, list(rows.values()),
-                                   {"scifact": "ndcg@10"})).stat().st_size > 1000
+    assert (
+        tmp_path / plot_curves(tmp_path, list(rows.values()), {"scifact": "ndcg@10"})
+    ).stat().st_size > 1000
 
     # The full CLM run keeps the checkpoints where the branches' decays start (25 and 50 steps
     # before their ends); the 250-step branch starts from the first.
     prefixes = {"train": "t", "valid": "v"}
     full_cfg = yaml.safe_load(_config(tmp_path, design, "clm-p0", tmp_path, prefixes).read_text())
     assert full_cfg["checkpoint"]["keep_steps"] == [225, 450]
-    branch = yaml.safe_load(_config(tmp_path, design, "clm-b250-p0", tmp_path,
-                                    prefixes).read_text())
+    branch = yaml.safe_load(
+        _config(tmp_path, design, "clm-b250-p0", tmp_path, prefixes).read_text()
+    )
     assert branch["train"]["steps"] == 250 and branch["train"]["decay_steps"] == 25
     assert branch["train"]["branch_from"].endswith("runs/clm-p0/checkpoints/iter_0000225")
-    assert {k: v for k, v in branch["train"].items() if k not in ("steps", "decay_steps",
-                                                                   "branch_from")} \
-        == {k: v for k, v in full_cfg["train"].items() if k not in ("steps", "decay_steps")}
+    assert {
+        k: v for k, v in branch["train"].items() if k not in ("steps", "decay_steps", "branch_from")
+    } == {k: v for k, v in full_cfg["train"].items() if k not in ("steps", "decay_steps")}

@@ -29,18 +29,25 @@ def te_shaped(chunk: torch.nn.Module) -> torch.nn.Module:
     from megatron.core.transformer.identity_op import IdentityOp
 
     for layer in chunk.decoder.layers:
-        for norm, linear in (("input_layernorm", layer.self_attention.linear_qkv),
-                             ("pre_mlp_layernorm", layer.mlp.linear_fc1)):
+        for norm, linear in (
+            ("input_layernorm", layer.self_attention.linear_qkv),
+            ("pre_mlp_layernorm", layer.mlp.linear_fc1),
+        ):
             linear.register_parameter("layer_norm_weight", getattr(layer, norm).weight)
             setattr(layer, norm, IdentityOp())
     for name, mod in list(chunk.named_modules()):
         if name.rsplit(".", 1)[-1] in TE_MODULES:
             base = type(mod)
-            mod.__class__ = type("TE" + base.__name__, (base,), {
-                "get_extra_state": lambda self: torch.frombuffer(bytearray(b"fp8-meta"),
-                                                                 dtype=torch.uint8),
-                "set_extra_state": lambda self, state: setattr(self, "loaded_extra", state),
-            })
+            mod.__class__ = type(
+                "TE" + base.__name__,
+                (base,),
+                {
+                    "get_extra_state": lambda self: torch.frombuffer(
+                        bytearray(b"fp8-meta"), dtype=torch.uint8
+                    ),
+                    "set_extra_state": lambda self, state: setattr(self, "loaded_extra", state),
+                },
+            )
     return chunk
 
 
@@ -58,9 +65,11 @@ def save(chunk, path):
 
 def weights(chunk) -> dict[str, torch.Tensor]:
     """Every weight by its checkpoint key (the names both specs share)."""
-    return {v.key + str(getattr(v, "global_offset", ())): v.data.detach().clone()
-            for v in chunk.sharded_state_dict().values()
-            if hasattr(v, "data") and not v.key.endswith("_extra_state")}
+    return {
+        v.key + str(getattr(v, "global_offset", ())): v.data.detach().clone()
+        for v in chunk.sharded_state_dict().values()
+        if hasattr(v, "data") and not v.key.endswith("_extra_state")
+    }
 
 
 def checkpoint_keys(chunk) -> set[str]:
@@ -75,8 +84,11 @@ def test_the_te_shape_asks_for_keys_a_cpu_checkpoint_lacks():
     assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in te & cpu
 
 
-@pytest.mark.parametrize("saved_te,loaded_te", [(False, True), (True, False)],
-                         ids=["cpu_spec_into_te", "te_into_cpu_spec"])
+@pytest.mark.parametrize(
+    "saved_te,loaded_te",
+    [(False, True), (True, False)],
+    ids=["cpu_spec_into_te", "te_into_cpu_spec"],
+)
 def test_checkpoint_loads_across_the_specs(tmp_path, saved_te, loaded_te):
     source = build(1, saved_te)
     ckpt = save(source, tmp_path)

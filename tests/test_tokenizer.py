@@ -10,12 +10,20 @@ import pytest
 
 from megatron_mlmclm import cli
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.data.tokenizer import (METADATA_FILE, load_tokenizer, prepare_tokenizer,
-                                            special_token_ids, train_tokenizer)
+from megatron_mlmclm.data.tokenizer import (
+    METADATA_FILE,
+    load_tokenizer,
+    prepare_tokenizer,
+    special_token_ids,
+    train_tokenizer,
+)
 from megatron_mlmclm.paths import data_dir
 
-SAMPLE = ["The quick brown fox jumps over the lazy dog.", "Hello world, this is a test.",
-          "It was the best of times, it was the worst of times."] * 10
+SAMPLE = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world, this is a test.",
+    "It was the best of times, it was the worst of times.",
+] * 10
 
 
 def _hf_folder(path: Path, specials: list[str], **roles) -> Path:
@@ -26,8 +34,14 @@ def _hf_folder(path: Path, specials: list[str], **roles) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(SAMPLE, trainers.BpeTrainer(
-        vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        SAMPLE,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     if specials:
         tok.add_special_tokens(specials)
     PreTrainedTokenizerFast(tokenizer_object=tok, **roles).save_pretrained(str(path))
@@ -36,10 +50,12 @@ def _hf_folder(path: Path, specials: list[str], **roles) -> Path:
 
 @pytest.fixture
 def llama_like(tmp_path):
-    specials = ["<|begin_of_text|>", "<|end_of_text|>"] + \
-        [f"<|reserved_special_token_{i}|>" for i in (2, 0, 1, 3)]
-    return _hf_folder(tmp_path / "llama", specials, bos_token="<|begin_of_text|>",
-                      eos_token="<|end_of_text|>")
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
+        f"<|reserved_special_token_{i}|>" for i in (2, 0, 1, 3)
+    ]
+    return _hf_folder(
+        tmp_path / "llama", specials, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
+    )
 
 
 def test_llama_like_reserves_mask_and_pad_without_growing_vocab(llama_like, tmp_path):
@@ -54,12 +70,18 @@ def test_llama_like_reserves_mask_and_pad_without_growing_vocab(llama_like, tmp_
     assert tok.pad_token == "<|reserved_special_token_1|>"
     assert tok.bos_token_id == src.bos_token_id and tok.eos_token_id == src.eos_token_id
     meta = json.loads((out / METADATA_FILE).read_text())
-    assert meta == {**special_token_ids(tok), "vocab_size": len(src), "source": str(llama_like),
-                    "mask_reserved_from": "<|reserved_special_token_0|>",
-                    "pad_reserved_from": "<|reserved_special_token_1|>",
-                    "added_tokens": [], "vocab_grew": False}
+    assert meta == {
+        **special_token_ids(tok),
+        "vocab_size": len(src),
+        "source": str(llama_like),
+        "mask_reserved_from": "<|reserved_special_token_0|>",
+        "pad_reserved_from": "<|reserved_special_token_1|>",
+        "added_tokens": [],
+        "vocab_grew": False,
+    }
     assert load_tokenizer(out).mask_token_id == src.convert_tokens_to_ids(
-        "<|reserved_special_token_0|>")
+        "<|reserved_special_token_0|>"
+    )
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -71,13 +93,23 @@ def test_without_reserved_tokens_everything_is_added(tmp_path):
     assert sorted(meta["added_tokens"]) == sorted(["<s>", "</s>", "<mask>", "<pad>"])
     assert meta["vocab_grew"] and meta["vocab_size"] == len(tok) == 300 + 4
     assert meta["mask_reserved_from"] is None
-    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.mask_token) == \
-        ("<s>", "</s>", "<pad>", "<mask>")
+    assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.mask_token) == (
+        "<s>",
+        "</s>",
+        "<pad>",
+        "<mask>",
+    )
 
 
 def test_pad_equal_to_eos_is_replaced(tmp_path):
-    src = _hf_folder(tmp_path / "qwen", ["<|endoftext|>", "<s>", "<mask>"], bos_token="<s>",
-                     mask_token="<mask>", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    src = _hf_folder(
+        tmp_path / "qwen",
+        ["<|endoftext|>", "<s>", "<mask>"],
+        bos_token="<s>",
+        mask_token="<mask>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
     with pytest.raises(UsageError, match="eos as pad"):
         load_tokenizer(src)
     tok = load_tokenizer(prepare_tokenizer(src, tmp_path / "out", verbose=False))
@@ -123,7 +155,19 @@ def test_cli_tokenize_refuses_non_empty_out_and_force_replaces(llama_like, tmp_p
     assert (out / "keep.txt").exists()
     assert cli.main(["tokenize", "--from", str(llama_like), "--out", str(out), "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / METADATA_FILE).exists()
-    assert cli.main(["tokenize", "--train", str(tmp_path / "nope.jsonl"), "--vocab-size", "300",
-                     "--out", str(tmp_path / "t2")]) == 2
+    assert (
+        cli.main(
+            [
+                "tokenize",
+                "--train",
+                str(tmp_path / "nope.jsonl"),
+                "--vocab-size",
+                "300",
+                "--out",
+                str(tmp_path / "t2"),
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "t2").exists()

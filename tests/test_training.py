@@ -16,18 +16,24 @@ def gutenberg_shards(tmp_path_factory, data_dir):
 
     root = tmp_path_factory.mktemp("gutenberg")
     books = data_dir / "gutenberg_en"
-    tok = train_tokenizer([str(books / "valid.jsonl.gz")], root / "tok", vocab_size=2048,
-                          progress=False)
+    tok = train_tokenizer(
+        [str(books / "valid.jsonl.gz")], root / "tok", vocab_size=2048, progress=False
+    )
     for split in ("valid", "test"):
-        preprocess([str(books / f"{split}.jsonl.gz")], root / split, tok, workers=2,
-                   progress=False)
+        preprocess([str(books / f"{split}.jsonl.gz")], root / split, tok, workers=2, progress=False)
     return root, tok
 
 
 RUN = {
     "model": {"preset": "tiny", "seq_length": 64},
-    "train": {"steps": 80, "micro_batch_size": 16, "global_batch_size": 16, "lr": 3.0e-3,
-              "warmup_steps": 8, "decay_steps": 8},
+    "train": {
+        "steps": 80,
+        "micro_batch_size": 16,
+        "global_batch_size": 16,
+        "lr": 3.0e-3,
+        "warmup_steps": 8,
+        "decay_steps": 8,
+    },
     "logging": {"tensorboard": False, "eval_interval": 40, "eval_iters": 4},
 }
 OBJECTIVES = {
@@ -41,9 +47,16 @@ OBJECTIVES = {
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_validation_loss_drops_on_gutenberg(gutenberg_shards, tmp_path, name):
     root, tok = gutenberg_shards
-    cfg = dict(RUN, phases=OBJECTIVES[name], output_dir=str(tmp_path / name),
-               data={"train": [str(root / "valid_text_document")],
-                     "valid": [str(root / "test_text_document")], "tokenizer": str(tok)})
+    cfg = dict(
+        RUN,
+        phases=OBJECTIVES[name],
+        output_dir=str(tmp_path / name),
+        data={
+            "train": [str(root / "valid_text_document")],
+            "valid": [str(root / "test_text_document")],
+            "tokenizer": str(tok),
+        },
+    )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_pretrain(path, [])
@@ -55,12 +68,27 @@ def test_validation_loss_drops_on_gutenberg(gutenberg_shards, tmp_path, name):
 
 def test_non_finite_gradients_stop_the_run_and_keep_the_last_checkpoint(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({"data": {"mock": True}, "model": {"vocab_size": 500},
-                                    "logging": {"tensorboard": False}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"mock": True},
+                "model": {"vocab_size": 500},
+                "logging": {"tensorboard": False},
+            }
+        )
+    )
     out = tmp_path / "run"
-    overrides = [f"output_dir={out}", "train.steps=8", "train.global_batch_size=2",
-                 "train.micro_batch_size=2", "train.warmup_steps=0", "train.decay_steps=0",
-                 "train.lr=1e6", "train.clip_grad=0", "checkpoint.save_interval=1"]
+    overrides = [
+        f"output_dir={out}",
+        "train.steps=8",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        "train.warmup_steps=0",
+        "train.decay_steps=0",
+        "train.lr=1e6",
+        "train.clip_grad=0",
+        "checkpoint.save_interval=1",
+    ]
     proc = run_pretrain(path, overrides, check=False)
     assert proc.returncode == 16  # re-run the step to tell transient from persistent
     assert "stopped before the update, nothing saved" in proc.stderr and "at step 2" in proc.stderr

@@ -32,11 +32,11 @@ def wandb_records(path: Path):
         if left < HEADER:  # a block's tail too short for a header is padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         if kind == 0:
             pos += left
             continue
-        pending += data[pos + HEADER:pos + HEADER + length]
+        pending += data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind in (1, 4):  # full, or last fragment
             rec = pb.Record()
@@ -57,13 +57,25 @@ def test_wandb_offline_logs_the_tensorboard_scalars_and_config(tmp_path, monkeyp
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "name": "wb", "output_dir": str(out), "data": {"mock": True},
-        "model": {"vocab_size": 500, "seq_length": 32},
-        "train": {"steps": 3, "micro_batch_size": 2, "global_batch_size": 2, "warmup_steps": 0,
-                  "decay_steps": 0},
-        "phases": [{"objective": "clm", "steps": 1}, {"objective": "mlm", "steps": 2}],
-        "logging": {"wandb": {"project": "mlmclm-test", "name": "tiny-wb"}}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "name": "wb",
+                "output_dir": str(out),
+                "data": {"mock": True},
+                "model": {"vocab_size": 500, "seq_length": 32},
+                "train": {
+                    "steps": 3,
+                    "micro_batch_size": 2,
+                    "global_batch_size": 2,
+                    "warmup_steps": 0,
+                    "decay_steps": 0,
+                },
+                "phases": [{"objective": "clm", "steps": 1}, {"objective": "mlm", "steps": 2}],
+                "logging": {"wandb": {"project": "mlmclm-test", "name": "tiny-wb"}},
+            }
+        )
+    )
     run_pretrain(cfg, [])
 
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -72,10 +84,12 @@ def test_wandb_offline_logs_the_tensorboard_scalars_and_config(tmp_path, monkeyp
     for rec in wandb_records(runs[0]):
         kind = rec.WhichOneof("record_type")
         if kind == "history":
-            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                     for i in rec.history.item}
-            history[rec.history.step.num] = {k: v for k, v in items.items()
-                                             if not k.startswith("_")}
+            items = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item
+            }
+            history[rec.history.step.num] = {
+                k: v for k, v in items.items() if not k.startswith("_")
+            }
         elif kind == "run":
             assert rec.run.project == "mlmclm-test" and rec.run.display_name == "tiny-wb"
             config = {u.key: json.loads(u.value_json) for u in rec.run.config.update}
@@ -88,9 +102,15 @@ def test_wandb_offline_logs_the_tensorboard_scalars_and_config(tmp_path, monkeyp
         obj = m["objective"]
         expect = {f"val/{obj}_loss": m["val_loss"]} if "val_loss" in m else {}
         if "loss" in m:
-            expect.update({f"train/{obj}_loss": m["loss"], f"train/{obj}_accuracy": m["accuracy"],
-                           "train/lr": m["lr"], "train/grad_norm": m["grad_norm"],
-                           "throughput/tokens_per_s": m["tokens_per_s"]})
+            expect.update(
+                {
+                    f"train/{obj}_loss": m["loss"],
+                    f"train/{obj}_accuracy": m["accuracy"],
+                    "train/lr": m["lr"],
+                    "train/grad_norm": m["grad_norm"],
+                    "throughput/tokens_per_s": m["tokens_per_s"],
+                }
+            )
         assert history[m["step"]] == pytest.approx(expect, rel=1e-12), m["step"]
     assert "val/mlm_loss" in history[3] and "train/clm_loss" in history[1]
 
@@ -107,11 +127,14 @@ def test_wandb_configured_but_missing_is_one_line_before_any_work(tmp_path, monk
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
     out = tmp_path / "run"
-    for extra, match in (("logging.wandb={project: p}", "wandb is not installed"),
-                         ("logging.wandb={name: n}", "logging.wandb.project")):
+    for extra, match in (
+        ("logging.wandb={project: p}", "wandb is not installed"),
+        ("logging.wandb={name: n}", "logging.wandb.project"),
+    ):
         rc = cli_main(["pretrain", "data.mock=true", f"output_dir={out}", extra])
         err = capsys.readouterr().err
         assert rc == 2 and err.strip().count("\n") == 0 and match in err, err

@@ -53,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         args += ["--tokenizer", a.tokenizer] if a.tokenizer else []
         args += ["--seed", str(a.seed)] if a.seed is not None else []
     else:
-        p.error("choose --loader megatron --saver hf, --loader hf --saver megatron, or "
-                "--loader megatron-lm --saver megatron")
+        p.error(
+            "choose --loader megatron --saver hf, --loader hf --saver megatron, or "
+            "--loader megatron-lm --saver megatron"
+        )
     args += ["--force"] if a.force else []
     from megatron_mlmclm.cli import main as mlmclm
 

@@ -18,8 +18,9 @@ from megatron_mlmclm.errors import EXIT_USAGE, UsageError  # noqa: E402
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="preprocess_data.py",
-                                     description="raw text -> Megatron .bin/.idx shards")
+    parser = argparse.ArgumentParser(
+        prog="preprocess_data.py", description="raw text -> Megatron .bin/.idx shards"
+    )
     preprocess.add_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -22,49 +22,88 @@ from megatron_mlmclm.errors import UsageError
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="{to-hf,from-hf,from-megatron-lm}")
     sub.required = True
-    p = sub.add_parser("to-hf", help="megatron checkpoint -> Hugging Face folder",
-                       description="Export a megatron checkpoint (any TP/PP layout) to a Hugging "
-                                   "Face folder that loads without remote code; verified.")
-    p.add_argument("checkpoint", metavar="CKPT",
-                   help="a run's checkpoints folder (latest complete checkpoint) or an iter_ folder")
+    p = sub.add_parser(
+        "to-hf",
+        help="megatron checkpoint -> Hugging Face folder",
+        description="Export a megatron checkpoint (any TP/PP layout) to a Hugging "
+        "Face folder that loads without remote code; verified.",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        help="a run's checkpoints folder (latest complete checkpoint) or an iter_ folder",
+    )
     p.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
-    p.add_argument("--arch", choices=("eurobert", "llama", "qwen3"),
-                   help="HF architecture (default: the source family recorded at import, else "
-                        "eurobert; qwen3 for qk-norm models)")
-    p.add_argument("--causal-lm", action="store_true",
-                   help="export a causal LlamaForCausalLM (Qwen3ForCausalLM with qk-norm) for "
-                        "generation, e.g. from a CLM checkpoint")
-    p.add_argument("--tokenizer", metavar="DIR",
-                   help="tokenizer folder (default: data.tokenizer of the checkpoint's run)")
-    p.add_argument("--clf-pooling", default="late", choices=("late", "mean", "bos"),
-                   help="EuroBERT classifier_pooling for sequence classification (default: late)")
+    p.add_argument(
+        "--arch",
+        choices=("eurobert", "llama", "qwen3"),
+        help="HF architecture (default: the source family recorded at import, else "
+        "eurobert; qwen3 for qk-norm models)",
+    )
+    p.add_argument(
+        "--causal-lm",
+        action="store_true",
+        help="export a causal LlamaForCausalLM (Qwen3ForCausalLM with qk-norm) for "
+        "generation, e.g. from a CLM checkpoint",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer folder (default: data.tokenizer of the checkpoint's run)",
+    )
+    p.add_argument(
+        "--clf-pooling",
+        default="late",
+        choices=("late", "mean", "bos"),
+        help="EuroBERT classifier_pooling for sequence classification (default: late)",
+    )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
     many = p.add_mutually_exclusive_group()
-    many.add_argument("--all", action="store_true",
-                      help="export every complete checkpoint of the CKPT folder into "
-                           "OUT/step<N>-tokens<T>/")
-    many.add_argument("--steps", nargs="+", type=int, metavar="N",
-                      help="export these steps' checkpoints of the CKPT folder into "
-                           "OUT/step<N>-tokens<T>/")
+    many.add_argument(
+        "--all",
+        action="store_true",
+        help="export every complete checkpoint of the CKPT folder into OUT/step<N>-tokens<T>/",
+    )
+    many.add_argument(
+        "--steps",
+        nargs="+",
+        type=int,
+        metavar="N",
+        help="export these steps' checkpoints of the CKPT folder into OUT/step<N>-tokens<T>/",
+    )
 
-    q = sub.add_parser("from-hf", help="Hugging Face decoder -> megatron checkpoint for MLM",
-                       description="Import a local Llama-family / Qwen3 / EuroBERT folder as a "
-                                   "megatron checkpoint plus a run config for continued MLM "
-                                   "pretraining; verified.")
+    q = sub.add_parser(
+        "from-hf",
+        help="Hugging Face decoder -> megatron checkpoint for MLM",
+        description="Import a local Llama-family / Qwen3 / EuroBERT folder as a "
+        "megatron checkpoint plus a run config for continued MLM "
+        "pretraining; verified.",
+    )
     q.add_argument("hf_dir", metavar="HF_DIR", help="local Hugging Face model folder")
     q.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
     q.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
     q.add_argument("--seed", type=int, default=1234, help="seed of the run config (default 1234)")
 
-    r = sub.add_parser("from-megatron-lm", help="Megatron-LM GPT checkpoint -> ours for MLM",
-                       description="Import a Megatron-LM GPT checkpoint (torch_dist format; "
-                                   "RMSNorm, SwiGLU, RoPE, no biases) as a megatron checkpoint "
-                                   "plus a run config for continued MLM pretraining; verified.")
-    r.add_argument("checkpoint", metavar="CKPT", help="Megatron-LM save dir (with "
-                   "latest_checkpointed_iteration.txt) or one iter_NNNNNNN folder")
+    r = sub.add_parser(
+        "from-megatron-lm",
+        help="Megatron-LM GPT checkpoint -> ours for MLM",
+        description="Import a Megatron-LM GPT checkpoint (torch_dist format; "
+        "RMSNorm, SwiGLU, RoPE, no biases) as a megatron checkpoint "
+        "plus a run config for continued MLM pretraining; verified.",
+    )
+    r.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        help="Megatron-LM save dir (with "
+        "latest_checkpointed_iteration.txt) or one iter_NNNNNNN folder",
+    )
     r.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
-    r.add_argument("--tokenizer", metavar="DIR", help="required: the tokenizer the model was "
-                   "trained with, as a folder written by `mlmclm tokenize` (with a mask token)")
+    r.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="required: the tokenizer the model was "
+        "trained with, as a folder written by `mlmclm tokenize` (with a mask token)",
+    )
     r.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
     r.add_argument("--seed", type=int, default=1234, help="seed of the run config (default 1234)")
 
@@ -75,8 +114,13 @@ def run(args) -> int:
     if args.direction == "to-hf":
         from megatron_mlmclm.convert.hf_export import to_hf, to_hf_many
 
-        options = dict(arch=args.arch, causal_lm=args.causal_lm, tokenizer=args.tokenizer,
-                       force=args.force, clf_pooling=args.clf_pooling)
+        options = dict(
+            arch=args.arch,
+            causal_lm=args.causal_lm,
+            tokenizer=args.tokenizer,
+            force=args.force,
+            clf_pooling=args.clf_pooling,
+        )
         if args.all or args.steps:
             to_hf_many(args.checkpoint, args.out, steps=args.steps, **options)
         else:
@@ -88,8 +132,9 @@ def run(args) -> int:
     elif args.direction == "from-megatron-lm":
         from megatron_mlmclm.convert.megatron_lm import from_megatron_lm
 
-        from_megatron_lm(args.checkpoint, args.out, tokenizer=args.tokenizer, force=args.force,
-                         seed=args.seed)
+        from_megatron_lm(
+            args.checkpoint, args.out, tokenizer=args.tokenizer, force=args.force, seed=args.seed
+        )
     else:  # pragma: no cover - argparse enforces the choice
         raise UsageError("choose to-hf, from-hf or from-megatron-lm")
     return 0

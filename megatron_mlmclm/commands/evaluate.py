@@ -18,40 +18,77 @@ import os
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.finetune import PRECISIONS, FinetuneConfig, show_inputs
-from megatron_mlmclm.eval.grid import (DEFAULT_LRS, DEFAULT_SEEDS, expand, is_done, result_paths,
-                                       run_grid)
+from megatron_mlmclm.eval.grid import (
+    DEFAULT_LRS,
+    DEFAULT_SEEDS,
+    expand,
+    is_done,
+    result_paths,
+    run_grid,
+)
 from megatron_mlmclm.eval.protocols import PROTOCOLS
 from megatron_mlmclm.eval.tasks import load_registry, suite
 
 DEFAULTS = FinetuneConfig(model="", task="")  # the run settings a flag left out falls back to
-RUN_FLAGS = ("batch_size", "eval_batch_size", "max_steps", "epochs", "warmup_ratio",
-             "weight_decay", "eval_every", "max_length", "max_train_examples",
-             "max_eval_examples", "ir_mini_batch_size", "device", "precision", "threads")
+RUN_FLAGS = (
+    "batch_size",
+    "eval_batch_size",
+    "max_steps",
+    "epochs",
+    "warmup_ratio",
+    "weight_decay",
+    "eval_every",
+    "max_length",
+    "max_train_examples",
+    "max_eval_examples",
+    "ir_mini_batch_size",
+    "device",
+    "precision",
+    "threads",
+)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", nargs="+", default=[], help="HF model folder(s) with a tokenizer")
     p.add_argument("--task", nargs="+", default=[], help="task name(s); see --list-tasks")
-    p.add_argument("--suite", default=None,
-                   help="every task of a suite (e.g. paper: the paper's twelve evaluation sets)")
-    p.add_argument("--protocol", choices=tuple(PROTOCOLS), default="default",
-                   help="evaluation protocol: default (the field's usual metrics) or encodeval "
-                        "(the paper's, as its code runs it); see docs/evaluate.md")
+    p.add_argument(
+        "--suite",
+        default=None,
+        help="every task of a suite (e.g. paper: the paper's twelve evaluation sets)",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=tuple(PROTOCOLS),
+        default="default",
+        help="evaluation protocol: default (the field's usual metrics) or encodeval "
+        "(the paper's, as its code runs it); see docs/evaluate.md",
+    )
     p.add_argument("--out", default="results/eval", help="results folder (default results/eval)")
     p.add_argument("--lrs", nargs="+", type=float, default=list(DEFAULT_LRS))
     p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
     p.add_argument("--task-file", action="append", default=[], help="extra task YAML (repeatable)")
     p.add_argument("--workers", type=int, default=1, help="parallel runs on this machine")
-    p.add_argument("--array-index", type=int, default=None,
-                   help="run one grid element (default: $SLURM_ARRAY_TASK_ID when set)")
+    p.add_argument(
+        "--array-index",
+        type=int,
+        default=None,
+        help="run one grid element (default: $SLURM_ARRAY_TASK_ID when set)",
+    )
     p.add_argument("--list", action="store_true", help="print the grid with indices and exit")
     p.add_argument("--list-tasks", action="store_true", help="print the known tasks and exit")
-    p.add_argument("--show-inputs", type=int, default=None, metavar="N",
-                   help="print the first N training inputs of each task as tokens with their "
-                        "labels, and exit")
-    p.add_argument("--save-models", action="store_true",
-                   help="keep each fine-tuned model beside its result (<result>.model/; IR: a "
-                        "sentence-transformers folder)")
+    p.add_argument(
+        "--show-inputs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print the first N training inputs of each task as tokens with their labels, and exit",
+    )
+    p.add_argument(
+        "--save-models",
+        action="store_true",
+        help="keep each fine-tuned model beside its result (<result>.model/; IR: a "
+        "sentence-transformers folder)",
+    )
     g = p.add_argument_group("fine-tuning (defaults: the protocol's, else those shown)")
     d = DEFAULTS
     g.add_argument("--batch-size", type=int, help=f"default {d.batch_size}")
@@ -66,9 +103,12 @@ def add_arguments(p) -> None:
     g.add_argument("--max-eval-examples", type=int)
     g.add_argument("--ir-mini-batch-size", type=int, help=f"default {d.ir_mini_batch_size}")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
-    g.add_argument("--precision", choices=PRECISIONS,
-                   help="auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32 | bf16-pure (bf16 "
-                        "weights, no fp32 copy); default: the protocol's, else auto")
+    g.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32 | bf16-pure (bf16 "
+        "weights, no fp32 copy); default: the protocol's, else auto",
+    )
     g.add_argument("--threads", type=int, help="torch CPU threads per run")
     g.add_argument("--no-progress", action="store_true")
 
@@ -92,8 +132,18 @@ def run(args) -> int:
     tasks = list(args.task) + (suite(args.suite, registry) if args.suite else [])
     if not tasks:
         raise UsageError("--task or --suite is required; see `mlmclm evaluate --list-tasks`")
-    for name in ("batch_size", "max_steps", "eval_every", "workers", "epochs", "max_length",
-                 "max_train_examples", "max_eval_examples", "threads", "show_inputs"):
+    for name in (
+        "batch_size",
+        "max_steps",
+        "eval_every",
+        "workers",
+        "epochs",
+        "max_length",
+        "max_train_examples",
+        "max_eval_examples",
+        "threads",
+        "show_inputs",
+    ):
         _positive(name, getattr(args, name))
     if not args.lrs or any(lr <= 0 for lr in args.lrs):
         raise UsageError("--lrs must be positive learning rates")
@@ -103,9 +153,17 @@ def run(args) -> int:
         if t not in registry:
             raise UsageError(f"unknown task '{t}'; known tasks: {', '.join(sorted(registry))}")
     flags = {k: getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None}
-    cfgs = expand(args.model, list(dict.fromkeys(tasks)), args.lrs, args.seeds,
-                  protocol=args.protocol, task_files=args.task_file,
-                  progress=not args.no_progress, save_model=args.save_models, **flags)
+    cfgs = expand(
+        args.model,
+        list(dict.fromkeys(tasks)),
+        args.lrs,
+        args.seeds,
+        protocol=args.protocol,
+        task_files=args.task_file,
+        progress=not args.no_progress,
+        save_model=args.save_models,
+        **flags,
+    )
     if args.show_inputs:
         for cfg in {(c.model, c.task): c for c in cfgs}.values():
             print(show_inputs(cfg, args.show_inputs))
@@ -122,6 +180,8 @@ def run(args) -> int:
         except ValueError:
             raise UsageError("SLURM_ARRAY_TASK_ID is not an integer") from None
     summary = run_grid(cfgs, args.out, workers=args.workers, array_index=index)
-    print(f"evaluate: ran {summary['ran']}, skipped {summary['skipped']}, "
-          f"failed {summary['failed']} -> {args.out}")
+    print(
+        f"evaluate: ran {summary['ran']}, skipped {summary['skipped']}, "
+        f"failed {summary['failed']} -> {args.out}"
+    )
     return 1 if summary["failed"] else 0

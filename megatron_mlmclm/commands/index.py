@@ -9,15 +9,23 @@ from megatron_mlmclm.errors import UsageError
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--data-prefix", nargs="+", required=True, metavar="[WEIGHT] PREFIX",
-                        help="shard prefixes (no .bin/.idx), optionally as 'weight prefix' pairs")
+    parser.add_argument(
+        "--data-prefix",
+        nargs="+",
+        required=True,
+        metavar="[WEIGHT] PREFIX",
+        help="shard prefixes (no .bin/.idx), optionally as 'weight prefix' pairs",
+    )
     parser.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--num-samples", type=int, help="samples in the (blended) index")
     size.add_argument("--epochs", type=int, help="epochs over each prefix (no blending)")
     parser.add_argument("--seed", type=int, default=1234, help="shuffle seed (default 1234)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="index cache directory (default: <first prefix dir>/cache)")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="index cache directory (default: <first prefix dir>/cache)",
+    )
 
 
 def run(args) -> int:
@@ -34,14 +42,22 @@ def run(args) -> int:
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     cache_dir = args.cache_dir or str(Path(prefixes[0]).resolve().parent / "cache")
-    for prefix, w, index, seconds in index_shards(prefixes, weights, args.seq_length, args.seed,
-                                                  num_samples=args.num_samples,
-                                                  num_epochs=args.epochs, cache_dir=cache_dir):
+    for prefix, w, index, seconds in index_shards(
+        prefixes,
+        weights,
+        args.seq_length,
+        args.seed,
+        num_samples=args.num_samples,
+        num_epochs=args.epochs,
+        cache_dir=cache_dir,
+    ):
         per_sample = index.boundary_offsets.shape[0] / max(index.num_packed, 1)
         how = "cache hit" if index.from_cache else "built"
-        print(f"{prefix}: weight {w:.4f}, {index.num_samples} samples of {args.seq_length}+1 "
-              f"tokens (drawn from {index.num_packed} packed, shuffled), {index.num_epochs} "
-              f"epoch(s), {index.num_documents} documents, "
-              f"{index.tokens_per_epoch} tokens/epoch, {per_sample:.2f} boundaries/sample, "
-              f"{how} in {seconds:.2f}s, cache {index.cache_path}")
+        print(
+            f"{prefix}: weight {w:.4f}, {index.num_samples} samples of {args.seq_length}+1 "
+            f"tokens (drawn from {index.num_packed} packed, shuffled), {index.num_epochs} "
+            f"epoch(s), {index.num_documents} documents, "
+            f"{index.tokens_per_epoch} tokens/epoch, {per_sample:.2f} boundaries/sample, "
+            f"{how} in {seconds:.2f}s, cache {index.cache_path}"
+        )
     return 0

@@ -22,54 +22,113 @@ def add_arguments(p) -> None:
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     g = p.add_argument_group("grid (defaults: the study, docs/study.md)")
     g.add_argument("--sizes", nargs="*", default=d.sizes)
-    g.add_argument("--budgets", nargs="*", type=int, default=d.budgets,
-                   help="train.steps of the from-scratch runs")
+    g.add_argument(
+        "--budgets",
+        nargs="*",
+        type=int,
+        default=d.budgets,
+        help="train.steps of the from-scratch runs",
+    )
     g.add_argument("--objectives", nargs="*", default=d.objectives)
     g.add_argument("--mask-ratios", nargs="*", type=float, default=d.mask_ratios)
-    g.add_argument("--clm-shares", nargs="*", type=float, default=d.clm_shares,
-                   help="CLM share of the budget in CLM -> MLM runs (empty: none)")
+    g.add_argument(
+        "--clm-shares",
+        nargs="*",
+        type=float,
+        default=d.clm_shares,
+        help="CLM share of the budget in CLM -> MLM runs (empty: none)",
+    )
     g.add_argument("--split-size", default=d.split_size, help="size of the CLM -> MLM runs")
     g.add_argument("--split-mask-ratio", type=float, default=d.split_mask_ratio)
-    g.add_argument("--cpt-steps", nargs="*", type=int, default=d.cpt_steps,
-                   help="MLM steps added by continued pretraining (empty: none)")
-    g.add_argument("--cpt-size", default=d.cpt_size,
-                   help="size of the CPT runs (default --split-size)")
-    g.add_argument("--cpt-budget", type=int, default=d.cpt_budget,
-                   help="budget of the decayed source runs (default: the largest --budgets)")
-    g.add_argument("--cpt-from", nargs="*", default=d.cpt_from,
-                   help="source objectives of CPT runs (mlm sources use --cpt-mask-ratio)")
+    g.add_argument(
+        "--cpt-steps",
+        nargs="*",
+        type=int,
+        default=d.cpt_steps,
+        help="MLM steps added by continued pretraining (empty: none)",
+    )
+    g.add_argument(
+        "--cpt-size", default=d.cpt_size, help="size of the CPT runs (default --split-size)"
+    )
+    g.add_argument(
+        "--cpt-budget",
+        type=int,
+        default=d.cpt_budget,
+        help="budget of the decayed source runs (default: the largest --budgets)",
+    )
+    g.add_argument(
+        "--cpt-from",
+        nargs="*",
+        default=d.cpt_from,
+        help="source objectives of CPT runs (mlm sources use --cpt-mask-ratio)",
+    )
     g.add_argument("--cpt-mask-ratio", type=float, default=d.cpt_mask_ratio)
-    g.add_argument("--cpt-warmup-steps", type=int, default=d.cpt_warmup_steps,
-                   help="warmup of a CPT run (its decay is min(2000, steps - warmup))")
-    g.add_argument("--no-branches", dest="branches", action="store_false",
-                   help="train every budget from scratch instead of the smaller single-objective "
-                        "budgets as decay branches of the largest")
+    g.add_argument(
+        "--cpt-warmup-steps",
+        type=int,
+        default=d.cpt_warmup_steps,
+        help="warmup of a CPT run (its decay is min(2000, steps - warmup))",
+    )
+    g.add_argument(
+        "--no-branches",
+        dest="branches",
+        action="store_false",
+        help="train every budget from scratch instead of the smaller single-objective "
+        "budgets as decay branches of the largest",
+    )
     r = p.add_argument_group("data and outputs")
-    r.add_argument("--data", nargs="*", default=d.data,
-                   help="data.train prefixes (optionally with blend weights)")
+    r.add_argument(
+        "--data",
+        nargs="*",
+        default=d.data,
+        help="data.train prefixes (optionally with blend weights)",
+    )
     r.add_argument("--valid", nargs="*", default=d.valid, help="data.valid prefixes")
     r.add_argument("--tokenizer", default=d.tokenizer, help="data.tokenizer folder")
     r.add_argument("--runs-dir", default=d.runs_dir, help="where runs write (default OUT/runs)")
     r.add_argument("--hf-dir", default=d.hf_dir, help="where exports go (default OUT/hf)")
-    r.add_argument("--results-dir", default=d.results_dir,
-                   help="evaluation results (default OUT/results)")
+    r.add_argument(
+        "--results-dir", default=d.results_dir, help="evaluation results (default OUT/results)"
+    )
     r.add_argument("--eval-tasks", nargs="*", default=d.eval_tasks)
-    r.add_argument("--eval-lrs", nargs="*", type=float, default=d.eval_lrs,
-                   help=f"fine-tuning learning rates (default: evaluate's {EVAL_LRS})")
-    r.add_argument("--eval-seeds", nargs="*", type=int, default=d.eval_seeds,
-                   help=f"fine-tuning seeds (default: evaluate's {EVAL_SEEDS})")
-    r.add_argument("--save-interval", type=int, default=d.save_interval,
-                   help="checkpoint.save_interval")
+    r.add_argument(
+        "--eval-lrs",
+        nargs="*",
+        type=float,
+        default=d.eval_lrs,
+        help=f"fine-tuning learning rates (default: evaluate's {EVAL_LRS})",
+    )
+    r.add_argument(
+        "--eval-seeds",
+        nargs="*",
+        type=int,
+        default=d.eval_seeds,
+        help=f"fine-tuning seeds (default: evaluate's {EVAL_SEEDS})",
+    )
+    r.add_argument(
+        "--save-interval", type=int, default=d.save_interval, help="checkpoint.save_interval"
+    )
     c = p.add_argument_group("cluster and compute estimate")
-    c.add_argument("--throughput-tokens-per-gpu-s", "--throughput", dest="throughput", nargs="*",
-                   default=d.throughput, metavar="SIZE=N",
-                   help="CLM tokens/s per GPU per size; other objectives at the same FLOP rate "
-                        "(defaults: " + ", ".join(
-                       f"{k}={v:,.0f}" for k, v in DEFAULT_THROUGHPUT.items()) + ")")
+    c.add_argument(
+        "--throughput-tokens-per-gpu-s",
+        "--throughput",
+        dest="throughput",
+        nargs="*",
+        default=d.throughput,
+        metavar="SIZE=N",
+        help="CLM tokens/s per GPU per size; other objectives at the same FLOP rate "
+        "(defaults: " + ", ".join(f"{k}={v:,.0f}" for k, v in DEFAULT_THROUGHPUT.items()) + ")",
+    )
     c.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    c.add_argument("--nodes", nargs="*", default=d.nodes, metavar="N|SIZE=N",
-                   help="nodes per run: one number for every size or SIZE=N (defaults: " +
-                        ", ".join(f"{k}={v['nodes']}" for k, v in LAYOUTS.items()) + ")")
+    c.add_argument(
+        "--nodes",
+        nargs="*",
+        default=d.nodes,
+        metavar="N|SIZE=N",
+        help="nodes per run: one number for every size or SIZE=N (defaults: "
+        + ", ".join(f"{k}={v['nodes']}" for k, v in LAYOUTS.items())
+        + ")",
+    )
 
 
 def run(args) -> int:
@@ -77,8 +136,10 @@ def run(args) -> int:
     options = PlanOptions(**{f.name: getattr(args, f.name) for f in fields})
     totals = write_plan(args.out, options, force=args.force)
     out = args.out
-    print(f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
-          f"{totals['gpu_hours']:,.0f} GPU-hours at the stated throughput "
-          f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch) -> {out}")
+    print(
+        f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
+        f"{totals['gpu_hours']:,.0f} GPU-hours at the stated throughput "
+        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch) -> {out}"
+    )
     print(f"  {out}/SUMMARY.md, {out}/submit_slurm.sh, {out}/jobs/<run>.sh, {out}/configs/")
     return 0

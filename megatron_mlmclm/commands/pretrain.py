@@ -1,7 +1,7 @@
 """`mlmclm pretrain CONFIG [key.sub=value ...]`: one command on CPU (gloo) and GPU (NCCL).
 
-    mlmclm pretrain examples/configs/tiny.yaml train.steps=20
-    torchrun --nproc_per_node 4 -m megatron_mlmclm pretrain cfg.yaml parallel.tensor_model_parallel_size=2
+mlmclm pretrain examples/configs/tiny.yaml train.steps=20
+torchrun --nproc_per_node 4 -m megatron_mlmclm pretrain cfg.yaml parallel.tensor_model_parallel_size=2
 """
 
 from __future__ import annotations
@@ -14,16 +14,27 @@ from megatron_mlmclm.errors import UsageError
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", nargs="?", help="YAML run config (defaults when omitted)")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                        help="override config values, e.g. train.steps=50 phases.0.mask_ratio=0.3")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="validate the config, print it resolved with its kernel plan "
-                             "(runtime.device=cuda plans a GPU run here) and each phase's steps, "
-                             "tokens and FLOPs, and exit")
-    parser.add_argument("--stop-at", type=int, metavar="STEP",
-                        help="train up to step STEP, save a checkpoint there and exit 0; running "
-                             "again without it continues the run (a job that ends where a decay "
-                             "branch starts)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key.sub=value",
+        help="override config values, e.g. train.steps=50 phases.0.mask_ratio=0.3",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config, print it resolved with its kernel plan "
+        "(runtime.device=cuda plans a GPU run here) and each phase's steps, "
+        "tokens and FLOPs, and exit",
+    )
+    parser.add_argument(
+        "--stop-at",
+        type=int,
+        metavar="STEP",
+        help="train up to step STEP, save a checkpoint there and exit 0; running "
+        "again without it continues the run (a job that ends where a decay "
+        "branch starts)",
+    )
 
 
 def run(args) -> int:
@@ -32,8 +43,9 @@ def run(args) -> int:
         config, overrides = None, [config] + overrides
     cfg = load_config(config, overrides)
     if args.stop_at is not None and not 1 <= args.stop_at <= cfg.train.steps:
-        raise UsageError(f"--stop-at {args.stop_at} is outside this run's steps 1-"
-                         f"{cfg.train.steps}")
+        raise UsageError(
+            f"--stop-at {args.stop_at} is outside this run's steps 1-{cfg.train.steps}"
+        )
     if args.dry_run:
         # The kernel plan as YAML comments, so the output still loads back as the run's config.
         from megatron_mlmclm.model.kernels import plan_kernels, resolve_device  # imports torch

@@ -7,11 +7,16 @@ from megatron_mlmclm.errors import UsageError
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--out", default="out/quickstart", help="output folder (default %(default)s)")
-    parser.add_argument("--data-dir", default=None,
-                        help="folder with gutenberg_en/, sst2/, conll2003/ (default: "
-                             "$MLMCLM_DATA_DIR, else ../shared/data, else the Hugging Face hub "
-                             "when `datasets` is installed)")
+    parser.add_argument(
+        "--out", default="out/quickstart", help="output folder (default %(default)s)"
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder with gutenberg_en/, sst2/, conll2003/ (default: "
+        "$MLMCLM_DATA_DIR, else ../shared/data, else the Hugging Face hub "
+        "when `datasets` is installed)",
+    )
     parser.add_argument("--steps", type=int, default=200, help="pretraining steps per model")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--tasks", nargs="+", default=["sst2", "conll2003"])
@@ -27,7 +32,15 @@ def run(args) -> int:
     # Imported here: megatron-core and transformers would slow `mlmclm quickstart --help`.
     from megatron_mlmclm.quickstart import run_quickstart
 
-    run_quickstart(args.out, data_folder=args.data_dir, steps=args.steps,
-                   vocab_size=args.vocab_size, tasks=args.tasks, lrs=args.lrs, seeds=args.seeds,
-                   finetune_steps=args.finetune_steps, workers=args.workers)
+    run_quickstart(
+        args.out,
+        data_folder=args.data_dir,
+        steps=args.steps,
+        vocab_size=args.vocab_size,
+        tasks=args.tasks,
+        lrs=args.lrs,
+        seeds=args.seeds,
+        finetune_steps=args.finetune_steps,
+        workers=args.workers,
+    )
     return 0

@@ -44,13 +44,16 @@ def resolve_source_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint folder, or a run's checkpoints folder, checked to be complete."""
     p = Path(path)
     if not p.exists():
-        raise UsageError(f"checkpoint {p} does not exist; give a run's checkpoints folder or one "
-                         "iter_NNNNNNN folder")
+        raise UsageError(
+            f"checkpoint {p} does not exist; give a run's checkpoints folder or one "
+            "iter_NNNNNNN folder"
+        )
     ckpt = resolve_checkpoint(p)
     for name in ("metadata.json", "common.pt"):
         if not (ckpt / name).is_file():
-            raise UsageError(f"checkpoint {ckpt} is incomplete (no {name}); use a complete "
-                             "iter_NNNNNNN folder")
+            raise UsageError(
+                f"checkpoint {ckpt} is incomplete (no {name}); use a complete iter_NNNNNNN folder"
+            )
     if not any(ckpt.glob("*.distcp")):
         raise UsageError(f"checkpoint {ckpt} is incomplete (no .distcp shard files)")
     return ckpt
@@ -65,11 +68,14 @@ def read_common(ckpt: Path) -> dict[str, Any]:
     except UsageError:
         raise
     except Exception as e:
-        raise UsageError(f"cannot read {ckpt / 'common.pt'}: {type(e).__name__}: "
-                         f"{_first_line(e)}") from None
+        raise UsageError(
+            f"cannot read {ckpt / 'common.pt'}: {type(e).__name__}: {_first_line(e)}"
+        ) from None
     if "config" not in common["trainer"]:
-        raise UsageError(f"{ckpt} has no run config in its trainer state; it was not written by "
-                         "mlmclm pretrain or convert")
+        raise UsageError(
+            f"{ckpt} has no run config in its trainer state; it was not written by "
+            "mlmclm pretrain or convert"
+        )
     return common["trainer"]
 
 
@@ -77,20 +83,28 @@ def read_global_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a dist checkpoint as a global float32 tensor (any TP/PP layout)."""
     try:
         meta = FileSystemReader(str(ckpt)).read_metadata()
-        state = {k: torch.empty(v.size, dtype=v.properties.dtype)
-                 for k, v in meta.state_dict_metadata.items()
-                 if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.")
-                 and "_extra_state" not in k and not k.startswith("rng_state")}
+        state = {
+            k: torch.empty(v.size, dtype=v.properties.dtype)
+            for k, v in meta.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+            and not k.startswith("optimizer.")
+            and "_extra_state" not in k
+            and not k.startswith("rng_state")
+        }
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(state, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
     except (Exception, dcp.api.CheckpointException) as e:  # truncated/missing shards, bad metadata
-        raise UsageError(f"cannot read checkpoint {ckpt} (partial or corrupt?): "
-                         f"{type(e).__name__}: {_first_line(e)}") from None
+        raise UsageError(
+            f"cannot read checkpoint {ckpt} (partial or corrupt?): "
+            f"{type(e).__name__}: {_first_line(e)}"
+        ) from None
     out = {k: v.float() for k, v in state.items()}
     for k, v in out.items():
         if not torch.isfinite(v).all():
-            raise UsageError(f"checkpoint {ckpt} holds non-finite values in {k}; refusing to export")
+            raise UsageError(
+                f"checkpoint {ckpt} holds non-finite values in {k}; refusing to export"
+            )
     return out
 
 
@@ -112,8 +126,9 @@ def run_config_from_dict(raw: dict[str, Any], mock: bool = True):
     for ph in raw.get("phases") or []:
         if isinstance(ph, dict) and ph.get("steps") is not None:
             ph.update(share=None, tokens=None, flops=None, data=None)
-    raw.setdefault("train", {}).update(precision="fp32", fp8=None, recompute=None, tokens=None,
-                                       flops=None)
+    raw.setdefault("train", {}).update(
+        precision="fp32", fp8=None, recompute=None, tokens=None, flops=None
+    )
     raw.setdefault("data", {})["mock"] = mock
     if mock:  # only the model is needed: the run's shards would contradict mock data
         raw["data"].update(train=[], valid=[])
@@ -131,8 +146,10 @@ def init_single_process(seed: int = 1234) -> None:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if (tp, pp) != (1, 1):
-            raise UsageError(f"convert runs at TP1/PP1 in one process, but this process already "
-                             f"has TP{tp}/PP{pp}; run it without torchrun")
+            raise UsageError(
+                f"convert runs at TP1/PP1 in one process, but this process already "
+                f"has TP{tp}/PP{pp}; run it without torchrun"
+            )
     init_distributed(1, 1, None, seed)
 
 
@@ -179,15 +196,18 @@ def load_global_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
     wanted = {key for key, _ in mapping.values()}
     missing, extra = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
     if missing or extra:
-        raise UsageError(f"weights do not match the model: missing {missing[:3]}, "
-                         f"unexpected {extra[:3]}")
+        raise UsageError(
+            f"weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
     state = model.state_dict()
     new = {}
     for name, (key, layer) in mapping.items():
         src = tensors[key] if layer is None else tensors[key][layer]
         if tuple(src.shape) != tuple(state[name].shape):
-            raise UsageError(f"weight {key} has shape {tuple(src.shape)}, the model expects "
-                             f"{tuple(state[name].shape)}")
+            raise UsageError(
+                f"weight {key} has shape {tuple(src.shape)}, the model expects "
+                f"{tuple(state[name].shape)}"
+            )
         new[name] = src.to(dtype=state[name].dtype, device=state[name].device)
     model.load_state_dict(new, strict=False)
 
@@ -212,7 +232,9 @@ def check_output(out: Path, force: bool) -> None:
     if out.exists() and not force:
         raise UsageError(f"output {out} exists; choose another path or pass --force to replace it")
     if out.exists() and not out.is_dir():
-        raise UsageError(f"output {out} exists and is not a folder; remove it or choose another path")
+        raise UsageError(
+            f"output {out} exists and is not a folder; remove it or choose another path"
+        )
 
 
 @contextlib.contextmanager
@@ -255,8 +277,14 @@ def continued_mlm_config(out: Path, fields: dict[str, Any], seed: int) -> tuple[
     return raw, cfg
 
 
-def save_imported_checkpoint(ckpt_dir: Path, cfg: RunConfig, tensors: dict[str, torch.Tensor],
-                             source: dict[str, Any], vocab: int, seed: int):
+def save_imported_checkpoint(
+    ckpt_dir: Path,
+    cfg: RunConfig,
+    tensors: dict[str, torch.Tensor],
+    source: dict[str, Any],
+    vocab: int,
+    seed: int,
+):
     """Build our model for `cfg`, load the converted global `tensors` (one line if their keys are
     not our trunk's) and save it as step 0 with the import's provenance.
 
@@ -267,7 +295,13 @@ def save_imported_checkpoint(ckpt_dir: Path, cfg: RunConfig, tensors: dict[str, 
     load_global_tensors(model, tensors)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        saved = save_checkpoint(ckpt_dir, 0, [model], None, None,
-                                {"config": to_dict(cfg), "source": source, "consumed_samples": 0},
-                                keep_last=1)
+        saved = save_checkpoint(
+            ckpt_dir,
+            0,
+            [model],
+            None,
+            None,
+            {"config": to_dict(cfg), "source": source, "consumed_samples": 0},
+            keep_last=1,
+        )
     return build_cfg, saved

@@ -29,11 +29,20 @@ from typing import Any, Optional
 import transformers
 from safetensors.torch import save_file
 
-from megatron_mlmclm.checkpoint import checkpoint_iteration, complete_checkpoints, resolve_checkpoint
+from megatron_mlmclm.checkpoint import (
+    checkpoint_iteration,
+    complete_checkpoints,
+    resolve_checkpoint,
+)
 from megatron_mlmclm.config import final_model, tokens_at_step
 from megatron_mlmclm.convert import common, mapping
-from megatron_mlmclm.convert.verify import (SEQ, Verification, load_hf, megatron_from_checkpoint,
-                                            verify_pair)
+from megatron_mlmclm.convert.verify import (
+    SEQ,
+    Verification,
+    load_hf,
+    megatron_from_checkpoint,
+    verify_pair,
+)
 from megatron_mlmclm.data.tokenizer import load_tokenizer, special_token_ids, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import padded_vocab_size
@@ -74,8 +83,9 @@ def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> Optional[
     return None
 
 
-def resolve_arch(arch: Optional[str], causal_lm: bool, qk_norm: bool,
-                 source: Optional[dict[str, Any]]) -> str:
+def resolve_arch(
+    arch: Optional[str], causal_lm: bool, qk_norm: bool, source: Optional[dict[str, Any]]
+) -> str:
     if arch is None:
         family = (source or {}).get("family")
         arch = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}.get(family)
@@ -86,16 +96,26 @@ def resolve_arch(arch: Optional[str], causal_lm: bool, qk_norm: bool,
     if causal_lm and arch == "eurobert":
         raise UsageError("--causal-lm writes a decoder; use --arch llama (or qwen3 with qk-norm)")
     if qk_norm and arch != "qwen3":
-        raise UsageError(f"this checkpoint has qk-norm (model.qk_layernorm=true), which {arch} "
-                         "lacks; export with --arch qwen3")
+        raise UsageError(
+            f"this checkpoint has qk-norm (model.qk_layernorm=true), which {arch} "
+            "lacks; export with --arch qwen3"
+        )
     if arch == "qwen3" and not qk_norm:
-        raise UsageError("--arch qwen3 needs qk-norm, which this checkpoint lacks; use --arch "
-                         "eurobert or llama")
+        raise UsageError(
+            "--arch qwen3 needs qk-norm, which this checkpoint lacks; use --arch eurobert or llama"
+        )
     return arch
 
 
-def hf_config(arch: str, m, vocab_size: int, ids: dict[str, Optional[int]], causal_lm: bool,
-              max_positions: int, clf_pooling: str):
+def hf_config(
+    arch: str,
+    m,
+    vocab_size: int,
+    ids: dict[str, Optional[int]],
+    causal_lm: bool,
+    max_positions: int,
+    clf_pooling: str,
+):
     """The transformers config object for `arch` from a ModelConfig (CONFIG_FIELDS, reversed)."""
     kw: dict[str, Any] = {hf: getattr(m, ours) for hf, ours in mapping.CONFIG_FIELDS}
     kw.update(
@@ -109,16 +129,21 @@ def hf_config(arch: str, m, vocab_size: int, ids: dict[str, Optional[int]], caus
         pad_token_id=ids.get("pad_id"),
     )
     if arch == "eurobert":
-        return transformers.EuroBertConfig(**kw, mlp_bias=False, mask_token_id=ids["mask_id"],
-                                           classifier_pooling=clf_pooling,
-                                           architectures=["EuroBertForMaskedLM"])
+        return transformers.EuroBertConfig(
+            **kw,
+            mlp_bias=False,
+            mask_token_id=ids["mask_id"],
+            classifier_pooling=clf_pooling,
+            architectures=["EuroBertForMaskedLM"],
+        )
     if arch == "llama":
         head = "LlamaForCausalLM"
         cfg = transformers.LlamaConfig(**kw, mlp_bias=False, architectures=[head])
     else:
         head = "Qwen3ForCausalLM"
-        cfg = transformers.Qwen3Config(**kw, use_sliding_window=False, sliding_window=None,
-                                       architectures=[head])
+        cfg = transformers.Qwen3Config(
+            **kw, use_sliding_window=False, sliding_window=None, architectures=[head]
+        )
     cfg.is_causal = bool(causal_lm)
     if ids.get("mask_id") is not None:
         cfg.mask_token_id = ids["mask_id"]
@@ -132,9 +157,13 @@ def rope_parameters(m) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(int(m.rotary_base))}
     r = m.rope_scaling
     if r is not None:
-        rope.update(rope_type=r.type, factor=r.factor, low_freq_factor=r.low_freq_factor,
-                    high_freq_factor=r.high_freq_factor,
-                    original_max_position_embeddings=r.original_max_position_embeddings)
+        rope.update(
+            rope_type=r.type,
+            factor=r.factor,
+            low_freq_factor=r.low_freq_factor,
+            high_freq_factor=r.high_freq_factor,
+            original_max_position_embeddings=r.original_max_position_embeddings,
+        )
     return rope
 
 
@@ -153,9 +182,16 @@ def auto_class(arch: str) -> str:
     return "AutoModelForMaskedLM" if arch == "eurobert" else "AutoModelForCausalLM"
 
 
-def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
-          tokenizer: Optional[str] = None, force: bool = False, clf_pooling: str = "late",
-          verbose: bool = True) -> ExportResult:
+def to_hf(
+    checkpoint,
+    out,
+    arch: Optional[str] = None,
+    causal_lm: bool = False,
+    tokenizer: Optional[str] = None,
+    force: bool = False,
+    clf_pooling: str = "late",
+    verbose: bool = True,
+) -> ExportResult:
     """Export a megatron checkpoint to a verified Hugging Face folder at `out`."""
     out = Path(out).absolute()
     common.check_output(out, force)
@@ -168,13 +204,17 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
 
     tok_dir = tokenizer or cfg.data.tokenizer
     if tok_dir is None:
-        raise UsageError(f"checkpoint {ckpt} was trained without a tokenizer (mock data); pass "
-                         "--tokenizer DIR (a folder written by `mlmclm tokenize`)")
+        raise UsageError(
+            f"checkpoint {ckpt} was trained without a tokenizer (mock data); pass "
+            "--tokenizer DIR (a folder written by `mlmclm tokenize`)"
+        )
     tok = load_tokenizer(tok_dir)
     vocab = trained_vocab_size(cfg, tok, verbose)
     if len(tok) > vocab:
-        raise UsageError(f"tokenizer {tok_dir} has {len(tok)} tokens but the model's vocabulary "
-                         f"is {vocab}; pass the tokenizer the checkpoint was trained with")
+        raise UsageError(
+            f"tokenizer {tok_dir} has {len(tok)} tokens but the model's vocabulary "
+            f"is {vocab}; pass the tokenizer the checkpoint was trained with"
+        )
     ids = special_token_ids(tok)
 
     source = find_source(ckpt, trainer)
@@ -184,23 +224,38 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
     emb = tensors.get("embedding.word_embeddings.weight")
     padded = padded_vocab_size(vocab, 1)
     if emb is None or emb.shape[0] < vocab:
-        raise UsageError(f"checkpoint {ckpt} does not match its config: embedding "
-                         f"{None if emb is None else tuple(emb.shape)} for a vocabulary of {vocab}")
-    dims = mapping.Dims(num_layers=m.num_layers, num_heads=m.num_attention_heads,
-                        num_groups=m.num_query_groups, head_dim=m.kv_channels, vocab_size=vocab,
-                        padded_vocab_size=max(padded, emb.shape[0]), tied=m.tie_embeddings,
-                        qk_norm=m.qk_layernorm)
+        raise UsageError(
+            f"checkpoint {ckpt} does not match its config: embedding "
+            f"{None if emb is None else tuple(emb.shape)} for a vocabulary of {vocab}"
+        )
+    dims = mapping.Dims(
+        num_layers=m.num_layers,
+        num_heads=m.num_attention_heads,
+        num_groups=m.num_query_groups,
+        head_dim=m.kv_channels,
+        vocab_size=vocab,
+        padded_vocab_size=max(padded, emb.shape[0]),
+        tied=m.tie_embeddings,
+        qk_norm=m.qk_layernorm,
+    )
     state = mapping.megatron_to_hf(tensors, family, dims)
-    max_pos = int((source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length)
+    max_pos = int(
+        (source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length
+    )
     r = m.rope_scaling
     if r is not None and max_pos <= r.original_max_position_embeddings:
         max_pos = int(r.original_max_position_embeddings * r.factor)  # the context it scales to
     hf_cfg = hf_config(arch, m, vocab, ids, causal_lm, max_pos, clf_pooling)
     if verbose:
-        if arch != "eurobert" and arch == resolve_arch(None, causal_lm, m.qk_layernorm, source) \
-                and not causal_lm:
-            print(f"note: exporting as {arch} (the source family, is_causal=false); "
-                  "--arch eurobert gives the EuroBERT classes (AutoModelForMaskedLM)")
+        if (
+            arch != "eurobert"
+            and arch == resolve_arch(None, causal_lm, m.qk_layernorm, source)
+            and not causal_lm
+        ):
+            print(
+                f"note: exporting as {arch} (the source family, is_causal=false); "
+                "--arch eurobert gives the EuroBERT classes (AutoModelForMaskedLM)"
+            )
         if not causal_lm and cfg.phases and cfg.phases[-1].objective == "clm":
             print("note: the last phase of this run was CLM; --causal-lm exports it for generation")
 
@@ -210,18 +265,31 @@ def to_hf(checkpoint, out, arch: Optional[str] = None, causal_lm: bool = False,
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(str(tmp))
         ver = _verify(ckpt, cfg, vocab, tmp, arch, causal_lm)
-        (tmp / EXPORT_FILE).write_text(json.dumps({
-            "checkpoint": str(ckpt), "iteration": trainer.get("iteration"),
-            **pretraining_record(cfg, trainer.get("iteration")), "arch": arch,
-            "causal_lm": causal_lm, "saved_layout": trainer.get("layout"),
-            "source": source, "verification": ver.__dict__,
-        }, indent=2, default=str) + "\n")
+        (tmp / EXPORT_FILE).write_text(
+            json.dumps(
+                {
+                    "checkpoint": str(ckpt),
+                    "iteration": trainer.get("iteration"),
+                    **pretraining_record(cfg, trainer.get("iteration")),
+                    "arch": arch,
+                    "causal_lm": causal_lm,
+                    "saved_layout": trainer.get("layout"),
+                    "source": source,
+                    "verification": ver.__dict__,
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
     result = ExportResult(out, arch, causal_lm, vocab, ckpt, ver)
     if verbose:
         kind = "causal LM" if causal_lm else "bidirectional encoder"
         print(f"{result.verification.line()}")
-        print(f"exported {ckpt} (saved at {_layout_text(trainer.get('layout'))}) to {out}: "
-              f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers")
+        print(
+            f"exported {ckpt} (saved at {_layout_text(trainer.get('layout'))}) to {out}: "
+            f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers"
+        )
     return result
 
 
@@ -230,12 +298,19 @@ def pretraining_record(cfg, iteration: Optional[int]) -> dict[str, Any]:
     curve belongs to (a decay branch's stable source, else itself), its objectives in phase order
     and the tokens read so far (a branch counts its source's steps, which it shares; a continued
     run only its own)."""
-    lineage = (Path(cfg.train.branch_from).parents[1].name if cfg.train.branch_from
-               else Path(cfg.output_dir).name)
+    lineage = (
+        Path(cfg.train.branch_from).parents[1].name
+        if cfg.train.branch_from
+        else Path(cfg.output_dir).name
+    )
     tokens = tokens_at_step(cfg, int(iteration)) if iteration is not None else None
     objective = " -> ".join(k for k, _ in groupby(ph.objective for ph in cfg.phases))
-    return {"run": cfg.name, "lineage": lineage, "objective": objective,
-            "pretraining_tokens": tokens}
+    return {
+        "run": cfg.name,
+        "lineage": lineage,
+        "objective": objective,
+        "pretraining_tokens": tokens,
+    }
 
 
 def export_name(tokens: int, iteration: int) -> str:
@@ -246,20 +321,25 @@ def export_name(tokens: int, iteration: int) -> str:
     return f"step{iteration:07d}-tokens{tokens}"
 
 
-def to_hf_many(ckpt_dir, out, steps: Optional[list[int]] = None, force: bool = False,
-               **options) -> list[ExportResult]:
+def to_hf_many(
+    ckpt_dir, out, steps: Optional[list[int]] = None, force: bool = False, **options
+) -> list[ExportResult]:
     """Export several checkpoints of a run's checkpoints folder into OUT/step<N>-tokens<T>/: the
     `steps` given (None: every complete checkpoint). Every checkpoint and target is checked before
     the first export; each export is verified as to_hf's."""
     ckpt_dir = Path(ckpt_dir)
     found = {checkpoint_iteration(c): c for c in complete_checkpoints(ckpt_dir)}
     if not found:
-        raise UsageError(f"{ckpt_dir} holds no complete checkpoint (iter_NNNNNNN folders); give a "
-                         "run's checkpoints folder")
+        raise UsageError(
+            f"{ckpt_dir} holds no complete checkpoint (iter_NNNNNNN folders); give a "
+            "run's checkpoints folder"
+        )
     missing = sorted(set(steps or []) - set(found))
     if missing:
-        raise UsageError(f"{ckpt_dir} holds no complete checkpoint of step {missing[0]}; it has "
-                         f"{', '.join(map(str, sorted(found)))}")
+        raise UsageError(
+            f"{ckpt_dir} holds no complete checkpoint of step {missing[0]}; it has "
+            f"{', '.join(map(str, sorted(found)))}"
+        )
     picked = [found[s] for s in sorted(set(steps) if steps else found)]
     out = Path(out).absolute()
     targets = []
@@ -279,16 +359,24 @@ def trained_vocab_size(cfg, tok, verbose: bool) -> int:
         return token_spec_and_vocab(cfg).vocab_size
     except UsageError:  # the run's tokenizer folder is gone: trust the one given
         if verbose:
-            print(f"note: the run's tokenizer {cfg.data.tokenizer} is not readable; taking the "
-                  f"vocabulary size ({len(tok)}) from --tokenizer")
+            print(
+                f"note: the run's tokenizer {cfg.data.tokenizer} is not readable; taking the "
+                f"vocabulary size ({len(tok)}) from --tokenizer"
+            )
         return cfg.model.vocab_size or len(tok)
 
 
 def _verify(ckpt: Path, cfg, vocab: int, folder: Path, arch: str, causal_lm: bool) -> Verification:
     megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
     hf_model = load_hf(folder, auto_class(arch))
-    return verify_pair(megatron_model, hf_model, vocab, causal=causal_lm,
-                       seq=min(SEQ, cfg.model.seq_length), against=type(hf_model).__name__)
+    return verify_pair(
+        megatron_model,
+        hf_model,
+        vocab,
+        causal=causal_lm,
+        seq=min(SEQ, cfg.model.seq_length),
+        against=type(hf_model).__name__,
+    )
 
 
 def _layout_text(layout: Optional[dict]) -> str:

@@ -33,8 +33,13 @@ from transformers import AutoConfig, AutoTokenizer
 from megatron_mlmclm.checkpoint import iter_name
 from megatron_mlmclm.config import RopeScalingConfig, validate_rope_scaling
 from megatron_mlmclm.convert import common, mapping
-from megatron_mlmclm.convert.verify import (SEQ, Verification, load_hf, megatron_from_checkpoint,
-                                            verify_pair)
+from megatron_mlmclm.convert.verify import (
+    SEQ,
+    Verification,
+    load_hf,
+    megatron_from_checkpoint,
+    verify_pair,
+)
 from megatron_mlmclm.data.tokenizer import prepare_tokenizer
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import padded_vocab_size
@@ -62,11 +67,14 @@ def read_hf_config(hf_dir: Path):
         raise UsageError(f"{hf_dir / 'config.json'} is not valid JSON: {e}") from None
     model_type = raw.get("model_type")
     if _is_moe(raw):
-        raise UsageError(f"{hf_dir} is a mixture-of-experts model ({model_type}); MoE is not "
-                         f"supported (supported: {', '.join(FAMILIES)})")
+        raise UsageError(
+            f"{hf_dir} is a mixture-of-experts model ({model_type}); MoE is not "
+            f"supported (supported: {', '.join(FAMILIES)})"
+        )
     if model_type not in FAMILIES:
-        raise UsageError(f"unknown architecture '{model_type}' in {hf_dir}; supported: "
-                         f"{', '.join(FAMILIES)}")
+        raise UsageError(
+            f"unknown architecture '{model_type}' in {hf_dir}; supported: {', '.join(FAMILIES)}"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -79,21 +87,28 @@ def read_hf_config(hf_dir: Path):
 def _is_moe(raw: dict[str, Any]) -> bool:
     if "moe" in str(raw.get("model_type", "")) or raw.get("model_type") in ("mixtral", "dbrx"):
         return True
-    return any((raw.get(k) or 0) > 1 for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return any(
+        (raw.get(k) or 0) > 1 for k in ("num_local_experts", "num_experts", "n_routed_experts")
+    )
 
 
 def check_supported(cfg, hf_dir: Path) -> None:
     """One line for the first feature this converter cannot carry over exactly."""
     mt = cfg.model_type
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
-        raise UsageError(f"{hf_dir} uses attention or MLP biases, which our architecture lacks "
-                         "(no biases); not supported")
+        raise UsageError(
+            f"{hf_dir} uses attention or MLP biases, which our architecture lacks "
+            "(no biases); not supported"
+        )
     window = getattr(cfg, "sliding_window", None)
     if mt == "mistral" and window is not None:
-        raise UsageError(f"{hf_dir} uses sliding-window attention (sliding_window={window}); "
-                         "only Mistral-style models without sliding window are supported")
+        raise UsageError(
+            f"{hf_dir} uses sliding-window attention (sliding_window={window}); "
+            "only Mistral-style models without sliding window are supported"
+        )
     if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (
-            getattr(cfg, "layer_types", None) or []):
+        getattr(cfg, "layer_types", None) or []
+    ):
         raise UsageError(f"{hf_dir} uses sliding-window attention; not supported")
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
@@ -113,19 +128,28 @@ def rope_scaling(cfg, hf_dir: Path) -> Optional[dict[str, Any]]:
     if kind == "default":
         return None
     if kind != "llama3":
-        raise UsageError(f"{hf_dir} uses RoPE scaling '{kind}', which our model does not "
-                         "implement; supported: default RoPE and llama3 scaling")
+        raise UsageError(
+            f"{hf_dir} uses RoPE scaling '{kind}', which our model does not "
+            "implement; supported: default RoPE and llama3 scaling"
+        )
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UsageError(f"{hf_dir} rotates only part of each head (partial_rotary_factor="
-                         f"{rope['partial_rotary_factor']}); not supported")
+        raise UsageError(
+            f"{hf_dir} rotates only part of each head (partial_rotary_factor="
+            f"{rope['partial_rotary_factor']}); not supported"
+        )
     try:
-        fields = {"type": "llama3", "factor": float(rope["factor"]),
-                  "low_freq_factor": float(rope["low_freq_factor"]),
-                  "high_freq_factor": float(rope["high_freq_factor"]),
-                  "original_max_position_embeddings": int(rope["original_max_position_embeddings"])}
+        fields = {
+            "type": "llama3",
+            "factor": float(rope["factor"]),
+            "low_freq_factor": float(rope["low_freq_factor"]),
+            "high_freq_factor": float(rope["high_freq_factor"]),
+            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        }
     except (KeyError, TypeError, ValueError) as e:
-        raise UsageError(f"{hf_dir} has llama3 RoPE scaling with a missing or invalid field "
-                         f"({common._first_line(e)})") from None
+        raise UsageError(
+            f"{hf_dir} has llama3 RoPE scaling with a missing or invalid field "
+            f"({common._first_line(e)})"
+        ) from None
     validate_rope_scaling(RopeScalingConfig(**fields))
     return fields
 
@@ -153,8 +177,9 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     except UsageError:
         raise
     except Exception as e:
-        raise UsageError(f"cannot read the weights in {hf_dir} (corrupt or partial?): "
-                         f"{common._first_line(e)}") from None
+        raise UsageError(
+            f"cannot read the weights in {hf_dir} (corrupt or partial?): {common._first_line(e)}"
+        ) from None
     # A bare model (AutoModel.save_pretrained) has no "model." prefix.
     if not any(k.startswith("model.") for k in state):
         state = {("model." + k if k != "lm_head.weight" else k): v for k, v in state.items()}
@@ -163,9 +188,14 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 def model_fields(cfg, vocab_size: int) -> dict[str, Any]:
     fields = {ours: getattr(cfg, hf) for hf, ours in mapping.CONFIG_FIELDS}
-    fields.update(preset=None, vocab_size=vocab_size, rotary_base=float(int(rope_theta(cfg))),
-                  seq_length=min(int(cfg.max_position_embeddings), MAX_SEQ_LENGTH),
-                  qk_layernorm=cfg.model_type == "qwen3", rope_scaling=rope_scaling(cfg, ""))
+    fields.update(
+        preset=None,
+        vocab_size=vocab_size,
+        rotary_base=float(int(rope_theta(cfg))),
+        seq_length=min(int(cfg.max_position_embeddings), MAX_SEQ_LENGTH),
+        qk_layernorm=cfg.model_type == "qwen3",
+        rope_scaling=rope_scaling(cfg, ""),
+    )
     fields["tie_embeddings"] = bool(fields["tie_embeddings"])
     return fields
 
@@ -177,7 +207,9 @@ def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.mean(dim=0, keepdim=True).expand(rows - t.shape[0], -1)], dim=0)
 
 
-def from_hf(hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = True) -> ImportResult:
+def from_hf(
+    hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = True
+) -> ImportResult:
     """Convert a local HF model folder into a verified megatron checkpoint folder at `out`."""
     hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
     common.check_output(out, force)
@@ -188,15 +220,21 @@ def from_hf(hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = 
     try:
         src_tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     except Exception as e:
-        raise UsageError(f"cannot load the tokenizer of {hf_dir}: {common._first_line(e)}") from None
+        raise UsageError(
+            f"cannot load the tokenizer of {hf_dir}: {common._first_line(e)}"
+        ) from None
     if len(src_tok) > hf_vocab:
-        raise UsageError(f"the tokenizer of {hf_dir} has {len(src_tok)} tokens but the model's "
-                         f"vocabulary is {hf_vocab}; tokenizer and weights do not match")
+        raise UsageError(
+            f"the tokenizer of {hf_dir} has {len(src_tok)} tokens but the model's "
+            f"vocabulary is {hf_vocab}; tokenizer and weights do not match"
+        )
     state = read_hf_weights(hf_dir)
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
     if not tied and "lm_head.weight" not in state:
-        raise UsageError(f"{hf_dir} has untied embeddings but no lm_head.weight (a bare model?); "
-                         "convert the *ForCausalLM / *ForMaskedLM folder")
+        raise UsageError(
+            f"{hf_dir} has untied embeddings but no lm_head.weight (a bare model?); "
+            "convert the *ForCausalLM / *ForMaskedLM folder"
+        )
 
     with common.staged_output(out, force) as tmp:
         tok_dir = prepare_tokenizer(hf_dir, tmp / "tokenizer", verbose=verbose)
@@ -208,36 +246,58 @@ def from_hf(hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = 
                 if k in state:
                     state[k] = _grow(state[k], vocab)
             if verbose:
-                print(f"vocabulary grew {hf_vocab} -> {vocab} (tokens added for bos/eos/pad/mask); "
-                      "new embedding rows start at the mean embedding")
+                print(
+                    f"vocabulary grew {hf_vocab} -> {vocab} (tokens added for bos/eos/pad/mask); "
+                    "new embedding rows start at the mean embedding"
+                )
         fields = model_fields(hf_cfg, vocab)
-        dims = mapping.Dims(num_layers=fields["num_layers"], num_heads=fields["num_attention_heads"],
-                            num_groups=fields["num_query_groups"], head_dim=fields["kv_channels"],
-                            vocab_size=vocab, padded_vocab_size=padded_vocab_size(vocab, 1),
-                            tied=tied, qk_norm=fields["qk_layernorm"])
+        dims = mapping.Dims(
+            num_layers=fields["num_layers"],
+            num_heads=fields["num_attention_heads"],
+            num_groups=fields["num_query_groups"],
+            head_dim=fields["kv_channels"],
+            vocab_size=vocab,
+            padded_vocab_size=padded_vocab_size(vocab, 1),
+            tied=tied,
+            qk_norm=fields["qk_layernorm"],
+        )
         unused = mapping.unused_hf_keys(state, family, dims)
         if unused:
-            raise UsageError(f"{hf_dir} has weights this converter cannot map (e.g. {unused[0]}); "
-                             "unsupported feature (biases, extra heads?)")
+            raise UsageError(
+                f"{hf_dir} has weights this converter cannot map (e.g. {unused[0]}); "
+                "unsupported feature (biases, extra heads?)"
+            )
         tensors = mapping.hf_to_megatron(state, family, dims)
 
         raw, cfg = common.continued_mlm_config(out, fields, seed)
-        source = json.loads(json.dumps({
-            "family": family, "model_type": family, "hf_dir": str(hf_dir),
-            "hf_config": hf_cfg.to_dict(), "vocab_size": hf_vocab, "vocab_grew": grew,
-            "attention": "causal" if _source_causal(hf_cfg) else "bidirectional",
-        }, default=str))
-        build_cfg, ckpt = common.save_imported_checkpoint(tmp / "checkpoints", cfg, tensors, source,
-                                                          vocab, seed)
+        source = json.loads(
+            json.dumps(
+                {
+                    "family": family,
+                    "model_type": family,
+                    "hf_dir": str(hf_dir),
+                    "hf_config": hf_cfg.to_dict(),
+                    "vocab_size": hf_vocab,
+                    "vocab_grew": grew,
+                    "attention": "causal" if _source_causal(hf_cfg) else "bidirectional",
+                },
+                default=str,
+            )
+        )
+        build_cfg, ckpt = common.save_imported_checkpoint(
+            tmp / "checkpoints", cfg, tensors, source, vocab, seed
+        )
         ver = _verify(hf_dir, hf_cfg, ckpt, build_cfg, vocab, hf_vocab)
         (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
         _write_run_config(tmp / "config.yaml", raw, hf_dir, final=out / "config.yaml")
     result = ImportResult(out, out / "checkpoints" / iter_name(0), family, vocab, grew, ver)
     if verbose:
         print(ver.line())
-        print(f"imported {family} from {hf_dir} to {out}: {fields['num_layers']} layers, hidden "
-              f"{fields['hidden_size']}, heads {fields['num_attention_heads']}/"
-              f"{fields['num_query_groups']} kv, vocab {vocab}, tied={tied}")
+        print(
+            f"imported {family} from {hf_dir} to {out}: {fields['num_layers']} layers, hidden "
+            f"{fields['hidden_size']}, heads {fields['num_attention_heads']}/"
+            f"{fields['num_query_groups']} kv, vocab {vocab}, tied={tied}"
+        )
         print(f"continue with MLM: mlmclm pretrain {out / 'config.yaml'} data.train=[PREFIX]")
     return result
 
@@ -250,14 +310,23 @@ def _verify(hf_dir: Path, hf_cfg, ckpt: Path, cfg, vocab: int, hf_vocab: int) ->
     auto = "AutoModelForMaskedLM" if hf_cfg.model_type == "eurobert" else "AutoModelForCausalLM"
     megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
     hf_model = load_hf(hf_dir, auto)
-    return verify_pair(megatron_model, hf_model, hf_vocab, causal=_source_causal(hf_cfg),
-                       seq=min(SEQ, cfg.model.seq_length), against=type(hf_model).__name__)
+    return verify_pair(
+        megatron_model,
+        hf_model,
+        hf_vocab,
+        causal=_source_causal(hf_cfg),
+        seq=min(SEQ, cfg.model.seq_length),
+        against=type(hf_model).__name__,
+    )
 
 
-def _write_run_config(path: Path, raw: dict[str, Any], hf_dir: Path, final: Path,
-                      command: str = "convert from-hf") -> None:
+def _write_run_config(
+    path: Path, raw: dict[str, Any], hf_dir: Path, final: Path, command: str = "convert from-hf"
+) -> None:
     """Write the run config at `path` (staged); its header names where it will live, `final`."""
-    header = (f"# Continued MLM pretraining from {hf_dir} (written by mlmclm {command}).\n"
-              "# Set data.train to your shard prefixes (mlmclm preprocess), then:\n"
-              f"#   mlmclm pretrain {final} data.train=[PREFIX] train.steps=N\n")
+    header = (
+        f"# Continued MLM pretraining from {hf_dir} (written by mlmclm {command}).\n"
+        "# Set data.train to your shard prefixes (mlmclm preprocess), then:\n"
+        f"#   mlmclm pretrain {final} data.train=[PREFIX] train.steps=N\n"
+    )
     path.write_text(header + yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")

@@ -56,22 +56,42 @@ L = "model.layers.{i}."
 # The decoder trunk shared by all three families (they use the same HF module names).
 _EMBED = Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")
 _ATTN = (
-    Rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight", (L + "input_layernorm.weight",)),
-    Rule("decoder.layers.self_attention.linear_qkv.weight",
-         (L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"),
-         "qkv"),
+    Rule(
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+        (L + "input_layernorm.weight",),
+    ),
+    Rule(
+        "decoder.layers.self_attention.linear_qkv.weight",
+        (
+            L + "self_attn.q_proj.weight",
+            L + "self_attn.k_proj.weight",
+            L + "self_attn.v_proj.weight",
+        ),
+        "qkv",
+    ),
     Rule("decoder.layers.self_attention.linear_proj.weight", (L + "self_attn.o_proj.weight",)),
 )
 _QK_NORM = (
-    Rule("decoder.layers.self_attention.q_layernorm.weight", (L + "self_attn.q_norm.weight",),
-         when="qk_norm"),
-    Rule("decoder.layers.self_attention.k_layernorm.weight", (L + "self_attn.k_norm.weight",),
-         when="qk_norm"),
+    Rule(
+        "decoder.layers.self_attention.q_layernorm.weight",
+        (L + "self_attn.q_norm.weight",),
+        when="qk_norm",
+    ),
+    Rule(
+        "decoder.layers.self_attention.k_layernorm.weight",
+        (L + "self_attn.k_norm.weight",),
+        when="qk_norm",
+    ),
 )
 _MLP = (
-    Rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", (L + "post_attention_layernorm.weight",)),
-    Rule("decoder.layers.mlp.linear_fc1.weight", (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"),
-         "gate_up"),
+    Rule(
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight", (L + "post_attention_layernorm.weight",)
+    ),
+    Rule(
+        "decoder.layers.mlp.linear_fc1.weight",
+        (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"),
+        "gate_up",
+    ),
     Rule("decoder.layers.mlp.linear_fc2.weight", (L + "mlp.down_proj.weight",)),
 )
 _HEAD = (
@@ -86,7 +106,10 @@ MISTRAL = LLAMA  # Mistral without sliding window is Llama
 QWEN3 = (_EMBED, *_ATTN, *_QK_NORM, *_MLP, *_HEAD)
 
 TABLES: dict[str, tuple[Rule, ...]] = {
-    "eurobert": EUROBERT, "llama": LLAMA, "mistral": MISTRAL, "qwen3": QWEN3,
+    "eurobert": EUROBERT,
+    "llama": LLAMA,
+    "mistral": MISTRAL,
+    "qwen3": QWEN3,
 }
 
 # HF config field <-> ModelConfig field (all families; rope theta and vocab are handled apart).
@@ -147,8 +170,9 @@ def _join(op: str, ts: list[torch.Tensor], d: Dims) -> torch.Tensor:
     if op == "vocab":
         t = ts[0]
         if t.shape[0] > d.padded_vocab_size:
-            raise UsageError(f"vocabulary of {t.shape[0]} rows exceeds the padded size "
-                             f"{d.padded_vocab_size}")
+            raise UsageError(
+                f"vocabulary of {t.shape[0]} rows exceeds the padded size {d.padded_vocab_size}"
+            )
         pad = t.new_zeros(d.padded_vocab_size - t.shape[0], *t.shape[1:])
         return torch.cat([t, pad], dim=0)
     if op == "gate_up":
@@ -164,13 +188,17 @@ def _join(op: str, ts: list[torch.Tensor], d: Dims) -> torch.Tensor:
     raise ValueError(op)
 
 
-def megatron_to_hf(tensors: dict[str, torch.Tensor], family: str, d: Dims) -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    tensors: dict[str, torch.Tensor], family: str, d: Dims
+) -> dict[str, torch.Tensor]:
     """Global megatron tensors -> HF state dict (contiguous copies)."""
     out: dict[str, torch.Tensor] = {}
     for r in active_rules(family, d):
         if r.megatron not in tensors:
-            raise UsageError(f"checkpoint has no tensor {r.megatron}; it does not match the "
-                             f"{family} layout (tied={d.tied}, qk_norm={d.qk_norm})")
+            raise UsageError(
+                f"checkpoint has no tensor {r.megatron}; it does not match the "
+                f"{family} layout (tied={d.tied}, qk_norm={d.qk_norm})"
+            )
         src = tensors[r.megatron]
         layers = range(d.num_layers) if r.per_layer else [None]
         for i in layers:
@@ -190,8 +218,10 @@ def hf_to_megatron(state: dict[str, torch.Tensor], family: str, d: Dims) -> dict
             names = [n.format(i=i) for n in r.hf]
             absent = [n for n in names if n not in state]
             if absent:
-                raise UsageError(f"Hugging Face weights have no {absent[0]}; not a {family} "
-                                 "checkpoint this converter supports")
+                raise UsageError(
+                    f"Hugging Face weights have no {absent[0]}; not a {family} "
+                    "checkpoint this converter supports"
+                )
             joined.append(_join(r.op, [state[n] for n in names], d))
         out[r.megatron] = torch.stack(joined) if r.per_layer else joined[0]
     return out

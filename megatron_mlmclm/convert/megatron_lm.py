@@ -44,8 +44,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mlmclm.checkpoint import iter_name
 from megatron_mlmclm.convert import common
 from megatron_mlmclm.convert.hf_import import ImportResult, _write_run_config
-from megatron_mlmclm.convert.verify import (SEQ, Verification, compare, megatron_from_checkpoint,
-                                            verification_tokens)
+from megatron_mlmclm.convert.verify import (
+    SEQ,
+    Verification,
+    compare,
+    megatron_from_checkpoint,
+    verification_tokens,
+)
 from megatron_mlmclm.data.tokenizer import load_tokenizer
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import padded_vocab_size
@@ -53,16 +58,21 @@ from megatron_mlmclm.model.build import padded_vocab_size
 TRACKER = "latest_checkpointed_iteration.txt"
 FAMILY = "megatron-lm"
 # Megatron-LM's RotaryEmbedding fixes these three llama3 parameters (only the factor is an arg).
-MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+MEGATRON_LLAMA3 = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def resolve(path) -> Path:
     """The iteration folder of a Megatron-LM save dir (via its tracker file) or the folder itself."""
     p = Path(path)
     if not p.exists():
-        raise UsageError(f"Megatron-LM checkpoint {p} does not exist; give its save dir "
-                         f"(with {TRACKER}) or one iter_NNNNNNN folder")
+        raise UsageError(
+            f"Megatron-LM checkpoint {p} does not exist; give its save dir "
+            f"(with {TRACKER}) or one iter_NNNNNNN folder"
+        )
     if (p / TRACKER).is_file():
         text = (p / TRACKER).read_text().strip()
         if text == "release":
@@ -72,12 +82,16 @@ def resolve(path) -> Path:
         else:
             raise UsageError(f"{p / TRACKER} holds {text!r}, not an iteration number or 'release'")
     if any(p.glob("mp_rank_*")):
-        raise UsageError(f"{p} is a legacy (torch) Megatron-LM checkpoint; only the torch_dist "
-                         "format is supported: convert it with Megatron-LM's --ckpt-convert-format "
-                         "torch_dist first")
+        raise UsageError(
+            f"{p} is a legacy (torch) Megatron-LM checkpoint; only the torch_dist "
+            "format is supported: convert it with Megatron-LM's --ckpt-convert-format "
+            "torch_dist first"
+        )
     if not (p / "metadata.json").is_file() or not (p / "common.pt").is_file():
-        raise UsageError(f"{p} is not a complete torch_dist checkpoint (no metadata.json / "
-                         "common.pt); give the save dir or one iter_NNNNNNN folder")
+        raise UsageError(
+            f"{p} is not a complete torch_dist checkpoint (no metadata.json / "
+            "common.pt); give the save dir or one iter_NNNNNNN folder"
+        )
     return p
 
 
@@ -90,13 +104,17 @@ def read_args(ckpt: Path) -> tuple[Namespace, dict[str, Any]]:
     except Exception as e:
         raise UsageError(f"cannot read {ckpt / 'common.pt'}: {common._first_line(e)}") from None
     if "trainer" in state:
-        raise UsageError(f"{ckpt} is an mlmclm checkpoint, not a Megatron-LM one; continue from it "
-                         "with train.init_from, or export it with `mlmclm convert to-hf`")
+        raise UsageError(
+            f"{ckpt} is an mlmclm checkpoint, not a Megatron-LM one; continue from it "
+            "with train.init_from, or export it with `mlmclm convert to-hf`"
+        )
     args = state.get("args")
     if not isinstance(args, Namespace):
-        raise UsageError(f"{ckpt} has no saved Megatron-LM args (common state keys: "
-                         f"{', '.join(sorted(map(str, state))) or 'none'}); not a Megatron-LM "
-                         "checkpoint")
+        raise UsageError(
+            f"{ckpt} has no saved Megatron-LM args (common state keys: "
+            f"{', '.join(sorted(map(str, state))) or 'none'}); not a Megatron-LM "
+            "checkpoint"
+        )
     return args, {k: v for k, v in state.items() if k != "args" and not isinstance(v, dict)}
 
 
@@ -107,36 +125,58 @@ def _arg(args: Namespace, name: str, default: Any = None) -> Any:
 def check_supported(args: Namespace, ckpt: Path) -> None:
     """One line for the first setting our trunk (RMSNorm, SwiGLU, RoPE, no biases) cannot carry."""
     checks = (
-        (_arg(args, "normalization", "LayerNorm") == "RMSNorm",
-         f"normalization={_arg(args, 'normalization', 'LayerNorm')}; only RMSNorm is supported"),
+        (
+            _arg(args, "normalization", "LayerNorm") == "RMSNorm",
+            f"normalization={_arg(args, 'normalization', 'LayerNorm')}; only RMSNorm is supported",
+        ),
         (_arg(args, "swiglu", False), "a non-SwiGLU MLP (swiglu=False); only SwiGLU is supported"),
-        (_arg(args, "position_embedding_type", "learned_absolute") == "rope",
-         f"position_embedding_type={_arg(args, 'position_embedding_type', 'learned_absolute')}; "
-         "only rope is supported"),
-        (not _arg(args, "add_bias_linear", True) and not _arg(args, "add_qkv_bias", False),
-         "linear biases (add_bias_linear / add_qkv_bias); our architecture has none "
-         "(Megatron-LM's --disable-bias-linear)"),
-        (not _arg(args, "num_experts"), f"a mixture of experts (num_experts="
-                                        f"{_arg(args, 'num_experts')}); MoE is not supported"),
+        (
+            _arg(args, "position_embedding_type", "learned_absolute") == "rope",
+            f"position_embedding_type={_arg(args, 'position_embedding_type', 'learned_absolute')}; "
+            "only rope is supported",
+        ),
+        (
+            not _arg(args, "add_bias_linear", True) and not _arg(args, "add_qkv_bias", False),
+            "linear biases (add_bias_linear / add_qkv_bias); our architecture has none "
+            "(Megatron-LM's --disable-bias-linear)",
+        ),
+        (
+            not _arg(args, "num_experts"),
+            f"a mixture of experts (num_experts={_arg(args, 'num_experts')}); MoE is not supported",
+        ),
         (not _arg(args, "multi_latent_attention", False), "multi-latent attention; not supported"),
         (not _arg(args, "apply_layernorm_1p", False), "zero-centred norms (apply_layernorm_1p)"),
-        (_arg(args, "window_size") is None, f"sliding-window attention (window_size="
-                                            f"{_arg(args, 'window_size')}); not supported"),
-        (float(_arg(args, "rotary_percent", 1.0)) == 1.0,
-         f"partial rotary embeddings (rotary_percent={_arg(args, 'rotary_percent')})"),
+        (
+            _arg(args, "window_size") is None,
+            f"sliding-window attention (window_size={_arg(args, 'window_size')}); not supported",
+        ),
+        (
+            float(_arg(args, "rotary_percent", 1.0)) == 1.0,
+            f"partial rotary embeddings (rotary_percent={_arg(args, 'rotary_percent')})",
+        ),
         (not _arg(args, "rotary_interleaved", False), "interleaved rotary embeddings"),
-        (_arg(args, "rotary_seq_len_interpolation_factor") is None,
-         "rotary sequence-length interpolation (rotary_seq_len_interpolation_factor)"),
+        (
+            _arg(args, "rotary_seq_len_interpolation_factor") is None,
+            "rotary sequence-length interpolation (rotary_seq_len_interpolation_factor)",
+        ),
         (not _arg(args, "mtp_num_layers"), "multi-token prediction layers (mtp_num_layers)"),
-        (not _arg(args, "heterogeneous_layers_config_path") and
-         not _arg(args, "heterogeneous_layers_config_encoded_json"), "heterogeneous layers"),
+        (
+            not _arg(args, "heterogeneous_layers_config_path")
+            and not _arg(args, "heterogeneous_layers_config_encoded_json"),
+            "heterogeneous layers",
+        ),
         (not _arg(args, "attention_output_gate", False), "gated attention output"),
     )
     for ok, what in checks:
         if not ok:
             raise UsageError(f"{ckpt} uses {what}; cannot convert")
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size",
-                 "seq_length"):
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "padded_vocab_size",
+        "seq_length",
+    ):
         if not isinstance(_arg(args, name), int):
             raise UsageError(f"{ckpt}: the saved args have no {name}; not a GPT checkpoint")
 
@@ -147,8 +187,11 @@ def model_fields(args: Namespace, vocab_size: int) -> dict[str, Any]:
     groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention", False) else None
     rope = None
     if _arg(args, "use_rope_scaling", False):
-        rope = {"type": "llama3", "factor": float(_arg(args, "rope_scaling_factor", 8.0)),
-                **MEGATRON_LLAMA3}
+        rope = {
+            "type": "llama3",
+            "factor": float(_arg(args, "rope_scaling_factor", 8.0)),
+            **MEGATRON_LLAMA3,
+        }
     return {
         "preset": None,
         "num_layers": args.num_layers,
@@ -175,15 +218,23 @@ def _resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def from_megatron_lm(checkpoint, out, tokenizer: Optional[str], force: bool = False,
-                     seed: int = 1234, verbose: bool = True) -> ImportResult:
+def from_megatron_lm(
+    checkpoint,
+    out,
+    tokenizer: Optional[str],
+    force: bool = False,
+    seed: int = 1234,
+    verbose: bool = True,
+) -> ImportResult:
     """Convert a Megatron-LM torch_dist checkpoint into a verified checkpoint folder at `out`."""
     out = Path(out).absolute()
     common.check_output(out, force)
     if not tokenizer:
-        raise UsageError("Megatron-LM checkpoints carry no tokenizer; pass --tokenizer DIR (a "
-                         "folder written by `mlmclm tokenize` from the tokenizer the model was "
-                         "trained with)")
+        raise UsageError(
+            "Megatron-LM checkpoints carry no tokenizer; pass --tokenizer DIR (a "
+            "folder written by `mlmclm tokenize` from the tokenizer the model was "
+            "trained with)"
+        )
     tok_src = Path(tokenizer).absolute()
     tok = load_tokenizer(tok_src)  # one line if it is not a folder with bos/eos/pad/mask
     ckpt = resolve(checkpoint)
@@ -191,38 +242,64 @@ def from_megatron_lm(checkpoint, out, tokenizer: Optional[str], force: bool = Fa
     check_supported(args, ckpt)
     vocab = len(tok)
     if vocab > args.padded_vocab_size:
-        raise UsageError(f"tokenizer {tok_src} has {vocab} tokens but the checkpoint's padded "
-                         f"vocabulary is {args.padded_vocab_size}; pass the tokenizer the model "
-                         "was trained with")
+        raise UsageError(
+            f"tokenizer {tok_src} has {vocab} tokens but the checkpoint's padded "
+            f"vocabulary is {args.padded_vocab_size}; pass the tokenizer the model "
+            "was trained with"
+        )
     fields = model_fields(args, vocab)
     tensors = common.read_global_tensors(ckpt)
     padded = padded_vocab_size(vocab, 1)
-    ours = {k: (_resize_vocab(v, padded) if k in ("embedding.word_embeddings.weight",
-                                                  "output_layer.weight") else v)
-            for k, v in tensors.items()}
+    ours = {
+        k: (
+            _resize_vocab(v, padded)
+            if k in ("embedding.word_embeddings.weight", "output_layer.weight")
+            else v
+        )
+        for k, v in tensors.items()
+    }
 
     with common.staged_output(out, force) as tmp:
         shutil.copytree(tok_src, tmp / "tokenizer")
         raw, cfg = common.continued_mlm_config(out, fields, seed)
-        source = json.loads(json.dumps({
-            "family": FAMILY, "checkpoint": str(ckpt), "attention": "causal",
-            "iteration": info.get("iteration"), "checkpoint_version": info.get("checkpoint_version"),
-            "megatron_lm_args": {k: v for k, v in vars(args).items()
-                                 if isinstance(v, (int, float, str, bool, type(None)))},
-        }, default=str))
-        build_cfg, saved = common.save_imported_checkpoint(tmp / "checkpoints", cfg, ours, source,
-                                                           vocab, seed)
+        source = json.loads(
+            json.dumps(
+                {
+                    "family": FAMILY,
+                    "checkpoint": str(ckpt),
+                    "attention": "causal",
+                    "iteration": info.get("iteration"),
+                    "checkpoint_version": info.get("checkpoint_version"),
+                    "megatron_lm_args": {
+                        k: v
+                        for k, v in vars(args).items()
+                        if isinstance(v, (int, float, str, bool, type(None)))
+                    },
+                },
+                default=str,
+            )
+        )
+        build_cfg, saved = common.save_imported_checkpoint(
+            tmp / "checkpoints", cfg, ours, source, vocab, seed
+        )
         ver = _verify(args, tensors, saved, build_cfg, vocab, seed)
         (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
-        _write_run_config(tmp / "config.yaml", raw, ckpt, final=out / "config.yaml",
-                          command="convert from-megatron-lm")
+        _write_run_config(
+            tmp / "config.yaml",
+            raw,
+            ckpt,
+            final=out / "config.yaml",
+            command="convert from-megatron-lm",
+        )
     result = ImportResult(out, out / "checkpoints" / iter_name(0), FAMILY, vocab, False, ver)
     if verbose:
         print(ver.line())
-        print(f"imported Megatron-LM iteration {info.get('iteration')} from {ckpt} to {out}: "
-              f"{fields['num_layers']} layers, hidden {fields['hidden_size']}, heads "
-              f"{fields['num_attention_heads']}/{fields['num_query_groups']} kv, vocab {vocab} "
-              f"(padded {args.padded_vocab_size} in the source), tied={fields['tie_embeddings']}")
+        print(
+            f"imported Megatron-LM iteration {info.get('iteration')} from {ckpt} to {out}: "
+            f"{fields['num_layers']} layers, hidden {fields['hidden_size']}, heads "
+            f"{fields['num_attention_heads']}/{fields['num_query_groups']} kv, vocab {vocab} "
+            f"(padded {args.padded_vocab_size} in the source), tied={fields['tie_embeddings']}"
+        )
         print(f"continue with MLM: mlmclm pretrain {out / 'config.yaml'} data.train=[PREFIX]")
     return result
 
@@ -236,27 +313,44 @@ def reference_model(args: Namespace, tensors: dict[str, torch.Tensor]):
     the checkpoint's own tensors (every key must match: a check of the architecture too)."""
     f = model_fields(args, args.padded_vocab_size)
     config = TransformerConfig(
-        num_layers=f["num_layers"], hidden_size=f["hidden_size"],
-        ffn_hidden_size=f["ffn_hidden_size"], num_attention_heads=f["num_attention_heads"],
-        num_query_groups=f["num_query_groups"], kv_channels=f["kv_channels"],
-        normalization="RMSNorm", layernorm_epsilon=f["norm_epsilon"], gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-        qk_layernorm=f["qk_layernorm"], hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, masked_softmax_fusion=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False)
+        num_layers=f["num_layers"],
+        hidden_size=f["hidden_size"],
+        ffn_hidden_size=f["ffn_hidden_size"],
+        num_attention_heads=f["num_attention_heads"],
+        num_query_groups=f["num_query_groups"],
+        kv_channels=f["kv_channels"],
+        normalization="RMSNorm",
+        layernorm_epsilon=f["norm_epsilon"],
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=f["qk_layernorm"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm",
-                                                            qk_layernorm=f["qk_layernorm"]),
+            transformer_layer_spec=get_gpt_layer_local_spec(
+                normalization="RMSNorm", qk_layernorm=f["qk_layernorm"]
+            ),
             vocab_size=args.padded_vocab_size,
             max_sequence_length=_arg(args, "max_position_embeddings") or args.seq_length,
             share_embeddings_and_output_weights=f["tie_embeddings"],
-            position_embedding_type="rope", rotary_base=int(f["rotary_base"]),
+            position_embedding_type="rope",
+            rotary_base=int(f["rotary_base"]),
             rope_scaling=bool(_arg(args, "use_rope_scaling", False)),
-            rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)))
+            rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)),
+        )
     common.load_global_tensors(model, tensors)
     return model.eval()
 
@@ -268,5 +362,9 @@ def _verify(args: Namespace, tensors, saved: Path, cfg, vocab: int, seed: int) -
     with torch.no_grad():
         ref = ref_model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
     ours = common.megatron_logits(megatron_from_checkpoint(saved, cfg, vocab), tokens, causal=True)
-    return compare(ref.float()[..., :vocab], ours[..., :vocab], "megatron-core GPTModel "
-                   "(Megatron-LM args, local spec)", causal=True)
+    return compare(
+        ref.float()[..., :vocab],
+        ours[..., :vocab],
+        "megatron-core GPTModel (Megatron-LM args, local spec)",
+        causal=True,
+    )

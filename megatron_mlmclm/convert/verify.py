@@ -40,28 +40,42 @@ class Verification:
     against: str
 
     def line(self) -> str:
-        return (f"verified: max |logit diff| = {self.max_abs_diff:.1e} on {self.batch}x{self.seq} "
-                f"tokens ({self.attention}, megatron TP1 vs {self.against}, float32)")
+        return (
+            f"verified: max |logit diff| = {self.max_abs_diff:.1e} on {self.batch}x{self.seq} "
+            f"tokens ({self.attention}, megatron TP1 vs {self.against}, float32)"
+        )
 
 
-def verification_tokens(vocab_size: int, seq: int = SEQ, batch: int = BATCH,
-                        seed: int = 0) -> torch.Tensor:
+def verification_tokens(
+    vocab_size: int, seq: int = SEQ, batch: int = BATCH, seed: int = 0
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, seq), generator=g)
 
 
-def compare(reference: torch.Tensor, result: torch.Tensor, against: str, causal: bool) -> Verification:
+def compare(
+    reference: torch.Tensor, result: torch.Tensor, against: str, causal: bool
+) -> Verification:
     if reference.shape != result.shape:
-        raise VerificationError(f"verification failed: logits have shape {tuple(result.shape)}, "
-                                f"expected {tuple(reference.shape)}")
+        raise VerificationError(
+            f"verification failed: logits have shape {tuple(result.shape)}, "
+            f"expected {tuple(reference.shape)}"
+        )
     if not torch.isfinite(result).all() or not torch.isfinite(reference).all():
         raise VerificationError("verification failed: non-finite logits; output removed")
     diff = (reference.double() - result.double()).abs().max().item()
-    v = Verification(diff, reference.shape[0], reference.shape[1],
-                     "causal" if causal else "bidirectional", against)
+    v = Verification(
+        diff,
+        reference.shape[0],
+        reference.shape[1],
+        "causal" if causal else "bidirectional",
+        against,
+    )
     if diff > TOLERANCE:
-        raise VerificationError(f"verification failed: max |logit diff| = {diff:.3e} > "
-                                f"{TOLERANCE:g} on {v.batch}x{v.seq} tokens; output removed")
+        raise VerificationError(
+            f"verification failed: max |logit diff| = {diff:.3e} > "
+            f"{TOLERANCE:g} on {v.batch}x{v.seq} tokens; output removed"
+        )
     return v
 
 
@@ -71,8 +85,9 @@ def load_hf(path: Path, auto_class: str):
     quiet_transformers()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa",
-                                    local_files_only=True)
+        model = cls.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+        )
     return model.eval()
 
 
@@ -96,8 +111,9 @@ def megatron_from_checkpoint(ckpt: Path, cfg, vocab_size: int):
     return model
 
 
-def verify_pair(megatron_model, hf_model, vocab_size: int, causal: bool, seq: int,
-                against: str) -> Verification:
+def verify_pair(
+    megatron_model, hf_model, vocab_size: int, causal: bool, seq: int, against: str
+) -> Verification:
     """Logits of both models on the fixed batch, compared over the first `vocab_size` ids."""
     tokens = verification_tokens(vocab_size, seq=seq)
     ref = megatron_logits(megatron_model, tokens, causal)[..., :vocab_size]

@@ -37,26 +37,36 @@ def open_indexed_dataset(prefix: str | os.PathLike):
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
-            raise UsageError(f"{path} does not exist; check the data prefix (give it without "
-                             f".bin/.idx) or write the shard with `mlmclm preprocess`")
+            raise UsageError(
+                f"{path} does not exist; check the data prefix (give it without "
+                f".bin/.idx) or write the shard with `mlmclm preprocess`"
+            )
     logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
     try:
         ds = IndexedDataset(prefix)
     except Exception as e:  # megatron asserts on a bad header, numpy fails on a short file
         if os.path.getsize(bin_path) == 0:
-            raise UsageError(f"{bin_path} is empty (no tokens); preprocess a non-empty corpus or "
-                             f"drop the prefix from the data list")
-        raise UsageError(f"{idx_path} is corrupt or truncated ({type(e).__name__}: {e}); "
-                         f"rewrite the shard with `mlmclm preprocess`")
+            raise UsageError(
+                f"{bin_path} is empty (no tokens); preprocess a non-empty corpus or "
+                f"drop the prefix from the data list"
+            )
+        raise UsageError(
+            f"{idx_path} is corrupt or truncated ({type(e).__name__}: {e}); "
+            f"rewrite the shard with `mlmclm preprocess`"
+        )
     lengths = ds.sequence_lengths
     expected = int(lengths.sum(dtype=np.int64)) * np.dtype(ds.index.dtype).itemsize
     actual = os.path.getsize(bin_path)
     if actual != expected:
-        raise UsageError(f"{bin_path} holds {actual} bytes but {idx_path} describes {expected}; "
-                         f"the shard is truncated or corrupt, rewrite it with `mlmclm preprocess`")
+        raise UsageError(
+            f"{bin_path} holds {actual} bytes but {idx_path} describes {expected}; "
+            f"the shard is truncated or corrupt, rewrite it with `mlmclm preprocess`"
+        )
     if lengths.size == 0 or expected == 0:
-        raise UsageError(f"{bin_path} has no tokens; preprocess a non-empty corpus or drop the "
-                         f"prefix from the data list")
+        raise UsageError(
+            f"{bin_path} has no tokens; preprocess a non-empty corpus or drop the "
+            f"prefix from the data list"
+        )
     return ds
 
 
@@ -77,9 +87,16 @@ def _sample_position(i: int, n: int) -> int:
 class PackedDataset:
     """Samples of seq_length + 1 packed tokens from one IndexedDataset (one document a sequence)."""
 
-    def __init__(self, prefix: str | os.PathLike, seq_length: int, num_samples: int, seed: int,
-                 cache_dir: Optional[str | os.PathLike] = None, *,
-                 num_epochs: Optional[int] = None):
+    def __init__(
+        self,
+        prefix: str | os.PathLike,
+        seq_length: int,
+        num_samples: int,
+        seed: int,
+        cache_dir: Optional[str | os.PathLike] = None,
+        *,
+        num_epochs: Optional[int] = None,
+    ):
         if num_epochs is None and int(num_samples) < 1:
             raise UsageError(f"num_samples must be >= 1, got {num_samples}")
         if int(seq_length) < 1:
@@ -90,9 +107,13 @@ class PackedDataset:
         self.lengths = self.indexed.sequence_lengths  # a view of self.indexed's mmap
         try:
             self.index: SampleIndex = build_sample_index(
-                self.lengths, self.seq_length, seed,
+                self.lengths,
+                self.seq_length,
+                seed,
                 num_samples=None if num_epochs is not None else int(num_samples),
-                num_epochs=num_epochs, cache_dir=cache_dir)
+                num_epochs=num_epochs,
+                cache_dir=cache_dir,
+            )
         except ValueError as e:
             raise UsageError(f"{self.prefix}: {e}")
 
@@ -124,8 +145,10 @@ class PackedDataset:
             pieces.append(get(int(doc_idx[j1]), 0, o1 + 1))
         tokens = np.concatenate(pieces).astype(np.int64, copy=False)
         if tokens.shape[0] != S + 1:  # the index and the shard disagree: a bug or a swapped file
-            raise RuntimeError(f"{self.prefix}: sample {i} has {tokens.shape[0]} tokens, "
-                               f"expected {S + 1}; delete the sample-index cache and rebuild")
+            raise RuntimeError(
+                f"{self.prefix}: sample {i} has {tokens.shape[0]} tokens, "
+                f"expected {S + 1}; delete the sample-index cache and rebuild"
+            )
 
         bounds = np.asarray(self.index.boundaries(i), dtype=np.int64)
         starts = np.zeros(S + 1, dtype=np.int32)
@@ -141,13 +164,15 @@ class PackedDataset:
 class BlendedPackedDataset:
     """Several datasets mixed in exact proportion to `weights` (normalised), deterministically."""
 
-    def __init__(self, datasets: Sequence, weights: Sequence[float], num_samples: int,
-                 seed: int = 0):
+    def __init__(
+        self, datasets: Sequence, weights: Sequence[float], num_samples: int, seed: int = 0
+    ):
         if len(datasets) != len(weights) or not datasets:
             raise UsageError("give one blend weight per dataset")
         try:
             self.dataset_index, self.dataset_sample_index = build_blend_index(
-                weights, int(num_samples), seed)
+                weights, int(num_samples), seed
+            )
         except ValueError as e:
             raise UsageError(str(e))
         self.datasets = list(datasets)
@@ -174,7 +199,9 @@ def parse_prefixes(items: Sequence[str]) -> tuple[list[str], Optional[list[float
     """["0.7", "a", "0.3", "b"] -> (["a", "b"], [0.7, 0.3]); ["a", "b"] -> (["a", "b"], None)."""
     items = [str(x) for x in items]
     if not items:
-        raise UsageError("no data prefix given; pass shard prefixes such as data/corpus_text_document")
+        raise UsageError(
+            "no data prefix given; pass shard prefixes such as data/corpus_text_document"
+        )
 
     def number(x: str) -> Optional[float]:
         try:
@@ -184,8 +211,10 @@ def parse_prefixes(items: Sequence[str]) -> tuple[list[str], Optional[list[float
 
     if number(items[0]) is None:
         if any(number(x) is not None for x in items):
-            raise UsageError(f"data prefixes {items} mix weights and plain prefixes; either give "
-                             f"'weight prefix' pairs for every prefix or no weights at all")
+            raise UsageError(
+                f"data prefixes {items} mix weights and plain prefixes; either give "
+                f"'weight prefix' pairs for every prefix or no weights at all"
+            )
         return items, None
     if len(items) % 2:
         raise UsageError(f"weighted data prefixes {items} must come in 'weight prefix' pairs")
@@ -218,8 +247,13 @@ def temperature_blend(items: Sequence[str], temperature: float) -> list[str]:
     return [x for w, p in zip(weights, prefixes) for x in (repr(float(w)), p)]
 
 
-def build_train_dataset(prefixes_with_optional_weights: Sequence[str], seq_length: int,
-                        num_samples: int, seed: int, cache_dir: Optional[str | os.PathLike] = None):
+def build_train_dataset(
+    prefixes_with_optional_weights: Sequence[str],
+    seq_length: int,
+    num_samples: int,
+    seed: int,
+    cache_dir: Optional[str | os.PathLike] = None,
+):
     """One PackedDataset, or a BlendedPackedDataset when several prefixes are given.
 
     Unweighted lists of several prefixes are blended in proportion to their token counts.
@@ -232,8 +266,10 @@ def build_train_dataset(prefixes_with_optional_weights: Sequence[str], seq_lengt
     weights = _resolve_weights(prefixes, weights)
     dataset_index, _ = build_blend_index(weights, int(num_samples), seed)
     counts = np.bincount(dataset_index, minlength=len(prefixes))
-    datasets = [PackedDataset(p, seq_length, max(int(c), 1), seed, cache_dir)
-                for p, c in zip(prefixes, counts)]
+    datasets = [
+        PackedDataset(p, seq_length, max(int(c), 1), seed, cache_dir)
+        for p, c in zip(prefixes, counts)
+    ]
     return BlendedPackedDataset(datasets, weights, num_samples, seed)
 
 
@@ -241,10 +277,15 @@ def build_train_dataset(prefixes_with_optional_weights: Sequence[str], seq_lengt
 # Building the indexes ahead of training (`mlmclm index`)
 
 
-def index_shards(prefixes: list[str], weights: Optional[list[float]], seq_length: int, seed: int,
-                 num_samples: Optional[int] = None, num_epochs: Optional[int] = None,
-                 cache_dir: Optional[str | os.PathLike] = None
-                 ) -> Iterator[tuple[str, float, SampleIndex, float]]:
+def index_shards(
+    prefixes: list[str],
+    weights: Optional[list[float]],
+    seq_length: int,
+    seed: int,
+    num_samples: Optional[int] = None,
+    num_epochs: Optional[int] = None,
+    cache_dir: Optional[str | os.PathLike] = None,
+) -> Iterator[tuple[str, float, SampleIndex, float]]:
     """Build (or load from the cache) the sample index of every prefix of a data list, as a run
     of `num_samples` blended samples (or `num_epochs` over each prefix) would.
 
@@ -260,9 +301,14 @@ def index_shards(prefixes: list[str], weights: Optional[list[float]], seq_length
         indexed = open_indexed_dataset(prefix)  # keep it alive: its mmap backs the lengths
         t0 = time.perf_counter()
         try:
-            index = build_sample_index(indexed.sequence_lengths, seq_length, seed, num_samples=n,
-                                       num_epochs=num_epochs if n is None else None,
-                                       cache_dir=cache_dir)
+            index = build_sample_index(
+                indexed.sequence_lengths,
+                seq_length,
+                seed,
+                num_samples=n,
+                num_epochs=num_epochs if n is None else None,
+                cache_dir=cache_dir,
+            )
         except ValueError as e:
             raise UsageError(f"{prefix}: {e}")
         yield prefix, float(w), index, time.perf_counter() - t0

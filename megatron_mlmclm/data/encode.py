@@ -18,8 +18,9 @@ from tokenizers import Tokenizer
 def pack(encoded_ids: list[list[int]], dtype) -> tuple[np.ndarray, np.ndarray]:
     """Flat token array and per-document lengths."""
     lengths = np.fromiter((len(x) for x in encoded_ids), dtype=np.int64, count=len(encoded_ids))
-    flat = np.fromiter((t for ids in encoded_ids for t in ids), dtype=dtype,
-                       count=int(lengths.sum()))
+    flat = np.fromiter(
+        (t for ids in encoded_ids for t in ids), dtype=dtype, count=int(lengths.sum())
+    )
     return flat, lengths
 
 

@@ -30,9 +30,16 @@ def markov_entropy() -> float:
 
 
 class MockPackedDataset:
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 0,
-                 first_regular_id: int = 4, mean_document_length: int = 96,
-                 kind: str = "uniform"):
+    def __init__(
+        self,
+        num_samples: int,
+        seq_length: int,
+        vocab_size: int,
+        seed: int = 0,
+        first_regular_id: int = 4,
+        mean_document_length: int = 96,
+        kind: str = "uniform",
+    ):
         if kind not in MOCK_KINDS:
             raise ValueError(f"mock kind {kind!r} must be one of {', '.join(MOCK_KINDS)}")
         self.num_samples = num_samples
@@ -45,8 +52,9 @@ class MockPackedDataset:
         self.successors = None
         if kind == "markov":
             chain = np.random.default_rng([LANGUAGE_SEED, vocab_size, first_regular_id])
-            self.successors = chain.integers(first_regular_id, vocab_size,
-                                             size=(vocab_size, BRANCHES)).tolist()
+            self.successors = chain.integers(
+                first_regular_id, vocab_size, size=(vocab_size, BRANCHES)
+            ).tolist()
 
     def __len__(self) -> int:
         return self.num_samples

@@ -43,8 +43,16 @@ from megatron_mlmclm.document import make_document_tokenizer
 from megatron_mlmclm.errors import UsageError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
-_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-           7: np.float32, 8: np.uint16}
+_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 BATCH_CHARS = 1 << 20  # ~1 MB of text per tokenizer batch
 
 
@@ -83,21 +91,33 @@ def inspect_shard(prefix: str | os.PathLike) -> dict:
             raise UsageError(f"{idx} has an unknown version {version} or dtype code {code}; {fix}")
         want = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
         if size not in (want, want + n_seq):  # + n_seq: multimodal modes
-            raise UsageError(f"{idx} is truncated or corrupt ({size} bytes, expected {want}); "
-                             f"{fix}")
+            raise UsageError(
+                f"{idx} is truncated or corrupt ({size} bytes, expected {want}); {fix}"
+            )
         lengths = np.frombuffer(f.read(n_seq * 4), dtype=np.int32)
         f.seek(n_seq * 8, 1)
         doc_idx = np.frombuffer(f.read(n_doc * 8), dtype=np.int64)
-    if n_doc < 1 or doc_idx[0] != 0 or doc_idx[-1] != n_seq or np.any(np.diff(doc_idx) < 0) \
-            or np.any(lengths < 0):
+    if (
+        n_doc < 1
+        or doc_idx[0] != 0
+        or doc_idx[-1] != n_seq
+        or np.any(np.diff(doc_idx) < 0)
+        or np.any(lengths < 0)
+    ):
         raise UsageError(f"{idx} has inconsistent document boundaries; {fix}")
     dtype = np.dtype(_DTYPES[code])
     tokens = int(lengths.sum(dtype=np.int64))
     if bin_.stat().st_size != tokens * dtype.itemsize:
-        raise UsageError(f"{bin_} is truncated or corrupt ({bin_.stat().st_size} bytes, index says "
-                         f"{tokens * dtype.itemsize}); {fix}")
-    return {"documents": int(n_doc - 1), "sequences": int(n_seq), "tokens": tokens,
-            "dtype": dtype.name}
+        raise UsageError(
+            f"{bin_} is truncated or corrupt ({bin_.stat().st_size} bytes, index says "
+            f"{tokens * dtype.itemsize}); {fix}"
+        )
+    return {
+        "documents": int(n_doc - 1),
+        "sequences": int(n_seq),
+        "tokens": tokens,
+        "dtype": dtype.name,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,11 +192,19 @@ def _add_documents(builder, flat: np.ndarray, lengths: np.ndarray) -> None:
     builder.document_indices.extend(range(start + 1, start + len(lengths) + 1))
 
 
-def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLike,
-               tokenizer_path: str | os.PathLike, json_keys: Sequence[str] = ("text",),
-               workers: int = 1, append_eod: bool = True, txt_split_lines: bool = False,
-               force: bool = False, backend: str = "threads", log_interval: int = 10000,
-               progress: bool = True) -> dict:
+def preprocess(
+    inputs: Sequence[str | os.PathLike],
+    output_prefix: str | os.PathLike,
+    tokenizer_path: str | os.PathLike,
+    json_keys: Sequence[str] = ("text",),
+    workers: int = 1,
+    append_eod: bool = True,
+    txt_split_lines: bool = False,
+    force: bool = False,
+    backend: str = "threads",
+    log_interval: int = 10000,
+    progress: bool = True,
+) -> dict:
     """Tokenize ``inputs`` into Megatron shards; returns the summary (also printed as one line)."""
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
@@ -192,14 +220,17 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
         for k, (b, i) in outs.items():
             for p in (b, i):
                 if p.exists():
-                    raise UsageError(f"output {p} exists; choose another --output-prefix or "
-                                     "pass --force")
+                    raise UsageError(
+                        f"output {p} exists; choose another --output-prefix or pass --force"
+                    )
     if os.environ.get("RAYON_NUM_THREADS") is None:
         os.environ["RAYON_NUM_THREADS"] = str(workers)  # effective if no batch encoded yet
     backend_tok = getattr(tok, "backend_tokenizer", None)
     if backend_tok is None:
-        raise UsageError(f"tokenizer {tokenizer_path} is not a fast tokenizer; save it with a "
-                         "tokenizer.json (`mlmclm tokenize --from` does)")
+        raise UsageError(
+            f"tokenizer {tokenizer_path} is not a fast tokenizer; save it with a "
+            "tokenizer.json (`mlmclm tokenize --from` does)"
+        )
     eos = tok.eos_token_id if append_eod else None
     make_document_tokenizer(backend_tok, tok.eos_token if append_eod else None, eos)
 
@@ -221,8 +252,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
             builders[k] = IndexedDatasetBuilder(str(tmp[k][0]), dtype=dtype)
         batches = _batches(inputs, keys, txt_split_lines)
         if backend == "processes":
-            pool = mp.get_context("spawn").Pool(workers, worker_init,
-                                                (backend_tok.to_str(),))
+            pool = mp.get_context("spawn").Pool(workers, worker_init, (backend_tok.to_str(),))
 
             def jobs():
                 for batch in batches:
@@ -244,6 +274,7 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
                     k, n, dropped = side.get()
                     yield k, n, dropped, packed
         else:
+
             def results():
                 for batch in _prefetch(batches):
                     for k, (texts, dropped) in _split_batch(batch, keys).items():
@@ -254,8 +285,9 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
             if not keep.all():
                 dropped += int((~keep).sum())
                 cuts = np.cumsum(lengths)
-                flat = np.concatenate([flat[c - l:c] for c, l, kk in zip(cuts, lengths, keep) if kk]
-                                      or [flat[:0]])
+                flat = np.concatenate(
+                    [flat[c - l : c] for c, l, kk in zip(cuts, lengths, keep) if kk] or [flat[:0]]
+                )
                 lengths = lengths[keep]
             _add_documents(builders[k], flat, lengths)
             s = stats[k]
@@ -268,13 +300,17 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
                 bar.set_postfix_str(f"{s['tokens'] / max(el, 1e-9):,.0f} tok/s", refresh=False)
                 done = s["documents"] + s["empty_dropped"]
                 if not log_tty and progress and log_interval and done >= next_log:
-                    print(f"processed {done} documents ({s['tokens'] / max(el, 1e-9):,.0f} "
-                          "tokens/s)", file=sys.stderr)
+                    print(
+                        f"processed {done} documents ({s['tokens'] / max(el, 1e-9):,.0f} tokens/s)",
+                        file=sys.stderr,
+                    )
                     next_log = (done // log_interval + 1) * log_interval
         for k in keys:
             if stats[k]["documents"] == 0:
-                raise UsageError(f"the corpus {' '.join(map(str, inputs))} has no non-empty "
-                                 f"document under key '{k}'; check --input and --json-keys")
+                raise UsageError(
+                    f"the corpus {' '.join(map(str, inputs))} has no non-empty "
+                    f"document under key '{k}'; check --input and --json-keys"
+                )
         for k in keys:
             builders[k].finalize(str(tmp[k][1]))
         for k in keys:
@@ -298,16 +334,24 @@ def preprocess(inputs: Sequence[str | os.PathLike], output_prefix: str | os.Path
     seconds = time.perf_counter() - t0
     first = stats[keys[0]]
     summary = {
-        "documents": first["documents"], "tokens": first["tokens"],
-        "empty_dropped": first["empty_dropped"], "seconds": seconds,
-        "tokens_per_s": first["tokens"] / max(seconds, 1e-9), "dtype": np.dtype(dtype).name,
-        "vocab_size": len(tok), "workers": workers, "backend": backend,
-        "outputs": {k: str(outs[k][0])[:-4] for k in keys}, "keys": stats,
+        "documents": first["documents"],
+        "tokens": first["tokens"],
+        "empty_dropped": first["empty_dropped"],
+        "seconds": seconds,
+        "tokens_per_s": first["tokens"] / max(seconds, 1e-9),
+        "dtype": np.dtype(dtype).name,
+        "vocab_size": len(tok),
+        "workers": workers,
+        "backend": backend,
+        "outputs": {k: str(outs[k][0])[:-4] for k in keys},
+        "keys": stats,
     }
     return summary
 
 
 def summary_line(s: dict) -> str:
-    return (f"preprocess done: documents={s['documents']} tokens={s['tokens']} "
-            f"empty_dropped={s['empty_dropped']} seconds={s['seconds']:.2f} "
-            f"tokens/s={s['tokens_per_s']:,.0f} -> {', '.join(s['outputs'].values())}")
+    return (
+        f"preprocess done: documents={s['documents']} tokens={s['tokens']} "
+        f"empty_dropped={s['empty_dropped']} seconds={s['seconds']:.2f} "
+        f"tokens/s={s['tokens_per_s']:,.0f} -> {', '.join(s['outputs'].values())}"
+    )

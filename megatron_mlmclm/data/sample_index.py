@@ -73,7 +73,8 @@ def _ext():
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError(
             "the C++ extension megatron_mlmclm._sample_index is not built; run "
-            "`python setup.py build_ext --inplace` (or pip install -e .)") from e
+            "`python setup.py build_ext --inplace` (or pip install -e .)"
+        ) from e
     return _sample_index
 
 
@@ -102,7 +103,7 @@ class SampleIndex:
 
     def boundaries(self, i: int) -> np.ndarray:
         """Offsets (1..seq_length) inside packed sample i where a new document starts."""
-        return self.boundary_offsets[self.boundary_ptr[i]:self.boundary_ptr[i + 1]]
+        return self.boundary_offsets[self.boundary_ptr[i] : self.boundary_ptr[i + 1]]
 
 
 def _check_inputs(lengths, seq_length, seed, num_samples, num_epochs) -> np.ndarray:
@@ -125,14 +126,24 @@ def _check_inputs(lengths, seq_length, seed, num_samples, num_epochs) -> np.ndar
     return lengths
 
 
-def cache_key(lengths: np.ndarray, seq_length: int, seed: int, num_samples: Optional[int],
-              num_epochs: Optional[int]) -> str:
+def cache_key(
+    lengths: np.ndarray,
+    seq_length: int,
+    seed: int,
+    num_samples: Optional[int],
+    num_epochs: Optional[int],
+) -> str:
     """Hash of every input that changes the index (and of the format version)."""
     lengths = np.ascontiguousarray(lengths, dtype=np.int32)
     h = hashlib.sha256()
-    head = dict(v=FORMAT_VERSION, seq_length=int(seq_length), seed=int(seed),
-                num_samples=None if num_samples is None else int(num_samples),
-                num_epochs=None if num_epochs is None else int(num_epochs), n=int(lengths.size))
+    head = dict(
+        v=FORMAT_VERSION,
+        seq_length=int(seq_length),
+        seed=int(seed),
+        num_samples=None if num_samples is None else int(num_samples),
+        num_epochs=None if num_epochs is None else int(num_epochs),
+        n=int(lengths.size),
+    )
     h.update(json.dumps(head, sort_keys=True).encode())
     h.update(memoryview(lengths).cast("B"))
     return h.hexdigest()[:16]
@@ -164,15 +175,26 @@ def _load(marker: Path, files: dict[str, Path], seq_length: int) -> Optional[Sam
         return None  # unreadable entry: rebuild and overwrite it
     if meta.get("format_version") != FORMAT_VERSION:
         return None
-    return SampleIndex(**arrays, seq_length=seq_length, num_samples=meta["num_samples"],
-                       num_epochs=meta["num_epochs"], num_documents=meta["num_documents"],
-                       tokens_per_epoch=meta["tokens_per_epoch"], cache_path=str(marker),
-                       from_cache=True)
+    return SampleIndex(
+        **arrays,
+        seq_length=seq_length,
+        num_samples=meta["num_samples"],
+        num_epochs=meta["num_epochs"],
+        num_documents=meta["num_documents"],
+        tokens_per_epoch=meta["tokens_per_epoch"],
+        cache_path=str(marker),
+        from_cache=True,
+    )
 
 
-def build_sample_index(lengths, seq_length: int, seed: int, num_samples: Optional[int] = None,
-                       num_epochs: Optional[int] = None,
-                       cache_dir: Optional[str | os.PathLike] = None) -> SampleIndex:
+def build_sample_index(
+    lengths,
+    seq_length: int,
+    seed: int,
+    num_samples: Optional[int] = None,
+    num_epochs: Optional[int] = None,
+    cache_dir: Optional[str | os.PathLike] = None,
+) -> SampleIndex:
     """Pack documents of `lengths` tokens into samples; exactly one of num_samples / num_epochs.
 
     num_samples: as many epochs as needed (each fully shuffled, kept in doc_idx and packed),
@@ -192,26 +214,43 @@ def build_sample_index(lengths, seq_length: int, seed: int, num_samples: Optiona
         if hit is not None:
             return hit
 
-    r = _ext().build_sample_index(lengths, int(seq_length), int(seed),
-                                  -1 if num_samples is None else int(num_samples),
-                                  -1 if num_epochs is None else int(num_epochs))
-    index = SampleIndex(doc_idx=r["doc_idx"], sample_idx=r["sample_idx"],
-                        boundary_ptr=r["boundary_ptr"], boundary_offsets=r["boundary_offsets"],
-                        shuffle_idx=r["shuffle_idx"],
-                        seq_length=int(seq_length), num_samples=int(r["num_samples"]),
-                        num_epochs=int(r["num_epochs"]), num_documents=int(lengths.size),
-                        tokens_per_epoch=int(r["tokens_per_epoch"]))
+    r = _ext().build_sample_index(
+        lengths,
+        int(seq_length),
+        int(seed),
+        -1 if num_samples is None else int(num_samples),
+        -1 if num_epochs is None else int(num_epochs),
+    )
+    index = SampleIndex(
+        doc_idx=r["doc_idx"],
+        sample_idx=r["sample_idx"],
+        boundary_ptr=r["boundary_ptr"],
+        boundary_offsets=r["boundary_offsets"],
+        shuffle_idx=r["shuffle_idx"],
+        seq_length=int(seq_length),
+        num_samples=int(r["num_samples"]),
+        num_epochs=int(r["num_epochs"]),
+        num_documents=int(lengths.size),
+        tokens_per_epoch=int(r["tokens_per_epoch"]),
+    )
     if marker is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
         for a, p in files.items():
             arr = getattr(index, a)
             _atomic_write(p, lambda f, arr=arr: np.save(f, arr, allow_pickle=False))
-        meta = dict(format_version=FORMAT_VERSION, seq_length=index.seq_length, seed=int(seed),
-                    num_samples=index.num_samples, num_packed=index.num_packed,
-                    num_epochs=index.num_epochs,
-                    num_documents=index.num_documents, tokens_per_epoch=index.tokens_per_epoch,
-                    requested_num_samples=num_samples, requested_num_epochs=num_epochs,
-                    num_boundaries=int(index.boundary_offsets.size))
+        meta = dict(
+            format_version=FORMAT_VERSION,
+            seq_length=index.seq_length,
+            seed=int(seed),
+            num_samples=index.num_samples,
+            num_packed=index.num_packed,
+            num_epochs=index.num_epochs,
+            num_documents=index.num_documents,
+            tokens_per_epoch=index.tokens_per_epoch,
+            requested_num_samples=num_samples,
+            requested_num_epochs=num_epochs,
+            num_boundaries=int(index.boundary_offsets.size),
+        )
         _atomic_write(marker, lambda f: f.write(json.dumps(meta, indent=1).encode()))
         index.cache_path = str(marker)
     return index

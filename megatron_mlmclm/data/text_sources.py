@@ -56,16 +56,24 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[str | Path]:
     for inp in inputs:
         p = Path(inp)
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and _suffix(f)
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            files = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file()
+                and _suffix(f)
+                and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            )
             if not files:
-                raise UsageError(f"input folder {p} holds no supported file "
-                                 f"({', '.join(SUFFIXES)})")
+                raise UsageError(
+                    f"input folder {p} holds no supported file ({', '.join(SUFFIXES)})"
+                )
             out.extend(files)
         elif p.exists():
             if _suffix(p) is None:
-                raise UsageError(f"input {p} has an unsupported type; use one of "
-                                 f"{', '.join(SUFFIXES)} or a folder of them")
+                raise UsageError(
+                    f"input {p} has an unsupported type; use one of "
+                    f"{', '.join(SUFFIXES)} or a folder of them"
+                )
             if not os.access(p, os.R_OK):
                 raise UsageError(f"input {p} is not readable; check its permissions")
             out.append(p)
@@ -73,17 +81,24 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[str | Path]:
             if _is_hf_name(str(inp)) and _datasets_available():
                 out.append(str(inp))
             else:
-                hint = ("" if not _is_hf_name(str(inp)) else
-                        " (and the `datasets` package is not installed to load it as a "
-                        "Hugging Face dataset)")
+                hint = (
+                    ""
+                    if not _is_hf_name(str(inp))
+                    else " (and the `datasets` package is not installed to load it as a "
+                    "Hugging Face dataset)"
+                )
                 raise UsageError(f"input {inp} does not exist{hint}; check the path")
     return out
 
 
 def _is_hf_name(s: str) -> bool:
     name = s.split(":", 1)[0]
-    return bool(name) and not name.startswith((".", "/", "~")) and name.count("/") <= 1 \
+    return (
+        bool(name)
+        and not name.startswith((".", "/", "~"))
+        and name.count("/") <= 1
         and _suffix(Path(name)) is None
+    )
 
 
 def _datasets_available() -> bool:
@@ -98,8 +113,10 @@ def _decode_line(raw: bytes, path: Path, lineno: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UsageError(f"{path}: line {lineno}: invalid UTF-8 at byte {e.start} of the line; "
-                         "re-encode the file as UTF-8") from None
+        raise UsageError(
+            f"{path}: line {lineno}: invalid UTF-8 at byte {e.start} of the line; "
+            "re-encode the file as UTF-8"
+        ) from None
 
 
 def _open_bytes(path: Path):
@@ -119,10 +136,14 @@ def _read_errors(path: Path):
             return self
 
         def __exit__(self, tp, val, tb):
-            if tp is not None and issubclass(tp, (OSError, EOFError, zlib.error)) \
-                    and not issubclass(tp, UsageError):
-                raise UsageError(f"cannot read input {path}: {val}; the file is truncated "
-                                 "or corrupt") from None
+            if (
+                tp is not None
+                and issubclass(tp, (OSError, EOFError, zlib.error))
+                and not issubclass(tp, UsageError)
+            ):
+                raise UsageError(
+                    f"cannot read input {path}: {val}; the file is truncated or corrupt"
+                ) from None
             return False
 
     return _Ctx()
@@ -137,8 +158,10 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise UsageError(f"{path}: line {lineno}: malformed JSON ({e.msg} at column "
-                                 f"{e.colno}); each line must be one JSON object") from None
+                raise UsageError(
+                    f"{path}: line {lineno}: malformed JSON ({e.msg} at column "
+                    f"{e.colno}); each line must be one JSON object"
+                ) from None
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
@@ -155,13 +178,15 @@ def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         lineno = data.count(b"\n", 0, e.start) + 1
-        raise UsageError(f"{path}: line {lineno}: invalid UTF-8; re-encode the file as UTF-8") \
-            from None
+        raise UsageError(
+            f"{path}: line {lineno}: invalid UTF-8; re-encode the file as UTF-8"
+        ) from None
     try:
         items = json.loads(text)
     except json.JSONDecodeError as e:
-        raise UsageError(f"{path}: line {e.lineno}: malformed JSON ({e.msg} at column "
-                         f"{e.colno})") from None
+        raise UsageError(
+            f"{path}: line {e.lineno}: malformed JSON ({e.msg} at column {e.colno})"
+        ) from None
     if not isinstance(items, list):
         raise UsageError(f"{path}: expected a JSON list of objects or one object per line")
     for i, item in enumerate(items):
@@ -181,8 +206,9 @@ def _iter_txt(path: Path, split_lines: bool) -> Iterator[tuple[int, str]]:
         yield 1, data.decode("utf-8")
     except UnicodeDecodeError as e:
         lineno = data.count(b"\n", 0, e.start) + 1
-        raise UsageError(f"{path}: line {lineno}: invalid UTF-8; re-encode the file as UTF-8") \
-            from None
+        raise UsageError(
+            f"{path}: line {lineno}: invalid UTF-8; re-encode the file as UTF-8"
+        ) from None
 
 
 def _iter_parquet(path: Path, keys: Sequence[str]) -> Iterator[tuple[int, dict]]:
@@ -193,8 +219,10 @@ def _iter_parquet(path: Path, keys: Sequence[str]) -> Iterator[tuple[int, dict]]
     names = pf.schema_arrow.names
     missing = [k for k in keys if k not in names]
     if missing:
-        raise UsageError(f"{path}: no column '{missing[0]}'; available columns: "
-                         f"{', '.join(names)}; choose one with --json-keys")
+        raise UsageError(
+            f"{path}: no column '{missing[0]}'; available columns: "
+            f"{', '.join(names)}; choose one with --json-keys"
+        )
     row = 0
     try:
         for batch in pf.iter_batches(columns=list(keys), batch_size=1024):
@@ -226,14 +254,17 @@ def _iter_hf(name: str, keys: Sequence[str]) -> Iterator[tuple[int, dict]]:
 
 def _record_texts(rec: object, keys: Sequence[str], where: str) -> dict[str, str]:
     if not isinstance(rec, dict):
-        raise UsageError(f"{where}: expected a JSON object with key(s) {', '.join(keys)}, "
-                         f"got {type(rec).__name__}")
+        raise UsageError(
+            f"{where}: expected a JSON object with key(s) {', '.join(keys)}, "
+            f"got {type(rec).__name__}"
+        )
     out = {}
     for k in keys:
         if k not in rec:
             avail = ", ".join(map(str, rec.keys())) or "none"
-            raise UsageError(f"{where}: no key '{k}' (available keys: {avail}); "
-                             "choose one with --json-keys")
+            raise UsageError(
+                f"{where}: no key '{k}' (available keys: {avail}); choose one with --json-keys"
+            )
         v = rec[k]
         if v is None:
             v = ""
@@ -243,8 +274,11 @@ def _record_texts(rec: object, keys: Sequence[str], where: str) -> dict[str, str
     return out
 
 
-def iter_documents(inputs: Sequence[str | os.PathLike], keys: Sequence[str] = ("text",),
-                   txt_split_lines: bool = False) -> Iterator[dict[str, str]]:
+def iter_documents(
+    inputs: Sequence[str | os.PathLike],
+    keys: Sequence[str] = ("text",),
+    txt_split_lines: bool = False,
+) -> Iterator[dict[str, str]]:
     """Yield one ``{key: text}`` per document over all inputs, in order (see module doc)."""
     keys = list(keys)
     if not keys:
@@ -257,8 +291,10 @@ def iter_documents(inputs: Sequence[str | os.PathLike], keys: Sequence[str] = ("
         suf = _suffix(src)
         if suf in (".txt", ".txt.gz"):
             if len(keys) != 1:
-                raise UsageError(f"{src}: a .txt input has one text per document; give a single "
-                                 f"--json-keys value, not {len(keys)}")
+                raise UsageError(
+                    f"{src}: a .txt input has one text per document; give a single "
+                    f"--json-keys value, not {len(keys)}"
+                )
             for _, text in _iter_txt(src, txt_split_lines):
                 yield {keys[0]: text}
         elif suf == ".parquet":
@@ -272,8 +308,12 @@ def iter_documents(inputs: Sequence[str | os.PathLike], keys: Sequence[str] = ("
                 yield _record_texts(rec, keys, f"{src}: {loc}")
 
 
-def iter_texts(inputs: Sequence[str | os.PathLike], key: str = "text",
-               txt_split_lines: bool = False, max_documents: int | None = None) -> Iterator[str]:
+def iter_texts(
+    inputs: Sequence[str | os.PathLike],
+    key: str = "text",
+    txt_split_lines: bool = False,
+    max_documents: int | None = None,
+) -> Iterator[str]:
     """Non-empty texts under one key (for tokenizer training)."""
     n = 0
     for doc in iter_documents(inputs, (key,), txt_split_lines):

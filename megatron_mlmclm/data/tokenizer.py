@@ -63,19 +63,28 @@ def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
     """Special ids and vocabulary size from the tokenizer (or synthetic ones for mock data)."""
     if cfg.data.tokenizer is None:
         if not cfg.data.mock:
-            raise UsageError("data.tokenizer is not set; give the folder written by `mlmclm tokenize`")
+            raise UsageError(
+                "data.tokenizer is not set; give the folder written by `mlmclm tokenize`"
+            )
         vocab = cfg.model.vocab_size or 1024
         return TokenSpec(vocab_size=vocab, mask_id=3, special_ids=(0, 1, 2, 3))
     tok = load_tokenizer(cfg.data.tokenizer)
     ids = special_token_ids(tok)
     vocab = len(tok)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
-        raise UsageError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer "
-                         f"({vocab}); remove model.vocab_size to take it from the tokenizer")
-    specials = tuple(sorted({int(v) for v in ids.values() if v is not None}
-                            | set(getattr(tok, "all_special_ids", []))))
-    return TokenSpec(vocab_size=cfg.model.vocab_size or vocab, mask_id=int(ids["mask_id"]),
-                     special_ids=specials)
+        raise UsageError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer "
+            f"({vocab}); remove model.vocab_size to take it from the tokenizer"
+        )
+    specials = tuple(
+        sorted(
+            {int(v) for v in ids.values() if v is not None}
+            | set(getattr(tok, "all_special_ids", []))
+        )
+    )
+    return TokenSpec(
+        vocab_size=cfg.model.vocab_size or vocab, mask_id=int(ids["mask_id"]), special_ids=specials
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,8 +99,10 @@ def special_token_ids(tok) -> dict[str, int | None]:
 def _load_hf(path: str | os.PathLike):
     p = Path(path)
     if not p.is_dir():
-        raise UsageError(f"tokenizer folder {p} does not exist; give a local Hugging Face "
-                         "tokenizer folder (downloads are not done here)")
+        raise UsageError(
+            f"tokenizer folder {p} does not exist; give a local Hugging Face "
+            "tokenizer folder (downloads are not done here)"
+        )
     try:
         return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except UsageError:
@@ -104,14 +115,19 @@ def _load_hf(path: str | os.PathLike):
 def load_tokenizer(path: str | os.PathLike):
     """The HF tokenizer in ``path``, checked to have bos, eos, pad (distinct from eos) and mask."""
     tok = _load_hf(path)
-    missing = [n for n in ("mask", "pad", "bos", "eos")
-               if getattr(tok, f"{n}_token_id", None) is None]
+    missing = [
+        n for n in ("mask", "pad", "bos", "eos") if getattr(tok, f"{n}_token_id", None) is None
+    ]
     if missing:
-        raise UsageError(f"tokenizer folder {path} has no {' / '.join(missing)} token; run "
-                         f"`mlmclm tokenize --from {path} --out NEW_DIR` to reserve one")
+        raise UsageError(
+            f"tokenizer folder {path} has no {' / '.join(missing)} token; run "
+            f"`mlmclm tokenize --from {path} --out NEW_DIR` to reserve one"
+        )
     if tok.pad_token_id == tok.eos_token_id:
-        raise UsageError(f"tokenizer folder {path} uses eos as pad; run "
-                         f"`mlmclm tokenize --from {path} --out NEW_DIR` to reserve a distinct pad")
+        raise UsageError(
+            f"tokenizer folder {path} uses eos as pad; run "
+            f"`mlmclm tokenize --from {path} --out NEW_DIR` to reserve a distinct pad"
+        )
     return tok
 
 
@@ -143,9 +159,15 @@ def _save(tok, out_dir: Path, source: str, reserved: dict, added: list[str], for
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         tok.save_pretrained(str(tmp))
-        meta = dict(special_token_ids(tok), vocab_size=len(tok), source=str(source),
-                    mask_reserved_from=reserved.get("mask"), pad_reserved_from=reserved.get("pad"),
-                    added_tokens=added, vocab_grew=bool(added))
+        meta = dict(
+            special_token_ids(tok),
+            vocab_size=len(tok),
+            source=str(source),
+            mask_reserved_from=reserved.get("mask"),
+            pad_reserved_from=reserved.get("pad"),
+            added_tokens=added,
+            vocab_grew=bool(added),
+        )
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _commit(tmp, out)
     except BaseException:
@@ -160,8 +182,9 @@ def _save(tok, out_dir: Path, source: str, reserved: dict, added: list[str], for
 
 def _unused_reserved(tok) -> list[str]:
     """``<|reserved_special_token_N|>`` in the vocab, by N, minus those already in a named role."""
-    used = {getattr(tok, f"{n}_token", None) for n in
-            ("bos", "eos", "unk", "pad", "mask", "cls", "sep")}
+    used = {
+        getattr(tok, f"{n}_token", None) for n in ("bos", "eos", "unk", "pad", "mask", "cls", "sep")
+    }
     found = []
     for t in tok.get_vocab():
         m = _RESERVED.match(t)
@@ -170,8 +193,9 @@ def _unused_reserved(tok) -> list[str]:
     return [t for _, t in sorted(found)]
 
 
-def prepare_tokenizer(source: str | os.PathLike, out_dir: str | os.PathLike,
-                      force: bool = False, verbose: bool = True) -> Path:
+def prepare_tokenizer(
+    source: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False, verbose: bool = True
+) -> Path:
     """Load the HF tokenizer in ``source``, guarantee bos/eos/pad/mask, save it to ``out_dir``."""
     tok = _load_hf(source)
     before = len(tok)
@@ -208,15 +232,24 @@ def prepare_tokenizer(source: str | os.PathLike, out_dir: str | os.PathLike,
 # Byte-level BPE trained on the corpus
 
 
-def train_tokenizer(inputs: Sequence[str], out_dir: str | os.PathLike, vocab_size: int,
-                    text_key: str = "text", min_frequency: int = 2,
-                    max_documents: int | None = None, txt_split_lines: bool = False,
-                    force: bool = False, progress: bool = True) -> Path:
+def train_tokenizer(
+    inputs: Sequence[str],
+    out_dir: str | os.PathLike,
+    vocab_size: int,
+    text_key: str = "text",
+    min_frequency: int = 2,
+    max_documents: int | None = None,
+    txt_split_lines: bool = False,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
     """Train a byte-level BPE of ``vocab_size`` tokens (specials included) and save it."""
     specials = ["<s>", "</s>", "<pad>", "<mask>"]
     if vocab_size < 256 + len(specials):
-        raise UsageError(f"--vocab-size {vocab_size} is too small for byte-level BPE; use at least "
-                         f"{256 + len(specials)}")
+        raise UsageError(
+            f"--vocab-size {vocab_size} is too small for byte-level BPE; use at least "
+            f"{256 + len(specials)}"
+        )
     if max_documents is not None and max_documents < 1:
         raise UsageError("--max-documents must be >= 1")
     _prepare_out(out_dir, force)  # fail before reading the corpus
@@ -225,15 +258,19 @@ def train_tokenizer(inputs: Sequence[str], out_dir: str | os.PathLike, vocab_siz
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=specials,
-                                  show_progress=progress and sys.stderr.isatty(),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials,
+        show_progress=progress and sys.stderr.isatty(),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     count = {"docs": 0}
 
     def texts():
-        bar = tqdm(desc="reading", unit="doc", disable=None if progress else True,
-                   total=max_documents)
+        bar = tqdm(
+            desc="reading", unit="doc", disable=None if progress else True, total=max_documents
+        )
         for t in iter_texts(inputs, text_key, txt_split_lines, max_documents):
             count["docs"] += 1
             bar.update(1)
@@ -242,13 +279,22 @@ def train_tokenizer(inputs: Sequence[str], out_dir: str | os.PathLike, vocab_siz
 
     bpe.train_from_iterator(texts(), trainer)
     if count["docs"] == 0:
-        raise UsageError(f"the corpus {' '.join(map(str, inputs))} has no non-empty document "
-                         f"under key '{text_key}'")
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>", mask_token="<mask>",
-                                  clean_up_tokenization_spaces=False)
+        raise UsageError(
+            f"the corpus {' '.join(map(str, inputs))} has no non-empty document "
+            f"under key '{text_key}'"
+        )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        mask_token="<mask>",
+        clean_up_tokenization_spaces=False,
+    )
     if len(tok) < vocab_size and progress:
-        print(f"note: the corpus gave only {len(tok)} tokens (asked {vocab_size}); "
-              "train on more text or lower --min-frequency")
+        print(
+            f"note: the corpus gave only {len(tok)} tokens (asked {vocab_size}); "
+            "train on more text or lower --min-frequency"
+        )
     source = "bpe:" + ",".join(map(str, inputs))
     return _save(tok, Path(out_dir), source, {}, [], force)

@@ -24,7 +24,9 @@ def unigram_cross_entropy(tokenizer_dir: str | Path, train_prefix: str, valid_pr
     """Nats per token of the train shard's smoothed unigram distribution on the valid shard's
     non-special tokens."""
     meta = json.loads((Path(tokenizer_dir) / "mlmclm_tokenizer.json").read_text())
-    specials = [meta[k] for k in ("bos_id", "eos_id", "pad_id", "mask_id") if meta.get(k) is not None]
+    specials = [
+        meta[k] for k in ("bos_id", "eos_id", "pad_id", "mask_id") if meta.get(k) is not None
+    ]
     counts = np.bincount(shard_tokens(train_prefix), minlength=int(meta["vocab_size"]))
     counts = counts.astype(np.float64) + 1.0
     counts[specials] = 0.0

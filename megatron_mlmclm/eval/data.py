@@ -38,16 +38,20 @@ def files(task, name: str) -> list[Path]:
     if any(c in name for c in "*?["):
         found = sorted(p for p in folder.glob(name) if p.is_file())
         if not found:
-            raise UsageError(f"task '{task.name}': no file matches {folder / name} "
-                             f"(set MLMCLM_DATA_DIR or fix `path`/`splits` of the task)")
+            raise UsageError(
+                f"task '{task.name}': no file matches {folder / name} "
+                f"(set MLMCLM_DATA_DIR or fix `path`/`splits` of the task)"
+            )
         return found
     return [need(folder / name, task)]
 
 
 def need(path: Path, task) -> Path:
     if not path.is_file():
-        raise UsageError(f"task '{task.name}': data file {path} not found "
-                         f"(set MLMCLM_DATA_DIR or fix `path`/`splits` of the task)")
+        raise UsageError(
+            f"task '{task.name}': data file {path} not found "
+            f"(set MLMCLM_DATA_DIR or fix `path`/`splits` of the task)"
+        )
     return path
 
 
@@ -88,11 +92,14 @@ def read_rows(task, paths: list[Path], fmt: str, quoting: bool = True) -> list[d
             else:
                 rows += pq.read_table(path).to_pylist()
         except (csv.Error, ValueError, OSError, UnicodeDecodeError) as e:  # json/arrow errors too
-            raise UsageError(f"task '{task.name}': {path} is not readable as {fmt}: "
-                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise UsageError(
+                f"task '{task.name}': {path} is not readable as {fmt}: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            ) from None
     if any(not isinstance(r, dict) for r in rows):
-        raise UsageError(f"task '{task.name}': {paths[0]}: every row must be an object with named "
-                         "fields")
+        raise UsageError(
+            f"task '{task.name}': {paths[0]}: every row must be an object with named fields"
+        )
     return rows
 
 
@@ -102,8 +109,10 @@ def need_columns(task, rows: list[dict], cols: list[str], where, hint: str = "")
         return
     for col in cols:
         if col not in rows[0]:
-            raise UsageError(f"task '{task.name}': column '{col}' missing in {where} "
-                             f"(columns: {', '.join(map(str, rows[0]))}){hint}")
+            raise UsageError(
+                f"task '{task.name}': column '{col}' missing in {where} "
+                f"(columns: {', '.join(map(str, rows[0]))}){hint}"
+            )
 
 
 def check_values(task, rows: list[dict], cols: list[str], where) -> None:
@@ -111,8 +120,7 @@ def check_values(task, rows: list[dict], cols: list[str], where) -> None:
     for i, r in enumerate(rows, 1):
         for c in cols:
             if r.get(c) is None:
-                raise UsageError(f"task '{task.name}': row {i} of {where} has no value for "
-                                 f"'{c}'")
+                raise UsageError(f"task '{task.name}': row {i} of {where} has no value for '{c}'")
 
 
 def as_list(value, what: str, where: str) -> list:
@@ -141,19 +149,24 @@ def class_name(value, labels: list[str] | None, where: str) -> str:
 
 # ------------------------------------------------------------------------------------- the Hub
 
+
 def hub_dataset(task, name: str, config: str | None, split: str):
     """A Hugging Face dataset split (online; `datasets` is optional)."""
     try:
         import datasets  # optional dependency: only tasks read from the Hub need it
     except ImportError:
-        raise UsageError(f"task '{task.name}' reads {name} from the Hugging Face Hub"
-                         f"{' (its local folder ' + str(task.folder()) + ' is absent)' if task.path else ''}; "
-                         "pip install datasets and be online, or put the files there") from None
+        raise UsageError(
+            f"task '{task.name}' reads {name} from the Hugging Face Hub"
+            f"{' (its local folder ' + str(task.folder()) + ' is absent)' if task.path else ''}; "
+            "pip install datasets and be online, or put the files there"
+        ) from None
     try:
         return datasets.load_dataset(name, config, split=split)
     except Exception as e:  # network, unknown name, unknown split
-        raise UsageError(f"task '{task.name}': cannot load {name} split {split}: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise UsageError(
+            f"task '{task.name}': cannot load {name} split {split}: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
 
 
 def hub_rows(task, split: str) -> tuple[list[dict[str, Any]], dict[str, list[str]]]:

@@ -102,12 +102,40 @@ class FinetuneConfig:
 # ir_mini_batch_size (CachedMNRL: same loss), device, threads, task_files (the entry itself is
 # hashed), progress and save_model are execution knobs. tests/eval/test_protocol.py checks every
 # field is in exactly one of the two sets.
-PROTOCOL_FIELDS = ("protocol", "batch_size", "max_steps", "epochs", "warmup_ratio", "weight_decay",
-                   "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "max_length",
-                   "max_length_ratio", "max_train_examples", "max_eval_examples", "precision")
-NOT_PROTOCOL_FIELDS = ("model", "task", "lr", "seed", "model_name", "eval_batch_size", "eval_every",
-                       "ir_mini_batch_size", "device", "threads", "task_files", "progress",
-                       "save_model", "grid_lrs", "grid_seeds")
+PROTOCOL_FIELDS = (
+    "protocol",
+    "batch_size",
+    "max_steps",
+    "epochs",
+    "warmup_ratio",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "grad_clip",
+    "max_length",
+    "max_length_ratio",
+    "max_train_examples",
+    "max_eval_examples",
+    "precision",
+)
+NOT_PROTOCOL_FIELDS = (
+    "model",
+    "task",
+    "lr",
+    "seed",
+    "model_name",
+    "eval_batch_size",
+    "eval_every",
+    "ir_mini_batch_size",
+    "device",
+    "threads",
+    "task_files",
+    "progress",
+    "save_model",
+    "grid_lrs",
+    "grid_seeds",
+)
 
 
 def _short_hash(obj) -> str:
@@ -174,11 +202,14 @@ def make_optimizer(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.optim.O
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     kwargs = {"fused": True} if next(model.parameters()).is_cuda else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_eps, **kwargs)
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, **kwargs
+    )
 
 
 def linear_warmup_decay(optimizer, warmup: int, total: int):
@@ -193,8 +224,11 @@ def linear_warmup_decay(optimizer, warmup: int, total: int):
 def num_steps(n_train: int, cfg: FinetuneConfig, per_epoch: int | None = None) -> int:
     """max_steps or `epochs` epochs, whichever comes first (a None cap does not apply)."""
     per_epoch = per_epoch or math.ceil(n_train / cfg.batch_size)
-    caps = [c for c in (cfg.max_steps, None if cfg.epochs is None else
-                        math.ceil(per_epoch * cfg.epochs)) if c is not None]
+    caps = [
+        c
+        for c in (cfg.max_steps, None if cfg.epochs is None else math.ceil(per_epoch * cfg.epochs))
+        if c is not None
+    ]
     if not caps:
         raise UsageError(f"task {cfg.task}: neither max_steps nor epochs bounds the run")
     return max(1, min(caps))
@@ -208,7 +242,7 @@ def batches(n: int, batch_size: int, steps: int, seed: int):
     while done < steps:
         perm = torch.randperm(n, generator=g).tolist()
         for i in range(0, n, batch_size):
-            yield perm[i:i + batch_size]
+            yield perm[i : i + batch_size]
             done += 1
             if done >= steps:
                 return
@@ -278,8 +312,12 @@ def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) ->
     curve, losses, seen = [], [], 0
     t0 = time.perf_counter()
     eval_time = 0.0
-    bar = tqdm(total=steps, desc=f"{cfg.task} lr={cfg.lr:g} seed={cfg.seed}", disable=not cfg.progress,
-               leave=False)
+    bar = tqdm(
+        total=steps,
+        desc=f"{cfg.task} lr={cfg.lr:g} seed={cfg.seed}",
+        disable=not cfg.progress,
+        leave=False,
+    )
     for step, idx in enumerate(order, 1):
         batch = to_device(setup.collate([setup.train_items[i] for i in idx]), device)
         with autocast():
@@ -300,14 +338,19 @@ def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) ->
                 metrics = setup.evaluate(model, "validation")
             model.train()
             eval_time += time.perf_counter() - te
-            window = losses[-cfg.eval_every:]
+            window = losses[-cfg.eval_every :]
             curve.append({"step": step, "train_loss": sum(window) / len(window), **metrics})
             bar.set_postfix(loss=f"{curve[-1]['train_loss']:.3f}")
     bar.close()
     total = time.perf_counter() - t0
-    return {"steps": steps, "examples_seen": seen, "validation_curve": curve,
-            "train_time_s": total - eval_time, "eval_time_s": eval_time,
-            "train_examples_per_s": seen / max(total - eval_time, 1e-9)}
+    return {
+        "steps": steps,
+        "examples_seen": seen,
+        "validation_curve": curve,
+        "train_time_s": total - eval_time,
+        "eval_time_s": eval_time,
+        "train_examples_per_s": seen / max(total - eval_time, 1e-9),
+    }
 
 
 def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = None) -> dict:
@@ -324,8 +367,13 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
     out = train(setup, cfg, device, log=log)
     model = setup.model
     model.eval()
-    validation = {k: v for k, v in out["validation_curve"][-1].items() if k not in ("step", "train_loss")}
-    with torch.no_grad(), autocast_for(cfg, device)():  # the registry keeps test apart from validation
+    validation = {
+        k: v for k, v in out["validation_curve"][-1].items() if k not in ("step", "train_loss")
+    }
+    with (
+        torch.no_grad(),
+        autocast_for(cfg, device)(),
+    ):  # the registry keeps test apart from validation
         test = setup.evaluate(model, "test")
     if save_to is not None:
         setup.save(str(save_to))
@@ -340,7 +388,10 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
         "lr": cfg.lr,
         "seed": cfg.seed,
         "protocol": protocol(cfg, task),
-        "grid": {"lrs": list(cfg.grid_lrs) or [cfg.lr], "seeds": list(cfg.grid_seeds) or [cfg.seed]},
+        "grid": {
+            "lrs": list(cfg.grid_lrs) or [cfg.lr],
+            "seeds": list(cfg.grid_seeds) or [cfg.seed],
+        },
         "config": cfg.to_dict(),
         "task_config": task.to_dict(),
         "metrics": {"validation": validation, "test": test},
@@ -355,8 +406,11 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
         "device": str(device),
         "precision": resolved_precision(cfg, device),
         "info": setup.info,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
         "host": platform.node(),
         "pid": os.getpid(),
     }
@@ -370,8 +424,10 @@ def show_inputs(cfg: FinetuneConfig, n: int) -> str:
     family = family_of(task)
     cfg = dataclasses.replace(cfg, max_eval_examples=1)  # evaluation data is not shown
     data = family.inputs(task, tokenizer, cfg, max_length_for(cfg))
-    lines = [f"== {cfg.name} / {task.name} (protocol {cfg.protocol}): the first "
-             f"{min(n, len(data.train))} of {len(data.train)} training inputs =="]
+    lines = [
+        f"== {cfg.name} / {task.name} (protocol {cfg.protocol}): the first "
+        f"{min(n, len(data.train))} of {len(data.train)} training inputs =="
+    ]
     for i, item in enumerate(data.train[:n]):
         lines.append(f"#{i} {family.show(item, tokenizer, data)}")
     return "\n".join(lines)

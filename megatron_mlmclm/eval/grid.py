@@ -32,17 +32,30 @@ DEFAULT_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 
 
-def expand(models: list[str], tasks: list[str], lrs, seeds, protocol: str = "default",
-           **overrides) -> list[FinetuneConfig]:
+def expand(
+    models: list[str], tasks: list[str], lrs, seeds, protocol: str = "default", **overrides
+) -> list[FinetuneConfig]:
     """Grid order: model, task, lr, seed (stable, so an array index always names the same run).
     Each run takes the protocol's settings for its task (protocols.run_settings), then
     `overrides` (the flags a user gave)."""
     grid = {"grid_lrs": [float(x) for x in lrs], "grid_seeds": [int(x) for x in seeds]}
     registry = load_registry(overrides.get("task_files"))
     per_task = {t: run_settings(get_task(t, registry=registry), protocol) for t in tasks}
-    return [FinetuneConfig(model=m, task=t, lr=float(lr), seed=int(s), protocol=protocol, **grid,
-                           **{**per_task[t], **overrides})
-            for m in models for t in tasks for lr in lrs for s in seeds]
+    return [
+        FinetuneConfig(
+            model=m,
+            task=t,
+            lr=float(lr),
+            seed=int(s),
+            protocol=protocol,
+            **grid,
+            **{**per_task[t], **overrides},
+        )
+        for m in models
+        for t in tasks
+        for lr in lrs
+        for s in seeds
+    ]
 
 
 def result_path(out_dir: str | Path, cfg: FinetuneConfig, task) -> Path:
@@ -53,8 +66,9 @@ def result_path(out_dir: str | Path, cfg: FinetuneConfig, task) -> Path:
 
 def result_paths(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[Path]:
     registry = load_registry(cfgs[0].task_files) if cfgs else {}
-    resolved = {(c.task, c.protocol): resolve(get_task(c.task, registry=registry), c.protocol)
-                for c in cfgs}
+    resolved = {
+        (c.task, c.protocol): resolve(get_task(c.task, registry=registry), c.protocol) for c in cfgs
+    }
     return [result_path(out_dir, c, resolved[(c.task, c.protocol)]) for c in cfgs]
 
 
@@ -78,18 +92,24 @@ def preflight(cfgs: list[FinetuneConfig]) -> None:
     names = {}
     for c in cfgs:
         if names.setdefault(c.name, c.model) != c.model:
-            raise UsageError(f"two model folders share the name '{c.name}' "
-                             f"({names[c.name]}, {c.model}); rename one folder")
+            raise UsageError(
+                f"two model folders share the name '{c.name}' "
+                f"({names[c.name]}, {c.model}); rename one folder"
+            )
     registry = load_registry(cfgs[0].task_files if cfgs else [])
     for model in dict.fromkeys(c.model for c in cfgs):
         load_tokenizer(model)
     for name, proto in dict.fromkeys((c.task, c.protocol) for c in cfgs):
         task = resolve(get_task(name, registry=registry), proto)
         if task.train_only:
-            raise UsageError(f"task '{name}' is a training set (splits: train only); evaluate a "
-                             "task that trains on it: "
-                             + (", ".join(n for n, t in registry.items() if t.train_task == name)
-                                or "none in the registry"))
+            raise UsageError(
+                f"task '{name}' is a training set (splits: train only); evaluate a "
+                "task that trains on it: "
+                + (
+                    ", ".join(n for n, t in registry.items() if t.train_task == name)
+                    or "none in the registry"
+                )
+            )
         source = vars(task).get("train_source") or task
         load_split(source, "train", cfgs[0].max_train_examples)
         for split in ("validation", "test"):
@@ -106,34 +126,49 @@ def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
         result = run_finetune(cfg, save_to=model_folder(Path(path)) if cfg.save_model else None)
     except Exception:  # keep the sweep going; the failure is recorded and retried next time
         failed.parent.mkdir(parents=True, exist_ok=True)
-        failed.write_text(json.dumps({"status": "failed", "config": cfg_dict,
-                                      "traceback": traceback.format_exc()}, indent=1))
+        failed.write_text(
+            json.dumps(
+                {"status": "failed", "config": cfg_dict, "traceback": traceback.format_exc()},
+                indent=1,
+            )
+        )
         return path, traceback.format_exc(limit=3)
     write_result(result, Path(path))
     failed.unlink(missing_ok=True)
     return path, None
 
 
-def run_grid(cfgs: list[FinetuneConfig], out_dir: str | Path, workers: int = 1,
-             array_index: int | None = None, log=print) -> dict:
+def run_grid(
+    cfgs: list[FinetuneConfig],
+    out_dir: str | Path,
+    workers: int = 1,
+    array_index: int | None = None,
+    log=print,
+) -> dict:
     """Run the pending runs of the grid; returns {"ran", "skipped", "failed"} counts."""
     if array_index is not None:
         if not 0 <= array_index < len(cfgs):
-            raise UsageError(f"array index {array_index} outside the grid of {len(cfgs)} runs "
-                             f"(0..{len(cfgs) - 1})")
+            raise UsageError(
+                f"array index {array_index} outside the grid of {len(cfgs)} runs "
+                f"(0..{len(cfgs) - 1})"
+            )
         cfgs = [cfgs[array_index]]
     preflight(cfgs)
     todo = [(c, p) for c, p in zip(cfgs, result_paths(cfgs, out_dir)) if not is_done(p)]
     summary = {"total": len(cfgs), "skipped": len(cfgs) - len(todo), "ran": 0, "failed": 0}
-    log(f"evaluate: {len(cfgs)} runs, {summary['skipped']} already done, {len(todo)} to run "
-        f"with {workers} worker(s) -> {out_dir}")
+    log(
+        f"evaluate: {len(cfgs)} runs, {summary['skipped']} already done, {len(todo)} to run "
+        f"with {workers} worker(s) -> {out_dir}"
+    )
     if not todo:
         return summary
     workers = max(1, min(workers, len(todo)))
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)
-        todo = [(dataclasses.replace(c, progress=False, threads=c.threads or threads), p)
-                for c, p in todo]
+        todo = [
+            (dataclasses.replace(c, progress=False, threads=c.threads or threads), p)
+            for c, p in todo
+        ]
     bar = tqdm(total=len(todo), desc="runs", disable=len(todo) == 1)
 
     def done(path, err):

@@ -33,8 +33,13 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import (AutoConfig, AutoModel, AutoModelForQuestionAnswering,
-                          AutoModelForTokenClassification, AutoTokenizer)
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForQuestionAnswering,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
 
 from megatron_mlmclm.document import make_document_tokenizer
 from megatron_mlmclm.errors import UsageError
@@ -46,20 +51,28 @@ def load_tokenizer(model_dir: str):
         raise UsageError(f"model folder {model_dir} not found")
     if not (folder / "config.json").is_file():
         raise UsageError(f"model folder {model_dir} has no config.json; pass an exported HF folder")
-    if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
-                                                  "tokenizer.model", "vocab.txt")):
-        raise UsageError(f"model folder {model_dir} has no tokenizer; save one there "
-                         f"(tokenizer.save_pretrained) or run `mlmclm tokenize`")
+    if not any(
+        (folder / n).is_file()
+        for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")
+    ):
+        raise UsageError(
+            f"model folder {model_dir} has no tokenizer; save one there "
+            f"(tokenizer.save_pretrained) or run `mlmclm tokenize`"
+        )
     try:
         tok = AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:
         raise UsageError(f"cannot load the tokenizer of {model_dir}: {e}") from None
     if tok.pad_token_id is None:
-        raise UsageError(f"the tokenizer in {model_dir} has no pad token; add one "
-                         f"(e.g. `mlmclm tokenize` adds bos/eos/pad/mask)")
+        raise UsageError(
+            f"the tokenizer in {model_dir} has no pad token; add one "
+            f"(e.g. `mlmclm tokenize` adds bos/eos/pad/mask)"
+        )
     if not getattr(tok, "is_fast", False):
-        raise UsageError(f"the tokenizer in {model_dir} is not a fast tokenizer; inputs are "
-                         f"encoded through its tokenizer.json (save one)")
+        raise UsageError(
+            f"the tokenizer in {model_dir} is not a fast tokenizer; inputs are "
+            f"encoded through its tokenizer.json (save one)"
+        )
     return document_tokenizer(tok)
 
 
@@ -123,8 +136,11 @@ class _HeadModel(nn.Module):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.encoder.save_pretrained(out)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()
-                 if not k.startswith("encoder.")}
+        state = {
+            k: v.detach().contiguous().cpu()
+            for k, v in self.state_dict().items()
+            if not k.startswith("encoder.")
+        }
         save_file(state, str(out / "head.safetensors"))
         (out / "head_config.json").write_text(json.dumps({"kind": self.kind, **self.head_config}))
 
@@ -135,8 +151,9 @@ class _HeadModel(nn.Module):
         if cfg.pop("kind") != cls.kind:
             raise UsageError(f"{model_dir} holds a different head than {cls.__name__}")
         model = cls(load_encoder(model_dir), **cfg)
-        missing, unexpected = model.load_state_dict(load_file(str(folder / "head.safetensors")),
-                                                    strict=False)
+        missing, unexpected = model.load_state_dict(
+            load_file(str(folder / "head.safetensors")), strict=False
+        )
         bad = [k for k in missing if not k.startswith("encoder.")] + list(unexpected)
         if bad:
             raise UsageError(f"{model_dir}/head.safetensors does not match: {bad[:3]}")
@@ -168,8 +185,9 @@ class TokenTagger(_HeadModel):
         logits = self.classifier(self._encode(input_ids, attention_mask))
         loss = None
         if labels is not None:
-            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                               ignore_index=-100)
+            loss = nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100
+            )
         return SimpleNamespace(loss=loss, logits=logits)
 
 
@@ -187,8 +205,10 @@ class SpanQAModel(_HeadModel):
         start, end = start.masked_fill(mask, -1e4), end.masked_fill(mask, -1e4)
         loss = None
         if start_positions is not None:
-            loss = (nn.functional.cross_entropy(start, start_positions)
-                    + nn.functional.cross_entropy(end, end_positions)) / 2
+            loss = (
+                nn.functional.cross_entropy(start, start_positions)
+                + nn.functional.cross_entropy(end, end_positions)
+            ) / 2
         return SimpleNamespace(loss=loss, start_logits=start, end_logits=end)
 
 
@@ -203,8 +223,13 @@ def _auto_head(auto_cls, model_dir: str, **kwargs):
 def token_classifier(model_dir: str, labels: list[str]) -> nn.Module:
     """A fresh token-classification model on the encoder (random head; seed torch first)."""
     id2label = dict(enumerate(labels))
-    model = _auto_head(AutoModelForTokenClassification, model_dir, num_labels=len(labels),
-                       id2label=id2label, label2id={v: k for k, v in id2label.items()})
+    model = _auto_head(
+        AutoModelForTokenClassification,
+        model_dir,
+        num_labels=len(labels),
+        id2label=id2label,
+        label2id={v: k for k, v in id2label.items()},
+    )
     return model if model is not None else TokenTagger(load_encoder(model_dir), len(labels))
 
 

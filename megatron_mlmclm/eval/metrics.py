@@ -35,9 +35,11 @@ def entity_f1(predictions: list[list[str]], references: list[list[str]]) -> dict
     from seqeval.metrics import f1_score, precision_score, recall_score  # optional: [eval] extra
 
     kw = {"zero_division": 0}
-    return {"f1": float(f1_score(references, predictions, **kw)),
-            "precision": float(precision_score(references, predictions, **kw)),
-            "recall": float(recall_score(references, predictions, **kw))}
+    return {
+        "f1": float(f1_score(references, predictions, **kw)),
+        "precision": float(precision_score(references, predictions, **kw)),
+        "recall": float(recall_score(references, predictions, **kw)),
+    }
 
 
 def f1_from_counts(tp: int, n_pred: int, n_gold: int) -> float:
@@ -57,8 +59,10 @@ def sentence_macro_f1(predictions: list[list[str]], references: list[list[str]])
 
 
 def token_set_f1(predicted: list[set[int]], gold: list[set[int]]) -> float:
-    scores = [1.0 if not p and not g else f1_from_counts(len(p & g), len(p), len(g))
-              for p, g in zip(predicted, gold)]
+    scores = [
+        1.0 if not p and not g else f1_from_counts(len(p & g), len(p), len(g))
+        for p, g in zip(predicted, gold)
+    ]
     return sum(scores) / len(scores) if scores else 0.0
 
 
@@ -105,8 +109,10 @@ def squad_em_f1(predictions: Mapping[str, str], references: Mapping[str, list[st
 
 # -------------------------------------------------------------------------------------- ir
 
-def ndcg_at_k(run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Mapping[str, int]],
-              k: int = 10) -> float:
+
+def ndcg_at_k(
+    run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Mapping[str, int]], k: int = 10
+) -> float:
     """run {qid: {doc: score}}, qrels {qid: {doc: relevance}}; mean over judged queries."""
     vals = []
     for qid, judged in qrels.items():
@@ -120,8 +126,9 @@ def ndcg_at_k(run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Mappin
     return sum(vals) / len(vals) if vals else 0.0
 
 
-def recall_at_k(run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Mapping[str, int]],
-                k: int = 100) -> float:
+def recall_at_k(
+    run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Mapping[str, int]], k: int = 100
+) -> float:
     vals = []
     for qid, judged in qrels.items():
         relevant = {d for d, r in judged.items() if r > 0}
@@ -132,8 +139,9 @@ def recall_at_k(run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Mapp
     return sum(vals) / len(vals) if vals else 0.0
 
 
-def ndcg_at_k_retrieved(run: Mapping[str, Mapping[str, float]],
-                        qrels: Mapping[str, Mapping[str, int]], k: int = 10) -> float:
+def ndcg_at_k_retrieved(
+    run: Mapping[str, Mapping[str, float]], qrels: Mapping[str, Mapping[str, int]], k: int = 10
+) -> float:
     """Mean over the queries with a relevant document: DCG of the top k retrieved (binary gains)
     over the DCG of those same k gains sorted, 0 when none of them is relevant."""
     vals = []

@@ -36,17 +36,27 @@ class Protocol:
     run: dict = field(default_factory=dict)  # FinetuneConfig settings
 
 
-PROTOCOLS = {p.name: p for p in (
-    Protocol("default", "the field's usual metrics and heads; hash-carved validation; "
-                        "<= 1000 steps or one epoch; bf16 autocast on GPU, fp32 on CPU"),
-    Protocol("encodeval", "the paper's evaluation as EncodEval runs it",
-             tasks={"*": {"holdout_method": "permutation", "holdout_seed": 42},
-                    "tc": {"label_subtokens": "all", "metric": "macro_f1"},
-                    "qa": {"qa_head": "tagging", "metric": "token_f1"},
-                    "ir": {"metric": "ndcg@10_top10", "corpus": "judged_eval",
-                           "batches": "shuffled"}},
-             run={"max_steps": 1000, "epochs": None, "precision": "bf16-pure"}),
-)}
+PROTOCOLS = {
+    p.name: p
+    for p in (
+        Protocol(
+            "default",
+            "the field's usual metrics and heads; hash-carved validation; "
+            "<= 1000 steps or one epoch; bf16 autocast on GPU, fp32 on CPU",
+        ),
+        Protocol(
+            "encodeval",
+            "the paper's evaluation as EncodEval runs it",
+            tasks={
+                "*": {"holdout_method": "permutation", "holdout_seed": 42},
+                "tc": {"label_subtokens": "all", "metric": "macro_f1"},
+                "qa": {"qa_head": "tagging", "metric": "token_f1"},
+                "ir": {"metric": "ndcg@10_top10", "corpus": "judged_eval", "batches": "shuffled"},
+            },
+            run={"max_steps": 1000, "epochs": None, "precision": "bf16-pure"},
+        ),
+    )
+}
 
 
 def get_protocol(name: str) -> Protocol:
@@ -58,8 +68,10 @@ def get_protocol(name: str) -> Protocol:
 def _entry_overrides(task: Task, name: str) -> dict:
     unknown = sorted(set(task.protocols) - set(PROTOCOLS))
     if unknown:
-        raise UsageError(f"task '{task.name}': protocols names unknown protocol(s) "
-                         f"{', '.join(unknown)}; known: {', '.join(PROTOCOLS)}")
+        raise UsageError(
+            f"task '{task.name}': protocols names unknown protocol(s) "
+            f"{', '.join(unknown)}; known: {', '.join(PROTOCOLS)}"
+        )
     return task.protocols.get(name) or {}
 
 

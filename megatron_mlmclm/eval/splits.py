@@ -43,7 +43,7 @@ def permutation_holdout(n: int, fraction: float, seed: int) -> set[int]:
     """Indices of the validation rows of ``train_test_split(train_size=1 - fraction, seed)``."""
     n_train = math.floor((1 - fraction) * n)
     permutation = np.random.default_rng(seed).permutation(n)
-    return {int(i) for i in permutation[:n - n_train]}
+    return {int(i) for i in permutation[: n - n_train]}
 
 
 def holdout(task, split: str, items: list, key) -> list:

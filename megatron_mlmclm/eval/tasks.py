@@ -137,8 +137,9 @@ def _parse(name: str, entry: Any, source: Path) -> Task:
     known = set(FIELDS) - {"name"}
     unknown = sorted(set(entry) - known)
     if unknown:
-        raise UsageError(f"{where}: unknown field(s) {', '.join(unknown)}; "
-                         f"allowed: {', '.join(sorted(known))}")
+        raise UsageError(
+            f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+        )
     for proto, over in (entry.get("protocols") or {}).items():
         if not isinstance(over, dict):
             raise UsageError(f"{where}: protocols.{proto} must be a mapping of fields")
@@ -156,21 +157,25 @@ def check(task: Task, where: str) -> None:
     if family is None:
         raise UsageError(f"{where}: family must be one of {', '.join(FAMILIES)}")
     if task.format not in (*family.formats, "hf"):
-        raise UsageError(f"{where}: format for family {task.family} must be one of "
-                         f"{', '.join((*family.formats, 'hf'))}")
+        raise UsageError(
+            f"{where}: format for family {task.family} must be one of "
+            f"{', '.join((*family.formats, 'hf'))}"
+        )
     splits = task.splits or {}
     need = [s for s in SPLITS if s != "train" or task.train_task is None]
     missing = [s for s in need if s not in splits]
     if missing and set(splits) != {"train"}:
-        raise UsageError(f"{where}: splits needs {', '.join(missing)} (or train alone, for a "
-                         "training set)")
+        raise UsageError(
+            f"{where}: splits needs {', '.join(missing)} (or train alone, for a training set)"
+        )
     if task.format == "hf" and not task.hf_name:
         raise UsageError(f"{where}: format hf needs hf_name")
     if task.labels is not None:
         task.labels = [str(x) for x in task.labels]
     if task.metric is not None and task.metric not in family.metrics:
-        raise UsageError(f"{where}: metric for family {task.family} must be one of "
-                         f"{', '.join(family.metrics)}")
+        raise UsageError(
+            f"{where}: metric for family {task.family} must be one of {', '.join(family.metrics)}"
+        )
     if task.holdout_method not in HOLDOUT_METHODS:
         raise UsageError(f"{where}: holdout_method must be one of {', '.join(HOLDOUT_METHODS)}")
     family.check(task, where)
@@ -186,16 +191,20 @@ def _check_splits(task: Task, where: str) -> None:
     if task.validation_holdout > 0:
         source = task.holdout_source()
         if sp["validation"] != sp[source]:
-            raise UsageError(f"{where}: validation_holdout carves validation out of {source}; "
-                             f"set splits.validation to the {source} split "
-                             f"({task.splits[source]})")
+            raise UsageError(
+                f"{where}: validation_holdout carves validation out of {source}; "
+                f"set splits.validation to the {source} split "
+                f"({task.splits[source]})"
+            )
         if sp["test"] == sp.get("train"):
             raise UsageError(f"{where}: test is the train split; point test at a held-out split")
     elif sp["validation"] == sp["test"]:
-        raise UsageError(f"{where}: validation and test are the same split "
-                         f"({task.splits['test']}), so the LR would be chosen on the reported "
-                         f"score; set `validation_holdout: 0.1` and splits.validation to the train "
-                         f"split, or give validation its own split")
+        raise UsageError(
+            f"{where}: validation and test are the same split "
+            f"({task.splits['test']}), so the LR would be chosen on the reported "
+            f"score; set `validation_holdout: 0.1` and splits.validation to the train "
+            f"split, or give validation its own split"
+        )
 
 
 def load_registry(extra_files: list[str] | None = None) -> dict[str, Task]:
@@ -223,8 +232,10 @@ def load_registry(extra_files: list[str] | None = None) -> dict[str, Task]:
             continue
         source = registry.get(task.train_task)
         if source is None or source.family != task.family:
-            raise UsageError(f"task '{name}' in {sources[name]}: train_task '{task.train_task}' "
-                             f"is not a {task.family} task of the registry")
+            raise UsageError(
+                f"task '{name}' in {sources[name]}: train_task '{task.train_task}' "
+                f"is not a {task.family} task of the registry"
+            )
         task.train_source = source
     return registry
 
@@ -232,16 +243,20 @@ def load_registry(extra_files: list[str] | None = None) -> dict[str, Task]:
 def get_task(name: str, extra_files: list[str] | None = None, registry: dict | None = None) -> Task:
     registry = registry if registry is not None else load_registry(extra_files)
     if name not in registry:
-        raise UsageError(f"unknown task '{name}'; known tasks: {', '.join(sorted(registry))} "
-                         f"(add one with --task-file)")
+        raise UsageError(
+            f"unknown task '{name}'; known tasks: {', '.join(sorted(registry))} "
+            f"(add one with --task-file)"
+        )
     return registry[name]
 
 
 def suite(name: str, registry: dict[str, Task]) -> list[str]:
     """The tasks of a suite, family by family (sc, tc, qa, ir), in registry order within one."""
     order = list(FAMILIES)
-    tasks = sorted((n for n, t in registry.items() if name in t.suites),
-                   key=lambda n: order.index(registry[n].family))
+    tasks = sorted(
+        (n for n, t in registry.items() if name in t.suites),
+        key=lambda n: order.index(registry[n].family),
+    )
     if not tasks:
         known = sorted({s for t in registry.values() for s in t.suites})
         raise UsageError(f"unknown suite '{name}'; known suites: {', '.join(known) or 'none'}")

@@ -60,8 +60,16 @@ class SDPAttention(CoreAttention):
         assert config.context_parallel_size == 1, "SDPAttention does not support context parallel"
         super().__init__(config, *args, **kwargs)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         assert packed_seq_params is None, "packed THD sequences need Transformer Engine"
         assert attention_bias is None
         sq, b = query.shape[:2]
@@ -71,8 +79,13 @@ class SDPAttention(CoreAttention):
         is_causal = attention_mask is None and mask_type == AttnMaskType.causal
         allowed = None if attention_mask is None else ~attention_mask
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0, scale=self.softmax_scale,
+            q,
+            k,
+            v,
+            attn_mask=allowed,
+            is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale,
             enable_gqa=self.heads != self.groups,
         )
         # [b, heads, s, d] -> [s, b, heads * d]
@@ -117,23 +130,31 @@ def documents_from_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, boo
     return doc, causal
 
 
-def document_block_mask(document_ids: torch.Tensor, causal: bool, heads: Optional[int] = None,
-                        block_size: int = 128, compile_mask: Optional[bool] = None):
+def document_block_mask(
+    document_ids: torch.Tensor,
+    causal: bool,
+    heads: Optional[int] = None,
+    block_size: int = 128,
+    compile_mask: Optional[bool] = None,
+):
     """FlexAttention BlockMask: same document (and key <= query when causal)."""
     doc = document_ids
     b, s = doc.shape
 
     if causal:
+
         def mask_mod(bi, hi, qi, ki):
             return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
     else:
+
         def mask_mod(bi, hi, qi, ki):
             return doc[bi, qi] == doc[bi, ki]
 
     if compile_mask is None:
         compile_mask = doc.is_cuda
-    return create_block_mask(mask_mod, b, heads, s, s, device=doc.device, BLOCK_SIZE=block_size,
-                             _compile=compile_mask)
+    return create_block_mask(
+        mask_mod, b, heads, s, s, device=doc.device, BLOCK_SIZE=block_size, _compile=compile_mask
+    )
 
 
 class DocumentMasks:
@@ -149,8 +170,12 @@ class DocumentMasks:
         self.compiled = None
 
     def block_mask(self, source: torch.Tensor, key, build):
-        if (self.source is not None and self.source() is source
-                and self.version == source._version and self.key == key):
+        if (
+            self.source is not None
+            and self.source() is source
+            and self.version == source._version
+            and self.key == key
+        ):
             return self.value
         self.value = build()
         self.source, self.version, self.key = weakref.ref(source), source._version, key
@@ -158,8 +183,9 @@ class DocumentMasks:
 
     def attend(self, q, k, v, block_mask, scale, enable_gqa):
         if not q.is_cuda:  # eager reference (forward only on CPU)
-            return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
-                                  enable_gqa=enable_gqa)
+            return flex_attention(
+                q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
+            )
         if self.compiled is None:
             self.compiled = torch.compile(flex_attention, dynamic=False)
         return self.compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
@@ -169,16 +195,40 @@ class FlexDocumentAttention(SDPAttention):
     """Document-masked core attention on FlexAttention; SDPAttention's constructor and forward,
     plus the DocumentMasks shared with the other layers of its model (its own when not given)."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: Optional[float] = None,
-                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
-                 pg_collection=None, masks: Optional[DocumentMasks] = None):
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout,
-                         softmax_scale, cp_comm_type, pg_collection)
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        masks: Optional[DocumentMasks] = None,
+    ):
+        super().__init__(
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout,
+            softmax_scale,
+            cp_comm_type,
+            pg_collection,
+        )
         self.masks = masks if masks is not None else DocumentMasks()
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         assert attention_bias is None
         if self.training and self.dropout > 0:
             raise NotImplementedError("FlexDocumentAttention has no attention dropout")
@@ -190,16 +240,20 @@ class FlexDocumentAttention(SDPAttention):
             assert packed_seq_params.qkv_format != "thd", "THD batches go to TE attention"
             causal = bool(packed_seq_params.causal)
             block_mask = self.masks.block_mask(
-                doc_ids, ("ids", causal, self.heads),
-                lambda: document_block_mask(doc_ids.to(q.device), causal))
+                doc_ids,
+                ("ids", causal, self.heads),
+                lambda: document_block_mask(doc_ids.to(q.device), causal),
+            )
         elif attention_mask is not None:
             assert packed_seq_params is None, "packed THD sequences need Transformer Engine"
 
             def build():
                 doc, causal = documents_from_mask(attention_mask)
                 if not torch.equal(document_attention_mask(doc, causal), attention_mask.bool()):
-                    raise ValueError("FlexDocumentAttention needs a document mask "
-                                     "(document_attention_mask); got another kind of mask")
+                    raise ValueError(
+                        "FlexDocumentAttention needs a document mask "
+                        "(document_attention_mask); got another kind of mask"
+                    )
                 return document_block_mask(doc, causal)
 
             block_mask = self.masks.block_mask(attention_mask, ("mask",), build)
@@ -250,8 +304,9 @@ class _GatherOverContextParallel(torch.autograd.Function):
         return grad[dist.get_rank(ctx.group)], None
 
 
-def thd_positions(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def thd_positions(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For positions in a (padded) THD stream: (sequence index, offset inside the sequence,
     whether the token is real, i.e. before its sequence's padding)."""
     starts = cu_seqlens_padded[:-1].long()
@@ -264,19 +319,29 @@ def thd_positions(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
 class THDReferenceAttention(CoreAttention):
     """Pure-torch attention over packed THD sequences, with TE's inputs (see above)."""
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         params = packed_seq_params
-        assert params is not None and params.qkv_format == "thd", \
+        assert params is not None and params.qkv_format == "thd", (
             "THDReferenceAttention takes packed THD sequences (PackedSeqParams qkv_format='thd')"
+        )
         assert attention_bias is None and attention_mask is None
         if self.training and self.dropout > 0:
             raise NotImplementedError("THDReferenceAttention has no attention dropout")
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         device = query.device
         cu = params.cu_seqlens_q.to(device)
-        cu_padded = (params.cu_seqlens_q_padded.to(device)
-                     if params.cu_seqlens_q_padded is not None else cu)
+        cu_padded = (
+            params.cu_seqlens_q_padded.to(device) if params.cu_seqlens_q_padded is not None else cu
+        )
         cp = self.config.context_parallel_size
         if cp > 1:
             group = parallel_state.get_context_parallel_group()
@@ -285,8 +350,10 @@ class THDReferenceAttention(CoreAttention):
             # Every rank's K/V back in stream order: rank q holds the positions of its partition.
             held = torch.cat([cp_partition_indices(cu_padded, cp, q) for q in range(cp)])
             order = torch.argsort(held)
-            key, value = (_GatherOverContextParallel.apply(x, group).flatten(0, 1)[order]
-                          for x in (key, value))
+            key, value = (
+                _GatherOverContextParallel.apply(x, group).flatten(0, 1)[order]
+                for x in (key, value)
+            )
         else:
             mine = torch.arange(query.size(0), device=device)
         keys_at = torch.arange(key.size(0), device=device)
@@ -301,9 +368,14 @@ class THDReferenceAttention(CoreAttention):
         if empty.any():
             allowed[empty.nonzero().squeeze(1), mine[empty]] = True
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, h, t, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[None, None],
-                                             scale=self.softmax_scale,
-                                             enable_gqa=self.heads != self.groups)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=allowed[None, None],
+            scale=self.softmax_scale,
+            enable_gqa=self.heads != self.groups,
+        )
         out = out.squeeze(0).transpose(0, 1)  # [t_local, heads, d]
         out = out * q_real.to(out.dtype)[:, None, None]
         return out.reshape(out.size(0), -1)

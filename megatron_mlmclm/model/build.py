@@ -16,17 +16,25 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                      get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                         get_num_layers_to_build)
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mlmclm.config import ModelConfig, RunConfig, final_model
-from megatron_mlmclm.model.attention import (DocumentMasks, FlexDocumentAttention, SDPAttention,
-                                             THDReferenceAttention)
+from megatron_mlmclm.model.attention import (
+    DocumentMasks,
+    FlexDocumentAttention,
+    SDPAttention,
+    THDReferenceAttention,
+)
 from megatron_mlmclm.model.init import initialize_by_global_parameter
 from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
 
@@ -84,12 +92,16 @@ def transformer_config(cfg: RunConfig, plan: Optional[KernelPlan] = None) -> Tra
         **plan.transformer_kwargs(),
     )
     if t.recompute == "full":
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     elif t.recompute == "selective":
         kwargs.update(recompute_granularity="selective")
     if t.fp8 is not None:  # the kernel plan has refused FP8 without TE's layers
-        kwargs.update(fp8="hybrid", fp8_recipe={"delayed": "delayed", "current": "tensorwise",
-                                                 "mxfp8": "mxfp8"}[t.fp8])
+        kwargs.update(
+            fp8="hybrid",
+            fp8_recipe={"delayed": "delayed", "current": "tensorwise", "mxfp8": "mxfp8"}[t.fp8],
+        )
     return TransformerConfig(**kwargs)
 
 
@@ -121,7 +133,8 @@ def layer_spec(config: TransformerConfig, attention: str, vp_stage: Optional[int
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
     return TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm)
+        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm
+    )
 
 
 class EncoderLM(GPTModel):
@@ -133,11 +146,20 @@ class EncoderLM(GPTModel):
     Without labels it returns logits [b, s, vocab/tp] as GPTModel does.
     """
 
-    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args,
-                     loss_mask: Optional[torch.Tensor] = None, **kwargs):
+    def _postprocess(
+        self,
+        hidden_states,
+        input_ids,
+        position_ids,
+        labels,
+        *args,
+        loss_mask: Optional[torch.Tensor] = None,
+        **kwargs,
+    ):
         if not self.post_process or labels is None:
-            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
-                                        loss_mask=loss_mask, **kwargs)
+            return super()._postprocess(
+                hidden_states, input_ids, position_ids, labels, *args, loss_mask=loss_mask, **kwargs
+            )
         keep = (loss_mask if loss_mask is not None else labels >= 0).transpose(0, 1).bool()
         sequence_parallel = self.output_layer.sequence_parallel
         if sequence_parallel:
@@ -146,10 +168,15 @@ class EncoderLM(GPTModel):
             # (as GPTModel does for last-token logits). Its backward already all-reduces the
             # input gradient over TP, so the gather's backward only keeps this rank's slice.
             hidden_states = gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False)
+                hidden_states, tensor_parallel_output_grad=False
+            )
         hidden = hidden_states[keep].unsqueeze(1)  # [n, 1, h]
         targets = labels.transpose(0, 1)[keep]  # [n]
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        weight = (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
+            else None
+        )
         self.output_layer.sequence_parallel = False
         try:
             logits, _ = self.output_layer(hidden, weight=weight)  # [n, 1, V/tp]
@@ -180,9 +207,15 @@ def vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -
     return hit
 
 
-def build_model_chunk(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
-                      pre_process: bool, post_process: bool, vp_stage: Optional[int] = None,
-                      plan: Optional[KernelPlan] = None):
+def build_model_chunk(
+    cfg: RunConfig,
+    config: TransformerConfig,
+    vocab_size: int,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: Optional[int] = None,
+    plan: Optional[KernelPlan] = None,
+):
     """One model chunk with its initial weights (model/init.py: the same model for every parallel
     layout); its attention path is the kernel plan's (by default planned for this machine)."""
     # The model as the run leaves it: the last phase's RoPE base (the trainer switches the base
@@ -215,9 +248,12 @@ def apply_rope_scaling(model: GPTModel, m: ModelConfig) -> None:
     values by megatron's own `_apply_scaling`."""
     r, rotary = m.rope_scaling, model.rotary_pos_emb
     rotary.inv_freq = rotary._apply_scaling(
-        rotary.inv_freq, factor=r.factor, low_freq_factor=r.low_freq_factor,
+        rotary.inv_freq,
+        factor=r.factor,
+        low_freq_factor=r.low_freq_factor,
         high_freq_factor=r.high_freq_factor,
-        original_max_position_embeddings=r.original_max_position_embeddings)
+        original_max_position_embeddings=r.original_max_position_embeddings,
+    )
     model.rotary_scaling = True
 
 
@@ -230,19 +266,25 @@ def set_rotary_base(chunks: list[torch.nn.Module], m: ModelConfig, base: float) 
         if rotary is None:
             continue
         dim = 2 * rotary.inv_freq.numel()
-        rotary.inv_freq = 1.0 / (int(base) ** (torch.arange(
-            0, dim, 2, dtype=torch.float32, device=rotary.inv_freq.device) / dim))
+        rotary.inv_freq = 1.0 / (
+            int(base)
+            ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rotary.inv_freq.device) / dim)
+        )
         if m.rope_scaling is not None:
             r = m.rope_scaling
             rotary.inv_freq = rotary._apply_scaling(
-                rotary.inv_freq, factor=r.factor, low_freq_factor=r.low_freq_factor,
+                rotary.inv_freq,
+                factor=r.factor,
+                low_freq_factor=r.low_freq_factor,
                 high_freq_factor=r.high_freq_factor,
-                original_max_position_embeddings=r.original_max_position_embeddings)
+                original_max_position_embeddings=r.original_max_position_embeddings,
+            )
         type(rotary).forward.cache_clear()
 
 
-def build_model(cfg: RunConfig, config: TransformerConfig, vocab_size: int,
-                plan: Optional[KernelPlan] = None) -> list[torch.nn.Module]:
+def build_model(
+    cfg: RunConfig, config: TransformerConfig, vocab_size: int, plan: Optional[KernelPlan] = None
+) -> list[torch.nn.Module]:
     """Model chunks for this rank (one, or several with virtual pipeline parallelism)."""
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size
     chunks = []

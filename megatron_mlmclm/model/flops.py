@@ -24,10 +24,15 @@ def trunk_flops_per_token(m: ModelConfig, seq_length: int, causal: bool) -> floa
     return m.num_layers * (linear + attention)
 
 
-def train_step_flops(m: ModelConfig, vocab_size: int, seq_length: int, sequences: int,
-                     labelled_tokens: int, causal: bool) -> float:
+def train_step_flops(
+    m: ModelConfig,
+    vocab_size: int,
+    seq_length: int,
+    sequences: int,
+    labelled_tokens: int,
+    causal: bool,
+) -> float:
     """Training FLOPs (forward + backward = 3 x forward) of one optimizer step."""
     forward = sequences * seq_length * trunk_flops_per_token(m, seq_length, causal)
     forward += labelled_tokens * 2 * m.hidden_size * vocab_size
     return 3.0 * forward
-

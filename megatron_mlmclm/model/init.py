@@ -53,7 +53,7 @@ def _sharded_tensors(entry) -> Iterator[ShardedTensor]:
         yield entry
     elif isinstance(entry, ShardedTensorFactory):
         built = entry.build()
-        for part in (built if isinstance(built, list) else [built]):
+        for part in built if isinstance(built, list) else [built]:
             yield from _sharded_tensors(part)
     elif isinstance(entry, dict):
         for value in entry.values():
@@ -64,8 +64,9 @@ def _sharded_tensors(entry) -> Iterator[ShardedTensor]:
 
 
 @torch.no_grad()
-def initialize_by_global_parameter(chunks: list[torch.nn.Module], config: TransformerConfig,
-                                   seed: int) -> None:
+def initialize_by_global_parameter(
+    chunks: list[torch.nn.Module], config: TransformerConfig, seed: int
+) -> None:
     """Overwrite every parameter of this rank's model chunks with its slice of the global
     parameter drawn for (seed, key, layer). Raises when a parameter is left out."""
     done: set[int] = set()
@@ -78,11 +79,16 @@ def initialize_by_global_parameter(chunks: list[torch.nn.Module], config: Transf
             with torch.random.fork_rng(devices=[]):
                 torch.default_generator.manual_seed(_seed(seed, sharded.key, index))
                 init_method_for(sharded.key, config)(whole)
-            part = whole[tuple(slice(o, o + n) for o, n in
-                               zip(sharded.global_offset[prepend:], local.shape))]
+            part = whole[
+                tuple(slice(o, o + n) for o, n in zip(sharded.global_offset[prepend:], local.shape))
+            ]
             local.copy_(part.to(dtype=local.dtype, device=local.device))
             done.add(local.untyped_storage().data_ptr())
-    missing = [name for chunk in chunks for name, p in chunk.named_parameters()
-               if p.untyped_storage().data_ptr() not in done]
+    missing = [
+        name
+        for chunk in chunks
+        for name, p in chunk.named_parameters()
+        if p.untyped_storage().data_ptr() not in done
+    ]
     if missing:
         raise RuntimeError(f"initialisation by global parameter left out {missing[:3]}")

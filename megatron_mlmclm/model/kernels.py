@@ -31,9 +31,15 @@ from megatron_mlmclm.config import ModelConfig, RunConfig
 from megatron_mlmclm.errors import UsageError
 
 # Megatron-LM's fusion flags, in the order the plan prints them.
-FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
-           "gradient_accumulation_fusion", "masked_softmax_fusion", "persist_layer_norm",
-           "cross_entropy_loss_fusion")
+FUSIONS = (
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "gradient_accumulation_fusion",
+    "masked_softmax_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+)
 TE_MIN_FUSED_ROPE = (1, 4)  # megatron-core raises "apply_rope_fusion is not available" below it
 
 
@@ -70,9 +76,12 @@ def probe_kernels() -> Kernels:
     te = None
     if _importable("transformer_engine"):
         te = _version("transformer_engine") or _version("transformer-engine") or (0,)
-    return Kernels(te_version=te, apex_grad_accum=_importable("fused_weight_gradient_mlp_cuda"),
-                   apex_masked_softmax=_importable("scaled_masked_softmax_cuda"),
-                   apex_persist_layer_norm=_importable("apex.contrib.layer_norm"))
+    return Kernels(
+        te_version=te,
+        apex_grad_accum=_importable("fused_weight_gradient_mlp_cuda"),
+        apex_masked_softmax=_importable("scaled_masked_softmax_cuda"),
+        apex_persist_layer_norm=_importable("apex.contrib.layer_norm"),
+    )
 
 
 @dataclass(frozen=True)
@@ -114,39 +123,51 @@ class KernelPlan:
     def transformer_kwargs(self) -> dict:
         """The TransformerConfig fields this plan sets."""
         kw = {name: c.on for name, c in self.fusions.items()}
-        kw.update(sequence_parallel=self.sequence_parallel.on,
-                  # model/init.py redraws every weight by global parameter. megatron's own
-                  # init still runs: it is also where megatron marks tensor-parallel weights
-                  # (without the marks the gradient norm counts TP shards as replicas).
-                  use_cpu_initialization=False,
-                  batch_p2p_comm=self.p2p == "batched", overlap_p2p_comm=self.p2p == "overlapped")
+        kw.update(
+            sequence_parallel=self.sequence_parallel.on,
+            # model/init.py redraws every weight by global parameter. megatron's own
+            # init still runs: it is also where megatron marks tensor-parallel weights
+            # (without the marks the gradient norm counts TP shards as replicas).
+            use_cpu_initialization=False,
+            batch_p2p_comm=self.p2p == "batched",
+            overlap_p2p_comm=self.p2p == "overlapped",
+        )
         if self.context_parallel.on:
             # p2p ring exchange of K/V (what THD supports); each micro-batch's CP-padded length
             # differs, so pipeline stages exchange shapes first.
-            kw.update(context_parallel_size=self.context_parallel_size, cp_comm_type="p2p",
-                      variable_seq_lengths=True,
-                      # megatron-core refuses variable lengths with its default MoE dispatcher,
-                      # even in a model without experts (this one): name the one it accepts.
-                      moe_token_dispatcher_type="alltoall")
+            kw.update(
+                context_parallel_size=self.context_parallel_size,
+                cp_comm_type="p2p",
+                variable_seq_lengths=True,
+                # megatron-core refuses variable lengths with its default MoE dispatcher,
+                # even in a model without experts (this one): name the one it accepts.
+                moe_token_dispatcher_type="alltoall",
+            )
         return kw
 
     def rows(self) -> list[tuple[str, bool | str, str]]:
         """(name, on or value, why) for every decision, in print order."""
         out = [(n, c.on, c.why) for n, c in self.fusions.items()]
-        out += [("overlap_grad_reduce", self.overlap_grad_reduce.on, self.overlap_grad_reduce.why),
-                ("overlap_param_gather", self.overlap_param_gather.on,
-                 self.overlap_param_gather.why),
-                ("align_param_gather", self.align_param_gather.on, self.align_param_gather.why),
-                ("pipeline_p2p", self.p2p, self.p2p_why),
-                ("sequence_parallel", self.sequence_parallel.on, self.sequence_parallel.why),
-                ("context_parallel", self.context_parallel.on, self.context_parallel.why),
-                ("initialization", "global", INIT_WHY),
-                ("attention", self.attention, self.attention_why)]
+        out += [
+            ("overlap_grad_reduce", self.overlap_grad_reduce.on, self.overlap_grad_reduce.why),
+            ("overlap_param_gather", self.overlap_param_gather.on, self.overlap_param_gather.why),
+            ("align_param_gather", self.align_param_gather.on, self.align_param_gather.why),
+            ("pipeline_p2p", self.p2p, self.p2p_why),
+            ("sequence_parallel", self.sequence_parallel.on, self.sequence_parallel.why),
+            ("context_parallel", self.context_parallel.on, self.context_parallel.why),
+            ("initialization", "global", INIT_WHY),
+            ("attention", self.attention, self.attention_why),
+        ]
         if self.thd:
             out.append(("thd_token_multiple", str(self.thd_token_multiple), self.thd_multiple_why))
         if self.device == "cuda":
-            out.append(("CUDA_DEVICE_MAX_CONNECTIONS", self.cuda_device_max_connections or "unset",
-                        self.connections_why))
+            out.append(
+                (
+                    "CUDA_DEVICE_MAX_CONNECTIONS",
+                    self.cuda_device_max_connections or "unset",
+                    self.connections_why,
+                )
+            )
             out.append(("tf32", "off" if self.tf32 is False else "default", self.tf32_why))
         return out
 
@@ -167,8 +188,10 @@ class KernelPlan:
             if value is False:
                 off.setdefault(why, []).append(name)
         said = "; ".join(f"{', '.join(names)} ({why})" for why, names in off.items())
-        return (f"kernels on {self.device}: on: {', '.join(on) or 'none'}; attention: "
-                f"{self.attention}; pipeline p2p: {self.p2p}; off: {said or 'none'}")
+        return (
+            f"kernels on {self.device}: on: {', '.join(on) or 'none'}; attention: "
+            f"{self.attention}; pipeline p2p: {self.p2p}; off: {said or 'none'}"
+        )
 
     def apply_to_process(self) -> None:
         """What must be in place before CUDA starts: called by the trainer before the process
@@ -180,8 +203,10 @@ class KernelPlan:
             torch.backends.cudnn.allow_tf32 = self.tf32
 
 
-INIT_WHY = ("every parameter drawn whole from (train.seed, its checkpoint key, its layer) and "
-            "sliced: every TP/PP/VPP layout starts from the single-process model (model/init.py)")
+INIT_WHY = (
+    "every parameter drawn whole from (train.seed, its checkpoint key, its layer) and "
+    "sliced: every TP/PP/VPP layout starts from the single-process model (model/init.py)"
+)
 THD_PATHS = ("te-thd", "thd-reference")
 # FP8 GEMMs take token counts divisible by 16; MXFP8's 32-element scaling blocks need 32.
 FP8_TOKEN_MULTIPLE = {"delayed": 16, "current": 16, "mxfp8": 32}
@@ -195,9 +220,11 @@ def resolve_device(cfg: RunConfig, planning: bool = False) -> str:
         return "cuda" if has_cuda else "cpu"
     if not planning and (wanted == "cuda") != has_cuda:
         have = "CUDA" if has_cuda else "no CUDA device"
-        raise UsageError(f"runtime.device={wanted} but this machine has {have}; set "
-                         "runtime.device=auto to train here, or add --dry-run to plan a run "
-                         f"for {wanted}")
+        raise UsageError(
+            f"runtime.device={wanted} but this machine has {have}; set "
+            "runtime.device=auto to train here, or add --dry-run to plan a run "
+            f"for {wanted}"
+        )
     return wanted
 
 
@@ -218,14 +245,26 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
     tf32, tf32_why = _tf32(cfg, device)
     p2p, p2p_why = _pipeline_p2p(cfg)
     return KernelPlan(
-        device=device, fusions=fusions, overlap_grad_reduce=grad, overlap_param_gather=gather,
-        align_param_gather=_align_param_gather(cfg, gather), p2p=p2p, p2p_why=p2p_why,
-        sequence_parallel=sp, context_parallel=_context_parallel(cfg, attention, cp_multiple),
-        attention=attention[0], attention_why=attention[1],
-        context_parallel_size=p.context_parallel_size, thd_token_multiple=multiple,
-        thd_multiple_why=multiple_why, cp_sequence_multiple=cp_multiple,
-        cuda_device_max_connections=connections, connections_why=connections_why,
-        tf32=tf32, tf32_why=tf32_why)
+        device=device,
+        fusions=fusions,
+        overlap_grad_reduce=grad,
+        overlap_param_gather=gather,
+        align_param_gather=_align_param_gather(cfg, gather),
+        p2p=p2p,
+        p2p_why=p2p_why,
+        sequence_parallel=sp,
+        context_parallel=_context_parallel(cfg, attention, cp_multiple),
+        attention=attention[0],
+        attention_why=attention[1],
+        context_parallel_size=p.context_parallel_size,
+        thd_token_multiple=multiple,
+        thd_multiple_why=multiple_why,
+        cp_sequence_multiple=cp_multiple,
+        cuda_device_max_connections=connections,
+        connections_why=connections_why,
+        tf32=tf32,
+        tf32_why=tf32_why,
+    )
 
 
 def _pipeline_p2p(cfg: RunConfig) -> tuple[str, str]:
@@ -237,8 +276,10 @@ def _pipeline_p2p(cfg: RunConfig) -> tuple[str, str]:
     if p.pipeline_model_parallel_size == 1:
         return "none", "PP = 1: no pipeline communication"
     if p.virtual_pipeline_model_parallel_size:
-        return "overlapped", ("interleaved schedule: sends/receives overlap compute one by one "
-                              "(batched needs PP > 2: with PP = 2 both neighbours are one rank)")
+        return "overlapped", (
+            "interleaved schedule: sends/receives overlap compute one by one "
+            "(batched needs PP > 2: with PP = 2 both neighbours are one rank)"
+        )
     return "batched", "batch_isend_irecv per exchange (Megatron-LM's default without VPP)"
 
 
@@ -249,10 +290,15 @@ def _align_param_gather(cfg: RunConfig, gather: Choice) -> Choice:
     if not gather.on:
         return Choice(False, "no overlapped parameter gather")
     if not cfg.parallel.virtual_pipeline_model_parallel_size:
-        return Choice(False, "no virtual pipeline stages: the forward pre-hooks start each "
-                             "bucket's gather (Megatron-LM's rule)")
-    return Choice(True, "virtual pipeline stages: the interleaved schedule starts each chunk's "
-                        "parameter gather")
+        return Choice(
+            False,
+            "no virtual pipeline stages: the forward pre-hooks start each "
+            "bucket's gather (Megatron-LM's rule)",
+        )
+    return Choice(
+        True,
+        "virtual pipeline stages: the interleaved schedule starts each chunk's parameter gather",
+    )
 
 
 def _thd_multiples(cfg: RunConfig, sequence_parallel: bool) -> tuple[int, str, int]:
@@ -268,8 +314,9 @@ def _thd_multiples(cfg: RunConfig, sequence_parallel: bool) -> tuple[int, str, i
         why.append(f"sequence parallelism splits tokens over TP={tp}")
     cp = p.context_parallel_size
     if cp > 1:
-        why.append(f"CP={cp}: each sequence to {2 * cp * tp} (2 x CP"
-                   + (" x TP" if tp > 1 else "") + ")")
+        why.append(
+            f"CP={cp}: each sequence to {2 * cp * tp} (2 x CP" + (" x TP" if tp > 1 else "") + ")"
+        )
     return multiple, "; ".join(why) or "no padding needed", 2 * cp * tp
 
 
@@ -278,9 +325,11 @@ def _max_connections(cfg: RunConfig, device: str) -> tuple[str | None, str]:
     if device != "cuda":
         return None, "CPU"
     if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
-        return "1", ("TP/CP: one hardware queue keeps communication kernels in issue order so "
-                     "they overlap compute (Megatron-LM requires it before Blackwell; export "
-                     "another value to override)")
+        return "1", (
+            "TP/CP: one hardware queue keeps communication kernels in issue order so "
+            "they overlap compute (Megatron-LM requires it before Blackwell; export "
+            "another value to override)"
+        )
     return None, "TP = CP = 1: nothing needs it"
 
 
@@ -298,12 +347,16 @@ def _check_fp8(cfg: RunConfig, device: str, k: Kernels, attention: tuple[str, st
     if fp8 is None:
         return
     if k.te_version is None:
-        raise UsageError(f"train.fp8={fp8} needs Transformer Engine, which is not installed; set "
-                         "train.fp8=null or use the NGC PyTorch image")
+        raise UsageError(
+            f"train.fp8={fp8} needs Transformer Engine, which is not installed; set "
+            "train.fp8=null or use the NGC PyTorch image"
+        )
     if attention[0] != "te-thd":
-        raise UsageError(f"train.fp8={fp8} needs Transformer Engine's layers, but this run's "
-                         f"attention is {attention[0]} ({attention[1]}); set model.attention=auto "
-                         "on a GPU or train.fp8=null")
+        raise UsageError(
+            f"train.fp8={fp8} needs Transformer Engine's layers, but this run's "
+            f"attention is {attention[0]} ({attention[1]}); set model.attention=auto "
+            "on a GPU or train.fp8=null"
+        )
 
 
 def _overlap(cfg: RunConfig, device: str) -> tuple[Choice, Choice]:
@@ -314,8 +367,10 @@ def _overlap(cfg: RunConfig, device: str) -> tuple[Choice, Choice]:
     if p.overlap_grad_reduce is False:
         grad = Choice(False, "parallel.overlap_grad_reduce=false")
     elif p.overlap_grad_reduce:
-        grad = Choice(True, "parallel.overlap_grad_reduce=true: the gradient reduce overlaps "
-                            "the backward pass")
+        grad = Choice(
+            True,
+            "parallel.overlap_grad_reduce=true: the gradient reduce overlaps the backward pass",
+        )
     elif device != "cuda":
         grad = Choice(False, "auto: off on CPU (parallel.overlap_grad_reduce=true runs it on gloo)")
     elif not dist_opt:
@@ -340,20 +395,38 @@ def _cuda_fusions(cfg: RunConfig, k: Kernels) -> dict[str, Choice]:
         off = Choice(False, "model.fusions=off")
         return {n: off for n in FUSIONS}
     te = k.te_version
-    rope = (Choice(True, f"Transformer Engine {'.'.join(map(str, te))} fused RoPE (THD too)")
-            if te is not None and te[:2] >= TE_MIN_FUSED_ROPE
-            else Choice(False, "needs Transformer Engine >= 1.4 (megatron-core raises without it)"))
-    grad_accum = (Choice(True, "fused wgrad accumulation (Apex fused_weight_gradient_mlp_cuda)")
-                  if k.apex_grad_accum else
-                  Choice(False, "needs Apex's fused_weight_gradient_mlp_cuda: the output layer is "
-                                "megatron's own linear, which raises without it"))
-    softmax = (Choice(True, "Apex kernel present (used only by megatron's local attention, which "
-                            "this model does not build)") if k.apex_masked_softmax else
-               Choice(False, "needs Apex's scaled_masked_softmax_cuda (only megatron's local "
-                             "attention would use it)"))
-    persist = (Choice(True, "Apex persistent kernel present (LayerNorm only: no effect on RMSNorm)")
-               if k.apex_persist_layer_norm else
-               Choice(False, "needs apex.contrib.layer_norm (LayerNorm only: no effect on RMSNorm)"))
+    rope = (
+        Choice(True, f"Transformer Engine {'.'.join(map(str, te))} fused RoPE (THD too)")
+        if te is not None and te[:2] >= TE_MIN_FUSED_ROPE
+        else Choice(False, "needs Transformer Engine >= 1.4 (megatron-core raises without it)")
+    )
+    grad_accum = (
+        Choice(True, "fused wgrad accumulation (Apex fused_weight_gradient_mlp_cuda)")
+        if k.apex_grad_accum
+        else Choice(
+            False,
+            "needs Apex's fused_weight_gradient_mlp_cuda: the output layer is "
+            "megatron's own linear, which raises without it",
+        )
+    )
+    softmax = (
+        Choice(
+            True,
+            "Apex kernel present (used only by megatron's local attention, which "
+            "this model does not build)",
+        )
+        if k.apex_masked_softmax
+        else Choice(
+            False,
+            "needs Apex's scaled_masked_softmax_cuda (only megatron's local "
+            "attention would use it)",
+        )
+    )
+    persist = (
+        Choice(True, "Apex persistent kernel present (LayerNorm only: no effect on RMSNorm)")
+        if k.apex_persist_layer_norm
+        else Choice(False, "needs apex.contrib.layer_norm (LayerNorm only: no effect on RMSNorm)")
+    )
     return {
         "bias_activation_fusion": Choice(True, "SwiGLU fused by torch JIT (no extension needed)"),
         "bias_dropout_fusion": Choice(True, "bias-dropout-add fused by torch JIT"),
@@ -361,8 +434,9 @@ def _cuda_fusions(cfg: RunConfig, k: Kernels) -> dict[str, Choice]:
         "gradient_accumulation_fusion": grad_accum,
         "masked_softmax_fusion": softmax,
         "persist_layer_norm": persist,
-        "cross_entropy_loss_fusion": Choice(False, "opt-in in Megatron-LM; the sparse head's loss "
-                                                   "covers only labelled positions"),
+        "cross_entropy_loss_fusion": Choice(
+            False, "opt-in in Megatron-LM; the sparse head's loss covers only labelled positions"
+        ),
     }
 
 
@@ -384,19 +458,28 @@ def _context_parallel(cfg: RunConfig, attention: tuple[str, str], multiple: int)
     if cp == 1:
         return Choice(False, "parallel.context_parallel_size=1")
     if attention[0] not in THD_PATHS:
-        raise UsageError(f"parallel.context_parallel_size={cp} needs packed THD attention "
-                         f"(model.attention=thd, or auto with Transformer Engine on a GPU), but "
-                         f"this run's attention is {attention[0]}: {attention[1]}")
-    return Choice(True, f"CP={cp}: each sequence padded to {multiple} x k tokens, CP rank r keeps "
-                        f"chunks r and {2 * cp - 1}-r (megatron's split), K/V exchanged by p2p")
+        raise UsageError(
+            f"parallel.context_parallel_size={cp} needs packed THD attention "
+            f"(model.attention=thd, or auto with Transformer Engine on a GPU), but "
+            f"this run's attention is {attention[0]}: {attention[1]}"
+        )
+    return Choice(
+        True,
+        f"CP={cp}: each sequence padded to {multiple} x k tokens, CP rank r keeps "
+        f"chunks r and {2 * cp - 1}-r (megatron's split), K/V exchanged by p2p",
+    )
 
 
 def uses_te_layers(m: ModelConfig, precision: str, device: str, k: Kernels) -> bool:
     """Transformer Engine's layer spec: model.attention auto or thd, CUDA, TE installed, and not
     fp32 (TE runs fp32 GEMMs in TF32). The one test of it: the plan's attention path and the
     model's layer spec (model/build.py) both ask."""
-    return (m.attention in ("auto", "thd") and device == "cuda" and k.te_version is not None
-            and precision != "fp32")
+    return (
+        m.attention in ("auto", "thd")
+        and device == "cuda"
+        and k.te_version is not None
+        and precision != "fp32"
+    )
 
 
 def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
@@ -407,16 +490,29 @@ def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
     if m.attention == "sdpa":
         return "sdpa", "model.attention=sdpa: dense [b,1,s,s] document mask"
     if uses_te_layers(m, cfg.train.precision, device, k):
-        return "te-thd", ("TE fused attention on packed THD sequences (cu_seqlens from document "
-                          "ids): no_mask / causal per phase, which megatron hands TE as padding / "
-                          f"padding_causal; no [b,1,s,s] mask{stages}")
+        return "te-thd", (
+            "TE fused attention on packed THD sequences (cu_seqlens from document "
+            "ids): no_mask / causal per phase, which megatron hands TE as padding / "
+            f"padding_causal; no [b,1,s,s] mask{stages}"
+        )
     if m.attention == "thd":
-        why = ("CPU" if device != "cuda" else "fp32" if cfg.train.precision == "fp32"
-               else "Transformer Engine not installed")
-        return "thd-reference", (f"{why}: packed THD sequences through a pure-torch stand-in for "
-                                 f"TE's kernel (same inputs, context parallel included; slow: "
-                                 f"for tests){stages}")
-    why = ("CPU: Transformer Engine needs CUDA" if device != "cuda" else
-           "fp32: TE runs fp32 GEMMs in TF32, so the local layers keep fp32 exact"
-           if cfg.train.precision == "fp32" else "Transformer Engine not installed")
+        why = (
+            "CPU"
+            if device != "cuda"
+            else "fp32"
+            if cfg.train.precision == "fp32"
+            else "Transformer Engine not installed"
+        )
+        return "thd-reference", (
+            f"{why}: packed THD sequences through a pure-torch stand-in for "
+            f"TE's kernel (same inputs, context parallel included; slow: "
+            f"for tests){stages}"
+        )
+    why = (
+        "CPU: Transformer Engine needs CUDA"
+        if device != "cuda"
+        else "fp32: TE runs fp32 GEMMs in TF32, so the local layers keep fp32 exact"
+        if cfg.train.precision == "fp32"
+        else "Transformer Engine not installed"
+    )
     return "sdpa", f"{why}; dense [b,1,s,s] document mask"

@@ -58,8 +58,13 @@ def thd_packed_seq_params(document_ids: torch.Tensor) -> PackedSeqParams:
     position_ids reshaped [b, s] -> [1, b*s] (see `flatten_for_thd`), attention_mask None.
     """
     cu, max_len = cu_seqlens_from_document_ids(document_ids)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max_len,
+        max_seqlen_kv=max_len,
+    )
 
 
 def pad_cu_seqlens(cu_seqlens: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
@@ -78,23 +83,34 @@ def pad_value(key: str) -> int:
     return IGNORE if key == "labels" else 0
 
 
-def flatten_for_thd(batch: dict[str, torch.Tensor], document_ids: torch.Tensor,
-                    multiple: int = 1) -> dict:
+def flatten_for_thd(
+    batch: dict[str, torch.Tensor], document_ids: torch.Tensor, multiple: int = 1
+) -> dict:
     """A make_batch micro-batch -> the THD form: [1, t] tensors + packed_seq_params, no mask.
     t = b*s, padded up to a multiple of `multiple` (FP8) with pad tokens that carry no loss."""
-    out = {k: v.reshape(1, -1) for k, v in batch.items()
-           if k in ("tokens", "labels", "loss_mask", "position_ids")}
+    out = {
+        k: v.reshape(1, -1)
+        for k, v in batch.items()
+        if k in ("tokens", "labels", "loss_mask", "position_ids")
+    }
     params = thd_packed_seq_params(document_ids.to(batch["tokens"].device))
     cu, pad = pad_cu_seqlens(params.cu_seqlens_q, multiple)
     if pad:
         for key, tensor in out.items():
-            fill = (torch.arange(pad, device=tensor.device, dtype=tensor.dtype)
-                    if key == "position_ids" else
-                    torch.full((pad,), pad_value(key), dtype=tensor.dtype, device=tensor.device))
+            fill = (
+                torch.arange(pad, device=tensor.device, dtype=tensor.dtype)
+                if key == "position_ids"
+                else torch.full((pad,), pad_value(key), dtype=tensor.dtype, device=tensor.device)
+            )
             out[key] = torch.cat([tensor, fill.view(1, -1)], dim=1)
         longest = max(params.max_seqlen_q, pad)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=longest, max_seqlen_kv=longest)
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
     out["attention_mask"] = None
     out["packed_seq_params"] = params
     return out
@@ -114,8 +130,9 @@ class DocumentSeqParams(PackedSeqParams):
 
 def document_seq_params(document_ids: torch.Tensor, causal: bool) -> DocumentSeqParams:
     s = document_ids.size(1)
-    return DocumentSeqParams(qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s,
-                             document_ids=document_ids, causal=causal)
+    return DocumentSeqParams(
+        qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s, document_ids=document_ids, causal=causal
+    )
 
 
 def set_attention_mask_type(model_chunks, mask_type) -> None:
@@ -140,6 +157,7 @@ def set_attention_mask_type(model_chunks, mask_type) -> None:
 # ranks. Transformer Engine's `thd_get_partitioned_indices` computes the same indices on the GPU;
 # this plain-torch version is what CPU tests check against a pure-Python reference.
 
+
 def pad_sequences(flat: dict, cu_seqlens: torch.Tensor, multiple: int) -> tuple[dict, torch.Tensor]:
     """Pad every sequence of a THD stream ([1, t] tensors) to a multiple of `multiple` tokens
     with pad tokens right after it (no label, no loss; positions keep counting): returns the
@@ -152,8 +170,11 @@ def pad_sequences(flat: dict, cu_seqlens: torch.Tensor, multiple: int) -> tuple[
     total = int(cu_padded[-1])
     # Where each real token lands in the padded stream.
     seq_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-    target = torch.arange(int(lengths.sum()), device=device) - cu_seqlens[:-1].long()[seq_of] \
+    target = (
+        torch.arange(int(lengths.sum()), device=device)
+        - cu_seqlens[:-1].long()[seq_of]
         + cu_padded[:-1].long()[seq_of]
+    )
     out = {}
     for key, tensor in flat.items():
         if key in ("attention_mask", "packed_seq_params") or tensor is None:
@@ -163,13 +184,18 @@ def pad_sequences(flat: dict, cu_seqlens: torch.Tensor, multiple: int) -> tuple[
         if key == "position_ids":  # a sequence's positions run on through its pads
             first = tensor[0, cu_seqlens[:-1].long().to(tensor.device)]
             start = torch.repeat_interleave(cu_padded[:-1].long(), padded).to(tensor.device)
-            full[0] = (torch.repeat_interleave(first, padded.to(tensor.device))
-                       + torch.arange(total, device=tensor.device) - start).to(tensor.dtype)
+            full[0] = (
+                torch.repeat_interleave(first, padded.to(tensor.device))
+                + torch.arange(total, device=tensor.device)
+                - start
+            ).to(tensor.dtype)
         out[key] = full
     return out, cu_padded
 
 
-def cp_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+def cp_partition_indices(
+    cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int
+) -> torch.Tensor:
     """Indices of the tokens CP rank `cp_rank` keeps: of every sequence (its padded length a
     multiple of 2 x cp_size), chunks cp_rank and 2 x cp_size - 1 - cp_rank, in stream order
     (cp_rank < 2 x cp_size - 1 - cp_rank, so stream order puts the first chunk first)."""
@@ -182,8 +208,9 @@ def cp_partition_indices(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank:
     return keep.nonzero().view(-1)
 
 
-def split_for_context_parallel(flat: dict, cp_size: int, cp_rank: int,
-                               multiple: int | None = None) -> dict:
+def split_for_context_parallel(
+    flat: dict, cp_size: int, cp_rank: int, multiple: int | None = None
+) -> dict:
     """A THD micro-batch (flatten_for_thd) -> this CP rank's share: sequences padded to
     `multiple` (2 x CP, times TP under sequence parallelism: the kernel plan's
     cp_sequence_multiple), the rank's chunks kept, packed_seq_params carrying the real and padded
@@ -199,6 +226,12 @@ def split_for_context_parallel(flat: dict, cp_size: int, cp_rank: int,
     longest = int((cu_padded[1:] - cu_padded[:-1]).max())
     out["attention_mask"] = None
     out["packed_seq_params"] = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
-        cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest)
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
     return out

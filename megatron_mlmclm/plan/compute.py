@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import copy
 
-from megatron_mlmclm.config import (PhaseConfig, RunConfig, finalize_run_config, from_dict,
-                                    run_flops, step_flops, step_tokens)
+from megatron_mlmclm.config import (
+    PhaseConfig,
+    RunConfig,
+    finalize_run_config,
+    from_dict,
+    run_flops,
+    step_flops,
+    step_tokens,
+)
 from megatron_mlmclm.plan.grid import Run
 from megatron_mlmclm.plan.layout import GLOBAL_BATCH
 
@@ -47,17 +54,33 @@ def compute_row(run: Run, lay: dict, throughput: float) -> dict:
     flops, trained = run_flops(cfg), run_flops(cfg, first_step=first)
     gpu_hours, scratch_hours = trained / rate / 3600.0, flops / rate / 3600.0
     return {
-        "name": run.name, "size": run.size, "kind": run.kind,
-        "phases": " + ".join(f"{ph.objective}{'' if ph.objective == 'clm' else f'@{ph.mask_ratio:g}'}"
-                             f":{ph.steps}" for ph in cfg.phases),
-        "steps": run.steps, "tokens": tokens, "trained_steps": run.steps - first,
-        "warmup_steps": run.warmup, "decay_steps": run.decay, "nodes": lay["nodes"],
-        "gpus": lay["gpus"], "tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"],
-        "micro_batch": lay["mbs"], "global_batch": GLOBAL_BATCH,
-        "distributed_optimizer": lay["dist_opt"], "recompute": lay["recompute"] or "none",
-        "tokens_per_gpu_s": throughput, "tflop_per_gpu_s": round(rate / 1e12, 1),
-        "gpu_hours": round(gpu_hours, 2), "gpu_hours_from_scratch": round(scratch_hours, 2),
-        "wall_hours": round(gpu_hours / lay["gpus"], 2), "model_pflop": round(flops / 1e15, 1),
+        "name": run.name,
+        "size": run.size,
+        "kind": run.kind,
+        "phases": " + ".join(
+            f"{ph.objective}{'' if ph.objective == 'clm' else f'@{ph.mask_ratio:g}'}:{ph.steps}"
+            for ph in cfg.phases
+        ),
+        "steps": run.steps,
+        "tokens": tokens,
+        "trained_steps": run.steps - first,
+        "warmup_steps": run.warmup,
+        "decay_steps": run.decay,
+        "nodes": lay["nodes"],
+        "gpus": lay["gpus"],
+        "tp": lay["tp"],
+        "pp": lay["pp"],
+        "dp": lay["dp"],
+        "micro_batch": lay["mbs"],
+        "global_batch": GLOBAL_BATCH,
+        "distributed_optimizer": lay["dist_opt"],
+        "recompute": lay["recompute"] or "none",
+        "tokens_per_gpu_s": throughput,
+        "tflop_per_gpu_s": round(rate / 1e12, 1),
+        "gpu_hours": round(gpu_hours, 2),
+        "gpu_hours_from_scratch": round(scratch_hours, 2),
+        "wall_hours": round(gpu_hours / lay["gpus"], 2),
+        "model_pflop": round(flops / 1e15, 1),
         "depends_on": run.depends_on or "",
         "branch_at": run.branch_at if run.branch_at is not None else "",
         "keep_steps": " ".join(map(str, run.keep_steps)),

@@ -31,8 +31,16 @@ from megatron_mlmclm.plan.layout import GLOBAL_BATCH, check_size
 from megatron_mlmclm.plan.options import PlanOptions
 
 # The study's recipe (docs/study.md)
-STUDY_TRAIN = dict(lr=5.0e-4, min_lr=0.0, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-                   adam_eps=1.0e-5, clip_grad=1.0, precision="auto")
+STUDY_TRAIN = dict(
+    lr=5.0e-4,
+    min_lr=0.0,
+    weight_decay=0.1,
+    adam_beta1=0.9,
+    adam_beta2=0.95,
+    adam_eps=1.0e-5,
+    clip_grad=1.0,
+    precision="auto",
+)
 WARMUP, DECAY = 2000, 2000
 
 
@@ -54,7 +62,6 @@ def mlm_tag(ratio: float) -> str:
 def single_name(size: str, objective: str, steps: int, ratio: float) -> str:
     tag = "clm" if objective == "clm" else mlm_tag(ratio)
     return f"{size}-{tag}-{k_steps(steps)}"
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -117,10 +124,14 @@ def build_grid(opts: PlanOptions) -> list[Run]:
         runs.setdefault(run.name, run)
 
     def single(size, objective, budget, ratio) -> Run:
-        ph = {"objective": "clm"} if objective == "clm" else {"objective": "mlm",
-                                                              "mask_ratio": ratio}
-        return Run(single_name(size, objective, budget, ratio), size, "single", budget,
-                   [ph], WARMUP, DECAY)
+        ph = (
+            {"objective": "clm"}
+            if objective == "clm"
+            else {"objective": "mlm", "mask_ratio": ratio}
+        )
+        return Run(
+            single_name(size, objective, budget, ratio), size, "single", budget, [ph], WARMUP, DECAY
+        )
 
     for size in sizes:
         for budget in budgets:
@@ -137,12 +148,28 @@ def build_grid(opts: PlanOptions) -> list[Run]:
                 add(single(opts.split_size, "clm", budget, None))
             else:
                 clm_steps = int(round(share * budget))  # what config.resolve_phase_steps gives
-                name = (f"{opts.split_size}-clm-{k_steps(clm_steps, floor=True)}-"
-                        f"{mlm_tag(opts.split_mask_ratio)}-{k_steps(budget)}")
-                add(Run(name, opts.split_size, "biphasic", budget,
-                        [{"objective": "clm", "share": share},
-                         {"objective": "mlm", "share": round(1.0 - share, 12),
-                          "mask_ratio": opts.split_mask_ratio}], WARMUP, DECAY))
+                name = (
+                    f"{opts.split_size}-clm-{k_steps(clm_steps, floor=True)}-"
+                    f"{mlm_tag(opts.split_mask_ratio)}-{k_steps(budget)}"
+                )
+                add(
+                    Run(
+                        name,
+                        opts.split_size,
+                        "biphasic",
+                        budget,
+                        [
+                            {"objective": "clm", "share": share},
+                            {
+                                "objective": "mlm",
+                                "share": round(1.0 - share, 12),
+                                "mask_ratio": opts.split_mask_ratio,
+                            },
+                        ],
+                        WARMUP,
+                        DECAY,
+                    )
+                )
 
     if opts.cpt_steps:
         size = opts.cpt_size or opts.split_size
@@ -158,11 +185,22 @@ def build_grid(opts: PlanOptions) -> list[Run]:
             for n in opts.cpt_steps:
                 warmup = min(opts.cpt_warmup_steps, n)
                 decay = min(DECAY, n - warmup)
-                name = (f"{size}-{src_tag}-dec{k_steps(src_budget)}-"
-                        f"{mlm_tag(opts.cpt_mask_ratio)}-{k_steps(src_budget + n)}")
-                add(Run(name, size, "cpt", n,
+                name = (
+                    f"{size}-{src_tag}-dec{k_steps(src_budget)}-"
+                    f"{mlm_tag(opts.cpt_mask_ratio)}-{k_steps(src_budget + n)}"
+                )
+                add(
+                    Run(
+                        name,
+                        size,
+                        "cpt",
+                        n,
                         [{"objective": "mlm", "mask_ratio": opts.cpt_mask_ratio}],
-                        warmup, decay, depends_on=src.name))
+                        warmup,
+                        decay,
+                        depends_on=src.name,
+                    )
+                )
     if opts.branches:
         plan_branches(list(runs.values()))
     # Sources first: stable runs, then their branches, then CPT runs (whose source may be either).
@@ -185,7 +223,6 @@ def plan_branches(runs: list[Run]) -> None:
         stable.keep_steps.sort()
 
 
-
 # --------------------------------------------------------------------------------------------------
 # A run's config
 
@@ -196,24 +233,36 @@ def run_config(run: Run, opts: PlanOptions, runs_dir: Path, lay: dict) -> dict:
         "output_dir": str(runs_dir / run.name),
         "model": {"preset": run.size},
         "phases": run.phases,
-        "data": {"train": list(opts.data), "valid": list(opts.valid),
-                 "tokenizer": opts.tokenizer},
-        "parallel": {"tensor_model_parallel_size": lay["tp"],
-                     "pipeline_model_parallel_size": lay["pp"],
-                     "use_distributed_optimizer": lay["dist_opt"]},
-        "train": {"steps": run.steps, "micro_batch_size": lay["mbs"],
-                  "global_batch_size": GLOBAL_BATCH, **STUDY_TRAIN,
-                  "warmup_steps": run.warmup, "decay_steps": run.decay,
-                  "recompute": lay["recompute"],
-                  "init_from": (str(runs_dir / run.depends_on / "checkpoints")
-                                if run.kind == "cpt" else None)},
+        "data": {"train": list(opts.data), "valid": list(opts.valid), "tokenizer": opts.tokenizer},
+        "parallel": {
+            "tensor_model_parallel_size": lay["tp"],
+            "pipeline_model_parallel_size": lay["pp"],
+            "use_distributed_optimizer": lay["dist_opt"],
+        },
+        "train": {
+            "steps": run.steps,
+            "micro_batch_size": lay["mbs"],
+            "global_batch_size": GLOBAL_BATCH,
+            **STUDY_TRAIN,
+            "warmup_steps": run.warmup,
+            "decay_steps": run.decay,
+            "recompute": lay["recompute"],
+            "init_from": (
+                str(runs_dir / run.depends_on / "checkpoints") if run.kind == "cpt" else None
+            ),
+        },
         "checkpoint": {"save_interval": opts.save_interval, "keep_last": 2, "resume": True},
-        "logging": {"log_interval": 10, "eval_interval": 1000 if opts.valid else 0,
-                    "eval_iters": 4, "tensorboard": True},
+        "logging": {
+            "log_interval": 10,
+            "eval_interval": 1000 if opts.valid else 0,
+            "eval_iters": 4,
+            "tensorboard": True,
+        },
     }
     if run.branch_at is not None:
-        cfg["train"]["branch_from"] = str(runs_dir / run.depends_on / "checkpoints"
-                                          / f"iter_{run.branch_at:07d}")
+        cfg["train"]["branch_from"] = str(
+            runs_dir / run.depends_on / "checkpoints" / f"iter_{run.branch_at:07d}"
+        )
     if run.keep_steps:
         cfg["checkpoint"]["keep_steps"] = list(run.keep_steps)
     return cfg

@@ -12,8 +12,17 @@ from megatron_mlmclm.plan.options import PlanOptions
 EVAL_LRS, EVAL_SEEDS = 6, 5  # mlmclm evaluate's default grid: 6 learning rates x 5 seeds
 
 
-def job_script(run: Run, cfg_path: Path, runs_dir: Path, hf_dir: Path, results: Path,
-               tasks: list[str], grid: list[str], lay: dict, gpus_per_node: int) -> str:
+def job_script(
+    run: Run,
+    cfg_path: Path,
+    runs_dir: Path,
+    hf_dir: Path,
+    results: Path,
+    tasks: list[str],
+    grid: list[str],
+    lay: dict,
+    gpus_per_node: int,
+) -> str:
     q = shlex.quote
     ckpt = runs_dir / run.name / "checkpoints"
     export = hf_dir / run.name
@@ -22,7 +31,7 @@ def job_script(run: Run, cfg_path: Path, runs_dir: Path, hf_dir: Path, results: 
 # {run.name}: {run.kind} run, {run.steps} steps{_relation(run)}.
 # Written by `mlmclm plan`. Usage: bash {run.name}.sh pretrain|convert|evaluate|all [extra args]
 #   pretrain  launches with $LAUNCH (default: torchrun on this node, {gpus_per_node} GPUs); under
-#             SLURM use submit_slurm.sh ({lay['nodes']} node(s) x {gpus_per_node} GPUs) instead.
+#             SLURM use submit_slurm.sh ({lay["nodes"]} node(s) x {gpus_per_node} GPUs) instead.
 #   evaluate  the whole grid here; submit_slurm.sh runs it as a job array.
 set -euo pipefail
 STEP=${{1:-all}}
@@ -32,7 +41,7 @@ LAUNCH=${{LAUNCH:-"torchrun --standalone --nproc_per_node {gpus_per_node}"}}
 
 pretrain() {{ $LAUNCH -m megatron_mlmclm pretrain "$CONFIG" "$@"; }}
 convert() {{ mlmclm convert to-hf {q(str(ckpt))} {q(str(export))} --force "$@"; }}
-evaluate() {{ mlmclm evaluate --model {q(str(export))} --task {eval_args} --out {q(str(results / 'eval'))} "$@"; }}
+evaluate() {{ mlmclm evaluate --model {q(str(export))} --task {eval_args} --out {q(str(results / "eval"))} "$@"; }}
 
 case "$STEP" in
   pretrain) pretrain "$@" ;;
@@ -50,8 +59,10 @@ def _relation(run: Run) -> str:
     if run.depends_on:
         return f", continues {run.depends_on}"
     if run.keep_steps:
-        return (f"; keeps its checkpoints at steps {', '.join(map(str, run.keep_steps))}, where "
-                "its decay branches start")
+        return (
+            f"; keeps its checkpoints at steps {', '.join(map(str, run.keep_steps))}, where "
+            "its decay branches start"
+        )
     return ""
 
 
@@ -66,12 +77,23 @@ def eval_grid_args(opts: PlanOptions) -> list[str]:
 
 
 def eval_array_size(opts: PlanOptions) -> int:
-    return (len(opts.eval_tasks) * (len(opts.eval_lrs) if opts.eval_lrs else EVAL_LRS)
-            * (len(opts.eval_seeds) if opts.eval_seeds else EVAL_SEEDS))
+    return (
+        len(opts.eval_tasks)
+        * (len(opts.eval_lrs) if opts.eval_lrs else EVAL_LRS)
+        * (len(opts.eval_seeds) if opts.eval_seeds else EVAL_SEEDS)
+    )
 
 
-def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path, results: Path,
-                  opts: PlanOptions, layouts: dict, slurm_dir: Path) -> str:
+def submit_script(
+    runs: list[Run],
+    cfg_paths: dict,
+    runs_dir: Path,
+    hf_dir: Path,
+    results: Path,
+    opts: PlanOptions,
+    layouts: dict,
+    slurm_dir: Path,
+) -> str:
     q = shlex.quote
     n_eval = eval_array_size(opts)
     gpn = opts.gpus_per_node
@@ -85,7 +107,7 @@ def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path
         "# Written by `mlmclm plan`. Variables (all optional):",
         f"#   GPUS_PER_NODE   GPUs requested per node for pretraining ({gpn}); 0 on CPU-only nodes",
         "#                   (convert and evaluate jobs then ask for no GPU, else for one)",
-        "#   SBATCH_EXTRA    sbatch options for every job, e.g. \"--account X --partition Y\"",
+        '#   SBATCH_EXTRA    sbatch options for every job, e.g. "--account X --partition Y"',
         "#   PRETRAIN_SBATCH, CONVERT_SBATCH, EVAL_SBATCH, REPORT_SBATCH  sbatch options per kind",
         "#   PRETRAIN_ARGS   config overrides appended to every pretraining run (key.sub=value ...)",
         "#   EVAL_ARGS       options appended to every `mlmclm evaluate` (e.g. --max-steps 500)",
@@ -100,8 +122,8 @@ def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path
         "PRETRAIN_SBATCH=${PRETRAIN_SBATCH:-} CONVERT_SBATCH=${CONVERT_SBATCH:-}",
         "EVAL_SBATCH=${EVAL_SBATCH:-} REPORT_SBATCH=${REPORT_SBATCH:-}",
         "PRETRAIN_ARGS=${PRETRAIN_ARGS:-} EVAL_ARGS=${EVAL_ARGS:-}",
-        "sub() { sbatch --parsable $SBATCH_EXTRA \"$@\"; }",
-        "gpus() { if [ \"$GPUS_PER_NODE\" -gt 0 ]; then echo \"--gpus-per-node=$1\"; fi; }",
+        'sub() { sbatch --parsable $SBATCH_EXTRA "$@"; }',
+        'gpus() { if [ "$GPUS_PER_NODE" -gt 0 ]; then echo "--gpus-per-node=$1"; fi; }',
         "declare -A PRETRAIN  # run -> its last pretraining job",
         "declare -A SEGMENT  # stable run@step -> the job that ends there",
         "EVALS=",
@@ -115,42 +137,49 @@ def submit_script(runs: list[Run], cfg_paths: dict, runs_dir: Path, hf_dir: Path
         if run.kind == "branch":  # waits for the segment that saves its branch point
             dep = f" --dependency=afterok:${{SEGMENT[{q(f'{run.depends_on}@{run.branch_at}')}]}}"
         else:
-            dep = (f" --dependency=afterok:${{PRETRAIN[{q(run.depends_on)}]}}" if run.depends_on
-                   else "")
+            dep = (
+                f" --dependency=afterok:${{PRETRAIN[{q(run.depends_on)}]}}"
+                if run.depends_on
+                else ""
+            )
         ckpt, export = runs_dir / run.name / "checkpoints", hf_dir / run.name
 
         def pretrain(job: str, dependency: str, stop: str = "") -> str:
-            return (f"{job}=$(sub{dependency} --job-name {q('pt-' + run.name)} --nodes "
-                    f"{lay['nodes']} $(gpus \"$GPUS_PER_NODE\") --export=ALL,NPROC_PER_NODE={gpn} "
-                    f"$PRETRAIN_SBATCH \"$SLURM_DIR/pretrain.sbatch\" "
-                    f"{q(str(cfg_paths[run.name]))}{stop} $PRETRAIN_ARGS)")
+            return (
+                f"{job}=$(sub{dependency} --job-name {q('pt-' + run.name)} --nodes "
+                f'{lay["nodes"]} $(gpus "$GPUS_PER_NODE") --export=ALL,NPROC_PER_NODE={gpn} '
+                f'$PRETRAIN_SBATCH "$SLURM_DIR/pretrain.sbatch" '
+                f"{q(str(cfg_paths[run.name]))}{stop} $PRETRAIN_ARGS)"
+            )
 
         lines.append(f"# {run.name}")
         for k, step in enumerate(run.keep_steps):  # segments ending at the branch points
             seg = f"s{i}_{k}"
-            lines += [pretrain(seg, dep, f" --stop-at {step}"),
-                      f"SEGMENT[{q(f'{run.name}@{step}')}]=${seg}"]
+            lines += [
+                pretrain(seg, dep, f" --stop-at {step}"),
+                f"SEGMENT[{q(f'{run.name}@{step}')}]=${seg}",
+            ]
             dep = f" --dependency=afterok:${seg}"
         lines += [
             pretrain(var, dep),
             f"PRETRAIN[{q(run.name)}]=${var}",
             f"c{i}=$(sub --dependency=afterok:${var} --job-name {q('cv-' + run.name)} $(gpus 1) "
-            f"$CONVERT_SBATCH \"$SLURM_DIR/convert.sbatch\" {q(str(ckpt))} {q(str(export))} "
+            f'$CONVERT_SBATCH "$SLURM_DIR/convert.sbatch" {q(str(ckpt))} {q(str(export))} '
             "--force)",
             f"e{i}=$(sub --dependency=afterok:$c{i} --job-name {q('ev-' + run.name)} $(gpus 1) "
-            f"--array=0-{n_eval - 1} $EVAL_SBATCH \"$SLURM_DIR/evaluate_array.sbatch\" "
+            f'--array=0-{n_eval - 1} $EVAL_SBATCH "$SLURM_DIR/evaluate_array.sbatch" '
             f"--model {q(str(export))} --task {task_args}{grid} "
             f"--out {q(str(results / 'eval'))} $EVAL_ARGS)",
             f"EVALS=$EVALS:$e{i}",
-            f"echo \"submitted {run.name}: pretrain ${var}, convert $c{i}, evaluate array $e{i} "
-            f"of {n_eval}\"",
+            f'echo "submitted {run.name}: pretrain ${var}, convert $c{i}, evaluate array $e{i} '
+            f'of {n_eval}"',
             "",
         ]
     lines += [
         "# the report over whatever finished (afterany: a failed element does not block it)",
         "r=$(sub --dependency=afterany$EVALS --job-name report $REPORT_SBATCH "
-        f"\"$SLURM_DIR/report.sbatch\" {q(str(results / 'eval'))} "
+        f'"$SLURM_DIR/report.sbatch" {q(str(results / "eval"))} '
         f"--out {q(str(results / 'report'))})",
-        f"echo \"submitted the report $r: {q(str(results / 'report'))}\"",
+        f'echo "submitted the report $r: {q(str(results / "report"))}"',
     ]
     return "\n".join(lines) + "\n"

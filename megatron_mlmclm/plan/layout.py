@@ -48,9 +48,11 @@ def layout_for(size: str, nodes: int, gpus_per_node: int) -> dict:
         raise UsageError(f"{size}: {gpus} GPUs are not divisible by TP x PP = {mp}")
     dp = gpus // mp
     if GLOBAL_BATCH % (lay["mbs"] * dp):
-        raise UsageError(f"{size}: global batch {GLOBAL_BATCH} is not divisible by micro-batch "
-                         f"{lay['mbs']} x data-parallel {dp}; choose another --nodes "
-                         f"(a power of two)")
+        raise UsageError(
+            f"{size}: global batch {GLOBAL_BATCH} is not divisible by micro-batch "
+            f"{lay['mbs']} x data-parallel {dp}; choose another --nodes "
+            f"(a power of two)"
+        )
     lay.update(nodes=nodes, gpus=gpus, dp=dp, microbatches=GLOBAL_BATCH // (lay["mbs"] * dp))
     if dp == 1:
         lay["dist_opt"] = False

@@ -14,51 +14,69 @@ def summary_md(rows: list[dict], totals: dict, throughput: dict) -> str:
     out = io.StringIO()
     w = out.write
     w("# Plan summary\n\n")
-    w(f"{len(rows)} runs. Global batch {GLOBAL_BATCH} x seq 2048 = {GLOBAL_BATCH * 2048:,} tokens "
-      "per step (the study's ~2.36M). Training FLOPs as the model spends them (config.py's budget "
-      "arithmetic: the sparse MLM head over the masked tokens, causal attention at half as "
-      "Transformer Engine computes it; vocabulary 128,256). GPU-hours = the FLOPs a job trains / "
-      "the FLOP rate per GPU of the stated CLM throughput / 3600, so an MLM step costs what its "
-      "FLOPs cost; wall hours = GPU-hours / GPUs of the run (no queueing, no restarts).\n\n")
-    w("Assumed throughput (CLM tokens/s per GPU): " + ", ".join(
-        f"{k} {v:,.0f}" for k, v in throughput.items() if k in {r['size'] for r in rows}) +
-      ". Replace with a measured figure (`tokens_per_s_per_device` of a CLM run's metrics.jsonl) "
-      "via `--throughput SIZE=N`.\n\n")
+    w(
+        f"{len(rows)} runs. Global batch {GLOBAL_BATCH} x seq 2048 = {GLOBAL_BATCH * 2048:,} tokens "
+        "per step (the study's ~2.36M). Training FLOPs as the model spends them (config.py's budget "
+        "arithmetic: the sparse MLM head over the masked tokens, causal attention at half as "
+        "Transformer Engine computes it; vocabulary 128,256). GPU-hours = the FLOPs a job trains / "
+        "the FLOP rate per GPU of the stated CLM throughput / 3600, so an MLM step costs what its "
+        "FLOPs cost; wall hours = GPU-hours / GPUs of the run (no queueing, no restarts).\n\n"
+    )
+    w(
+        "Assumed throughput (CLM tokens/s per GPU): "
+        + ", ".join(
+            f"{k} {v:,.0f}" for k, v in throughput.items() if k in {r["size"] for r in rows}
+        )
+        + ". Replace with a measured figure (`tokens_per_s_per_device` of a CLM run's metrics.jsonl) "
+        "via `--throughput SIZE=N`.\n\n"
+    )
     branches = [r for r in rows if r["kind"] == "branch"]
     if branches:
-        w("Decay branches: a run of kind `branch` starts from its stable run's checkpoint at step "
-          "`branch at` (kept there) and trains only its own decay; it is bitwise the run trained "
-          "from scratch with its budget (docs/pretrain.md#decay-branches). `GPU-h` is what the "
-          "plan spends, `from scratch` what the run would cost alone.\n\n")
-    w("| run | kind | phases (steps) | tokens (B) | nodes x GPUs | TP/PP/DP | micro | GPU-h | "
-      "from scratch | wall h | depends on | branch at |\n"
-      "|---|---|---|---:|---|---|---:|---:|---:|---:|---|---:|\n")
+        w(
+            "Decay branches: a run of kind `branch` starts from its stable run's checkpoint at step "
+            "`branch at` (kept there) and trains only its own decay; it is bitwise the run trained "
+            "from scratch with its budget (docs/pretrain.md#decay-branches). `GPU-h` is what the "
+            "plan spends, `from scratch` what the run would cost alone.\n\n"
+        )
+    w(
+        "| run | kind | phases (steps) | tokens (B) | nodes x GPUs | TP/PP/DP | micro | GPU-h | "
+        "from scratch | wall h | depends on | branch at |\n"
+        "|---|---|---|---:|---|---|---:|---:|---:|---:|---|---:|\n"
+    )
     for r in rows:
-        w(f"| {r['name']} | {r['kind']} | {r['phases']} | {r['tokens'] / 1e9:.1f} | "
-          f"{r['nodes']} x {r['gpus'] // r['nodes']} | {r['tp']}/{r['pp']}/{r['dp']} | "
-          f"{r['micro_batch']} | {r['gpu_hours']:,.1f} | {r['gpu_hours_from_scratch']:,.1f} | "
-          f"{r['wall_hours']:,.1f} | {r['depends_on'] or '-'} | {r['branch_at'] or '-'} |\n")
+        w(
+            f"| {r['name']} | {r['kind']} | {r['phases']} | {r['tokens'] / 1e9:.1f} | "
+            f"{r['nodes']} x {r['gpus'] // r['nodes']} | {r['tp']}/{r['pp']}/{r['dp']} | "
+            f"{r['micro_batch']} | {r['gpu_hours']:,.1f} | {r['gpu_hours_from_scratch']:,.1f} | "
+            f"{r['wall_hours']:,.1f} | {r['depends_on'] or '-'} | {r['branch_at'] or '-'} |\n"
+        )
     saved = totals["gpu_hours_from_scratch"] - totals["gpu_hours"]
-    w(f"\n**Total**: {totals['tokens'] / 1e12:.2f}T tokens, {totals['gpu_hours']:,.1f} GPU-hours "
-      f"with decay branches, {totals['gpu_hours_from_scratch']:,.1f} GPU-hours with every run "
-      f"from scratch ({saved:,.1f} saved, "
-      f"{100 * saved / max(totals['gpu_hours_from_scratch'], 1e-9):.0f}%), "
-      f"{totals['model_pflop']:,.0f} PFLOP of models.\n\n")
+    w(
+        f"\n**Total**: {totals['tokens'] / 1e12:.2f}T tokens, {totals['gpu_hours']:,.1f} GPU-hours "
+        f"with decay branches, {totals['gpu_hours_from_scratch']:,.1f} GPU-hours with every run "
+        f"from scratch ({saved:,.1f} saved, "
+        f"{100 * saved / max(totals['gpu_hours_from_scratch'], 1e-9):.0f}%), "
+        f"{totals['model_pflop']:,.0f} PFLOP of models.\n\n"
+    )
     by_kind: dict[str, list] = {}
     for r in rows:
         by_kind.setdefault(r["kind"], []).append(r)
     for kind, rs in by_kind.items():
         w(f"- {kind}: {len(rs)} runs, {sum(x['gpu_hours'] for x in rs):,.1f} GPU-hours\n")
-    w("\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `submit_slurm.sh`, `manifest.tsv`, "
-      "`SUMMARY.csv`. See docs/plan.md.\n")
+    w(
+        "\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `submit_slurm.sh`, `manifest.tsv`, "
+        "`SUMMARY.csv`. See docs/plan.md.\n"
+    )
     return out.getvalue()
 
 
 def totals_of(rows: list[dict]) -> dict:
-    return {"tokens": sum(r["tokens"] for r in rows),
-            "gpu_hours": round(sum(r["gpu_hours"] for r in rows), 2),
-            "gpu_hours_from_scratch": round(sum(r["gpu_hours_from_scratch"] for r in rows), 2),
-            "model_pflop": round(sum(r["model_pflop"] for r in rows), 1)}
+    return {
+        "tokens": sum(r["tokens"] for r in rows),
+        "gpu_hours": round(sum(r["gpu_hours"] for r in rows), 2),
+        "gpu_hours_from_scratch": round(sum(r["gpu_hours_from_scratch"] for r in rows), 2),
+        "model_pflop": round(sum(r["model_pflop"] for r in rows), 1),
+    }
 
 
 def write_summary_csv(path: Path, rows: list[dict]) -> None:
@@ -68,14 +86,26 @@ def write_summary_csv(path: Path, rows: list[dict]) -> None:
         wr.writerows(rows)
 
 
-def write_manifest(path: Path, runs: list[Run], layouts: dict, gpus_per_node: int,
-                   cfg_paths: dict, runs_dir: Path, hf_dir: Path, n_eval: int) -> None:
+def write_manifest(
+    path: Path,
+    runs: list[Run],
+    layouts: dict,
+    gpus_per_node: int,
+    cfg_paths: dict,
+    runs_dir: Path,
+    hf_dir: Path,
+    n_eval: int,
+) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        f.write("index\tname\tkind\tnodes\tgpus_per_node\tconfig\tcheckpoints\thf_dir\t"
-                "depends_on\teval_array_size\tbranch_at\n")
+        f.write(
+            "index\tname\tkind\tnodes\tgpus_per_node\tconfig\tcheckpoints\thf_dir\t"
+            "depends_on\teval_array_size\tbranch_at\n"
+        )
         for i, r in enumerate(runs):
-            f.write(f"{i}\t{r.name}\t{r.kind}\t{layouts[r.name]['nodes']}\t"
-                    f"{gpus_per_node}\t{cfg_paths[r.name]}\t"
-                    f"{runs_dir / r.name / 'checkpoints'}\t{hf_dir / r.name}\t"
-                    f"{r.depends_on or '-'}\t{n_eval}\t"
-                    f"{r.branch_at if r.branch_at is not None else '-'}\n")
+            f.write(
+                f"{i}\t{r.name}\t{r.kind}\t{layouts[r.name]['nodes']}\t"
+                f"{gpus_per_node}\t{cfg_paths[r.name]}\t"
+                f"{runs_dir / r.name / 'checkpoints'}\t{hf_dir / r.name}\t"
+                f"{r.depends_on or '-'}\t{n_eval}\t"
+                f"{r.branch_at if r.branch_at is not None else '-'}\n"
+            )

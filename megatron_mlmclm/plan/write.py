@@ -15,8 +15,7 @@ from megatron_mlmclm.plan.grid import build_grid, run_config
 from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
 from megatron_mlmclm.plan.options import PlanOptions
-from megatron_mlmclm.plan.summary import (summary_md, totals_of, write_manifest,
-                                          write_summary_csv)
+from megatron_mlmclm.plan.summary import summary_md, totals_of, write_manifest, write_summary_csv
 
 SLURM_DIR = Path(__file__).resolve().parents[2] / "examples" / "slurm"  # the sbatch templates
 
@@ -57,30 +56,52 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
         cfg_paths = {}
         for r in runs:
             p = tmp / "configs" / f"{r.name}.yaml"
-            p.write_text(f"# {r.name}: written by `mlmclm plan` ({r.kind}). Override any key on "
-                         "the command line: mlmclm pretrain THIS.yaml train.steps=...\n" +
-                         yaml.safe_dump(r.config, sort_keys=False), encoding="utf-8")
+            p.write_text(
+                f"# {r.name}: written by `mlmclm plan` ({r.kind}). Override any key on "
+                "the command line: mlmclm pretrain THIS.yaml train.steps=...\n"
+                + yaml.safe_dump(r.config, sort_keys=False),
+                encoding="utf-8",
+            )
             cfg = load_config(p)  # every written config must load as the trainer will load it
             if sum(ph.steps for ph in cfg.phases) != cfg.train.steps:  # pragma: no cover
                 raise AssertionError(f"{r.name}: phase steps do not sum to train.steps")
             cfg_paths[r.name] = root / "configs" / f"{r.name}.yaml"
         for r in runs:
             s = tmp / "jobs" / f"{r.name}.sh"
-            s.write_text(job_script(r, cfg_paths[r.name], runs_dir, hf_dir, results,
-                                    opts.eval_tasks, eval_grid_args(opts), layouts[r.name],
-                                    opts.gpus_per_node))
+            s.write_text(
+                job_script(
+                    r,
+                    cfg_paths[r.name],
+                    runs_dir,
+                    hf_dir,
+                    results,
+                    opts.eval_tasks,
+                    eval_grid_args(opts),
+                    layouts[r.name],
+                    opts.gpus_per_node,
+                )
+            )
             s.chmod(0o755)
         sub = tmp / "submit_slurm.sh"
-        sub.write_text(submit_script(runs, cfg_paths, runs_dir, hf_dir, results, opts, layouts,
-                                     SLURM_DIR))
+        sub.write_text(
+            submit_script(runs, cfg_paths, runs_dir, hf_dir, results, opts, layouts, SLURM_DIR)
+        )
         sub.chmod(0o755)
 
         rows = [r.row for r in runs]
         write_summary_csv(tmp / "SUMMARY.csv", rows)
         totals = totals_of(rows)
         (tmp / "SUMMARY.md").write_text(summary_md(rows, totals, throughput), encoding="utf-8")
-        write_manifest(tmp / "manifest.tsv", runs, layouts, opts.gpus_per_node, cfg_paths,
-                       runs_dir, hf_dir, eval_array_size(opts))
+        write_manifest(
+            tmp / "manifest.tsv",
+            runs,
+            layouts,
+            opts.gpus_per_node,
+            cfg_paths,
+            runs_dir,
+            hf_dir,
+            eval_array_size(opts),
+        )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -53,20 +53,28 @@ FIX_TARGETS = (
     ("megatron.core.optimizer.optimizer", "multi_tensor_scale_impl"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.sharded_state_dict"),
-    ("megatron.core.optimizer.distrib_optimizer",
-     "DistributedOptimizer._init_optimizer_states_with_dummy_values"),
-    ("megatron.core.optimizer.distrib_optimizer",
-     "DistributedOptimizer._set_main_param_and_optimizer_states"),
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._init_optimizer_states_with_dummy_values",
+    ),
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._set_main_param_and_optimizer_states",
+    ),
     ("megatron.core.optimizer.distrib_optimizer", "HAVE_APEX_OR_TE"),
 )
 
 # megatron-core private names this project relies on outside the patches (checkpoint.py: the
 # main-parameter check after loading weights); checked with the targets above.
 PRIVATE_API = (
-    ("megatron.core.optimizer.optimizer",
-     "Float16OptimizerWithFloat16Params._get_model_and_main_params_data_float16"),
-    ("megatron.core.optimizer.distrib_optimizer",
-     "DistributedOptimizer._get_model_and_main_params_data_float16"),
+    (
+        "megatron.core.optimizer.optimizer",
+        "Float16OptimizerWithFloat16Params._get_model_and_main_params_data_float16",
+    ),
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer._get_model_and_main_params_data_float16",
+    ),
 )
 
 _FACTORIES = frozenset(
@@ -170,8 +178,8 @@ def apply() -> bool:
     random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
         torch.get_rng_state()
     )
-    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
-        torch.set_rng_state(new_state)
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
+        new_state
     )
 
     proxy = _CpuTorch()

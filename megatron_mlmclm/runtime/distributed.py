@@ -28,17 +28,20 @@ def init_distributed(tp: int, pp: int, vpp: int | None, seed: int, cp: int = 1) 
             # TCP port to another job on the machine (it did, with many runs side by side).
             if backend == "nccl":
                 torch.cuda.set_device(0)
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
-                                    world_size=1, timeout=timeout)
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
         else:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend=backend, timeout=timeout)
     world = dist.get_world_size()
     if world % (tp * pp * cp):
-        raise UsageError(f"world size {world} is not divisible by tensor x pipeline x context "
-                         f"parallel size ({tp} x {pp} x {cp}); launch a multiple of "
-                         f"{tp * pp * cp} processes")
+        raise UsageError(
+            f"world size {world} is not divisible by tensor x pipeline x context "
+            f"parallel size ({tp} x {pp} x {cp}); launch a multiple of "
+            f"{tp * pp * cp} processes"
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
@@ -66,8 +69,11 @@ def is_main() -> bool:
 
 
 def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu")
+    )
 
 
 # Dense bf16 peak per device, for MFU. CPU has no meaningful peak: MFU is reported only on GPU.

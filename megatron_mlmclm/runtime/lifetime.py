@@ -122,14 +122,23 @@ class RunLock:
             f.close()
             raise UsageError(
                 f"{self.folder} is the output_dir of a live run ({_describe(holder)}); two runs "
-                "would write the same checkpoints: stop that run or choose another output_dir")
+                "would write the same checkpoints: stop that run or choose another output_dir"
+            )
         previous = _read(f)
         self.taken_over = previous or None
         f.seek(0)
         f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                            "command": "mlmclm " + " ".join(sys.argv[1:])}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "command": "mlmclm " + " ".join(sys.argv[1:]),
+                }
+            )
+            + "\n"
+        )
         f.flush()
         self.file = f
 
@@ -154,5 +163,7 @@ def _read(f) -> dict:
 def _describe(holder: dict) -> str:
     if not holder:
         return "holder unknown"
-    return (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}: "
-            f"{holder.get('command')}")
+    return (
+        f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}: "
+        f"{holder.get('command')}"
+    )

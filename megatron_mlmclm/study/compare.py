@@ -40,7 +40,7 @@ MIN_PAIRS = 3
 
 def task_samples(results: list[dict]) -> tuple[dict, dict]:
     """({(recipe, task): {(p, s): test score at the chosen LR}},
-        {(recipe, task): {(p, s): best - worst test score across the LR grid}})."""
+    {(recipe, task): {(p, s): best - worst test score across the LR grid}})."""
     chosen = {(r["model"], r["task"]): r["best_lr"] for r in summarize(results).per_task}
     by_lr = defaultdict(lambda: defaultdict(dict))  # (model, task) -> seed -> lr -> score
     for r in results:
@@ -89,13 +89,26 @@ def pairs_needed(diffs: list[float], mean: float) -> int | None:
     return max(len(diffs), math.ceil((1.96 * sd / abs(mean)) ** 2)) if sd > 0 else None
 
 
-def compare(claim: str, a: dict, b: dict, a_name: str, b_name: str, kind: str,
-            what: str, tag: str) -> dict:
+def compare(
+    claim: str, a: dict, b: dict, a_name: str, b_name: str, kind: str, what: str, tag: str
+) -> dict:
     """One comparison row: a, b = {(p, s): value}; `tag` names the measure in a plot label."""
     keys = sorted(set(a) & set(b))
-    row = {"claim": claim, "measure": what, "tag": tag, "a": a_name, "b": b_name, "kind": kind,
-           "pairs": len(keys), "diff": math.nan, "ci95": math.nan, "lo": math.nan,
-           "hi": math.nan, "by_pretrain_seed": "", "pairs_needed": None}
+    row = {
+        "claim": claim,
+        "measure": what,
+        "tag": tag,
+        "a": a_name,
+        "b": b_name,
+        "kind": kind,
+        "pairs": len(keys),
+        "diff": math.nan,
+        "ci95": math.nan,
+        "lo": math.nan,
+        "hi": math.nan,
+        "by_pretrain_seed": "",
+        "pairs_needed": None,
+    }
     if not keys:
         row["verdict"] = "not measured (no shared pairs)"
         return row
@@ -103,9 +116,14 @@ def compare(claim: str, a: dict, b: dict, a_name: str, b_name: str, kind: str,
     mean, half = mean_ci(diffs)
     seeds = sorted({p for p, _ in keys})
     by_seed = {p: statistics.mean(d for (q, _), d in zip(keys, diffs) if q == p) for p in seeds}
-    row.update(diff=mean, ci95=half, lo=mean - half, hi=mean + half,
-               by_pretrain_seed=" ".join(f"p{p}: {v:+.2f}" for p, v in by_seed.items()),
-               verdict=verdict(mean, half, len(keys), kind))
+    row.update(
+        diff=mean,
+        ci95=half,
+        lo=mean - half,
+        hi=mean + half,
+        by_pretrain_seed=" ".join(f"p{p}: {v:+.2f}" for p, v in by_seed.items()),
+        verdict=verdict(mean, half, len(keys), kind),
+    )
     if row["verdict"].startswith("inconclusive"):
         row["pairs_needed"] = pairs_needed(diffs, mean)
     return row
@@ -122,37 +140,109 @@ def study_comparisons(results: list[dict], families: dict[str, str]) -> list[dic
         return averaged(scores, recipe, of)
 
     rows = []
-    for f, claim in (("sc", "MLM beats CLM on sequence classification"),
-                     ("qa", "MLM beats CLM on question answering")):
+    for f, claim in (
+        ("sc", "MLM beats CLM on sequence classification"),
+        ("qa", "MLM beats CLM on question answering"),
+    ):
         if fam[f]:
-            rows.append(compare(claim, score("mlm40", fam[f]), score("clm", fam[f]), "MLM 40%",
-                                "CLM", "beats", f"{f.upper()} score ({', '.join(fam[f])})",
-                                f.upper()))
-    rows.append(compare("MLM beats CLM overall", score("mlm40", tasks), score("clm", tasks),
-                        "MLM 40%", "CLM", "beats", "mean score over all tasks", "overall"))
+            rows.append(
+                compare(
+                    claim,
+                    score("mlm40", fam[f]),
+                    score("clm", fam[f]),
+                    "MLM 40%",
+                    "CLM",
+                    "beats",
+                    f"{f.upper()} score ({', '.join(fam[f])})",
+                    f.upper(),
+                )
+            )
+    rows.append(
+        compare(
+            "MLM beats CLM overall",
+            score("mlm40", tasks),
+            score("clm", tasks),
+            "MLM 40%",
+            "CLM",
+            "beats",
+            "mean score over all tasks",
+            "overall",
+        )
+    )
     if fam["tc"]:
-        rows.append(compare("CLM is competitive with MLM on token classification",
-                            score("clm", fam["tc"]), score("mlm40", fam["tc"]), "CLM", "MLM 40%",
-                            "matches", f"TC score ({', '.join(fam['tc'])})", "TC"))
-    rows.append(compare("CLM is less sensitive to the fine-tuning learning rate",
-                        averaged(spreads, "mlm40", tasks), averaged(spreads, "clm", tasks),
-                        "MLM 40%", "CLM", "beats",
-                        "best - worst score across the LR grid, mean over tasks (A - B > 0: "
-                        "MLM more sensitive)", "LR spread"))
-    rows.append(compare("At equal compute (the CLM run's FLOPs), MLM beats CLM",
-                        score("mlm40-flops", tasks), score("clm", tasks), "MLM 40% at CLM's FLOPs",
-                        "CLM", "beats", "mean score over all tasks", "overall"))
-    rows.append(compare("At a fixed budget, CLM then MLM matches or beats MLM alone",
-                        score("clm25-mlm40", tasks), score("mlm40", tasks), "CLM 25% -> MLM 75%",
-                        "MLM 40%", "matches", "mean score over all tasks", "overall"))
-    rows.append(compare("Continuing a CLM model with MLM matches or beats MLM from scratch",
-                        score("clm-cpt-mlm40", tasks), score("mlm40", tasks),
-                        "CLM + MLM continuation", "MLM 40%", "matches",
-                        "mean score over all tasks", "overall"))
-    rows.append(compare("The MLM continuation improves the CLM model it starts from",
-                        score("clm-cpt-mlm40", tasks), score("clm", tasks),
-                        "CLM + MLM continuation", "CLM", "beats", "mean score over all tasks",
-                        "overall"))
+        rows.append(
+            compare(
+                "CLM is competitive with MLM on token classification",
+                score("clm", fam["tc"]),
+                score("mlm40", fam["tc"]),
+                "CLM",
+                "MLM 40%",
+                "matches",
+                f"TC score ({', '.join(fam['tc'])})",
+                "TC",
+            )
+        )
+    rows.append(
+        compare(
+            "CLM is less sensitive to the fine-tuning learning rate",
+            averaged(spreads, "mlm40", tasks),
+            averaged(spreads, "clm", tasks),
+            "MLM 40%",
+            "CLM",
+            "beats",
+            "best - worst score across the LR grid, mean over tasks (A - B > 0: "
+            "MLM more sensitive)",
+            "LR spread",
+        )
+    )
+    rows.append(
+        compare(
+            "At equal compute (the CLM run's FLOPs), MLM beats CLM",
+            score("mlm40-flops", tasks),
+            score("clm", tasks),
+            "MLM 40% at CLM's FLOPs",
+            "CLM",
+            "beats",
+            "mean score over all tasks",
+            "overall",
+        )
+    )
+    rows.append(
+        compare(
+            "At a fixed budget, CLM then MLM matches or beats MLM alone",
+            score("clm25-mlm40", tasks),
+            score("mlm40", tasks),
+            "CLM 25% -> MLM 75%",
+            "MLM 40%",
+            "matches",
+            "mean score over all tasks",
+            "overall",
+        )
+    )
+    rows.append(
+        compare(
+            "Continuing a CLM model with MLM matches or beats MLM from scratch",
+            score("clm-cpt-mlm40", tasks),
+            score("mlm40", tasks),
+            "CLM + MLM continuation",
+            "MLM 40%",
+            "matches",
+            "mean score over all tasks",
+            "overall",
+        )
+    )
+    rows.append(
+        compare(
+            "The MLM continuation improves the CLM model it starts from",
+            score("clm-cpt-mlm40", tasks),
+            score("clm", tasks),
+            "CLM + MLM continuation",
+            "CLM",
+            "beats",
+            "mean score over all tasks",
+            "overall",
+        )
+    )
     return rows
 
 
@@ -165,16 +255,25 @@ def recipe_table(results: list[dict], families: dict[str, str]) -> list[dict]:
         chosen[(parse_run_name(r["model"])[0], r["task"])].append(f"{r['best_lr']:g}")
     rows = []
     order = [r.key for r in RECIPES]
-    recipes = sorted({k[0] for k in scores}, key=lambda k: order.index(k) if k in order else len(order))
+    recipes = sorted(
+        {k[0] for k in scores}, key=lambda k: order.index(k) if k in order else len(order)
+    )
     for recipe in recipes:
         for task in sorted(families) + ["overall"]:
             samples = averaged(scores, recipe, sorted(families) if task == "overall" else [task])
             if not samples:
                 continue
             mean, half = mean_ci(list(samples.values()))
-            row = add_interval({"recipe": recipe, "task": task, "family": families.get(task, "all"),
-                                "score": mean, "ci95": half, "pairs": len(samples),
-                                "chosen_lrs": " ".join(chosen.get((recipe, task), []))})
+            row = add_interval(
+                {
+                    "recipe": recipe,
+                    "task": task,
+                    "family": families.get(task, "all"),
+                    "score": mean,
+                    "ci95": half,
+                    "pairs": len(samples),
+                    "chosen_lrs": " ".join(chosen.get((recipe, task), [])),
+                }
+            )
             rows.append({**row, "interval": format_interval(row)})
     return rows
-

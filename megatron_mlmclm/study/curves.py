@@ -17,8 +17,13 @@ from pathlib import Path
 from megatron_mlmclm.config import tokens_at_step
 from megatron_mlmclm.eval.report import add_interval, fmt, md_table, mean_ci
 from megatron_mlmclm.study.compare import averaged, compare, task_samples
-from megatron_mlmclm.study.design import (CURVE_RECIPES, RECIPE, StudyDesign, budget_config,
-                                          curve_key)
+from megatron_mlmclm.study.design import (
+    CURVE_RECIPES,
+    RECIPE,
+    StudyDesign,
+    budget_config,
+    curve_key,
+)
 
 LABEL = {"clm": "CLM", "mlm40": "MLM 40%"}
 
@@ -50,15 +55,26 @@ def curve_rows(design: StudyDesign, grids: dict[str, dict], tasks: list[str]) ->
     for recipe in CURVE_RECIPES:
         for steps in budgets(design):
             for task in tasks + ["overall"]:
-                samples = averaged(scores, key_at(design, recipe, steps),
-                                   tasks if task == "overall" else [task])
+                samples = averaged(
+                    scores, key_at(design, recipe, steps), tasks if task == "overall" else [task]
+                )
                 if not samples:
                     continue
                 mean, half = mean_ci(list(samples.values()))
-                rows.append(add_interval({"recipe": recipe, "label": LABEL[recipe],
-                                          "steps": steps,
-                                          "tokens": tokens(design, steps), "task": task,
-                                          "score": mean, "ci95": half, "pairs": len(samples)}))
+                rows.append(
+                    add_interval(
+                        {
+                            "recipe": recipe,
+                            "label": LABEL[recipe],
+                            "steps": steps,
+                            "tokens": tokens(design, steps),
+                            "task": task,
+                            "score": mean,
+                            "ci95": half,
+                            "pairs": len(samples),
+                        }
+                    )
+                )
     return rows
 
 
@@ -71,40 +87,75 @@ def curve_comparisons(design: StudyDesign, grids: dict[str, dict], tasks: list[s
     for steps in budgets(design):
         clm, mlm = (averaged(scores, key_at(design, r, steps), tasks) for r in CURVE_RECIPES)
         lead[steps] = {k: clm[k] - mlm[k] for k in set(clm) & set(mlm)}
-        rows.append(compare(f"CLM is ahead of MLM after {tokens(design, steps) / 1e6:.3g}M tokens "
-                            f"({steps} steps)", clm, mlm, "CLM", "MLM 40%", "beats",
-                            over, f"{steps} steps"))
+        rows.append(
+            compare(
+                f"CLM is ahead of MLM after {tokens(design, steps) / 1e6:.3g}M tokens "
+                f"({steps} steps)",
+                clm,
+                mlm,
+                "CLM",
+                "MLM 40%",
+                "beats",
+                over,
+                f"{steps} steps",
+            )
+        )
     first, last = budgets(design)[0], design.steps
     if first != last:
-        rows.append(compare("CLM is more data-efficient: its lead over MLM is larger early",
-                            lead[first], lead[last], f"lead at {first} steps",
-                            f"lead at {last} steps", "beats",
-                            f"CLM - MLM 40% ({over}), early minus full budget",
-                            "lead shrinks"))
+        rows.append(
+            compare(
+                "CLM is more data-efficient: its lead over MLM is larger early",
+                lead[first],
+                lead[last],
+                f"lead at {first} steps",
+                f"lead at {last} steps",
+                "beats",
+                f"CLM - MLM 40% ({over}), early minus full budget",
+                "lead shrinks",
+            )
+        )
     return rows
 
 
 def curve_section(design: StudyDesign, rows: list[dict], comparisons: list[dict]) -> list[str]:
     """The report's learning-curve section (markdown lines)."""
-    lines = ["## Learning curve: score against pretraining tokens", "",
-             f"CLM and MLM 40% at {', '.join(map(str, design.curve_budgets()))} steps (decay "
-             f"branches of the {design.steps}-step runs: each starts from the full run's "
-             "checkpoint where its own decay starts, and is bitwise the run trained from scratch "
-             f"with that budget) and at {design.steps} steps. The smaller budgets are fine-tuned "
-             "at the LRs their recipe's full-budget models chose on each task (each model's "
-             "choice among those on validation), every fine-tuning seed, on "
-             f"{', '.join(sorted({r['task'] for r in rows} - {'overall'}))}.", ""]
+    lines = [
+        "## Learning curve: score against pretraining tokens",
+        "",
+        f"CLM and MLM 40% at {', '.join(map(str, design.curve_budgets()))} steps (decay "
+        f"branches of the {design.steps}-step runs: each starts from the full run's "
+        "checkpoint where its own decay starts, and is bitwise the run trained from scratch "
+        f"with that budget) and at {design.steps} steps. The smaller budgets are fine-tuned "
+        "at the LRs their recipe's full-budget models chose on each task (each model's "
+        "choice among those on validation), every fine-tuning seed, on "
+        f"{', '.join(sorted({r['task'] for r in rows} - {'overall'}))}.",
+        "",
+    ]
     overall = [r for r in rows if r["task"] == "overall"]
     for r in overall:
         r["interval"] = fmt(r["score"], ".2f") + f" ± {r['ci95']:.2f}"
-    lines += md_table(overall, [("label", "recipe", "s"), ("steps", "steps", "d"),
-                                ("tokens", "tokens", ",d"), ("interval", "mean score (95% CI)", "s"),
-                                ("pairs", "pairs", "d")])
+    lines += md_table(
+        overall,
+        [
+            ("label", "recipe", "s"),
+            ("steps", "steps", "d"),
+            ("tokens", "tokens", ",d"),
+            ("interval", "mean score (95% CI)", "s"),
+            ("pairs", "pairs", "d"),
+        ],
+    )
     lines += ["", "Paired by (pretraining seed, fine-tuning seed):", ""]
     for r in comparisons:
         r["interval"] = "-" if r["pairs"] == 0 else f"[{r['lo']:+.2f}, {r['hi']:+.2f}]"
-    lines += md_table(comparisons, [("claim", "claim", "s"), ("diff", "A - B", "+.2f"),
-                                    ("interval", "95% CI", "s"), ("pairs", "pairs", "d"),
-                                    ("verdict", "verdict", "s"),
-                                    ("pairs_needed", "pairs to settle", "s")])
+    lines += md_table(
+        comparisons,
+        [
+            ("claim", "claim", "s"),
+            ("diff", "A - B", "+.2f"),
+            ("interval", "95% CI", "s"),
+            ("pairs", "pairs", "d"),
+            ("verdict", "verdict", "s"),
+            ("pairs_needed", "pairs to settle", "s"),
+        ],
+    )
     return lines

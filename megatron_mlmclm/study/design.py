@@ -51,8 +51,11 @@ class Recipe:
 RECIPES = (
     Recipe("clm", "CLM", ({"objective": "clm"},)),
     Recipe("mlm40", "MLM 40%", (MLM,)),
-    Recipe("clm25-mlm40", "CLM 25% -> MLM 75%", ({"objective": "clm", "share": 0.25},
-                                                  {**MLM, "share": 0.75})),
+    Recipe(
+        "clm25-mlm40",
+        "CLM 25% -> MLM 75%",
+        ({"objective": "clm", "share": 0.25}, {**MLM, "share": 0.75}),
+    ),
     Recipe("clm-cpt-mlm40", "CLM + MLM continuation", (MLM,), continues="clm"),
     Recipe("mlm40-flops", "MLM 40% at CLM's FLOPs", (MLM,), flops_of="clm"),
 )
@@ -89,26 +92,41 @@ class StudyDesign:
     def check(self) -> "StudyDesign":
         """UsageError on a design that cannot run (before any work starts)."""
         if self.preset not in MODEL_PRESETS:
-            raise UsageError(f"--preset {self.preset} is unknown; choose one of "
-                             f"{', '.join(MODEL_PRESETS)}")
+            raise UsageError(
+                f"--preset {self.preset} is unknown; choose one of {', '.join(MODEL_PRESETS)}"
+            )
         if self.steps < 40:
-            raise UsageError("--steps must be at least 40 (warmup and decay take 10% each, the "
-                             "CLM phase 25%)")
+            raise UsageError(
+                "--steps must be at least 40 (warmup and decay take 10% each, the CLM phase 25%)"
+            )
         if self.cpt_steps < 10:
             raise UsageError("--cpt-steps must be at least 10")
         for name in ("pretrain_seeds", "finetune_seeds", "tasks", "lrs"):
             values = getattr(self, name)
             if not values or len(set(values)) != len(values):
-                raise UsageError(f"--{name.replace('_', '-')} needs at least one value and no repeats")
+                raise UsageError(
+                    f"--{name.replace('_', '-')} needs at least one value and no repeats"
+                )
         if len(self.lrs) < 3:
-            raise UsageError("--lrs needs at least 3 learning rates (an interior choice needs both "
-                             "neighbours)")
+            raise UsageError(
+                "--lrs needs at least 3 learning rates (an interior choice needs both neighbours)"
+            )
         off = [lr for lr in self.lrs if lr not in LR_LADDER]
         if off:
-            raise UsageError(f"--lrs {off} are not on the study's LR ladder {list(LR_LADDER)}; "
-                             "grids are widened along it")
-        for name in ("finetune_steps", "batch_size", "max_length", "workers", "micro_batch_size",
-                     "eval_iters", "max_train_examples", "max_eval_examples"):
+            raise UsageError(
+                f"--lrs {off} are not on the study's LR ladder {list(LR_LADDER)}; "
+                "grids are widened along it"
+            )
+        for name in (
+            "finetune_steps",
+            "batch_size",
+            "max_length",
+            "workers",
+            "micro_batch_size",
+            "eval_iters",
+            "max_train_examples",
+            "max_eval_examples",
+        ):
             if getattr(self, name) <= 0:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_widen < 0:
@@ -117,16 +135,20 @@ class StudyDesign:
         for share in self.curve_shares:
             budget = round(share * self.steps)
             if not 0 < share < 1 or branch_point(budget) < warmup:
-                raise UsageError(f"--curve-shares {share:g}: a learning-curve budget must be a share "
-                                 f"in (0, 1) of --steps whose decay starts after the warmup of the "
-                                 f"full run (step {warmup}); {budget} steps decay from step "
-                                 f"{branch_point(budget)}")
+                raise UsageError(
+                    f"--curve-shares {share:g}: a learning-curve budget must be a share "
+                    f"in (0, 1) of --steps whose decay starts after the warmup of the "
+                    f"full run (step {warmup}); {budget} steps decay from step "
+                    f"{branch_point(budget)}"
+                )
         if len({round(x * self.steps) for x in self.curve_shares}) != len(self.curve_shares):
             raise UsageError("--curve-shares gives the same budget twice")
         off = [t for t in self.curve_tasks if t not in self.tasks]
         if self.curve_shares and (off or not self.curve_tasks):
-            raise UsageError(f"--curve-tasks {' '.join(off) or '(none)'}: the learning curve is "
-                             f"fine-tuned on one or more of --tasks ({' '.join(self.tasks)})")
+            raise UsageError(
+                f"--curve-tasks {' '.join(off) or '(none)'}: the learning curve is "
+                f"fine-tuned on one or more of --tasks ({' '.join(self.tasks)})"
+            )
         return self
 
     def curve_budgets(self) -> list[int]:
@@ -134,8 +156,12 @@ class StudyDesign:
 
     def curve_runs(self) -> list[tuple[str, int, int]]:
         """(recipe key, budget, pretraining seed) of every learning-curve branch."""
-        return [(k, b, s) for k in CURVE_RECIPES for b in self.curve_budgets()
-                for s in self.pretrain_seeds]
+        return [
+            (k, b, s)
+            for k in CURVE_RECIPES
+            for b in self.curve_budgets()
+            for s in self.pretrain_seeds
+        ]
 
     def runs(self) -> list[tuple[Recipe, int]]:
         """(recipe, pretraining seed) in a start order that lets continuations start early."""
@@ -197,10 +223,16 @@ def widen(lrs: list[float], low: bool, high: bool) -> list[float]:
 def budget_config(design: StudyDesign, recipe: Recipe, flops: float | None = None) -> RunConfig:
     """The design's model and batch for `recipe` on mock data, its budget resolved: what the
     budget arithmetic needs (counted at the design's vocabulary size, which every run sets)."""
-    overrides = [f"model.preset={design.preset}", f"model.vocab_size={design.vocab_size}",
-                 f"train.global_batch_size={design.micro_batch_size}",
-                 f"train.micro_batch_size={design.micro_batch_size}", "train.warmup_steps=0",
-                 "train.decay_steps=0", "data.mock=true", f"phases={json.dumps(list(recipe.phases))}"]
+    overrides = [
+        f"model.preset={design.preset}",
+        f"model.vocab_size={design.vocab_size}",
+        f"train.global_batch_size={design.micro_batch_size}",
+        f"train.micro_batch_size={design.micro_batch_size}",
+        "train.warmup_steps=0",
+        "train.decay_steps=0",
+        "data.mock=true",
+        f"phases={json.dumps(list(recipe.phases))}",
+    ]
     if flops is not None:
         overrides.append(f"train.flops={flops!r}")
     else:

@@ -29,9 +29,20 @@ from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid
 from megatron_mlmclm.eval.report import summarize
 from megatron_mlmclm.quickstart import build_corpus, cli, resolve_sources, small_run_config
 from megatron_mlmclm.quickstart import log as quickstart_log
-from megatron_mlmclm.study.design import (CURVE_RECIPES, RECIPE, StudyDesign, branch_point,
-                                          curve_key, decay_steps, parse_curve_key, parse_run_name,
-                                          recipe_flops, run_name, run_steps, widen)
+from megatron_mlmclm.study.design import (
+    CURVE_RECIPES,
+    RECIPE,
+    StudyDesign,
+    branch_point,
+    curve_key,
+    decay_steps,
+    parse_curve_key,
+    parse_run_name,
+    recipe_flops,
+    run_name,
+    run_steps,
+    widen,
+)
 from megatron_mlmclm.study.runs import final_val_loss, finished, last_step, run_dir, steps_of
 
 
@@ -50,10 +61,19 @@ def run_study(out: str | Path, design: StudyDesign, data_folder: str | None = No
     if not floor.is_file():
         from megatron_mlmclm.data.unigram import unigram_cross_entropy  # megatron-core: slow import
 
-        floor.write_text(json.dumps({"unigram_nats": unigram_cross_entropy(
-            tokenizer, prefixes["train"], prefixes["valid"])}))
-    log(f"unigram entropy of the validation tokens: "
-        f"{json.loads(floor.read_text())['unigram_nats']:.3f} nats")
+        floor.write_text(
+            json.dumps(
+                {
+                    "unigram_nats": unigram_cross_entropy(
+                        tokenizer, prefixes["train"], prefixes["valid"]
+                    )
+                }
+            )
+        )
+    log(
+        f"unigram entropy of the validation tokens: "
+        f"{json.loads(floor.read_text())['unigram_nats']:.3f} nats"
+    )
 
     pretrain_all(out, design, tokenizer, prefixes)
     exports = export_all(out, design)
@@ -63,8 +83,10 @@ def run_study(out: str | Path, design: StudyDesign, data_folder: str | None = No
 
     minutes = _record_invocation(out, start)
     report = write_study_report(out, design, grids)
-    log(f"6/6 report: {report} (this invocation {minutes[-1]:.1f} min, all invocations "
-        f"{sum(minutes):.1f} min)")
+    log(
+        f"6/6 report: {report} (this invocation {minutes[-1]:.1f} min, all invocations "
+        f"{sum(minutes):.1f} min)"
+    )
     return report
 
 
@@ -78,13 +100,16 @@ def _claim_folder(out: Path, design: StudyDesign) -> None:
     mine = design.to_dict()
     if record.is_file():
         saved = json.loads(record.read_text())["design"]
-        changed = sorted(k for k in set(saved) | set(mine)
-                         if saved.get(k) != mine.get(k) and k not in NOT_DESIGN)
+        changed = sorted(
+            k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k) and k not in NOT_DESIGN
+        )
         if changed:
             k = changed[0]
-            raise UsageError(f"{out} holds a study with another design ({k}: saved "
-                             f"{saved.get(k)}, now {mine.get(k)}); use a new --out or the same "
-                             f"options")
+            raise UsageError(
+                f"{out} holds a study with another design ({k}: saved "
+                f"{saved.get(k)}, now {mine.get(k)}); use a new --out or the same "
+                f"options"
+            )
         return
     out.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps({"design": mine}, indent=1))
@@ -95,8 +120,11 @@ def _record_invocation(out: Path, start: float) -> list[float]:
     record = out / "study.json"
     saved = json.loads(record.read_text())
     saved.setdefault("invocations", []).append(
-        {"started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
-         "minutes": round((time.time() - start) / 60, 2)})
+        {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(start)),
+            "minutes": round((time.time() - start) / 60, 2),
+        }
+    )
     record.write_text(json.dumps(saved, indent=1))
     return [i["minutes"] for i in saved["invocations"]]
 
@@ -118,29 +146,53 @@ def _config(out: Path, design: StudyDesign, name: str, tokenizer: Path, prefixes
     return path
 
 
-def _branch_config(out: Path, design: StudyDesign, name: str, curve: tuple[str, int], seed: int,
-                   tokenizer: Path, prefixes) -> dict:
+def _branch_config(
+    out: Path,
+    design: StudyDesign,
+    name: str,
+    curve: tuple[str, int],
+    seed: int,
+    tokenizer: Path,
+    prefixes,
+) -> dict:
     """A learning-curve budget of a single-objective recipe: the full run's config with its own
     budget and decay, branching off the full run's checkpoint where that decay starts."""
     key, budget = curve
     cfg = _recipe_config(out, design, run_name(key, seed), key, seed, tokenizer, prefixes)
     cfg.update(name=name, output_dir=str(run_dir(out, name)))
-    cfg["train"].update(steps=budget, decay_steps=decay_steps(budget), branch_from=str(
-        run_dir(out, run_name(key, seed)) / "checkpoints" / f"iter_{branch_point(budget):07d}"))
+    cfg["train"].update(
+        steps=budget,
+        decay_steps=decay_steps(budget),
+        branch_from=str(
+            run_dir(out, run_name(key, seed)) / "checkpoints" / f"iter_{branch_point(budget):07d}"
+        ),
+    )
     del cfg["checkpoint"]["keep_steps"]
     return cfg
 
 
-def _recipe_config(out: Path, design: StudyDesign, name: str, key: str, seed: int, tokenizer: Path,
-                   prefixes) -> dict:
+def _recipe_config(
+    out: Path, design: StudyDesign, name: str, key: str, seed: int, tokenizer: Path, prefixes
+) -> dict:
     recipe = RECIPE[key]
     init_from = None
     if recipe.continues:
         init_from = str(run_dir(out, run_name(recipe.continues, seed)) / "checkpoints")
-    cfg = small_run_config(out, name, recipe.phases, steps_of(design, key), tokenizer, prefixes,
-                           preset=design.preset, seed=seed, lr=design.lr,
-                           micro_batch_size=design.micro_batch_size,
-                           eval_iters=design.eval_iters, evals=6, init_from=init_from)
+    cfg = small_run_config(
+        out,
+        name,
+        recipe.phases,
+        steps_of(design, key),
+        tokenizer,
+        prefixes,
+        preset=design.preset,
+        seed=seed,
+        lr=design.lr,
+        micro_batch_size=design.micro_batch_size,
+        eval_iters=design.eval_iters,
+        evals=6,
+        init_from=init_from,
+    )
     if recipe.continues:
         # Another sample order than the base run's, so the continuation mostly reads new samples.
         cfg["data"]["seed"] = seed + 1000
@@ -160,16 +212,20 @@ def _can_start(out: Path, design: StudyDesign, name: str) -> bool:
     key, seed = parse_run_name(name)
     curve = parse_curve_key(key)
     if curve:
-        return (run_dir(out, run_name(curve[0], seed)) / "checkpoints"
-                / f"iter_{branch_point(curve[1]):07d}").is_dir()
+        return (
+            run_dir(out, run_name(curve[0], seed))
+            / "checkpoints"
+            / f"iter_{branch_point(curve[1]):07d}"
+        ).is_dir()
     base = RECIPE[key].continues
     return not base or finished(out, design, run_name(base, seed))
 
 
 def all_runs(design: StudyDesign) -> list[str]:
     """Every pretraining run of the study: the recipes, then the learning-curve branches."""
-    return ([run_name(r, s) for r, s in design.runs()]
-            + [run_name(curve_key(k, b), s) for k, b, s in design.curve_runs()])
+    return [run_name(r, s) for r, s in design.runs()] + [
+        run_name(curve_key(k, b), s) for k, b, s in design.curve_runs()
+    ]
 
 
 def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> None:
@@ -178,10 +234,12 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
     has finished. A failing run stops the study with its exit status and log path."""
     names = all_runs(design)
     todo = [n for n in names if not finished(out, design, n)]
-    log(f"3/6 pretraining: {len(names)} runs ({design.steps} steps; continuations "
+    log(
+        f"3/6 pretraining: {len(names)} runs ({design.steps} steps; continuations "
         f"{design.cpt_steps}; learning-curve branches {design.curve_budgets()}), "
         f"{len(names) - len(todo)} done already, "
-        f"{design.workers} at a time; logs in {out / 'runs'}/NAME/train.log")
+        f"{design.workers} at a time; logs in {out / 'runs'}/NAME/train.log"
+    )
     if not todo:
         return
     total = {n: run_steps(design, n) for n in todo}
@@ -201,9 +259,15 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
                 config = _config(out, design, name, tokenizer, prefixes)
                 run_dir(out, name).mkdir(parents=True, exist_ok=True)
                 logf = open(run_dir(out, name) / "train.log", "a")  # a resumed run keeps its log
-                running[name] = (subprocess.Popen(
-                    [sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config)],
-                    stdout=logf, stderr=subprocess.STDOUT, env=env), logf)
+                running[name] = (
+                    subprocess.Popen(
+                        [sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config)],
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    ),
+                    logf,
+                )
                 todo.remove(name)
             time.sleep(2)
             for name, (proc, logf) in list(running.items()):
@@ -213,14 +277,20 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
                 del running[name]
                 if proc.returncode != 0:
                     logfile = run_dir(out, name) / "train.log"
-                    last = [l for l in logfile.read_text(errors="replace").splitlines() if l.strip()]
-                    log(f"pretraining {name} failed (exit {proc.returncode}): "
-                        f"{last[-1] if last else ''} (log: {logfile})")
+                    last = [
+                        l for l in logfile.read_text(errors="replace").splitlines() if l.strip()
+                    ]
+                    log(
+                        f"pretraining {name} failed (exit {proc.returncode}): "
+                        f"{last[-1] if last else ''} (log: {logfile})"
+                    )
                     raise SystemExit(proc.returncode)
-                log(f"pretrained {name}: final validation loss "
-                    f"{final_val_loss(out, name):.3f}")
-            bar.n = sum(min(total[n], last_step(run_dir(out, n) / "metrics.jsonl"))
-                        for n in total if n not in todo)
+                log(f"pretrained {name}: final validation loss {final_val_loss(out, name):.3f}")
+            bar.n = sum(
+                min(total[n], last_step(run_dir(out, n) / "metrics.jsonl"))
+                for n in total
+                if n not in todo
+            )
             bar.refresh()
     finally:
         for proc, _ in running.values():
@@ -247,7 +317,9 @@ def export_all(out: Path, design: StudyDesign) -> dict[str, Path]:
     return exports
 
 
-def next_grid(lrs: list[float], chosen: dict[str, float]) -> tuple[list[str], list[str], list[float]]:
+def next_grid(
+    lrs: list[float], chosen: dict[str, float]
+) -> tuple[list[str], list[str], list[float]]:
     """(models whose chosen LR is the grid's lowest, those at its highest, the grid widened
     along the ladder on each side that has one)."""
     low = sorted(m for m, lr in chosen.items() if lr == min(lrs))
@@ -256,14 +328,21 @@ def next_grid(lrs: list[float], chosen: dict[str, float]) -> tuple[list[str], li
 
 
 def finetune_settings(design: StudyDesign) -> dict:
-    return {"batch_size": design.batch_size, "max_steps": design.finetune_steps,
-            "eval_every": design.finetune_steps, "max_length": design.max_length,
-            "max_train_examples": design.max_train_examples,
-            "max_eval_examples": design.max_eval_examples, "threads": 1, "progress": False}
+    return {
+        "batch_size": design.batch_size,
+        "max_steps": design.finetune_steps,
+        "eval_every": design.finetune_steps,
+        "max_length": design.max_length,
+        "max_train_examples": design.max_train_examples,
+        "max_eval_examples": design.max_eval_examples,
+        "threads": 1,
+        "progress": False,
+    }
 
 
-def finetune_all(out: Path, design: StudyDesign, tasks: list[str],
-                 exports: dict[str, Path]) -> dict[str, dict]:
+def finetune_all(
+    out: Path, design: StudyDesign, tasks: list[str], exports: dict[str, Path]
+) -> dict[str, dict]:
     """Per task: run the grid, and widen it along the ladder while any model's chosen LR is at
     an edge (at most design.max_widen times); then, on design.curve_tasks, the learning-curve
     models (finetune_curve). Returns {task: {"lrs", "widened", "edge", "results",
@@ -275,50 +354,69 @@ def finetune_all(out: Path, design: StudyDesign, tasks: list[str],
     for task in tasks:
         lrs, widened = sorted(design.lrs), []
         while True:
-            log(f"5/6 fine-tune on {task}: lr {lrs} x seeds {design.finetune_seeds} x "
-                f"{len(models)} models (finished runs are kept)")
+            log(
+                f"5/6 fine-tune on {task}: lr {lrs} x seeds {design.finetune_seeds} x "
+                f"{len(models)} models (finished runs are kept)"
+            )
             cfgs = expand(models, [task], lrs, design.finetune_seeds, **finetune_settings(design))
             summary = run_grid(cfgs, out / "eval", workers=design.workers, log=log)
             if summary["failed"]:
-                raise SystemExit(f"{summary['failed']} fine-tuning run(s) failed; their "
-                                 f"tracebacks are in {out / 'eval'}/**/*.failed.json")
-            results = [json.loads(p.read_text()) for p in result_paths(cfgs, out / "eval")
-                       if is_done(p)]
+                raise SystemExit(
+                    f"{summary['failed']} fine-tuning run(s) failed; their "
+                    f"tracebacks are in {out / 'eval'}/**/*.failed.json"
+                )
+            results = [
+                json.loads(p.read_text()) for p in result_paths(cfgs, out / "eval") if is_done(p)
+            ]
             chosen = {r["model"]: r["best_lr"] for r in summarize(results)["per_task"]}
             low, high, wider = next_grid(lrs, chosen)
             if not (low or high) or wider == lrs or len(widened) >= design.max_widen:
                 break
             widened.append({"from": lrs, "to": wider, "low": low, "high": high})
-            log(f"{task}: chosen LR at the grid's edge for {', '.join(low + high)}; widening "
-                f"to {wider}")
+            log(
+                f"{task}: chosen LR at the grid's edge for {', '.join(low + high)}; widening "
+                f"to {wider}"
+            )
             lrs = wider
-        grids[task] = {"lrs": lrs, "widened": widened, "results": results,
-                       "edge": sorted(set(low) | set(high)),
-                       "curve_results": (finetune_curve(out, design, task, curves, chosen)
-                                         if task in curve_tasks else [])}
+        grids[task] = {
+            "lrs": lrs,
+            "widened": widened,
+            "results": results,
+            "edge": sorted(set(low) | set(high)),
+            "curve_results": (
+                finetune_curve(out, design, task, curves, chosen) if task in curve_tasks else []
+            ),
+        }
     return grids
 
 
-def finetune_curve(out: Path, design: StudyDesign, task: str, curves: dict[str, Path],
-                   chosen: dict[str, float]) -> list[dict]:
+def finetune_curve(
+    out: Path, design: StudyDesign, task: str, curves: dict[str, Path], chosen: dict[str, float]
+) -> list[dict]:
     """The learning-curve models of each recipe on `task`, every fine-tuning seed, at the LRs the
     recipe's full-budget models chose (`chosen`: model -> LR): each model's own choice is made on
     validation among those, at a fraction of the full grid's cost."""
     results = []
     for key in CURVE_RECIPES:
-        models = [str(p) for n, p in curves.items()
-                  if parse_curve_key(parse_run_name(n)[0])[0] == key]
-        lrs = sorted({chosen[m] for m in (run_name(key, s) for s in design.pretrain_seeds)
-                      if m in chosen})
+        models = [
+            str(p) for n, p in curves.items() if parse_curve_key(parse_run_name(n)[0])[0] == key
+        ]
+        lrs = sorted(
+            {chosen[m] for m in (run_name(key, s) for s in design.pretrain_seeds) if m in chosen}
+        )
         if not models or not lrs:
             continue
-        log(f"5/6 learning curve on {task}: {len(models)} {key} models at lr {lrs} x seeds "
-            f"{design.finetune_seeds}")
+        log(
+            f"5/6 learning curve on {task}: {len(models)} {key} models at lr {lrs} x seeds "
+            f"{design.finetune_seeds}"
+        )
         cfgs = expand(models, [task], lrs, design.finetune_seeds, **finetune_settings(design))
         if run_grid(cfgs, out / "eval", workers=design.workers, log=log)["failed"]:
-            raise SystemExit(f"fine-tuning run(s) of the learning curve failed; their tracebacks "
-                             f"are in {out / 'eval'}/**/*.failed.json")
-        results += [json.loads(p.read_text()) for p in result_paths(cfgs, out / "eval")
-                    if is_done(p)]
+            raise SystemExit(
+                f"fine-tuning run(s) of the learning curve failed; their tracebacks "
+                f"are in {out / 'eval'}/**/*.failed.json"
+            )
+        results += [
+            json.loads(p.read_text()) for p in result_paths(cfgs, out / "eval") if is_done(p)
+        ]
     return results
-

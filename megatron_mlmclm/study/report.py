@@ -10,12 +10,26 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from megatron_mlmclm.eval.report import (add_interval, fmt, md_table, mean_ci, plot_curves,
-                                         summarize, write_csv, write_report, yerr)
+from megatron_mlmclm.eval.report import (
+    add_interval,
+    fmt,
+    md_table,
+    mean_ci,
+    plot_curves,
+    summarize,
+    write_csv,
+    write_report,
+    yerr,
+)
 from megatron_mlmclm.study.compare import MARGIN, recipe_table, study_comparisons
 from megatron_mlmclm.study.curves import curve_comparisons, curve_rows, curve_section
-from megatron_mlmclm.study.design import (RECIPES, StudyDesign, parse_run_name, recipe_flops,
-                                          run_name)
+from megatron_mlmclm.study.design import (
+    RECIPES,
+    StudyDesign,
+    parse_run_name,
+    recipe_flops,
+    run_name,
+)
 from megatron_mlmclm.study.runs import final_val_loss, steps_of, val_losses
 
 CONTEXT_NATS = 1.0  # an MLM model must end this far below the unigram floor to show it uses context
@@ -28,12 +42,18 @@ def pretraining_rows(out: Path, design: StudyDesign, unigram: float) -> list[dic
         loss = final_val_loss(out, name)
         mlm = recipe.phases[-1]["objective"] == "mlm"
         below = unigram - loss if mlm else None  # a next-token loss is not on the floor's scale
-        rows.append({"run": name, "recipe": recipe.label, "steps": steps_of(design, recipe.key),
-                     "flops": recipe_flops(design, recipe.key),
-                     "loss": "MLM (masked tokens)" if mlm else "CLM (next token)",
-                     "val_loss": loss, "below_unigram": below,
-                     "context_check": (("pass" if below >= CONTEXT_NATS else "FAIL") if mlm
-                                       else "n/a")})
+        rows.append(
+            {
+                "run": name,
+                "recipe": recipe.label,
+                "steps": steps_of(design, recipe.key),
+                "flops": recipe_flops(design, recipe.key),
+                "loss": "MLM (masked tokens)" if mlm else "CLM (next token)",
+                "val_loss": loss,
+                "below_unigram": below,
+                "context_check": (("pass" if below >= CONTEXT_NATS else "FAIL") if mlm else "n/a"),
+            }
+        )
     return rows
 
 
@@ -46,17 +66,34 @@ def lr_curves(results: list[dict]) -> list[dict]:
     acc = defaultdict(list)
     for r in results:
         acc[(parse_run_name(r["model"])[0], r["task"], r["lr"])].append(
-            100 * r["metrics"]["test"][r["metric"]])
+            100 * r["metrics"]["test"][r["metric"]]
+        )
     rows = []
     for (recipe, task, lr), vals in sorted(acc.items()):
         mean, half = mean_ci(vals)
-        rows.append(add_interval({"recipe": recipe, "task": task, "lr": lr, "score": mean,
-                                  "ci95": half, "runs": len(vals)}))
+        rows.append(
+            add_interval(
+                {
+                    "recipe": recipe,
+                    "task": task,
+                    "lr": lr,
+                    "score": mean,
+                    "ci95": half,
+                    "runs": len(vals),
+                }
+            )
+        )
     return rows
 
 
-def write_plots(out: Path, curves: list[dict], comparisons: list[dict], design: StudyDesign,
-                unigram: float, metric_of: dict[str, str]) -> list[str]:
+def write_plots(
+    out: Path,
+    curves: list[dict],
+    comparisons: list[dict],
+    design: StudyDesign,
+    unigram: float,
+    metric_of: dict[str, str],
+) -> list[str]:
     import matplotlib  # optional: [eval] extra
 
     matplotlib.use("Agg")
@@ -70,8 +107,14 @@ def write_plots(out: Path, curves: list[dict], comparisons: list[dict], design: 
         for recipe in RECIPES:
             pts = [r for r in curves if r["task"] == task and r["recipe"] == recipe.key]
             if pts:
-                ax.errorbar([p["lr"] for p in pts], [p["score"] for p in pts],
-                            yerr=yerr(pts), marker="o", capsize=3, label=recipe.label)
+                ax.errorbar(
+                    [p["lr"] for p in pts],
+                    [p["score"] for p in pts],
+                    yerr=yerr(pts),
+                    marker="o",
+                    capsize=3,
+                    label=recipe.label,
+                )
         ax.set_xscale("log")
         ax.set_xlabel("fine-tuning learning rate")
         ax.set_ylabel(f"{metric_of[task]} (%)")
@@ -100,9 +143,13 @@ def write_plots(out: Path, curves: list[dict], comparisons: list[dict], design: 
     for recipe, seed in design.runs():
         pts = val_losses(out, run_name(recipe, seed))
         offset = design.steps if recipe.continues else 0  # continuations start where CLM ended
-        ax.plot([s + offset for s, _ in pts], [v for _, v in pts], marker=".",
-                ls="--" if recipe.phases[-1]["objective"] == "clm" else "-",
-                label=f"{recipe.label} p{seed}")
+        ax.plot(
+            [s + offset for s, _ in pts],
+            [v for _, v in pts],
+            marker=".",
+            ls="--" if recipe.phases[-1]["objective"] == "clm" else "-",
+            label=f"{recipe.label} p{seed}",
+        )
     ax.axhline(unigram, color="black", lw=1, ls=":", label="unigram floor")
     ax.axhline(unigram - CONTEXT_NATS, color="red", lw=1, ls=":", label="floor - 1 nat")
     ax.set_xlabel("pretraining step")
@@ -118,13 +165,17 @@ def write_plots(out: Path, curves: list[dict], comparisons: list[dict], design: 
     return written
 
 
-def write_study_report(out: Path, design: StudyDesign, grids: dict[str, dict],
-                       plots: bool = True) -> Path:
+def write_study_report(
+    out: Path, design: StudyDesign, grids: dict[str, dict], plots: bool = True
+) -> Path:
     unigram = json.loads((out / "unigram.json").read_text())["unigram_nats"]
     invocations = json.loads((out / "study.json").read_text()).get("invocations", [])  # pipeline
-    wall = (f" Wall time: {sum(i['minutes'] for i in invocations):.1f} min over "
-            f"{len(invocations)} invocation(s) (a resumed invocation reuses finished stages)."
-            if invocations else "")
+    wall = (
+        f" Wall time: {sum(i['minutes'] for i in invocations):.1f} min over "
+        f"{len(invocations)} invocation(s) (a resumed invocation reuses finished stages)."
+        if invocations
+        else ""
+    )
     results = [r for g in grids.values() for r in g["results"]]
     families = _families(results)
     metric_of = {r["task"]: r["metric"] for r in results}
@@ -134,8 +185,12 @@ def write_study_report(out: Path, design: StudyDesign, grids: dict[str, dict],
     curves = lr_curves(results)
 
     write_report(summarize(results), out / "models", plots=plots)
-    for name, rows in (("pretraining", pre), ("scores", table), ("comparisons", comparisons),
-                       ("lr_curves", curves)):
+    for name, rows in (
+        ("pretraining", pre),
+        ("scores", table),
+        ("comparisons", comparisons),
+        ("lr_curves", curves),
+    ):
         write_csv(out / f"{name}.csv", rows)
     written = write_plots(out, curves, comparisons, design, unigram, metric_of) if plots else []
     on = sorted({r["task"] for g in grids.values() for r in g.get("curve_results", [])})
@@ -147,77 +202,146 @@ def write_study_report(out: Path, design: StudyDesign, grids: dict[str, dict],
         written.append(plot_curves(out, learning, metric_of))
 
     d = design
-    lines = ["# Mini-study report", "",
-             f"Model preset `{d.preset}`; {len(d.pretrain_seeds)} pretraining seeds "
-             f"{d.pretrain_seeds}; {d.steps} steps of {d.micro_batch_size} sequences per recipe, "
-             f"the continuation {d.cpt_steps} more. Fine-tuning: {', '.join(sorted(families))}; "
-             f"{d.finetune_steps} steps of batch {d.batch_size}, max length {d.max_length}, at most "
-             f"{d.max_train_examples} training examples, {d.max_eval_examples} validation/test "
-             f"examples; seeds {d.finetune_seeds}; validation carved out of train, the score is "
-             f"on the test split." + wall, "",
-             "## Pretraining: does MLM use context?", "",
-             f"Unigram entropy of the validation tokens (the best a context-free predictor can do "
-             f"on masked tokens): **{unigram:.3f} nats**. Every model whose last phase is MLM must "
-             f"end at least {CONTEXT_NATS:g} nat below it. CLM rows show next-token loss (not "
-             f"comparable with the floor's masked-token meaning, listed for completeness).", ""]
-    lines += md_table(pre, [("run", "run", "s"), ("recipe", "recipe", "s"), ("steps", "steps", "d"),
-                             ("flops", "training FLOPs", ".3g"),
-                             ("loss", "validation loss", "s"), ("val_loss", "nats", ".3f"),
-                             ("below_unigram", "below unigram", "+.3f"),
-                             ("context_check", f">= {CONTEXT_NATS:g} nat below", "s")])
+    lines = [
+        "# Mini-study report",
+        "",
+        f"Model preset `{d.preset}`; {len(d.pretrain_seeds)} pretraining seeds "
+        f"{d.pretrain_seeds}; {d.steps} steps of {d.micro_batch_size} sequences per recipe, "
+        f"the continuation {d.cpt_steps} more. Fine-tuning: {', '.join(sorted(families))}; "
+        f"{d.finetune_steps} steps of batch {d.batch_size}, max length {d.max_length}, at most "
+        f"{d.max_train_examples} training examples, {d.max_eval_examples} validation/test "
+        f"examples; seeds {d.finetune_seeds}; validation carved out of train, the score is "
+        f"on the test split." + wall,
+        "",
+        "## Pretraining: does MLM use context?",
+        "",
+        f"Unigram entropy of the validation tokens (the best a context-free predictor can do "
+        f"on masked tokens): **{unigram:.3f} nats**. Every model whose last phase is MLM must "
+        f"end at least {CONTEXT_NATS:g} nat below it. CLM rows show next-token loss (not "
+        f"comparable with the floor's masked-token meaning, listed for completeness).",
+        "",
+    ]
+    lines += md_table(
+        pre,
+        [
+            ("run", "run", "s"),
+            ("recipe", "recipe", "s"),
+            ("steps", "steps", "d"),
+            ("flops", "training FLOPs", ".3g"),
+            ("loss", "validation loss", "s"),
+            ("val_loss", "nats", ".3f"),
+            ("below_unigram", "below unigram", "+.3f"),
+            ("context_check", f">= {CONTEXT_NATS:g} nat below", "s"),
+        ],
+    )
     steps = {r.key: steps_of(design, r.key) for r in RECIPES}
-    lines += ["", f"Training FLOPs as the model spends them (config.py: the sparse MLM head over the "
-              f"masked tokens, causal attention in full as CPU's dense-mask kernel computes it; a "
-              f"continuation's own steps only). At the CLM run's {recipe_flops(design, 'clm'):.3g} "
-              f"FLOPs, MLM 40% trains {steps['mlm40-flops']} steps where CLM trains "
-              f"{steps['clm']}."]
+    lines += [
+        "",
+        f"Training FLOPs as the model spends them (config.py: the sparse MLM head over the "
+        f"masked tokens, causal attention in full as CPU's dense-mask kernel computes it; a "
+        f"continuation's own steps only). At the CLM run's {recipe_flops(design, 'clm'):.3g} "
+        f"FLOPs, MLM 40% trains {steps['mlm40-flops']} steps where CLM trains "
+        f"{steps['clm']}.",
+    ]
     failed = [r["run"] for r in pre if r["context_check"] == "FAIL"]
-    lines += ["", ("**Context check failed** for " + ", ".join(failed) + ": these MLM models do "
-                   "not yet use context; train longer before reading the comparisons.") if failed
-              else "Context check: every MLM model passes.", ""]
+    lines += [
+        "",
+        (
+            "**Context check failed** for " + ", ".join(failed) + ": these MLM models do "
+            "not yet use context; train longer before reading the comparisons."
+        )
+        if failed
+        else "Context check: every MLM model passes.",
+        "",
+    ]
 
     lines += ["## Fine-tuning learning-rate grids", ""]
     for task, g in grids.items():
-        note = "; ".join(f"widened {w['from']} -> {w['to']} (edge: {', '.join(w['low'] + w['high'])})"
-                         for w in g["widened"]) or "not widened"
-        edge = (f" **Still at an edge after {len(g['widened'])} widening(s): "
-                f"{', '.join(g['edge'])}.**" if g["edge"] else " Every chosen LR is interior.")
+        note = (
+            "; ".join(
+                f"widened {w['from']} -> {w['to']} (edge: {', '.join(w['low'] + w['high'])})"
+                for w in g["widened"]
+            )
+            or "not widened"
+        )
+        edge = (
+            f" **Still at an edge after {len(g['widened'])} widening(s): {', '.join(g['edge'])}.**"
+            if g["edge"]
+            else " Every chosen LR is interior."
+        )
         lines.append(f"- {task}: {[float(x) for x in g['lrs']]}: {note}.{edge}")
 
-    lines += ["", "## Scores per recipe", "",
-              "Mean test score (percent) over every (pretraining seed, fine-tuning seed) pair at "
-              "each model's LR chosen on validation, ± the 95% t-interval (cut to [0, 100] and "
-              "marked (clipped) where it reaches past); chosen LRs per pretraining seed.", ""]
-    lines += md_table(table, [("recipe", "recipe", "s"), ("task", "task", "s"),
-                               ("interval", "score (95% CI)", "s"),
-                               ("pairs", "pairs", "d"), ("chosen_lrs", "chosen LRs", "s")])
+    lines += [
+        "",
+        "## Scores per recipe",
+        "",
+        "Mean test score (percent) over every (pretraining seed, fine-tuning seed) pair at "
+        "each model's LR chosen on validation, ± the 95% t-interval (cut to [0, 100] and "
+        "marked (clipped) where it reaches past); chosen LRs per pretraining seed.",
+        "",
+    ]
+    lines += md_table(
+        table,
+        [
+            ("recipe", "recipe", "s"),
+            ("task", "task", "s"),
+            ("interval", "score (95% CI)", "s"),
+            ("pairs", "pairs", "d"),
+            ("chosen_lrs", "chosen LRs", "s"),
+        ],
+    )
 
-    lines += ["", "## The study's comparisons", "",
-              "Paired by (pretraining seed, fine-tuning seed); difference = A - B in points with "
-              "its 95% t-interval. 'beats' claims agree when the interval is above 0; 'matches "
-              f"or beats' claims agree when it is above -{MARGIN:g} pt. Inconclusive rows give "
-              "the pairs at which the interval would exclude 0 if the difference held.", ""]
+    lines += [
+        "",
+        "## The study's comparisons",
+        "",
+        "Paired by (pretraining seed, fine-tuning seed); difference = A - B in points with "
+        "its 95% t-interval. 'beats' claims agree when the interval is above 0; 'matches "
+        f"or beats' claims agree when it is above -{MARGIN:g} pt. Inconclusive rows give "
+        "the pairs at which the interval would exclude 0 if the difference held.",
+        "",
+    ]
     for r in comparisons:
-        r["interval"] = ("-" if math.isnan(r["diff"]) else
-                         f"[{fmt(r['lo'], '+.2f')}, {fmt(r['hi'], '+.2f')}]")
-    lines += md_table(comparisons, [("claim", "claim", "s"), ("a", "A", "s"), ("b", "B", "s"),
-                                     ("measure", "measure", "s"), ("diff", "A - B", "+.2f"),
-                                     ("interval", "95% CI", "s"), ("pairs", "pairs", "d"),
-                                     ("by_pretrain_seed", "per pretraining seed", "s"),
-                                     ("verdict", "verdict", "s"),
-                                     ("pairs_needed", "pairs to settle", "s")])
+        r["interval"] = (
+            "-" if math.isnan(r["diff"]) else f"[{fmt(r['lo'], '+.2f')}, {fmt(r['hi'], '+.2f')}]"
+        )
+    lines += md_table(
+        comparisons,
+        [
+            ("claim", "claim", "s"),
+            ("a", "A", "s"),
+            ("b", "B", "s"),
+            ("measure", "measure", "s"),
+            ("diff", "A - B", "+.2f"),
+            ("interval", "95% CI", "s"),
+            ("pairs", "pairs", "d"),
+            ("by_pretrain_seed", "per pretraining seed", "s"),
+            ("verdict", "verdict", "s"),
+            ("pairs_needed", "pairs to settle", "s"),
+        ],
+    )
     lines += ["", "In words:", ""]
     for r in comparisons:
-        lines.append(f"- {r['claim']}: {r['verdict']}"
-                     + ("" if math.isnan(r["diff"]) else f" ({r['a']} - {r['b']} = "
-                        f"{r['diff']:+.2f} ± {r['ci95']:.2f} points, {r['pairs']} pairs)") + ".")
+        lines.append(
+            f"- {r['claim']}: {r['verdict']}"
+            + (
+                ""
+                if math.isnan(r["diff"])
+                else f" ({r['a']} - {r['b']} = "
+                f"{r['diff']:+.2f} ± {r['ci95']:.2f} points, {r['pairs']} pairs)"
+            )
+            + "."
+        )
     if learning:
         lines += [""] + curve_section(design, learning, learning_cmp)
     if written:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in written]
-    lines += ["", "Per-model tables (every model and task, ties, LR stability): "
-              "[models/report.md](models/report.md).", ""]
+    lines += [
+        "",
+        "Per-model tables (every model and task, ties, LR stability): "
+        "[models/report.md](models/report.md).",
+        "",
+    ]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
-

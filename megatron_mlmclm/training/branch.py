@@ -36,12 +36,28 @@ from megatron_mlmclm.training.resume import ORDER_KEY, phase_description, same_v
 # Keys a branch may change: the budget and the output folder, and how the run executes.
 # Compared as prefixes of dotted keys. data.train / valid / tokenizer are compared by content (the
 # data fingerprint), not by path; phases step by step (below).
-BUDGET = ("train.steps", "train.tokens", "train.flops", "train.decay_steps",
-          "train.flops_attention", "train.branch_from")
+BUDGET = (
+    "train.steps",
+    "train.tokens",
+    "train.flops",
+    "train.decay_steps",
+    "train.flops_attention",
+    "train.branch_from",
+)
 OUTPUT = ("name", "output_dir", "checkpoint.dir")
-EXECUTION = ("parallel.", "runtime.", "train.micro_batch_size", "train.recompute",
-             "train.hang_timeout_s", "train.hang_timeout_long_s", "data.loader",
-             "data.num_workers", "data.cache_dir", "checkpoint.", "logging.")
+EXECUTION = (
+    "parallel.",
+    "runtime.",
+    "train.micro_batch_size",
+    "train.recompute",
+    "train.hang_timeout_s",
+    "train.hang_timeout_long_s",
+    "data.loader",
+    "data.num_workers",
+    "data.cache_dir",
+    "checkpoint.",
+    "logging.",
+)
 BY_CONTENT = ("data.train", "data.valid", "data.tokenizer", "phases")
 MAY_DIFFER = BUDGET + OUTPUT + EXECUTION + BY_CONTENT
 
@@ -54,40 +70,53 @@ def branch_source(cfg: RunConfig, fingerprint: dict[str, Any]) -> tuple[Path, li
     return source, check_branch(source, state, cfg, fingerprint)
 
 
-def check_branch(source: Path, state: dict[str, Any], cfg: RunConfig,
-                 fingerprint: dict[str, Any]) -> list[str]:
+def check_branch(
+    source: Path, state: dict[str, Any], cfg: RunConfig, fingerprint: dict[str, Any]
+) -> list[str]:
     """UsageError (one line) unless this run, started from `source` (a checkpoint's trainer
     state), is the run trained from scratch with this config. Returns notes to log."""
     step = int(state["iteration"])
     where = f"train.branch_from={source}"
     saved_fp, saved_raw = state.get("data_fingerprint"), state.get("config")
     if saved_fp is None or saved_raw is None:
-        raise UsageError(f"{where} holds no data fingerprint or config (saved by an older "
-                         "version): a branch of it cannot be checked; train from scratch")
+        raise UsageError(
+            f"{where} holds no data fingerprint or config (saved by an older "
+            "version): a branch of it cannot be checked; train from scratch"
+        )
     saved = from_dict(RunConfig, saved_raw, prefix="")
     for key, now in fingerprint.items():
         if key != "phases" and not same_value(saved_fp.get(key), now):
             if key == ORDER_KEY:
-                raise UsageError(f"{where} was trained under the older sample order, which "
-                                 "depended on the run's length; a branch of it would read other "
-                                 "samples than a run from scratch: train from scratch")
-            raise UsageError(f"{where} was trained with {key} = {show_value(saved_fp.get(key))} but "
-                             f"this run has {show_value(now)}; a branch reads the data its source read")
+                raise UsageError(
+                    f"{where} was trained under the older sample order, which "
+                    "depended on the run's length; a branch of it would read other "
+                    "samples than a run from scratch: train from scratch"
+                )
+            raise UsageError(
+                f"{where} was trained with {key} = {show_value(saved_fp.get(key))} but "
+                f"this run has {show_value(now)}; a branch reads the data its source read"
+            )
     _compare_settings(where, flat(to_dict(saved)), flat(to_dict(cfg)))
     _compare_steps(where, saved, cfg, step)
     _check_schedule(where, saved, cfg, step)
     consumed = int(state.get("consumed_samples", -1))
     expected = PhasePlan(resolved_phases(saved), saved.train.global_batch_size).position(step)
     if consumed != expected:
-        raise UsageError(f"{where} had read its stream from sample {consumed} at step {step}, not "
-                         f"{expected} as a run from scratch does (it was resumed with "
-                         "checkpoint.allow_data_change); a branch of it is no run of this config: "
-                         "train from scratch")
+        raise UsageError(
+            f"{where} had read its stream from sample {consumed} at step {step}, not "
+            f"{expected} as a run from scratch does (it was resumed with "
+            "checkpoint.allow_data_change); a branch of it is no run of this config: "
+            "train from scratch"
+        )
     if step >= cfg.train.steps:
-        raise UsageError(f"{where} is at step {step}, but this run's budget is {cfg.train.steps} "
-                         "steps: branch from an earlier checkpoint")
-    return [f"branching from {source} at step {step} of {saved.train.steps}: this run decays "
-            f"over steps {cfg.train.steps - cfg.train.decay_steps}-{cfg.train.steps}"]
+        raise UsageError(
+            f"{where} is at step {step}, but this run's budget is {cfg.train.steps} "
+            "steps: branch from an earlier checkpoint"
+        )
+    return [
+        f"branching from {source} at step {step} of {saved.train.steps}: this run decays "
+        f"over steps {cfg.train.steps - cfg.train.decay_steps}-{cfg.train.steps}"
+    ]
 
 
 def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -105,19 +134,28 @@ def _compare_settings(where: str, saved: dict[str, Any], now: dict[str, Any]) ->
     for key in sorted(set(saved) | set(now)):
         if key.startswith(MAY_DIFFER) or saved.get(key) == now.get(key):
             continue
-        raise UsageError(f"{where} was trained with {key} = {saved.get(key)!r} but this run has "
-                         f"{now.get(key)!r}; a branch may change only the budget (train.steps, "
-                         "tokens or flops, and its decay), the output folder and how the run "
-                         f"executes (layout, loader, logging, checkpoints): restore {key} or "
-                         "train from scratch")
+        raise UsageError(
+            f"{where} was trained with {key} = {saved.get(key)!r} but this run has "
+            f"{now.get(key)!r}; a branch may change only the budget (train.steps, "
+            "tokens or flops, and its decay), the output folder and how the run "
+            f"executes (layout, loader, logging, checkpoints): restore {key} or "
+            "train from scratch"
+        )
 
 
 def _trained_as(cfg: RunConfig, plan: PhasePlan, step: int) -> tuple:
     """What decides step `step`'s update, phase by phase: the phase as it trains that step (mask
     ratio of a schedule included), its sample stream and where in it the batch starts."""
     ph = plan.phase(step)
-    return (ph.objective, ph.mask_ratio, ph.mask_replace, ph.seq_length, ph.rotary_base,
-            stream_key(ph), plan.position(step))
+    return (
+        ph.objective,
+        ph.mask_ratio,
+        ph.mask_replace,
+        ph.seq_length,
+        ph.rotary_base,
+        stream_key(ph),
+        plan.position(step),
+    )
 
 
 def _compare_steps(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> None:
@@ -131,7 +169,8 @@ def _compare_steps(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> N
                 f"{where}: step {k + 1} trains differently, the source in phases.{i} "
                 f"({_describe(saved, a, i)}), this run in phases.{j} ({_describe(cfg, b, j)}); "
                 "a phase given as a share of the budget moves with it: give the phases before the "
-                "branch point in steps, tokens or flops and let the last take the rest")
+                "branch point in steps, tokens or flops and let the last take the rest"
+            )
 
 
 def _describe(cfg: RunConfig, plan: PhasePlan, i: int) -> str:
@@ -142,14 +181,17 @@ def _describe(cfg: RunConfig, plan: PhasePlan, i: int) -> str:
 def _check_schedule(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> None:
     """WSD: the LR of step k is the schedule's value at k + 1, the peak from the warmup's end to
     steps - decay_steps. Every step before the branch point must be in both runs' stable part."""
-    ends = {what: run.train.steps - run.train.decay_steps
-            for run, what in ((saved, "the source"), (cfg, "this run"))}
+    ends = {
+        what: run.train.steps - run.train.decay_steps
+        for run, what in ((saved, "the source"), (cfg, "this run"))
+    }
     for what, end in ends.items():
         if step > end:
             raise UsageError(
                 f"{where} is at step {step}, past the end of {what}'s stable phase (its decay "
                 f"starts after step {end}): branch from a checkpoint at or before step "
-                f"{min(ends.values())} (checkpoint.keep_steps keeps one)")
+                f"{min(ends.values())} (checkpoint.keep_steps keeps one)"
+            )
 
 
 def inherit_metrics(state_config: dict[str, Any], step: int, out: Path) -> bool:
@@ -159,7 +201,10 @@ def inherit_metrics(state_config: dict[str, Any], step: int, out: Path) -> bool:
     target = out / "metrics.jsonl"
     if target.exists() or not source.is_file():
         return False
-    lines = [l for l in source.read_text(encoding="utf-8").splitlines()
-             if l.strip() and json.loads(l).get("step", 0) <= step]
+    lines = [
+        l
+        for l in source.read_text(encoding="utf-8").splitlines()
+        if l.strip() and json.loads(l).get("step", 0) <= step
+    ]
     target.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
     return True

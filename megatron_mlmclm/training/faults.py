@@ -80,8 +80,9 @@ def write_exit_code(code: int) -> None:
 def thread_stacks() -> str:
     """Every thread's Python stack, innermost frame last, with the thread's name."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    frames = sorted(sys._current_frames().items(),
-                    key=lambda item: item[0] != threading.main_thread().ident)  # main first
+    frames = sorted(
+        sys._current_frames().items(), key=lambda item: item[0] != threading.main_thread().ident
+    )  # main first
     out = []
     for ident, frame in frames:
         out.append(f"Thread {names.get(ident, '?')} ({ident}), most recent call last:\n")
@@ -97,8 +98,14 @@ class HangWatchdog:
     nothing measurable. The thread wakes every `poll_s` seconds to compare the clock with the
     current section's deadline."""
 
-    def __init__(self, rank: int, folder: Path, step_timeout_s: Optional[float],
-                 long_timeout_s: Optional[float], poll_s: float = 1.0):
+    def __init__(
+        self,
+        rank: int,
+        folder: Path,
+        step_timeout_s: Optional[float],
+        long_timeout_s: Optional[float],
+        poll_s: float = 1.0,
+    ):
         self.rank, self.folder = rank, Path(folder)
         self.fixed_step_timeout = step_timeout_s
         self.fixed_long_timeout = long_timeout_s
@@ -150,18 +157,27 @@ class HangWatchdog:
         main thread may be blocked in a collective that never returns."""
         self.folder.mkdir(parents=True, exist_ok=True)
         dump = self.folder / f"hang-rank{self.rank}-step{step}.txt"
-        dump.write_text(f"rank {self.rank}, step {step}, section {name}: no progress for "
-                        f"{allowance:g} s\n\n{thread_stacks()}", encoding="utf-8")
-        what = {"first step": f"step {step} (this process's first)",
-                "evaluation": f"the evaluation at step {step}",
-                "save": f"the checkpoint save at step {step}",
-                "load": f"loading the checkpoint of step {step}",
-                "setup": "setup (data index, model)"}.get(name, f"{name} {step}")
+        dump.write_text(
+            f"rank {self.rank}, step {step}, section {name}: no progress for "
+            f"{allowance:g} s\n\n{thread_stacks()}",
+            encoding="utf-8",
+        )
+        what = {
+            "first step": f"step {step} (this process's first)",
+            "evaluation": f"the evaluation at step {step}",
+            "save": f"the checkpoint save at step {step}",
+            "load": f"loading the checkpoint of step {step}",
+            "setup": "setup (data index, model)",
+        }.get(name, f"{name} {step}")
         # A new line first: the progress bar's line has none.
-        print(f"\nmlmclm pretrain: error: rank {self.rank} hung: {what} made no "
-              f"progress for {allowance:g} s (train.hang_timeout_s); every thread's stack is in "
-              f"{dump}; exit {EXIT_HANG}: the job is torn down, and the restart (the sbatch script "
-              "requeues) resumes from the last verified checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"\nmlmclm pretrain: error: rank {self.rank} hung: {what} made no "
+            f"progress for {allowance:g} s (train.hang_timeout_s); every thread's stack is in "
+            f"{dump}; exit {EXIT_HANG}: the job is torn down, and the restart (the sbatch script "
+            "requeues) resumes from the last verified checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         write_exit_code(EXIT_HANG)
         os._exit(EXIT_HANG)
 
@@ -213,8 +229,11 @@ class NonFiniteRecord:
 def describe_samples(first: int, count: int, stream: str = "the stream") -> str:
     """`stream` names the sample stream when a run has several (phases with their own data or
     seq_length, training/phase_plan.py)."""
-    return f"samples {first}-{first + count - 1} of {stream}" if count > 1 else \
-        f"sample {first} of {stream}"
+    return (
+        f"samples {first}-{first + count - 1} of {stream}"
+        if count > 1
+        else f"sample {first} of {stream}"
+    )
 
 
 class SpikePolicy:
@@ -296,19 +315,26 @@ class StragglerMonitor:
     def persistent(self) -> list[tuple[int, int, float]]:
         """(rank, intervals as the straggler, median ratio) of the run's persistent stragglers."""
         need = max(2, (self.intervals + 1) // 2)
-        return [(r, n, statistics.median(self.ratios[r]))
-                for r, n in sorted(self.slowest_counts.items()) if n >= need]
+        return [
+            (r, n, statistics.median(self.ratios[r]))
+            for r, n in sorted(self.slowest_counts.items())
+            if n >= need
+        ]
 
     def summary(self) -> Optional[str]:
         if self.world == 1 or not self.intervals:
             return None
         found = self.persistent()
         if not found:
-            return (f"stragglers: none (no rank was {STRAGGLER_RATIO:g}x the median in half of the "
-                    f"{self.intervals} logging intervals)")
+            return (
+                f"stragglers: none (no rank was {STRAGGLER_RATIO:g}x the median in half of the "
+                f"{self.intervals} logging intervals)"
+            )
         return "stragglers: " + "; ".join(
             f"rank {r} was the slowest in {n} of {self.intervals} logging intervals, "
-            f"{ratio:.2f}x the median rank's busy time" for r, n, ratio in found)
+            f"{ratio:.2f}x the median rank's busy time"
+            for r, n, ratio in found
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,8 +351,7 @@ class FaultMonitor:
         self.folder = Path(cfg.output_dir) / "faults"
         self.watchdog = None
         if t.hang_timeout_s != 0:
-            self.watchdog = HangWatchdog(rank, self.folder, t.hang_timeout_s,
-                                         t.hang_timeout_long_s)
+            self.watchdog = HangWatchdog(rank, self.folder, t.hang_timeout_s, t.hang_timeout_long_s)
         self.nonfinite = NonFiniteRecord(self.folder)
         self.spikes = SpikePolicy(t.skip_spikes)
         self.stragglers = StragglerMonitor(world)
@@ -373,8 +398,14 @@ class FaultMonitor:
         """The test hook's factor on this step's loss (1: no fault injected)."""
         return self.inject.loss_scale(step) if self.inject else 1.0
 
-    def check_step(self, step: int, problem: Optional[str], samples: str, bad_ranks: list[int],
-                   checkpoint_dir: str) -> Optional[str]:
+    def check_step(
+        self,
+        step: int,
+        problem: Optional[str],
+        samples: str,
+        bad_ranks: list[int],
+        checkpoint_dir: str,
+    ) -> Optional[str]:
         """After the reductions, before the update. Raises NonFinite for a non-finite step; returns
         a note to log when a step that failed before is finite on its re-run (transient)."""
         rerun = self.nonfinite.is_rerun(step)
@@ -386,11 +417,16 @@ class FaultMonitor:
                 self.nonfinite.resolve("transient")
             else:
                 self.nonfinite.pending = None
-            return (f"step {step} was not finite on its first attempt ({first}) and is finite on "
-                    f"the re-run: a transient fault, training goes on (faults/history.jsonl)")
+            return (
+                f"step {step} was not finite on its first attempt ({first}) and is finite on "
+                f"the re-run: a transient fault, training goes on (faults/history.jsonl)"
+            )
         where = f"{problem} at step {step}; the batch is {samples}" + (
             f" (non-finite on data-parallel rank{'s' if len(bad_ranks) > 1 else ''} "
-            f"{', '.join(map(str, bad_ranks))})" if bad_ranks else "")
+            f"{', '.join(map(str, bad_ranks))})"
+            if bad_ranks
+            else ""
+        )
         if rerun:
             if self.rank == 0:
                 self.nonfinite.write(dict(self.nonfinite.pending, verdict="persistent"))
@@ -399,15 +435,25 @@ class FaultMonitor:
                 f"Stopping for good (exit {EXIT_NONFINITE_PERSISTENT}); inspect those samples, then "
                 f"lower train.lr, raise train.warmup_steps or skip the data, and remove "
                 f"{self.nonfinite.path} to train through step {step} again",
-                EXIT_NONFINITE_PERSISTENT)
+                EXIT_NONFINITE_PERSISTENT,
+            )
         if self.rank == 0:
-            self.nonfinite.write({"step": step, "problem": problem, "samples": samples,
-                                  "bad_ranks": bad_ranks, "at": time.time()})
+            self.nonfinite.write(
+                {
+                    "step": step,
+                    "problem": problem,
+                    "samples": samples,
+                    "bad_ranks": bad_ranks,
+                    "at": time.time(),
+                }
+            )
         raise NonFinite(
             f"{where}; stopped before the update, nothing saved (exit {EXIT_NONFINITE}). The last "
             f"good checkpoint in {checkpoint_dir} is intact: run the same command again (the "
             f"sbatch script requeues) to re-run step {step} from it and tell a transient fault "
-            "from a persistent one", EXIT_NONFINITE)
+            "from a persistent one",
+            EXIT_NONFINITE,
+        )
 
     def interval(self, device) -> Optional[dict[str, float]]:
         """Collective, at each logging interval: rank 0's straggler figures."""
@@ -419,6 +465,8 @@ class FaultMonitor:
         if s:
             lines.append(s)
         if self.spikes.factor is not None:
-            lines.append(f"gradient spikes skipped: {self.spikes.skipped} (train.skip_spikes="
-                         f"{self.spikes.factor:g})")
+            lines.append(
+                f"gradient spikes skipped: {self.spikes.skipped} (train.skip_spikes="
+                f"{self.spikes.factor:g})"
+            )
         return lines

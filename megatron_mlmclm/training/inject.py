@@ -26,8 +26,13 @@ from typing import Optional
 from megatron_mlmclm.errors import UsageError
 
 ENV = "MLMCLM_INJECT_FAULTS"
-KINDS = {"hang": {"rank", "step"}, "stop": {"rank", "step"}, "nan": {"rank", "step", "mode"},
-         "slow": {"rank", "ms"}, "spike": {"rank", "step", "factor"}}
+KINDS = {
+    "hang": {"rank", "step"},
+    "stop": {"rank", "step"},
+    "nan": {"rank", "step", "mode"},
+    "slow": {"rank", "ms"},
+    "spike": {"rank", "step", "factor"},
+}
 OPTIONAL = {"mode"}
 
 
@@ -46,15 +51,22 @@ def parse(text: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in text.split(";"))):
         kind, *pairs = item.split()
         if kind not in KINDS:
-            raise UsageError(f"{ENV}: unknown fault '{kind}' in '{item}'; kinds: {', '.join(KINDS)}")
+            raise UsageError(
+                f"{ENV}: unknown fault '{kind}' in '{item}'; kinds: {', '.join(KINDS)}"
+            )
         settings = dict(p.split("=", 1) for p in pairs if "=" in p)
         required = KINDS[kind] - OPTIONAL
         if len(settings) != len(pairs) or not required <= set(settings) <= KINDS[kind]:
             raise UsageError(f"{ENV}: '{item}' must give {' '.join(sorted(required))} as key=value")
         try:
-            fault = Fault(kind, int(settings["rank"]), int(settings["step"]) if "step" in settings
-                          else None, float(settings.get("ms", 0)), settings.get("mode", "persistent"),
-                          float(settings.get("factor", 1)))
+            fault = Fault(
+                kind,
+                int(settings["rank"]),
+                int(settings["step"]) if "step" in settings else None,
+                float(settings.get("ms", 0)),
+                settings.get("mode", "persistent"),
+                float(settings.get("factor", 1)),
+            )
         except ValueError:
             raise UsageError(f"{ENV}: '{item}' has a value that is not a number")
         if fault.mode not in ("transient", "persistent"):

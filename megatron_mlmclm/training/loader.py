@@ -45,8 +45,13 @@ from megatron_mlmclm.runtime.lifetime import children_die_with_us
 from megatron_mlmclm.training.phase_plan import PhasePlan
 from megatron_mlmclm.training.preemption import SIGNALS
 
-FIELDS = {"tokens": torch.int64, "labels": torch.int64, "loss_mask": torch.float32,
-          "position_ids": torch.int64, "document_ids": torch.int32}
+FIELDS = {
+    "tokens": torch.int64,
+    "labels": torch.int64,
+    "loss_mask": torch.float32,
+    "position_ids": torch.int64,
+    "document_ids": torch.int32,
+}
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,11 @@ class Plan:
 
     def positions(self, first_sample: int, j: int) -> range:
         """Stream positions of micro-batch j of this rank in the global batch at first_sample."""
-        start = (first_sample + self.dp_rank * (self.global_batch_size // self.dp)
-                 + j * self.micro_batch_size)
+        start = (
+            first_sample
+            + self.dp_rank * (self.global_batch_size // self.dp)
+            + j * self.micro_batch_size
+        )
         return range(start, start + self.micro_batch_size)
 
     def arrays(self, dataset, first_sample: int, j: int, phase: PhaseConfig) -> dict:
@@ -91,16 +99,22 @@ class Plan:
         return batch_arrays([dataset[i] for i in idx], idx, phase, self.spec, self.seed)
 
     def microbatch(self, dataset, first_sample: int, j: int, phase: PhaseConfig) -> dict:
-        return {k: torch.from_numpy(v) for k, v in self.arrays(dataset, first_sample, j,
-                                                                 phase).items()}
+        return {
+            k: torch.from_numpy(v) for k, v in self.arrays(dataset, first_sample, j, phase).items()
+        }
 
     def microbatches(self, dataset, first_sample: int, phase: PhaseConfig) -> list[dict]:
-        return [self.microbatch(dataset, first_sample, j, phase)
-                for j in range(self.num_microbatches)]
+        return [
+            self.microbatch(dataset, first_sample, j, phase) for j in range(self.num_microbatches)
+        ]
 
     def planned(self, step: Optional[int], first_sample: int, phase: PhaseConfig) -> bool:
-        return (step is not None and 0 <= step < self.steps
-                and first_sample == self.first_sample(step) and phase == self.phase(step))
+        return (
+            step is not None
+            and 0 <= step < self.steps
+            and first_sample == self.first_sample(step)
+            and phase == self.phase(step)
+        )
 
 
 def build_loader(kind: str, datasets, plan: Plan, num_workers: int = 2, start_step: int = 0):
@@ -174,8 +188,9 @@ class _Ahead(SyncLoader):
         self.start_source(step)
         self.next_step, self.stopping = step, threading.Event()
         self.ready = queue.Queue(maxsize=2 * self.plan.num_microbatches)
-        self.thread = threading.Thread(target=self.fetch, args=(self.ready, self.stopping),
-                                       name="mlmclm-loader", daemon=True)
+        self.thread = threading.Thread(
+            target=self.fetch, args=(self.ready, self.stopping), name="mlmclm-loader", daemon=True
+        )
         self.thread.start()
 
     def fetch(self, ready: queue.Queue, stopping: threading.Event) -> None:
@@ -258,8 +273,12 @@ class PlannedMicrobatches(torch.utils.data.Dataset):
 
     def __getitem__(self, m: int) -> dict:
         step, j = divmod(int(m), self.plan.num_microbatches)
-        return self.plan.arrays(self.datasets[self.plan.stream(step)], self.plan.first_sample(step),
-                                j, self.plan.phase(step))
+        return self.plan.arrays(
+            self.datasets[self.plan.stream(step)],
+            self.plan.first_sample(step),
+            j,
+            self.plan.phase(step),
+        )
 
 
 class _From(Sampler):
@@ -280,10 +299,15 @@ class WorkerLoader(_Ahead):
         super().__init__(datasets, plan)
         items = PlannedMicrobatches(self.datasets, plan)
         self.sampler = _From(len(items))
-        self.loader = DataLoader(items, batch_size=None, sampler=self.sampler,
-                                 num_workers=num_workers, collate_fn=as_is,
-                                 persistent_workers=True, prefetch_factor=max(
-                                     2, math.ceil(2 * plan.num_microbatches / num_workers)))
+        self.loader = DataLoader(
+            items,
+            batch_size=None,
+            sampler=self.sampler,
+            num_workers=num_workers,
+            collate_fn=as_is,
+            persistent_workers=True,
+            prefetch_factor=max(2, math.ceil(2 * plan.num_microbatches / num_workers)),
+        )
         self.it = None
         # With CUDA, micro-batches are pinned (by the fetch thread) for non-blocking copies.
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -328,8 +352,13 @@ class DaliSource:
             raise StopIteration
         step, j = divmod(m, plan.num_microbatches)
         position = plan.positions(plan.first_sample(step), j)[row]
-        arrays = batch_arrays([self.datasets[plan.stream(step)][position]], [position],
-                              plan.phase(step), plan.spec, plan.seed)
+        arrays = batch_arrays(
+            [self.datasets[plan.stream(step)][position]],
+            [position],
+            plan.phase(step),
+            plan.spec,
+            plan.seed,
+        )
         return tuple(arrays[k][0] for k in FIELDS)
 
 
@@ -352,14 +381,24 @@ class DaliLoader(_Ahead):
         # Forking a process that holds a CUDA context is unsupported: spawn then (the source and
         # the dataset are pickled to the workers).
         start = "spawn" if torch.cuda.is_initialized() else "fork"
-        pipe = Pipeline(batch_size=self.plan.micro_batch_size, num_threads=1,
-                        device_id=self.device, py_num_workers=self.num_workers,
-                        py_start_method=start, prefetch_queue_depth=2, seed=0)
+        pipe = Pipeline(
+            batch_size=self.plan.micro_batch_size,
+            num_threads=1,
+            device_id=self.device,
+            py_num_workers=self.num_workers,
+            py_start_method=start,
+            prefetch_queue_depth=2,
+            seed=0,
+        )
         with pipe:
             outputs = fn.external_source(
-                source=DaliSource(self.datasets, self.plan, step * n), num_outputs=len(FIELDS),
-                batch=False, parallel=True, prefetch_queue_depth=max(2, 2 * n),
-                dtype=[dtypes[t] for t in FIELDS.values()])
+                source=DaliSource(self.datasets, self.plan, step * n),
+                num_outputs=len(FIELDS),
+                batch=False,
+                parallel=True,
+                prefetch_queue_depth=max(2, 2 * n),
+                dtype=[dtypes[t] for t in FIELDS.values()],
+            )
             if self.device is not None:
                 outputs = [o.gpu() for o in outputs]
             pipe.set_outputs(*outputs)

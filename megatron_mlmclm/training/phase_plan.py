@@ -16,8 +16,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_mlmclm.config import MaskSchedule, PhaseConfig, RunConfig, phase_rotary_base, \
-    phase_seq_length
+from megatron_mlmclm.config import (
+    MaskSchedule,
+    PhaseConfig,
+    RunConfig,
+    phase_rotary_base,
+    phase_seq_length,
+)
 
 
 @dataclass(frozen=True)
@@ -34,16 +39,22 @@ class Stream:
 
 def stream_key(ph: PhaseConfig) -> tuple:
     d = ph.data
-    return (ph.seq_length, tuple(d.train) if d is not None and d.train else None,
-            d.temperature if d is not None else None)
+    return (
+        ph.seq_length,
+        tuple(d.train) if d is not None and d.train else None,
+        d.temperature if d is not None else None,
+    )
 
 
 def resolved_phases(cfg: RunConfig) -> tuple[PhaseConfig, ...]:
     """The run's phases with their inherited seq_length and rotary_base filled in, so that two
     phases at the run's length share a stream whether or not they say so."""
-    return tuple(dataclasses.replace(ph, seq_length=phase_seq_length(cfg, ph),
-                                     rotary_base=phase_rotary_base(cfg, ph))
-                 for ph in cfg.phases)
+    return tuple(
+        dataclasses.replace(
+            ph, seq_length=phase_seq_length(cfg, ph), rotary_base=phase_rotary_base(cfg, ph)
+        )
+        for ph in cfg.phases
+    )
 
 
 class PhasePlan:

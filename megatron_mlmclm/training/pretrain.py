@@ -8,8 +8,12 @@ from typing import Optional
 
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.runtime.lifetime import (checkpoint_helper_dies_with_us, children_die_with_us,
-                                               die_with_parent, under_torchrun)
+from megatron_mlmclm.runtime.lifetime import (
+    checkpoint_helper_dies_with_us,
+    children_die_with_us,
+    die_with_parent,
+    under_torchrun,
+)
 from megatron_mlmclm.training.faults import NonFinite, write_exit_code
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted
 from megatron_mlmclm.training.trainer import Trainer

@@ -17,8 +17,13 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_mlmclm.config import (MaskSchedule, PhaseConfig, RunConfig, phase_rotary_base,
-                                    phase_seq_length)
+from megatron_mlmclm.config import (
+    MaskSchedule,
+    PhaseConfig,
+    RunConfig,
+    phase_rotary_base,
+    phase_seq_length,
+)
 from megatron_mlmclm.data.dataset import parse_prefixes
 from megatron_mlmclm.data.sample_index import SAMPLE_ORDER
 from megatron_mlmclm.data.tokenizer import TokenSpec
@@ -33,14 +38,22 @@ def shard_list(items: list[str]) -> list[dict[str, Any]]:
     for k, prefix in enumerate(prefixes):
         idx = prefix + ".idx"
         if not os.path.isfile(idx):
-            raise UsageError(f"{idx} does not exist; check the data prefix (give it without "
-                             f".bin/.idx) or write the shard with `mlmclm preprocess`")
+            raise UsageError(
+                f"{idx} does not exist; check the data prefix (give it without "
+                f".bin/.idx) or write the shard with `mlmclm preprocess`"
+            )
         digest = hashlib.sha256()
         with open(idx, "rb") as f:  # document lengths and offsets: small next to the .bin
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
-        out.append({"prefix": prefix, "weight": weights[k] / total if weights else None,
-                    "idx_bytes": os.path.getsize(idx), "idx_sha256": digest.hexdigest()})
+        out.append(
+            {
+                "prefix": prefix,
+                "weight": weights[k] / total if weights else None,
+                "idx_bytes": os.path.getsize(idx),
+                "idx_sha256": digest.hexdigest(),
+            }
+        )
     return out
 
 
@@ -81,16 +94,18 @@ def phase_description(cfg: RunConfig, ph: PhaseConfig, start: int, end: int) -> 
     text = f"{ph.objective} steps {start}-{end}"
     if ph.objective == "mlm":
         r = ph.mask_ratio
-        ratio = (f"{r.start:g}->{r.end:g} {r.shape}" if isinstance(r, MaskSchedule) else f"{r:g}")
+        ratio = f"{r.start:g}->{r.end:g} {r.shape}" if isinstance(r, MaskSchedule) else f"{r:g}"
         text += f" (mask_ratio {ratio}, mask_replace {ph.mask_replace})"
     if phase_seq_length(cfg, ph) != cfg.model.seq_length:
         text += f" seq_length {phase_seq_length(cfg, ph)}"
     if phase_rotary_base(cfg, ph) != cfg.model.rotary_base:
         text += f" rotary_base {phase_rotary_base(cfg, ph):g}"
     if ph.data is not None:
-        text += (f" data temperature {ph.data.temperature:g} over data.train"
-                 if ph.data.temperature is not None else
-                 " data " + show_value(shard_list(ph.data.train)))
+        text += (
+            f" data temperature {ph.data.temperature:g} over data.train"
+            if ph.data.temperature is not None
+            else " data " + show_value(shard_list(ph.data.train))
+        )
     return text
 
 
@@ -119,13 +134,20 @@ def _content(entry: dict[str, Any]) -> dict[str, Any]:
 
 def show_value(value) -> str:
     if isinstance(value, list):
-        return "[" + ", ".join(f"{e['prefix']} (idx {e['idx_bytes']} B, sha256 "
-                               f"{e['idx_sha256'][:12]})" for e in value) + "]"
+        return (
+            "["
+            + ", ".join(
+                f"{e['prefix']} (idx {e['idx_bytes']} B, sha256 {e['idx_sha256'][:12]})"
+                for e in value
+            )
+            + "]"
+        )
     return str(value)
 
 
-def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict[str, Any]
-                 ) -> tuple[int, list[str]]:
+def check_resume(
+    ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict[str, Any]
+) -> tuple[int, list[str]]:
     """Check a checkpoint's trainer state against this run before anything is built.
 
     Returns (consumed_samples of the checkpoint, notes to log). Raises UsageError, one line, when
@@ -138,21 +160,26 @@ def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict
         raise UsageError(
             f"{ckpt} was saved {'with' if was else 'without'} the distributed optimizer; resume "
             f"with parallel.use_distributed_optimizer={str(was).lower()}, or start a new run from "
-            f"its weights with train.init_from={ckpt}")
+            f"its weights with train.init_from={ckpt}"
+        )
     step = int(state["iteration"])
     gbs = saved_cfg.get("train", {}).get("global_batch_size", cfg.train.global_batch_size)
     consumed = int(state.get("consumed_samples", step * gbs))
     saved_fp: Optional[dict[str, Any]] = state.get("data_fingerprint")
     if saved_fp is None:
-        return consumed, [f"warning: {ckpt} holds no data fingerprint (saved by an older version); "
-                          "resuming without checking the data, batch size and phases against it"]
+        return consumed, [
+            f"warning: {ckpt} holds no data fingerprint (saved by an older version); "
+            "resuming without checking the data, batch size and phases against it"
+        ]
     changed = [k for k in new_fp if not same_value(saved_fp.get(k), new_fp[k])]
     if not changed:
         return consumed, []
     if cfg.checkpoint.allow_data_change:
-        return consumed, [f"checkpoint.allow_data_change: {k} was {show_value(saved_fp.get(k))}, now "
-                          f"{show_value(new_fp[k])}" for k in changed] + [
-            f"continuing the data stream at sample {consumed} (the checkpoint's consumed_samples)"]
+        return consumed, [
+            f"checkpoint.allow_data_change: {k} was {show_value(saved_fp.get(k))}, now "
+            f"{show_value(new_fp[k])}"
+            for k in changed
+        ] + [f"continuing the data stream at sample {consumed} (the checkpoint's consumed_samples)"]
     k = ORDER_KEY if ORDER_KEY in changed else changed[0]
     if k == ORDER_KEY:
         raise UsageError(
@@ -160,7 +187,8 @@ def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict
             f"(sample order {saved_fp.get(k) or 1}, this version reads order {new_fp[k]}); "
             f"resuming would read other samples: finish the run with the version that started it, "
             f"set checkpoint.allow_data_change=true to continue in the new order from sample "
-            f"{consumed}, or use a new output_dir")
+            f"{consumed}, or use a new output_dir"
+        )
     also = f" (also changed: {', '.join(changed[1:])})" if len(changed) > 1 else ""
     if k == "phases" and isinstance(saved_fp.get(k), str):
         i = first_changed_phase(saved_fp[k], new_fp[k])
@@ -169,4 +197,5 @@ def check_resume(ckpt: Path, state: dict[str, Any], cfg: RunConfig, new_fp: dict
         f"{ckpt} was saved with {k} = {show_value(saved_fp.get(k))} but this run has "
         f"{show_value(new_fp[k])}{also}; resuming would change the training data or masks: restore "
         f"{k}, set checkpoint.allow_data_change=true to continue from sample {consumed} anyway, "
-        f"or use a new output_dir")
+        f"or use a new output_dir"
+    )

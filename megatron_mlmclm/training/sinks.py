@@ -28,11 +28,14 @@ def check_available(log_cfg: LoggingConfig) -> None:
     if w is None:
         return
     if not w.project:
-        raise UsageError("logging.wandb.project is not set; give a project name or remove "
-                         "logging.wandb")
+        raise UsageError(
+            "logging.wandb.project is not set; give a project name or remove logging.wandb"
+        )
     if importlib.util.find_spec("wandb") is None:
-        raise UsageError("logging.wandb is set but wandb is not installed; pip install "
-                         "'megatron_mlmclm[wandb]' (or wandb), or remove logging.wandb")
+        raise UsageError(
+            "logging.wandb is set but wandb is not installed; pip install "
+            "'megatron_mlmclm[wandb]' (or wandb), or remove logging.wandb"
+        )
 
 
 def scalars(stats: dict[str, Any]) -> dict[str, float]:
@@ -40,9 +43,13 @@ def scalars(stats: dict[str, Any]) -> dict[str, float]:
     obj = stats["objective"]
     if "loss" not in stats:  # a validation-only record (step 0)
         return {f"val/{obj}_loss": stats["val_loss"]}
-    out = {f"train/{obj}_loss": stats["loss"], f"train/{obj}_accuracy": stats["accuracy"],
-           "train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"],
-           "throughput/tokens_per_s": stats["tokens_per_s"]}
+    out = {
+        f"train/{obj}_loss": stats["loss"],
+        f"train/{obj}_accuracy": stats["accuracy"],
+        "train/lr": stats["lr"],
+        "train/grad_norm": stats["grad_norm"],
+        "throughput/tokens_per_s": stats["tokens_per_s"],
+    }
     if "mfu" in stats:
         out["throughput/mfu"] = stats["mfu"]
     if "straggler_ratio" in stats:  # training/faults.py, at each logging interval
@@ -88,6 +95,13 @@ def _wandb_run(cfg: RunConfig, out: Path):
     id_file = folder / "run_id"
     run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id + "\n")
-    return wandb.init(project=w.project, name=w.name or cfg.name, entity=w.entity,
-                      dir=str(out), id=run_id, resume="allow", config=to_dict(cfg),
-                      settings=wandb.Settings(quiet=True))
+    return wandb.init(
+        project=w.project,
+        name=w.name or cfg.name,
+        entity=w.entity,
+        dir=str(out),
+        id=run_id,
+        resume="allow",
+        config=to_dict(cfg),
+        settings=wandb.Settings(quiet=True),
+    )

@@ -41,8 +41,11 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model, set_rotary_base, transformer_config
 from megatron_mlmclm.model.flops import train_step_flops
 from megatron_mlmclm.model.kernels import plan_kernels, resolve_device
-from megatron_mlmclm.model.packed import (flatten_for_thd, set_attention_mask_type,
-                                          split_for_context_parallel)
+from megatron_mlmclm.model.packed import (
+    flatten_for_thd,
+    set_attention_mask_type,
+    split_for_context_parallel,
+)
 from megatron_mlmclm.objectives import to_device
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
@@ -75,16 +78,35 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
 
     def build():
         if d.mock:
-            train = [MockPackedDataset(max(s.samples + sample_offset, gbs), s.seq_length,
-                                       spec.vocab_size, d.seed, kind=d.mock_kind)
-                     for s in plan.streams]
-            return train, {n: MockPackedDataset(n_valid, n, spec.vocab_size, d.seed + 1,
-                                                kind=d.mock_kind) for n in lengths}
-        train = [build_train_dataset(train_items(s), s.seq_length,
-                                     max(s.samples + sample_offset, gbs), d.seed, d.cache_dir)
-                 for s in plan.streams]
-        valid = ({n: build_train_dataset(d.valid, n, n_valid, d.seed, d.cache_dir)
-                  for n in lengths} if d.valid else None)
+            train = [
+                MockPackedDataset(
+                    max(s.samples + sample_offset, gbs),
+                    s.seq_length,
+                    spec.vocab_size,
+                    d.seed,
+                    kind=d.mock_kind,
+                )
+                for s in plan.streams
+            ]
+            return train, {
+                n: MockPackedDataset(n_valid, n, spec.vocab_size, d.seed + 1, kind=d.mock_kind)
+                for n in lengths
+            }
+        train = [
+            build_train_dataset(
+                train_items(s),
+                s.seq_length,
+                max(s.samples + sample_offset, gbs),
+                d.seed,
+                d.cache_dir,
+            )
+            for s in plan.streams
+        ]
+        valid = (
+            {n: build_train_dataset(d.valid, n, n_valid, d.seed, d.cache_dir) for n in lengths}
+            if d.valid
+            else None
+        )
         return train, valid
 
     if dist.is_initialized() and dist.get_world_size() > 1 and not d.mock:
@@ -130,23 +152,35 @@ class Trainer:
         self.take_output_dir()  # before anything in it is read or written
         self.resume_from = self.find_resume_checkpoint()
         # train.init_from, checked (and its checksums verified) once, before any work
-        self.init_source = (ckpt.resolve_checkpoint(t.init_from)
-                            if t.init_from and self.resume_from is None else None)
-        rt.init_distributed(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                            p.virtual_pipeline_model_parallel_size, t.seed,
-                            p.context_parallel_size)
+        self.init_source = (
+            ckpt.resolve_checkpoint(t.init_from)
+            if t.init_from and self.resume_from is None
+            else None
+        )
+        rt.init_distributed(
+            p.tensor_model_parallel_size,
+            p.pipeline_model_parallel_size,
+            p.virtual_pipeline_model_parallel_size,
+            t.seed,
+            p.context_parallel_size,
+        )
         rank, world = dist.get_rank(), dist.get_world_size()
-        self.faults = FaultMonitor(cfg, rank, world, Injector(rank, Path(cfg.output_dir) / "faults"))
+        self.faults = FaultMonitor(
+            cfg, rank, world, Injector(rank, Path(cfg.output_dir) / "faults")
+        )
         self.faults.start()
         self.faults.enter("setup", self.step)
         self.dp = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         if t.global_batch_size % (t.micro_batch_size * self.dp):
-            raise UsageError(f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                             f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {self.dp})")
+            raise UsageError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {self.dp})"
+            )
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_datasets(
-            cfg, self.spec, PhasePlan(resolved_phases(cfg), t.global_batch_size), self.sample_offset)
+            cfg, self.spec, PhasePlan(resolved_phases(cfg), t.global_batch_size), self.sample_offset
+        )
         self.rotary_base = None  # the RoPE base the model has now (set per phase)
 
         self.tconfig = transformer_config(cfg, self.kernels)
@@ -163,29 +197,50 @@ class Trainer:
             wrapped = [Float16Module(self.tconfig, c) for c in wrapped]
         overlap_gather = self.kernels.overlap_param_gather.on
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=self.kernels.overlap_grad_reduce.on,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=self.kernels.overlap_grad_reduce.on,
             overlap_param_gather=overlap_gather,
             align_param_gather=self.kernels.align_param_gather.on,
-            use_distributed_optimizer=p.use_distributed_optimizer)
-        self.model = [DDP(self.tconfig, ddp_config, c, disable_bucketing=i > 0)
-                      for i, c in enumerate(wrapped)]
+            use_distributed_optimizer=p.use_distributed_optimizer,
+        )
+        self.model = [
+            DDP(self.tconfig, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(wrapped)
+        ]
         wire_overlap(self.tconfig, self.model, ddp_config, self.faults.stragglers.gradients_ready)
 
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-            clip_grad=t.clip_grad, bf16=self.tconfig.bf16, params_dtype=self.tconfig.params_dtype,
-            use_distributed_optimizer=p.use_distributed_optimizer)
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad,
+            bf16=self.tconfig.bf16,
+            params_dtype=self.tconfig.params_dtype,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+        )
         self.optimizer = get_megatron_optimizer(opt_config, self.model)
         self.scheduler = self.new_scheduler()
         self.faults.enter("load", self.step)
         self.restore()
         self.faults.leave()
         # Batches are a function of the step (training/loader.py): the loader starts at this one.
-        self.plan = Plan(resolved_phases(cfg), self.spec, cfg.data.seed, t.steps, t.global_batch_size,
-                         t.micro_batch_size, self.dp, self.dp_rank, self.sample_offset)
-        self.loader = build_loader(cfg.data.loader, self.train_ds, self.plan,
-                                   cfg.data.num_workers, start_step=self.step)
+        self.plan = Plan(
+            resolved_phases(cfg),
+            self.spec,
+            cfg.data.seed,
+            t.steps,
+            t.global_batch_size,
+            t.micro_batch_size,
+            self.dp,
+            self.dp_rank,
+            self.sample_offset,
+        )
+        self.loader = build_loader(
+            cfg.data.loader, self.train_ds, self.plan, cfg.data.num_workers, start_step=self.step
+        )
         self.open_logs()
 
     def take_output_dir(self) -> None:
@@ -202,8 +257,10 @@ class Trainer:
             raise
         if self.lock.taken_over:
             holder = self.lock.taken_over
-            self.log(f"took over the lock of a run that has ended (pid {holder.get('pid')} on "
-                     f"{holder.get('host')}, started {holder.get('started')})")
+            self.log(
+                f"took over the lock of a run that has ended (pid {holder.get('pid')} on "
+                f"{holder.get('host')}, started {holder.get('started')})"
+            )
 
     def parameters_gathered(self):
         """With overlap_param_gather, the step leaves the parameter all-gather to the next forward
@@ -214,20 +271,32 @@ class Trainer:
         """Warmup-stable-decay over the whole run, whatever its phases (docs/study.md)."""
         t = self.cfg.train
         return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
-            lr_warmup_steps=t.warmup_steps, lr_decay_steps=t.steps, lr_decay_style="WSD",
-            start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=t.steps,
-            wd_incr_style="constant", wsd_decay_steps=t.decay_steps, lr_wsd_decay_style="linear",
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
+            lr_warmup_steps=t.warmup_steps,
+            lr_decay_steps=t.steps,
+            lr_decay_style="WSD",
+            start_wd=t.weight_decay,
+            end_wd=t.weight_decay,
+            wd_incr_steps=t.steps,
+            wd_incr_style="constant",
+            wsd_decay_steps=t.decay_steps,
+            lr_wsd_decay_style="linear",
             # A checkpoint gives the schedule's position; its shape is this run's config (a
             # branch decays on its own budget, not on its source's).
-            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
+        )
 
     def find_resume_checkpoint(self) -> Optional[Path]:
         """The run's latest complete checkpoint, checked against this run (optimizer kind, data
         fingerprint) before process groups exist; sets where the data stream continues."""
         cfg = self.cfg
-        latest = (ckpt.latest_verified_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume
-                  else None)
+        latest = (
+            ckpt.latest_verified_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
+        )
         if latest is not None:
             state = ckpt.read_trainer_state(latest)["trainer"]
             consumed, self.resume_notes = check_resume(latest, state, cfg, self.fingerprint)
@@ -248,8 +317,10 @@ class Trainer:
             self.faults.spikes.load(state.get("spikes"))
             for note in self.resume_notes:
                 self.log(note)
-            self.log(f"{'branched' if self.branched_from else 'resumed'} from {latest} at step "
-                     f"{self.step}")
+            self.log(
+                f"{'branched' if self.branched_from else 'resumed'} from {latest} at step "
+                f"{self.step}"
+            )
         elif self.init_source is not None:
             source = self.init_source
             origin = ckpt.load_weights(source, self.model_chunks, self.optimizer)
@@ -264,8 +335,9 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         dump_yaml(self.cfg, out / "config.yaml")
         if self.branched_from is not None:  # the source's curve up to the branch point, once
-            inherit_metrics(ckpt.read_trainer_state(self.branched_from)["trainer"]["config"],
-                            self.step, out)
+            inherit_metrics(
+                ckpt.read_trainer_state(self.branched_from)["trainer"]["config"], self.step, out
+            )
         self.metrics_file = open(out / "metrics.jsonl", "a", encoding="utf-8")
         self.sinks = sinks.Sinks(self.cfg, out, self.step)
 
@@ -274,8 +346,9 @@ class Trainer:
             tqdm.write(f"[mlmclm] {message}", file=sys.stderr)
 
     # ------------------------------------------------------------------------------ one step
-    def microbatches(self, dataset, first_sample: int, phase,
-                     step: Optional[int] = None) -> list[dict[str, torch.Tensor]]:
+    def microbatches(
+        self, dataset, first_sample: int, phase, step: Optional[int] = None
+    ) -> list[dict[str, torch.Tensor]]:
         """This DP rank's micro-batches of the global batch that starts at `first_sample`, on the
         device. Those of training step `step` come from data.loader, which prepared them ahead
         (from the step's stream); others (validation, from `dataset`) are built here."""
@@ -287,20 +360,26 @@ class Trainer:
             if scale != 1.0:
                 host = [dict(host[0], loss_scale=scale)] + host[1:]
         if self.thd:
-            set_attention_mask_type(self.model_chunks, AttnMaskType.causal
-                                    if phase.objective == "clm" else AttnMaskType.no_mask)
+            set_attention_mask_type(
+                self.model_chunks,
+                AttnMaskType.causal if phase.objective == "clm" else AttnMaskType.no_mask,
+            )
         out = []
         for batch in host:
             scale = batch.pop("loss_scale", None)
             batch = to_device(batch, phase, rt.device(), dense_mask=not self.thd)
             if self.thd:
-                batch = flatten_for_thd(batch, batch["document_ids"],
-                                        self.kernels.thd_token_multiple)
+                batch = flatten_for_thd(
+                    batch, batch["document_ids"], self.kernels.thd_token_multiple
+                )
                 cp = self.kernels.context_parallel_size
                 if cp > 1:
                     batch = split_for_context_parallel(
-                        batch, cp, parallel_state.get_context_parallel_rank(),
-                        self.kernels.cp_sequence_multiple)
+                        batch,
+                        cp,
+                        parallel_state.get_context_parallel_rank(),
+                        self.kernels.cp_sequence_multiple,
+                    )
             if scale is not None:
                 batch["loss_scale"] = scale
             out.append(batch)
@@ -316,10 +395,14 @@ class Trainer:
         micro_batch_size, seq_length = batches[0]["tokens"].shape
         seq_length *= self.kernels.context_parallel_size  # megatron divides by CP itself
         outputs = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iters,
+            forward_step_func=forward_step,
+            data_iterator=iters,
             model=self.model if vpp > 1 else self.model[0],
-            num_microbatches=len(batches), seq_length=seq_length,
-            micro_batch_size=micro_batch_size, forward_only=forward_only)
+            num_microbatches=len(batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
         totals = torch.zeros(3, dtype=torch.float64, device=rt.device())
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             for out in outputs:
@@ -327,8 +410,9 @@ class Trainer:
         self.local_loss_finite = bool(torch.isfinite(totals[0]))  # this rank's, before reductions
         # Sum over DP (and CP: each CP rank holds part of every sequence) ranks, then make the
         # last stage's figures known to every stage.
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(
-            with_context_parallel=True))
+        dist.all_reduce(
+            totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
         dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
         return totals
 
@@ -346,15 +430,25 @@ class Trainer:
         if problem is None and not self.gradients_finite():
             problem = "a gradient is not finite"
         note = self.faults.check_step(
-            self.step + 1, problem and f"{problem} ({phase.objective})",
-            describe_samples(self.consumed_samples(), self.cfg.train.global_batch_size,
-                             self.stream_name(self.step)),
-            self.ranks_with_nonfinite_loss() if problem else [], self.cfg.checkpoint.dir)
+            self.step + 1,
+            problem and f"{problem} ({phase.objective})",
+            describe_samples(
+                self.consumed_samples(),
+                self.cfg.train.global_batch_size,
+                self.stream_name(self.step),
+            ),
+            self.ranks_with_nonfinite_loss() if problem else [],
+            self.cfg.checkpoint.dir,
+        )
         if note:
             self.log(note)
         self.scheduler.step(1)  # the LR of step k is the schedule's value at k + 1
-        stats = {"loss": loss, "accuracy": correct / max(tokens, 1), "tokens": tokens,
-                 "lr": self.optimizer.param_groups[0]["lr"]}
+        stats = {
+            "loss": loss,
+            "accuracy": correct / max(tokens, 1),
+            "tokens": tokens,
+            "lr": self.optimizer.param_groups[0]["lr"],
+        }
         if note:
             stats["fault"] = "transient non-finite step, finite on its re-run"
         spikes = self.faults.spikes
@@ -364,19 +458,25 @@ class Trainer:
             norm = float(self.optimizer.get_grad_norm())
             if spikes.is_spike(norm):
                 spikes.skipped += 1
-                self.log(f"step {self.step + 1}: update skipped, gradient norm {norm:.4g} is over "
-                         f"{spikes.factor:g}x the running median (train.skip_spikes; "
-                         f"{spikes.skipped} skipped so far)")
+                self.log(
+                    f"step {self.step + 1}: update skipped, gradient norm {norm:.4g} is over "
+                    f"{spikes.factor:g}x the running median (train.skip_spikes; "
+                    f"{spikes.skipped} skipped so far)"
+                )
                 return dict(stats, grad_norm=norm, skipped=True, spike_skipped=True)
             spikes.accept(norm)
         ok, grad_norm, _ = self.optimizer.step()
-        return dict(stats, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                    skipped=not ok)
+        return dict(
+            stats,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            skipped=not ok,
+        )
 
     def ranks_with_nonfinite_loss(self) -> list[int]:
         """Data-parallel ranks whose own loss was not finite (collective, on the failure path)."""
-        mine = torch.tensor([-1 if self.local_loss_finite else self.dp_rank], dtype=torch.int64,
-                            device=rt.device())
+        mine = torch.tensor(
+            [-1 if self.local_loss_finite else self.dp_rank], dtype=torch.int64, device=rt.device()
+        )
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         return sorted({int(t) for t in every if int(t) >= 0})
@@ -404,8 +504,10 @@ class Trainer:
         t = self.cfg.train
         totals = torch.zeros(3, dtype=torch.float64, device=rt.device())
         for i in range(self.cfg.logging.eval_iters):
-            totals += self.run_schedule(self.microbatches(
-                self.valid_ds[phase.seq_length], i * t.global_batch_size, phase), forward_only=True)
+            totals += self.run_schedule(
+                self.microbatches(self.valid_ds[phase.seq_length], i * t.global_batch_size, phase),
+                forward_only=True,
+            )
         for m in self.model:
             m.train()
         return float(totals[0] / totals[1].clamp(min=1))
@@ -417,8 +519,14 @@ class Trainer:
         world = dist.get_world_size()
         bar = None
         if rt.is_main():
-            bar = tqdm(total=t.steps, initial=self.step, desc=cfg.name, unit="step",
-                       dynamic_ncols=True, file=sys.stderr)
+            bar = tqdm(
+                total=t.steps,
+                initial=self.step,
+                desc=cfg.name,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
         self.stop = StopSignals()  # SIGTERM / SIGUSR1: save after the step in flight, then stop
         self.stop.install()
         try:
@@ -435,29 +543,47 @@ class Trainer:
         if self.step == 0 and self.valid_ds is not None:  # the curve's starting point
             first = self.phase_at_step(0)
             with faults.section("evaluation", 0):
-                self.record({"step": 0, "objective": first.objective,
-                             "val_loss": self.evaluate(first)}, None)
+                self.record(
+                    {"step": 0, "objective": first.objective, "val_loss": self.evaluate(first)},
+                    None,
+                )
         while self.step < t.steps and (self.stop_at is None or self.step < self.stop_at):
-            phase_index, phase = self.plan.phase_plan.index(self.step), self.phase_at_step(self.step)
+            phase_index, phase = (
+                self.plan.phase_plan.index(self.step),
+                self.phase_at_step(self.step),
+            )
             tokens_per_step = t.global_batch_size * phase.seq_length
             start = time.perf_counter()
             faults.step_started(self.step + 1)
             stats = self.train_step(phase)
             self.step += 1
             elapsed = time.perf_counter() - start
-            flops = train_step_flops(cfg.model, self.spec.vocab_size, phase.seq_length,
-                                     t.global_batch_size, int(stats["tokens"]),
-                                     causal=phase.objective == "clm")
-            stats.update(step=self.step, phase=phase_index, objective=phase.objective,
-                         step_time_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
-                         tokens_per_s_per_device=tokens_per_step / elapsed / world)
+            flops = train_step_flops(
+                cfg.model,
+                self.spec.vocab_size,
+                phase.seq_length,
+                t.global_batch_size,
+                int(stats["tokens"]),
+                causal=phase.objective == "clm",
+            )
+            stats.update(
+                step=self.step,
+                phase=phase_index,
+                objective=phase.objective,
+                step_time_s=elapsed,
+                tokens_per_s=tokens_per_step / elapsed,
+                tokens_per_s_per_device=tokens_per_step / elapsed / world,
+            )
             if peak:
                 stats["mfu"] = flops / elapsed / world / peak
             faults.stragglers.step_ended()
             if self.step % cfg.logging.log_interval == 0:
                 stats.update(faults.interval(rt.device()) or {})
-            if cfg.logging.eval_interval and self.step % cfg.logging.eval_interval == 0 \
-                    or self.step == t.steps:
+            if (
+                cfg.logging.eval_interval
+                and self.step % cfg.logging.eval_interval == 0
+                or self.step == t.steps
+            ):
                 faults.enter("evaluation", self.step)
                 val = self.evaluate(phase)
                 if val is not None:
@@ -466,19 +592,28 @@ class Trainer:
             last = stats
             interval = cfg.checkpoint.save_interval
             stop = self.step < t.steps and self.stop.agreed(rt.device())
-            if (interval and self.step % interval == 0 or self.step in (t.steps, self.stop_at)
-                    or self.step in self.kept or stop):
+            if (
+                interval
+                and self.step % interval == 0
+                or self.step in (t.steps, self.stop_at)
+                or self.step in self.kept
+                or stop
+            ):
                 faults.enter("save", self.step)
                 self.save()
             faults.step_ended(elapsed)
             if stop:
-                raise Preempted(f"stop signal: saved at step {self.step} of {t.steps}; exit "
-                                f"{EXIT_PREEMPTED}, start the same run again to resume")
+                raise Preempted(
+                    f"stop signal: saved at step {self.step} of {t.steps}; exit "
+                    f"{EXIT_PREEMPTED}, start the same run again to resume"
+                )
         for line in faults.summary():
             self.log(line)
         if self.step < t.steps:  # --stop-at
-            self.log(f"stopped at step {self.step} of {t.steps} (--stop-at); run again without it "
-                     "to continue")
+            self.log(
+                f"stopped at step {self.step} of {t.steps} (--stop-at); run again without it "
+                "to continue"
+            )
         return last
 
     def phase_at_step(self, step: int):
@@ -496,9 +631,13 @@ class Trainer:
         if len(plan.streams) == 1:
             return "the stream"
         s = plan.streams[plan.stream(step)]
-        data = ("data.train" if s.data is None and s.temperature is None else
-                f"data.train at temperature {s.temperature:g}" if s.temperature is not None else
-                "the phase's own data")
+        data = (
+            "data.train"
+            if s.data is None and s.temperature is None
+            else f"data.train at temperature {s.temperature:g}"
+            if s.temperature is not None
+            else "the phase's own data"
+        )
         return f"stream {plan.stream(step)} ({data}, seq_length {s.seq_length})"
 
     def consumed_samples(self) -> int:
@@ -507,16 +646,26 @@ class Trainer:
         return self.plan.first_sample(self.step)
 
     def save(self) -> None:
-        state = {"config": to_dict(self.cfg), "consumed_samples": self.consumed_samples(),
-                 "data_fingerprint": self.fingerprint}
+        state = {
+            "config": to_dict(self.cfg),
+            "consumed_samples": self.consumed_samples(),
+            "data_fingerprint": self.fingerprint,
+        }
         if self.source is not None:
             state["source"] = self.source
         if self.faults.spikes.factor is not None:
             state["spikes"] = self.faults.spikes.state()
         with self.parameters_gathered():
-            path = ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model_chunks,
-                                        self.optimizer, self.scheduler, state,
-                                        self.cfg.checkpoint.keep_last, keep=self.kept)
+            path = ckpt.save_checkpoint(
+                self.cfg.checkpoint.dir,
+                self.step,
+                self.model_chunks,
+                self.optimizer,
+                self.scheduler,
+                state,
+                self.cfg.checkpoint.keep_last,
+                keep=self.kept,
+            )
         self.log(f"saved {path}")
 
     def record(self, stats: dict[str, Any], bar) -> None:
@@ -532,19 +681,28 @@ class Trainer:
             return
         if bar is not None:
             bar.update(1)
-            post = {"obj": obj, "loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}",
-                    "tok/s": f"{stats['tokens_per_s']:.0f}"}
+            post = {
+                "obj": obj,
+                "loss": f"{stats['loss']:.4f}",
+                "lr": f"{stats['lr']:.2e}",
+                "tok/s": f"{stats['tokens_per_s']:.0f}",
+            }
             if "val_loss" in stats:
                 post["val"] = f"{stats['val_loss']:.4f}"
             bar.set_postfix(post)
             if stats["step"] % self.cfg.logging.log_interval == 0:
                 extra = f" val_loss {stats['val_loss']:.4f}" if "val_loss" in stats else ""
                 if "straggler_rank" in stats:
-                    extra += (f" slowest rank {stats['straggler_rank']} "
-                              f"{stats['straggler_ratio']:.2f}x median")
-                bar.write(f"step {stats['step']:>6} {obj} loss {stats['loss']:.5f} acc "
-                          f"{stats['accuracy']:.4f} lr {stats['lr']:.3e} grad_norm "
-                          f"{stats['grad_norm']:.3f}{extra}", file=sys.stderr)
+                    extra += (
+                        f" slowest rank {stats['straggler_rank']} "
+                        f"{stats['straggler_ratio']:.2f}x median"
+                    )
+                bar.write(
+                    f"step {stats['step']:>6} {obj} loss {stats['loss']:.5f} acc "
+                    f"{stats['accuracy']:.4f} lr {stats['lr']:.3e} grad_norm "
+                    f"{stats['grad_norm']:.3f}{extra}",
+                    file=sys.stderr,
+                )
 
     def close(self) -> None:
         if self.faults is not None:
@@ -564,6 +722,7 @@ def wire_overlap(config, model: list, ddp_config, gradients_ready=None) -> None:
     gradient accumulation, finalize_model_grads, and with overlap the per-chunk gradient reduce and
     parameter gather that the pipeline schedules start themselves (VPP). `gradients_ready` is
     called as the gradient reduction starts (the straggler monitor's mark)."""
+
     def one_or_list(fns):
         return fns[0] if len(fns) == 1 else fns
 
@@ -597,9 +756,14 @@ def gathered_parameters(model: list, overlap_param_gather: bool):
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"], loss_mask=batch["loss_mask"],
-                   packed_seq_params=batch.get("packed_seq_params"))
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        packed_seq_params=batch.get("packed_seq_params"),
+    )
     return output, functools.partial(loss_func, scale=batch.get("loss_scale"))
 
 

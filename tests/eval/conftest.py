@@ -23,5 +23,12 @@ def tiny_model(data, tmp_path_factory):
 
     torch.set_num_threads(1)  # 2 shared cores: more threads only spin
     out = tmp_path_factory.mktemp("models") / "tiny-eurobert"
-    return str(build_tiny_model(out, sample_texts(data, max_lines=20000), vocab_size=8000,
-                                hidden_size=64, max_positions=256))
+    return str(
+        build_tiny_model(
+            out,
+            sample_texts(data, max_lines=20000),
+            vocab_size=8000,
+            hidden_size=64,
+            max_positions=256,
+        )
+    )

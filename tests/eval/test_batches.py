@@ -42,11 +42,19 @@ def test_training_loop_uses_the_batch_keys():
     seen = []
     keys = [(f"q{i % 3}", f"d{i}") for i in range(12)]  # 3 distinct queries: batches of <= 3
     model = torch.nn.Linear(1, 1)
-    setup = Setup(model=model, train_items=list(range(12)),
-                  collate=lambda idx: seen.append(list(idx)) or torch.ones(len(idx), 1),
-                  loss=lambda m, x: m(x).sum(), evaluate=lambda m, split: {}, batch_keys=keys)
-    out = train(setup, FinetuneConfig(model="-", task="-", batch_size=8, progress=False),
-                torch.device("cpu"))
+    setup = Setup(
+        model=model,
+        train_items=list(range(12)),
+        collate=lambda idx: seen.append(list(idx)) or torch.ones(len(idx), 1),
+        loss=lambda m, x: m(x).sum(),
+        evaluate=lambda m, split: {},
+        batch_keys=keys,
+    )
+    out = train(
+        setup,
+        FinetuneConfig(model="-", task="-", batch_size=8, progress=False),
+        torch.device("cpu"),
+    )
     # one epoch = 4 batches of 3 (not ceil(12 / 8) = 2 batches): every item is trained on
     assert out["steps"] == 4 and sorted(i for b in seen for i in b) == list(range(12))
     assert not any(clashes(b, keys) for b in seen)
@@ -57,8 +65,13 @@ def test_scifact_pairs_have_duplicates_that_the_sampler_keeps_apart(data, tiny_m
     from megatron_mlmclm.eval.heads import load_tokenizer
 
     task = load_registry()["scifact"]
-    setup = ir.setup(task, load_tokenizer(tiny_model),
-                     FinetuneConfig(model=tiny_model, task="scifact"), 64, torch.device("cpu"))
+    setup = ir.setup(
+        task,
+        load_tokenizer(tiny_model),
+        FinetuneConfig(model=tiny_model, task="scifact"),
+        64,
+        torch.device("cpu"),
+    )
     items, keys = setup.train_items, setup.batch_keys
     assert len(items) == len(ir.pairs_of(task, load_split(task, "train")))
     # the keys say exactly when two pairs share a query text or a positive text

@@ -12,9 +12,17 @@ from megatron_mlmclm.eval.tasks import load_registry
 
 
 def one_step(tiny_model, precision):
-    cfg = FinetuneConfig(model=tiny_model, task="sst2", lr=1e-3, max_steps=1, batch_size=8,
-                         max_train_examples=8, max_eval_examples=4, precision=precision,
-                         progress=False)
+    cfg = FinetuneConfig(
+        model=tiny_model,
+        task="sst2",
+        lr=1e-3,
+        max_steps=1,
+        batch_size=8,
+        max_train_examples=8,
+        max_eval_examples=4,
+        precision=precision,
+        progress=False,
+    )
     seed_everything(0)
     setup = sc.setup(load_registry()["sst2"], load_tokenizer(tiny_model), cfg, 64, "cpu")
     before = {k: v.detach().clone().float() for k, v in setup.model.state_dict().items()}
@@ -38,16 +46,24 @@ def test_bf16_pure_keeps_weights_and_optimizer_state_in_bf16(tiny_model):
     assert out["steps"] == 1
     params = list(pure.parameters())
     assert params and all(p.dtype == torch.bfloat16 for p in params)
-    states = [t for s in opt.state.values() for t in s.values()
-              if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0]
+    states = [
+        t
+        for s in opt.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 0
+    ]
     assert states and all(t.dtype == torch.bfloat16 for t in states)  # no fp32 master copy
     moved = [k for k, v in pure.state_dict().items() if not torch.equal(v.float(), before[k])]
     assert moved  # the step updated bf16 weights
 
     full, before32, opt32, _ = one_step(tiny_model, "fp32")
     assert all(p.dtype == torch.float32 for p in full.parameters())
-    assert all(t.dtype == torch.float32 for s in opt32.state.values() for t in s.values()
-               if torch.is_tensor(t) and t.dim() > 0)
+    assert all(
+        t.dtype == torch.float32
+        for s in opt32.state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     assert all(torch.equal(before[k], before32[k]) for k in before)  # the same start
     w = "classifier.weight"
     assert not torch.equal(pure.state_dict()[w].float(), full.state_dict()[w])

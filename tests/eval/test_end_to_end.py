@@ -8,40 +8,108 @@ import json
 from megatron_mlmclm.cli import main
 
 TASKS = ["sst2", "mnli", "qqp", "conll2003", "squad", "scifact"]
-TINY = ["--max-steps", "3", "--batch-size", "8", "--eval-every", "2", "--max-train-examples", "48",
-        "--max-eval-examples", "16", "--max-length", "96", "--ir-mini-batch-size", "4",
-        "--threads", "1", "--no-progress"]
+TINY = [
+    "--max-steps",
+    "3",
+    "--batch-size",
+    "8",
+    "--eval-every",
+    "2",
+    "--max-train-examples",
+    "48",
+    "--max-eval-examples",
+    "16",
+    "--max-length",
+    "96",
+    "--ir-mini-batch-size",
+    "4",
+    "--threads",
+    "1",
+    "--no-progress",
+]
 
 
 def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys):
     out = tmp_path / "results"
-    args = ["evaluate", "--model", tiny_model, "--task", *TASKS, "--lrs", "1e-3", "3e-4",
-            "--seeds", "0", "1", "--out", str(out), "--workers", "2", *TINY]
+    args = [
+        "evaluate",
+        "--model",
+        tiny_model,
+        "--task",
+        *TASKS,
+        "--lrs",
+        "1e-3",
+        "3e-4",
+        "--seeds",
+        "0",
+        "1",
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+        *TINY,
+    ]
     assert main(args) == 0
     files = sorted(out.rglob("*.json"))
     assert len(files) == len(TASKS) * 2 * 2
     [squad] = (out / "tiny-eurobert" / "squad").glob("lr0.001_seed1_*.json")
     r = json.loads(squad.read_text())
-    for key in ("config", "metrics", "validation_curve", "wall_time_s", "train_examples_per_s",
-                "task_config", "versions", "protocol", "grid"):
+    for key in (
+        "config",
+        "metrics",
+        "validation_curve",
+        "wall_time_s",
+        "train_examples_per_s",
+        "task_config",
+        "versions",
+        "protocol",
+        "grid",
+    ):
         assert key in r
     assert squad.name == f"lr0.001_seed1_{r['protocol']['id']}.json"
-    assert r["protocol"]["run"]["max_steps"] == 3 and r["protocol"]["task"]["validation_holdout"] == 0.1
+    assert (
+        r["protocol"]["run"]["max_steps"] == 3
+        and r["protocol"]["task"]["validation_holdout"] == 0.1
+    )
     assert r["grid"] == {"lrs": [1e-3, 3e-4], "seeds": [0, 1]}
     assert r["status"] == "done" and r["family"] == "qa" and r["config"]["lr"] == 1e-3
     assert r["steps"] == 3 and [p["step"] for p in r["validation_curve"]] == [2, 3]
     assert set(r["metrics"]["test"]) == {"exact_match", "f1"}
     [ir] = (out / "tiny-eurobert" / "scifact").glob("lr0.001_seed0_*.json")
     ir = json.loads(ir.read_text())
-    assert 0 <= ir["metrics"]["test"]["ndcg@10"] <= 1 and "recall@100" in ir["metrics"]["validation"]
+    assert (
+        0 <= ir["metrics"]["test"]["ndcg@10"] <= 1 and "recall@100" in ir["metrics"]["validation"]
+    )
 
     capsys.readouterr()
     assert main(args) == 0  # resume: nothing left to run
     assert "ran 0, skipped 24" in capsys.readouterr().out
 
     # one SLURM array element of a larger grid
-    assert main(["evaluate", "--model", tiny_model, "--task", "sst2", "--lrs", "1e-3", "3e-4",
-                 "--seeds", "0", "1", "2", "--out", str(out), "--array-index", "2", *TINY]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                "--model",
+                tiny_model,
+                "--task",
+                "sst2",
+                "--lrs",
+                "1e-3",
+                "3e-4",
+                "--seeds",
+                "0",
+                "1",
+                "2",
+                "--out",
+                str(out),
+                "--array-index",
+                "2",
+                *TINY,
+            ]
+        )
+        == 0
+    )
     assert "ran 1, skipped 0" in capsys.readouterr().out
     assert len(list((out / "tiny-eurobert" / "sst2").glob("lr0.001_seed2_*.json"))) == 1
 
@@ -52,8 +120,15 @@ def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys
     # sst2 now asks for seeds 0-2: lr 3e-4 lacks seed 2, so only lr 1e-3 is eligible
     assert "- tiny-eurobert / sst2 / lr 0.0003: missing seeds 2" in md
     assert "## Ties with the best model per family" in md
-    for name in ("per_task.csv", "per_family.csv", "stability.csv", "lr_curves.csv",
-                 "plots/families.png", "plots/lr_sst2.png", "plots/lr_squad.png"):
+    for name in (
+        "per_task.csv",
+        "per_family.csv",
+        "stability.csv",
+        "lr_curves.csv",
+        "plots/families.png",
+        "plots/lr_sst2.png",
+        "plots/lr_squad.png",
+    ):
         assert (rep / name).stat().st_size > 0, name
     assert (rep / "plots" / "families.png").read_bytes()[:4] == b"\x89PNG"
     per_family = (rep / "per_family.csv").read_text().splitlines()

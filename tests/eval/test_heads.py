@@ -4,21 +4,36 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mlmclm.eval.heads import MeanPoolClassifier, SpanQAModel, load_encoder, make_bidirectional
+from megatron_mlmclm.eval.heads import (
+    MeanPoolClassifier,
+    SpanQAModel,
+    load_encoder,
+    make_bidirectional,
+)
 
 
 def test_llama_runs_bidirectional_after_make_bidirectional():
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     model = LlamaModel(cfg).eval()
     x = torch.randint(0, 50, (1, 6))
     y = x.clone()
     y[0, -1] = (x[0, -1] + 1) % 50
     with torch.no_grad():
-        causal = model(input_ids=x).last_hidden_state[0, 0], model(input_ids=y).last_hidden_state[0, 0]
+        causal = (
+            model(input_ids=x).last_hidden_state[0, 0],
+            model(input_ids=y).last_hidden_state[0, 0],
+        )
         assert torch.allclose(*causal)  # causal: the first position cannot see the last token
         make_bidirectional(model)
         for mask in (None, torch.ones_like(x)):
@@ -51,6 +66,10 @@ def test_span_head_save_and_load(tiny_model, tmp_path):
         after = again(input_ids=ids, attention_mask=mask)
     assert torch.allclose(before.start_logits, after.start_logits, atol=1e-6)
     assert torch.allclose(before.end_logits, after.end_logits, atol=1e-6)
-    loss = again(input_ids=ids, attention_mask=mask, start_positions=torch.tensor([4]),
-                 end_positions=torch.tensor([5])).loss
+    loss = again(
+        input_ids=ids,
+        attention_mask=mask,
+        start_positions=torch.tensor([4]),
+        end_positions=torch.tensor([5]),
+    ).loss
     assert loss.item() > 0

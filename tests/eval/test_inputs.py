@@ -18,21 +18,30 @@ from megatron_mlmclm.eval.families import ir, qa, sc, tc
 from megatron_mlmclm.eval.heads import load_tokenizer
 from megatron_mlmclm.eval.tasks import load_registry
 
-CORPUS = ["The war began in 1914 in Europe, and the cat sat on the mat.",
-          "EU rejects German call to boycott British lamb.",
-          "Who began it? A cat was sitting. Premise: Hypothesis: Question: Context: Query: "
-          "Document:"] * 20
+CORPUS = [
+    "The war began in 1914 in Europe, and the cat sat on the mat.",
+    "EU rejects German call to boycott British lamb.",
+    "Who began it? A cat was sitting. Premise: Hypothesis: Question: Context: Query: Document:",
+] * 20
 PAIR = {"text_a": "The cat sat.", "text_b": "A cat was sitting.", "label": "entailment"}
 WORDS = ["EU", "rejects", "German", "call", "to", "boycott", "British", "lamb", "."]
 TAGS = ["B-ORG", "O", "B-MISC", "O", "O", "O", "B-MISC", "O", "O"]
-QUESTION = {"id": "q", "question": "Who began it?", "context": "The war began in 1914 in Europe.",
-            "answers": {"text": ["The war"], "answer_start": [0]}}
+QUESTION = {
+    "id": "q",
+    "question": "Who began it?",
+    "context": "The war began in 1914 in Europe.",
+    "answers": {"text": ["The war"], "answer_start": [0]},
+}
 QUERY, DOC = "what began in 1914", {"title": "", "text": "The war began in 1914."}
 # The regular expressions the Llama-3 and Qwen2/3 tokenizers split text with before byte-level BPE.
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def hub_kind(folder, split: str, specials: list[str], bos: str | None, eos: str):
@@ -42,21 +51,33 @@ def hub_kind(folder, split: str, specials: list[str], bos: str | None, eos: str)
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=400, show_progress=False, special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            show_progress=False,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     if bos:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
-            special_tokens=[(bos, tok.token_to_id(bos))])
+            single=f"{bos} $A",
+            pair=f"{bos} $A {bos} $B:1",
+            special_tokens=[(bos, tok.token_to_id(bos))],
+        )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos).save_pretrained(
-        str(folder / "hub"))
+        str(folder / "hub")
+    )
     return prepare_tokenizer(folder / "hub", folder / "tok", verbose=False)
 
 
@@ -68,11 +89,17 @@ def our_bpe(folder):
 
 KINDS = {
     "bpe": our_bpe,
-    "llama3": lambda d: hub_kind(d, LLAMA3_SPLIT, ["<|begin_of_text|>", "<|end_of_text|>"] +
-                                 [f"<|reserved_special_token_{i}|>" for i in range(4)],
-                                 "<|begin_of_text|>", "<|end_of_text|>"),
-    "qwen3": lambda d: hub_kind(d, QWEN_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                None, "<|endoftext|>"),
+    "llama3": lambda d: hub_kind(
+        d,
+        LLAMA3_SPLIT,
+        ["<|begin_of_text|>", "<|end_of_text|>"]
+        + [f"<|reserved_special_token_{i}|>" for i in range(4)],
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+    ),
+    "qwen3": lambda d: hub_kind(
+        d, QWEN_SPLIT, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|endoftext|>"
+    ),
 }
 
 
@@ -82,10 +109,19 @@ def model_folder(tok_dir, out):
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     torch.manual_seed(0)
-    EuroBertModel(EuroBertConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(out)
+    EuroBertModel(
+        EuroBertConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).save_pretrained(out)
     for f in tok_dir.iterdir():
         shutil.copy(f, out)
     return out
@@ -108,16 +144,24 @@ def test_every_family_encodes_inputs_as_preprocess_writes_documents(kind, tmp_pa
     reg = load_registry()
     mnli, squad = reg["mnli"], reg["squad"]
     ir_task = reg["msmarco"]
-    texts = [sc.text_of(mnli, PAIR), " ".join(WORDS),
-             f"Question: {QUESTION['question']}\nContext: {QUESTION['context']}",
-             ir.query_text(ir_task, QUERY), ir.document_text(ir_task, DOC)]
+    texts = [
+        sc.text_of(mnli, PAIR),
+        " ".join(WORDS),
+        f"Question: {QUESTION['question']}\nContext: {QUESTION['context']}",
+        ir.query_text(ir_task, QUERY),
+        ir.document_text(ir_task, DOC),
+    ]
     want = shard_ids(texts, tok_dir, tmp_path)
     tok = load_tokenizer(str(folder))
 
     got_sc = sc.encode(mnli, [PAIR], tok, 128, {"entailment": 0})[0]["input_ids"]
-    got_tc = tc.encode([{"tokens": WORDS, "tags": TAGS}], tok, 128, {t: i for i, t in
-                                                                     enumerate(set(TAGS))},
-                       "first")[0]
+    got_tc = tc.encode(
+        [{"tokens": WORDS, "tags": TAGS}],
+        tok,
+        128,
+        {t: i for i, t in enumerate(set(TAGS))},
+        "first",
+    )[0]
     got_qa = qa.windows(squad, [QUESTION], tok, 128, 32)
     st = ir.build_sentence_transformer(str(folder), 128, "cpu")
     got_ir = [st.preprocess([t])["input_ids"][0].tolist() for t in texts[3:]]
@@ -141,8 +185,9 @@ def test_every_family_encodes_inputs_as_preprocess_writes_documents(kind, tmp_pa
     every = tc.encode([{"tokens": WORDS, "tags": TAGS}], tok, 128, label2id, "all")[0]
     assert every["input_ids"] == want[1]
     assert every["labels"] == [label2id[TAGS[w]] if w >= 0 else -100 for w in words]
-    assert tc.word_tags([1, 0, 1, 2, 2, 0, 1], [0, 0, 0, 1, 1, 2, 2], 4, ["O", "A", "B"], "all") \
-        == ["A", "B", "O", "O"]  # word 3 has no token (cut by truncation)
+    assert tc.word_tags(
+        [1, 0, 1, 2, 2, 0, 1], [0, 0, 0, 1, 1, 2, 2], 4, ["O", "A", "B"], "all"
+    ) == ["A", "B", "O", "O"]  # word 3 has no token (cut by truncation)
     # QA as EncodEval's token tagging: one window, 1 on the first answer's tokens
     [tagged] = qa.encode_tagging(squad, [QUESTION], tok, 128)
     assert tagged["input_ids"] == want[2]
@@ -159,8 +204,21 @@ def test_every_family_encodes_inputs_as_preprocess_writes_documents(kind, tmp_pa
 def test_show_inputs_prints_tokens_with_labels(tmp_path, capsys, data):
     folder = model_folder(our_bpe(tmp_path), tmp_path / "model")
     capsys.readouterr()
-    assert main(["evaluate", "--model", str(folder), "--task", "conll2003", "mnli",
-                 "--show-inputs", "2"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                "--model",
+                str(folder),
+                "--task",
+                "conll2003",
+                "mnli",
+                "--show-inputs",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "model / conll2003 (protocol default): the first 2 of 14041 training inputs" in out
     first = out.splitlines()[1]  # EU rejects German call to boycott British lamb .

@@ -34,11 +34,13 @@ def test_squad_normalisation_and_scores():
     assert metrics.normalize_answer("The  Eiffel-Tower!") == "eiffeltower"
     assert metrics.normalize_answer("an Apple, a pear and THE plum") == "apple pear and plum"
     preds = {"q1": "the Denver Broncos", "q2": "Denver", "q3": "in 1990s", "q4": "", "q5": "x"}
-    refs = {"q1": ["Denver Broncos", "Broncos"],        # EM 1 (articles dropped), F1 1
-            "q2": ["Denver Broncos"],                   # EM 0, F1: P=1, R=1/2 -> 2/3
-            "q3": ["the 1990s", "1990s decade"],        # EM 0, F1 vs "1990s": P=1/2, R=1 -> 2/3
-            "q4": [],                                   # v2 no answer, empty prediction: 1 / 1
-            "q5": []}                                   # v2 no answer, non-empty prediction: 0 / 0
+    refs = {
+        "q1": ["Denver Broncos", "Broncos"],  # EM 1 (articles dropped), F1 1
+        "q2": ["Denver Broncos"],  # EM 0, F1: P=1, R=1/2 -> 2/3
+        "q3": ["the 1990s", "1990s decade"],  # EM 0, F1 vs "1990s": P=1/2, R=1 -> 2/3
+        "q4": [],  # v2 no answer, empty prediction: 1 / 1
+        "q5": [],
+    }  # v2 no answer, non-empty prediction: 0 / 0
     out = metrics.squad_em_f1(preds, refs)
     assert out["exact_match"] == pytest.approx((1 + 0 + 0 + 1 + 0) / 5)
     assert out["f1"] == pytest.approx((1 + 2 / 3 + 2 / 3 + 1 + 0) / 5)
@@ -50,19 +52,25 @@ def _brute_ndcg(ranked: list[str], rel: dict[str, int], k: int) -> float:
         dcg += rel.get(d, 0) / math.log2(i + 2)
     # ideal: the best DCG over every ordering of the judged documents
     judged = list(rel)
-    best = max(sum(rel[d] / math.log2(i + 2) for i, d in enumerate(p[:k]))
-               for p in itertools.permutations(judged))
+    best = max(
+        sum(rel[d] / math.log2(i + 2) for i, d in enumerate(p[:k]))
+        for p in itertools.permutations(judged)
+    )
     return dcg / best
 
 
 def test_ndcg_and_recall_against_brute_force():
-    qrels = {"q1": {"d1": 2, "d2": 1, "d9": 1, "d5": 0},
-             "q2": {"d3": 1},
-             "q3": {"d4": 0}}  # no relevant document: skipped
+    qrels = {
+        "q1": {"d1": 2, "d2": 1, "d9": 1, "d5": 0},
+        "q2": {"d3": 1},
+        "q3": {"d4": 0},
+    }  # no relevant document: skipped
     order = ["d3", "d2", "d5", "d1", "d4", "d6", "d7", "d8", "d10", "d11", "d12", "d9"]
-    run = {"q1": {d: 1.0 - r / 100 for r, d in enumerate(order)},
-           "q2": {"d3": 0.1, "d1": 0.9, "d2": 0.8},
-           "q3": {"d4": 1.0}}
+    run = {
+        "q1": {d: 1.0 - r / 100 for r, d in enumerate(order)},
+        "q2": {"d3": 0.1, "d1": 0.9, "d2": 0.8},
+        "q3": {"d4": 1.0},
+    }
     ranked_q1 = sorted(run["q1"], key=lambda d: -run["q1"][d])
     ranked_q2 = sorted(run["q2"], key=lambda d: -run["q2"][d])
     expect = (_brute_ndcg(ranked_q1, qrels["q1"], 10) + _brute_ndcg(ranked_q2, qrels["q2"], 10)) / 2
@@ -121,4 +129,5 @@ def test_ndcg_over_the_top_10_retrieved_is_scikit_learns():
     judged = {"d2": 1, "x1": 1, "x2": 1}
     assert metrics.ndcg_at_k_retrieved(one, {"q": judged}, 10) == pytest.approx(0.5)
     assert metrics.ndcg_at_k(one, {"q": judged}, 10) == pytest.approx(
-        0.5 / (1 + 1 / math.log2(3) + 0.5))
+        0.5 / (1 + 1 / math.log2(3) + 0.5)
+    )

@@ -16,8 +16,21 @@ from megatron_mlmclm.eval.families import ir, load_split
 from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.tasks import load_registry, suite
 
-PAPER = ["sst2", "mnli_m", "qqp_full", "conll2003", "ontonotes", "uner_en", "squad_full",
-         "squad_v2", "record", "qed", "msmarco", "nq", "mldr_en"]
+PAPER = [
+    "sst2",
+    "mnli_m",
+    "qqp_full",
+    "conll2003",
+    "ontonotes",
+    "uner_en",
+    "squad_full",
+    "squad_v2",
+    "record",
+    "qed",
+    "msmarco",
+    "nq",
+    "mldr_en",
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +70,21 @@ def test_glue_from_its_hub_snapshot_and_the_encodeval_carve(reg):
 
 def test_token_classification_layouts(reg):
     conll = load_split(reg["conll2003"], "test")
-    assert conll == [{"tokens": ["EU", "rejects", "German", "call"],
-                      "tags": ["B-ORG", "O", "B-MISC", "O"]}] * 3
+    assert (
+        conll
+        == [{"tokens": ["EU", "rejects", "German", "call"], "tags": ["B-ORG", "O", "B-MISC", "O"]}]
+        * 3
+    )
     onto = load_split(reg["ontonotes"], "validation")
-    assert onto[0] == {"tokens": ["John", "Smith", "visited", "Paris"],
-                       "tags": ["B-PERSON", "I-PERSON", "O", "B-GPE"]}
+    assert onto[0] == {
+        "tokens": ["John", "Smith", "visited", "Paris"],
+        "tags": ["B-PERSON", "I-PERSON", "O", "B-GPE"],
+    }
     uner = load_split(reg["uner_en"], "test")  # comments skipped, columns 1 and 2
     assert len(uner) == 3 and uner[0] == {
         "tokens": ["Al", "-", "Zaman", ":", "American", "forces"],
-        "tags": ["B-ORG", "I-ORG", "I-ORG", "O", "B-LOC", "O"]}
+        "tags": ["B-ORG", "I-ORG", "I-ORG", "O", "B-LOC", "O"],
+    }
     assert len(load_split(reg["uner_en"], "train")) == N_TRAIN
 
 
@@ -109,10 +128,35 @@ def test_retrieval_layouts_and_training_on_msmarco_pairs(reg):
 
 def test_the_suite_runs_under_encodeval_and_reports(reg, tiny_model, tmp_path, capsys):
     out = tmp_path / "results"
-    args = ["evaluate", "--model", tiny_model, "--suite", "paper", "--protocol", "encodeval",
-            "--lrs", "1e-3", "--seeds", "0", "--out", str(out), "--max-steps", "2",
-            "--batch-size", "4", "--max-length", "64", "--max-eval-examples", "6",
-            "--ir-mini-batch-size", "4", "--threads", "1", "--no-progress", "--save-models"]
+    args = [
+        "evaluate",
+        "--model",
+        tiny_model,
+        "--suite",
+        "paper",
+        "--protocol",
+        "encodeval",
+        "--lrs",
+        "1e-3",
+        "--seeds",
+        "0",
+        "--out",
+        str(out),
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--max-length",
+        "64",
+        "--max-eval-examples",
+        "6",
+        "--ir-mini-batch-size",
+        "4",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--save-models",
+    ]
     assert main(args) == 0
     metric = {"sc": "accuracy", "tc": "macro_f1", "qa": "token_f1", "ir": "ndcg@10_top10"}
     for task in PAPER:
@@ -135,6 +179,23 @@ def test_the_suite_runs_under_encodeval_and_reports(reg, tiny_model, tmp_path, c
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "Evaluation protocol: **encodeval**" in md
     # the default protocol resolves every task too (listing only: nothing runs)
-    assert main(["evaluate", "--model", tiny_model, "--suite", "paper", "--lrs", "1e-3",
-                 "--seeds", "0", "--out", str(out), "--list"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                "--model",
+                tiny_model,
+                "--suite",
+                "paper",
+                "--lrs",
+                "1e-3",
+                "--seeds",
+                "0",
+                "--out",
+                str(out),
+                "--list",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.count("\ttodo\t") == len(PAPER)

@@ -7,8 +7,12 @@ import dataclasses
 import json
 
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.eval.finetune import (NOT_PROTOCOL_FIELDS, PROTOCOL_FIELDS, FinetuneConfig,
-                                           protocol)
+from megatron_mlmclm.eval.finetune import (
+    NOT_PROTOCOL_FIELDS,
+    PROTOCOL_FIELDS,
+    FinetuneConfig,
+    protocol,
+)
 from megatron_mlmclm.eval.grid import expand, result_path
 from megatron_mlmclm.eval.tasks import load_registry
 
@@ -23,14 +27,31 @@ def test_protocol_id_follows_settings_and_task_entry():
     task = load_registry()["sst2"]
     base = FinetuneConfig(model="m", task="sst2")
     pid = protocol(base, task)["id"]
-    changed = dict(max_steps=500, batch_size=16, epochs=2.0, warmup_ratio=0.06, weight_decay=0.0,
-                   max_length=128, max_train_examples=100, max_eval_examples=100, precision="bf16",
-                   grad_clip=0.0)
+    changed = dict(
+        max_steps=500,
+        batch_size=16,
+        epochs=2.0,
+        warmup_ratio=0.06,
+        weight_decay=0.0,
+        max_length=128,
+        max_train_examples=100,
+        max_eval_examples=100,
+        precision="bf16",
+        grad_clip=0.0,
+    )
     for k, v in changed.items():
         assert protocol(dataclasses.replace(base, **{k: v}), task)["id"] != pid, k
     # execution knobs keep the id; on this CPU machine "auto" precision means fp32
-    for k, v in dict(eval_every=7, threads=1, eval_batch_size=8, progress=False, device="cpu",
-                     precision="fp32", lr=1.0, seed=3).items():
+    for k, v in dict(
+        eval_every=7,
+        threads=1,
+        eval_batch_size=8,
+        progress=False,
+        device="cpu",
+        precision="fp32",
+        lr=1.0,
+        seed=3,
+    ).items():
         assert protocol(dataclasses.replace(base, **{k: v}), task)["id"] == pid, k
     other = dataclasses.replace(task, validation_holdout=0.1)
     assert protocol(base, other)["id"] != pid
@@ -46,8 +67,26 @@ def test_evaluate_does_not_reuse_a_result_of_another_protocol(tmp_path, capsys):
 
     def state(*flags):
         capsys.readouterr()
-        assert main(["evaluate", "--model", "models/tiny", "--task", "sst2", "--lrs", "1e-3",
-                     "--seeds", "0", "--out", str(out), "--list", *flags]) == 0
+        assert (
+            main(
+                [
+                    "evaluate",
+                    "--model",
+                    "models/tiny",
+                    "--task",
+                    "sst2",
+                    "--lrs",
+                    "1e-3",
+                    "--seeds",
+                    "0",
+                    "--out",
+                    str(out),
+                    "--list",
+                    *flags,
+                ]
+            )
+            == 0
+        )
         return capsys.readouterr().out.split("\t")[1]
 
     assert state("--max-steps", "3") == "done"

@@ -10,8 +10,12 @@ from megatron_mlmclm.eval.heads import load_tokenizer
 from megatron_mlmclm.eval.tasks import load_registry
 
 CONTEXT = " ".join(f"w{i}" for i in range(60)) + " the answer is Paris France today ."
-RECORD = {"id": "q1", "question": "where is it ?", "context": CONTEXT,
-          "answers": {"text": ["Paris France"], "answer_start": [CONTEXT.index("Paris")]}}
+RECORD = {
+    "id": "q1",
+    "question": "where is it ?",
+    "context": CONTEXT,
+    "answers": {"text": ["Paris France"], "answer_start": [CONTEXT.index("Paris")]},
+}
 
 
 def test_doc_stride_windows_label_the_answer(tiny_model):
@@ -23,16 +27,24 @@ def test_doc_stride_windows_label_the_answer(tiny_model):
     hits = [f for f in feats if f["start_positions"] > 0]
     assert hits and all(f["start_positions"] == 0 for f in feats if f not in hits)
     for f in hits:
-        span = f["input_ids"][f["start_positions"]:f["end_positions"] + 1]
+        span = f["input_ids"][f["start_positions"] : f["end_positions"] + 1]
         assert tok.decode(span) == "Paris France"
-    head = full[:len(tok(f"Question: {RECORD['question']}\nContext:")["input_ids"]) - 1]
+    head = full[: len(tok(f"Question: {RECORD['question']}\nContext:")["input_ids"]) - 1]
     for f in feats:  # every window: the question part, a slice of the context, then EOS
-        assert f["input_ids"][:len(head)] == head and f["input_ids"][-1] == tok.eos_token_id
+        assert f["input_ids"][: len(head)] == head and f["input_ids"][-1] == tok.eos_token_id
         assert len(f["input_ids"]) <= 32
 
     evals = windows(task, [RECORD], tok, 32, 8)
-    f = next(i for i, e in enumerate(evals) if any(o and CONTEXT[o[0]:o[1]].strip() == "Paris" for o in e["offsets"]))
-    s = next(i for i, o in enumerate(evals[f]["offsets"]) if o and CONTEXT[o[0]:o[1]].strip() == "Paris")
+    f = next(
+        i
+        for i, e in enumerate(evals)
+        if any(o and CONTEXT[o[0] : o[1]].strip() == "Paris" for o in e["offsets"])
+    )
+    s = next(
+        i
+        for i, o in enumerate(evals[f]["offsets"])
+        if o and CONTEXT[o[0] : o[1]].strip() == "Paris"
+    )
     starts = [torch.zeros(len(e["input_ids"])) for e in evals]
     ends = [torch.zeros(len(e["input_ids"])) for e in evals]
     starts[f][s], ends[f][s + 1] = 5.0, 5.0
@@ -55,7 +67,10 @@ def test_a_question_longer_than_the_stride_room_is_cut_not_fatal(tiny_model):
     hits = [f for f in feats if f["start_positions"] > 0]
     assert hits
     for f in hits:
-        assert tok.decode(f["input_ids"][f["start_positions"]:f["end_positions"] + 1]) == "Paris France"
+        assert (
+            tok.decode(f["input_ids"][f["start_positions"] : f["end_positions"] + 1])
+            == "Paris France"
+        )
     for w in windows(task, [long], tok, 32, 8):
         question = next(i for i, o in enumerate(w["offsets"]) if o is not None)
         assert 0 < question <= 32 // 4

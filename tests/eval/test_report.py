@@ -20,43 +20,63 @@ LRS, SEEDS = (1e-4, 1e-3), (0, 1, 2)
 # (model, task, lr) -> {seed: (validation accuracy, test accuracy)}; both tasks are SC.
 GRID = {
     # A/t1: lr 1e-3 has the best validation but seed 2 never finished -> 1e-4 must be chosen
-    ("A", "t1", 1e-4): {0: (.80, .85), 1: (.81, .86), 2: (.82, .87)},
-    ("A", "t1", 1e-3): {0: (.90, .95), 1: (.91, .96)},
-    ("A", "t2", 1e-4): {0: (.70, .70), 1: (.70, .72), 2: (.70, .71)},
-    ("A", "t2", 1e-3): {0: (.75, .76), 1: (.76, .77), 2: (.74, .78)},
+    ("A", "t1", 1e-4): {0: (0.80, 0.85), 1: (0.81, 0.86), 2: (0.82, 0.87)},
+    ("A", "t1", 1e-3): {0: (0.90, 0.95), 1: (0.91, 0.96)},
+    ("A", "t2", 1e-4): {0: (0.70, 0.70), 1: (0.70, 0.72), 2: (0.70, 0.71)},
+    ("A", "t2", 1e-3): {0: (0.75, 0.76), 1: (0.76, 0.77), 2: (0.74, 0.78)},
     # B: close to A, noisy -> tied; chosen by validation even where the other LR tests higher
-    ("B", "t1", 1e-4): {0: (.80, .84), 1: (.80, .87), 2: (.80, .855)},
-    ("B", "t1", 1e-3): {0: (.70, .90), 1: (.70, .91), 2: (.70, .92)},
-    ("B", "t2", 1e-4): {0: (.72, .77), 1: (.72, .75), 2: (.72, .79)},
-    ("B", "t2", 1e-3): {0: (.71, .80), 1: (.71, .81), 2: (.71, .82)},
+    ("B", "t1", 1e-4): {0: (0.80, 0.84), 1: (0.80, 0.87), 2: (0.80, 0.855)},
+    ("B", "t1", 1e-3): {0: (0.70, 0.90), 1: (0.70, 0.91), 2: (0.70, 0.92)},
+    ("B", "t2", 1e-4): {0: (0.72, 0.77), 1: (0.72, 0.75), 2: (0.72, 0.79)},
+    ("B", "t2", 1e-3): {0: (0.71, 0.80), 1: (0.71, 0.81), 2: (0.71, 0.82)},
     # C: about 5 points below A on every seed -> significantly below
-    ("C", "t1", 1e-4): {0: (.60, .800), 1: (.60, .810), 2: (.60, .820)},
-    ("C", "t1", 1e-3): {0: (.65, .805), 1: (.65, .812), 2: (.65, .818)},
-    ("C", "t2", 1e-4): {0: (.66, .700), 1: (.66, .715), 2: (.66, .726)},
-    ("C", "t2", 1e-3): {0: (.64, .900), 1: (.64, .900), 2: (.64, .900)},
+    ("C", "t1", 1e-4): {0: (0.60, 0.800), 1: (0.60, 0.810), 2: (0.60, 0.820)},
+    ("C", "t1", 1e-3): {0: (0.65, 0.805), 1: (0.65, 0.812), 2: (0.65, 0.818)},
+    ("C", "t2", 1e-4): {0: (0.66, 0.700), 1: (0.66, 0.715), 2: (0.66, 0.726)},
+    ("C", "t2", 1e-3): {0: (0.64, 0.900), 1: (0.64, 0.900), 2: (0.64, 0.900)},
 }
 
 
 def result(model, task, lr, seed, val, test, run_id="r1", seeds=SEEDS, lrs=LRS):
-    return {"schema": 2, "status": "done", "model": model, "task": task, "family": "sc",
-            "metric": "accuracy", "lr": lr, "seed": seed,
-            "protocol": {"id": f"{run_id}-{task}", "run_id": run_id,
-                         "run": {"max_steps": 1000 if run_id == "r1" else 50}, "task": {"name": task}},
-            "grid": {"lrs": list(lrs), "seeds": list(seeds)},
-            "metrics": {"validation": {"accuracy": val}, "test": {"accuracy": test}}}
+    return {
+        "schema": 2,
+        "status": "done",
+        "model": model,
+        "task": task,
+        "family": "sc",
+        "metric": "accuracy",
+        "lr": lr,
+        "seed": seed,
+        "protocol": {
+            "id": f"{run_id}-{task}",
+            "run_id": run_id,
+            "run": {"max_steps": 1000 if run_id == "r1" else 50},
+            "task": {"name": task},
+        },
+        "grid": {"lrs": list(lrs), "seeds": list(seeds)},
+        "metrics": {"validation": {"accuracy": val}, "test": {"accuracy": test}},
+    }
 
 
 def write(folder: Path, results: list[dict]) -> Path:
     for r in results:
-        f = folder / r["model"] / r["task"] / f"lr{r['lr']:g}_seed{r['seed']}_{r['protocol']['id']}.json"
+        f = (
+            folder
+            / r["model"]
+            / r["task"]
+            / f"lr{r['lr']:g}_seed{r['seed']}_{r['protocol']['id']}.json"
+        )
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps(r))
     return folder
 
 
 def grid_results(**kw) -> list[dict]:
-    return [result(m, t, lr, s, v, x, **kw) for (m, t, lr), seeds in GRID.items()
-            for s, (v, x) in seeds.items()]
+    return [
+        result(m, t, lr, s, v, x, **kw)
+        for (m, t, lr), seeds in GRID.items()
+        for s, (v, x) in seeds.items()
+    ]
 
 
 def mean(xs):
@@ -76,13 +96,20 @@ def rows(csv_path: Path) -> list[dict]:
 
 
 def test_report_matches_hand_computation(tmp_path):
-    out = make_report(write(tmp_path / "res", grid_results()), tmp_path / "rep", plots=False,
-                      log=lambda *_: None)
+    out = make_report(
+        write(tmp_path / "res", grid_results()), tmp_path / "rep", plots=False, log=lambda *_: None
+    )
     per_task = {(r["model"], r["task"]): r for r in rows(out / "per_task.csv")}
 
     # LR choice by mean validation among complete LRs (A/t1 1e-3 lacks seed 2)
-    chosen = {("A", "t1"): 1e-4, ("A", "t2"): 1e-3, ("B", "t1"): 1e-4, ("B", "t2"): 1e-4,
-              ("C", "t1"): 1e-3, ("C", "t2"): 1e-4}
+    chosen = {
+        ("A", "t1"): 1e-4,
+        ("A", "t2"): 1e-3,
+        ("B", "t1"): 1e-4,
+        ("B", "t2"): 1e-4,
+        ("C", "t1"): 1e-3,
+        ("C", "t2"): 1e-4,
+    }
     for key, lr in chosen.items():
         assert float(per_task[key]["best_lr"]) == lr, key
         scores = [100 * GRID[(*key, lr)][s][1] for s in SEEDS]
@@ -92,8 +119,10 @@ def test_report_matches_hand_computation(tmp_path):
     assert float(per_task[("A", "t1")]["ci95"]) == pytest.approx(T975_DF2 / math.sqrt(3))  # sd = 1
 
     # family score = mean of the task scores; per-seed family score = mean over tasks of the seed
-    per_seed = {m: [mean([100 * GRID[(m, t, chosen[(m, t)])][s][1] for t in ("t1", "t2")])
-                    for s in SEEDS] for m in "ABC"}
+    per_seed = {
+        m: [mean([100 * GRID[(m, t, chosen[(m, t)])][s][1] for t in ("t1", "t2")]) for s in SEEDS]
+        for m in "ABC"
+    }
     assert per_seed["A"] == pytest.approx([80.5, 81.5, 82.5])
     fam = {r["model"]: r for r in rows(out / "per_family.csv")}
     for m in "ABC":
@@ -121,10 +150,14 @@ def test_report_matches_hand_computation(tmp_path):
 def test_no_complete_lr_is_named_not_scored(tmp_path):
     res = grid_results()
     # D asked for seeds 0-3; seed 3 never ran, and the LRs miss different seeds
-    res += [result("D", "t1", lr, s, .9, .9, seeds=(0, 1, 2, 3)) for lr, s in
-            ((1e-4, 0), (1e-4, 1), (1e-4, 2), (1e-3, 0), (1e-3, 2))]
-    res += [result("D", "t2", lr, s, .9, .9) for lr in LRS for s in SEEDS]
-    out = make_report(write(tmp_path / "res", res), tmp_path / "rep", plots=False, log=lambda *_: None)
+    res += [
+        result("D", "t1", lr, s, 0.9, 0.9, seeds=(0, 1, 2, 3))
+        for lr, s in ((1e-4, 0), (1e-4, 1), (1e-4, 2), (1e-3, 0), (1e-3, 2))
+    ]
+    res += [result("D", "t2", lr, s, 0.9, 0.9) for lr in LRS for s in SEEDS]
+    out = make_report(
+        write(tmp_path / "res", res), tmp_path / "rep", plots=False, log=lambda *_: None
+    )
     md = (out / "report.md").read_text()
     assert "- D / t1 / lr 0.0001: missing seeds 3" in md
     assert "- D / t1 / lr 0.001: missing seeds 1 3" in md
@@ -136,7 +169,7 @@ def test_no_complete_lr_is_named_not_scored(tmp_path):
 
 
 def test_mixed_protocols_are_refused_unless_one_is_picked(tmp_path, capsys):
-    res = grid_results() + [result("A", "t1", 1e-4, s, .5, .5, run_id="r2") for s in SEEDS]
+    res = grid_results() + [result("A", "t1", 1e-4, s, 0.5, 0.5, run_id="r2") for s in SEEDS]
     folder = write(tmp_path / "res", res)
     capsys.readouterr()
     assert main(["report", str(folder), "--no-plots"]) == 2
@@ -158,17 +191,23 @@ T975_DF1 = 12.706204736174707  # t_{0.975, 1}: two seeds (t table)
 def two_seed_results() -> list[dict]:
     """Model Z on t1: two seeds far apart at lr 1e-3 (the top of a two-LR grid); the hand-computed
     interval 60 ± 12.706 x 25 reaches past both ends of [0, 100]."""
-    scores = {1e-4: (.40, .30), 1e-3: (.85, .90)}  # lr -> (validation, test) of seed 0
+    scores = {1e-4: (0.40, 0.30), 1e-3: (0.85, 0.90)}  # lr -> (validation, test) of seed 0
     out = []
     for lr, (val, test) in scores.items():
         out.append(result("Z", "t1", lr, 0, val, test, seeds=(0, 1)))
-        out.append(result("Z", "t1", lr, 1, val, test - (.60 if lr == 1e-3 else .10), seeds=(0, 1)))
+        out.append(
+            result("Z", "t1", lr, 1, val, test - (0.60 if lr == 1e-3 else 0.10), seeds=(0, 1))
+        )
     return out
 
 
 def test_report_clips_intervals_to_the_range_and_warns_of_few_seeds_and_edge_lrs(tmp_path):
-    out = make_report(write(tmp_path / "res", two_seed_results()), tmp_path / "rep", plots=True,
-                      log=lambda *_: None)
+    out = make_report(
+        write(tmp_path / "res", two_seed_results()),
+        tmp_path / "rep",
+        plots=True,
+        log=lambda *_: None,
+    )
     (row,) = rows(out / "per_task.csv")
     assert float(row["best_lr"]) == 1e-3 and float(row["score"]) == pytest.approx(60.0)
     half = T975_DF1 * sd([90.0, 30.0]) / math.sqrt(2)
@@ -182,17 +221,22 @@ def test_report_clips_intervals_to_the_range_and_warns_of_few_seeds_and_edge_lrs
     assert "Z / t1: 0.001 is the largest LR of the grid [0.0001 0.001]" in report
     # every seed is a point of the plot data; bars and points exist for the plots
     seeds = rows(out / "seed_points.csv")
-    assert sorted(float(r["score"]) for r in seeds if float(r["lr"]) == 1e-3) == \
-        pytest.approx([30.0, 90.0])
+    assert sorted(float(r["score"]) for r in seeds if float(r["lr"]) == 1e-3) == pytest.approx(
+        [30.0, 90.0]
+    )
     assert (out / "plots" / "lr_t1.png").stat().st_size > 0
 
 
 def test_report_leaves_inner_intervals_and_interior_lrs_unflagged(tmp_path):
     lrs = (1e-5, 1e-4, 1e-3)
-    res = [result("A", "t1", lr, s, .5 + (.2 if lr == 1e-4 else 0), .80 + .01 * s, lrs=lrs)
-           for lr in lrs for s in SEEDS]
-    out = make_report(write(tmp_path / "res", res), tmp_path / "rep", plots=False,
-                      log=lambda *_: None)
+    res = [
+        result("A", "t1", lr, s, 0.5 + (0.2 if lr == 1e-4 else 0), 0.80 + 0.01 * s, lrs=lrs)
+        for lr in lrs
+        for s in SEEDS
+    ]
+    out = make_report(
+        write(tmp_path / "res", res), tmp_path / "rep", plots=False, log=lambda *_: None
+    )
     (row,) = rows(out / "per_task.csv")
     assert row["lr_edge"] == "" and row["ci_clipped"] == "False"
     assert float(row["ci_low"]) == pytest.approx(81.0 - T975_DF2 / math.sqrt(3))

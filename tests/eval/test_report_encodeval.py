@@ -18,15 +18,17 @@ SEEDS = (0, 1, 2)
 # EncodEval: model -> (TASK, dataset) -> lr -> [(validation score, test score) per seed]
 THEIRS = {
     "610m-mlm40-42k": {
-        ("SC", "sst2"): {1e-4: [(.90, .91), (.91, .92), (.92, .93)],
-                         5e-5: [(.95, .80), (.95, .81), (.95, .82)]},
-        ("TC", "conll2003_en"): {1e-4: [(.80, .85), (.80, .86), (.80, .87)]},
+        ("SC", "sst2"): {
+            1e-4: [(0.90, 0.91), (0.91, 0.92), (0.92, 0.93)],
+            5e-5: [(0.95, 0.80), (0.95, 0.81), (0.95, 0.82)],
+        },
+        ("TC", "conll2003_en"): {1e-4: [(0.80, 0.85), (0.80, 0.86), (0.80, 0.87)]},
     },
     "610m-clm-42k": {
-        ("SC", "sst2"): {1e-4: [(.90, .90), (.90, .90), (.90, .91)]},
-        ("TC", "conll2003_en"): {1e-4: [(.80, .84), (.80, .86), (.80, .86)]},
+        ("SC", "sst2"): {1e-4: [(0.90, 0.90), (0.90, 0.90), (0.90, 0.91)]},
+        ("TC", "conll2003_en"): {1e-4: [(0.80, 0.84), (0.80, 0.86), (0.80, 0.86)]},
     },
-    "1b-clm-42k": {("SC", "sst2"): {1e-4: [(.99, .99)] * 3}},  # left out by --encodeval-models
+    "1b-clm-42k": {("SC", "sst2"): {1e-4: [(0.99, 0.99)] * 3}},  # left out by --encodeval-models
 }
 
 
@@ -37,27 +39,49 @@ def write_tree(root: Path) -> Path:
                 for seed, (val, test) in enumerate(seeds):
                     f = root / model / kind / dataset / f"lr{lr:.0e}_sd{seed}" / "results.json"
                     f.parent.mkdir(parents=True, exist_ok=True)
-                    f.write_text(json.dumps({"validation": {"score": val, "scores_i": [val]},
-                                             "test": {"score": test, "scores_i": [test]}}))
+                    f.write_text(
+                        json.dumps(
+                            {
+                                "validation": {"score": val, "scores_i": [val]},
+                                "test": {"score": test, "scores_i": [test]},
+                            }
+                        )
+                    )
     # tasks our runs lack (IR folders carry the training set's name) are not read beside them
     f = root / "610m-clm-42k" / "IR" / "nq" / "msmarco_pairs_lr1e-04_sd0" / "results.json"
     f.parent.mkdir(parents=True)
-    f.write_text(json.dumps({"validation": {"score": .5}, "test": {"score": .5}}))
+    f.write_text(json.dumps({"validation": {"score": 0.5}, "test": {"score": 0.5}}))
     return root
 
 
 def ours(root: Path, name="mine", protocol="encodeval") -> Path:
     """Our runs of sst2 and conll2003 under protocol `protocol`."""
-    scores = {"sst2": ("sc", "accuracy", [.93, .94, .95]),
-              "conll2003": ("tc", "macro_f1", [.88, .89, .90])}
+    scores = {
+        "sst2": ("sc", "accuracy", [0.93, 0.94, 0.95]),
+        "conll2003": ("tc", "macro_f1", [0.88, 0.89, 0.90]),
+    }
     for task, (family, metric, tests) in scores.items():
         for seed, test in zip(SEEDS, tests):
-            r = {"schema": 3, "status": "done", "model": name, "task": task, "family": family,
-                 "metric": metric, "lr": 1e-4, "seed": seed, "steps": 1000,
-                 "protocol": {"name": protocol, "id": f"p-{task}", "run_id": "p",
-                              "run": {"protocol": protocol}, "task": {"name": task}},
-                 "grid": {"lrs": [1e-4], "seeds": list(SEEDS)},
-                 "metrics": {"validation": {metric: .9}, "test": {metric: test}}}
+            r = {
+                "schema": 3,
+                "status": "done",
+                "model": name,
+                "task": task,
+                "family": family,
+                "metric": metric,
+                "lr": 1e-4,
+                "seed": seed,
+                "steps": 1000,
+                "protocol": {
+                    "name": protocol,
+                    "id": f"p-{task}",
+                    "run_id": "p",
+                    "run": {"protocol": protocol},
+                    "task": {"name": task},
+                },
+                "grid": {"lrs": [1e-4], "seeds": list(SEEDS)},
+                "metrics": {"validation": {metric: 0.9}, "test": {metric: test}},
+            }
             f = root / name / task / f"lr0.0001_seed{seed}_p-{task}.json"
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(json.dumps(r))
@@ -82,8 +106,22 @@ def test_the_papers_runs_beside_ours(tmp_path, capsys):
     tree = write_tree(tmp_path / "EncodEval" / "results")
     res = ours(tmp_path / "res")
     out = tmp_path / "rep"
-    assert main(["report", str(res), "--out", str(out), "--no-plots", "--encodeval", str(tree),
-                 "--encodeval-models", "610m-*"]) == 0
+    assert (
+        main(
+            [
+                "report",
+                str(res),
+                "--out",
+                str(out),
+                "--no-plots",
+                "--encodeval",
+                str(tree),
+                "--encodeval-models",
+                "610m-*",
+            ]
+        )
+        == 0
+    )
     per_task = rows(out / "per_task.csv")
     assert {m for m, _ in per_task} == {"mine", "610m-mlm40-42k", "610m-clm-42k"}
     assert {t for _, t in per_task} == {"sst2", "conll2003"}  # nq: ours lack it
@@ -93,7 +131,9 @@ def test_the_papers_runs_beside_ours(tmp_path, capsys):
     assert float(mlm["score"]) == pytest.approx(81.0)
     assert float(mlm["ci95"]) == pytest.approx(half([80, 81, 82]))
     conll = per_task[("610m-clm-42k", "conll2003")]
-    assert conll["metric"] == "macro_f1" and float(conll["score"]) == pytest.approx(mean([84, 86, 86]))
+    assert conll["metric"] == "macro_f1" and float(conll["score"]) == pytest.approx(
+        mean([84, 86, 86])
+    )
     # TC: mine (88, 89, 90) against the best of the paper's? mine is best; the paired t-test by
     # seed against each of theirs, as for any model
     ties = rows(out / "ties.csv")
@@ -106,8 +146,10 @@ def test_the_papers_runs_beside_ours(tmp_path, capsys):
     assert "the paper's own runs (15 runs of 610m-clm-42k, 610m-mlm40-42k)" in md
 
     # the paper's runs alone, every task they have (nq: the task entry's encodeval_name)
-    assert main(["report", "--encodeval", str(tree), "--out", str(tmp_path / "alone"),
-                 "--no-plots"]) == 0
+    assert (
+        main(["report", "--encodeval", str(tree), "--out", str(tmp_path / "alone"), "--no-plots"])
+        == 0
+    )
     alone = rows(tmp_path / "alone" / "per_task.csv")
     assert alone[("610m-clm-42k", "nq")]["metric"] == "ndcg@10_top10"
     assert ("1b-clm-42k", "sst2") in alone
@@ -120,9 +162,21 @@ def test_runs_of_another_protocol_are_not_mixed_with_the_papers(tmp_path, capsys
     assert main(["report", str(res), "--no-plots", "--encodeval", str(tree)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--protocol encodeval" in err
-    assert main(["report", str(ours(tmp_path / "res2", name="610m-clm-42k")), "--no-plots",
-                 "--encodeval", str(tree)]) == 2
+    assert (
+        main(
+            [
+                "report",
+                str(ours(tmp_path / "res2", name="610m-clm-42k")),
+                "--no-plots",
+                "--encodeval",
+                str(tree),
+            ]
+        )
+        == 2
+    )
     assert "appear both" in capsys.readouterr().err
-    assert main(["report", "--encodeval", str(tmp_path / "nowhere"), "--out",
-                 str(tmp_path / "x")]) == 2
+    assert (
+        main(["report", "--encodeval", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")])
+        == 2
+    )
     assert not (res / "report").exists()

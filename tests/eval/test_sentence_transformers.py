@@ -18,11 +18,22 @@ from megatron_mlmclm.eval.tasks import load_registry
 def test_saved_ir_model_is_a_sentence_transformers_folder(tiny_model, tmp_path, data):
     from sentence_transformers import SentenceTransformer
 
-    task = dataclasses.replace(load_registry()["scifact"], query_template="Query: {text}",
-                               document_template="Document: {text}")
-    cfg = FinetuneConfig(model=tiny_model, task="scifact", lr=1e-3, max_steps=2, batch_size=8,
-                         max_train_examples=16, max_eval_examples=8, ir_mini_batch_size=4,
-                         progress=False)
+    task = dataclasses.replace(
+        load_registry()["scifact"],
+        query_template="Query: {text}",
+        document_template="Document: {text}",
+    )
+    cfg = FinetuneConfig(
+        model=tiny_model,
+        task="scifact",
+        lr=1e-3,
+        max_steps=2,
+        batch_size=8,
+        max_train_examples=16,
+        max_eval_examples=8,
+        ir_mini_batch_size=4,
+        progress=False,
+    )
     seed_everything(0)
     setup = ir.setup(task, load_tokenizer(tiny_model), cfg, 64, torch.device("cpu"))
     train(setup, cfg, torch.device("cpu"))
@@ -33,12 +44,17 @@ def test_saved_ir_model_is_a_sentence_transformers_folder(tiny_model, tmp_path, 
     assert [m["type"].rsplit(".", 1)[-1] for m in modules] == ["Transformer", "Pooling"]
     pooling = json.loads((folder / modules[1]["path"] / "config.json").read_text())
     # mean pooling, in the keys of sentence-transformers 6 (pooling_mode) or 5 (one flag per mode)
-    assert pooling.get("pooling_mode", "mean" if pooling.get("pooling_mode_mean_tokens") else "") \
+    assert (
+        pooling.get("pooling_mode", "mean" if pooling.get("pooling_mode_mean_tokens") else "")
         == "mean"
+    )
 
     loaded = SentenceTransformer(str(folder), device="cpu")
-    texts = ["Query: stem cells in mice", "Document: Nanotechnologies are emerging platforms.",
-             "short"]
+    texts = [
+        "Query: stem cells in mice",
+        "Document: Nanotechnologies are emerging platforms.",
+        "short",
+    ]
     setup.model.eval()
     with torch.no_grad():
         want = setup.model.encode(texts, convert_to_tensor=True)

@@ -36,13 +36,14 @@ def same_file_splits(name: str) -> dict:
 
 # RTE as Hugging Face exports it to TSV: fields with a tab, a newline or quotes are quoted, and the
 # quotes inside are doubled. A byte-order mark precedes the header.
-QUOTED_TSV = (BOM + "idx\tsentence1\tsentence2\tlabel\r\n"
-              '0\t"He said ""stop""\tand left."\tHe left.\tentailment\r\n'
-              '1\t"Two\nlines"\tplain, with comma\tnot_entailment\r\n'
-              "2\tno quotes at all\t\"\"\"quoted\"\" start\"\tentailment\r\n")
+QUOTED_TSV = (
+    BOM + "idx\tsentence1\tsentence2\tlabel\r\n"
+    '0\t"He said ""stop""\tand left."\tHe left.\tentailment\r\n'
+    '1\t"Two\nlines"\tplain, with comma\tnot_entailment\r\n'
+    '2\tno quotes at all\t"""quoted"" start"\tentailment\r\n'
+)
 QUOTED_RECORDS = [
-    {"text_a": 'He said "stop"\tand left.', "text_b": "He left.", "label": "entailment",
-     "id": "0"},
+    {"text_a": 'He said "stop"\tand left.', "text_b": "He left.", "label": "entailment", "id": "0"},
     {"text_a": "Two\nlines", "text_b": "plain, with comma", "label": "not_entailment", "id": "1"},
     {"text_a": "no quotes at all", "text_b": '"quoted" start', "label": "entailment", "id": "2"},
 ]
@@ -51,12 +52,20 @@ QUOTED_RECORDS = [
 def test_tsv_reads_quoted_fields_with_tabs_quotes_and_bom(tmp_path):
     (tmp_path / "rte.tsv").write_text(QUOTED_TSV, encoding="utf-8", newline="")
     splits = {"train": "other.tsv", "validation": "other2.tsv", "test": "rte.tsv"}
-    t = task(tmp_path, family="sc", format="tsv", text_a="sentence1", text_b="sentence2",
-             splits=splits)
+    t = task(
+        tmp_path, family="sc", format="tsv", text_a="sentence1", text_b="sentence2", splits=splits
+    )
     assert load_split(t, "test") == QUOTED_RECORDS
     # glue_tsv (no quoting, for SST-2's bare quote characters) splits the same file wrongly.
-    g = task(tmp_path, "g", family="sc", format="glue_tsv", text_a="sentence1", text_b="sentence2",
-             splits=splits)
+    g = task(
+        tmp_path,
+        "g",
+        family="sc",
+        format="glue_tsv",
+        text_a="sentence1",
+        text_b="sentence2",
+        splits=splits,
+    )
     assert load_split(g, "test") != QUOTED_RECORDS
 
 
@@ -65,48 +74,75 @@ def test_csv_gzipped_with_bom(tmp_path):
     with gzip.open(tmp_path / "train.csv.gz", "wt", encoding="utf-8", newline="") as f:
         f.write(text)
     (tmp_path / "dev.csv").write_text("sentence,label\nx,pos\n", encoding="utf-8")
-    t = task(tmp_path, family="sc", format="csv", text_a="sentence",
-             splits={"train": "train.csv.gz", "validation": "dev.csv", "test": "dev2.csv"})
+    t = task(
+        tmp_path,
+        family="sc",
+        format="csv",
+        text_a="sentence",
+        splits={"train": "train.csv.gz", "validation": "dev.csv", "test": "dev2.csv"},
+    )
     assert load_split(t, "train") == [
         {"text_a": 'a, b "c"', "text_b": None, "label": "pos"},
         {"text_a": "plain", "text_b": None, "label": "neg"},
-        {"text_a": "multi\nline", "text_b": None, "label": "pos"}]
+        {"text_a": "multi\nline", "text_b": None, "label": "pos"},
+    ]
     assert load_split(t, "validation") == [{"text_a": "x", "text_b": None, "label": "pos"}]
 
 
 def test_jsonl_and_json_array_sc(tmp_path):
-    rows = [{"premise": "p1", "hypothesis": "h1", "label": 0, "id": 7},
-            {"premise": "p\t2", "hypothesis": "h\"2", "label": 1, "id": 8}]
+    rows = [
+        {"premise": "p1", "hypothesis": "h1", "label": 0, "id": 7},
+        {"premise": "p\t2", "hypothesis": 'h"2', "label": 1, "id": 8},
+    ]
     (tmp_path / "train.jsonl").write_text(
-        BOM + "\n".join(json.dumps(r) for r in rows) + "\n\n", encoding="utf-8")
+        BOM + "\n".join(json.dumps(r) for r in rows) + "\n\n", encoding="utf-8"
+    )
     (tmp_path / "dev.jsonl").write_text(json.dumps(rows[:1]), encoding="utf-8")  # a JSON array
-    t = task(tmp_path, family="sc", format="jsonl", text_a="premise", text_b="hypothesis",
-             splits={"train": "train.jsonl", "validation": "dev.jsonl", "test": "test.jsonl"})
+    t = task(
+        tmp_path,
+        family="sc",
+        format="jsonl",
+        text_a="premise",
+        text_b="hypothesis",
+        splits={"train": "train.jsonl", "validation": "dev.jsonl", "test": "test.jsonl"},
+    )
     assert load_split(t, "train") == [
         {"text_a": "p1", "text_b": "h1", "label": "0", "id": "7"},
-        {"text_a": "p\t2", "text_b": 'h"2', "label": "1", "id": "8"}]
-    assert load_split(t, "validation") == [{"text_a": "p1", "text_b": "h1", "label": "0",
-                                            "id": "7"}]
+        {"text_a": "p\t2", "text_b": 'h"2', "label": "1", "id": "8"},
+    ]
+    assert load_split(t, "validation") == [
+        {"text_a": "p1", "text_b": "h1", "label": "0", "id": "7"}
+    ]
 
 
 def test_parquet_sc(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"sentence": ["good", "NA", "bad"], "label": [1, 0, 0]}),
-                   tmp_path / "train.parquet")
-    t = task(tmp_path, family="sc", format="parquet", text_a="sentence",
-             splits={"train": "train.parquet", "validation": "v.parquet", "test": "t.parquet"})
+    pq.write_table(
+        pa.table({"sentence": ["good", "NA", "bad"], "label": [1, 0, 0]}),
+        tmp_path / "train.parquet",
+    )
+    t = task(
+        tmp_path,
+        family="sc",
+        format="parquet",
+        text_a="sentence",
+        splits={"train": "train.parquet", "validation": "v.parquet", "test": "t.parquet"},
+    )
     assert load_split(t, "train") == [
         {"text_a": "good", "text_b": None, "label": "1"},
         {"text_a": "NA", "text_b": None, "label": "0"},  # text stays text
-        {"text_a": "bad", "text_b": None, "label": "0"}]
+        {"text_a": "bad", "text_b": None, "label": "0"},
+    ]
 
 
 # ---------------------------------------------------------------------------------------- tc
 
-TC_RECORDS = [{"tokens": ["EU", "rejects", "German", "call"], "tags": ["B-ORG", "O", "B-MISC", "O"]},
-              {"tokens": ["Peter", "\"Blackburn\""], "tags": ["B-PER", "I-PER"]}]
+TC_RECORDS = [
+    {"tokens": ["EU", "rejects", "German", "call"], "tags": ["B-ORG", "O", "B-MISC", "O"]},
+    {"tokens": ["Peter", '"Blackburn"'], "tags": ["B-PER", "I-PER"]},
+]
 NAMES = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-MISC", "I-MISC"]
 
 
@@ -119,14 +155,24 @@ def test_tc_in_every_table_format(tmp_path):
     # csv: whitespace-separated tokens and a JSON list of tag ids (mapped through `labels`)
     (tmp_path / "a.csv").write_text(
         'tokens,tags\nEU rejects German call,"[3, 0, 5, 0]"\n'
-        '"[""Peter"", ""\\""Blackburn\\""""]","[1, 2]"\n')
-    pq.write_table(pa.table({"words": [r["tokens"] for r in TC_RECORDS], "ner": ids}),
-                   tmp_path / "a.parquet")
-    for fmt, fields in (("jsonl", dict(tokens_field="tokens", tags_field="tags")),
-                        ("csv", dict(tokens_field="tokens", tags_field="tags", labels=NAMES)),
-                        ("parquet", dict(tokens_field="words", tags_field="ner", labels=NAMES))):
-        t = task(tmp_path, f"tc_{fmt}", family="tc", format=fmt,
-                 splits=same_file_splits(f"a.{fmt}") | {"validation": f"a.{fmt}"}, **fields)
+        '"[""Peter"", ""\\""Blackburn\\""""]","[1, 2]"\n'
+    )
+    pq.write_table(
+        pa.table({"words": [r["tokens"] for r in TC_RECORDS], "ner": ids}), tmp_path / "a.parquet"
+    )
+    for fmt, fields in (
+        ("jsonl", dict(tokens_field="tokens", tags_field="tags")),
+        ("csv", dict(tokens_field="tokens", tags_field="tags", labels=NAMES)),
+        ("parquet", dict(tokens_field="words", tags_field="ner", labels=NAMES)),
+    ):
+        t = task(
+            tmp_path,
+            f"tc_{fmt}",
+            family="tc",
+            format=fmt,
+            splits=same_file_splits(f"a.{fmt}") | {"validation": f"a.{fmt}"},
+            **fields,
+        )
         assert load_split(t, "validation") == TC_RECORDS, fmt
 
 
@@ -134,12 +180,24 @@ def test_tc_in_every_table_format(tmp_path):
 
 CONTEXT = 'Paris is the capital of France, "la Ville Lumière".'
 QA_RECORDS = [
-    {"id": "q1", "question": "Capital of France?", "context": CONTEXT,
-     "answers": {"text": ["Paris"], "answer_start": [0]}},
-    {"id": "q2", "question": "Its nickname?", "context": CONTEXT,
-     "answers": {"text": ["la Ville Lumière", "Ville Lumière"], "answer_start": [33, 36]}},
-    {"id": "q3", "question": "Unanswerable?", "context": CONTEXT,
-     "answers": {"text": [], "answer_start": []}},
+    {
+        "id": "q1",
+        "question": "Capital of France?",
+        "context": CONTEXT,
+        "answers": {"text": ["Paris"], "answer_start": [0]},
+    },
+    {
+        "id": "q2",
+        "question": "Its nickname?",
+        "context": CONTEXT,
+        "answers": {"text": ["la Ville Lumière", "Ville Lumière"], "answer_start": [33, 36]},
+    },
+    {
+        "id": "q3",
+        "question": "Unanswerable?",
+        "context": CONTEXT,
+        "answers": {"text": [], "answer_start": []},
+    },
 ]
 
 
@@ -148,8 +206,9 @@ def test_qa_in_every_table_format(tmp_path):
     import pyarrow.parquet as pq
 
     assert CONTEXT[33:49] == "la Ville Lumière" and CONTEXT[36:49] == "Ville Lumière"
-    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r, ensure_ascii=False)
-                                                for r in QA_RECORDS), encoding="utf-8")
+    (tmp_path / "a.jsonl").write_text(
+        "\n".join(json.dumps(r, ensure_ascii=False) for r in QA_RECORDS), encoding="utf-8"
+    )
     pq.write_table(pa.Table.from_pylist(QA_RECORDS), tmp_path / "a.parquet")
     ctx = CONTEXT.replace('"', '""')
     (tmp_path / "a.tsv").write_text(  # answers as a JSON object, as a cell
@@ -158,28 +217,49 @@ def test_qa_in_every_table_format(tmp_path):
         f'q2\tIts nickname?\t"{ctx}"\t"{{""text"": [""la Ville Lumière"", ""Ville Lumière""], '
         f'""answer_start"": [33, 36]}}"\n'
         f'q3\tUnanswerable?\t"{ctx}"\t"{{""text"": [], ""answer_start"": []}}"\n',
-        encoding="utf-8")
+        encoding="utf-8",
+    )
     (tmp_path / "a.csv").write_text(  # the flattened columns of Dataset.flatten()
         BOM + "id,question,context,answers.text,answers.answer_start\n"
         f'q1,Capital of France?,"{ctx}","[""Paris""]",[0]\n'
         f'q2,Its nickname?,"{ctx}","[""la Ville Lumière"", ""Ville Lumière""]","[33, 36]"\n'
-        f'q3,Unanswerable?,"{ctx}",[],[]\n', encoding="utf-8")
+        f'q3,Unanswerable?,"{ctx}",[],[]\n',
+        encoding="utf-8",
+    )
     for fmt in ("jsonl", "parquet", "tsv", "csv"):
-        t = task(tmp_path, f"qa_{fmt}", family="qa", format=fmt, version=2,
-                 splits=same_file_splits(f"a.{fmt}") | {"test": f"a.{fmt}"})
+        t = task(
+            tmp_path,
+            f"qa_{fmt}",
+            family="qa",
+            format=fmt,
+            version=2,
+            splits=same_file_splits(f"a.{fmt}") | {"test": f"a.{fmt}"},
+        )
         assert load_split(t, "test") == QA_RECORDS, fmt
 
 
 # ------------------------------------------------------------------- registry and bad input
 
+
 def test_registry_rule_and_holdout_hold_for_table_formats(tmp_path):
     lines = "".join(f"example number {i},{i % 2}\n" for i in range(200))
     (tmp_path / "all.csv").write_text("text,label\n" + lines)
     with pytest.raises(UsageError, match="validation and test are the same split"):
-        task(tmp_path, family="sc", format="csv", text_a="text",
-             splits={"train": "all.csv", "validation": "x.csv", "test": "x.csv"})
-    t = task(tmp_path, family="sc", format="csv", text_a="text", validation_holdout=0.2,
-             splits={"train": "all.csv", "validation": "all.csv", "test": "x.csv"})
+        task(
+            tmp_path,
+            family="sc",
+            format="csv",
+            text_a="text",
+            splits={"train": "all.csv", "validation": "x.csv", "test": "x.csv"},
+        )
+    t = task(
+        tmp_path,
+        family="sc",
+        format="csv",
+        text_a="text",
+        validation_holdout=0.2,
+        splits={"train": "all.csv", "validation": "all.csv", "test": "x.csv"},
+    )
     train, val = load_split(t, "train"), load_split(t, "validation")
     assert len(train) + len(val) == 200 and 20 <= len(val) <= 60
     assert not {r["text_a"] for r in train} & {r["text_a"] for r in val}
@@ -190,18 +270,28 @@ def test_bad_table_files_are_one_line(tmp_path):
     (tmp_path / "cols.tsv").write_text("sentence\tlabel\na\t1\n")
     (tmp_path / "bad.jsonl").write_text('{"text": "a", "label": 1}\n{not json\n')
     (tmp_path / "tc.jsonl").write_text(json.dumps({"tokens": ["a", "b"], "tags": ["O"]}))
-    (tmp_path / "qa.jsonl").write_text(json.dumps({"id": 1, "question": "q", "context": "c",
-                                                   "answers": "oops"}))
+    (tmp_path / "qa.jsonl").write_text(
+        json.dumps({"id": 1, "question": "q", "context": "c", "answers": "oops"})
+    )
     (tmp_path / "x.parquet").write_text("not parquet")
-    cases = [("sc", "csv", "short.csv", "row 2 of", {}),
-             ("sc", "tsv", "cols.tsv", "column 'text' missing", {}),
-             ("sc", "jsonl", "bad.jsonl", "not readable as jsonl", {}),
-             ("tc", "jsonl", "tc.jsonl", "2 tokens but 1 tags", {"tags_field": "tags"}),
-             ("qa", "jsonl", "qa.jsonl", "answers 'oops' is not JSON", {}),
-             ("sc", "parquet", "x.parquet", "not readable as parquet", {})]
+    cases = [
+        ("sc", "csv", "short.csv", "row 2 of", {}),
+        ("sc", "tsv", "cols.tsv", "column 'text' missing", {}),
+        ("sc", "jsonl", "bad.jsonl", "not readable as jsonl", {}),
+        ("tc", "jsonl", "tc.jsonl", "2 tokens but 1 tags", {"tags_field": "tags"}),
+        ("qa", "jsonl", "qa.jsonl", "answers 'oops' is not JSON", {}),
+        ("sc", "parquet", "x.parquet", "not readable as parquet", {}),
+    ]
     for i, (family, fmt, name, match, extra) in enumerate(cases):
-        t = task(tmp_path, f"bad{i}", family=family, format=fmt, text_a="text",
-                 splits=same_file_splits(name) | {"test": name}, **extra)
+        t = task(
+            tmp_path,
+            f"bad{i}",
+            family=family,
+            format=fmt,
+            text_a="text",
+            splits=same_file_splits(name) | {"test": name},
+            **extra,
+        )
         with pytest.raises(UsageError, match=match) as e:
             load_split(t, "test")
         assert "\n" not in str(e.value)

@@ -32,19 +32,36 @@ def test_no_shipped_task_validates_on_its_test_split():
         else:
             assert t.splits["validation"] != t.splits["test"], name
     reg = load_registry()
-    assert reg["conll2003"].validation_holdout == 0 and reg["conll2003"].splits["validation"] == "valid.txt"
+    assert (
+        reg["conll2003"].validation_holdout == 0
+        and reg["conll2003"].splits["validation"] == "valid.txt"
+    )
 
 
 def test_registry_refuses_validation_equal_to_test(tmp_path):
     def entry(**kw):
         f = tmp_path / "t.yaml"
-        f.write_text(json.dumps({"mine": {"family": "sc", "format": "glue_tsv", "path": "sst2",
-                                          "text_a": "sentence", **kw}}))
+        f.write_text(
+            json.dumps(
+                {
+                    "mine": {
+                        "family": "sc",
+                        "format": "glue_tsv",
+                        "path": "sst2",
+                        "text_a": "sentence",
+                        **kw,
+                    }
+                }
+            )
+        )
         return [str(f)]
 
     same = {"train": "train.tsv", "validation": "dev.tsv", "test": "dev.tsv"}
-    with pytest.raises(UsageError, match=r"task 'mine' .*validation and test are the same split "
-                                         r"\(dev.tsv\).*set `validation_holdout: 0.1`"):
+    with pytest.raises(
+        UsageError,
+        match=r"task 'mine' .*validation and test are the same split "
+        r"\(dev.tsv\).*set `validation_holdout: 0.1`",
+    ):
         load_registry(entry(splits=same))
     with pytest.raises(UsageError, match="set splits.validation to the train split"):
         load_registry(entry(splits=same, validation_holdout=0.1))
@@ -63,7 +80,11 @@ def test_readers_match_published_counts(data):
     sst = load_split(reg["sst2"], "test")  # the public dev split is the reported one
     assert len(sst) == 872 and sum(r["label"] == "1" for r in sst) == 444
     mnli = load_split(reg["mnli"], "train") + load_split(reg["mnli"], "validation")
-    assert len(mnli) == 8999 and label_list(reg["mnli"], mnli) == ["entailment", "neutral", "contradiction"]
+    assert len(mnli) == 8999 and label_list(reg["mnli"], mnli) == [
+        "entailment",
+        "neutral",
+        "contradiction",
+    ]
     assert mnli[0]["text_b"] and len(load_split(reg["mnli"], "test")) == 1000
     conll = load_split(reg["conll2003"], "validation")
     assert len(conll) == 3250 and sum(len(s["tokens"]) for s in conll) == 51362

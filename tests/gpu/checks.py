@@ -37,6 +37,7 @@ class Row:
 @dataclass
 class Size:
     """How long each check trains: the tier's size, or the CPU suite's smoke size."""
+
     steps: int = 60
     seq_length: int = 256
     micro_batch_size: int = 8
@@ -52,18 +53,26 @@ def run_config(size: Size) -> dict:
     return {
         "data": {"mock": True, "mock_kind": "markov"},
         "model": {"preset": "tiny", "vocab_size": VOCAB, "seq_length": size.seq_length},
-        "phases": [{"objective": "clm", "share": 0.5},
-                   {"objective": "mlm", "share": 0.5, "mask_ratio": 0.4}],
-        "train": {"steps": size.steps, "micro_batch_size": size.micro_batch_size,
-                  "global_batch_size": size.global_batch_size, "lr": 3.0e-3,
-                  "warmup_steps": max(1, size.steps // 10), "decay_steps": max(1, size.steps // 10)},
+        "phases": [
+            {"objective": "clm", "share": 0.5},
+            {"objective": "mlm", "share": 0.5, "mask_ratio": 0.4},
+        ],
+        "train": {
+            "steps": size.steps,
+            "micro_batch_size": size.micro_batch_size,
+            "global_batch_size": size.global_batch_size,
+            "lr": 3.0e-3,
+            "warmup_steps": max(1, size.steps // 10),
+            "decay_steps": max(1, size.steps // 10),
+        },
         "checkpoint": {"save_interval": 0, "keep_last": 2},
         "logging": {"tensorboard": False, "eval_interval": 0},
     }
 
 
-def train(root: Path, name: str, size: Size, overrides: list[str], nproc: int = 1
-          ) -> dict[int, float]:
+def train(
+    root: Path, name: str, size: Size, overrides: list[str], nproc: int = 1
+) -> dict[int, float]:
     """step -> loss of one pretraining run (a resumed run's re-logged steps: the last record)."""
     config = root / "tier.yaml"
     if not config.exists():
@@ -88,6 +97,7 @@ def phase_tails(curve: dict[int, float], n: int = 5) -> tuple[float, float]:
 
 # ---- judges: pure functions of measured numbers (unit-tested with numbers that must fail) ----
 
+
 def judge_learned(clm_tail: float, mlm_tail: float) -> Row:
     """Learned: CLM ends far below the unigram floor ln V, MLM below it. No leak: CLM cannot beat
     the chain's entropy unless attention shows it the future (a wrong mask or THD boundary).
@@ -100,25 +110,34 @@ def judge_learned(clm_tail: float, mlm_tail: float) -> Row:
     floor, entropy = math.log(VOCAB), markov_entropy()
     learned = clm_tail < floor - 3 and mlm_tail < floor - 0.1
     no_leak = clm_tail >= entropy - 0.1
-    return Row("markov: learned, CLM sees no future (bf16)",
-               f"CLM tail {clm_tail:.3f}, MLM tail {mlm_tail:.3f}",
-               f"CLM < ln V - 3 = {floor - 3:.2f}, MLM < ln V - 0.1 = {floor - 0.1:.2f}; "
-               f"CLM >= entropy - 0.1 = {entropy - 0.1:.2f}", learned and no_leak)
+    return Row(
+        "markov: learned, CLM sees no future (bf16)",
+        f"CLM tail {clm_tail:.3f}, MLM tail {mlm_tail:.3f}",
+        f"CLM < ln V - 3 = {floor - 3:.2f}, MLM < ln V - 0.1 = {floor - 0.1:.2f}; "
+        f"CLM >= entropy - 0.1 = {entropy - 0.1:.2f}",
+        learned and no_leak,
+    )
 
 
 def judge_close(name: str, diff: float, noise: float, floor: float) -> Row:
     """A difference passes within 3x the measured noise, or an absolute floor for noise that
     happens to be tiny."""
     bound = max(3 * noise, floor)
-    return Row(name, f"diff {diff:.4f} (noise {noise:.4f})", f"<= max(3 x noise, {floor}) = "
-               f"{bound:.4f}", diff <= bound)
+    return Row(
+        name,
+        f"diff {diff:.4f} (noise {noise:.4f})",
+        f"<= max(3 x noise, {floor}) = {bound:.4f}",
+        diff <= bound,
+    )
 
 
 # ---- checks ----
 
+
 def check_learned_without_leak(root: Path, size: Size, have_te: bool) -> Row:
-    curve = train(root, "learned", size, ["train.precision=bf16",
-                                          f"model.attention={thd_attention(have_te)}"])
+    curve = train(
+        root, "learned", size, ["train.precision=bf16", f"model.attention={thd_attention(have_te)}"]
+    )
     return judge_learned(*phase_tails(curve))
 
 
@@ -140,15 +159,24 @@ def check_thd_matches_dense(root: Path, size: Size, have_te: bool) -> Row:
     source = root / "source"
     if not source.exists():
         train(root, "source", size, ["train.precision=bf16", "checkpoint.save_interval=0"])
-    start = [f"train.init_from={source / 'checkpoints'}", "train.lr=1.0e-9",
-             "train.warmup_steps=0", "train.decay_steps=0", f"train.steps={max(2, size.steps // 6)}"]
+    start = [
+        f"train.init_from={source / 'checkpoints'}",
+        "train.lr=1.0e-9",
+        "train.warmup_steps=0",
+        "train.decay_steps=0",
+        f"train.steps={max(2, size.steps // 6)}",
+    ]
     # Evaluation only in effect (lr ~ 0): every step is the trained model on a fresh batch.
-    thd = train(root, "thd", size, start + ["train.precision=bf16",
-                                            f"model.attention={thd_attention(have_te)}"])
+    thd = train(
+        root,
+        "thd",
+        size,
+        start + ["train.precision=bf16", f"model.attention={thd_attention(have_te)}"],
+    )
     dense = train(root, "dense", size, start + ["train.precision=bf16", "model.attention=sdpa"])
-    dense32 = train(root, "dense32", size, start + ["train.precision=fp32",
-                                                    "model.attention=sdpa"])
+    dense32 = train(root, "dense32", size, start + ["train.precision=fp32", "model.attention=sdpa"])
     diff = max(abs(thd[s] - dense[s]) for s in dense)
     noise = max(abs(dense32[s] - dense[s]) for s in dense)
-    return judge_close("THD vs dense mask on trained weights (bf16, per step)", diff, noise,
-                       floor=2e-3)
+    return judge_close(
+        "THD vs dense mask on trained weights (bf16, per step)", diff, noise, floor=2e-3
+    )

@@ -20,12 +20,14 @@ ROWS: list[tuple[str, str, str, str]] = []
 @pytest.fixture
 def record():
     """record(check, result, expected, ok): one row of the table; returns ok for the assert."""
+
     def add(check: str, result: str, expected: str, ok: bool) -> bool:
         ROWS.append((check, result, expected, "pass" if ok else "FAIL"))
         if os.environ.get("GPU_TIER_ROWS"):  # each row as it comes: a killed tier still tells
             with open(os.environ["GPU_TIER_ROWS"], "a") as f:
                 f.write(" | ".join(ROWS[-1]) + "\n")
         return ok
+
     return add
 
 

@@ -28,8 +28,10 @@ from checks import GPU_SIZE, run_config, train
 from jobs import REPO, job_env, read_metrics
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(GPUS == 0, reason="GPU tier: no CUDA device on this machine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS == 0, reason="GPU tier: no CUDA device on this machine"),
+]
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 
 
@@ -91,38 +93,58 @@ def test_flex_matches_sdpa_forward_and_backward(record, causal):
         out.square().sum().backward()
         grads.append([out.detach()] + [t.grad for t in inputs])
     worst = max(float((got - ref).abs().max()) for ref, got in zip(*grads))
-    assert record(f"flex vs SDPA, output and grads ({'causal' if causal else 'bidirectional'})",
-                  f"max abs diff {worst:.1e}", "< 1e-4", worst < 1e-4)
+    assert record(
+        f"flex vs SDPA, output and grads ({'causal' if causal else 'bidirectional'})",
+        f"max abs diff {worst:.1e}",
+        "< 1e-4",
+        worst < 1e-4,
+    )
 
 
-@pytest.mark.parametrize("name,a,b", [
-    ("bf16 vs fp32", ["train.precision=bf16"], ["train.precision=fp32"]),
-    ("fusions auto vs off (bf16)", ["train.precision=bf16"],
-     ["train.precision=bf16", "model.fusions=off"]),
-], ids=["bf16_fp32", "fusions"])
+@pytest.mark.parametrize(
+    "name,a,b",
+    [
+        ("bf16 vs fp32", ["train.precision=bf16"], ["train.precision=fp32"]),
+        (
+            "fusions auto vs off (bf16)",
+            ["train.precision=bf16"],
+            ["train.precision=bf16", "model.fusions=off"],
+        ),
+    ],
+    ids=["bf16_fp32", "fusions"],
+)
 def test_settings_train_alike(record, tmp_path, name, a, b):
     row = checks.check_trains_alike(tmp_path, GPU_SIZE, name, a, b)
     assert record(row.check, row.result, row.expected, row.ok)
 
 
-@pytest.mark.skipif(not fp8_capable(), reason="FP8 needs Transformer Engine and compute "
-                                              "capability >= 8.9 (Hopper, Ada)")
+@pytest.mark.skipif(
+    not fp8_capable(),
+    reason="FP8 needs Transformer Engine and compute capability >= 8.9 (Hopper, Ada)",
+)
 def test_fp8_is_finite_and_close_to_bf16(record, tmp_path):
     fp8 = train(tmp_path, "fp8", GPU_SIZE, ["train.precision=bf16", "train.fp8=delayed"])
     bf16 = train(tmp_path, "bf16", GPU_SIZE, ["train.precision=bf16"])
     finite = all(math.isfinite(v) for v in fp8.values())
     d = rel(tail_mean(fp8), tail_mean(bf16))
-    assert record("FP8 (delayed) vs bf16", f"finite={finite}, rel. diff {d:.4f}",
-                  "finite, < 0.05", finite and d < 0.05)
+    assert record(
+        "FP8 (delayed) vs bf16",
+        f"finite={finite}, rel. diff {d:.4f}",
+        "finite, < 0.05",
+        finite and d < 0.05,
+    )
 
 
 @two_gpus
-@pytest.mark.parametrize("layout", [["parallel.tensor_model_parallel_size=2",
-                                     "parallel.sequence_parallel=false"],
-                                    ["parallel.tensor_model_parallel_size=2",
-                                     "parallel.sequence_parallel=true"],
-                                    ["parallel.pipeline_model_parallel_size=2"]],
-                         ids=["tp2", "tp2_sp", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=false"],
+        ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+        ["parallel.pipeline_model_parallel_size=2"],
+    ],
+    ids=["tp2", "tp2_sp", "pp2"],
+)
 def test_model_parallel_layouts_match_tp1(record, tmp_path, layout):
     """fp32 (TF32 off, the kernel plan's fp32 reference), from scratch: initialisation by global
     parameter gives every layout the single-process model."""
@@ -130,14 +152,27 @@ def test_model_parallel_layouts_match_tp1(record, tmp_path, layout):
     two = train(tmp_path, "two", GPU_SIZE, [*fp32, *layout], nproc=2)
     one = train(tmp_path, "one", GPU_SIZE, fp32, nproc=1)
     worst = max(rel(two[s], one[s]) for s in one)
-    assert record(f"{' '.join(o.split('.')[1] for o in layout)} vs TP1 (fp32, 10 steps)",
-                  f"max per-step rel. diff {worst:.2e}", "< 1e-3", worst < 1e-3)
+    assert record(
+        f"{' '.join(o.split('.')[1] for o in layout)} vs TP1 (fp32, 10 steps)",
+        f"max per-step rel. diff {worst:.2e}",
+        "< 1e-3",
+        worst < 1e-3,
+    )
 
 
-PHASE_CHANGE = {**RUN, "phases": [
-    {"objective": "mlm", "share": 0.5, "mask_ratio": {"from": 0.3, "to": 0.15}},
-    {"objective": "mlm", "share": 0.5, "mask_ratio": 0.15, "seq_length": 512,
-     "rotary_base": 160000}]}
+PHASE_CHANGE = {
+    **RUN,
+    "phases": [
+        {"objective": "mlm", "share": 0.5, "mask_ratio": {"from": 0.3, "to": 0.15}},
+        {
+            "objective": "mlm",
+            "share": 0.5,
+            "mask_ratio": 0.15,
+            "seq_length": 512,
+            "rotary_base": 160000,
+        },
+    ],
+}
 
 
 @pytest.mark.parametrize("run_config", [RUN, PHASE_CHANGE], ids=["clm-mlm", "seq-rope-change"])
@@ -146,33 +181,53 @@ def test_kill_and_resume_is_exact(record, tmp_path, run_config):
     run's (deterministic kernels requested for both). seq-rope-change crosses a phase boundary at
     step 25 that doubles the sequence length (THD at another length) and switches the RoPE base
     (TE's fused RoPE with rebuilt frequencies): never run on a GPU."""
-    env = {**job_env(), "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
-           "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env = {
+        **job_env(),
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(run_config))
-    args = [sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config),
-            "checkpoint.save_interval=10"]
+    args = [
+        sys.executable,
+        "-m",
+        "megatron_mlmclm",
+        "pretrain",
+        str(config),
+        "checkpoint.save_interval=10",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
-    subprocess.run(args + [f"output_dir={ref}"], env=env, check=True, timeout=600,
-                   capture_output=True)
-    proc = subprocess.Popen(args + [f"output_dir={run}"], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        args + [f"output_dir={ref}"], env=env, check=True, timeout=600, capture_output=True
+    )
+    proc = subprocess.Popen(
+        args + [f"output_dir={run}"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     target = run / "checkpoints" / "iter_0000020"
     deadline = time.time() + 600
     while not target.is_dir() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    subprocess.run(args + [f"output_dir={run}"], env=env, check=True, timeout=600,
-                   capture_output=True)
+    subprocess.run(
+        args + [f"output_dir={run}"], env=env, check=True, timeout=600, capture_output=True
+    )
     got = {m["step"]: m["loss"] for m in read_metrics(run) if "loss" in m}
     want = {m["step"]: m["loss"] for m in read_metrics(ref) if "loss" in m}
     later = [s for s in want if s > 20]
     same = sum(got.get(s) == want[s] for s in later)
     finite = all(math.isfinite(v) for v in want.values())
     name = "" if run_config is RUN else " across a seq_length + RoPE change"
-    assert record(f"kill -9 at step 20 and resume{name}", f"{same}/{len(later)} later losses "
-                  "equal", "all equal (bitwise), finite", same == len(later) and finite)
+    assert record(
+        f"kill -9 at step 20 and resume{name}",
+        f"{same}/{len(later)} later losses equal",
+        "all equal (bitwise), finite",
+        same == len(later) and finite,
+    )
 
 
 @two_gpus
@@ -183,32 +238,74 @@ def test_hung_rank_under_nccl_ends_the_job_with_the_hang_code(record, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(RUN))
     exit_file = tmp_path / "exit_code"
-    env = {**job_env(), "MLMCLM_INJECT_FAULTS": "hang rank=1 step=5",
-           "MLMCLM_EXIT_FILE": str(exit_file)}
+    env = {
+        **job_env(),
+        "MLMCLM_INJECT_FAULTS": "hang rank=1 step=5",
+        "MLMCLM_EXIT_FILE": str(exit_file),
+    }
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", "-m", "megatron_mlmclm", "pretrain", str(config),
-                           f"output_dir={tmp_path / 'run'}", "train.hang_timeout_s=20"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "megatron_mlmclm",
+            "pretrain",
+            str(config),
+            f"output_dir={tmp_path / 'run'}",
+            "train.hang_timeout_s=20",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     took = time.time() - start
     code = exit_file.read_text().strip() if exit_file.exists() else "none"
     ok = proc.returncode != 0 and code == "76" and took < 20 + 60 + 60  # + setup
-    assert record("hung rank under NCCL (DP2)", f"exit file {code}, {took:.0f} s",
-                  "76, within allowance + 60 s after setup", ok), proc.stderr[-3000:]
+    assert record(
+        "hung rank under NCCL (DP2)",
+        f"exit file {code}, {took:.0f} s",
+        "76, within allowance + 60 s after setup",
+        ok,
+    ), proc.stderr[-3000:]
 
 
 def test_throughput_benchmark(record):
     """benchmarks/train_throughput.py on its headline row; MFU reported, not asserted beyond
     'runs and is positive' (docs/gpu.md gives the MFU to expect)."""
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "train_throughput.py"),
-                           "--presets", "210m", "--seqs", "2048", "--objectives", "mlm",
-                           "--fp8", "", "--warmup", "2", "--steps", "5"], env=job_env(),
-                          capture_output=True, text=True,
-                          timeout=1800)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "train_throughput.py"),
+            "--presets",
+            "210m",
+            "--seqs",
+            "2048",
+            "--objectives",
+            "mlm",
+            "--fp8",
+            "",
+            "--warmup",
+            "2",
+            "--steps",
+            "5",
+        ],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")][-1]
     mfu = re.search(r"ours [\d.]+ s \([\d.]+ tok/s/GPU, MFU ([\d.]+)%", proc.stdout)
     print(proc.stdout)
-    assert record("throughput 210m seq 2048 MLM bf16",
-                  f"MFU {mfu.group(1) if mfu else '?'}%; {line.removeprefix('RESULT ')}",
-                  "runs; MFU 35-47% on H100 (docs/gpu.md)", "ratio=" in line and mfu is not None)
+    assert record(
+        "throughput 210m seq 2048 MLM bf16",
+        f"MFU {mfu.group(1) if mfu else '?'}%; {line.removeprefix('RESULT ')}",
+        "runs; MFU 35-47% on H100 (docs/gpu.md)",
+        "ratio=" in line and mfu is not None,
+    )

@@ -77,8 +77,14 @@ class Setup:
     save: Optional[Callable[[str], None]] = None  # write the fine-tuned model to a folder
 
 
-def load_records(task, split: str, max_examples: int | None, readers: dict, from_hub: Callable,
-                 key: Callable[[dict], str]) -> list[dict]:
+def load_records(
+    task,
+    split: str,
+    max_examples: int | None,
+    readers: dict,
+    from_hub: Callable,
+    key: Callable[[dict], str],
+) -> list[dict]:
     """The records of one split: read (locally, or from the Hub), carved (`validation_holdout`,
     keyed by `key`) and subsampled; UsageError when the split is empty."""
     if split not in task.splits:
@@ -98,8 +104,10 @@ def check_template(template: str | None, allowed: set[str], where: str, what: st
     except ValueError as e:
         raise UsageError(f"{where}: {what} {template!r}: {e}") from None
     if names - allowed:
-        raise UsageError(f"{where}: {what} {template!r} may name only "
-                         f"{', '.join('{' + n + '}' for n in sorted(allowed))}")
+        raise UsageError(
+            f"{where}: {what} {template!r} may name only "
+            f"{', '.join('{' + n + '}' for n in sorted(allowed))}"
+        )
 
 
 def fill(template: str, **values) -> str:
@@ -127,8 +135,10 @@ def pad(seqs: list[list[int]], value: int):
 def collate_ids(items: list[dict], pad_id: int, extra_pad: dict | None = None) -> dict:
     """input_ids/attention_mask padding plus any per-token field in extra_pad {name: pad value};
     other fields become tensors of scalars."""
-    batch = {"input_ids": pad([x["input_ids"] for x in items], pad_id),
-             "attention_mask": pad([[1] * len(x["input_ids"]) for x in items], 0)}
+    batch = {
+        "input_ids": pad([x["input_ids"] for x in items], pad_id),
+        "attention_mask": pad([[1] * len(x["input_ids"]) for x in items], 0),
+    }
     for key in items[0]:
         if key in batch:
             continue
@@ -143,7 +153,7 @@ def length_sorted_batches(n_items: list[int], batch_size: int):
     """Index batches for evaluation, longest first (less padding)."""
     order = sorted(range(len(n_items)), key=lambda i: -n_items[i])
     for i in range(0, len(order), batch_size):
-        yield order[i:i + batch_size]
+        yield order[i : i + batch_size]
 
 
 def predict_tokens(model, features: list[dict], pad_id: int, batch_size: int, device) -> list:
@@ -151,19 +161,23 @@ def predict_tokens(model, features: list[dict], pad_id: int, batch_size: int, de
     out = [None] * len(features)
     for idx in length_sorted_batches([len(f["input_ids"]) for f in features], batch_size):
         batch = collate_ids([{"input_ids": features[i]["input_ids"]} for i in idx], pad_id)
-        logits = model(input_ids=batch["input_ids"].to(device),
-                       attention_mask=batch["attention_mask"].to(device)).logits
+        logits = model(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+        ).logits
         best = logits.argmax(-1).tolist()
         for row, i in enumerate(idx):
-            out[i] = best[row][:len(features[i]["input_ids"])]
+            out[i] = best[row][: len(features[i]["input_ids"])]
     return out
 
 
 def saver(model, tokenizer) -> Callable[[str], None]:
     """Save the fine-tuned model with the (document) tokenizer it was trained with."""
+
     def save(folder: str) -> None:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+
     return save
 
 
@@ -171,4 +185,3 @@ def tokens_with(tokenizer, ids: list[int], marks: list) -> str:
     """'token/mark token/mark ...' (mark None: the token alone), for --show-inputs."""
     toks = tokenizer.convert_ids_to_tokens(ids)
     return " ".join(t if m is None else f"{t}/{m}" for t, m in zip(toks, marks))
-

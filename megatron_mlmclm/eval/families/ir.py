@@ -33,8 +33,14 @@ import torch
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import data, metrics
-from megatron_mlmclm.eval.families.base import (Family, Inputs, Setup, check_template, fill,
-                                                tokens_with)
+from megatron_mlmclm.eval.families.base import (
+    Family,
+    Inputs,
+    Setup,
+    check_template,
+    fill,
+    tokens_with,
+)
 from megatron_mlmclm.eval.heads import document_tokenizer, make_bidirectional
 from megatron_mlmclm.eval.splits import holdout, subsample
 
@@ -88,12 +94,16 @@ def read_beir(task, split) -> Beir:
         corpus_f = data.first_existing(folder, ("corpus.jsonl", "corpus.jsonl.gz"))
         queries_f = data.first_existing(folder, ("queries.jsonl", "queries.jsonl.gz"))
         if corpus_f is None or queries_f is None:
-            raise UsageError(f"task '{task.name}': {folder} needs corpus.jsonl[.gz] and "
-                             "queries.jsonl[.gz]")
-        corpus = {str(r["_id"]): {"title": r.get("title") or "", "text": r.get("text", "")}
-                  for r in data.read_rows(task, [corpus_f], "jsonl")}
-        return corpus, {str(r["_id"]): r["text"]
-                        for r in data.read_rows(task, [queries_f], "jsonl")}
+            raise UsageError(
+                f"task '{task.name}': {folder} needs corpus.jsonl[.gz] and queries.jsonl[.gz]"
+            )
+        corpus = {
+            str(r["_id"]): {"title": r.get("title") or "", "text": r.get("text", "")}
+            for r in data.read_rows(task, [corpus_f], "jsonl")
+        }
+        return corpus, {
+            str(r["_id"]): r["text"] for r in data.read_rows(task, [queries_f], "jsonl")
+        }
 
     corpus, queries = _cached(task, "beir", base)
     qrels = _qrels_tsv(task, data.need(folder / "qrels" / f"{task.splits[split]}.tsv", task))
@@ -118,8 +128,10 @@ def read_mldr(task, split) -> Beir:
         f = data.first_existing(folder, ("corpus.jsonl", "corpus.jsonl.gz"))
         if f is None:
             raise UsageError(f"task '{task.name}': {folder} needs corpus.jsonl[.gz]")
-        return {str(r["docid"]): {"title": "", "text": r["text"]}
-                for r in data.read_rows(task, [f], "jsonl")}
+        return {
+            str(r["docid"]): {"title": "", "text": r["text"]}
+            for r in data.read_rows(task, [f], "jsonl")
+        }
 
     corpus = _cached(task, "mldr", base)
     rows = data.read_rows(task, data.files(task, task.splits[split]), "jsonl")
@@ -138,8 +150,9 @@ def _pair_records(task, rows, where) -> list[dict]:
     cols = [task.query_field, task.positive_field]
     data.need_columns(task, rows, cols, where, " (set query_field / positive_field)")
     data.check_values(task, rows, cols, where)
-    return [{"query": str(r[cols[0]]), "positive": {"title": "", "text": str(r[cols[1]])}}
-            for r in rows]
+    return [
+        {"query": str(r[cols[0]]), "positive": {"title": "", "text": str(r[cols[1]])}} for r in rows
+    ]
 
 
 def hub_pairs(task, split):
@@ -147,20 +160,30 @@ def hub_pairs(task, split):
 
 
 def hub_mldr(task, split):
-    corpus = _cached(task, "mldr", lambda: {
-        str(r["docid"]): {"title": "", "text": r["text"]}
-        for r in data.hub_dataset(task, task.hf_name, "corpus", "corpus")})
+    corpus = _cached(
+        task,
+        "mldr",
+        lambda: {
+            str(r["docid"]): {"title": "", "text": r["text"]}
+            for r in data.hub_dataset(task, task.hf_name, "corpus", "corpus")
+        },
+    )
     rows = data.hub_dataset(task, task.hf_name, task.hf_config or "default", task.hub_split(split))
     return _mldr_split(task, list(rows), corpus)
 
 
 def hub_beir(task, split):
     """BeIR/<name> (configs corpus and queries) with its qrels in BeIR/<name>-qrels."""
+
     def base():
-        corpus = {str(r["_id"]): {"title": r.get("title") or "", "text": r["text"]}
-                  for r in data.hub_dataset(task, task.hf_name, "corpus", "corpus")}
-        return corpus, {str(r["_id"]): r["text"]
-                        for r in data.hub_dataset(task, task.hf_name, "queries", "queries")}
+        corpus = {
+            str(r["_id"]): {"title": r.get("title") or "", "text": r["text"]}
+            for r in data.hub_dataset(task, task.hf_name, "corpus", "corpus")
+        }
+        return corpus, {
+            str(r["_id"]): r["text"]
+            for r in data.hub_dataset(task, task.hf_name, "queries", "queries")
+        }
 
     corpus, queries = _cached(task, "beir", base)
     qrels: dict[str, dict[str, int]] = {}
@@ -177,9 +200,10 @@ def load_split(task, split, max_examples=None):
     """A Beir split (qrels carved by query id for `validation_holdout`; an evaluated split
     subsampled by query), or the pair records of a training set."""
     if split not in task.splits:
-        raise UsageError(f"task '{task.name}' has no {split} split"
-                         + (" (a training set: evaluate a task that trains on it)"
-                            if task.train_only else ""))
+        raise UsageError(
+            f"task '{task.name}' has no {split} split"
+            + (" (a training set: evaluate a task that trains on it)" if task.train_only else "")
+        )
     got = (HUB if task.reads_hub() else READERS)[task.format](task, split)
     if isinstance(got, list):  # pairs
         if not got:
@@ -199,11 +223,15 @@ def pairs_of(task, split_data) -> list[tuple[str, str]]:
     """(query text, relevant document text), templated by `task`, for every positive judgement
     (or every pair of a training set)."""
     if isinstance(split_data, list):
-        return [(query_text(task, r["query"]), document_text(task, r["positive"]))
-                for r in split_data]
-    return [(query_text(task, split_data.queries[q]), document_text(task, split_data.corpus[d]))
-            for q, docs in split_data.qrels.items() for d, s in docs.items()
-            if s > 0 and q in split_data.queries and d in split_data.corpus]
+        return [
+            (query_text(task, r["query"]), document_text(task, r["positive"])) for r in split_data
+        ]
+    return [
+        (query_text(task, split_data.queries[q]), document_text(task, split_data.corpus[d]))
+        for q, docs in split_data.qrels.items()
+        for d, s in docs.items()
+        if s > 0 and q in split_data.queries and d in split_data.corpus
+    ]
 
 
 def training_pairs(task, max_examples) -> list[tuple[str, str]]:
@@ -231,13 +259,16 @@ def check(task, where):
 
 # -------------------------------------------------------------------------- model and metrics
 
+
 def _st_imports():
     """(SentenceTransformer, Transformer, Pooling, CachedMNRL) from the ST 6 layout, else ST 5.
     Imported here: sentence-transformers is optional ([eval] extra), needed by IR tasks only."""
     from sentence_transformers import SentenceTransformer
 
     try:
-        from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+        from sentence_transformers.sentence_transformer.losses import (
+            CachedMultipleNegativesRankingLoss,
+        )
         from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     except ImportError:  # sentence-transformers < 6
         from sentence_transformers.losses import CachedMultipleNegativesRankingLoss
@@ -260,48 +291,63 @@ def doc_ids_of(corpus_mode: str, split_data: Beir, evaluated: list[Beir]) -> lis
     if corpus_mode == "full":
         return sorted(split_data.corpus)
     qrels = [split_data.qrels] if corpus_mode == "judged" else [e.qrels for e in evaluated]
-    return sorted({d for q in qrels for docs in q.values() for d in docs
-                   if d in split_data.corpus})
+    return sorted({d for q in qrels for docs in q.values() for d in docs if d in split_data.corpus})
 
 
-def retrieve(model, task, split_data: Beir, doc_ids: list[str], batch_size: int,
-             k: int = 100) -> dict:
+def retrieve(
+    model, task, split_data: Beir, doc_ids: list[str], batch_size: int, k: int = 100
+) -> dict:
     """{qid: {doc_id: cosine}} for the top-k documents of each judged query."""
     qids = [q for q in split_data.qrels if q in split_data.queries]
 
     def embed(texts):
-        return model.encode(texts, batch_size=batch_size, convert_to_tensor=True,
-                            normalize_embeddings=True, show_progress_bar=False)
+        return model.encode(
+            texts,
+            batch_size=batch_size,
+            convert_to_tensor=True,
+            normalize_embeddings=True,
+            show_progress_bar=False,
+        )
 
     q_emb = embed([query_text(task, split_data.queries[q]) for q in qids])
     d_emb = embed([document_text(task, split_data.corpus[d]) for d in doc_ids])
     run = {}
     k = min(k, len(doc_ids))
     for start in range(0, len(qids), 256):
-        scores = q_emb[start:start + 256] @ d_emb.T
+        scores = q_emb[start : start + 256] @ d_emb.T
         top = torch.topk(scores.float(), k, dim=1)
-        for row, q in enumerate(qids[start:start + 256]):
-            run[q] = {doc_ids[j]: float(v) for v, j in zip(top.values[row].tolist(),
-                                                             top.indices[row].tolist())}
+        for row, q in enumerate(qids[start : start + 256]):
+            run[q] = {
+                doc_ids[j]: float(v)
+                for v, j in zip(top.values[row].tolist(), top.indices[row].tolist())
+            }
     return run
 
 
 def prefix(template: str, slot: str = "text") -> str | None:
     """The template's text before `{slot}` when the template is that prefix and the slot alone."""
     marker = "{" + slot + "}"
-    return template[:-len(marker)] if template.endswith(marker) and template.count("{") == 1 \
-        else None
+    return (
+        template[: -len(marker)] if template.endswith(marker) and template.count("{") == 1 else None
+    )
 
 
 def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     pairs = training_pairs(task, cfg.max_train_examples)
     evals = {s: load_split(task, s, cfg.max_eval_examples) for s in ("validation", "test")}
     source = vars(task).get("train_source") or task
-    return Inputs(train=pairs, evals=evals,
-                  info={"max_length": max_length, "train_pairs": len(pairs),
-                        "train_task": source.name, "corpus": task.corpus,
-                        "batches": task.batches,
-                        "eval_queries": {s: len(d.qrels) for s, d in evals.items()}})
+    return Inputs(
+        train=pairs,
+        evals=evals,
+        info={
+            "max_length": max_length,
+            "train_pairs": len(pairs),
+            "train_task": source.name,
+            "corpus": task.corpus,
+            "batches": task.batches,
+            "eval_queries": {s: len(d.qrels) for s, d in evals.items()},
+        },
+    )
 
 
 def setup(task, tokenizer, cfg, max_length, device) -> Setup:
@@ -322,32 +368,54 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
         split_data = data_.evals[split]
         docs = doc_ids_of(task.corpus, split_data, list(data_.evals.values()))
         run = retrieve(model_, task, split_data, docs, cfg.eval_batch_size)
-        return {"ndcg@10": metrics.ndcg_at_k(run, split_data.qrels, 10),
-                "ndcg@10_top10": metrics.ndcg_at_k_retrieved(run, split_data.qrels, 10),
-                "recall@100": metrics.recall_at_k(run, split_data.qrels, 100)}
+        return {
+            "ndcg@10": metrics.ndcg_at_k(run, split_data.qrels, 10),
+            "ndcg@10_top10": metrics.ndcg_at_k_retrieved(run, split_data.qrels, 10),
+            "recall@100": metrics.recall_at_k(run, split_data.qrels, 100),
+        }
 
     def save(folder: str) -> None:
         """A sentence-transformers folder (modules.json, the pooling config, the document
         tokenizer); the templates, where they are prefixes, as its query/document prompts."""
-        prompts = {"query": prefix(task.query_template),
-                   "document": prefix(task.document_template or "{text}")}
+        prompts = {
+            "query": prefix(task.query_template),
+            "document": prefix(task.document_template or "{text}"),
+        }
         model.prompts = {**model.prompts, **{k: v for k, v in prompts.items() if v}}
         if "document" in model.prompts:
             model.prompts["passage"] = model.prompts["document"]  # MTEB < 2 names it passage
         model.save(folder)
 
     keys = [(f"q:{q}", f"d:{d}") for q, d in pairs] if task.batches == "no_duplicates" else None
-    return Setup(model=model, train_items=pairs, collate=collate, loss=loss, evaluate=evaluate,
-                 batch_keys=keys, info=data_.info, save=save)
+    return Setup(
+        model=model,
+        train_items=pairs,
+        collate=collate,
+        loss=loss,
+        evaluate=evaluate,
+        batch_keys=keys,
+        info=data_.info,
+        save=save,
+    )
 
 
 def show(item, tokenizer, data_: Inputs) -> str:
     q, d = item
     qi, di = tokenizer(q)["input_ids"], tokenizer(d)["input_ids"]
-    return (f"query: {tokens_with(tokenizer, qi, [None] * len(qi))}\n"
-            f"    positive: {tokens_with(tokenizer, di, [None] * len(di))}")
+    return (
+        f"query: {tokens_with(tokenizer, qi, [None] * len(qi))}\n"
+        f"    positive: {tokens_with(tokenizer, di, [None] * len(di))}"
+    )
 
 
-FAMILY = Family(name="ir", metrics=("ndcg@10", "ndcg@10_top10", "recall@100"), readers=READERS,
-                load_split=load_split, labels=labels, check=check, inputs=inputs, setup=setup,
-                show=show)
+FAMILY = Family(
+    name="ir",
+    metrics=("ndcg@10", "ndcg@10_top10", "recall@100"),
+    readers=READERS,
+    load_split=load_split,
+    labels=labels,
+    check=check,
+    inputs=inputs,
+    setup=setup,
+    show=show,
+)

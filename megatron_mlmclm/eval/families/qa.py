@@ -32,9 +32,20 @@ import torch
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import data, metrics
-from megatron_mlmclm.eval.families.base import (Family, Inputs, Setup, check_template, collate_ids,
-                                                fill, length_sorted_batches, load_records,
-                                                predict_tokens, saver, split_template, tokens_with)
+from megatron_mlmclm.eval.families.base import (
+    Family,
+    Inputs,
+    Setup,
+    check_template,
+    collate_ids,
+    fill,
+    length_sorted_batches,
+    load_records,
+    predict_tokens,
+    saver,
+    split_template,
+    tokens_with,
+)
 from megatron_mlmclm.eval.heads import span_qa_model, token_classifier
 
 N_BEST = 20
@@ -58,10 +69,16 @@ def read_squad(task, split):
             for para in article["paragraphs"]:
                 for qa in para["qas"]:
                     ans = [] if qa.get("is_impossible") else qa.get("answers", [])
-                    out.append({"id": str(qa["id"]), "question": qa["question"],
-                                "context": para["context"],
-                                "answers": _answers([a["text"] for a in ans],
-                                                    [a["answer_start"] for a in ans])})
+                    out.append(
+                        {
+                            "id": str(qa["id"]),
+                            "question": qa["question"],
+                            "context": para["context"],
+                            "answers": _answers(
+                                [a["text"] for a in ans], [a["answer_start"] for a in ans]
+                            ),
+                        }
+                    )
     return out
 
 
@@ -80,17 +97,29 @@ def _jsonl_examples(task, split, parse, what: str) -> list[dict]:
 
 def _record_questions(row: dict) -> list[dict]:
     context = row["passage"]["text"]
-    return [{"id": str(qa.get("id", qa.get("idx"))), "question": qa["query"], "context": context,
-             "answers": _answers([a["text"] for a in qa.get("answers", [])],
-                                 [a["start"] for a in qa.get("answers", [])])}
-            for qa in row["qas"]]
+    return [
+        {
+            "id": str(qa.get("id", qa.get("idx"))),
+            "question": qa["query"],
+            "context": context,
+            "answers": _answers(
+                [a["text"] for a in qa.get("answers", [])],
+                [a["start"] for a in qa.get("answers", [])],
+            ),
+        }
+        for qa in row["qas"]
+    ]
 
 
 def read_record(task, split):
     """SuperGLUE ReCoRD: {"passage": {"text"}, "qas": [{"id"|"idx", "query", "answers": [{"start",
     "end" (inclusive), "text"}]}]} per line."""
-    return _jsonl_examples(task, split, _record_questions, "a ReCoRD passage (passage.text, "
-                           "qas[].query, qas[].answers)")
+    return _jsonl_examples(
+        task,
+        split,
+        _record_questions,
+        "a ReCoRD passage (passage.text, qas[].query, qas[].answers)",
+    )
 
 
 def _qed_question(row: dict) -> list[dict]:
@@ -98,28 +127,44 @@ def _qed_question(row: dict) -> list[dict]:
     if not refs:
         nq = row.get("original_nq_answers") or []
         refs = [a for group in nq for a in (group if isinstance(group, list) else [group])]
-    return [{"id": str(row["example_id"]), "question": row["question_text"],
-             "context": row["paragraph_text"],
-             "answers": _answers([a["string"] for a in refs], [a["start"] for a in refs])}]
+    return [
+        {
+            "id": str(row["example_id"]),
+            "question": row["question_text"],
+            "context": row["paragraph_text"],
+            "answers": _answers([a["string"] for a in refs], [a["start"] for a in refs]),
+        }
+    ]
 
 
 def read_qed(task, split):
     """QED: question_text, paragraph_text; answers = the annotation's answer spans in the
     paragraph, else the original NQ short answers (character offsets into the paragraph)."""
-    return _jsonl_examples(task, split, _qed_question, "a QED example (example_id, "
-                           "question_text, paragraph_text)")
+    return _jsonl_examples(
+        task, split, _qed_question, "a QED example (example_id, question_text, paragraph_text)"
+    )
 
 
 def records(task, rows: list[dict], where) -> list[dict]:
     """SQuAD-style fields: id, question, context, answers {text: [...], answer_start: [...]} (in
     csv/tsv a JSON object, or the flattened columns answers.text / answers.answer_start)."""
     if rows and "answers" not in rows[0] and "answers.text" in rows[0]:
-        rows = [{**r, "answers": {"text": r["answers.text"],
-                                  "answer_start": r.get("answers.answer_start")}} for r in rows]
+        rows = [
+            {
+                **r,
+                "answers": {
+                    "text": r["answers.text"],
+                    "answer_start": r.get("answers.answer_start"),
+                },
+            }
+            for r in rows
+        ]
     cols = ["question", "context", "answers"]
     if rows and any(c not in rows[0] for c in cols):
-        raise UsageError(f"task '{task.name}': {where} needs SQuAD-style fields id, question, "
-                         f"context, answers (fields: {', '.join(map(str, rows[0]))})")
+        raise UsageError(
+            f"task '{task.name}': {where} needs SQuAD-style fields id, question, "
+            f"context, answers (fields: {', '.join(map(str, rows[0]))})"
+        )
     data.check_values(task, rows, cols, where)
     out = []
     for i, r in enumerate(rows, 1):
@@ -136,9 +181,14 @@ def records(task, rows: list[dict], where) -> list[dict]:
         starts = data.as_list(ans["answer_start"], "answers.answer_start", at)
         if len(texts) != len(starts):
             raise UsageError(f"{at}: {len(texts)} answer texts but {len(starts)} starts")
-        out.append({"id": str(r["id"]) if r.get("id") is not None else str(i),
-                    "question": str(r["question"]), "context": str(r["context"]),
-                    "answers": _answers(texts, starts)})
+        out.append(
+            {
+                "id": str(r["id"]) if r.get("id") is not None else str(i),
+                "question": str(r["question"]),
+                "context": str(r["context"]),
+                "answers": _answers(texts, starts),
+            }
+        )
     return out
 
 
@@ -151,8 +201,12 @@ def from_hub(task, split):
     return records(task, data.hub_rows(task, split)[0], f"{task.hf_name}:{task.hub_split(split)}")
 
 
-READERS = {"squad": read_squad, "record": read_record, "qed": read_qed,
-           **{fmt: read_table for fmt in data.TABLES}}
+READERS = {
+    "squad": read_squad,
+    "record": read_record,
+    "qed": read_qed,
+    **{fmt: read_table for fmt in data.TABLES},
+}
 
 
 def holdout_key(record: dict) -> str:
@@ -174,8 +228,9 @@ def check(task, where):
         raise UsageError(f"{where}: qa_head must be one of {', '.join(HEADS)}")
     want = {"span": ("f1", "exact_match"), "tagging": ("token_f1",)}[task.qa_head]
     if task.metric is not None and task.metric not in want:
-        raise UsageError(f"{where}: qa_head {task.qa_head} scores {', '.join(want)}, not "
-                         f"{task.metric}")
+        raise UsageError(
+            f"{where}: qa_head {task.qa_head} scores {', '.join(want)}, not {task.metric}"
+        )
     check_template(task.template, {"question", "context"}, where)
     split_template(task.template or TEMPLATE, "context")
 
@@ -185,6 +240,7 @@ def metric_of(task) -> str:
 
 
 # ------------------------------------------------------------------------------------ windows
+
 
 def windows(task, recs: list[dict], tokenizer, max_length: int, stride: int | None) -> list[dict]:
     """Encoded windows: per window {"example", "input_ids", "offsets"} where offsets are character
@@ -199,25 +255,37 @@ def windows(task, recs: list[dict], tokenizer, max_length: int, stride: int | No
     enc = tokenizer(texts, return_offsets_mapping=True, return_special_tokens_mask=True)
     out = []
     for i, r in enumerate(recs):
-        ids, offs, special = (enc["input_ids"][i], enc["offset_mapping"][i],
-                              enc["special_tokens_mask"][i])
+        ids, offs, special = (
+            enc["input_ids"][i],
+            enc["offset_mapping"][i],
+            enc["special_tokens_mask"][i],
+        )
         c0, c1 = starts[i], starts[i] + len(r["context"])
-        ctx = [j for j, ((s, e), sp) in enumerate(zip(offs, special)) if not sp and e > c0 and s < c1]
+        ctx = [
+            j for j, ((s, e), sp) in enumerate(zip(offs, special)) if not sp and e > c0 and s < c1
+        ]
         first = ctx[0] if ctx else next((j for j, sp in enumerate(special) if sp), len(ids))
         last = ctx[-1] + 1 if ctx else first
-        head, tail = ids[:first][:max(1, max_length // 4)], ids[last:]  # a long question is cut
+        head, tail = ids[:first][: max(1, max_length // 4)], ids[last:]  # a long question is cut
         ctx_ids = ids[first:last]
         ctx_offs = [(max(s, c0) - c0, min(e, c1) - c0) for s, e in offs[first:last]]
         room = max_length - len(head) - len(tail)
         if room < 1:
-            raise UsageError(f"task '{task.name}': max length {max_length} leaves no room for the "
-                             "context after the question and the template")
+            raise UsageError(
+                f"task '{task.name}': max length {max_length} leaves no room for the "
+                "context after the question and the template"
+            )
         step = room if stride is None else room - min(stride, max_length // 2, room - 1)
         a = 0
         while True:
             b = min(a + room, len(ctx_ids))
-            out.append({"example": i, "input_ids": head + ctx_ids[a:b] + tail,
-                        "offsets": [None] * len(head) + ctx_offs[a:b] + [None] * len(tail)})
+            out.append(
+                {
+                    "example": i,
+                    "input_ids": head + ctx_ids[a:b] + tail,
+                    "offsets": [None] * len(head) + ctx_offs[a:b] + [None] * len(tail),
+                }
+            )
             if stride is None or b >= len(ctx_ids):
                 break
             a += step
@@ -265,13 +333,25 @@ def encode_tagging(task, recs, tokenizer, max_length: int) -> list[dict]:
     out = []
     for w in windows(task, recs, tokenizer, max_length, None):
         hits = set(answer_tokens(w["offsets"], recs[w["example"]]))
-        out.append({"input_ids": w["input_ids"], "example": w["example"],
-                    "labels": [int(j in hits) for j in range(len(w["input_ids"]))]})
+        out.append(
+            {
+                "input_ids": w["input_ids"],
+                "example": w["example"],
+                "labels": [int(j in hits) for j in range(len(w["input_ids"]))],
+            }
+        )
     return out
 
 
-def postprocess(records, features, start_logits, end_logits, version: int,
-                max_answer_tokens: int, null_threshold: float) -> dict[str, str]:
+def postprocess(
+    records,
+    features,
+    start_logits,
+    end_logits,
+    version: int,
+    max_answer_tokens: int,
+    null_threshold: float,
+) -> dict[str, str]:
     """{question id: answer text} from per-feature logits (lists of 1-D tensors)."""
     best: dict[int, tuple[float, str]] = {}
     null: dict[int, float] = {}
@@ -292,7 +372,7 @@ def postprocess(records, features, start_logits, end_logits, version: int,
                     continue
                 score = float(s_log[s] + e_log[e])
                 if ex not in best or score > best[ex][0]:
-                    best[ex] = (score, context[offsets[s][0]:offsets[e][1]].strip())
+                    best[ex] = (score, context[offsets[s][0] : offsets[e][1]].strip())
     preds = {}
     for ex, r in enumerate(records):
         score, text = best.get(ex, (float("-inf"), ""))
@@ -307,18 +387,30 @@ def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     evals = {}
     for s in ("validation", "test"):
         recs = load_split(task, s, cfg.max_eval_examples)
-        evals[s] = (recs, encode_tagging(task, recs, tokenizer, max_length)
-                    if task.qa_head == "tagging"
-                    else windows(task, recs, tokenizer, max_length, task.doc_stride))
+        evals[s] = (
+            recs,
+            encode_tagging(task, recs, tokenizer, max_length)
+            if task.qa_head == "tagging"
+            else windows(task, recs, tokenizer, max_length, task.doc_stride),
+        )
     if task.qa_head == "tagging":
-        items = [{"input_ids": f["input_ids"], "labels": f["labels"]}
-                 for f in encode_tagging(task, train, tokenizer, max_length)]
+        items = [
+            {"input_ids": f["input_ids"], "labels": f["labels"]}
+            for f in encode_tagging(task, train, tokenizer, max_length)
+        ]
     else:
         items = encode_train(task, train, tokenizer, max_length, task.doc_stride)
-    return Inputs(train=items, evals=evals,
-                  info={"max_length": max_length, "qa_head": task.qa_head,
-                        "doc_stride": task.doc_stride, "train_questions": len(train),
-                        "train_features": len(items)})
+    return Inputs(
+        train=items,
+        evals=evals,
+        info={
+            "max_length": max_length,
+            "qa_head": task.qa_head,
+            "doc_stride": task.doc_stride,
+            "train_questions": len(train),
+            "train_features": len(items),
+        },
+    )
 
 
 def setup(task, tokenizer, cfg, max_length, device) -> Setup:
@@ -330,14 +422,17 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
         starts, ends = [None] * len(feats), [None] * len(feats)
         for idx in length_sorted_batches([len(f["input_ids"]) for f in feats], cfg.eval_batch_size):
             batch = collate_ids([{"input_ids": feats[i]["input_ids"]} for i in idx], pad_id)
-            out = model(input_ids=batch["input_ids"].to(device),
-                        attention_mask=batch["attention_mask"].to(device))
+            out = model(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+            )
             for row, i in enumerate(idx):
                 n = len(feats[i]["input_ids"])
                 starts[i] = out.start_logits[row, :n].float().cpu()
                 ends[i] = out.end_logits[row, :n].float().cpu()
-        preds = postprocess(recs, feats, starts, ends, task.version, task.max_answer_tokens,
-                            task.null_threshold)
+        preds = postprocess(
+            recs, feats, starts, ends, task.version, task.max_answer_tokens, task.null_threshold
+        )
         return metrics.squad_em_f1(preds, {r["id"]: r["answers"]["text"] for r in recs})
 
     def evaluate_tags(model, split):
@@ -355,9 +450,15 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
         model = span_qa_model(cfg.model)
         collate = lambda items: collate_ids(items, pad_id)  # noqa: E731
         evaluate = evaluate_spans
-    return Setup(model=model, train_items=data_.train, collate=collate,
-                 loss=lambda model, batch: model(**batch).loss, evaluate=evaluate,
-                 info=data_.info, save=saver(model, tokenizer))
+    return Setup(
+        model=model,
+        train_items=data_.train,
+        collate=collate,
+        loss=lambda model, batch: model(**batch).loss,
+        evaluate=evaluate,
+        info=data_.info,
+        save=saver(model, tokenizer),
+    )
 
 
 def show(item: dict, tokenizer, data_: Inputs) -> str:
@@ -372,6 +473,15 @@ def show(item: dict, tokenizer, data_: Inputs) -> str:
     return f"{where}: " + tokens_with(tokenizer, item["input_ids"], marks)
 
 
-FAMILY = Family(name="qa", metrics=("f1", "exact_match", "token_f1"), readers=READERS,
-                load_split=load_split, labels=labels, check=check, inputs=inputs, setup=setup,
-                show=show, default_metric=metric_of)
+FAMILY = Family(
+    name="qa",
+    metrics=("f1", "exact_match", "token_f1"),
+    readers=READERS,
+    load_split=load_split,
+    labels=labels,
+    check=check,
+    inputs=inputs,
+    setup=setup,
+    show=show,
+    default_metric=metric_of,
+)

@@ -13,27 +13,47 @@ from __future__ import annotations
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import data, metrics
-from megatron_mlmclm.eval.families.base import (Family, Inputs, Setup, check_template, collate_ids,
-                                                fill, length_sorted_batches, load_records, saver,
-                                                tokens_with)
+from megatron_mlmclm.eval.families.base import (
+    Family,
+    Inputs,
+    Setup,
+    check_template,
+    collate_ids,
+    fill,
+    length_sorted_batches,
+    load_records,
+    saver,
+    tokens_with,
+)
 from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder
 
 ID_COLUMNS = ("idx", "id", "guid")  # an example's id, when the source has one
 
 
-def records(task, rows: list[dict], where, require_values: bool = False,
-            class_names: list[str] | None = None) -> list[dict]:
+def records(
+    task,
+    rows: list[dict],
+    where,
+    require_values: bool = False,
+    class_names: list[str] | None = None,
+) -> list[dict]:
     """Rows -> records; an integer label indexes `labels` (else the Hub's `class_names`)."""
     cols = [task.text_a, task.label] + ([task.text_b] if task.text_b else [])
     data.need_columns(task, rows, cols, where)
     if require_values:
         data.check_values(task, rows, cols, where)
     id_col = next((c for c in ID_COLUMNS if rows and c in rows[0]), None)
-    return [{"text_a": str(r[task.text_a]),
-             "text_b": str(r[task.text_b]) if task.text_b else None,
-             "label": data.class_name(r[task.label], task.labels or class_names,
-                                      f"row {i} of {where}"),
-             **({"id": str(r[id_col])} if id_col else {})} for i, r in enumerate(rows, 1)]
+    return [
+        {
+            "text_a": str(r[task.text_a]),
+            "text_b": str(r[task.text_b]) if task.text_b else None,
+            "label": data.class_name(
+                r[task.label], task.labels or class_names, f"row {i} of {where}"
+            ),
+            **({"id": str(r[id_col])} if id_col else {}),
+        }
+        for i, r in enumerate(rows, 1)
+    ]
 
 
 def read_glue_tsv(task, split):
@@ -53,12 +73,16 @@ def read_table(task, split):
 
 def from_hub(task, split):
     rows, names = data.hub_rows(task, split)
-    return records(task, rows, f"{task.hf_name}:{task.hub_split(split)}",
-                   class_names=names.get(task.label))
+    return records(
+        task, rows, f"{task.hf_name}:{task.hub_split(split)}", class_names=names.get(task.label)
+    )
 
 
-READERS = {"glue_tsv": read_glue_tsv, "glue_json": read_glue_json,
-           **{fmt: read_table for fmt in data.TABLES}}
+READERS = {
+    "glue_tsv": read_glue_tsv,
+    "glue_json": read_glue_json,
+    **{fmt: read_table for fmt in data.TABLES},
+}
 
 
 def holdout_key(record: dict) -> str:
@@ -98,27 +122,36 @@ def text_of(task, record: dict) -> str:
 
 def encode(task, recs: list[dict], tokenizer, max_length: int, label2id: dict) -> list[dict]:
     enc = tokenizer([text_of(task, r) for r in recs], truncation=True, max_length=max_length)
-    return [{"input_ids": ids, "labels": label2id.get(r["label"], -1)}
-            for ids, r in zip(enc["input_ids"], recs)]
+    return [
+        {"input_ids": ids, "labels": label2id.get(r["label"], -1)}
+        for ids, r in zip(enc["input_ids"], recs)
+    ]
 
 
 def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     train = load_split(task, "train", cfg.max_train_examples)
     names = labels(task, train)
     label2id = {name: i for i, name in enumerate(names)}
-    evals = {s: encode(task, load_split(task, s, cfg.max_eval_examples), tokenizer, max_length,
-                       label2id) for s in ("validation", "test")}
+    evals = {
+        s: encode(task, load_split(task, s, cfg.max_eval_examples), tokenizer, max_length, label2id)
+        for s in ("validation", "test")
+    }
     counts = {name: sum(r["label"] == name for r in train) for name in names}
-    return Inputs(train=encode(task, train, tokenizer, max_length, label2id), evals=evals,
-                  info={"labels": names, "train_label_counts": counts, "max_length": max_length})
+    return Inputs(
+        train=encode(task, train, tokenizer, max_length, label2id),
+        evals=evals,
+        info={"labels": names, "train_label_counts": counts, "max_length": max_length},
+    )
 
 
 def predict(model, features: list[dict], pad_id: int, batch_size: int, device) -> list[int]:
     preds = [0] * len(features)
     for idx in length_sorted_batches([len(f["input_ids"]) for f in features], batch_size):
         batch = collate_ids([{"input_ids": features[i]["input_ids"]} for i in idx], pad_id)
-        logits = model(input_ids=batch["input_ids"].to(device),
-                       attention_mask=batch["attention_mask"].to(device)).logits
+        logits = model(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+        ).logits
         for i, p in zip(idx, logits.argmax(-1).tolist()):
             preds[i] = p
     return preds
@@ -134,17 +167,32 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
         return {"accuracy": metrics.accuracy(preds, [f["labels"] for f in feats])}
 
     model = MeanPoolClassifier(load_encoder(cfg.model), num_labels=len(data_.info["labels"]))
-    return Setup(model=model, train_items=data_.train,
-                 collate=lambda items: collate_ids(items, pad_id),
-                 loss=lambda model, batch: model(**batch).loss, evaluate=evaluate,
-                 info=data_.info, save=saver(model, tokenizer))
+    return Setup(
+        model=model,
+        train_items=data_.train,
+        collate=lambda items: collate_ids(items, pad_id),
+        loss=lambda model, batch: model(**batch).loss,
+        evaluate=evaluate,
+        info=data_.info,
+        save=saver(model, tokenizer),
+    )
 
 
 def show(item: dict, tokenizer, data_: Inputs) -> str:
     label = data_.info["labels"][item["labels"]] if item["labels"] >= 0 else "?"
-    return f"label={label}: " + tokens_with(tokenizer, item["input_ids"],
-                                             [None] * len(item["input_ids"]))
+    return f"label={label}: " + tokens_with(
+        tokenizer, item["input_ids"], [None] * len(item["input_ids"])
+    )
 
 
-FAMILY = Family(name="sc", metrics=("accuracy",), readers=READERS, load_split=load_split,
-                labels=labels, check=check, inputs=inputs, setup=setup, show=show)
+FAMILY = Family(
+    name="sc",
+    metrics=("accuracy",),
+    readers=READERS,
+    load_split=load_split,
+    labels=labels,
+    check=check,
+    inputs=inputs,
+    setup=setup,
+    show=show,
+)

@@ -27,8 +27,16 @@ from collections import Counter
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import data, metrics
-from megatron_mlmclm.eval.families.base import (Family, Inputs, Setup, collate_ids, load_records,
-                                                predict_tokens, saver, tokens_with)
+from megatron_mlmclm.eval.families.base import (
+    Family,
+    Inputs,
+    Setup,
+    collate_ids,
+    load_records,
+    predict_tokens,
+    saver,
+    tokens_with,
+)
 from megatron_mlmclm.eval.heads import token_classifier
 
 IGNORE = -100
@@ -52,9 +60,11 @@ def read_conll(task, split):
                     tokens.append(parts[task.token_column])
                     tags.append(parts[task.tag_column])
                 except IndexError:
-                    raise UsageError(f"task '{task.name}': {path}:{lineno} has {len(parts)} "
-                                     f"columns; token_column={task.token_column}, "
-                                     f"tag_column={task.tag_column}") from None
+                    raise UsageError(
+                        f"task '{task.name}': {path}:{lineno} has {len(parts)} "
+                        f"columns; token_column={task.token_column}, "
+                        f"tag_column={task.tag_column}"
+                    ) from None
         if tokens:
             sentences.append({"tokens": tokens, "tags": tags})
             tokens, tags = [], []
@@ -97,8 +107,9 @@ def read_tner(task, split):
 
 def from_hub(task, split):
     rows, names = data.hub_rows(task, split)
-    return records(task, rows, f"{task.hf_name}:{task.hub_split(split)}",
-                   labels=names.get(task.tags_field))
+    return records(
+        task, rows, f"{task.hf_name}:{task.hub_split(split)}", labels=names.get(task.tags_field)
+    )
 
 
 READERS = {"conll": read_conll, "tner": read_tner, **{fmt: read_table for fmt in data.TABLES}}
@@ -139,26 +150,36 @@ def word_of_tokens(words: list[str], offsets, special) -> list[int]:
     return out
 
 
-def encode(recs: list[dict], tokenizer, max_length: int, label2id: dict,
-           subtokens: str) -> list[dict]:
+def encode(
+    recs: list[dict], tokenizer, max_length: int, label2id: dict, subtokens: str
+) -> list[dict]:
     """input_ids, labels, and per token the word it belongs to (to map predictions to words)."""
-    enc = tokenizer([" ".join(r["tokens"]) for r in recs], truncation=True, max_length=max_length,
-                    return_offsets_mapping=True, return_special_tokens_mask=True)
+    enc = tokenizer(
+        [" ".join(r["tokens"]) for r in recs],
+        truncation=True,
+        max_length=max_length,
+        return_offsets_mapping=True,
+        return_special_tokens_mask=True,
+    )
     out = []
     for i, r in enumerate(recs):
-        token_words = word_of_tokens(r["tokens"], enc["offset_mapping"][i],
-                                     enc["special_tokens_mask"][i])
+        token_words = word_of_tokens(
+            r["tokens"], enc["offset_mapping"][i], enc["special_tokens_mask"][i]
+        )
         labels_, prev = [], -1
         for w in token_words:
             carries = w >= 0 and (subtokens == "all" or w != prev)
-            labels_.append(label2id.get(r["tags"][w], IGNORE) if carries else IGNORE)  # unseen: no loss
+            labels_.append(
+                label2id.get(r["tags"][w], IGNORE) if carries else IGNORE
+            )  # unseen: no loss
             prev = w if w >= 0 else prev
         out.append({"input_ids": enc["input_ids"][i], "labels": labels_, "words": token_words})
     return out
 
 
-def word_tags(token_preds: list[int], token_words: list[int], n_words: int, names: list[str],
-              subtokens: str) -> list[str]:
+def word_tags(
+    token_preds: list[int], token_words: list[int], n_words: int, names: list[str], subtokens: str
+) -> list[str]:
     """A tag per word from the token predictions: its first token's, or its tokens' majority."""
     votes: list[list[int]] = [[] for _ in range(n_words)]
     for p, w in zip(token_preds, token_words):
@@ -181,11 +202,15 @@ def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     for s in ("validation", "test"):
         recs = load_split(task, s, cfg.max_eval_examples)
         evals[s] = (recs, encode(recs, tokenizer, max_length, label2id, task.label_subtokens))
-    train_items = [{"input_ids": f["input_ids"], "labels": f["labels"]}
-                   for f in encode(train, tokenizer, max_length, label2id, task.label_subtokens)]
-    return Inputs(train=train_items, evals=evals,
-                  info={"labels": names, "max_length": max_length,
-                        "label_subtokens": task.label_subtokens})
+    train_items = [
+        {"input_ids": f["input_ids"], "labels": f["labels"]}
+        for f in encode(train, tokenizer, max_length, label2id, task.label_subtokens)
+    ]
+    return Inputs(
+        train=train_items,
+        evals=evals,
+        info={"labels": names, "max_length": max_length, "label_subtokens": task.label_subtokens},
+    )
 
 
 def setup(task, tokenizer, cfg, max_length, device) -> Setup:
@@ -196,23 +221,43 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
     def evaluate(model, split):
         recs, feats = data_.evals[split]
         token_preds = predict_tokens(model, feats, pad_id, cfg.eval_batch_size, device)
-        preds = [word_tags(p, f["words"], len(r["tokens"]), names, task.label_subtokens)
-                 for p, f, r in zip(token_preds, feats, recs)]
+        preds = [
+            word_tags(p, f["words"], len(r["tokens"]), names, task.label_subtokens)
+            for p, f, r in zip(token_preds, feats, recs)
+        ]
         gold = [r["tags"] for r in recs]
-        return {**metrics.entity_f1(preds, gold), "macro_f1": metrics.sentence_macro_f1(preds, gold)}
+        return {
+            **metrics.entity_f1(preds, gold),
+            "macro_f1": metrics.sentence_macro_f1(preds, gold),
+        }
 
     model = token_classifier(cfg.model, names)
-    return Setup(model=model, train_items=data_.train,
-                 collate=lambda items: collate_ids(items, pad_id, {"labels": IGNORE}),
-                 loss=lambda model, batch: model(**batch).loss, evaluate=evaluate,
-                 info=data_.info, save=saver(model, tokenizer))
+    return Setup(
+        model=model,
+        train_items=data_.train,
+        collate=lambda items: collate_ids(items, pad_id, {"labels": IGNORE}),
+        loss=lambda model, batch: model(**batch).loss,
+        evaluate=evaluate,
+        info=data_.info,
+        save=saver(model, tokenizer),
+    )
 
 
 def show(item: dict, tokenizer, data_: Inputs) -> str:
     names = data_.info["labels"]
-    return tokens_with(tokenizer, item["input_ids"],
-                       [names[x] if x != IGNORE else "-" for x in item["labels"]])
+    return tokens_with(
+        tokenizer, item["input_ids"], [names[x] if x != IGNORE else "-" for x in item["labels"]]
+    )
 
 
-FAMILY = Family(name="tc", metrics=("f1", "macro_f1"), readers=READERS, load_split=load_split,
-                labels=labels, check=check, inputs=inputs, setup=setup, show=show)
+FAMILY = Family(
+    name="tc",
+    metrics=("f1", "macro_f1"),
+    readers=READERS,
+    load_split=load_split,
+    labels=labels,
+    check=check,
+    inputs=inputs,
+    setup=setup,
+    show=show,
+)

@@ -46,15 +46,33 @@ from pathlib import Path
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.report.curves import plot_curves, pretraining_of, report_curve
 from megatron_mlmclm.eval.report.plots import write_plots, yerr
-from megatron_mlmclm.eval.report.render import (fmt, format_interval, md_table, write_csv,
-                                                write_markdown)
+from megatron_mlmclm.eval.report.render import (
+    fmt,
+    format_interval,
+    md_table,
+    write_csv,
+    write_markdown,
+)
 from megatron_mlmclm.eval.report.results import load_encodeval, load_results, select_protocol
 from megatron_mlmclm.eval.report.stats import Interval, add_interval, mean_ci, paired_t
 from megatron_mlmclm.eval.report.summary import Summary, summarize
 
-__all__ = ["make_report", "write_report", "summarize", "Summary", "Interval", "mean_ci",
-           "paired_t", "add_interval", "format_interval", "fmt", "md_table", "write_csv", "yerr",
-           "plot_curves"]
+__all__ = [
+    "make_report",
+    "write_report",
+    "summarize",
+    "Summary",
+    "Interval",
+    "mean_ci",
+    "paired_t",
+    "add_interval",
+    "format_interval",
+    "fmt",
+    "md_table",
+    "write_csv",
+    "yerr",
+    "plot_curves",
+]
 
 
 def write_report(s: Summary, out: Path, plots: bool = True) -> Summary:
@@ -64,16 +82,23 @@ def write_report(s: Summary, out: Path, plots: bool = True) -> Summary:
         write_csv(out / f"{key}.csv", s[key])
     written = write_plots(s, out) if plots else []
     if plots and s.learning_curve:
-        written.append(plot_curves(out, s.learning_curve,
-                                   {r["task"]: r["metric"] for r in s.learning_curve}))
+        written.append(
+            plot_curves(out, s.learning_curve, {r["task"]: r["metric"] for r in s.learning_curve})
+        )
     write_markdown(s, out / "report.md", written)
     return s
 
 
-def make_report(results_dir: str | Path | None, out_dir: str | Path | None = None,
-                plots: bool = True, protocol: list[str] | None = None,
-                encodeval: str | Path | None = None, encodeval_models: list[str] | None = None,
-                task_files: list[str] | None = None, log=print) -> Path:
+def make_report(
+    results_dir: str | Path | None,
+    out_dir: str | Path | None = None,
+    plots: bool = True,
+    protocol: list[str] | None = None,
+    encodeval: str | Path | None = None,
+    encodeval_models: list[str] | None = None,
+    task_files: list[str] | None = None,
+    log=print,
+) -> Path:
     """The report of the runs in `results_dir`, with the paper's runs of an EncodEval results tree
     (`encodeval`: for the tasks our runs have, all of them when there are none; `encodeval_models`:
     fnmatch patterns of its model folders)."""
@@ -81,21 +106,27 @@ def make_report(results_dir: str | Path | None, out_dir: str | Path | None = Non
         raise UsageError("--out is needed when no results folder is given")
     results, legacy = load_results(results_dir) if results_dir is not None else ([], 0)
     if not results and encodeval is None:
-        raise UsageError(f"no finished result JSONs with a protocol under {results_dir}; "
-                         f"run `mlmclm evaluate` first")
+        raise UsageError(
+            f"no finished result JSONs with a protocol under {results_dir}; "
+            f"run `mlmclm evaluate` first"
+        )
     external = None
     if encodeval is not None:
         tasks = {r["task"] for r in results} or None
         external = load_encodeval(encodeval, encodeval_models, tasks, task_files)
     results = select_protocol(results, protocol, external) if results else external
     if legacy:
-        log(f"report: ignored {legacy} result(s) without a protocol (written before results were "
-            f"keyed by protocol); re-run them with `mlmclm evaluate`")
+        log(
+            f"report: ignored {legacy} result(s) without a protocol (written before results were "
+            f"keyed by protocol); re-run them with `mlmclm evaluate`"
+        )
     out = Path(out_dir) if out_dir else Path(results_dir) / "report"
     s = summarize(results)
     s.learning_curve = report_curve(s.per_task, pretraining_of(results))
     write_report(s, out, plots)
     if s.incomplete:
-        log(f"report: {len(s.incomplete)} incomplete learning rate(s) left out of the LR choice "
-            f"(listed in report.md)")
+        log(
+            f"report: {len(s.incomplete)} incomplete learning rate(s) left out of the LR choice "
+            f"(listed in report.md)"
+        )
     return out

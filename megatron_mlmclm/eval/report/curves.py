@@ -37,16 +37,21 @@ def pretraining_of(results: list[dict]) -> dict[str, dict]:
 
 
 def lineage_label(record: dict) -> str:
-    return f"{record['lineage']} ({record['objective']})" if record.get("objective") \
+    return (
+        f"{record['lineage']} ({record['objective']})"
+        if record.get("objective")
         else record["lineage"]
+    )
 
 
 def report_curve(per_task: list[dict], records: dict[str, dict]) -> list[dict]:
     """The report's learning-curve rows: every scored (model, task) of a model with an export
     record, at its pretraining tokens, ordered by lineage, task and tokens. Empty unless some
     lineage has two token counts or more (else there is no curve to draw)."""
-    counts = Counter(lineage for lineage, _ in {(r["lineage"], r["pretraining_tokens"])
-                                                for r in records.values()})
+    counts = Counter(
+        lineage
+        for lineage, _ in {(r["lineage"], r["pretraining_tokens"]) for r in records.values()}
+    )
     if not counts or max(counts.values()) < 2:
         return []
     rows = []
@@ -54,12 +59,25 @@ def report_curve(per_task: list[dict], records: dict[str, dict]) -> list[dict]:
         rec = records.get(r["model"])
         if rec is None or r["score"] is None:
             continue
-        rows.append({"lineage": rec["lineage"], "label": lineage_label(rec), "run": rec.get("run"),
-                     "model": r["model"], "tokens": int(rec["pretraining_tokens"]),
-                     "iteration": rec.get("iteration"), "task": r["task"], "metric": r["metric"],
-                     "best_lr": r["best_lr"], "score": r["score"], "ci95": r["ci95"],
-                     "ci_low": r["ci_low"], "ci_high": r["ci_high"],
-                     "ci_clipped": r["ci_clipped"], "seeds": r["seeds"]})
+        rows.append(
+            {
+                "lineage": rec["lineage"],
+                "label": lineage_label(rec),
+                "run": rec.get("run"),
+                "model": r["model"],
+                "tokens": int(rec["pretraining_tokens"]),
+                "iteration": rec.get("iteration"),
+                "task": r["task"],
+                "metric": r["metric"],
+                "best_lr": r["best_lr"],
+                "score": r["score"],
+                "ci95": r["ci95"],
+                "ci_low": r["ci_low"],
+                "ci_high": r["ci_high"],
+                "ci_clipped": r["ci_clipped"],
+                "seeds": r["seeds"],
+            }
+        )
     return sorted(rows, key=lambda r: (r["lineage"], r["task"], r["tokens"], r["model"]))
 
 
@@ -81,16 +99,24 @@ def plot_curves(out: Path, rows: list[dict], metric_of: dict[str, str]) -> str:
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows), squeeze=False)
     for ax, task in zip(axes.flat, panels):
         for label in labels:
-            pts = sorted((r for r in rows if r["task"] == task and r["label"] == label),
-                         key=lambda r: r["tokens"])
+            pts = sorted(
+                (r for r in rows if r["task"] == task and r["label"] == label),
+                key=lambda r: r["tokens"],
+            )
             if pts:
-                ax.errorbar([p["tokens"] / 1e6 for p in pts], [p["score"] for p in pts],
-                            yerr=yerr(pts), marker="o", capsize=3, label=label)
+                ax.errorbar(
+                    [p["tokens"] / 1e6 for p in pts],
+                    [p["score"] for p in pts],
+                    yerr=yerr(pts),
+                    marker="o",
+                    capsize=3,
+                    label=label,
+                )
         ax.set_xlabel("pretraining tokens (M)")
         ax.set_ylabel("mean score (%)" if task == OVERALL else f"{metric_of[task]} (%)")
         ax.set_title(task)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle("fine-tuning score vs pretraining tokens (95% CI)")
     fig.tight_layout()

@@ -31,8 +31,10 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> list[str]:
     """cols: (key, header, format)."""
-    lines = ["| " + " | ".join(h for _, h, _ in cols) + " |",
-             "|" + "|".join("---" if f == "s" else "---:" for _, _, f in cols) + "|"]
+    lines = [
+        "| " + " | ".join(h for _, h, _ in cols) + " |",
+        "|" + "|".join("---" if f == "s" else "---:" for _, _, f in cols) + "|",
+    ]
     for r in rows:
         lines.append("| " + " | ".join(fmt(r[k], f) for k, _, f in cols) + " |")
     return lines
@@ -54,67 +56,130 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
             r = fams.get(f)
             row[f] = format_interval(r) if r else "-"
         scored = [r["score"] for r in fams.values() if r["score"] is not None]
-        row["avg"] = f"{statistics.mean(scored):.2f}" if scored and len(scored) == len(fam_cols) else "-"
+        row["avg"] = (
+            f"{statistics.mean(scored):.2f}" if scored and len(scored) == len(fam_cols) else "-"
+        )
         overview.append(row)
     run = ", ".join(f"{k}={v}" for k, v in s.protocol.items())
     tasks = ", ".join(f"{t} `{i}`" for t, i in sorted(s.task_ids.items()))
-    lines = ["# Fine-tuning report", "",
-             f"{s.runs} runs, {len(s.models)} model(s). Scores in percent; ± is the 95% "
-             "confidence interval (t-distribution) over seeds at the learning rate chosen on "
-             "validation (mean over seeds), among the LRs whose whole seed set finished.", "",
-             f"Evaluation protocol: **{s.protocol_name}** (docs/evaluate.md).", "",
-             f"Protocol `{s.run_id}`: {run}. Task entries (protocol ids): {tasks}.", ""]
+    lines = [
+        "# Fine-tuning report",
+        "",
+        f"{s.runs} runs, {len(s.models)} model(s). Scores in percent; ± is the 95% "
+        "confidence interval (t-distribution) over seeds at the learning rate chosen on "
+        "validation (mean over seeds), among the LRs whose whole seed set finished.",
+        "",
+        f"Evaluation protocol: **{s.protocol_name}** (docs/evaluate.md).",
+        "",
+        f"Protocol `{s.run_id}`: {run}. Task entries (protocol ids): {tasks}.",
+        "",
+    ]
     if s.external:
-        lines += [f"Beside them, the paper's own runs ({s.external['runs']} runs of "
-                  f"{', '.join(s.external['models'])}) read from an EncodEval results tree, under "
-                  "the same LR choice, intervals and ties.", ""]
+        lines += [
+            f"Beside them, the paper's own runs ({s.external['runs']} runs of "
+            f"{', '.join(s.external['models'])}) read from an EncodEval results tree, under "
+            "the same LR choice, intervals and ties.",
+            "",
+        ]
     lines += caveats(s)
-    lines += ["## Family averages", "",
-             "Family score = mean of the family's task scores; its interval treats each seed's "
-             "family score (mean over the family's tasks of that seed's test score at each task's "
-             "chosen LR) as one sample. A model missing a task of the family has none.", ""]
-    lines += md_table(overview, [("model", "model", "s")] + [(f, f.upper(), "s") for f in fam_cols]
-                       + [("avg", "average", "s")])
-    lines += ["", "## Ties with the best model per family", "",
-              f"Test: paired two-sided t-test (scipy.stats.ttest_rel) of each model's per-seed family "
-              f"scores against the best model's, paired by fine-tuning seed (the seeds both have for "
-              f"every task of the family), alpha = {ALPHA}. tied = p ≥ {ALPHA}: not distinguishable "
-              f"from the best; below = significantly lower.", ""]
+    lines += [
+        "## Family averages",
+        "",
+        "Family score = mean of the family's task scores; its interval treats each seed's "
+        "family score (mean over the family's tasks of that seed's test score at each task's "
+        "chosen LR) as one sample. A model missing a task of the family has none.",
+        "",
+    ]
+    lines += md_table(
+        overview,
+        [("model", "model", "s")]
+        + [(f, f.upper(), "s") for f in fam_cols]
+        + [("avg", "average", "s")],
+    )
+    lines += [
+        "",
+        "## Ties with the best model per family",
+        "",
+        f"Test: paired two-sided t-test (scipy.stats.ttest_rel) of each model's per-seed family "
+        f"scores against the best model's, paired by fine-tuning seed (the seeds both have for "
+        f"every task of the family), alpha = {ALPHA}. tied = p ≥ {ALPHA}: not distinguishable "
+        f"from the best; below = significantly lower.",
+        "",
+    ]
     for fam in fam_cols:
         rows = [r for r in s.ties if r["family"] == fam]
         if rows:
             tied = [r["model"] for r in rows if r["verdict"] in ("best", "tied")]
-            lines.append(f"- {fam.upper()}: best {rows[0]['best']}; statistically tied with the "
-                         f"best: {', '.join(tied)}")
-    lines += [""] + md_table(s.ties, [("family", "family", "s"), ("model", "model", "s"),
-                                          ("score", "score", ".2f"), ("diff", "Δ vs best", "+.2f"),
-                                          ("pairs", "paired seeds", "d"), ("t", "t", ".3f"),
-                                          ("p", "p", ".4f"), ("verdict", "verdict", "s")])
+            lines.append(
+                f"- {fam.upper()}: best {rows[0]['best']}; statistically tied with the "
+                f"best: {', '.join(tied)}"
+            )
+    lines += [""] + md_table(
+        s.ties,
+        [
+            ("family", "family", "s"),
+            ("model", "model", "s"),
+            ("score", "score", ".2f"),
+            ("diff", "Δ vs best", "+.2f"),
+            ("pairs", "paired seeds", "d"),
+            ("t", "t", ".3f"),
+            ("p", "p", ".4f"),
+            ("verdict", "verdict", "s"),
+        ],
+    )
     lines += ["", "## Per task", ""]
-    lines += md_table(s.per_task, [("model", "model", "s"), ("task", "task", "s"),
-                                       ("metric", "metric", "s"), ("best_lr", "best LR", "g"),
-                                       ("validation", "validation", ".2f"), ("score", "score", ".2f"),
-                                       ("ci_low", "95% CI low", ".2f"),
-                                       ("ci_high", "95% CI high", ".2f"), ("seeds", "seeds", "d"),
-                                       ("steps", "steps", "s"),
-                                       ("lrs", "complete LRs", "d"), ("lr_edge", "LR at edge", "s")])
+    lines += md_table(
+        s.per_task,
+        [
+            ("model", "model", "s"),
+            ("task", "task", "s"),
+            ("metric", "metric", "s"),
+            ("best_lr", "best LR", "g"),
+            ("validation", "validation", ".2f"),
+            ("score", "score", ".2f"),
+            ("ci_low", "95% CI low", ".2f"),
+            ("ci_high", "95% CI high", ".2f"),
+            ("seeds", "seeds", "d"),
+            ("steps", "steps", "s"),
+            ("lrs", "complete LRs", "d"),
+            ("lr_edge", "LR at edge", "s"),
+        ],
+    )
     if s.incomplete:
         lines += ["", "## Incomplete learning rates (not eligible for the LR choice)", ""]
         for r in s.incomplete:
             if r["lr"] == "none complete":
-                lines.append(f"- {r['model']} / {r['task']}: no learning rate has all {r['seeds']} "
-                             f"seeds; not scored")
+                lines.append(
+                    f"- {r['model']} / {r['task']}: no learning rate has all {r['seeds']} "
+                    f"seeds; not scored"
+                )
             else:
-                lines.append(f"- {r['model']} / {r['task']} / lr {r['lr']:g}: missing seeds "
-                             f"{r['missing_seeds']}")
-    lines += ["", "## Learning-rate sensitivity (stability)", "",
-              "Mean test score per complete LR across the grid: spread = best - worst LR, sd across "
-              "LRs, and how many LRs land within 1 point of the best. Smaller spread = more stable.", ""]
-    lines += md_table(s.stability, [("model", "model", "s"), ("task", "task", "s"),
-                                        ("best", "best", ".2f"), ("worst", "worst", ".2f"),
-                                        ("worst_lr", "worst LR", "g"), ("spread", "spread", ".2f"),
-                                        ("sd_across_lrs", "sd", ".2f"),
-                                        ("lrs_within_1pt", "LRs within 1 pt", "d"), ("lrs", "LRs", "d")])
+                lines.append(
+                    f"- {r['model']} / {r['task']} / lr {r['lr']:g}: missing seeds "
+                    f"{r['missing_seeds']}"
+                )
+    lines += [
+        "",
+        "## Learning-rate sensitivity (stability)",
+        "",
+        "Mean test score per complete LR across the grid: spread = best - worst LR, sd across "
+        "LRs, and how many LRs land within 1 point of the best. Smaller spread = more stable.",
+        "",
+    ]
+    lines += md_table(
+        s.stability,
+        [
+            ("model", "model", "s"),
+            ("task", "task", "s"),
+            ("best", "best", ".2f"),
+            ("worst", "worst", ".2f"),
+            ("worst_lr", "worst LR", "g"),
+            ("spread", "spread", ".2f"),
+            ("sd_across_lrs", "sd", ".2f"),
+            ("lrs_within_1pt", "LRs within 1 pt", "d"),
+            ("lrs", "LRs", "d"),
+        ],
+    )
     if s.learning_curve:
         lines += ["", "## Learning curve: score against pretraining tokens", ""]
         lines += learning_curve_section(s.learning_curve)
@@ -126,16 +191,27 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
 def learning_curve_section(rows: list[dict]) -> list[str]:
     """The exports that record their place in pretraining, one line per lineage (learning_curve.csv,
     plots/learning_curve.png)."""
-    lines = ["Each export that records where it stands in pretraining (`mlmclm convert to-hf` "
-             "writes its run, lineage and tokens read beside the model) at its pretraining "
-             "tokens: the score of the per-task table (mean test score over seeds at the LR chosen "
-             "on validation, 95% CI). A lineage is a run with its kept checkpoints and the decay "
-             "branches that start from it.", ""]
+    lines = [
+        "Each export that records where it stands in pretraining (`mlmclm convert to-hf` "
+        "writes its run, lineage and tokens read beside the model) at its pretraining "
+        "tokens: the score of the per-task table (mean test score over seeds at the LR chosen "
+        "on validation, 95% CI). A lineage is a run with its kept checkpoints and the decay "
+        "branches that start from it.",
+        "",
+    ]
     for r in rows:
         r["interval"] = format_interval(r)
-    return lines + md_table(rows, [("label", "lineage", "s"), ("task", "task", "s"),
-                                   ("tokens", "tokens", ",d"), ("model", "model", "s"),
-                                   ("interval", "score (95% CI)", "s"), ("seeds", "seeds", "d")])
+    return lines + md_table(
+        rows,
+        [
+            ("label", "lineage", "s"),
+            ("task", "task", "s"),
+            ("tokens", "tokens", ",d"),
+            ("model", "model", "s"),
+            ("interval", "score (95% CI)", "s"),
+            ("seeds", "seeds", "d"),
+        ],
+    )
 
 
 def caveats(s: Summary) -> list[str]:
@@ -143,19 +219,31 @@ def caveats(s: Summary) -> list[str]:
     lines = []
     few = sorted({r["seeds"] for r in s.per_task if r["seeds"] < MIN_SEEDS})
     if few:
-        lines += [f"**Too few seeds for the intervals to mean much**: some scores rest on "
-                  f"{' or '.join(map(str, few))} seed(s) (fewer than {MIN_SEEDS}); a 95% t-interval "
-                  "from 2 seeds reaches 12.7 standard errors either side of the mean. Read those "
-                  "intervals as 'unknown', not as evidence; run more seeds to compare models.", ""]
+        lines += [
+            f"**Too few seeds for the intervals to mean much**: some scores rest on "
+            f"{' or '.join(map(str, few))} seed(s) (fewer than {MIN_SEEDS}); a 95% t-interval "
+            "from 2 seeds reaches 12.7 standard errors either side of the mean. Read those "
+            "intervals as 'unknown', not as evidence; run more seeds to compare models.",
+            "",
+        ]
     clipped = [r for r in s.per_task + s.per_family if r.get("ci_clipped")]
     if clipped:
-        lines += [f"**Clipped intervals**: {len(clipped)} interval(s) reached past the metric's "
-                  f"range [{SCORE_RANGE[0]:g}, {SCORE_RANGE[1]:g}] and are shown cut to it, marked "
-                  "(clipped) in the tables; their error bars in the plots stop at the range.", ""]
+        lines += [
+            f"**Clipped intervals**: {len(clipped)} interval(s) reached past the metric's "
+            f"range [{SCORE_RANGE[0]:g}, {SCORE_RANGE[1]:g}] and are shown cut to it, marked "
+            "(clipped) in the tables; their error bars in the plots stop at the range.",
+            "",
+        ]
     edges = [r for r in s.per_task if r["lr_edge"]]
     if edges:
-        lines += ["**Chosen learning rate at the edge of its grid** (the best LR may lie beyond "
-                  "it: widen the grid past that edge and re-run):", ""]
-        lines += [f"- {r['model']} / {r['task']}: {r['best_lr']:g} is the {r['lr_edge']} LR of the "
-                  f"grid [{r['grid']}]" for r in edges] + [""]
+        lines += [
+            "**Chosen learning rate at the edge of its grid** (the best LR may lie beyond "
+            "it: widen the grid past that edge and re-run):",
+            "",
+        ]
+        lines += [
+            f"- {r['model']} / {r['task']}: {r['best_lr']:g} is the {r['lr_edge']} LR of the "
+            f"grid [{r['grid']}]"
+            for r in edges
+        ] + [""]
     return lines

@@ -64,8 +64,12 @@ def _default_metric(family: str) -> str:
     return PROTOCOLS[ENCODEVAL].tasks.get(family, {}).get("metric") or FAMILIES[family].metrics[0]
 
 
-def load_encodeval(root: str | Path, models: list[str] | None = None,
-                   tasks: set[str] | None = None, task_files: list[str] | None = None) -> list[dict]:
+def load_encodeval(
+    root: str | Path,
+    models: list[str] | None = None,
+    tasks: set[str] | None = None,
+    task_files: list[str] | None = None,
+) -> list[dict]:
     """The runs of an EncodEval results tree as results of protocol encodeval; `models`: fnmatch
     patterns of the model folders to keep; `tasks`: the (our) task names to keep."""
     base = Path(root)
@@ -88,20 +92,36 @@ def load_encodeval(root: str | Path, models: list[str] | None = None,
             doc = json.loads(f.read_text())
             scores = {s: {metric: float(doc[s]["score"])} for s in ("validation", "test")}
         except (OSError, ValueError, KeyError, TypeError):
-            raise UsageError(f"{f} is not an EncodEval result (validation.score, test.score)") \
-                from None
-        runs.append({"status": "done", "model": model, "task": task, "family": family,
-                     "metric": metric, "lr": float(m["lr"]), "seed": int(m["seed"]),
-                     "metrics": scores, "source": str(f),
-                     "protocol": {"name": ENCODEVAL, "id": f"{ENCODEVAL}:{dataset}",
-                                  "run_id": ENCODEVAL, "external": True,
-                                  "run": {"source": "EncodEval results tree"},
-                                  "task": {"encodeval_name": dataset,
-                                           "train_task": m["train"]}}})
+            raise UsageError(
+                f"{f} is not an EncodEval result (validation.score, test.score)"
+            ) from None
+        runs.append(
+            {
+                "status": "done",
+                "model": model,
+                "task": task,
+                "family": family,
+                "metric": metric,
+                "lr": float(m["lr"]),
+                "seed": int(m["seed"]),
+                "metrics": scores,
+                "source": str(f),
+                "protocol": {
+                    "name": ENCODEVAL,
+                    "id": f"{ENCODEVAL}:{dataset}",
+                    "run_id": ENCODEVAL,
+                    "external": True,
+                    "run": {"source": "EncodEval results tree"},
+                    "task": {"encodeval_name": dataset, "train_task": m["train"]},
+                },
+            }
+        )
     if not runs:
-        raise UsageError(f"no EncodEval results under {root} (<model>/<SC|TC|QA|IR>/<dataset>/"
-                         "lr<LR>_sd<S>/results.json)" + (" for these models and tasks"
-                                                         if models or tasks else ""))
+        raise UsageError(
+            f"no EncodEval results under {root} (<model>/<SC|TC|QA|IR>/<dataset>/"
+            "lr<LR>_sd<S>/results.json)"
+            + (" for these models and tasks" if models or tasks else "")
+        )
     grids = defaultdict(lambda: (set(), set()))  # (model, task) -> the LRs and seeds it has
     for r in runs:
         lrs, seeds = grids[(r["model"], r["task"])]
@@ -125,38 +145,57 @@ def _describe(results: list[dict], id_key: str, part: str) -> str:
         groups[r["protocol"][id_key]].append(r)
     bodies = {i: g[0]["protocol"][part] for i, g in groups.items()}
     diff = _differing(list(bodies.values()))
-    return "; ".join(f"{i} ({len(g)} runs: " + ", ".join(f"{k}={bodies[i].get(k)}" for k in diff) + ")"
-                     for i, g in sorted(groups.items()))
+    return "; ".join(
+        f"{i} ({len(g)} runs: " + ", ".join(f"{k}={bodies[i].get(k)}" for k in diff) + ")"
+        for i, g in sorted(groups.items())
+    )
 
 
-def select_protocol(results: list[dict], wanted: list[str] | None = None,
-                    external: list[dict] | None = None) -> list[dict]:
+def select_protocol(
+    results: list[dict], wanted: list[str] | None = None, external: list[dict] | None = None
+) -> list[dict]:
     """Our results of one protocol (else a UsageError naming the protocols found), with the
     external runs (EncodEval's) when they follow the same protocol."""
     if wanted:
-        keep = [r for r in results if any(r["protocol"]["id"].startswith(w)
-                                          or r["protocol"]["run_id"].startswith(w) for w in wanted)]
+        keep = [
+            r
+            for r in results
+            if any(
+                r["protocol"]["id"].startswith(w) or r["protocol"]["run_id"].startswith(w)
+                for w in wanted
+            )
+        ]
         if not keep:
-            raise UsageError(f"no results match --protocol {' '.join(wanted)}; fine-tuning protocols "
-                             f"here: {_describe(results, 'run_id', 'run')}")
+            raise UsageError(
+                f"no results match --protocol {' '.join(wanted)}; fine-tuning protocols "
+                f"here: {_describe(results, 'run_id', 'run')}"
+            )
         results = keep
     if len({r["protocol"]["run_id"] for r in results}) > 1:
-        raise UsageError(f"the results mix fine-tuning protocols: {_describe(results, 'run_id', 'run')}; "
-                         f"pass --protocol RUN_ID to report one")
+        raise UsageError(
+            f"the results mix fine-tuning protocols: {_describe(results, 'run_id', 'run')}; "
+            f"pass --protocol RUN_ID to report one"
+        )
     for task in sorted({r["task"] for r in results}):
         of_task = [r for r in results if r["task"] == task]
         if len({r["protocol"]["id"] for r in of_task}) > 1:
-            raise UsageError(f"task {task} has results under more than one task entry: "
-                             f"{_describe(of_task, 'id', 'task')}; pass --protocol with the ids to keep")
+            raise UsageError(
+                f"task {task} has results under more than one task entry: "
+                f"{_describe(of_task, 'id', 'task')}; pass --protocol with the ids to keep"
+            )
     if external:
         ours = {protocol_name(r) for r in results}
         if ours and ours != {ENCODEVAL}:
-            raise UsageError(f"the paper's runs follow protocol {ENCODEVAL}, these results "
-                             f"protocol {', '.join(sorted(ours))}: evaluate with --protocol "
-                             f"{ENCODEVAL} to compare with them")
+            raise UsageError(
+                f"the paper's runs follow protocol {ENCODEVAL}, these results "
+                f"protocol {', '.join(sorted(ours))}: evaluate with --protocol "
+                f"{ENCODEVAL} to compare with them"
+            )
         clash = {r["model"] for r in results} & {r["model"] for r in external}
         if clash:
-            raise UsageError(f"model name(s) {', '.join(sorted(clash))} appear both in the results "
-                             "and in the EncodEval tree; rename your model folders")
+            raise UsageError(
+                f"model name(s) {', '.join(sorted(clash))} appear both in the results "
+                "and in the EncodEval tree; rename your model folders"
+            )
         results = results + external
     return results

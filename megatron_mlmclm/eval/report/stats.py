@@ -44,8 +44,9 @@ def mean_ci(values: list[float]) -> Interval:
     return Interval(m, float(stats.t.ppf(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)))
 
 
-def bounded_interval(mean: float, half: float,
-                     bounds: tuple[float, float] = SCORE_RANGE) -> tuple[float, float, bool]:
+def bounded_interval(
+    mean: float, half: float, bounds: tuple[float, float] = SCORE_RANGE
+) -> tuple[float, float, bool]:
     """(low, high, clipped): mean -+ half, cut to the metric's range."""
     return Interval(mean, half).within(bounds)
 

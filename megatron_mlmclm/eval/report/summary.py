@@ -38,8 +38,16 @@ class Summary:
     external: dict = field(default_factory=dict)  # {"runs", "models"} read from EncodEval's tree
     learning_curve: list[dict] = field(default_factory=list)  # score vs tokens (curves.py)
 
-    TABLES = ("per_task", "per_family", "ties", "incomplete", "stability", "lr_curves",
-              "seed_points", "learning_curve")
+    TABLES = (
+        "per_task",
+        "per_family",
+        "ties",
+        "incomplete",
+        "stability",
+        "lr_curves",
+        "seed_points",
+        "learning_curve",
+    )
 
     def __getitem__(self, table: str):
         """A table by name, as its CSV is named (summary["per_task"])."""
@@ -76,61 +84,133 @@ def summarize(results: list[dict]) -> Summary:
         for lr in sorted(want_lrs[(model, task)]):
             lack = sorted(seeds - set(by_lr.get(lr, {})))
             if lack:
-                incomplete.append({"model": model, "task": task, "lr": lr,
-                                   "missing_seeds": " ".join(map(str, lack)),
-                                   "seeds_done": len(by_lr.get(lr, {})), "seeds": len(seeds)})
+                incomplete.append(
+                    {
+                        "model": model,
+                        "task": task,
+                        "lr": lr,
+                        "missing_seeds": " ".join(map(str, lack)),
+                        "seeds_done": len(by_lr.get(lr, {})),
+                        "seeds": len(seeds),
+                    }
+                )
             else:
                 complete[lr] = by_lr[lr]
         if not complete:
-            incomplete.append({"model": model, "task": task, "lr": "none complete",
-                               "missing_seeds": "", "seeds_done": 0, "seeds": len(seeds)})
+            incomplete.append(
+                {
+                    "model": model,
+                    "task": task,
+                    "lr": "none complete",
+                    "missing_seeds": "",
+                    "seeds_done": 0,
+                    "seeds": len(seeds),
+                }
+            )
             continue
-        val = {lr: statistics.mean(100 * s["metrics"]["validation"][m] for s in done.values())
-               for lr, done in complete.items()}
-        test = {lr: {seed: 100 * s["metrics"]["test"][m] for seed, s in done.items()}
-                for lr, done in complete.items()}
+        val = {
+            lr: statistics.mean(100 * s["metrics"]["validation"][m] for s in done.values())
+            for lr, done in complete.items()
+        }
+        test = {
+            lr: {seed: 100 * s["metrics"]["test"][m] for seed, s in done.items()}
+            for lr, done in complete.items()
+        }
         best_lr = max(val, key=lambda lr: (val[lr], -lr))
         mean, ci = mean_ci(list(test[best_lr].values()))
         seed_scores[(model, task)] = test[best_lr]
         grid = sorted(want_lrs[(model, task)])
-        per_task.append(add_interval({
-            "model": model, "family": family[task], "task": task, "metric": m, "best_lr": best_lr,
-            "validation": val[best_lr], "score": mean, "ci95": ci, "seeds": len(test[best_lr]),
-            "lrs": len(complete), "lrs_incomplete": len(grid) - len(complete),
-            "lr_edge": edge_of_grid(best_lr, grid), "grid": " ".join(f"{lr:g}" for lr in grid),
-            "steps": " ".join(str(x) for x in sorted({s["steps"] for s in complete[best_lr].values()
-                                                      if s.get("steps") is not None}))}))
+        per_task.append(
+            add_interval(
+                {
+                    "model": model,
+                    "family": family[task],
+                    "task": task,
+                    "metric": m,
+                    "best_lr": best_lr,
+                    "validation": val[best_lr],
+                    "score": mean,
+                    "ci95": ci,
+                    "seeds": len(test[best_lr]),
+                    "lrs": len(complete),
+                    "lrs_incomplete": len(grid) - len(complete),
+                    "lr_edge": edge_of_grid(best_lr, grid),
+                    "grid": " ".join(f"{lr:g}" for lr in grid),
+                    "steps": " ".join(
+                        str(x)
+                        for x in sorted(
+                            {
+                                s["steps"]
+                                for s in complete[best_lr].values()
+                                if s.get("steps") is not None
+                            }
+                        )
+                    ),
+                }
+            )
+        )
         lr_means = {lr: statistics.mean(v.values()) for lr, v in test.items()}
         for lr in sorted(complete):
             lm, lci = mean_ci(list(test[lr].values()))
-            curves.append(add_interval({"model": model, "task": task, "lr": lr,
-                                        "validation": val[lr], "score": lm, "ci95": lci,
-                                        "seeds": len(test[lr])}))
-            seed_points += [{"model": model, "task": task, "lr": lr, "seed": seed, "score": v}
-                            for seed, v in sorted(test[lr].items())]
+            curves.append(
+                add_interval(
+                    {
+                        "model": model,
+                        "task": task,
+                        "lr": lr,
+                        "validation": val[lr],
+                        "score": lm,
+                        "ci95": lci,
+                        "seeds": len(test[lr]),
+                    }
+                )
+            )
+            seed_points += [
+                {"model": model, "task": task, "lr": lr, "seed": seed, "score": v}
+                for seed, v in sorted(test[lr].items())
+            ]
         vals = list(lr_means.values())
-        stability.append({"model": model, "task": task, "best_lr": best_lr,
-                          "best": max(vals), "worst": min(vals),
-                          "worst_lr": min(lr_means, key=lr_means.get),
-                          "spread": max(vals) - min(vals),
-                          "sd_across_lrs": statistics.pstdev(vals),
-                          "lrs_within_1pt": sum(v >= max(vals) - 1.0 for v in vals), "lrs": len(vals)})
+        stability.append(
+            {
+                "model": model,
+                "task": task,
+                "best_lr": best_lr,
+                "best": max(vals),
+                "worst": min(vals),
+                "worst_lr": min(lr_means, key=lr_means.get),
+                "spread": max(vals) - min(vals),
+                "sd_across_lrs": statistics.pstdev(vals),
+                "lrs_within_1pt": sum(v >= max(vals) - 1.0 for v in vals),
+                "lrs": len(vals),
+            }
+        )
     models = sorted({m for m, _ in runs})
     per_family, family_seeds = _families(runs, family, seed_scores, per_task, models)
     ours = [r for r in results if not r["protocol"].get("external")] or results
     theirs = [r for r in results if r["protocol"].get("external")]
     return Summary(
-        per_task=per_task, per_family=per_family, ties=_ties(per_family, family_seeds),
-        stability=stability, lr_curves=curves, seed_points=seed_points,
-        family_seed_points=[{"model": model, "family": fam, "seed": seed, "score": v}
-                            for (model, fam), samples in sorted(family_seeds.items())
-                            for seed, v in sorted(samples.items())],
-        incomplete=incomplete, models=models, runs=len(results),
-        protocol=ours[0]["protocol"]["run"], run_id=ours[0]["protocol"]["run_id"],
+        per_task=per_task,
+        per_family=per_family,
+        ties=_ties(per_family, family_seeds),
+        stability=stability,
+        lr_curves=curves,
+        seed_points=seed_points,
+        family_seed_points=[
+            {"model": model, "family": fam, "seed": seed, "score": v}
+            for (model, fam), samples in sorted(family_seeds.items())
+            for seed, v in sorted(samples.items())
+        ],
+        incomplete=incomplete,
+        models=models,
+        runs=len(results),
+        protocol=ours[0]["protocol"]["run"],
+        run_id=ours[0]["protocol"]["run_id"],
         protocol_name=protocol_name(ours[0]),
         task_ids={r["task"]: r["protocol"]["id"] for r in ours},
         external={"runs": len(theirs), "models": sorted({r["model"] for r in theirs})}
-        if theirs else {})
+        if theirs
+        else {},
+    )
 
 
 def _families(runs, family, seed_scores, per_task, models):
@@ -142,8 +222,16 @@ def _families(runs, family, seed_scores, per_task, models):
         for model in models:
             if not tasks or not any((model, t) in runs for t in tasks):
                 continue
-            row = {"model": model, "family": fam, "tasks": len(tasks), "task_names": " ".join(tasks),
-                   "score": None, "ci95": None, "seeds": 0, "note": ""}
+            row = {
+                "model": model,
+                "family": fam,
+                "tasks": len(tasks),
+                "task_names": " ".join(tasks),
+                "score": None,
+                "ci95": None,
+                "seeds": 0,
+                "note": "",
+            }
             lacking = [t for t in tasks if (model, t) not in seed_scores]
             if lacking:
                 row["note"] = f"no score for {' '.join(lacking)}"
@@ -179,7 +267,17 @@ def _ties(per_family, samples_of) -> list[dict]:
             else:
                 t, p = paired_t([mine[s] for s in common], [ref[s] for s in common])
                 verdict = "tied" if p >= ALPHA else "below"
-            out.append({"family": fam, "model": r["model"], "best": best["model"], "score": r["score"],
-                        "diff": r["score"] - best["score"], "pairs": len(common), "t": t, "p": p,
-                        "verdict": verdict})
+            out.append(
+                {
+                    "family": fam,
+                    "model": r["model"],
+                    "best": best["model"],
+                    "score": r["score"],
+                    "diff": r["score"] - best["score"],
+                    "pairs": len(common),
+                    "t": t,
+                    "p": p,
+                    "verdict": verdict,
+                }
+            )
     return out
