@@ -62,10 +62,27 @@ def parse_command_args(parser: argparse.ArgumentParser, argv: list[str]) -> argp
 
 
 def _top_help(commands) -> str:
-    lines = ["usage: mlmclm COMMAND [ARGS ...]", "", "commands:"]
+    lines = ["usage: mlmclm COMMAND [ARGS ...] | --version", "", "commands:"]
     lines += [f"  {n:<11} {h}" for n, (_, h) in commands.items()]
     lines += ["", "Run `mlmclm COMMAND --help` for the options of one command."]
     return "\n".join(lines)
+
+
+def version_line() -> str:
+    """Our version and those of what a run's numbers depend on, read from the installed metadata
+    (no import of torch or megatron: `--version` answers at once)."""
+    from importlib import metadata
+
+    from megatron_mlmclm import __version__
+
+    def installed(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    deps = ", ".join(f"{d} {installed(d)}" for d in ("megatron-core", "torch", "transformers"))
+    return f"mlmclm {__version__} ({deps})"
 
 
 def quiet_optional_dependency_warnings() -> None:
@@ -81,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_top_help(commands))
         return 0 if argv else EXIT_USAGE
+    if argv[0] in ("-V", "--version"):
+        print(version_line())
+        return 0
     name = argv[0]
     if name not in commands:
         print(

@@ -277,8 +277,21 @@ def test_every_subcommand_has_help(capsys):
         import importlib.util
 
         if importlib.util.find_spec(module) is None:
-            continue  # lands with a later issue
+            continue  # an optional command whose module is absent
         with pytest.raises(SystemExit) as e:
             main([name, "--help"])
         assert e.value.code == 0
         assert f"mlmclm {name}" in capsys.readouterr().out
+
+
+def test_version_is_the_changelogs_newest_release(capsys):
+    """`mlmclm --version` names the newest released version in CHANGELOG.md (Keep a Changelog
+    headings), so the version cannot move without the changelog saying what changed."""
+    import re
+
+    released = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$",
+                          (REPO / "CHANGELOG.md").read_text(), flags=re.M)
+    assert released, "CHANGELOG.md has no '## [x.y.z] - YYYY-MM-DD' release heading"
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"mlmclm {released[0]} (megatron-core "), out
