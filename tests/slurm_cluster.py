@@ -66,7 +66,7 @@ class Cluster:
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
 
     # ------------------------------------------------------------------------- lifecycle
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         ensure_packages()
         r = self.root
         for d in ("munge", "state", "spool", "log"):
@@ -157,7 +157,7 @@ class Cluster:
             f.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -17,8 +17,9 @@ import re
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -162,7 +163,7 @@ def build_encoder(cfg, vocab_size: int, seed: int = 1234):
     return model.eval()
 
 
-def _local_to_global(model) -> dict[str, tuple[str, Optional[int]]]:
+def _local_to_global(model) -> dict[str, tuple[str, int | None]]:
     """state_dict name -> (dist-checkpoint key, layer index or None) of a TP1/PP1 model."""
     out = {}
     for name, sh in model.sharded_state_dict().items():

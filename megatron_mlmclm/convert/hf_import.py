@@ -23,7 +23,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import yaml
@@ -121,7 +121,7 @@ def check_supported(cfg, hf_dir: Path) -> None:
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
 
 
-def rope_scaling(cfg, hf_dir: Path) -> Optional[dict[str, Any]]:
+def rope_scaling(cfg, hf_dir: Path) -> dict[str, Any] | None:
     """model.rope_scaling for the HF RoPE parameters: None (default RoPE) or the llama3 fields."""
     rope = getattr(cfg, "rope_parameters", None) or {}
     kind = rope.get("rope_type", "default")

@@ -18,7 +18,7 @@ to ModelConfig fields in the same way (`CONFIG_FIELDS`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -30,7 +30,7 @@ class Rule:
     megatron: str
     hf: tuple[str, ...]
     op: str = "copy"  # copy | qkv | gate_up | vocab
-    when: Optional[str] = None  # None | "untied" | "qk_norm"
+    when: str | None = None  # None | "untied" | "qk_norm"
 
     @property
     def per_layer(self) -> bool:

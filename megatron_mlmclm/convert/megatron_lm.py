@@ -32,7 +32,7 @@ import shutil
 import warnings
 from argparse import Namespace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -221,7 +221,7 @@ def _resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
 def from_megatron_lm(
     checkpoint,
     out,
-    tokenizer: Optional[str],
+    tokenizer: str | None,
     force: bool = False,
     seed: int = 1234,
     verbose: bool = True,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -93,9 +93,9 @@ class PackedDataset:
         seq_length: int,
         num_samples: int,
         seed: int,
-        cache_dir: Optional[str | os.PathLike] = None,
+        cache_dir: str | os.PathLike | None = None,
         *,
-        num_epochs: Optional[int] = None,
+        num_epochs: int | None = None,
     ):
         if num_epochs is None and int(num_samples) < 1:
             raise UsageError(f"num_samples must be >= 1, got {num_samples}")
@@ -195,7 +195,7 @@ class BlendedPackedDataset:
 # Prefix lists
 
 
-def parse_prefixes(items: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+def parse_prefixes(items: Sequence[str]) -> tuple[list[str], list[float] | None]:
     """["0.7", "a", "0.3", "b"] -> (["a", "b"], [0.7, 0.3]); ["a", "b"] -> (["a", "b"], None)."""
     items = [str(x) for x in items]
     if not items:
@@ -203,7 +203,7 @@ def parse_prefixes(items: Sequence[str]) -> tuple[list[str], Optional[list[float
             "no data prefix given; pass shard prefixes such as data/corpus_text_document"
         )
 
-    def number(x: str) -> Optional[float]:
+    def number(x: str) -> float | None:
         try:
             return float(x)
         except ValueError:
@@ -228,7 +228,7 @@ def parse_prefixes(items: Sequence[str]) -> tuple[list[str], Optional[list[float
     return prefixes, weights
 
 
-def _resolve_weights(prefixes: list[str], weights: Optional[list[float]]):
+def _resolve_weights(prefixes: list[str], weights: list[float] | None):
     """Open every shard (validating it); weights default to token counts."""
     indexed = [open_indexed_dataset(p) for p in prefixes]
     if weights is None:
@@ -252,7 +252,7 @@ def build_train_dataset(
     seq_length: int,
     num_samples: int,
     seed: int,
-    cache_dir: Optional[str | os.PathLike] = None,
+    cache_dir: str | os.PathLike | None = None,
 ):
     """One PackedDataset, or a BlendedPackedDataset when several prefixes are given.
 
@@ -279,12 +279,12 @@ def build_train_dataset(
 
 def index_shards(
     prefixes: list[str],
-    weights: Optional[list[float]],
+    weights: list[float] | None,
     seq_length: int,
     seed: int,
-    num_samples: Optional[int] = None,
-    num_epochs: Optional[int] = None,
-    cache_dir: Optional[str | os.PathLike] = None,
+    num_samples: int | None = None,
+    num_epochs: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> Iterator[tuple[str, float, SampleIndex, float]]:
     """Build (or load from the cache) the sample index of every prefix of a data list, as a run
     of `num_samples` blended samples (or `num_epochs` over each prefix) would.
@@ -292,7 +292,7 @@ def index_shards(
     Yields (prefix, blend share, index, seconds) as each index is ready.
     """
     weights = _resolve_weights(prefixes, weights)
-    counts: list[Optional[int]] = [None] * len(prefixes)
+    counts: list[int | None] = [None] * len(prefixes)
     if num_samples is not None:
         dataset_index, _ = build_blend_index(weights, num_samples, seed)
         counts = [max(int(c), 1) for c in np.bincount(dataset_index, minlength=len(prefixes))]

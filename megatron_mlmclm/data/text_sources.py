@@ -28,8 +28,8 @@ import importlib.util
 import json
 import os
 import zlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import pyarrow.parquet as pq
 

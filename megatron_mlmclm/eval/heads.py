@@ -110,7 +110,7 @@ def load_encoder(model_dir: str) -> nn.Module:
 
 def _hidden_size(encoder: nn.Module) -> int:
     cfg = encoder.config
-    return getattr(cfg, "hidden_size", None) or getattr(cfg, "d_model")
+    return getattr(cfg, "hidden_size", None) or cfg.d_model
 
 
 def _masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,8 @@ fine-tuning runs, not another grid.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-
 import json
+from dataclasses import dataclass, field
 
 from megatron_mlmclm.config import MODEL_PRESETS, RunConfig, load_config, run_flops
 from megatron_mlmclm.errors import UsageError
@@ -89,7 +88,7 @@ class StudyDesign:
     curve_tasks: list[str] = field(default_factory=lambda: ["scifact"])
     workers: int = 2  # parallel pretraining runs and fine-tuning runs, one thread each
 
-    def check(self) -> "StudyDesign":
+    def check(self) -> StudyDesign:
         """UsageError on a design that cannot run (before any work starts)."""
         if self.preset not in MODEL_PRESETS:
             raise UsageError(

@@ -32,7 +32,6 @@ import queue
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -108,7 +107,7 @@ class Plan:
             self.microbatch(dataset, first_sample, j, phase) for j in range(self.num_microbatches)
         ]
 
-    def planned(self, step: Optional[int], first_sample: int, phase: PhaseConfig) -> bool:
+    def planned(self, step: int | None, first_sample: int, phase: PhaseConfig) -> bool:
         return (
             step is not None
             and 0 <= step < self.steps
@@ -163,8 +162,8 @@ class _Ahead(SyncLoader):
 
     def __init__(self, datasets, plan: Plan):
         super().__init__(datasets, plan)
-        self.next_step: Optional[int] = None
-        self.thread: Optional[threading.Thread] = None
+        self.next_step: int | None = None
+        self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.ready: queue.Queue = queue.Queue()
 
