@@ -335,7 +335,9 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"config file {p}{where} is not valid YAML: {getattr(e, 'problem', e)}")
+        raise UsageError(
+            f"config file {p}{where} is not valid YAML: {getattr(e, 'problem', e)}"
+        ) from e
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -559,7 +561,7 @@ def validate_loader(d: DataConfig) -> None:
             raise UsageError(
                 f"data.loader=dali needs NVIDIA DALI, which does not import ({e}); "
                 "pip install 'megatron_mlmclm[dali]' or use data.loader=workers"
-            )
+            ) from e
 
 
 def resolve_model(m: ModelConfig) -> None:
@@ -979,7 +981,7 @@ def resolve_budget(cfg: RunConfig) -> None:
         per = step_flops if unit == "flops" else step_tokens
         rest = _rest_phase(phases)  # it takes what the others leave, as a share
         used, share_sum = 0.0, 0.0
-        for i, ph in enumerate(phases):
+        for ph in phases:
             if ph.share is not None:
                 share_sum += ph.share
             elif ph.tokens is not None or ph.flops is not None:

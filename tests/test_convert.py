@@ -597,7 +597,7 @@ def test_refuses_unsupported_hf_models(ws, capsys, tmp_path):
     moe.mkdir()
     (moe / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
     cases["moe"] = (moe, "mixture-of-experts")
-    for name, (src, match) in cases.items():
+    for src, match in cases.values():
         assert_refused(capsys, out, "from-hf", src, out, match=match)
     # Mistral without sliding window is supported.
     ok = make_hf(tmp_path / "mistral_ok", "mistral", tok, vocab_size=300, sliding_window=None)

@@ -198,7 +198,7 @@ def test_budget_attention_count_follows_the_kernel_plan():
         import importlib.util
 
         real = importlib.util.find_spec
-        importlib.util.find_spec = lambda name, *a: (
+        importlib.util.find_spec = lambda name, *a, te=te, real=real: (
             object()
             if name == "transformer_engine" and te
             else (None if name == "transformer_engine" else real(name, *a))

@@ -49,11 +49,11 @@ def open_indexed_dataset(prefix: str | os.PathLike):
             raise UsageError(
                 f"{bin_path} is empty (no tokens); preprocess a non-empty corpus or "
                 f"drop the prefix from the data list"
-            )
+            ) from None  # megatron's own failure on an empty file says nothing more
         raise UsageError(
             f"{idx_path} is corrupt or truncated ({type(e).__name__}: {e}); "
             f"rewrite the shard with `mlmclm preprocess`"
-        )
+        ) from e
     lengths = ds.sequence_lengths
     expected = int(lengths.sum(dtype=np.int64)) * np.dtype(ds.index.dtype).itemsize
     actual = os.path.getsize(bin_path)
@@ -115,7 +115,7 @@ class PackedDataset:
                 cache_dir=cache_dir,
             )
         except ValueError as e:
-            raise UsageError(f"{self.prefix}: {e}")
+            raise UsageError(f"{self.prefix}: {e}") from e
 
     def __len__(self) -> int:
         return self.index.num_samples
@@ -174,7 +174,7 @@ class BlendedPackedDataset:
                 weights, int(num_samples), seed
             )
         except ValueError as e:
-            raise UsageError(str(e))
+            raise UsageError(str(e)) from e
         self.datasets = list(datasets)
         self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         counts = np.bincount(self.dataset_index, minlength=len(datasets))
@@ -310,5 +310,5 @@ def index_shards(
                 cache_dir=cache_dir,
             )
         except ValueError as e:
-            raise UsageError(f"{prefix}: {e}")
+            raise UsageError(f"{prefix}: {e}") from e
         yield prefix, float(w), index, time.perf_counter() - t0

@@ -144,7 +144,7 @@ def submit_script(
             )
         ckpt, export = runs_dir / run.name / "checkpoints", hf_dir / run.name
 
-        def pretrain(job: str, dependency: str, stop: str = "") -> str:
+        def pretrain(job: str, dependency: str, stop: str = "", run=run, lay=lay) -> str:
             return (
                 f"{job}=$(sub{dependency} --job-name {q('pt-' + run.name)} --nodes "
                 f'{lay["nodes"]} $(gpus "$GPUS_PER_NODE") --export=ALL,NPROC_PER_NODE={gpn} '

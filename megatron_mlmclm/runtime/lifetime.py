@@ -122,7 +122,7 @@ class RunLock:
             raise UsageError(
                 f"{self.folder} is the output_dir of a live run ({_describe(holder)}); two runs "
                 "would write the same checkpoints: stop that run or choose another output_dir"
-            )
+            ) from None
         previous = _read(f)
         self.taken_over = previous or None
         f.seek(0)

@@ -67,7 +67,7 @@ def parse(text: str) -> list[Fault]:
                 float(settings.get("factor", 1)),
             )
         except ValueError:
-            raise UsageError(f"{ENV}: '{item}' has a value that is not a number")
+            raise UsageError(f"{ENV}: '{item}' has a value that is not a number") from None
         if fault.mode not in ("transient", "persistent"):
             raise UsageError(f"{ENV}: '{item}': mode must be transient or persistent")
         faults.append(fault)
