@@ -31,7 +31,8 @@ from megatron_mlmclm.model.flops import train_step_flops
 class RopeScalingConfig:
     """Llama 3.1-style RoPE frequency scaling (Hugging Face `rope_type: llama3`): wavelengths above
     original_max_position_embeddings / low_freq_factor are divided by `factor`, those below
-    original_max_position_embeddings / high_freq_factor are kept, the band between is interpolated."""
+    original_max_position_embeddings / high_freq_factor are kept, the band between is
+    interpolated."""
 
     type: str = "llama3"  # the only kind supported
     factor: float = 8.0

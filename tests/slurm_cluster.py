@@ -116,8 +116,9 @@ class Cluster:
                     f"SlurmdPidFile={r / 'slurmd.pid'}",
                     f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
                     f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
-                    # No cgroups in a container: linuxproc tracks a step's processes by ancestry, so a
-                    # signal to a step reaches torchrun's workers (they run in their own sessions).
+                    # No cgroups in a container: linuxproc tracks a step's processes by ancestry,
+                    # so a signal to a step reaches torchrun's workers (they run in their own
+                    # sessions).
                     "ProctrackType=proctrack/linuxproc",
                     "TaskPlugin=task/none",
                     "SelectType=select/cons_tres",

@@ -1,4 +1,5 @@
-"""`mlmclm convert from-megatron-lm`: a checkpoint laid out as Megatron-LM writes it, imported exactly.
+"""`mlmclm convert from-megatron-lm`: a checkpoint laid out as Megatron-LM writes it, imported
+exactly.
 
 The source checkpoint is written here by megatron-core's own GPTModel (local spec, bf16 weights) and
 dist_checkpointing, with Megatron-LM's common state (`args` as an argparse.Namespace, `iteration`,

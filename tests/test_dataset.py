@@ -1,4 +1,5 @@
-"""PackedDataset / BlendedPackedDataset over real IndexedDataset shards, against a naive reference."""
+"""PackedDataset / BlendedPackedDataset over real IndexedDataset shards, against a naive
+reference."""
 
 import os
 

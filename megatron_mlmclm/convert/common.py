@@ -1,4 +1,5 @@
-"""Shared plumbing of the converters: reading global tensors, the in-process TP1 model, output folders.
+"""Shared plumbing of the converters: reading global tensors, the in-process TP1 model, output
+folders.
 
 Megatron's dist checkpoints store *global* tensors (layers stacked on dim 0 under one key, e.g.
 ``decoder.layers.self_attention.linear_qkv.weight`` of shape [L, qkv, h]), whatever TP/PP layout

@@ -10,11 +10,11 @@
     OUT/mlmclm_source.json          the source record (read by `convert to-hf` for the default arch)
 
 Continue with ``mlmclm pretrain OUT/config.yaml data.train=[PREFIX]``. Supported: Llama 3.x,
-SmolLM2-style tied embeddings, Mistral without sliding window, Qwen3 (qk-norm), EuroBERT and our own
-exports (``is_causal: false``), each with the default RoPE or Llama 3.1-style ``llama3`` RoPE scaling
-(Llama 3.1 / 3.2; carried into ``model.rope_scaling``). Refused with one line: other architectures,
-MoE, sliding window, attention/MLP biases, other RoPE scaling kinds, non-SiLU MLPs, a tokenizer
-larger than the model's vocabulary.
+SmolLM2-style tied embeddings, Mistral without sliding window, Qwen3 (qk-norm), EuroBERT and our
+own exports (``is_causal: false``), each with the default RoPE or Llama 3.1-style ``llama3`` RoPE
+scaling (Llama 3.1 / 3.2; carried into ``model.rope_scaling``). Refused with one line: other
+architectures, MoE, sliding window, attention/MLP biases, other RoPE scaling kinds, non-SiLU MLPs,
+a tokenizer larger than the model's vocabulary.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ corresponds to (``{i}`` = layer index) and the transform between them:
   qkv      megatron's fused ``linear_qkv`` holds, per KV group, that group's query heads, then its
            key head, then its value head  <->  q_proj, k_proj, v_proj
   gate_up  megatron's ``linear_fc1`` = [gate; up] (SwiGLU)  <->  gate_proj, up_proj
-  vocab    megatron pads the vocabulary to a multiple of 128: trimmed on export, zero-padded on import
+  vocab    megatron pads the vocabulary to a multiple of 128: trimmed on export, zero-padded on
+           import
 
 `when` makes a rule conditional: ``untied`` (output layer only with untied embeddings), ``qk_norm``.
 RoPE needs no permutation (megatron and HF both rotate halves). A config table maps HF config fields

@@ -96,8 +96,8 @@ class FinetuneConfig:
 
 
 # FinetuneConfig fields that change a run's score (with precision resolved, see `protocol`). The
-# others do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe the
-# sweep, and eval_batch_size, eval_every (evaluation never touches the RNG or the weights),
+# others do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe
+# the sweep, and eval_batch_size, eval_every (evaluation never touches the RNG or the weights),
 # ir_mini_batch_size (CachedMNRL: same loss), device, threads, task_files (the entry itself is
 # hashed), progress and save_model are execution knobs. tests/eval/test_protocol.py checks every
 # field is in exactly one of the two sets.

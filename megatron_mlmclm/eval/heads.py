@@ -18,8 +18,8 @@ Heads (which family uses which is the family's choice, eval/families/):
   across architectures.
 - token classification (TC; QA as token tagging): AutoModelForTokenClassification where
   transformers has one, else `TokenTagger` (`token_classifier`).
-- span QA: AutoModelForQuestionAnswering where transformers has one, else `SpanQAModel` (EuroBert has
-  none): a linear start/end head over AutoModel (`span_qa_model`).
+- span QA: AutoModelForQuestionAnswering where transformers has one, else `SpanQAModel` (EuroBert
+  has none): a linear start/end head over AutoModel (`span_qa_model`).
 Our heads save with `save_pretrained(dir)` (encoder files + head.safetensors + head_config.json)
 and load with `<Head>.from_pretrained(dir)`.
 """

@@ -2,10 +2,10 @@
 no code.
 
 Entries ship in `megatron_mlmclm/eval/tasks/*.yaml` (one file per family); more can be added with
-`--task-file FILE.yaml` or $MLMCLM_EVAL_TASKS (paths separated by os.pathsep). A later entry with the
-same name replaces an earlier one. The fields of an entry are those of `Task`; anything not listed
-there is a UsageError, so a typo never silently falls back to a default. What a field may hold for
-a family (formats, metrics, methods) is the family's to say (eval/families/).
+`--task-file FILE.yaml` or $MLMCLM_EVAL_TASKS (paths separated by os.pathsep). A later entry with
+the same name replaces an earlier one. The fields of an entry are those of `Task`; anything not
+listed there is a UsageError, so a typo never silently falls back to a default. What a field may
+hold for a family (formats, metrics, methods) is the family's to say (eval/families/).
 
 Validation is never the reported test split: an entry whose validation and test name the same split
 is refused unless `validation_holdout` carves validation out of it (eval/splits.py). An entry whose

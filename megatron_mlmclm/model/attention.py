@@ -1,8 +1,8 @@
 """Core attention on torch.nn.functional.scaled_dot_product_attention, plus document masks.
 
-megatron-core's local DotProductAttention materialises the score matrix in Python-level ops (about 2x
-slower at seq 1024 on CPU); this module is a drop-in `core_attention` for the local layer spec that
-gives the same results through SDPA (fused kernels on CPU and GPU, native GQA).
+megatron-core's local DotProductAttention materialises the score matrix in Python-level ops (about
+2x slower at seq 1024 on CPU); this module is a drop-in `core_attention` for the local layer spec
+that gives the same results through SDPA (fused kernels on CPU and GPU, native GQA).
 
 Masks are the batches' (objectives.document_attention_mask, megatron's convention: a bool tensor
 [b, 1, s, s] where True means "may not attend"). Packed samples hold several documents; a token

@@ -1,8 +1,9 @@
-"""The encoder as a megatron-core GPTModel: config, layer spec, and a head that pays only for labels.
+"""The encoder as a megatron-core GPTModel: config, layer spec, and a head that pays only for
+labels.
 
-Architecture (docs/study.md): RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings. The same trunk is
-trained causally (CLM) or bidirectionally (MLM); the attention kind is a property of the batch
-(the mask), not of the model, so one model switches objective between phases.
+Architecture (docs/study.md): RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings. The same
+trunk is trained causally (CLM) or bidirectionally (MLM); the attention kind is a property of the
+batch (the mask), not of the model, so one model switches objective between phases.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Decay branches: a run that starts from another run's stable checkpoint and decays on its own budget.
+"""Decay branches: a run that starts from another run's stable checkpoint and decays on its own
+budget.
 
 Under a warmup-stable-decay schedule, runs of one config that differ only in their budget share
 everything before their decays: the same samples in the same order (the order does not depend on

@@ -432,8 +432,8 @@ class FaultMonitor:
                 self.nonfinite.write(dict(self.nonfinite.pending, verdict="persistent"))
             raise NonFinite(
                 f"{where}; it was not finite on the first attempt either: a persistent fault. "
-                f"Stopping for good (exit {EXIT_NONFINITE_PERSISTENT}); inspect those samples, then "
-                f"lower train.lr, raise train.warmup_steps or skip the data, and remove "
+                f"Stopping for good (exit {EXIT_NONFINITE_PERSISTENT}); inspect those samples, "
+                f"then lower train.lr, raise train.warmup_steps or skip the data, and remove "
                 f"{self.nonfinite.path} to train through step {step} again",
                 EXIT_NONFINITE_PERSISTENT,
             )

@@ -5,9 +5,9 @@ Which samples a training step reads is a pure function of its number: the phase 
 where its global batch starts, first_sample(s) (s x GBS + sample_offset in a run of one stream;
 sample_offset is 0 unless a resume continued the stream from another consumed_samples,
 training/resume.py); each DP rank reads its contiguous share of it, micro-batch after
-micro-batch, and the phase fixes the objective and the step's mask ratio. MLM masks are a function of (data.seed,
-stream position). So a loader can prepare the next steps while the current one runs, and a resumed
-run's loader simply starts at its step: there is no iterator state to save.
+micro-batch, and the phase fixes the objective and the step's mask ratio. MLM masks are a function
+of (data.seed, stream position). So a loader can prepare the next steps while the current one runs,
+and a resumed run's loader simply starts at its step: there is no iterator state to save.
 
 - `sync`: built in the training process when the step asks (the reference; validation uses it).
 - `workers`: torch DataLoader worker processes over "micro-batch m = s x num_microbatches + j",

@@ -386,7 +386,8 @@ class Trainer:
         return out
 
     def run_schedule(self, batches, forward_only: bool) -> torch.Tensor:
-        """megatron's forward/backward schedule over micro-batches -> [loss_sum, tokens, correct]."""
+        """megatron's forward/backward schedule over micro-batches -> [loss_sum, tokens,
+        correct]."""
         vpp = len(self.model)
         iters = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
         # The pipeline's p2p tensor shapes follow the micro-batch as built: [b, s] travels as
