@@ -33,11 +33,11 @@ def main() -> None:
 
     from transformers import Trainer, TrainingArguments
 
+    from megatron_mlmclm.eval.data import load_split
     from megatron_mlmclm.eval.families import Setup, collate_ids
+    from megatron_mlmclm.eval.families.sc import encode
     from megatron_mlmclm.eval.finetune import FinetuneConfig, seed_everything, train
     from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder, load_tokenizer
-    from megatron_mlmclm.eval.families.sc import encode
-    from megatron_mlmclm.eval.data import load_split
     from megatron_mlmclm.eval.tasks import get_task
     from megatron_mlmclm.eval.tiny import build_tiny_model, sample_texts
     from megatron_mlmclm.paths import data_dir

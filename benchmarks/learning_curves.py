@@ -1,4 +1,5 @@
-"""Tiny-preset learning curves on the Gutenberg corpus: CLM, MLM 40%, CLM 25% -> MLM 40%, over seeds.
+"""Tiny-preset learning curves on the Gutenberg corpus: CLM, MLM 40%, CLM 25% -> MLM 40%,
+over seeds.
 
 Each (objective, seed) pair pretrains the tiny preset from scratch with `mlmclm pretrain` (a
 separate process per run) on the same shards; the seed sets the initial weights, the sample order
@@ -11,7 +12,8 @@ smoothing) on the valid shard's non-special tokens (the floor a model that ignor
 reaches on masked tokens), and the paired difference MLM vs CLM -> MLM (paired by seed) with its
 interval and a verdict. The last line is the usual RESULT line.
 
-    PYTHONPATH=. python benchmarks/learning_curves.py --work /tmp/curves [--steps 300] [--seeds 0 1 2]
+    PYTHONPATH=. python benchmarks/learning_curves.py --work /tmp/curves \
+        [--steps 300] [--seeds 0 1 2]
 
 Needs $MLMCLM_DATA_DIR (gutenberg_en/). Tokenizer and shards are built into --work once (as the
 quickstart builds them) and reused.
@@ -85,7 +87,8 @@ def run_one(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, on one line
+    ap = argparse.ArgumentParser(description=summary)
     ap.add_argument("--work", required=True, help="folder for tokenizer, shards and runs")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

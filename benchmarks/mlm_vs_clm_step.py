@@ -25,7 +25,6 @@ import time
 import warnings
 
 import torch
-
 from _engine import add_shape_arguments, build_trainer
 
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
 
         def ours(backend):
             best, s = float("inf"), None
-            for r in range(args.repeats):
+            for _ in range(args.repeats):
                 s = preprocess(
                     [str(corpus)],
                     tmp / f"out_{backend}",

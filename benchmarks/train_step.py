@@ -35,7 +35,6 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
-
 from _engine import add_shape_arguments, build_trainer
 
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices

@@ -305,7 +305,6 @@ def run_row(
         labelled.append(int(trainer.train_step(phase)["tokens"]))
 
     loops = {"ours": step_ours}
-    hf = None
     if objective == "mlm" and not args.no_hf:
         model, fwd, opt = build_hf(cfg, precision == "bf16", not args.no_compile)
         dev = "cuda" if on_gpu() else "cpu"
@@ -342,7 +341,6 @@ def run_row(
             opt.zero_grad(set_to_none=True)
 
         loops["hf"] = step_hf
-        hf = (model, opt)
     t0 = time.perf_counter()
     times = time_rows(loops, args.warmup, args.steps)
     wall = time.perf_counter() - t0
@@ -367,8 +365,7 @@ def run_row(
         hf_s = statistics.median(times["hf"])
         row.update(hf_s=hf_s, hf_tok=tokens / hf_s, hf_mfu=flops / hf_s / peak if peak else None)
     trainer.close()
-    del trainer, hf, loops
-    return row
+    return row  # both models go with this frame; the caller's gc.collect() frees them
 
 
 def print_row(row) -> None:

@@ -28,7 +28,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_ITER_RE.match(p.name).group(1)))
 
 
-def latest_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     ckpts = complete_checkpoints(ckpt_dir)
     return ckpts[-1] if ckpts else None
 
@@ -142,7 +142,7 @@ def write_manifest(folder: Path) -> None:
             _fsync_dir(d)
 
 
-def verify_checkpoint(ckpt: str | Path) -> Optional[str]:
+def verify_checkpoint(ckpt: str | Path) -> str | None:
     """None when every file in the checkpoint's manifest has its size and checksum, else what is
     wrong (one line). A checkpoint without a manifest predates manifests and is accepted."""
     ckpt = Path(ckpt)
@@ -165,7 +165,7 @@ def verify_checkpoint(ckpt: str | Path) -> Optional[str]:
     return None
 
 
-def latest_verified_checkpoint(ckpt_dir: str | Path) -> Optional[Path]:
+def latest_verified_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The newest complete checkpoint that verifies. Each one that fails is reported in one line
     and left on disk as it is; when checkpoints exist but none verifies, UsageError."""
     ckpts = complete_checkpoints(ckpt_dir)

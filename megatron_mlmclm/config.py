@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import yaml
 
@@ -31,7 +31,8 @@ from megatron_mlmclm.model.flops import train_step_flops
 class RopeScalingConfig:
     """Llama 3.1-style RoPE frequency scaling (Hugging Face `rope_type: llama3`): wavelengths above
     original_max_position_embeddings / low_freq_factor are divided by `factor`, those below
-    original_max_position_embeddings / high_freq_factor are kept, the band between is interpolated."""
+    original_max_position_embeddings / high_freq_factor are kept, the band between is
+    interpolated."""
 
     type: str = "llama3"  # the only kind supported
     factor: float = 8.0
@@ -44,17 +45,17 @@ class RopeScalingConfig:
 class ModelConfig:
     """Encoder/decoder trunk (EuroBERT/Llama style). `preset` fills any field left unset."""
 
-    preset: Optional[str] = "tiny"
-    num_layers: Optional[int] = None
-    hidden_size: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_query_groups: Optional[int] = None  # KV heads (GQA)
-    kv_channels: Optional[int] = None  # head dim
-    seq_length: Optional[int] = None
-    vocab_size: Optional[int] = None  # None: taken from the tokenizer
+    preset: str | None = "tiny"
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None  # KV heads (GQA)
+    kv_channels: int | None = None  # head dim
+    seq_length: int | None = None
+    vocab_size: int | None = None  # None: taken from the tokenizer
     rotary_base: float = 10000.0
-    rope_scaling: Optional[RopeScalingConfig] = None  # None: plain RoPE
+    rope_scaling: RopeScalingConfig | None = None  # None: plain RoPE
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     qk_layernorm: bool = False  # Qwen3-style q/k RMSNorm
@@ -98,7 +99,7 @@ class PhaseDataConfig:
     temperature over the run's data.train sources (weights proportional to tokens ** T)."""
 
     train: list[str] = field(default_factory=list)
-    temperature: Optional[float] = None
+    temperature: float | None = None
 
 
 @dataclass
@@ -108,15 +109,15 @@ class PhaseConfig:
     Everything else is optional and inherits the run's value."""
 
     objective: str = "mlm"  # "clm" or "mlm"
-    share: Optional[float] = None
-    steps: Optional[int] = None
-    mask_ratio: Union[float, MaskSchedule] = 0.4
+    share: float | None = None
+    steps: int | None = None
+    mask_ratio: float | MaskSchedule = 0.4
     mask_replace: str = "mask"  # "mask" (the study) or "80-10-10" (BERT)
-    tokens: Optional[float] = None
-    flops: Optional[float] = None
-    seq_length: Optional[int] = None  # default: model.seq_length
-    rotary_base: Optional[float] = None  # default: model.rotary_base
-    data: Optional[PhaseDataConfig] = None  # default: data.train
+    tokens: float | None = None
+    flops: float | None = None
+    seq_length: int | None = None  # default: model.seq_length
+    rotary_base: float | None = None  # default: model.rotary_base
+    data: PhaseDataConfig | None = None  # default: data.train
     decay: bool = False  # the WSD schedule's decay runs over this phase (and those after it)
 
 
@@ -127,9 +128,9 @@ class DataConfig:
 
     train: list[str] = field(default_factory=list)
     valid: list[str] = field(default_factory=list)
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     seed: int = 1234
-    cache_dir: Optional[str] = None  # sample-index cache; default: <first prefix dir>/cache
+    cache_dir: str | None = None  # sample-index cache; default: <first prefix dir>/cache
     mock: bool = False  # synthetic tokens, no files needed (smoke tests)
     # What synthetic text (data/mock.py): uniform tokens (nothing to learn) or a Markov chain a
     # model can learn far below the unigram floor (tests and the GPU tier).
@@ -144,15 +145,15 @@ class DataConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: int | None = None
     use_distributed_optimizer: bool = False
     # Context parallelism: each sequence split over CP ranks; needs TE's packed THD attention.
     context_parallel_size: int = 1
     # None = auto (model/kernels.py): on with TP > 1 on GPU; true also runs on CPU (gloo).
-    sequence_parallel: Optional[bool] = None
+    sequence_parallel: bool | None = None
     # None = auto (model/kernels.py): on CUDA with the distributed optimizer, both overlap.
-    overlap_grad_reduce: Optional[bool] = None
-    overlap_param_gather: Optional[bool] = None
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
 
 
 @dataclass
@@ -166,15 +167,15 @@ class RuntimeConfig:
 class TrainConfig:
     # The budget: exactly one of steps, tokens, flops (none: 100 steps). A resolved config holds
     # the steps too; they must agree with the budget.
-    steps: Optional[int] = None
-    tokens: Optional[float] = None
-    flops: Optional[float] = None
+    steps: int | None = None
+    tokens: float | None = None
+    flops: float | None = None
     micro_batch_size: int = 4
     global_batch_size: int = 8
     lr: float = 5e-4
     min_lr: float = 0.0
     warmup_steps: int = 10
-    decay_steps: Optional[int] = None  # WSD: linear decay over the last `decay_steps` (10; or
+    decay_steps: int | None = None  # WSD: linear decay over the last `decay_steps` (10; or
     # the steps of the phases marked `decay: true`)
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -183,21 +184,21 @@ class TrainConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
-    fp8: Optional[str] = None  # None | delayed | current | mxfp8 (Transformer Engine only)
-    recompute: Optional[str] = None  # None | selective | full
-    init_from: Optional[str] = None  # weights only: continued pretraining from a checkpoint
+    fp8: str | None = None  # None | delayed | current | mxfp8 (Transformer Engine only)
+    recompute: str | None = None  # None | selective | full
+    init_from: str | None = None  # weights only: continued pretraining from a checkpoint
     # A stable checkpoint of another run of this config with another budget (RUN/checkpoints/
     # iter_N): this run starts there, as that run's resume would, and decays on its own budget
     # (training/branch.py says what may differ).
-    branch_from: Optional[str] = None
+    branch_from: str | None = None
     # Faults (training/faults.py, docs/cluster.md): a step that makes no progress for
     # hang_timeout_s ends the rank for a requeue. None = auto (20x the median step, >= 600 s);
     # 0 = no watchdog. Loading, the first step, evaluation and saving get hang_timeout_long_s
     # (None = auto: >= 1800 s).
-    hang_timeout_s: Optional[float] = None
-    hang_timeout_long_s: Optional[float] = None
+    hang_timeout_s: float | None = None
+    hang_timeout_long_s: float | None = None
     # Skip an update whose gradient norm exceeds skip_spikes x the running median (None = never).
-    skip_spikes: Optional[float] = None
+    skip_spikes: float | None = None
     # How FLOPs count causal attention: as the kernel spends it. auto = halved where the attention
     # kernel skips masked blocks (TE or FlexAttention on GPU), full for SDPA's dense mask; a budget
     # in FLOPs pins it (causal-half or full) in the run's config.yaml, to reload the same anywhere.
@@ -206,7 +207,7 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None  # default: <output_dir>/checkpoints
+    dir: str | None = None  # default: <output_dir>/checkpoints
     save_interval: int = 0  # 0: only at the end
     keep_last: int = 2
     # Checkpoints kept for good (never pruned), each saved even off save_interval: every
@@ -225,9 +226,9 @@ class CheckpointConfig:
 class WandbConfig:
     """Weights & Biases (optional package): the same scalars as TensorBoard, from rank 0."""
 
-    project: Optional[str] = None  # required when logging.wandb is set
-    name: Optional[str] = None  # default: the run's name
-    entity: Optional[str] = None  # default: the W&B account's default entity
+    project: str | None = None  # required when logging.wandb is set
+    name: str | None = None  # default: the run's name
+    entity: str | None = None  # default: the W&B account's default entity
 
 
 @dataclass
@@ -236,7 +237,7 @@ class LoggingConfig:
     eval_interval: int = 0  # 0: only at the end
     eval_iters: int = 4
     tensorboard: bool = True
-    wandb: Optional[WandbConfig] = None  # e.g. {project: encoders, name: mlm-210m}
+    wandb: WandbConfig | None = None  # e.g. {project: encoders, name: mlm-210m}
 
 
 @dataclass
@@ -335,7 +336,9 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"config file {p}{where} is not valid YAML: {getattr(e, 'problem', e)}")
+        raise UsageError(
+            f"config file {p}{where} is not valid YAML: {getattr(e, 'problem', e)}"
+        ) from e
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -559,7 +562,7 @@ def validate_loader(d: DataConfig) -> None:
             raise UsageError(
                 f"data.loader=dali needs NVIDIA DALI, which does not import ({e}); "
                 "pip install 'megatron_mlmclm[dali]' or use data.loader=workers"
-            )
+            ) from e
 
 
 def resolve_model(m: ModelConfig) -> None:
@@ -774,7 +777,7 @@ def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
     return counts
 
 
-def _rest_phase(phases: list[PhaseConfig]) -> Optional[int]:
+def _rest_phase(phases: list[PhaseConfig]) -> int | None:
     """The one phase that gives no length (it takes the rest of the budget), or None."""
     unset = [
         i
@@ -979,7 +982,7 @@ def resolve_budget(cfg: RunConfig) -> None:
         per = step_flops if unit == "flops" else step_tokens
         rest = _rest_phase(phases)  # it takes what the others leave, as a share
         used, share_sum = 0.0, 0.0
-        for i, ph in enumerate(phases):
+        for ph in phases:
             if ph.share is not None:
                 share_sum += ph.share
             elif ph.tokens is not None or ph.flops is not None:
@@ -1073,7 +1076,7 @@ def tokens_at_step(cfg: RunConfig, step: int) -> int:
     return sum(n * step_tokens(cfg, ph) for ph, n in _steps_per_phase(cfg, 0, step))
 
 
-def _steps_per_phase(cfg: RunConfig, first: int, end: Optional[int] = None):
+def _steps_per_phase(cfg: RunConfig, first: int, end: int | None = None):
     """(phase, how many of the steps [first, end) it owns) for each phase."""
     start, end = 0, cfg.train.steps if end is None else end
     for ph in cfg.phases:

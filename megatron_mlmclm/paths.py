@@ -1,5 +1,6 @@
 """Where the shared real data lives: $MLMCLM_DATA_DIR, else ../shared/data beside the checkout;
-and the name of the record `mlmclm convert to-hf` writes beside every export (read by the report)."""
+and the name of the record `mlmclm convert to-hf` writes beside every export (read by the
+report)."""
 
 from __future__ import annotations
 

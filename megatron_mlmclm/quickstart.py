@@ -16,8 +16,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import yaml
 
@@ -136,7 +136,8 @@ def run_quickstart(
             *map(str, lrs),
             "--seeds",
             *map(str, seeds),
-            # Validation once, at the end: it is what picks the LR (a curve nobody reads costs time).
+            # Validation once, at the end: it is what picks the LR (a curve nobody reads costs
+            # time).
             "--max-steps",
             str(finetune_steps),
             "--eval-every",

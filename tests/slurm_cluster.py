@@ -66,7 +66,7 @@ class Cluster:
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
 
     # ------------------------------------------------------------------------- lifecycle
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         ensure_packages()
         r = self.root
         for d in ("munge", "state", "spool", "log"):
@@ -116,8 +116,9 @@ class Cluster:
                     f"SlurmdPidFile={r / 'slurmd.pid'}",
                     f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
                     f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
-                    # No cgroups in a container: linuxproc tracks a step's processes by ancestry, so a
-                    # signal to a step reaches torchrun's workers (they run in their own sessions).
+                    # No cgroups in a container: linuxproc tracks a step's processes by ancestry,
+                    # so a signal to a step reaches torchrun's workers (they run in their own
+                    # sessions).
                     "ProctrackType=proctrack/linuxproc",
                     "TaskPlugin=task/none",
                     "SelectType=select/cons_tres",
@@ -157,7 +158,7 @@ class Cluster:
             f.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from jobs import line_tokenizer, train_in_process
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from jobs import line_tokenizer, train_in_process
 from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from jobs import REPO
+
 from megatron_mlmclm.cli import COMMANDS, main
 from megatron_mlmclm.config import (
+    PhaseConfig,
     dump_yaml,
     load_config,
     phase_at,
     resolve_phase_steps,
-    PhaseConfig,
 )
 from megatron_mlmclm.errors import UsageError
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from jobs import job_env, run_pretrain, word_tokenizer
 from safetensors.torch import load_file
 
-from jobs import job_env, run_pretrain, word_tokenizer
 from megatron_mlmclm.cli import main as cli_main
 from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.convert.hf_export import to_hf
@@ -183,11 +183,11 @@ def exported(ws):
 
 def megatron_reference(ws, ckpt_dir: Path, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
     """Logits of the trainer's model loaded the trainer's way, independent of the converter."""
-    from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.objectives import document_attention_mask
-    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
-    from megatron_mlmclm.runtime.distributed import init_distributed
     from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
+    from megatron_mlmclm.objectives import document_attention_mask
+    from megatron_mlmclm.runtime.distributed import init_distributed
 
     cfg = load_config(
         ws["config"],
@@ -376,11 +376,11 @@ def _megatron_run_logits(
     run_yaml: Path, tokens: torch.Tensor, causal: bool, overrides=()
 ) -> torch.Tensor:
     """Logits of the model a `mlmclm pretrain` of `run_yaml` would start from (its init_from)."""
-    from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.objectives import document_attention_mask
-    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
-    from megatron_mlmclm.runtime.distributed import init_distributed
     from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
+    from megatron_mlmclm.objectives import document_attention_mask
+    from megatron_mlmclm.runtime.distributed import init_distributed
 
     cfg = load_config(
         run_yaml,
@@ -597,7 +597,7 @@ def test_refuses_unsupported_hf_models(ws, capsys, tmp_path):
     moe.mkdir()
     (moe / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
     cases["moe"] = (moe, "mixture-of-experts")
-    for name, (src, match) in cases.items():
+    for src, match in cases.values():
         assert_refused(capsys, out, "from-hf", src, out, match=match)
     # Mistral without sliding window is supported.
     ok = make_hf(tmp_path / "mistral_ok", "mistral", tok, vocab_size=300, sliding_window=None)

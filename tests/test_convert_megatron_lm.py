@@ -1,4 +1,5 @@
-"""`mlmclm convert from-megatron-lm`: a checkpoint laid out as Megatron-LM writes it, imported exactly.
+"""`mlmclm convert from-megatron-lm`: a checkpoint laid out as Megatron-LM writes it, imported
+exactly.
 
 The source checkpoint is written here by megatron-core's own GPTModel (local spec, bf16 weights) and
 dist_checkpointing, with Megatron-LM's common state (`args` as an argparse.Namespace, `iteration`,
@@ -20,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-
 from jobs import job_env, word_tokenizer
+
 from megatron_mlmclm.cli import main as cli_main
 from megatron_mlmclm.convert.megatron_lm import from_megatron_lm
 
@@ -157,11 +158,11 @@ def ours_from_run_config(
 ) -> torch.Tensor:
     """Logits of the model `mlmclm pretrain run_yaml` starts from (its init_from), loaded the
     trainer's way."""
-    from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.objectives import document_attention_mask
-    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
-    from megatron_mlmclm.runtime.distributed import init_distributed
     from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.model.build import build_model_chunk, transformer_config
+    from megatron_mlmclm.objectives import document_attention_mask
+    from megatron_mlmclm.runtime.distributed import init_distributed
 
     cfg = load_config(run_yaml, ["data.mock=true", "train.precision=fp32", *overrides])
     init_distributed(1, 1, None, 0)

@@ -1,12 +1,13 @@
-"""PackedDataset / BlendedPackedDataset over real IndexedDataset shards, against a naive reference."""
+"""PackedDataset / BlendedPackedDataset over real IndexedDataset shards, against a naive
+reference."""
 
 import os
 
 import numpy as np
 import pytest
 import torch
-
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from test_sample_index import adjacent_fraction, ref_shuffle_idx
 
 from megatron_mlmclm.cli import main as cli_main
 from megatron_mlmclm.data.dataset import (
@@ -16,7 +17,6 @@ from megatron_mlmclm.data.dataset import (
     parse_prefixes,
 )
 from megatron_mlmclm.errors import UsageError
-from test_sample_index import adjacent_fraction, ref_shuffle_idx
 
 S = 8
 # 0-length documents, documents longer than a sample, one (30 tokens) spanning >= 3 samples

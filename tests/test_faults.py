@@ -15,14 +15,14 @@ import time
 import psutil
 import pytest
 import yaml
-
 from jobs import curve, job_env, pretrain_cmd, read_metrics, run_pretrain
+from test_resume import CONFIG as RESUME_CONFIG  # DP2-able tiny CLM -> MLM run, 8 steps
+
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import faults
 from megatron_mlmclm.training.inject import Fault, parse
-from test_resume import CONFIG as RESUME_CONFIG  # DP2-able tiny CLM -> MLM run, 8 steps
 
 CONFIG = {**RESUME_CONFIG, "logging": {"tensorboard": False, "log_interval": 2}}
 

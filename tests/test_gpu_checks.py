@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from gpu import checks
 from gpu.checks import CPU_SIZE, judge_close, judge_learned
+
 from megatron_mlmclm.data.mock import markov_entropy
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from jobs import REPO, job_env
+
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.convert.common import init_single_process, read_global_tensors
 from megatron_mlmclm.model.build import build_model_chunk, transformer_config

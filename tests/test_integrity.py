@@ -17,15 +17,15 @@ import time
 
 import pytest
 import yaml
-
 from jobs import curve, job_env, pretrain_cmd, run_pretrain
-from megatron_mlmclm.cli import main
+
 from megatron_mlmclm.checkpoint import (
     MANIFEST,
     complete_checkpoints,
     resolve_checkpoint,
     verify_checkpoint,
 )
+from megatron_mlmclm.cli import main
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED
 
 CONFIG = {

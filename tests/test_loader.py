@@ -23,14 +23,14 @@ import psutil
 import pytest
 import torch
 import yaml
+from jobs import read_metrics, train_in_process
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from jobs import read_metrics, train_in_process
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import PhaseConfig, load_config
 from megatron_mlmclm.data.dataset import PackedDataset
-from megatron_mlmclm.training.loader import FIELDS, Plan, build_loader
 from megatron_mlmclm.objectives import TokenSpec, make_batch
+from megatron_mlmclm.training.loader import FIELDS, Plan, build_loader
 
 LOADERS = ["sync", "workers", "dali"]
 SPEC = TokenSpec(vocab_size=300, mask_id=3, special_ids=(0, 1, 2, 3))

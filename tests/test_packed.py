@@ -369,9 +369,10 @@ def test_thd_stand_in_leaves_padding_out(causal):
     """THDReferenceAttention with cu_seqlens_padded (what the CP split hands TE): the real tokens
     get what the per-sequence reference gives the unpadded stream, pad tokens attend to nothing
     real and output zero, and nothing real attends to a pad."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     from megatron_mlmclm.model.attention import THDReferenceAttention
     from megatron_mlmclm.model.packed import pad_sequences
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     config = attention_config()
     ref = VarlenReferenceAttention(config, 1, AttnMaskType.no_mask, "self")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from jobs import losses, run_pretrain
 
 CONFIG = {

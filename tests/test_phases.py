@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
 from jobs import REPO, pretrain_cmd, read_metrics, run_pretrain, word_tokenizer
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from test_resume import kill_after_checkpoint
+
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import (
     MaskSchedule,
@@ -27,7 +28,6 @@ from megatron_mlmclm.data.dataset import temperature_blend
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.kernels import Kernels, plan_kernels
 from megatron_mlmclm.training.phase_plan import PhasePlan, resolved_phases
-from test_resume import kill_after_checkpoint
 
 RECIPES = REPO / "examples" / "configs" / "recipes"
 
@@ -198,7 +198,7 @@ def test_budget_attention_count_follows_the_kernel_plan():
         import importlib.util
 
         real = importlib.util.find_spec
-        importlib.util.find_spec = lambda name, *a: (
+        importlib.util.find_spec = lambda name, *a, te=te, real=real: (
             object()
             if name == "transformer_engine" and te
             else (None if name == "transformer_engine" else real(name, *a))

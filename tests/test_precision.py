@@ -23,15 +23,15 @@ import time
 import pytest
 import torch
 import yaml
-
 from jobs import curve, job_env, pretrain_cmd, run_pretrain
+from test_resume import kill_after_checkpoint
+
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED
 from megatron_mlmclm.training.trainer import Trainer
-from test_resume import kill_after_checkpoint
 
 BF16 = "train.precision=bf16"
 CONFIG = {

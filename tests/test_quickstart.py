@@ -18,7 +18,6 @@ from megatron_mlmclm import quickstart
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.errors import UsageError
 
-
 TASKS = ["sst2", "conll2003"]
 
 

@@ -20,14 +20,14 @@ import psutil
 import pytest
 import torch
 import yaml
+from jobs import curve, job_env, line_tokenizer, pretrain_cmd, run_pretrain
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from jobs import curve, job_env, line_tokenizer, pretrain_cmd, run_pretrain
+from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.training.resume import check_resume
 from megatron_mlmclm.training.trainer import Trainer
 

@@ -24,10 +24,10 @@ from datetime import datetime
 
 import pytest
 import yaml
-
 from jobs import REPO, curve, job_env, run_pretrain
-from megatron_mlmclm.cli import main
 from slurm_cluster import free_port
+
+from megatron_mlmclm.cli import main
 
 SLURM_DIR = REPO / "examples" / "slurm"
 pytestmark = pytest.mark.slow

@@ -79,7 +79,7 @@ def test_comparisons_match_a_hand_computed_reference():
             results += grid(
                 model,
                 "sst2",
-                lambda lr, s: (
+                lambda lr, s, recipe=recipe, p=p: (
                     base[recipe]
                     + noise[(p, s)]
                     - (0.2 if lr != 3e-3 and recipe == "mlm40" else 0.02 * (lr != 3e-3))
@@ -88,7 +88,9 @@ def test_comparisons_match_a_hand_computed_reference():
             results += grid(
                 model,
                 "conll2003",
-                lambda lr, s: conll[recipe] + 0.5 * noise[(p, s)] * (1 + (recipe == "clm")),
+                lambda lr, s, recipe=recipe, p=p: (
+                    conll[recipe] + 0.5 * noise[(p, s)] * (1 + (recipe == "clm"))
+                ),
             )
     rows = {r["claim"]: r for r in study_comparisons(results, {"sst2": "sc", "conll2003": "tc"})}
 
@@ -210,7 +212,7 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
         assert section in report
     pre = (out / "pretraining.csv").read_text().splitlines()
     assert len(pre) == 1 + 5  # five recipes, one seed
-    assert "n/a" in pre[1] and all(("pass" in l or "FAIL" in l) for l in pre[2:])
+    assert "n/a" in pre[1] and all(("pass" in row or "FAIL" in row) for row in pre[2:])
     unigram = json.loads((out / "unigram.json").read_text())["unigram_nats"]
     assert f"{unigram:.3f} nats" in report
     comparisons = (out / "comparisons.csv").read_text()
@@ -221,8 +223,8 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     assert steps > 40 and f"MLM 40% trains {steps} steps where CLM trains 40" in report
     assert (
         max(
-            json.loads(l)["step"]
-            for l in (out / "runs" / "mlm40-flops-p0" / "metrics.jsonl").read_text().splitlines()
+            json.loads(line)["step"]
+            for line in (out / "runs" / "mlm40-flops-p0" / "metrics.jsonl").read_text().splitlines()
         )
         == steps
     )
@@ -303,7 +305,9 @@ def test_learning_curve_points_and_verdicts_against_hand_computed_values(tmp_pat
                 full += grid(
                     name,
                     "scifact",
-                    lambda lr, s: score + clm_noise * noise[(p, s)] - 0.05 * (lr != 3e-3),
+                    lambda lr, s, score=score, clm_noise=clm_noise, p=p: (
+                        score + clm_noise * noise[(p, s)] - 0.05 * (lr != 3e-3)
+                    ),
                 )
             else:  # fine-tuned at the one LR the full models chose
                 curve += [

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from megatron_mlmclm import cli
-from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.data.tokenizer import (
     METADATA_FILE,
     load_tokenizer,
@@ -17,6 +16,7 @@ from megatron_mlmclm.data.tokenizer import (
     special_token_ids,
     train_tokenizer,
 )
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.paths import data_dir
 
 SAMPLE = [

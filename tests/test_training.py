@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import yaml
-
 from jobs import read_metrics, run_pretrain
 
 

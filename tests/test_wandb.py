@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from jobs import read_metrics, run_pretrain
+
 from megatron_mlmclm.cli import main as cli_main
 
 BLOCK, HEADER = 32768, 7  # the log's block size and record header (crc32, length, kind)

@@ -1,8 +1,8 @@
 """`mlmclm evaluate`: fine-tune HF encoder folders on tasks over a learning-rate x seed grid
 (eval/).
 
-    mlmclm evaluate --model exports/610m-mlm40 exports/610m-clm --task sst2 conll2003 squad scifact \
-        --out results/eval --workers 4
+    mlmclm evaluate --model exports/610m-mlm40 exports/610m-clm --task sst2 conll2003 squad \
+        scifact --out results/eval --workers 4
     mlmclm evaluate --model M --suite paper --protocol encodeval   # the paper's evaluation
     mlmclm evaluate ... --show-inputs 3         # the first training inputs as tokens with labels
     mlmclm evaluate ... --list                  # print the grid (size it for a SLURM array)

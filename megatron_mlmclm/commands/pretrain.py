@@ -1,7 +1,8 @@
 """`mlmclm pretrain CONFIG [key.sub=value ...]`: one command on CPU (gloo) and GPU (NCCL).
 
 mlmclm pretrain examples/configs/tiny.yaml train.steps=20
-torchrun --nproc_per_node 4 -m megatron_mlmclm pretrain cfg.yaml parallel.tensor_model_parallel_size=2
+torchrun --nproc_per_node 4 -m megatron_mlmclm pretrain cfg.yaml \
+    parallel.tensor_model_parallel_size=2
 """
 
 from __future__ import annotations

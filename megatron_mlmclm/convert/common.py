@@ -1,4 +1,5 @@
-"""Shared plumbing of the converters: reading global tensors, the in-process TP1 model, output folders.
+"""Shared plumbing of the converters: reading global tensors, the in-process TP1 model, output
+folders.
 
 Megatron's dist checkpoints store *global* tensors (layers stacked on dim 0 under one key, e.g.
 ``decoder.layers.self_attention.linear_qkv.weight`` of shape [L, qkv, h]), whatever TP/PP layout
@@ -17,8 +18,9 @@ import re
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -162,7 +164,7 @@ def build_encoder(cfg, vocab_size: int, seed: int = 1234):
     return model.eval()
 
 
-def _local_to_global(model) -> dict[str, tuple[str, Optional[int]]]:
+def _local_to_global(model) -> dict[str, tuple[str, int | None]]:
     """state_dict name -> (dist-checkpoint key, layer index or None) of a TP1/PP1 model."""
     out = {}
     for name, sh in model.sharded_state_dict().items():

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import transformers
 from safetensors.torch import save_file
@@ -62,7 +62,7 @@ class ExportResult:
     verification: Verification
 
 
-def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> Optional[dict[str, Any]]:
+def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> dict[str, Any] | None:
     """The HF source record of a checkpoint: its own, else that of its train.init_from chain."""
     seen = set()
     for _ in range(hops):
@@ -84,7 +84,7 @@ def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> Optional[
 
 
 def resolve_arch(
-    arch: Optional[str], causal_lm: bool, qk_norm: bool, source: Optional[dict[str, Any]]
+    arch: str | None, causal_lm: bool, qk_norm: bool, source: dict[str, Any] | None
 ) -> str:
     if arch is None:
         family = (source or {}).get("family")
@@ -111,7 +111,7 @@ def hf_config(
     arch: str,
     m,
     vocab_size: int,
-    ids: dict[str, Optional[int]],
+    ids: dict[str, int | None],
     causal_lm: bool,
     max_positions: int,
     clf_pooling: str,
@@ -185,9 +185,9 @@ def auto_class(arch: str) -> str:
 def to_hf(
     checkpoint,
     out,
-    arch: Optional[str] = None,
+    arch: str | None = None,
     causal_lm: bool = False,
-    tokenizer: Optional[str] = None,
+    tokenizer: str | None = None,
     force: bool = False,
     clf_pooling: str = "late",
     verbose: bool = True,
@@ -293,7 +293,7 @@ def to_hf(
     return result
 
 
-def pretraining_record(cfg, iteration: Optional[int]) -> dict[str, Any]:
+def pretraining_record(cfg, iteration: int | None) -> dict[str, Any]:
     """Where a checkpoint stands in its pretraining, for learning curves: the run, the run its
     curve belongs to (a decay branch's stable source, else itself), its objectives in phase order
     and the tokens read so far (a branch counts its source's steps, which it shares; a continued
@@ -322,7 +322,7 @@ def export_name(tokens: int, iteration: int) -> str:
 
 
 def to_hf_many(
-    ckpt_dir, out, steps: Optional[list[int]] = None, force: bool = False, **options
+    ckpt_dir, out, steps: list[int] | None = None, force: bool = False, **options
 ) -> list[ExportResult]:
     """Export several checkpoints of a run's checkpoints folder into OUT/step<N>-tokens<T>/: the
     `steps` given (None: every complete checkpoint). Every checkpoint and target is checked before
@@ -379,7 +379,7 @@ def _verify(ckpt: Path, cfg, vocab: int, folder: Path, arch: str, causal_lm: boo
     )
 
 
-def _layout_text(layout: Optional[dict]) -> str:
+def _layout_text(layout: dict | None) -> str:
     if not layout:
         return "unknown layout"
     return f"TP{layout.get('tp', 1)}/PP{layout.get('pp', 1)}/DP{layout.get('dp', 1)}"

@@ -10,11 +10,11 @@
     OUT/mlmclm_source.json          the source record (read by `convert to-hf` for the default arch)
 
 Continue with ``mlmclm pretrain OUT/config.yaml data.train=[PREFIX]``. Supported: Llama 3.x,
-SmolLM2-style tied embeddings, Mistral without sliding window, Qwen3 (qk-norm), EuroBERT and our own
-exports (``is_causal: false``), each with the default RoPE or Llama 3.1-style ``llama3`` RoPE scaling
-(Llama 3.1 / 3.2; carried into ``model.rope_scaling``). Refused with one line: other architectures,
-MoE, sliding window, attention/MLP biases, other RoPE scaling kinds, non-SiLU MLPs, a tokenizer
-larger than the model's vocabulary.
+SmolLM2-style tied embeddings, Mistral without sliding window, Qwen3 (qk-norm), EuroBERT and our
+own exports (``is_causal: false``), each with the default RoPE or Llama 3.1-style ``llama3`` RoPE
+scaling (Llama 3.1 / 3.2; carried into ``model.rope_scaling``). Refused with one line: other
+architectures, MoE, sliding window, attention/MLP biases, other RoPE scaling kinds, non-SiLU MLPs,
+a tokenizer larger than the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import yaml
@@ -121,7 +121,7 @@ def check_supported(cfg, hf_dir: Path) -> None:
         cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
 
 
-def rope_scaling(cfg, hf_dir: Path) -> Optional[dict[str, Any]]:
+def rope_scaling(cfg, hf_dir: Path) -> dict[str, Any] | None:
     """model.rope_scaling for the HF RoPE parameters: None (default RoPE) or the llama3 fields."""
     rope = getattr(cfg, "rope_parameters", None) or {}
     kind = rope.get("rope_type", "default")

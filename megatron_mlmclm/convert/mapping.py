@@ -8,7 +8,8 @@ corresponds to (``{i}`` = layer index) and the transform between them:
   qkv      megatron's fused ``linear_qkv`` holds, per KV group, that group's query heads, then its
            key head, then its value head  <->  q_proj, k_proj, v_proj
   gate_up  megatron's ``linear_fc1`` = [gate; up] (SwiGLU)  <->  gate_proj, up_proj
-  vocab    megatron pads the vocabulary to a multiple of 128: trimmed on export, zero-padded on import
+  vocab    megatron pads the vocabulary to a multiple of 128: trimmed on export, zero-padded on
+           import
 
 `when` makes a rule conditional: ``untied`` (output layer only with untied embeddings), ``qk_norm``.
 RoPE needs no permutation (megatron and HF both rotate halves). A config table maps HF config fields
@@ -18,7 +19,7 @@ to ModelConfig fields in the same way (`CONFIG_FIELDS`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ class Rule:
     megatron: str
     hf: tuple[str, ...]
     op: str = "copy"  # copy | qkv | gate_up | vocab
-    when: Optional[str] = None  # None | "untied" | "qk_norm"
+    when: str | None = None  # None | "untied" | "qk_norm"
 
     @property
     def per_layer(self) -> bool:

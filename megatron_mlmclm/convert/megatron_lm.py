@@ -32,7 +32,7 @@ import shutil
 import warnings
 from argparse import Namespace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +66,8 @@ MEGATRON_LLAMA3 = {
 
 
 def resolve(path) -> Path:
-    """The iteration folder of a Megatron-LM save dir (via its tracker file) or the folder itself."""
+    """The iteration folder of a Megatron-LM save dir (via its tracker file) or the folder
+    itself."""
     p = Path(path)
     if not p.exists():
         raise UsageError(
@@ -212,7 +213,8 @@ def model_fields(args: Namespace, vocab_size: int) -> dict[str, Any]:
 
 
 def _resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """The first `rows` rows (rows past the tokenizer are padding: zeros if the source has fewer)."""
+    """The first `rows` rows (rows past the tokenizer are padding: zeros if the source has
+    fewer)."""
     if t.shape[0] >= rows:
         return t[:rows].clone()
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
@@ -221,7 +223,7 @@ def _resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
 def from_megatron_lm(
     checkpoint,
     out,
-    tokenizer: Optional[str],
+    tokenizer: str | None,
     force: bool = False,
     seed: int = 1234,
     verbose: bool = True,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -49,11 +49,11 @@ def open_indexed_dataset(prefix: str | os.PathLike):
             raise UsageError(
                 f"{bin_path} is empty (no tokens); preprocess a non-empty corpus or "
                 f"drop the prefix from the data list"
-            )
+            ) from None  # megatron's own failure on an empty file says nothing more
         raise UsageError(
             f"{idx_path} is corrupt or truncated ({type(e).__name__}: {e}); "
             f"rewrite the shard with `mlmclm preprocess`"
-        )
+        ) from e
     lengths = ds.sequence_lengths
     expected = int(lengths.sum(dtype=np.int64)) * np.dtype(ds.index.dtype).itemsize
     actual = os.path.getsize(bin_path)
@@ -93,9 +93,9 @@ class PackedDataset:
         seq_length: int,
         num_samples: int,
         seed: int,
-        cache_dir: Optional[str | os.PathLike] = None,
+        cache_dir: str | os.PathLike | None = None,
         *,
-        num_epochs: Optional[int] = None,
+        num_epochs: int | None = None,
     ):
         if num_epochs is None and int(num_samples) < 1:
             raise UsageError(f"num_samples must be >= 1, got {num_samples}")
@@ -115,7 +115,7 @@ class PackedDataset:
                 cache_dir=cache_dir,
             )
         except ValueError as e:
-            raise UsageError(f"{self.prefix}: {e}")
+            raise UsageError(f"{self.prefix}: {e}") from e
 
     def __len__(self) -> int:
         return self.index.num_samples
@@ -174,7 +174,7 @@ class BlendedPackedDataset:
                 weights, int(num_samples), seed
             )
         except ValueError as e:
-            raise UsageError(str(e))
+            raise UsageError(str(e)) from e
         self.datasets = list(datasets)
         self.weights = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         counts = np.bincount(self.dataset_index, minlength=len(datasets))
@@ -195,7 +195,7 @@ class BlendedPackedDataset:
 # Prefix lists
 
 
-def parse_prefixes(items: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+def parse_prefixes(items: Sequence[str]) -> tuple[list[str], list[float] | None]:
     """["0.7", "a", "0.3", "b"] -> (["a", "b"], [0.7, 0.3]); ["a", "b"] -> (["a", "b"], None)."""
     items = [str(x) for x in items]
     if not items:
@@ -203,7 +203,7 @@ def parse_prefixes(items: Sequence[str]) -> tuple[list[str], Optional[list[float
             "no data prefix given; pass shard prefixes such as data/corpus_text_document"
         )
 
-    def number(x: str) -> Optional[float]:
+    def number(x: str) -> float | None:
         try:
             return float(x)
         except ValueError:
@@ -228,7 +228,7 @@ def parse_prefixes(items: Sequence[str]) -> tuple[list[str], Optional[list[float
     return prefixes, weights
 
 
-def _resolve_weights(prefixes: list[str], weights: Optional[list[float]]):
+def _resolve_weights(prefixes: list[str], weights: list[float] | None):
     """Open every shard (validating it); weights default to token counts."""
     indexed = [open_indexed_dataset(p) for p in prefixes]
     if weights is None:
@@ -252,7 +252,7 @@ def build_train_dataset(
     seq_length: int,
     num_samples: int,
     seed: int,
-    cache_dir: Optional[str | os.PathLike] = None,
+    cache_dir: str | os.PathLike | None = None,
 ):
     """One PackedDataset, or a BlendedPackedDataset when several prefixes are given.
 
@@ -279,12 +279,12 @@ def build_train_dataset(
 
 def index_shards(
     prefixes: list[str],
-    weights: Optional[list[float]],
+    weights: list[float] | None,
     seq_length: int,
     seed: int,
-    num_samples: Optional[int] = None,
-    num_epochs: Optional[int] = None,
-    cache_dir: Optional[str | os.PathLike] = None,
+    num_samples: int | None = None,
+    num_epochs: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> Iterator[tuple[str, float, SampleIndex, float]]:
     """Build (or load from the cache) the sample index of every prefix of a data list, as a run
     of `num_samples` blended samples (or `num_epochs` over each prefix) would.
@@ -292,7 +292,7 @@ def index_shards(
     Yields (prefix, blend share, index, seconds) as each index is ready.
     """
     weights = _resolve_weights(prefixes, weights)
-    counts: list[Optional[int]] = [None] * len(prefixes)
+    counts: list[int | None] = [None] * len(prefixes)
     if num_samples is not None:
         dataset_index, _ = build_blend_index(weights, num_samples, seed)
         counts = [max(int(c), 1) for c in np.bincount(dataset_index, minlength=len(prefixes))]
@@ -310,5 +310,5 @@ def index_shards(
                 cache_dir=cache_dir,
             )
         except ValueError as e:
-            raise UsageError(f"{prefix}: {e}")
+            raise UsageError(f"{prefix}: {e}") from e
         yield prefix, float(w), index, time.perf_counter() - t0

@@ -29,8 +29,8 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -217,7 +217,7 @@ def preprocess(
     expand_inputs(inputs)  # missing inputs fail before anything is created
     outs = {k: shard_paths(output_prefix, k) for k in keys}
     if not force:
-        for k, (b, i) in outs.items():
+        for b, i in outs.values():
             for p in (b, i):
                 if p.exists():
                     raise UsageError(
@@ -286,7 +286,8 @@ def preprocess(
                 dropped += int((~keep).sum())
                 cuts = np.cumsum(lengths)
                 flat = np.concatenate(
-                    [flat[c - l : c] for c, l, kk in zip(cuts, lengths, keep) if kk] or [flat[:0]]
+                    [flat[end - size : end] for end, size, kept in zip(cuts, lengths, keep) if kept]
+                    or [flat[:0]]
                 )
                 lengths = lengths[keep]
             _add_documents(builders[k], flat, lengths)

@@ -53,7 +53,6 @@ import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -90,7 +89,7 @@ class SampleIndex:
     num_epochs: int
     num_documents: int
     tokens_per_epoch: int
-    cache_path: Optional[str] = None  # the .json marker of the cache entry, when cached
+    cache_path: str | None = None  # the .json marker of the cache entry, when cached
     from_cache: bool = False
 
     def __len__(self) -> int:
@@ -130,8 +129,8 @@ def cache_key(
     lengths: np.ndarray,
     seq_length: int,
     seed: int,
-    num_samples: Optional[int],
-    num_epochs: Optional[int],
+    num_samples: int | None,
+    num_epochs: int | None,
 ) -> str:
     """Hash of every input that changes the index (and of the format version)."""
     lengths = np.ascontiguousarray(lengths, dtype=np.int32)
@@ -165,7 +164,7 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def _load(marker: Path, files: dict[str, Path], seq_length: int) -> Optional[SampleIndex]:
+def _load(marker: Path, files: dict[str, Path], seq_length: int) -> SampleIndex | None:
     if not marker.is_file() or not all(p.is_file() for p in files.values()):
         return None
     try:
@@ -191,9 +190,9 @@ def build_sample_index(
     lengths,
     seq_length: int,
     seed: int,
-    num_samples: Optional[int] = None,
-    num_epochs: Optional[int] = None,
-    cache_dir: Optional[str | os.PathLike] = None,
+    num_samples: int | None = None,
+    num_epochs: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> SampleIndex:
     """Pack documents of `lengths` tokens into samples; exactly one of num_samples / num_epochs.
 

@@ -28,8 +28,8 @@ import importlib.util
 import json
 import os
 import zlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import pyarrow.parquet as pq
 
@@ -244,8 +244,7 @@ def _iter_hf(name: str, keys: Sequence[str]) -> Iterator[tuple[int, dict]]:
         ds = datasets.load_dataset(ds_name, split=split or "train", streaming=True)
     except Exception as e:
         raise UsageError(f"cannot load Hugging Face dataset '{name}': {e}") from None
-    for i, rec in enumerate(ds, 1):
-        yield i, rec
+    yield from enumerate(ds, 1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ def open_text(path: Path):
 
 
 def files(task, name: str) -> list[Path]:
-    """The files a split names under the task's folder: one file, or the sorted matches of a glob."""
+    """The files a split names under the task's folder: one file, or the sorted matches of a
+    glob."""
     folder = task.folder()
     if any(c in name for c in "*?["):
         found = sorted(p for p in folder.glob(name) if p.is_file())

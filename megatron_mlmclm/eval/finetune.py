@@ -31,7 +31,6 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -59,13 +58,13 @@ class FinetuneConfig:
     task: str
     lr: float = 5e-5
     seed: int = 0
-    model_name: Optional[str] = None  # label in results/report; default: the folder name
+    model_name: str | None = None  # label in results/report; default: the folder name
     protocol: str = "default"  # evaluation protocol (eval/protocols.py)
     batch_size: int = 32
     eval_batch_size: int = 64
     # training stops at max_steps or after this many epochs, whichever is first (None: no cap)
-    max_steps: Optional[int] = 1000
-    epochs: Optional[float] = 1.0
+    max_steps: int | None = 1000
+    epochs: float | None = 1.0
     warmup_ratio: float = 0.1
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -73,14 +72,14 @@ class FinetuneConfig:
     adam_eps: float = 1e-5
     grad_clip: float = 1.0  # 0 disables
     eval_every: int = 100
-    max_length: Optional[int] = None  # cap on the sequence length
+    max_length: int | None = None  # cap on the sequence length
     max_length_ratio: float = 0.99  # of the model's max positions
-    max_train_examples: Optional[int] = None
-    max_eval_examples: Optional[int] = None
+    max_train_examples: int | None = None
+    max_eval_examples: int | None = None
     ir_mini_batch_size: int = 32  # CachedMNRL chunk size (memory only; the loss is the same)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32 | bf16-pure
-    threads: Optional[int] = None  # torch CPU threads; None: leave torch's default
+    threads: int | None = None  # torch CPU threads; None: leave torch's default
     task_files: list[str] = field(default_factory=list)
     progress: bool = True
     save_model: bool = False  # keep the fine-tuned model (run_finetune's save_to)
@@ -97,8 +96,8 @@ class FinetuneConfig:
 
 
 # FinetuneConfig fields that change a run's score (with precision resolved, see `protocol`). The
-# others do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe the
-# sweep, and eval_batch_size, eval_every (evaluation never touches the RNG or the weights),
+# others do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe
+# the sweep, and eval_batch_size, eval_every (evaluation never touches the RNG or the weights),
 # ir_mini_batch_size (CachedMNRL: same loss), device, threads, task_files (the entry itself is
 # hashed), progress and save_model are execution knobs. tests/eval/test_protocol.py checks every
 # field is in exactly one of the two sets.

@@ -18,8 +18,8 @@ Heads (which family uses which is the family's choice, eval/families/):
   across architectures.
 - token classification (TC; QA as token tagging): AutoModelForTokenClassification where
   transformers has one, else `TokenTagger` (`token_classifier`).
-- span QA: AutoModelForQuestionAnswering where transformers has one, else `SpanQAModel` (EuroBert has
-  none): a linear start/end head over AutoModel (`span_qa_model`).
+- span QA: AutoModelForQuestionAnswering where transformers has one, else `SpanQAModel` (EuroBert
+  has none): a linear start/end head over AutoModel (`span_qa_model`).
 Our heads save with `save_pretrained(dir)` (encoder files + head.safetensors + head_config.json)
 and load with `<Head>.from_pretrained(dir)`.
 """
@@ -110,7 +110,7 @@ def load_encoder(model_dir: str) -> nn.Module:
 
 def _hidden_size(encoder: nn.Module) -> int:
     cfg = encoder.config
-    return getattr(cfg, "hidden_size", None) or getattr(cfg, "d_model")
+    return getattr(cfg, "hidden_size", None) or cfg.d_model
 
 
 def _masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

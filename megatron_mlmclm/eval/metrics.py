@@ -22,7 +22,7 @@ import collections
 import math
 import re
 import string
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 
 def accuracy(predictions: Sequence, references: Sequence) -> float:

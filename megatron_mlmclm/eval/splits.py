@@ -9,9 +9,9 @@ choose, per task (`holdout_method`):
   across machines and runs, and examples with the same key (duplicates, the questions of one
   paragraph) stay on one side;
 - ``permutation``: `datasets`' ``train_test_split(train_size=1-F, seed=holdout_seed)``, as
-  EncodEval does: a numpy ``default_rng(seed).permutation(n)`` of the rows in file order, whose first
-  ``n - floor((1-F) n)`` indices are validation. The same rows as EncodEval's when the file lists
-  them in the Hub dataset's order.
+  EncodEval does: a numpy ``default_rng(seed).permutation(n)`` of the rows in file order, whose
+  first ``n - floor((1-F) n)`` indices are validation. The same rows as EncodEval's when the file
+  lists them in the Hub dataset's order.
 
 A `max_examples` subset is a fixed random sample (seed 0, original order kept), the same for every
 run of a grid, taken after the carve.

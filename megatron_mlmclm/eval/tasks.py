@@ -2,10 +2,10 @@
 no code.
 
 Entries ship in `megatron_mlmclm/eval/tasks/*.yaml` (one file per family); more can be added with
-`--task-file FILE.yaml` or $MLMCLM_EVAL_TASKS (paths separated by os.pathsep). A later entry with the
-same name replaces an earlier one. The fields of an entry are those of `Task`; anything not listed
-there is a UsageError, so a typo never silently falls back to a default. What a field may hold for
-a family (formats, metrics, methods) is the family's to say (eval/families/).
+`--task-file FILE.yaml` or $MLMCLM_EVAL_TASKS (paths separated by os.pathsep). A later entry with
+the same name replaces an earlier one. The fields of an entry are those of `Task`; anything not
+listed there is a UsageError, so a typo never silently falls back to a default. What a field may
+hold for a family (formats, metrics, methods) is the family's to say (eval/families/).
 
 Validation is never the reported test split: an entry whose validation and test name the same split
 is refused unless `validation_holdout` carves validation out of it (eval/splits.py). An entry whose
@@ -23,7 +23,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -42,25 +42,25 @@ class Task:
     family: str
     format: str
     splits: dict[str, str]
-    path: Optional[str] = None  # folder under the data dir (or absolute); None for format hf
+    path: str | None = None  # folder under the data dir (or absolute); None for format hf
     # every family
-    metric: Optional[str] = None  # the main metric; None: the family's first
+    metric: str | None = None  # the main metric; None: the family's first
     validation_holdout: float = 0.0  # fraction carved out as the validation split (splits.py)
     holdout_method: str = "hash"  # hash | permutation
     holdout_seed: int = 42  # permutation only
     suites: list[str] = field(default_factory=list)
-    encodeval_name: Optional[str] = None
+    encodeval_name: str | None = None
     protocols: dict[str, dict] = field(default_factory=dict)
     # sc
     text_a: str = "text_a"
-    text_b: Optional[str] = None
+    text_b: str | None = None
     label: str = "label"
-    labels: Optional[list[str]] = None
-    template: Optional[str] = None  # sc: {text_a} {text_b}; qa: {question} {context}
+    labels: list[str] | None = None
+    template: str | None = None  # sc: {text_a} {text_b}; qa: {question} {context}
     # tc
     token_column: int = 0
     tag_column: int = -1
-    comment_prefix: Optional[str] = None  # conll: lines starting with it are skipped (CoNLL-U "#")
+    comment_prefix: str | None = None  # conll: lines starting with it are skipped (CoNLL-U "#")
     tokens_field: str = "tokens"  # hf and tables (csv/tsv/jsonl/parquet)
     tags_field: str = "ner_tags"  # hf and tables; integer tags are mapped through `labels`
     label_subtokens: str = "first"  # first | all: which sub-tokens of a word carry its tag
@@ -72,16 +72,16 @@ class Task:
     null_threshold: float = 0.0
     # ir
     corpus: str = "judged"
-    train_task: Optional[str] = None  # the task whose train split gives the training pairs
+    train_task: str | None = None  # the task whose train split gives the training pairs
     query_template: str = "{text}"
-    document_template: Optional[str] = None  # {title} {text}; None: "{title} {text}" or "{text}"
+    document_template: str | None = None  # {title} {text}; None: "{title} {text}" or "{text}"
     query_field: str = "query"  # format pairs
     positive_field: str = "positive"  # format pairs
     batches: str = "no_duplicates"  # no_duplicates | shuffled
     # the Hugging Face Hub: the whole task (format hf), or where the local folder is absent
-    hf_name: Optional[str] = None
-    hf_config: Optional[str] = None
-    hf_splits: Optional[dict[str, str]] = None  # split -> Hub split name; default: `splits`
+    hf_name: str | None = None
+    hf_config: str | None = None
+    hf_splits: dict[str, str] | None = None  # split -> Hub split name; default: `splits`
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

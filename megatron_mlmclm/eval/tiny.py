@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
@@ -78,14 +78,15 @@ def sample_texts(data_dir: str | Path, max_lines: int = 20000) -> list[str]:
     sst = d / "sst2" / "train.tsv"
     if sst.is_file():
         texts += [
-            l.split("\t")[0] for l in sst.read_text(encoding="utf-8").splitlines()[1:max_lines]
+            line.split("\t")[0]
+            for line in sst.read_text(encoding="utf-8").splitlines()[1:max_lines]
         ]
     conll = d / "conll2003" / "train.txt"
     if conll.is_file():
         words = [
-            l.split()[0]
-            for l in conll.read_text(encoding="utf-8").splitlines()[: max_lines * 5]
-            if l.strip()
+            line.split()[0]
+            for line in conll.read_text(encoding="utf-8").splitlines()[: max_lines * 5]
+            if line.strip()
         ]
         texts += [" ".join(words[i : i + 50]) for i in range(0, len(words), 50)]
     for sub in ("MNLI_subset", "QQP_subset"):
@@ -101,7 +102,9 @@ def sample_texts(data_dir: str | Path, max_lines: int = 20000) -> list[str]:
                 texts += [q["question"] for q in p["qas"]]
     sci = d / "scifact" / "beir_format"
     if (sci / "queries.jsonl").is_file():
-        texts += [json.loads(l)["text"] for l in (sci / "queries.jsonl").read_text().splitlines()]
+        texts += [
+            json.loads(line)["text"] for line in (sci / "queries.jsonl").read_text().splitlines()
+        ]
         with gzip.open(sci / "corpus.jsonl.gz", "rt", encoding="utf-8") as f:
             for i, line in enumerate(f):
                 if i >= 1000:

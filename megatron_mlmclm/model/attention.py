@@ -1,8 +1,8 @@
 """Core attention on torch.nn.functional.scaled_dot_product_attention, plus document masks.
 
-megatron-core's local DotProductAttention materialises the score matrix in Python-level ops (about 2x
-slower at seq 1024 on CPU); this module is a drop-in `core_attention` for the local layer spec that
-gives the same results through SDPA (fused kernels on CPU and GPU, native GQA).
+megatron-core's local DotProductAttention materialises the score matrix in Python-level ops (about
+2x slower at seq 1024 on CPU); this module is a drop-in `core_attention` for the local layer spec
+that gives the same results through SDPA (fused kernels on CPU and GPU, native GQA).
 
 Masks are the batches' (objectives.document_attention_mask, megatron's convention: a bool tensor
 [b, 1, s, s] where True means "may not attend"). Packed samples hold several documents; a token
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -39,9 +38,9 @@ class CoreAttention(MegatronModule):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection=None,
     ):
         super().__init__(config=config)
@@ -133,9 +132,9 @@ def documents_from_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, boo
 def document_block_mask(
     document_ids: torch.Tensor,
     causal: bool,
-    heads: Optional[int] = None,
+    heads: int | None = None,
     block_size: int = 128,
-    compile_mask: Optional[bool] = None,
+    compile_mask: bool | None = None,
 ):
     """FlexAttention BlockMask: same document (and key <= query when causal)."""
     doc = document_ids
@@ -201,11 +200,11 @@ class FlexDocumentAttention(SDPAttention):
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection=None,
-        masks: Optional[DocumentMasks] = None,
+        masks: DocumentMasks | None = None,
     ):
         super().__init__(
             config,

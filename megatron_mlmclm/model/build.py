@@ -1,15 +1,15 @@
-"""The encoder as a megatron-core GPTModel: config, layer spec, and a head that pays only for labels.
+"""The encoder as a megatron-core GPTModel: config, layer spec, and a head that pays only for
+labels.
 
-Architecture (docs/study.md): RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings. The same trunk is
-trained causally (CLM) or bidirectionally (MLM); the attention kind is a property of the batch
-(the mask), not of the model, so one model switches objective between phases.
+Architecture (docs/study.md): RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings. The same
+trunk is trained causally (CLM) or bidirectionally (MLM); the attention kind is a property of the
+batch (the mask), not of the model, so one model switches objective between phases.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
@@ -55,7 +55,7 @@ def use_bf16(cfg: RunConfig) -> bool:
     return cfg.train.precision == "bf16"
 
 
-def transformer_config(cfg: RunConfig, plan: Optional[KernelPlan] = None) -> TransformerConfig:
+def transformer_config(cfg: RunConfig, plan: KernelPlan | None = None) -> TransformerConfig:
     """megatron-core's TransformerConfig for the run; fusions, overlap-related and init fields
     come from the kernel plan (model/kernels.py; by default planned for this machine)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -113,10 +113,10 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
         super().__init__(hidden_size, eps=eps)
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(config: TransformerConfig, attention: str, vp_stage: Optional[int] = None):
+def layer_spec(config: TransformerConfig, attention: str, vp_stage: int | None = None):
     """The kernel plan's attention path as a layer spec: Transformer Engine's spec for te-thd,
     else megatron's local spec with our core attention (SDPA, Flex or the THD stand-in) and our
     RMSNorm (a block spec, so the final norm is ours too)."""
@@ -153,7 +153,7 @@ class EncoderLM(GPTModel):
         position_ids,
         labels,
         *args,
-        loss_mask: Optional[torch.Tensor] = None,
+        loss_mask: torch.Tensor | None = None,
         **kwargs,
     ):
         if not self.post_process or labels is None:
@@ -213,8 +213,8 @@ def build_model_chunk(
     vocab_size: int,
     pre_process: bool,
     post_process: bool,
-    vp_stage: Optional[int] = None,
-    plan: Optional[KernelPlan] = None,
+    vp_stage: int | None = None,
+    plan: KernelPlan | None = None,
 ):
     """One model chunk with its initial weights (model/init.py: the same model for every parallel
     layout); its attention path is the kernel plan's (by default planned for this machine)."""
@@ -283,7 +283,7 @@ def set_rotary_base(chunks: list[torch.nn.Module], m: ModelConfig, base: float) 
 
 
 def build_model(
-    cfg: RunConfig, config: TransformerConfig, vocab_size: int, plan: Optional[KernelPlan] = None
+    cfg: RunConfig, config: TransformerConfig, vocab_size: int, plan: KernelPlan | None = None
 ) -> list[torch.nn.Module]:
     """Model chunks for this rank (one, or several with virtual pipeline parallelism)."""
     vpp = cfg.parallel.virtual_pipeline_model_parallel_size

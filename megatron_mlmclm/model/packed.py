@@ -22,7 +22,6 @@ Pure torch; runs on CPU (unit-tested) and on the GPU where the batch lives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -124,7 +123,7 @@ class DocumentSeqParams(PackedSeqParams):
     sample length (GPTModel sizes RoPE from them whenever packed_seq_params is given).
     """
 
-    document_ids: Optional[torch.Tensor] = None  # [b, s]
+    document_ids: torch.Tensor | None = None  # [b, s]
     causal: bool = False
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.plan.layout import GLOBAL_BATCH, check_size
@@ -77,8 +76,8 @@ class Run:
     phases: list[dict]
     warmup: int
     decay: int
-    depends_on: Optional[str] = None  # a CPT run's source; a branch's stable run
-    branch_at: Optional[int] = None  # a branch starts at this step of its stable run
+    depends_on: str | None = None  # a CPT run's source; a branch's stable run
+    branch_at: int | None = None  # a branch starts at this step of its stable run
     keep_steps: list[int] = field(default_factory=list)  # a stable run's branch points
     config: dict = field(default_factory=dict)
     row: dict = field(default_factory=dict)

@@ -27,6 +27,7 @@ def job_script(
     ckpt = runs_dir / run.name / "checkpoints"
     export = hf_dir / run.name
     eval_args = " ".join(q(t) for t in tasks + grid)  # task names, then --lrs/--seeds
+    eval_out = q(str(results / "eval"))
     return f"""#!/usr/bin/env bash
 # {run.name}: {run.kind} run, {run.steps} steps{_relation(run)}.
 # Written by `mlmclm plan`. Usage: bash {run.name}.sh pretrain|convert|evaluate|all [extra args]
@@ -41,7 +42,7 @@ LAUNCH=${{LAUNCH:-"torchrun --standalone --nproc_per_node {gpus_per_node}"}}
 
 pretrain() {{ $LAUNCH -m megatron_mlmclm pretrain "$CONFIG" "$@"; }}
 convert() {{ mlmclm convert to-hf {q(str(ckpt))} {q(str(export))} --force "$@"; }}
-evaluate() {{ mlmclm evaluate --model {q(str(export))} --task {eval_args} --out {q(str(results / "eval"))} "$@"; }}
+evaluate() {{ mlmclm evaluate --model {q(str(export))} --task {eval_args} --out {eval_out} "$@"; }}
 
 case "$STEP" in
   pretrain) pretrain "$@" ;;
@@ -109,7 +110,8 @@ def submit_script(
         "#                   (convert and evaluate jobs then ask for no GPU, else for one)",
         '#   SBATCH_EXTRA    sbatch options for every job, e.g. "--account X --partition Y"',
         "#   PRETRAIN_SBATCH, CONVERT_SBATCH, EVAL_SBATCH, REPORT_SBATCH  sbatch options per kind",
-        "#   PRETRAIN_ARGS   config overrides appended to every pretraining run (key.sub=value ...)",
+        "#   PRETRAIN_ARGS   config overrides appended to every pretraining run"
+        " (key.sub=value ...)",
         "#   EVAL_ARGS       options appended to every `mlmclm evaluate` (e.g. --max-steps 500)",
         "#   SLURM_DIR       the sbatch templates (default: this checkout's examples/slurm)",
         "# The jobs read MLMCLM_PYTHON, CONTAINER_ARGS, MASTER_PORT, MLMCLM_DATA_DIR from this",
@@ -144,7 +146,7 @@ def submit_script(
             )
         ckpt, export = runs_dir / run.name / "checkpoints", hf_dir / run.name
 
-        def pretrain(job: str, dependency: str, stop: str = "") -> str:
+        def pretrain(job: str, dependency: str, stop: str = "", run=run, lay=lay) -> str:
             return (
                 f"{job}=$(sub{dependency} --job-name {q('pt-' + run.name)} --nodes "
                 f'{lay["nodes"]} $(gpus "$GPUS_PER_NODE") --export=ALL,NPROC_PER_NODE={gpn} '

@@ -4,7 +4,6 @@ defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 DEFAULT_EVAL_TASKS = ("sst2", "mnli", "qqp", "conll2003", "squad", "scifact")
 
@@ -22,8 +21,8 @@ class PlanOptions:
     split_size: str = "610m"
     split_mask_ratio: float = 0.4
     cpt_steps: list[int] = field(default_factory=lambda: [2000, 12000, 22000])
-    cpt_size: Optional[str] = None  # default: split_size
-    cpt_budget: Optional[int] = None  # default: the largest budget
+    cpt_size: str | None = None  # default: split_size
+    cpt_budget: int | None = None  # default: the largest budget
     cpt_from: list[str] = field(default_factory=lambda: ["clm", "mlm"])
     cpt_mask_ratio: float = 0.4
     cpt_warmup_steps: int = 200
@@ -33,9 +32,9 @@ class PlanOptions:
     data: list[str] = field(default_factory=lambda: ["data/shards/fineweb_edu_text_document"])
     valid: list[str] = field(default_factory=list)
     tokenizer: str = "data/tokenizer"
-    runs_dir: Optional[str] = None  # default: OUT/runs
-    hf_dir: Optional[str] = None  # default: OUT/hf
-    results_dir: Optional[str] = None  # default: OUT/results
+    runs_dir: str | None = None  # default: OUT/runs
+    hf_dir: str | None = None  # default: OUT/hf
+    results_dir: str | None = None  # default: OUT/results
     eval_tasks: list[str] = field(default_factory=lambda: list(DEFAULT_EVAL_TASKS))
     eval_lrs: list[float] = field(default_factory=list)  # empty: evaluate's default grid
     eval_seeds: list[int] = field(default_factory=list)

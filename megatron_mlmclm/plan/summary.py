@@ -15,28 +15,29 @@ def summary_md(rows: list[dict], totals: dict, throughput: dict) -> str:
     w = out.write
     w("# Plan summary\n\n")
     w(
-        f"{len(rows)} runs. Global batch {GLOBAL_BATCH} x seq 2048 = {GLOBAL_BATCH * 2048:,} tokens "
-        "per step (the study's ~2.36M). Training FLOPs as the model spends them (config.py's budget "
-        "arithmetic: the sparse MLM head over the masked tokens, causal attention at half as "
-        "Transformer Engine computes it; vocabulary 128,256). GPU-hours = the FLOPs a job trains / "
-        "the FLOP rate per GPU of the stated CLM throughput / 3600, so an MLM step costs what its "
-        "FLOPs cost; wall hours = GPU-hours / GPUs of the run (no queueing, no restarts).\n\n"
+        f"{len(rows)} runs. Global batch {GLOBAL_BATCH} x seq 2048 = {GLOBAL_BATCH * 2048:,} "
+        "tokens per step (the study's ~2.36M). Training FLOPs as the model spends them "
+        "(config.py's budget arithmetic: the sparse MLM head over the masked tokens, causal "
+        "attention at half as Transformer Engine computes it; vocabulary 128,256). GPU-hours = "
+        "the FLOPs a job trains / the FLOP rate per GPU of the stated CLM throughput / 3600, so an "
+        "MLM step costs what its FLOPs cost; wall hours = GPU-hours / GPUs of the run (no "
+        "queueing, no restarts).\n\n"
     )
     w(
         "Assumed throughput (CLM tokens/s per GPU): "
         + ", ".join(
             f"{k} {v:,.0f}" for k, v in throughput.items() if k in {r["size"] for r in rows}
         )
-        + ". Replace with a measured figure (`tokens_per_s_per_device` of a CLM run's metrics.jsonl) "
-        "via `--throughput SIZE=N`.\n\n"
+        + ". Replace with a measured figure (`tokens_per_s_per_device` of a CLM run's "
+        "metrics.jsonl) via `--throughput SIZE=N`.\n\n"
     )
     branches = [r for r in rows if r["kind"] == "branch"]
     if branches:
         w(
-            "Decay branches: a run of kind `branch` starts from its stable run's checkpoint at step "
-            "`branch at` (kept there) and trains only its own decay; it is bitwise the run trained "
-            "from scratch with its budget (docs/pretrain.md#decay-branches). `GPU-h` is what the "
-            "plan spends, `from scratch` what the run would cost alone.\n\n"
+            "Decay branches: a run of kind `branch` starts from its stable run's checkpoint at "
+            "step `branch at` (kept there) and trains only its own decay; it is bitwise the run "
+            "trained from scratch with its budget (docs/pretrain.md#decay-branches). `GPU-h` is "
+            "what the plan spends, `from scratch` what the run would cost alone.\n\n"
         )
     w(
         "| run | kind | phases (steps) | tokens (B) | nodes x GPUs | TP/PP/DP | micro | GPU-h | "

@@ -1,11 +1,12 @@
 """Run megatron-core 0.16 on machines without CUDA (gloo + CPU tensors), with no source edits.
 
 megatron-core has no CPU path: it asks for `torch.cuda.current_device()`, creates tensors with a
-literal `device="cuda"`, keeps CUDA RNG states and checks `tensor.type() == 'torch.cuda.FloatTensor'`.
-Everything needed to redirect those to the CPU lives in this one module and is applied only when
-CUDA is unavailable (`apply()` is a no-op otherwise). `PATCH_TARGETS` lists every object we replace
-so that a test can prove each still exists in the installed megatron-core: when an upgrade moves one,
-that test fails instead of training silently going wrong.
+literal `device="cuda"`, keeps CUDA RNG states and checks
+`tensor.type() == 'torch.cuda.FloatTensor'`. Everything needed to redirect those to the CPU lives
+in this one module and is applied only when CUDA is unavailable (`apply()` is a no-op otherwise).
+`PATCH_TARGETS` lists every object we replace so that a test can prove each still exists in the
+installed megatron-core: when an upgrade moves one, that test fails instead of training silently
+going wrong.
 
 `apply_megatron_fixes()` holds fixes for megatron bugs that are not CPU-specific (they bite any run
 without Apex/Transformer Engine) and is applied everywhere.

@@ -28,7 +28,6 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from megatron_mlmclm.errors import UsageError
 
@@ -36,7 +35,7 @@ PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".mlmclm.lock"
 
 
-def die_with_parent(expected_parent: Optional[int] = None) -> bool:
+def die_with_parent(expected_parent: int | None = None) -> bool:
     """Ask for SIGKILL when the parent ends (Linux); exit now if it already has. True when set.
 
     The death signal follows the parent *thread*: the processes calling this are all started from
@@ -59,7 +58,7 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-_forking_parent: Optional[int] = None
+_forking_parent: int | None = None
 
 
 def _arm_forked_child() -> None:
@@ -109,7 +108,7 @@ class RunLock:
         self.folder = Path(output_dir)
         self.path = self.folder / LOCK_NAME
         self.file = None
-        self.taken_over: Optional[dict] = None  # the holder record of a dead run, if any
+        self.taken_over: dict | None = None  # the holder record of a dead run, if any
 
     def acquire(self) -> None:
         """Take the lock or raise UsageError naming the live run that holds it."""
@@ -123,7 +122,7 @@ class RunLock:
             raise UsageError(
                 f"{self.folder} is the output_dir of a live run ({_describe(holder)}); two runs "
                 "would write the same checkpoints: stop that run or choose another output_dir"
-            )
+            ) from None
         previous = _read(f)
         self.taken_over = previous or None
         f.seek(0)

@@ -12,8 +12,6 @@ the report's (eval/report/curves.py), one line per recipe.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from megatron_mlmclm.config import tokens_at_step
 from megatron_mlmclm.eval.report import add_interval, fmt, md_table, mean_ci
 from megatron_mlmclm.study.compare import averaged, compare, task_samples

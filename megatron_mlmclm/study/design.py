@@ -14,21 +14,20 @@ Every model is fine-tuned on each task over that task's learning rates x `finetu
 grids start at `lrs` and are widened along LR_LADDER (the whole task, every model) while a model's
 chosen LR sits at an edge, at most `max_widen` times per task.
 
-The learning curve (study/curves.py): the single-objective recipes (CURVE_RECIPES) are also trained
-at smaller budgets, `curve_shares` of `steps`, each as a decay branch of the full run (it starts from
-the full run's checkpoint kept at the smaller budget's decay start and decays on its own budget:
-bitwise the run trained from scratch with that budget, at the cost of its decay). A branch is named
-`{recipe}-b{steps}-p{seed}` and fine-tuned on `curve_tasks` only (every fine-tuning seed), at the LRs
-its recipe's full-budget models chose there: the curve costs its branches' decays and a few dozen
-fine-tuning runs, not another grid.
+The learning curve (study/curves.py): the single-objective recipes (CURVE_RECIPES) are also
+trained at smaller budgets, `curve_shares` of `steps`, each as a decay branch of the full run (it
+starts from the full run's checkpoint kept at the smaller budget's decay start and decays on its
+own budget: bitwise the run trained from scratch with that budget, at the cost of its decay). A
+branch is named `{recipe}-b{steps}-p{seed}` and fine-tuned on `curve_tasks` only (every
+fine-tuning seed), at the LRs its recipe's full-budget models chose there: the curve costs its
+branches' decays and a few dozen fine-tuning runs, not another grid.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-
 import json
+from dataclasses import dataclass, field
 
 from megatron_mlmclm.config import MODEL_PRESETS, RunConfig, load_config, run_flops
 from megatron_mlmclm.errors import UsageError
@@ -89,7 +88,7 @@ class StudyDesign:
     curve_tasks: list[str] = field(default_factory=lambda: ["scifact"])
     workers: int = 2  # parallel pretraining runs and fine-tuning runs, one thread each
 
-    def check(self) -> "StudyDesign":
+    def check(self) -> StudyDesign:
         """UsageError on a design that cannot run (before any work starts)."""
         if self.preset not in MODEL_PRESETS:
             raise UsageError(
@@ -210,7 +209,8 @@ def run_steps(design: StudyDesign, name: str) -> int:
 
 
 def widen(lrs: list[float], low: bool, high: bool) -> list[float]:
-    """The grid with the ladder's next LR added below (low) and/or above (high), when there is one."""
+    """The grid with the ladder's next LR added below (low) and/or above (high), when there is
+    one."""
     out = sorted(lrs)
     i, j = LR_LADDER.index(out[0]), LR_LADDER.index(out[-1])
     if low and i > 0:

@@ -278,7 +278,9 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
                 if proc.returncode != 0:
                     logfile = run_dir(out, name) / "train.log"
                     last = [
-                        l for l in logfile.read_text(errors="replace").splitlines() if l.strip()
+                        line
+                        for line in logfile.read_text(errors="replace").splitlines()
+                        if line.strip()
                     ]
                     log(
                         f"pretraining {name} failed (exit {proc.returncode}): "

@@ -1,5 +1,5 @@
-"""OUT/report.md of `mlmclm study`: pretraining against the unigram floor, the fine-tuning grids, the
-scores per recipe, the study's comparisons with verdicts (compare.py), and plots. The per-model
+"""OUT/report.md of `mlmclm study`: pretraining against the unigram floor, the fine-tuning grids,
+the scores per recipe, the study's comparisons with verdicts (compare.py), and plots. The per-model
 report of `mlmclm report` (every model, chosen LRs, ties, stability) goes to OUT/models/.
 """
 

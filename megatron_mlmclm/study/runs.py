@@ -30,7 +30,7 @@ def last_step(metrics: Path) -> int:
         with open(metrics, "rb") as f:
             f.seek(max(0, f.seek(0, 2) - 2048))
             lines = f.read().decode(errors="ignore").splitlines()
-        return max(json.loads(l).get("step", 0) for l in lines[1:] if l.strip())
+        return max(json.loads(line).get("step", 0) for line in lines[1:] if line.strip())
     except (OSError, ValueError):
         return 0
 
@@ -38,7 +38,7 @@ def last_step(metrics: Path) -> int:
 def val_losses(out: Path, name: str) -> list[tuple[int, float]]:
     """(step, validation loss) of a run, in order."""
     metrics = run_dir(out, name) / "metrics.jsonl"
-    rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
 
 

@@ -1,4 +1,5 @@
-"""Decay branches: a run that starts from another run's stable checkpoint and decays on its own budget.
+"""Decay branches: a run that starts from another run's stable checkpoint and decays on its own
+budget.
 
 Under a warmup-stable-decay schedule, runs of one config that differ only in their budget share
 everything before their decays: the same samples in the same order (the order does not depend on
@@ -202,9 +203,9 @@ def inherit_metrics(state_config: dict[str, Any], step: int, out: Path) -> bool:
     if target.exists() or not source.is_file():
         return False
     lines = [
-        l
-        for l in source.read_text(encoding="utf-8").splitlines()
-        if l.strip() and json.loads(l).get("step", 0) <= step
+        line
+        for line in source.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= step
     ]
-    target.write_text("".join(l + "\n" for l in lines), encoding="utf-8")
+    target.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return True

@@ -35,7 +35,7 @@ import time
 import traceback
 from collections import deque
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,8 +102,8 @@ class HangWatchdog:
         self,
         rank: int,
         folder: Path,
-        step_timeout_s: Optional[float],
-        long_timeout_s: Optional[float],
+        step_timeout_s: float | None,
+        long_timeout_s: float | None,
         poll_s: float = 1.0,
     ):
         self.rank, self.folder = rank, Path(folder)
@@ -111,7 +111,7 @@ class HangWatchdog:
         self.fixed_long_timeout = long_timeout_s
         self.poll_s = poll_s
         self.step_times: deque[float] = deque(maxlen=50)
-        self.section: Optional[tuple[str, int, float, float]] = None  # name, step, start, allowance
+        self.section: tuple[str, int, float, float] | None = None  # name, step, start, allowance
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="mlmclm-hang-watchdog", daemon=True)
 
@@ -138,7 +138,7 @@ class HangWatchdog:
         allowance = self.long_timeout() if name in LONG_SECTIONS else self.step_timeout()
         self.section = (name, step, time.monotonic(), allowance)
 
-    def leave(self, step_time: Optional[float] = None) -> None:
+    def leave(self, step_time: float | None = None) -> None:
         self.section = None
         if step_time is not None:
             self.step_times.append(step_time)
@@ -203,7 +203,7 @@ class NonFiniteRecord:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.path = self.folder / "nonfinite.json"
-        self.pending: Optional[dict[str, Any]] = None
+        self.pending: dict[str, Any] | None = None
         if self.path.is_file():
             self.pending = json.loads(self.path.read_text(encoding="utf-8"))
 
@@ -240,7 +240,7 @@ class SpikePolicy:
     """train.skip_spikes = k: skip an update whose gradient norm exceeds k x the running median of
     the last SPIKE_WINDOW accepted norms. Its window is saved in checkpoints (exact resume)."""
 
-    def __init__(self, factor: Optional[float]):
+    def __init__(self, factor: float | None):
         self.factor = factor
         self.norms: deque[float] = deque(maxlen=SPIKE_WINDOW)
         self.skipped = 0
@@ -256,7 +256,7 @@ class SpikePolicy:
     def state(self) -> dict[str, Any]:
         return {"norms": list(self.norms), "skipped": self.skipped}
 
-    def load(self, state: Optional[dict[str, Any]]) -> None:
+    def load(self, state: dict[str, Any] | None) -> None:
         if state:
             self.norms.extend(state["norms"])
             self.skipped = int(state["skipped"])
@@ -272,7 +272,7 @@ class StragglerMonitor:
     def __init__(self, world: int):
         self.world = world
         self.busy = 0.0  # this rank's busy seconds in the current interval
-        self.step_start: Optional[float] = None
+        self.step_start: float | None = None
         self.marked = False
         self.intervals = 0
         self.slowest_counts: dict[int, int] = {}
@@ -292,7 +292,7 @@ class StragglerMonitor:
             self.busy += time.perf_counter() - self.step_start
         self.step_start = None
 
-    def gather(self, device) -> Optional[dict[str, float]]:
+    def gather(self, device) -> dict[str, float] | None:
         """Collective. On rank 0: {slowest_rank, slowest_ratio, median_busy_s} of the interval."""
         mine = torch.tensor([self.busy], dtype=torch.float64, device=device)
         self.busy = 0.0
@@ -321,7 +321,7 @@ class StragglerMonitor:
             if n >= need
         ]
 
-    def summary(self) -> Optional[str]:
+    def summary(self) -> str | None:
         if self.world == 1 or not self.intervals:
             return None
         found = self.persistent()
@@ -370,7 +370,7 @@ class FaultMonitor:
         if self.watchdog is not None:
             self.watchdog.enter(section, step)
 
-    def leave(self, step_time: Optional[float] = None) -> None:
+    def leave(self, step_time: float | None = None) -> None:
         if self.watchdog is not None:
             self.watchdog.leave(step_time)
 
@@ -401,11 +401,11 @@ class FaultMonitor:
     def check_step(
         self,
         step: int,
-        problem: Optional[str],
+        problem: str | None,
         samples: str,
         bad_ranks: list[int],
         checkpoint_dir: str,
-    ) -> Optional[str]:
+    ) -> str | None:
         """After the reductions, before the update. Raises NonFinite for a non-finite step; returns
         a note to log when a step that failed before is finite on its re-run (transient)."""
         rerun = self.nonfinite.is_rerun(step)
@@ -432,8 +432,8 @@ class FaultMonitor:
                 self.nonfinite.write(dict(self.nonfinite.pending, verdict="persistent"))
             raise NonFinite(
                 f"{where}; it was not finite on the first attempt either: a persistent fault. "
-                f"Stopping for good (exit {EXIT_NONFINITE_PERSISTENT}); inspect those samples, then "
-                f"lower train.lr, raise train.warmup_steps or skip the data, and remove "
+                f"Stopping for good (exit {EXIT_NONFINITE_PERSISTENT}); inspect those samples, "
+                f"then lower train.lr, raise train.warmup_steps or skip the data, and remove "
                 f"{self.nonfinite.path} to train through step {step} again",
                 EXIT_NONFINITE_PERSISTENT,
             )
@@ -455,7 +455,7 @@ class FaultMonitor:
             EXIT_NONFINITE,
         )
 
-    def interval(self, device) -> Optional[dict[str, float]]:
+    def interval(self, device) -> dict[str, float] | None:
         """Collective, at each logging interval: rank 0's straggler figures."""
         return self.stragglers.gather(device)
 

@@ -21,7 +21,6 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from megatron_mlmclm.errors import UsageError
 
@@ -40,7 +39,7 @@ OPTIONAL = {"mode"}
 class Fault:
     kind: str
     rank: int
-    step: Optional[int] = None
+    step: int | None = None
     ms: float = 0.0
     mode: str = "persistent"
     factor: float = 1.0
@@ -68,7 +67,7 @@ def parse(text: str) -> list[Fault]:
                 float(settings.get("factor", 1)),
             )
         except ValueError:
-            raise UsageError(f"{ENV}: '{item}' has a value that is not a number")
+            raise UsageError(f"{ENV}: '{item}' has a value that is not a number") from None
         if fault.mode not in ("transient", "persistent"):
             raise UsageError(f"{ENV}: '{item}': mode must be transient or persistent")
         faults.append(fault)
@@ -78,7 +77,7 @@ def parse(text: str) -> list[Fault]:
 class Injector:
     """The faults of this rank, asked by the trainer at fixed points of a step."""
 
-    def __init__(self, rank: int, folder: Path, text: Optional[str] = None):
+    def __init__(self, rank: int, folder: Path, text: str | None = None):
         text = os.environ.get(ENV, "") if text is None else text
         self.faults = [f for f in parse(text) if f.rank == rank]
         self.folder = Path(folder)

@@ -5,9 +5,9 @@ Which samples a training step reads is a pure function of its number: the phase 
 where its global batch starts, first_sample(s) (s x GBS + sample_offset in a run of one stream;
 sample_offset is 0 unless a resume continued the stream from another consumed_samples,
 training/resume.py); each DP rank reads its contiguous share of it, micro-batch after
-micro-batch, and the phase fixes the objective and the step's mask ratio. MLM masks are a function of (data.seed,
-stream position). So a loader can prepare the next steps while the current one runs, and a resumed
-run's loader simply starts at its step: there is no iterator state to save.
+micro-batch, and the phase fixes the objective and the step's mask ratio. MLM masks are a function
+of (data.seed, stream position). So a loader can prepare the next steps while the current one runs,
+and a resumed run's loader simply starts at its step: there is no iterator state to save.
 
 - `sync`: built in the training process when the step asks (the reference; validation uses it).
 - `workers`: torch DataLoader worker processes over "micro-batch m = s x num_microbatches + j",
@@ -32,7 +32,6 @@ import queue
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -108,7 +107,7 @@ class Plan:
             self.microbatch(dataset, first_sample, j, phase) for j in range(self.num_microbatches)
         ]
 
-    def planned(self, step: Optional[int], first_sample: int, phase: PhaseConfig) -> bool:
+    def planned(self, step: int | None, first_sample: int, phase: PhaseConfig) -> bool:
         return (
             step is not None
             and 0 <= step < self.steps
@@ -163,8 +162,8 @@ class _Ahead(SyncLoader):
 
     def __init__(self, datasets, plan: Plan):
         super().__init__(datasets, plan)
-        self.next_step: Optional[int] = None
-        self.thread: Optional[threading.Thread] = None
+        self.next_step: int | None = None
+        self.thread: threading.Thread | None = None
         self.stopping = threading.Event()
         self.ready: queue.Queue = queue.Queue()
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron_mlmclm.config import (
     MaskSchedule,
@@ -31,9 +30,9 @@ class Stream:
     `temperature`, from the run's data.train sources weighted by tokens ** temperature. `data`
     None: the run's data.train. `samples`: how many the run reads from it."""
 
-    seq_length: Optional[int]
-    data: Optional[tuple[str, ...]] = None
-    temperature: Optional[float] = None
+    seq_length: int | None
+    data: tuple[str, ...] | None = None
+    temperature: float | None = None
     samples: int = 0
 
 
@@ -108,5 +107,5 @@ class PhasePlan:
         i = self.index(step)
         return self.offset[i] + (step - self.starts[i]) * self.gbs
 
-    def rotary_base(self, step: int) -> Optional[float]:
+    def rotary_base(self, step: int) -> float | None:
         return self.phases[self.index(step)].rotary_base

@@ -9,7 +9,6 @@ pretrain.sbatch forwards SLURM's early warning signal and requeues the job (docs
 from __future__ import annotations
 
 import signal
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ class Preempted(Exception):
 
 class StopSignals:
     def __init__(self):
-        self.received: Optional[str] = None
+        self.received: str | None = None
         self._previous = {}
 
     def install(self) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.runtime import distributed as rt
@@ -19,7 +18,7 @@ from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted
 from megatron_mlmclm.training.trainer import Trainer
 
 
-def pretrain(cfg: RunConfig, stop_at: Optional[int] = None) -> int:
+def pretrain(cfg: RunConfig, stop_at: int | None = None) -> int:
     """0 when the run finished (or reached `stop_at`, with a checkpoint there); EXIT_PREEMPTED
     when a stop signal saved it; EXIT_NONFINITE / EXIT_NONFINITE_PERSISTENT for a non-finite
     step (training/faults.py). A hung rank exits EXIT_HANG from its watchdog thread."""

@@ -15,7 +15,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from megatron_mlmclm.config import (
     MaskSchedule,
@@ -112,7 +112,7 @@ def phase_description(cfg: RunConfig, ph: PhaseConfig, start: int, end: int) -> 
 PHASE_START = re.compile(r", (?=(?:clm|mlm) steps \d+-\d+)")
 
 
-def first_changed_phase(saved: str, now: str) -> Optional[int]:
+def first_changed_phase(saved: str, now: str) -> int | None:
     """The index of the first phase whose description differs between two fingerprints."""
     a, b = (PHASE_START.split(x.strip("[]")) for x in (saved, now))
     for i in range(max(len(a), len(b))):
@@ -165,7 +165,7 @@ def check_resume(
     step = int(state["iteration"])
     gbs = saved_cfg.get("train", {}).get("global_batch_size", cfg.train.global_batch_size)
     consumed = int(state.get("consumed_samples", step * gbs))
-    saved_fp: Optional[dict[str, Any]] = state.get("data_fingerprint")
+    saved_fp: dict[str, Any] | None = state.get("data_fingerprint")
     if saved_fp is None:
         return consumed, [
             f"warning: {ckpt} holds no data fingerprint (saved by an older version); "

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,7 +120,7 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, stop_at: Optional[int] = None):
+    def __init__(self, cfg: RunConfig, stop_at: int | None = None):
         self.cfg = cfg
         self.step = 0
         self.stop_at = stop_at  # `pretrain --stop-at`: save at this step and end (exit 0)
@@ -290,7 +290,7 @@ class Trainer:
             override_opt_param_scheduler=True,
         )
 
-    def find_resume_checkpoint(self) -> Optional[Path]:
+    def find_resume_checkpoint(self) -> Path | None:
         """The run's latest complete checkpoint, checked against this run (optimizer kind, data
         fingerprint) before process groups exist; sets where the data stream continues."""
         cfg = self.cfg
@@ -347,7 +347,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ one step
     def microbatches(
-        self, dataset, first_sample: int, phase, step: Optional[int] = None
+        self, dataset, first_sample: int, phase, step: int | None = None
     ) -> list[dict[str, torch.Tensor]]:
         """This DP rank's micro-batches of the global batch that starts at `first_sample`, on the
         device. Those of training step `step` come from data.loader, which prepared them ahead
@@ -386,7 +386,8 @@ class Trainer:
         return out
 
     def run_schedule(self, batches, forward_only: bool) -> torch.Tensor:
-        """megatron's forward/backward schedule over micro-batches -> [loss_sum, tokens, correct]."""
+        """megatron's forward/backward schedule over micro-batches -> [loss_sum, tokens,
+        correct]."""
         vpp = len(self.model)
         iters = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
         # The pipeline's p2p tensor shapes follow the micro-batch as built: [b, s] travels as
@@ -492,7 +493,7 @@ class Trainer:
         return bad.item() == 0
 
     @torch.no_grad()
-    def evaluate(self, phase) -> Optional[float]:
+    def evaluate(self, phase) -> float | None:
         if self.valid_ds is None:
             return None
         with self.parameters_gathered():
@@ -767,7 +768,7 @@ def forward_step(data_iterator, model):
     return output, functools.partial(loss_func, scale=batch.get("loss_scale"))
 
 
-def loss_func(output, scale: Optional[float] = None):
+def loss_func(output, scale: float | None = None):
     """Per-token convention: (sum of losses, token count, logged [sum, count, correct])."""
     per_token_loss, correct = output
     total = per_token_loss.sum()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 
-
 from megatron_mlmclm.cli import main
 
 

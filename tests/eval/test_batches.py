@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_mlmclm.eval.families import load_split
-from megatron_mlmclm.eval.families import Setup
+from megatron_mlmclm.eval.families import Setup, load_split
 from megatron_mlmclm.eval.finetune import FinetuneConfig, batches, no_duplicate_batches, train
 from megatron_mlmclm.eval.tasks import load_registry
 

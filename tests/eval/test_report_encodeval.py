@@ -1,6 +1,6 @@
-"""`mlmclm report --encodeval TREE`: the paper's runs, read from a results tree in EncodEval's layout
-(written here), reported beside ours with the same LR choice, intervals and ties; numbers checked
-against a hand computation."""
+"""`mlmclm report --encodeval TREE`: the paper's runs, read from a results tree in EncodEval's
+layout (written here), reported beside ours with the same LR choice, intervals and ties; numbers
+checked against a hand computation."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-
 from jobs import read_metrics, run_pretrain
+
 from megatron_mlmclm.data.mock import markov_entropy
 
 VOCAB = 1024

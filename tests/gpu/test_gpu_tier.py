@@ -19,11 +19,10 @@ import subprocess
 import sys
 import time
 
+import checks
 import pytest
 import torch
 import yaml
-
-import checks
 from checks import GPU_SIZE, run_config, train
 from jobs import REPO, job_env, read_metrics
 
@@ -74,10 +73,10 @@ def test_flex_matches_sdpa_forward_and_backward(record, causal):
     """FlexAttention's document masks against SDPA's dense mask, outputs and gradients (Flex's
     backward exists only on CUDA; the CPU suite checks its forward)."""
     from megatron.core.transformer.enums import AttnMaskType
+    from test_packed import attention_config, random_docs
 
     from megatron_mlmclm.model.attention import FlexDocumentAttention, SDPAttention
     from megatron_mlmclm.objectives import document_attention_mask
-    from test_packed import attention_config, random_docs
 
     torch.manual_seed(0)
     config = attention_config()

@@ -5,8 +5,9 @@ records, filling an input template, padding and batching."""
 from __future__ import annotations
 
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class Family:
     inputs: Callable
     setup: Callable
     show: Callable
-    default_metric: Optional[Callable] = None
+    default_metric: Callable | None = None
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -73,8 +74,8 @@ class Setup:
     info: dict = field(default_factory=dict)
     # per train item, the values no two items of one batch may share (IR: query and positive text,
     # see no_duplicate_batches); None = plain shuffled batches
-    batch_keys: Optional[list[tuple]] = None
-    save: Optional[Callable[[str], None]] = None  # write the fine-tuned model to a folder
+    batch_keys: list[tuple] | None = None
+    save: Callable[[str], None] | None = None  # write the fine-tuned model to a folder
 
 
 def load_records(

@@ -139,7 +139,8 @@ def read_mldr(task, split) -> Beir:
 
 
 def read_pairs(task, split) -> list[dict]:
-    """A table of pairs, its format told by the file name (.parquet, .csv, .tsv, else JSON Lines)."""
+    """A table of pairs, its format told by the file name (.parquet, .csv, .tsv, else JSON
+    Lines)."""
     paths = data.files(task, task.splits[split])
     name = paths[0].name.removesuffix(".gz")
     fmt = next((f for f in ("parquet", "csv", "tsv") if name.endswith("." + f)), "jsonl")

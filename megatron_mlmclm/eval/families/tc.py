@@ -14,10 +14,11 @@ entry's `label_subtokens`:
 Words cut by truncation are predicted "O". Metrics: seqeval entity F1 (`f1`, with precision and
 recall) and EncodEval's per-sentence macro-F1 over tags (`macro_f1`); `metric` names the main one.
 
-Records: {"tokens": [str], "tags": [str]}. Formats: conll (whitespace-separated columns, a blank line
-between sentences, -DOCSTART- skipped, lines starting with `comment_prefix` skipped: CoNLL-U
+Records: {"tokens": [str], "tags": [str]}. Formats: conll (whitespace-separated columns, a blank
+line between sentences, -DOCSTART- skipped, lines starting with `comment_prefix` skipped: CoNLL-U
 comments as in UNER's .iob2 files), tner (a folder holding train/valid/test.json JSON Lines
-{"tokens", "tags": [ids]} and label.json {tag: id}, the layout of tner's OntoNotes 5) and the tables.
+{"tokens", "tags": [ids]} and label.json {tag: id}, the layout of tner's OntoNotes 5) and the
+tables.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def write_plots(s: Summary, out: Path) -> list[str]:
         plot_seeds(
             ax,
             [q for q in s.family_seed_points if q["model"] == model],
-            lambda q: fams.index(q["family"]) + i * width,
+            lambda q, i=i: fams.index(q["family"]) + i * width,
             "black",
         )
     ax.set_xticks([j + width * (len(s.models) - 1) / 2 for j in range(len(fams))])
