@@ -289,8 +289,11 @@ def test_version_is_the_changelogs_newest_release(capsys):
     headings), so the version cannot move without the changelog saying what changed."""
     import re
 
-    released = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$",
-                          (REPO / "CHANGELOG.md").read_text(), flags=re.M)
+    released = re.findall(
+        r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$",
+        (REPO / "CHANGELOG.md").read_text(),
+        flags=re.M,
+    )
     assert released, "CHANGELOG.md has no '## [x.y.z] - YYYY-MM-DD' release heading"
     assert main(["--version"]) == 0
     out = capsys.readouterr().out

@@ -64,7 +64,7 @@ def add_interval(row: dict) -> dict:
 def paired_t(a: list[float], b: list[float]) -> tuple[float, float]:
     """(t, two-sided p) of scipy.stats.ttest_rel(a, b). Differences that are all equal have no
     variance (scipy gives nan or inf): all zero -> (0, 1), else (+-inf, 0)."""
-    d = [x - y for x, y in zip(a, b)]
+    d = [x - y for x, y in zip(a, b, strict=True)]  # paired: one score each
     if max(d) - min(d) <= 1e-12:
         m = statistics.mean(d)
         return (0.0, 1.0) if abs(m) <= 1e-12 else (math.copysign(math.inf, m), 0.0)
