@@ -12,7 +12,7 @@ For each preset x sequence length x objective x precision, in one process:
   SDPA then runs unmasked: cheaper than document masking, and blind to document boundaries).
   EuroBERT is an encoder: there is no HF baseline for CLM rows.
 
-MFU = model FLOPs (megatron_mlmclm.model.flops.train_step_flops: attention counted in full, half
+MFU = model FLOPs (megatron_mlmclm.flops.mfu_step_flops: attention counted in full, half
 for causal; output head at labelled positions) / step time / dense bf16 peak of the device
 (megatron_mlmclm.runtime.distributed.device_peak_flops). The same FLOP count is used for hf, so MFU
 ratios equal throughput ratios.
@@ -194,8 +194,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from megatron_mlmclm.flops import mfu_step_flops
     from megatron_mlmclm.model.build import have_transformer_engine
-    from megatron_mlmclm.model.flops import train_step_flops
     from megatron_mlmclm.objectives import IGNORE, mlm_mask
     from megatron_mlmclm.runtime.distributed import device_peak_flops
 
@@ -239,7 +239,7 @@ def main() -> None:
                             fp8,
                             attention,
                             peak,
-                            train_step_flops,
+                            mfu_step_flops,
                             mlm_mask,
                             IGNORE,
                         )
@@ -290,7 +290,7 @@ def run_row(
     fp8,
     attention,
     peak,
-    train_step_flops,
+    mfu_step_flops,
     mlm_mask,
     IGNORE,
 ) -> dict:
@@ -346,8 +346,8 @@ def run_row(
     wall = time.perf_counter() - t0
     tokens = mb * seq
     ours_s = statistics.median(times["ours"])
-    flops = train_step_flops(
-        cfg.model,
+    flops = mfu_step_flops(
+        cfg.model.shape(),
         spec.vocab_size,
         seq,
         mb,

@@ -73,7 +73,7 @@ def version_line() -> str:
     (no import of torch or megatron: `--version` answers at once)."""
     from importlib import metadata
 
-    from megatron_mlmclm import __version__
+    import megatron_mlmclm
 
     def installed(dist: str) -> str:
         try:
@@ -82,7 +82,7 @@ def version_line() -> str:
             return "absent"
 
     deps = ", ".join(f"{d} {installed(d)}" for d in ("megatron-core", "torch", "transformers"))
-    return f"mlmclm {__version__} ({deps})"
+    return f"mlmclm {megatron_mlmclm.__version__} ({deps})"
 
 
 def quiet_optional_dependency_warnings() -> None:

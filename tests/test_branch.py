@@ -21,14 +21,13 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.config import load_config
+from megatron_mlmclm.config import PhasePlan, load_config, resolved_phases
 from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training.branch import check_branch
 from megatron_mlmclm.training.loader import Plan
-from megatron_mlmclm.training.phase_plan import PhasePlan, resolved_phases
 from megatron_mlmclm.training.resume import fingerprint
 from megatron_mlmclm.training.trainer import build_datasets
 

@@ -19,15 +19,16 @@ from test_resume import kill_after_checkpoint
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import (
     MaskSchedule,
+    PhasePlan,
     budget_report,
     causal_attention_halved,
     dump_yaml,
     load_config,
+    resolved_phases,
 )
 from megatron_mlmclm.data.dataset import temperature_blend
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.kernels import Kernels, plan_kernels
-from megatron_mlmclm.training.phase_plan import PhasePlan, resolved_phases
 
 RECIPES = REPO / "examples" / "configs" / "recipes"
 

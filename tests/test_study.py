@@ -263,8 +263,8 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
 
 
 def test_compute_matched_recipe_gets_the_steps_the_clm_runs_flops_buy():
-    """The MLM run's steps spend the CLM run's FLOPs to within half an MLM step (config.py's count,
-    itself checked against hand-computed FLOPs in test_phases.py)."""
+    """The MLM run's steps spend the CLM run's FLOPs to within half an MLM step (the count of
+    config/budget.py, itself checked against hand-computed FLOPs in test_phases.py)."""
     from megatron_mlmclm.config import run_flops, step_flops
 
     design = StudyDesign()

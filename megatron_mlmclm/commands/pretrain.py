@@ -7,9 +7,7 @@ torchrun --nproc_per_node 4 -m megatron_mlmclm pretrain cfg.yaml \
 
 from __future__ import annotations
 
-import yaml
-
-from megatron_mlmclm.config import budget_report, load_config, to_dict
+from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
 
 
@@ -48,13 +46,9 @@ def run(args) -> int:
             f"--stop-at {args.stop_at} is outside this run's steps 1-{cfg.train.steps}"
         )
     if args.dry_run:
-        # The kernel plan as YAML comments, so the output still loads back as the run's config.
-        from megatron_mlmclm.model.kernels import plan_kernels, resolve_device  # imports torch
+        from megatron_mlmclm.training.dry_run import dry_run_report  # imports torch
 
-        plan = plan_kernels(cfg, resolve_device(cfg, planning=True))
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        print("\n".join(f"# {line}" for line in plan.report().splitlines()))
-        print("\n".join(f"# {line}" for line in budget_report(cfg)))
+        print(dry_run_report(cfg))
         return 0
     # Imported here: megatron-core would slow `--help` and `--dry-run`.
     from megatron_mlmclm.training.pretrain import pretrain

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
 from megatron_mlmclm.checkpoint import iter_name
-from megatron_mlmclm.config import RopeScalingConfig, validate_rope_scaling
+from megatron_mlmclm.config import RopeScalingConfig
 from megatron_mlmclm.convert import common, mapping
 from megatron_mlmclm.convert.verify import (
     SEQ,
@@ -150,7 +150,7 @@ def rope_scaling(cfg, hf_dir: Path) -> dict[str, Any] | None:
             f"{hf_dir} has llama3 RoPE scaling with a missing or invalid field "
             f"({common._first_line(e)})"
         ) from None
-    validate_rope_scaling(RopeScalingConfig(**fields))
+    RopeScalingConfig(**fields).validate()
     return fields
 
 

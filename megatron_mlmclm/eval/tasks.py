@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from megatron_mlmclm.config.loader import from_dict
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.families import FAMILIES
 from megatron_mlmclm.paths import data_dir
@@ -146,7 +147,7 @@ def _parse(name: str, entry: Any, source: Path) -> Task:
         bad = sorted(set(over) - (known - {"family", "protocols"}) - set(RUN_OVERRIDES))
         if bad:
             raise UsageError(f"{where}: protocols.{proto} sets unknown field(s) {', '.join(bad)}")
-    task = Task(name=name, **entry)
+    task = from_dict(Task, {"name": name, **entry}, prefix=f"{name}.")  # typed, as a run config
     check(task, where)
     return task
 

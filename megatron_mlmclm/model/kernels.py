@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_mlmclm.config import ModelConfig, RunConfig
+from megatron_mlmclm.config import ModelConfig, RunConfig, attention_path
+from megatron_mlmclm.config import attention as attention_rule
 from megatron_mlmclm.errors import UsageError
 
 # Megatron-LM's fusion flags, in the order the plan prints them.
@@ -471,48 +472,15 @@ def _context_parallel(cfg: RunConfig, attention: tuple[str, str], multiple: int)
 
 
 def uses_te_layers(m: ModelConfig, precision: str, device: str, k: Kernels) -> bool:
-    """Transformer Engine's layer spec: model.attention auto or thd, CUDA, TE installed, and not
-    fp32 (TE runs fp32 GEMMs in TF32). The one test of it: the plan's attention path and the
-    model's layer spec (model/build.py) both ask."""
-    return (
-        m.attention in ("auto", "thd")
-        and device == "cuda"
-        and k.te_version is not None
-        and precision != "fp32"
-    )
+    """Transformer Engine's layer spec (config/attention.py decides; model/build.py asks here)."""
+    return attention_rule.uses_te_layers(m.attention, precision, device, k.te_version is not None)
 
 
 def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
-    m, pp = cfg.model, cfg.parallel.pipeline_model_parallel_size
-    stages = " (pipeline stages pass [t, 1, h] THD activations)" if pp > 1 else ""
-    if m.attention == "flex":
-        return "flex", "model.attention=flex: FlexAttention with a document block mask"
-    if m.attention == "sdpa":
-        return "sdpa", "model.attention=sdpa: dense [b,1,s,s] document mask"
-    if uses_te_layers(m, cfg.train.precision, device, k):
-        return "te-thd", (
-            "TE fused attention on packed THD sequences (cu_seqlens from document "
-            "ids): no_mask / causal per phase, which megatron hands TE as padding / "
-            f"padding_causal; no [b,1,s,s] mask{stages}"
-        )
-    if m.attention == "thd":
-        why = (
-            "CPU"
-            if device != "cuda"
-            else "fp32"
-            if cfg.train.precision == "fp32"
-            else "Transformer Engine not installed"
-        )
-        return "thd-reference", (
-            f"{why}: packed THD sequences through a pure-torch stand-in for "
-            f"TE's kernel (same inputs, context parallel included; slow: "
-            f"for tests){stages}"
-        )
-    why = (
-        "CPU: Transformer Engine needs CUDA"
-        if device != "cuda"
-        else "fp32: TE runs fp32 GEMMs in TF32, so the local layers keep fp32 exact"
-        if cfg.train.precision == "fp32"
-        else "Transformer Engine not installed"
+    return attention_path(
+        cfg.model.attention,
+        cfg.train.precision,
+        device,
+        k.te_version is not None,
+        cfg.parallel.pipeline_model_parallel_size,
     )
-    return "sdpa", f"{why}; dense [b,1,s,s] document mask"

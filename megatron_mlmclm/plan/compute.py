@@ -1,6 +1,6 @@
 """Compute estimates: tokens, training FLOPs and GPU-hours of a run, each objective at its own cost.
 
-The FLOPs are config.py's budget arithmetic (step_flops: the sparse MLM head over the masked
+The FLOPs are config/budget.py's arithmetic (step_flops: the sparse MLM head over the masked
 tokens, causal attention at half as Transformer Engine spends it on a GPU), at the vocabulary of
 the Llama-3 tokenizer. GPU-hours follow from a stated throughput: tokens per second per GPU of a
 CLM step, i.e. a FLOP rate per GPU, at which every step's own FLOPs are spent (an MLM step costs
@@ -27,7 +27,7 @@ from megatron_mlmclm.plan.layout import GLOBAL_BATCH
 VOCAB = 128256  # Llama-3 tokenizer
 
 # Tokens per second per GPU of a CLM step assumed for the GPU-hour estimates: about 35% MFU on an
-# H100 (bf16, 989 TFLOP/s dense) by model/flops.py's count at seq 2048, vocab 128,256. Measure
+# H100 (bf16, 989 TFLOP/s dense) by flops.py's count at seq 2048, vocab 128,256. Measure
 # yours (the trainer logs tokens_per_s_per_device in metrics.jsonl) and pass --throughput SIZE=N.
 DEFAULT_THROUGHPUT = {"tiny": 2_000_000.0, "210m": 250_000.0, "610m": 85_000.0, "1b": 45_000.0}
 
@@ -57,10 +57,7 @@ def compute_row(run: Run, lay: dict, throughput: float) -> dict:
         "name": run.name,
         "size": run.size,
         "kind": run.kind,
-        "phases": " + ".join(
-            f"{ph.objective}{'' if ph.objective == 'clm' else f'@{ph.mask_ratio:g}'}:{ph.steps}"
-            for ph in cfg.phases
-        ),
+        "phases": " + ".join(f"{ph.label()}: {ph.steps}" for ph in cfg.phases),
         "steps": run.steps,
         "tokens": tokens,
         "trained_steps": run.steps - first,

@@ -17,7 +17,7 @@ def summary_md(rows: list[dict], totals: dict, throughput: dict) -> str:
     w(
         f"{len(rows)} runs. Global batch {GLOBAL_BATCH} x seq 2048 = {GLOBAL_BATCH * 2048:,} "
         "tokens per step (the study's ~2.36M). Training FLOPs as the model spends them "
-        "(config.py's budget arithmetic: the sparse MLM head over the masked tokens, causal "
+        "(config/budget.py's arithmetic: the sparse MLM head over the masked tokens, causal "
         "attention at half as Transformer Engine computes it; vocabulary 128,256). GPU-hours = "
         "the FLOPs a job trains / the FLOP rate per GPU of the stated CLM throughput / 3600, so an "
         "MLM step costs what its FLOPs cost; wall hours = GPU-hours / GPUs of the run (no "

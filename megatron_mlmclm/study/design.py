@@ -7,8 +7,8 @@ and masks, so recipes with the same seed see the same samples in the same order)
     mlm40            MLM 40% for `steps` steps
     clm25-mlm40      CLM for the first 25% of `steps`, then MLM 40% (one LR schedule)
     clm-cpt-mlm40    the finished clm model continued with MLM 40% for `cpt_steps` more steps
-    mlm40-flops      MLM 40% with the clm run's FLOPs as its budget (config.py counts them as the
-                     model spends them): compute-matched rather than step-matched
+    mlm40-flops      MLM 40% with the clm run's FLOPs as its budget (config/budget.py counts them
+                     as the model spends them): compute-matched rather than step-matched
 
 Every model is fine-tuned on each task over that task's learning rates x `finetune_seeds`. The LR
 grids start at `lrs` and are widened along LR_LADDER (the whole task, every model) while a model's

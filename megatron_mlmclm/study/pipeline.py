@@ -197,7 +197,7 @@ def _recipe_config(
         # Another sample order than the base run's, so the continuation mostly reads new samples.
         cfg["data"]["seed"] = seed + 1000
     if recipe.flops_of:
-        # The budget in FLOPs (the steps beside it must agree: config.py checks), counted at the
+        # The budget in FLOPs (the steps beside it must agree: config/ checks), counted at the
         # design's vocabulary, as budget_config does.
         cfg["train"]["flops"] = recipe_flops(design, recipe.flops_of)
         cfg["model"]["vocab_size"] = design.vocab_size

@@ -237,7 +237,7 @@ def write_study_report(
     steps = {r.key: steps_of(design, r.key) for r in RECIPES}
     lines += [
         "",
-        f"Training FLOPs as the model spends them (config.py: the sparse MLM head over the "
+        f"Training FLOPs as the model spends them (config/budget.py: the sparse MLM head over the "
         f"masked tokens, causal attention in full as CPU's dense-mask kernel computes it; a "
         f"continuation's own steps only). At the CLM run's {recipe_flops(design, 'clm'):.3g} "
         f"FLOPs, MLM 40% trains {steps['mlm40-flops']} steps where CLM trains "

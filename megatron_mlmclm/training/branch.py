@@ -29,9 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mlmclm import checkpoint as ckpt_io
-from megatron_mlmclm.config import RunConfig, from_dict, to_dict
+from megatron_mlmclm.config import (
+    PhasePlan,
+    RunConfig,
+    from_dict,
+    resolved_phases,
+    stream_key,
+    to_dict,
+)
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.training.phase_plan import PhasePlan, resolved_phases, stream_key
 from megatron_mlmclm.training.resume import ORDER_KEY, phase_description, same_value, show_value
 
 # Keys a branch may change: the budget and the output folder, and how the run executes.
@@ -101,7 +107,7 @@ def check_branch(
     _compare_steps(where, saved, cfg, step)
     _check_schedule(where, saved, cfg, step)
     consumed = int(state.get("consumed_samples", -1))
-    expected = PhasePlan(resolved_phases(saved), saved.train.global_batch_size).position(step)
+    expected = PhasePlan.of(saved).position(step)
     if consumed != expected:
         raise UsageError(
             f"{where} had read its stream from sample {consumed} at step {step}, not "

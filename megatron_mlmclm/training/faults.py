@@ -228,7 +228,7 @@ class NonFiniteRecord:
 
 def describe_samples(first: int, count: int, stream: str = "the stream") -> str:
     """`stream` names the sample stream when a run has several (phases with their own data or
-    seq_length, training/phase_plan.py)."""
+    seq_length, config/phases.py)."""
     return (
         f"samples {first}-{first + count - 1} of {stream}"
         if count > 1

@@ -1,7 +1,7 @@
 """The trainer's micro-batches, built ahead of the step that uses them: `data.loader`.
 
 Which samples a training step reads is a pure function of its number: the phase plan
-(training/phase_plan.py) names the phase and sample stream of step s and the stream position
+(config/phases.py) names the phase and sample stream of step s and the stream position
 where its global batch starts, first_sample(s) (s x GBS + sample_offset in a run of one stream;
 sample_offset is 0 unless a resume continued the stream from another consumed_samples,
 training/resume.py); each DP rank reads its contiguous share of it, micro-batch after
@@ -37,11 +37,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from megatron_mlmclm.config import PhaseConfig
+from megatron_mlmclm.config import PhaseConfig, PhasePlan
 from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.objectives import batch_arrays
 from megatron_mlmclm.runtime.lifetime import children_die_with_us
-from megatron_mlmclm.training.phase_plan import PhasePlan
 from megatron_mlmclm.training.preemption import SIGNALS
 
 FIELDS = {

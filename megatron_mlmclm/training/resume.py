@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mlmclm.config import (
-    MaskSchedule,
     PhaseConfig,
     RunConfig,
     phase_rotary_base,
@@ -93,9 +92,7 @@ def phase_description(cfg: RunConfig, ph: PhaseConfig, start: int, end: int) -> 
     so a run written before phases could change them keeps its fingerprint."""
     text = f"{ph.objective} steps {start}-{end}"
     if ph.objective == "mlm":
-        r = ph.mask_ratio
-        ratio = f"{r.start:g}->{r.end:g} {r.shape}" if isinstance(r, MaskSchedule) else f"{r:g}"
-        text += f" (mask_ratio {ratio}, mask_replace {ph.mask_replace})"
+        text += f" (mask_ratio {ph.mask_ratio_text()}, mask_replace {ph.mask_replace})"
     if phase_seq_length(cfg, ph) != cfg.model.seq_length:
         text += f" seq_length {phase_seq_length(cfg, ph)}"
     if phase_rotary_base(cfg, ph) != cfg.model.rotary_base:

@@ -33,13 +33,20 @@ from megatron.core.transformer.module import Float16Module
 from tqdm import tqdm
 
 from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import RunConfig, dump_yaml, kept_steps, to_dict
+from megatron_mlmclm.config import (
+    PhasePlan,
+    RunConfig,
+    dump_yaml,
+    kept_steps,
+    resolved_phases,
+    to_dict,
+)
 from megatron_mlmclm.data.dataset import build_train_dataset, temperature_blend
 from megatron_mlmclm.data.mock import MockPackedDataset
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.flops import mfu_step_flops
 from megatron_mlmclm.model.build import build_model, set_rotary_base, transformer_config
-from megatron_mlmclm.model.flops import train_step_flops
 from megatron_mlmclm.model.kernels import plan_kernels, resolve_device
 from megatron_mlmclm.model.packed import (
     flatten_for_thd,
@@ -54,7 +61,6 @@ from megatron_mlmclm.training.branch import branch_source, inherit_metrics
 from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
 from megatron_mlmclm.training.inject import Injector
 from megatron_mlmclm.training.loader import Plan, build_loader
-from megatron_mlmclm.training.phase_plan import PhasePlan, resolved_phases
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from megatron_mlmclm.training.resume import check_resume, fingerprint
 
@@ -179,7 +185,7 @@ class Trainer:
             )
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.train_ds, self.valid_ds = build_datasets(
-            cfg, self.spec, PhasePlan(resolved_phases(cfg), t.global_batch_size), self.sample_offset
+            cfg, self.spec, PhasePlan.of(cfg), self.sample_offset
         )
         self.rotary_base = None  # the RoPE base the model has now (set per phase)
 
@@ -300,7 +306,7 @@ class Trainer:
         if latest is not None:
             state = ckpt.read_trainer_state(latest)["trainer"]
             consumed, self.resume_notes = check_resume(latest, state, cfg, self.fingerprint)
-            plan = PhasePlan(resolved_phases(cfg), cfg.train.global_batch_size)
+            plan = PhasePlan.of(cfg)
             self.sample_offset = consumed - plan.position(int(state["iteration"]))
         elif cfg.train.branch_from:  # a stable checkpoint of this config at another budget
             latest, self.resume_notes = branch_source(cfg, self.fingerprint)
@@ -436,7 +442,7 @@ class Trainer:
             describe_samples(
                 self.consumed_samples(),
                 self.cfg.train.global_batch_size,
-                self.stream_name(self.step),
+                self.plan.phase_plan.stream_name(self.step),
             ),
             self.ranks_with_nonfinite_loss() if problem else [],
             self.cfg.checkpoint.dir,
@@ -559,8 +565,8 @@ class Trainer:
             stats = self.train_step(phase)
             self.step += 1
             elapsed = time.perf_counter() - start
-            flops = train_step_flops(
-                cfg.model,
+            flops = mfu_step_flops(
+                cfg.model.shape(),
                 self.spec.vocab_size,
                 phase.seq_length,
                 t.global_batch_size,
@@ -618,28 +624,13 @@ class Trainer:
         return last
 
     def phase_at_step(self, step: int):
-        """The phase of `step` as it trains (training/phase_plan.py), with the model's RoPE base
+        """The phase of `step` as it trains (config/phases.py), with the model's RoPE base
         switched to the phase's."""
         phase = self.plan.phase(step)
         if phase.rotary_base != self.rotary_base:
             set_rotary_base(self.model_chunks, self.cfg.model, phase.rotary_base)
             self.rotary_base = phase.rotary_base
         return phase
-
-    def stream_name(self, step: int) -> str:
-        """How a message names the sample stream of `step`: 'the stream' in a run of one."""
-        plan = self.plan.phase_plan
-        if len(plan.streams) == 1:
-            return "the stream"
-        s = plan.streams[plan.stream(step)]
-        data = (
-            "data.train"
-            if s.data is None and s.temperature is None
-            else f"data.train at temperature {s.temperature:g}"
-            if s.temperature is not None
-            else "the phase's own data"
-        )
-        return f"stream {plan.stream(step)} ({data}, seq_length {s.seq_length})"
 
     def consumed_samples(self) -> int:
         """Where in its sample stream the global batch of step `self.step` starts (the samples of

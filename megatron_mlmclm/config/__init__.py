@@ -1,0 +1,120 @@
+"""The typed run config of a pretraining run: YAML file + dotted `key.sub=value` overrides,
+completed and checked before any work.
+
+`load_config(path, overrides)` reads YAML, applies overrides and builds the dataclass tree with
+type checks (loader.py), then fills presets and derived values, checks each section and every rule
+between sections, and resolves the budget into each phase's steps (rules.py). Every problem raises
+UsageError naming the dotted key and the fix.
+
+The package, bottom to top: `loader` (YAML to typed dataclasses, for any schema), `schema` (the
+sections), `attention` (which attention path a run takes), `phases` (the phase schedule),
+`budget` (steps, tokens and FLOPs), `rules` (cross-section rules and the order of checks). The
+FLOP count itself is `megatron_mlmclm/flops.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_mlmclm.config.attention import attention_path, uses_te_layers
+from megatron_mlmclm.config.budget import (
+    budget_report,
+    causal_attention_halved,
+    kept_steps,
+    resolve_budget,
+    run_flops,
+    step_flops,
+    step_tokens,
+    tokens_at_step,
+)
+from megatron_mlmclm.config.loader import (
+    apply_override,
+    dump_yaml,
+    from_dict,
+    load,
+    read_yaml,
+    to_dict,
+)
+from megatron_mlmclm.config.phases import (
+    PhasePlan,
+    Stream,
+    final_model,
+    max_seq_length,
+    mean_mask_ratio,
+    phase_at,
+    phase_rotary_base,
+    phase_seq_length,
+    resolve_phase_steps,
+    resolved_phases,
+    stream_key,
+)
+from megatron_mlmclm.config.rules import finalize_run_config, refuse_contradictions
+from megatron_mlmclm.config.schema import (
+    MODEL_PRESETS,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    MaskSchedule,
+    ModelConfig,
+    ParallelConfig,
+    PhaseConfig,
+    PhaseDataConfig,
+    RopeScalingConfig,
+    RunConfig,
+    RuntimeConfig,
+    TrainConfig,
+    WandbConfig,
+)
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
+    """YAML file (or None for the defaults) + `a.b=value` overrides -> a checked RunConfig."""
+    return finalize_run_config(load(RunConfig, path, overrides))
+
+
+__all__ = [
+    "MODEL_PRESETS",
+    "CheckpointConfig",
+    "DataConfig",
+    "LoggingConfig",
+    "MaskSchedule",
+    "ModelConfig",
+    "ParallelConfig",
+    "PhaseConfig",
+    "PhaseDataConfig",
+    "PhasePlan",
+    "RopeScalingConfig",
+    "RunConfig",
+    "RuntimeConfig",
+    "Stream",
+    "TrainConfig",
+    "WandbConfig",
+    "apply_override",
+    "attention_path",
+    "budget_report",
+    "causal_attention_halved",
+    "dump_yaml",
+    "final_model",
+    "finalize_run_config",
+    "from_dict",
+    "kept_steps",
+    "load",
+    "load_config",
+    "max_seq_length",
+    "mean_mask_ratio",
+    "phase_at",
+    "phase_rotary_base",
+    "phase_seq_length",
+    "read_yaml",
+    "refuse_contradictions",
+    "resolve_budget",
+    "resolve_phase_steps",
+    "resolved_phases",
+    "run_flops",
+    "step_flops",
+    "step_tokens",
+    "stream_key",
+    "to_dict",
+    "tokens_at_step",
+    "uses_te_layers",
+]

@@ -1,0 +1,201 @@
+"""A typed YAML loader: a YAML file plus dotted `key.sub=value` overrides -> a tree of dataclasses,
+with strict keys and types. Knows nothing of what it loads: the run config and the evaluation's
+task registry both use it.
+
+Types understood: bool, int, float, str, `Literal[...]` (a fixed set of choices), `X | None`,
+`float | SomeDataclass` (a mapping is the dataclass), `list[X]`, `dict[str, X]`, nested dataclasses.
+A dataclass may rename YAML keys with a class attribute `YAML_KEYS = {"from": "start"}`. Every
+problem raises UsageError naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_mlmclm.errors import UsageError
+
+
+def load(cls, path: str | os.PathLike | None, overrides: list[str] = ()):
+    """YAML file (or None for the defaults) + `a.b=value` overrides -> a `cls` tree."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_yaml(path)
+    for item in overrides:
+        apply_override(raw, item)
+    return from_dict(cls, raw, prefix="")
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file {p} does not exist; pass the path of a YAML config")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(
+            f"config file {p}{where} is not valid YAML: {getattr(e, 'problem', e)}"
+        ) from e
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UsageError(
+            f"config file {p} must hold a mapping of sections, not {type(raw).__name__}"
+        )
+    return raw
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """`train.steps=50`, `phases.1.mask_ratio=0.3`, `data.train=[a,b]` (values parsed as YAML)."""
+    if "=" not in item:
+        raise UsageError(f"override {item!r} must look like key.sub=value")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise UsageError(f"override {item!r} has an empty key part; use e.g. train.steps=50")
+    try:
+        value = yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError:
+        value = text
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            node = node[_list_index(node, part, key)]
+            continue
+        if part not in node or node[part] is None:
+            # Phases default to one entry; an override on phases.N needs that list to exist.
+            node[part] = [] if nxt.isdigit() else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last) if last.isdigit() else None
+        if idx is None or idx > len(node):
+            raise UsageError(f"override {key}: index {last} out of range (list has {len(node)})")
+        if idx == len(node):
+            node.append(value)
+        else:
+            node[idx] = value
+    else:
+        node[last] = value
+
+
+def _list_index(node: list, part: str, key: str) -> int:
+    if not part.isdigit():
+        raise UsageError(f"override {key}: {part!r} must be a list index")
+    idx = int(part)
+    if idx == len(node):
+        node.append({})
+    if idx >= len(node):
+        raise UsageError(f"override {key}: index {idx} out of range (list has {len(node)})")
+    return idx
+
+
+def from_dict(cls, raw: Any, prefix: str):
+    """Build dataclass `cls` from `raw` with strict key and type checks."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UsageError(f"{prefix or 'config'} must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        key = f"{prefix}{unknown[0]}"
+        raise UsageError(f"unknown config key '{key}'; valid keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name in names:
+        if name in raw:
+            kwargs[name] = _convert(hints[name], raw[name], f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _convert(tp, value, key: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and typing.get_origin(inner[0]) is Literal:
+            return _choice(typing.get_args(inner[0]), value, key, optional=type(None) in args)
+        if isinstance(value, dict):  # float | SomeDataclass: a mapping is the dataclass
+            inner = [a for a in inner if dataclasses.is_dataclass(a)] or inner
+        return _convert(inner[0], value, key)
+    if origin is Literal:
+        return _choice(args, value, key, optional=False)
+    if dataclasses.is_dataclass(tp):
+        renames = getattr(tp, "YAML_KEYS", {})
+        if renames and isinstance(value, dict):
+            value = {renames.get(k, k): v for k, v in value.items()}
+        return from_dict(tp, value, f"{key}.")
+    if origin is list:
+        (item_tp,) = args
+        if not isinstance(value, list):
+            if item_tp is str and isinstance(value, str):
+                return [value]
+            raise UsageError(f"config key '{key}' must be a list, got {value!r}")
+        return [_convert(item_tp, v, f"{key}.{i}") for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, item_tp = args
+        if not isinstance(value, dict):
+            raise UsageError(f"config key '{key}' must be a mapping, got {value!r}")
+        return {
+            _convert(key_tp, k, f"{key}.{k}"): _convert(item_tp, v, f"{key}.{k}")
+            for k, v in value.items()
+        }
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise UsageError(f"config key '{key}' must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise UsageError(f"config key '{key}' must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 5e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UsageError(f"config key '{key}' must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off / on (no / yes) as a boolean
+            return "on" if value else "off"
+        if isinstance(value, (str, int, float)):
+            return str(value)
+        raise UsageError(f"config key '{key}' must be a string, got {value!r}")
+    return value
+
+
+def _choice(choices: tuple, value, key: str, optional: bool):
+    """A `Literal` field: the value (read as a string where the choices are strings: YAML reads a
+    bare off as false) must be one of the choices."""
+    if all(isinstance(c, str) for c in choices) and isinstance(value, (bool, int, float)):
+        value = _convert(str, value, key)
+    if value not in choices:
+        raise UsageError(
+            f"{key} '{value}' must be one of {', '.join(map(str, choices))}"
+            + (" (or null)" if optional else "")
+        )
+    return value
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
