@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 QS_STAMP := $(VENV)/.quickstart-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart study test test-gpu slurm-deps clean
+.PHONY: install quickstart study lint test test-gpu slurm-deps clean
 
 install: $(STAMP)
 
@@ -24,7 +24,7 @@ $(QS_STAMP): pyproject.toml setup.py csrc/sample_index.cpp
 	touch $(QS_STAMP)
 
 $(STAMP): $(QS_STAMP)
-	$(BIN)/python -m pip install -q -e ".[eval,test,wandb,dali]"
+	$(BIN)/python -m pip install -q -e ".[eval,test,lint,wandb,dali]"
 	touch $(STAMP)
 
 quickstart: $(QS_STAMP)
@@ -33,7 +33,14 @@ quickstart: $(QS_STAMP)
 study: $(QS_STAMP)
 	$(BIN)/mlmclm study --out $(STUDY_OUT)
 
-test: install slurm-deps
+# Style and types (CONTRIBUTING.md): ruff's lint and format check over the tree, pyright (basic
+# mode, pyproject.toml) over the config, the trainer and the FLOP count.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pyright --pythonpath $(BIN)/python
+
+test: install slurm-deps lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # The GPU tier (docs/gpu.md), run with the Python that has megatron_mlmclm installed: inside the

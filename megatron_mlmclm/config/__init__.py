@@ -15,6 +15,7 @@ FLOP count itself is `megatron_mlmclm/flops.py`.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from megatron_mlmclm.config.attention import attention_path, uses_te_layers
 from megatron_mlmclm.config.budget import (
@@ -67,7 +68,7 @@ from megatron_mlmclm.config.schema import (
 )
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> RunConfig:
     """YAML file (or None for the defaults) + `a.b=value` overrides -> a checked RunConfig."""
     return finalize_run_config(load(RunConfig, path, overrides))
 

@@ -17,7 +17,7 @@ from megatron_mlmclm.config.phases import (
     rest_phase,
     steps_per_phase,
 )
-from megatron_mlmclm.config.schema import PhaseConfig, RunConfig
+from megatron_mlmclm.config.schema import PhaseConfig, RunConfig, resolved
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.flops import train_step_flops
 
@@ -90,7 +90,9 @@ def resolve_budget(cfg: RunConfig) -> None:
         if t.steps is None:  # the phases' own lengths, else the default
             absolute = [ph.steps for ph in phases if ph.share is None]
             t.steps = (
-                sum(absolute) if len(absolute) == len(phases) and None not in absolute else 100
+                sum(resolved(n) for n in absolute)
+                if None not in absolute and len(absolute) == len(phases)
+                else 100
             )
         if t.steps < 1:
             raise UsageError(f"train.steps must be >= 1, got {t.steps}")
@@ -109,7 +111,7 @@ def resolve_budget(cfg: RunConfig) -> None:
                 used += ph.steps * per(cfg, ph)
         if rest is not None:
             phases[rest].share = max(1.0 - share_sum - used / budget, 0.0)
-            share_sum += phases[rest].share
+            share_sum += resolved(phases[rest].share)
         if not math.isclose(share_sum * budget + used, budget, rel_tol=1e-6):
             raise UsageError(
                 f"phases must fill train.{unit}={budget:g}: shares {share_sum:g} x "
@@ -121,7 +123,7 @@ def resolve_budget(cfg: RunConfig) -> None:
                 _set_steps(ph, i, int(round(ph.share * budget / per(cfg, ph))))
             elif ph.tokens is not None or ph.flops is not None:
                 _set_steps(ph, i, _absolute_steps(cfg, ph))
-        total = sum(ph.steps for ph in phases)
+        total = sum(resolved(ph.steps) for ph in phases)
         if total < 1:
             raise UsageError(
                 f"train.{unit}={budget:g} is less than one step of this model "
@@ -141,7 +143,7 @@ def _exact_steps(cfg: RunConfig, ph: PhaseConfig) -> float:
     """The (fractional) steps a phase's own tokens or flops buy."""
     if ph.flops is not None:
         return ph.flops / step_flops(cfg, ph)
-    return ph.tokens / step_tokens(cfg, ph)
+    return resolved(ph.tokens) / step_tokens(cfg, ph)
 
 
 def _absolute_steps(cfg: RunConfig, ph: PhaseConfig) -> int:
@@ -174,7 +176,7 @@ def resolve_decay(cfg: RunConfig) -> None:
             f"phases.{marked[0]} is marked decay but phases.{len(phases) - 1} after it "
             "is not: the decay phases are the run's last"
         )
-    steps = sum(phases[i].steps for i in marked)
+    steps = sum(resolved(phases[i].steps) for i in marked)
     if t.decay_steps is not None and t.decay_steps != steps:
         raise UsageError(
             f"train.decay_steps={t.decay_steps} disagrees with the decay phases "
@@ -197,7 +199,7 @@ def tokens_at_step(cfg: RunConfig, step: int) -> int:
 def kept_steps(cfg: RunConfig) -> list[int]:
     """The steps whose checkpoints are kept for good (checkpoint.keep_every, keep_steps,
     keep_tokens), sorted; UsageError for a setting the run never reaches."""
-    c, total = cfg.checkpoint, cfg.train.steps
+    c, total = cfg.checkpoint, resolved(cfg.train.steps)
     kept = set(range(c.keep_every, total + 1, c.keep_every)) if c.keep_every else set()
     for step in c.keep_steps:
         if not 1 <= step <= total:
@@ -223,8 +225,8 @@ def budget_report(cfg: RunConfig) -> list[str]:
     lines, start, total_tokens, total_flops = [], 0, 0.0, 0.0
     count_flops = cfg.model.vocab_size is not None
     for i, ph in enumerate(cfg.phases):
-        tokens = ph.steps * step_tokens(cfg, ph)
-        flops = ph.steps * step_flops(cfg, ph) if count_flops else None
+        tokens = resolved(ph.steps) * step_tokens(cfg, ph)
+        flops = resolved(ph.steps) * step_flops(cfg, ph) if count_flops else None
         total_tokens += tokens
         total_flops += flops or 0.0
         rotary = phase_rotary_base(cfg, ph)
@@ -238,12 +240,12 @@ def budget_report(cfg: RunConfig) -> list[str]:
             else ""
         )
         lines.append(
-            f"phases.{i}: {ph.label()}, steps {start}-{start + ph.steps} ({ph.steps}), "
+            f"phases.{i}: {ph.label()}, steps {start}-{start + resolved(ph.steps)} ({ph.steps}), "
             f"seq_length {phase_seq_length(cfg, ph)}, {tokens:.4g} tokens"
             + (f", {flops:.4g} FLOPs" if flops is not None else "")
             + extra
         )
-        start += ph.steps
+        start += resolved(ph.steps)
     attention = (
         "causal attention counted at half (the kernel skips the masked blocks)"
         if causal_attention_halved(cfg)

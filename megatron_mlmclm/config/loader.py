@@ -14,6 +14,7 @@ import dataclasses
 import os
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ import yaml
 from megatron_mlmclm.errors import UsageError
 
 
-def load(cls, path: str | os.PathLike | None, overrides: list[str] = ()):
+def load(cls, path: str | os.PathLike | None, overrides: Sequence[str] = ()):
     """YAML file (or None for the defaults) + `a.b=value` overrides -> a `cls` tree."""
     raw: dict[str, Any] = {}
     if path is not None:

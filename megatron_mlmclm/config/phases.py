@@ -17,12 +17,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron_mlmclm.config.schema import MaskSchedule, ModelConfig, PhaseConfig, RunConfig
+from megatron_mlmclm.config.schema import (
+    MaskSchedule,
+    ModelConfig,
+    PhaseConfig,
+    RunConfig,
+    resolved,
+)
 from megatron_mlmclm.errors import UsageError
 
 
 def phase_seq_length(cfg: RunConfig, ph: PhaseConfig) -> int:
-    return ph.seq_length or cfg.model.seq_length
+    return ph.seq_length or resolved(cfg.model.seq_length)
 
 
 def phase_rotary_base(cfg: RunConfig, ph: PhaseConfig) -> float:
@@ -31,7 +37,7 @@ def phase_rotary_base(cfg: RunConfig, ph: PhaseConfig) -> float:
 
 def max_seq_length(cfg: RunConfig) -> int:
     """The longest sequence any phase trains on: what the model and its export must hold."""
-    return max([cfg.model.seq_length] + [phase_seq_length(cfg, ph) for ph in cfg.phases])
+    return max([resolved(cfg.model.seq_length)] + [phase_seq_length(cfg, ph) for ph in cfg.phases])
 
 
 def final_model(cfg: RunConfig) -> ModelConfig:
@@ -82,7 +88,10 @@ def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
     counts, cum, prev = [], 0.0, 0
     for i, (ph, s) in enumerate(zip(phases, shares)):
         cum += s
-        boundary = int(round(cum * total)) if ph.share is not None or i == rest else ph.steps + prev
+        if ph.share is not None or i == rest:
+            boundary = int(round(cum * total))
+        else:
+            boundary = resolved(ph.steps) + prev
         counts.append(boundary - prev)
         prev = boundary
     counts[-1] += total - prev
@@ -137,9 +146,9 @@ def phase_index(starts: list[int], phases, step: int) -> int:
 
 def steps_per_phase(cfg: RunConfig, first: int, end: int | None = None):
     """(phase, how many of the steps [first, end) it owns) for each phase."""
-    end = cfg.train.steps if end is None else end
+    end = resolved(cfg.train.steps) if end is None else end
     for ph, start in zip(cfg.phases, phase_starts(cfg.phases), strict=True):
-        yield ph, max(0, min(end, start + ph.steps) - max(first, start))
+        yield ph, max(0, min(end, start + resolved(ph.steps)) - max(first, start))
 
 
 @dataclass(frozen=True)
@@ -181,7 +190,7 @@ class PhasePlan:
         self.phases = tuple(phases)
         self.gbs = global_batch_size
         self.starts = phase_starts(self.phases)
-        self.total = sum(ph.steps for ph in self.phases)
+        self.total = sum(resolved(ph.steps) for ph in self.phases)
         keys: list[tuple] = []
         self.stream_of: list[int] = []  # per phase
         self.offset: list[int] = []  # per phase: samples of its stream read by earlier phases
@@ -193,7 +202,7 @@ class PhasePlan:
             s = keys.index(key)
             self.stream_of.append(s)
             self.offset.append(read.get(s, 0))
-            read[s] = read.get(s, 0) + ph.steps * global_batch_size
+            read[s] = read.get(s, 0) + resolved(ph.steps) * global_batch_size
         self.streams = [Stream(k[0], k[1], k[2], read.get(i, 0)) for i, k in enumerate(keys)]
 
     @classmethod
@@ -213,7 +222,7 @@ class PhasePlan:
         ph = self.phases[i]
         if not isinstance(ph.mask_ratio, MaskSchedule):
             return ph
-        progress = (step - self.starts[i]) / max(ph.steps - 1, 1)
+        progress = (step - self.starts[i]) / max(resolved(ph.steps) - 1, 1)
         return dataclasses.replace(ph, mask_ratio=ph.mask_ratio.at(min(max(progress, 0.0), 1.0)))
 
     def stream(self, step: int) -> int:

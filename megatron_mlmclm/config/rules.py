@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_mlmclm.config.budget import kept_steps, resolve_budget
-from megatron_mlmclm.config.schema import RunConfig
+from megatron_mlmclm.config.schema import RunConfig, resolved
 from megatron_mlmclm.errors import UsageError
 
 
@@ -51,8 +51,8 @@ def model_fits_parallel(cfg: RunConfig) -> None:
                 f"parallel.tensor_model_parallel_size ({tp}) must divide "
                 f"model.{name} ({getattr(m, name)}{what})"
             )
-    pp = p.pipeline_model_parallel_size
-    if pp > m.num_layers:
+    pp, layers = p.pipeline_model_parallel_size, resolved(m.num_layers)
+    if pp > layers:
         raise UsageError(
             f"parallel.pipeline_model_parallel_size ({pp}) is larger than "
             f"model.num_layers ({m.num_layers}); use at most {m.num_layers}"
@@ -64,12 +64,12 @@ def model_fits_parallel(cfg: RunConfig) -> None:
                 "parallel.virtual_pipeline_model_parallel_size needs "
                 "pipeline_model_parallel_size >= 2 and a value >= 1"
             )
-        if m.num_layers % (pp * vpp):
+        if layers % (pp * vpp):
             raise UsageError(
                 f"model.num_layers ({m.num_layers}) must be divisible by "
                 f"pipeline x virtual pipeline size ({pp * vpp})"
             )
-    elif m.num_layers % pp:
+    elif layers % pp:
         raise UsageError(
             f"parallel.pipeline_model_parallel_size ({pp}) must divide "
             f"model.num_layers ({m.num_layers})"

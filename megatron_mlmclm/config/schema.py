@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.flops import TransformerShape
+
+T = TypeVar("T")
+
+
+def resolved(value: T | None) -> T:
+    """A field that finalize_run_config fills when the YAML leaves it unset (a preset's sizes, a
+    phase's steps, the budget's steps): read through this where the type must say so."""
+    assert value is not None, "config field read before finalize_run_config resolved it"
+    return value
 
 
 @dataclass
@@ -105,15 +114,15 @@ class ModelConfig:
                 raise UsageError(f"model.{k} must be positive, got {getattr(self, k)}")
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise UsageError(f"model.vocab_size must be positive, got {self.vocab_size}")
-        if self.hidden_size % self.num_attention_heads:
+        hidden, heads = resolved(self.hidden_size), resolved(self.num_attention_heads)
+        groups = resolved(self.num_query_groups)
+        if hidden % heads:
             raise UsageError(
-                f"model.num_attention_heads ({self.num_attention_heads}) must divide "
-                f"model.hidden_size ({self.hidden_size})"
+                f"model.num_attention_heads ({heads}) must divide model.hidden_size ({hidden})"
             )
-        if self.num_attention_heads % self.num_query_groups:
+        if heads % groups:
             raise UsageError(
-                f"model.num_query_groups ({self.num_query_groups}) must divide "
-                f"model.num_attention_heads ({self.num_attention_heads})"
+                f"model.num_query_groups ({groups}) must divide model.num_attention_heads ({heads})"
             )
         if self.rotary_base <= 0 or self.norm_epsilon <= 0 or self.init_method_std <= 0:
             raise UsageError(
@@ -338,8 +347,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Checked once the budget is resolved (`steps` and `decay_steps` set)."""
-        if self.steps < 1:
-            raise UsageError(f"train.steps must be >= 1, got {self.steps}")
+        steps = resolved(self.steps)
+        if steps < 1:
+            raise UsageError(f"train.steps must be >= 1, got {steps}")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
             raise UsageError("train.micro_batch_size and train.global_batch_size must be >= 1")
         if self.global_batch_size % self.micro_batch_size:
@@ -349,11 +359,11 @@ class TrainConfig:
             )
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise UsageError("train.lr must be > 0 and 0 <= train.min_lr <= train.lr")
-        w, d = self.warmup_steps, self.decay_steps
-        if w < 0 or d < 0 or w + d > self.steps:
+        w, d = self.warmup_steps, resolved(self.decay_steps)
+        if w < 0 or d < 0 or w + d > steps:
             raise UsageError(
                 f"train.warmup_steps ({w}) + train.decay_steps ({d}) must fit in "
-                f"train.steps ({self.steps})"
+                f"train.steps ({steps})"
             )
         b1, b2 = self.adam_beta1, self.adam_beta2
         if not 0.0 <= b1 < 1.0 or not 0.0 <= b2 < 1.0 or self.adam_eps <= 0:
