@@ -158,8 +158,8 @@ def test_bad_design_is_refused_before_any_work(tmp_path, capsys):
 def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     """Five recipes x one pretraining seed, SST-2 only: the whole pipeline, the report's sections
     (with the FLOPs of each recipe, the compute-matched comparison and the learning curve of CLM
-    and MLM at 10 and 20 of 40 steps, decay branches of the full runs), then a second invocation
-    that reuses every stage, and a changed design refused."""
+    and MLM at 20 and 40 steps, the 20-step models decay branches of the full runs), then a
+    second invocation that reuses every stage, and a changed design refused."""
     out = tmp_path / "study"
     args = [
         sys.executable,
@@ -194,6 +194,8 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
         "1",
         "--curve-tasks",
         "sst2",
+        "--curve-shares",
+        "0.5",
         "--vocab-size",
         "1024",
     ]
@@ -228,27 +230,27 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
         )
         == steps
     )
-    for name, start in (("clm-b10-p0", 9), ("mlm40-b20-p0", 18)):  # branched where decay starts
+    for name, start in (("clm-b20-p0", 18), ("mlm40-b20-p0", 18)):  # branched where decay starts
         train = (out / "runs" / name / "train.log").read_text()
         assert f"iter_{start:07d}" in train and "branching from" in train
     curve = (out / "learning_curve.csv").read_text().splitlines()
-    assert len(curve) == 1 + 2 * 3 * 2  # CLM, MLM x 10, 20, 40 steps x (sst2, overall)
+    assert len(curve) == 1 + 2 * 2 * 2  # CLM, MLM x 20, 40 steps x (sst2, overall)
     for plot in ("lr_sst2.png", "comparisons.png", "pretraining.png", "learning_curve.png"):
         assert (out / "plots" / plot).stat().st_size > 1000
     assert (out / "models" / "report.md").is_file()
     results = sorted(out.glob("eval/**/*.json"))
     final_grid = max(len(json.loads(p.read_text())["grid"]["lrs"]) for p in results)
     curve_results = [p for p in results if "-b" in json.loads(p.read_text())["model"]]
-    # every model, every LR of the final grid, 3 seeds; the curve's 4 models at the LR their
+    # every model, every LR of the final grid, 3 seeds; the curve's 2 models at the LR their
     # recipe's one full model chose
     assert len(results) - len(curve_results) == 5 * final_grid * 3
-    assert len(curve_results) == 4 * 3
+    assert len(curve_results) == 2 * 3
 
     stamps = {p: p.stat().st_mtime_ns for p in results}
     # --workers changes the pace, not the design: the folder is reused.
     second = subprocess.run(args + ["--workers", "1"], env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "9 runs" in second.stderr and "9 done already" in second.stderr
+    assert "7 runs" in second.stderr and "7 done already" in second.stderr
     assert {p: p.stat().st_mtime_ns for p in sorted(out.glob("eval/**/*.json"))} == stamps
     report = (out / "report.md").read_text()
     assert len(json.loads((out / "study.json").read_text())["invocations"]) == 2
