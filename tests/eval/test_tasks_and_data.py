@@ -69,6 +69,15 @@ def test_registry_refuses_validation_equal_to_test(tmp_path):
         load_registry(entry(splits=same, validation_holdout=1.5))
     ok = load_registry(entry(splits={**same, "validation": "train.tsv"}, validation_holdout=0.1))
     assert ok["mine"].validation_holdout == 0.1
+    # Entries are typed by the run config's loader: a wrong type is one line naming the field.
+    for field, value, says in (
+        ("validation_holdout", "lots", "must be a number"),
+        ("doc_stride", 1.5, "must be an integer"),
+        ("suites", {"paper": 1}, "must be a list"),
+    ):
+        with pytest.raises(UsageError, match=f"'mine.{field}' {says}") as e:
+            load_registry(entry(splits={**same, "validation": "train.tsv"}, **{field: value}))
+        assert "\n" not in str(e.value)
 
 
 def _md5_fraction(key: str) -> float:
