@@ -106,6 +106,72 @@ def violations(root: Path, rules: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def import_cycles(root: Path) -> list[list[str]]:
+    """Groups of modules that import each other, directly or round a loop (Tarjan's strongly
+    connected components over module -> module imports, those inside functions and under
+    TYPE_CHECKING included)."""
+    found = dict(modules(root))
+    names = set(found.values())
+    graph: dict[str, set[str]] = {m: set() for m in names}
+    for path, module in found.items():
+        for _, targets in imported(path, module):
+            for t in targets:
+                while t and t not in names:  # a name inside a module -> the module
+                    t = t.rpartition(".")[0]
+                if t and t != module:
+                    graph[module].add(t)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_round_a_loop():
+    assert import_cycles(REPO / PKG) == []
+
+
+def test_an_import_loop_is_found(tmp_path):
+    root = tmp_path / PKG
+    write(root, "__init__.py", "")
+    write(root, "config.py", "from megatron_mlmclm.model.flops import count\n")
+    write(root, "model/__init__.py", "")
+    write(
+        root,
+        "model/flops.py",
+        """\
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from megatron_mlmclm.config import X
+        """,
+    )
+    write(root, "model/build.py", "from megatron_mlmclm import config\n")
+    assert import_cycles(root) == [[f"{PKG}.config", f"{PKG}.model.flops"]]
+
+
 def argparse_outside_commands(root: Path) -> list[str]:
     """Modules outside commands/ and cli.py that build parsers or declare flags."""
     out = []
