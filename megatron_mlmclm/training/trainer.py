@@ -10,8 +10,6 @@ continues from the checkpoint's consumed_samples.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
 import os
@@ -24,7 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel as DDP
-from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -41,9 +39,7 @@ from megatron_mlmclm.config import (
     resolved_phases,
     to_dict,
 )
-from megatron_mlmclm.data.dataset import build_train_dataset, temperature_blend
-from megatron_mlmclm.data.mock import MockPackedDataset
-from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
+from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.flops import mfu_step_flops
 from megatron_mlmclm.model.build import build_model, set_rotary_base, transformer_config
@@ -58,71 +54,13 @@ from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import sinks
 from megatron_mlmclm.training.branch import branch_source, inherit_metrics
+from megatron_mlmclm.training.datasets import build_datasets
+from megatron_mlmclm.training.engine import forward_step, gathered_parameters, wire_overlap
 from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
 from megatron_mlmclm.training.inject import Injector
 from megatron_mlmclm.training.loader import Plan, build_loader
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from megatron_mlmclm.training.resume import check_resume, fingerprint
-
-
-def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offset: int = 0):
-    """([train dataset per stream of the phase plan], {seq_length: valid dataset} or None); rank 0
-    builds the sample-index caches first.
-
-    A stream's dataset holds every sample the run reads from it, shifted by `sample_offset` when a
-    resume with checkpoint.allow_data_change continues the stream from consumed_samples.
-    Validation reads data.valid at each seq_length a phase trains at.
-    """
-    gbs, d = cfg.train.global_batch_size, cfg.data
-    n_valid = cfg.logging.eval_iters * gbs
-    lengths = sorted({s.seq_length for s in plan.streams})
-
-    def train_items(stream) -> list[str]:
-        if stream.temperature is not None:
-            return temperature_blend(d.train, stream.temperature)
-        return list(stream.data) if stream.data is not None else d.train
-
-    def build():
-        if d.mock:
-            train = [
-                MockPackedDataset(
-                    max(s.samples + sample_offset, gbs),
-                    s.seq_length,
-                    spec.vocab_size,
-                    d.seed,
-                    kind=d.mock_kind,
-                )
-                for s in plan.streams
-            ]
-            return train, {
-                n: MockPackedDataset(n_valid, n, spec.vocab_size, d.seed + 1, kind=d.mock_kind)
-                for n in lengths
-            }
-        train = [
-            build_train_dataset(
-                train_items(s),
-                s.seq_length,
-                max(s.samples + sample_offset, gbs),
-                d.seed,
-                d.cache_dir,
-            )
-            for s in plan.streams
-        ]
-        valid = (
-            {n: build_train_dataset(d.valid, n, n_valid, d.seed, d.cache_dir) for n in lengths}
-            if d.valid
-            else None
-        )
-        return train, valid
-
-    if dist.is_initialized() and dist.get_world_size() > 1 and not d.mock:
-        if rt.is_main():
-            out = build()
-        dist.barrier()
-        if not rt.is_main():
-            out = build()
-        return out
-    return build()
 
 
 class Trainer:
@@ -707,64 +645,3 @@ class Trainer:
             self.sinks.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
-
-
-def wire_overlap(config, model: list, ddp_config, gradients_ready=None) -> None:
-    """Hand megatron's schedules the DDP hooks, as Megatron-LM's training.py does: no_sync for
-    gradient accumulation, finalize_model_grads, and with overlap the per-chunk gradient reduce and
-    parameter gather that the pipeline schedules start themselves (VPP). `gradients_ready` is
-    called as the gradient reduction starts (the straggler monitor's mark)."""
-
-    def one_or_list(fns):
-        return fns[0] if len(fns) == 1 else fns
-
-    def finalize(*args, **kwargs):
-        if gradients_ready is not None:
-            gradients_ready()
-        return finalize_model_grads(*args, **kwargs)
-
-    config.no_sync_func = one_or_list([m.no_sync for m in model])
-    config.finalize_model_grads_func = finalize
-    if ddp_config.overlap_grad_reduce:
-        config.grad_sync_func = one_or_list([m.start_grad_sync for m in model])
-    if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
-        config.param_sync_func = one_or_list([m.start_param_sync for m in model])
-
-
-@contextlib.contextmanager
-def gathered_parameters(model: list, overlap_param_gather: bool):
-    """Parameters complete on every rank inside the block (a no-op without overlapped gather)."""
-    if not overlap_param_gather:
-        yield
-        return
-    for m in model:
-        m.disable_forward_pre_hook(param_sync=True)
-    try:
-        yield
-    finally:
-        for m in model:
-            m.enable_forward_pre_hook()
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        batch.get("attention_mask"),
-        labels=batch["labels"],
-        loss_mask=batch["loss_mask"],
-        packed_seq_params=batch.get("packed_seq_params"),
-    )
-    return output, functools.partial(loss_func, scale=batch.get("loss_scale"))
-
-
-def loss_func(output, scale: float | None = None):
-    """Per-token convention: (sum of losses, token count, logged [sum, count, correct])."""
-    per_token_loss, correct = output
-    total = per_token_loss.sum()
-    if scale is not None:  # the fault-injection test hook: a NaN or spiked loss and gradients
-        total = total * scale
-    count = torch.tensor(per_token_loss.numel(), dtype=torch.int, device=total.device)
-    logged = torch.stack([total.detach().float(), count.float(), correct.sum().float()])
-    return total, count, {"lm loss": logged}
