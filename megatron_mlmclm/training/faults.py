@@ -455,6 +455,13 @@ class FaultMonitor:
             EXIT_NONFINITE,
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """Its part of a checkpoint: the spike policy's running figures (train.skip_spikes)."""
+        return {} if self.spikes.factor is None else {"spikes": self.spikes.state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.spikes.load(state.get("spikes"))
+
     def interval(self, device) -> dict[str, float] | None:
         """Collective, at each logging interval: rank 0's straggler figures."""
         return self.stragglers.gather(device)

@@ -31,14 +31,15 @@ import math
 import queue
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from megatron_mlmclm.config import PhaseConfig, PhasePlan
+from megatron_mlmclm.config import PhaseConfig, PhasePlan, RunConfig, resolved_phases
 from megatron_mlmclm.data.tokenizer import TokenSpec
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.objectives import batch_arrays
 from megatron_mlmclm.runtime.lifetime import children_die_with_us
 from megatron_mlmclm.training.preemption import SIGNALS
@@ -65,9 +66,35 @@ class Plan:
     dp: int
     dp_rank: int
     sample_offset: int = 0
+    phase_plan: PhasePlan = field(init=False, repr=False, compare=False)  # from the above
 
     def __post_init__(self):
         object.__setattr__(self, "phase_plan", PhasePlan(self.phases, self.global_batch_size))
+
+    @classmethod
+    def of_run(
+        cls, cfg: RunConfig, spec: TokenSpec, dp: int, dp_rank: int, sample_offset: int = 0
+    ) -> Plan:
+        """The plan of a run on `dp` data-parallel ranks, which its global batch must split into
+        whole micro-batches."""
+        t = cfg.train
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise UsageError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp})"
+            )
+        assert t.steps is not None, "finalize_run_config resolves train.steps"
+        return cls(
+            resolved_phases(cfg),
+            spec,
+            cfg.data.seed,
+            t.steps,
+            t.global_batch_size,
+            t.micro_batch_size,
+            dp,
+            dp_rank,
+            sample_offset,
+        )
 
     @property
     def num_microbatches(self) -> int:
