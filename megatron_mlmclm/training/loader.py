@@ -348,14 +348,17 @@ class WorkerLoader(_Ahead):
             torch.cuda.set_device(self.device)
 
     def next_microbatch(self) -> dict:
+        assert self.it is not None, "start_source() starts the workers first"
         out = {k: torch.from_numpy(v) for k, v in next(self.it).items()}
         return out if self.device is None else {k: v.pin_memory() for k, v in out.items()}
 
     def close(self) -> None:
         self.stop()
         it, self.it = self.it, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        # torch's persistent workers end with their iterator's private shutdown, not with GC.
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,7 +405,8 @@ class DaliLoader(_Ahead):
 
         self.pipe = None
         n = self.plan.num_microbatches
-        dtypes = {torch.int64: types.INT64, torch.int32: types.INT32, torch.float32: types.FLOAT}
+        kinds = types.DALIDataType
+        dtypes = {torch.int64: kinds.INT64, torch.int32: kinds.INT32, torch.float32: kinds.FLOAT}
         # Forking a process that holds a CUDA context is unsupported: spawn then (the source and
         # the dataset are pickled to the workers).
         start = "spawn" if torch.cuda.is_initialized() else "fork"
@@ -437,8 +441,10 @@ class DaliLoader(_Ahead):
             torch.cuda.set_device(self.device)
 
     def next_microbatch(self) -> dict:
-        from nvidia.dali.plugin.pytorch import feed_ndarray
+        # DALI's documented name for it; the plugin re-exports it without declaring it public.
+        from nvidia.dali.plugin.pytorch import feed_ndarray  # pyright: ignore[reportPrivateImportUsage]
 
+        assert self.pipe is not None, "start_source() builds the pipeline first"
         out = {}
         stream = torch.cuda.current_stream() if self.device is not None else None
         for (name, dtype), tensors in zip(FIELDS.items(), self.pipe.run()):
