@@ -107,10 +107,12 @@ class Timed:
 class Prebuilt:
     """A loader whose batches were built before the clock started."""
 
-    def __init__(self, dataset, plan, steps: int):
+    def __init__(self, datasets, plan, steps: int):
+        """`datasets`: one per sample stream, as the trainer's loaders take them."""
         self.plan = plan
         self.batches = [
-            plan.microbatches(dataset, plan.first_sample(s), plan.phase(s)) for s in range(steps)
+            plan.microbatches(datasets[plan.stream(s)], plan.first_sample(s), plan.phase(s))
+            for s in range(steps)
         ]
 
     def get(self, step, first_sample, phase):

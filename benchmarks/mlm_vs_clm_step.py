@@ -112,7 +112,8 @@ def main() -> None:
 
     if args.forward_reps > 0:
         fwd = {"clm": [], "mlm": []}
-        batches = {ph.objective: trainer.microbatches(trainer.train_ds, 0, ph) for ph in (clm, mlm)}
+        stream = trainer.train_ds[0]  # the run's one sample stream
+        batches = {ph.objective: trainer.microbatches(stream, 0, ph) for ph in (clm, mlm)}
         with torch.no_grad():
             for r in range(args.forward_reps + 1):
                 order = ("clm", "mlm") if r % 2 == 0 else ("mlm", "clm")

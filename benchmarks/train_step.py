@@ -142,7 +142,7 @@ def main() -> None:
         """The same samples and masks as our step `step` (what a data collator would produce)."""
         first = step * args.micro_batch
         idx = list(range(first, first + args.micro_batch))
-        samples = [trainer.train_ds[i] for i in idx]
+        samples = [trainer.train_ds[0][i] for i in idx]  # the run's one sample stream
         pairs = [
             mlm_mask(
                 s["tokens"][:-1].astype(np.int64),

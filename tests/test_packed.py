@@ -510,16 +510,16 @@ def test_padded_thd_streams_on_random_document_layouts(multiple):
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("objective", ["clm", "mlm"])
 def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp, objective):
-    """With the kernel plan's TE THD path (a CUDA machine with TE, simulated), the trainer's
-    micro-batches carry packed_seq_params and no [b,1,s,s] mask at PP = 1 and PP = 2, and the
-    schedule is told the THD activation shape [t, 1, h]. A spy fails the test if the dense
-    document mask is built at all."""
+    """With the kernel plan's TE THD path (a CUDA machine with TE, simulated), the training
+    engine's micro-batches carry packed_seq_params and no [b,1,s,s] mask at PP = 1 and PP = 2,
+    and the schedule is told the THD activation shape [t, 1, h]. A spy fails the test if the
+    dense document mask is built at all."""
     from megatron_mlmclm import objectives
     from megatron_mlmclm.config import PhaseConfig, load_config
     from megatron_mlmclm.data.mock import MockPackedDataset
     from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
     from megatron_mlmclm.model.kernels import Kernels, plan_kernels
-    from megatron_mlmclm.training import trainer as trainer_module
+    from megatron_mlmclm.training import engine as engine_module
     from megatron_mlmclm.training.loader import Plan
 
     cfg = load_config(
@@ -543,13 +543,14 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
 
     monkeypatch.setattr(objectives, "document_attention_mask", no_dense_mask)
 
-    t = trainer_module.Trainer(cfg)  # only the batch path: no process groups, no model
-    t.kernels, t.model_chunks, t.loader = plan, [], None  # CP = 1: no split
-    t.thd = t.kernels.thd
+    # Only the batch path and the schedule call: no process groups, no model. CP = 1: no split.
+    engine = engine_module.Engine(plan, None, [], [object()], None, None)
     spec = token_spec_and_vocab(cfg)
-    t.plan = Plan(tuple(cfg.phases), spec, cfg.data.seed, 1, 4, 2, 1, 0, 0)
-    monkeypatch.setattr(trainer_module.rt, "device", lambda: torch.device("cpu"))
-    batches = t.microbatches(MockPackedDataset(8, 40, 256, 1), 0, PhaseConfig(objective))
+    batch_plan = Plan(tuple(cfg.phases), spec, cfg.data.seed, 1, 4, 2, 1, 0, 0)
+    monkeypatch.setattr(engine_module.rt, "device", lambda: torch.device("cpu"))
+    phase = PhaseConfig(objective)
+    host = batch_plan.microbatches(MockPackedDataset(8, 40, 256, 1), 0, phase)
+    batches = engine.to_device(host, phase)
     assert len(batches) == 2
     for batch in batches:
         assert batch["attention_mask"] is None and batch["packed_seq_params"].qkv_format == "thd"
@@ -561,15 +562,14 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
         seen.update(kw)
         return []
 
-    monkeypatch.setattr(trainer_module, "get_forward_backward_func", lambda: schedule)
-    monkeypatch.setattr(trainer_module.dist, "all_reduce", lambda *a, **k: None)
-    monkeypatch.setattr(trainer_module.parallel_state, "is_pipeline_last_stage", lambda **k: False)
-    monkeypatch.setattr(trainer_module.parallel_state, "get_data_parallel_group", lambda **k: None)
+    monkeypatch.setattr(engine_module, "get_forward_backward_func", lambda: schedule)
+    monkeypatch.setattr(engine_module.dist, "all_reduce", lambda *a, **k: None)
+    monkeypatch.setattr(engine_module.parallel_state, "is_pipeline_last_stage", lambda **k: False)
+    monkeypatch.setattr(engine_module.parallel_state, "get_data_parallel_group", lambda **k: None)
     monkeypatch.setattr(
-        trainer_module.parallel_state, "get_pipeline_model_parallel_group", lambda: None
+        engine_module.parallel_state, "get_pipeline_model_parallel_group", lambda: None
     )
-    t.model = [object()]
-    t.run_schedule(batches, forward_only=True)
+    engine.run_schedule(batches, forward_only=True)
     assert (seen["seq_length"], seen["micro_batch_size"]) == (80, 1)  # [t, 1, h] between stages
 
 

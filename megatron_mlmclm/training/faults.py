@@ -207,9 +207,11 @@ class NonFiniteRecord:
         if self.path.is_file():
             self.pending = json.loads(self.path.read_text(encoding="utf-8"))
 
-    def is_rerun(self, step: int) -> bool:
-        """True when `step` (1-based) failed before: this attempt is its re-run."""
-        return self.pending is not None and int(self.pending["step"]) == step
+    def first_attempt(self, step: int) -> dict[str, Any] | None:
+        """The record of `step` (1-based) when it failed before (this attempt is its re-run)."""
+        if self.pending is not None and int(self.pending["step"]) == step:
+            return self.pending
+        return None
 
     def write(self, entry: dict[str, Any]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -219,6 +221,7 @@ class NonFiniteRecord:
         self.pending = entry
 
     def resolve(self, verdict: str) -> None:
+        assert self.pending is not None, "only a re-run resolves a record"
         entry = dict(self.pending, verdict=verdict, resolved_at=time.time())
         with open(self.folder / "history.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(entry) + "\n")
@@ -408,11 +411,11 @@ class FaultMonitor:
     ) -> str | None:
         """After the reductions, before the update. Raises NonFinite for a non-finite step; returns
         a note to log when a step that failed before is finite on its re-run (transient)."""
-        rerun = self.nonfinite.is_rerun(step)
+        rerun = self.nonfinite.first_attempt(step)
         if problem is None:
-            if not rerun:
+            if rerun is None:
                 return None
-            first = self.nonfinite.pending["problem"]
+            first = rerun["problem"]
             if self.rank == 0:
                 self.nonfinite.resolve("transient")
             else:
@@ -427,9 +430,9 @@ class FaultMonitor:
             if bad_ranks
             else ""
         )
-        if rerun:
+        if rerun is not None:
             if self.rank == 0:
-                self.nonfinite.write(dict(self.nonfinite.pending, verdict="persistent"))
+                self.nonfinite.write(dict(rerun, verdict="persistent"))
             raise NonFinite(
                 f"{where}; it was not finite on the first attempt either: a persistent fault. "
                 f"Stopping for good (exit {EXIT_NONFINITE_PERSISTENT}); inspect those samples, "
@@ -454,6 +457,13 @@ class FaultMonitor:
             "from a persistent one",
             EXIT_NONFINITE,
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its part of a checkpoint: the spike policy's running figures (train.skip_spikes)."""
+        return {} if self.spikes.factor is None else {"spikes": self.spikes.state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.spikes.load(state.get("spikes"))
 
     def interval(self, device) -> dict[str, float] | None:
         """Collective, at each logging interval: rank 0's straggler figures."""

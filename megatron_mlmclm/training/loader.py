@@ -31,14 +31,15 @@ import math
 import queue
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from megatron_mlmclm.config import PhaseConfig, PhasePlan
+from megatron_mlmclm.config import PhaseConfig, PhasePlan, RunConfig, resolved_phases
 from megatron_mlmclm.data.tokenizer import TokenSpec
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.objectives import batch_arrays
 from megatron_mlmclm.runtime.lifetime import children_die_with_us
 from megatron_mlmclm.training.preemption import SIGNALS
@@ -65,9 +66,35 @@ class Plan:
     dp: int
     dp_rank: int
     sample_offset: int = 0
+    phase_plan: PhasePlan = field(init=False, repr=False, compare=False)  # from the above
 
     def __post_init__(self):
         object.__setattr__(self, "phase_plan", PhasePlan(self.phases, self.global_batch_size))
+
+    @classmethod
+    def of_run(
+        cls, cfg: RunConfig, spec: TokenSpec, dp: int, dp_rank: int, sample_offset: int = 0
+    ) -> Plan:
+        """The plan of a run on `dp` data-parallel ranks, which its global batch must split into
+        whole micro-batches."""
+        t = cfg.train
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise UsageError(
+                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp})"
+            )
+        assert t.steps is not None, "finalize_run_config resolves train.steps"
+        return cls(
+            resolved_phases(cfg),
+            spec,
+            cfg.data.seed,
+            t.steps,
+            t.global_batch_size,
+            t.micro_batch_size,
+            dp,
+            dp_rank,
+            sample_offset,
+        )
 
     @property
     def num_microbatches(self) -> int:
@@ -321,14 +348,17 @@ class WorkerLoader(_Ahead):
             torch.cuda.set_device(self.device)
 
     def next_microbatch(self) -> dict:
+        assert self.it is not None, "start_source() starts the workers first"
         out = {k: torch.from_numpy(v) for k, v in next(self.it).items()}
         return out if self.device is None else {k: v.pin_memory() for k, v in out.items()}
 
     def close(self) -> None:
         self.stop()
         it, self.it = self.it, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        # torch's persistent workers end with their iterator's private shutdown, not with GC.
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -375,7 +405,8 @@ class DaliLoader(_Ahead):
 
         self.pipe = None
         n = self.plan.num_microbatches
-        dtypes = {torch.int64: types.INT64, torch.int32: types.INT32, torch.float32: types.FLOAT}
+        kinds = types.DALIDataType
+        dtypes = {torch.int64: kinds.INT64, torch.int32: kinds.INT32, torch.float32: kinds.FLOAT}
         # Forking a process that holds a CUDA context is unsupported: spawn then (the source and
         # the dataset are pickled to the workers).
         start = "spawn" if torch.cuda.is_initialized() else "fork"
@@ -410,8 +441,10 @@ class DaliLoader(_Ahead):
             torch.cuda.set_device(self.device)
 
     def next_microbatch(self) -> dict:
-        from nvidia.dali.plugin.pytorch import feed_ndarray
+        # DALI's documented name for it; the plugin re-exports it without declaring it public.
+        from nvidia.dali.plugin.pytorch import feed_ndarray  # pyright: ignore[reportPrivateImportUsage]
 
+        assert self.pipe is not None, "start_source() builds the pipeline first"
         out = {}
         stream = torch.cuda.current_stream() if self.device is not None else None
         for (name, dtype), tensors in zip(FIELDS.items(), self.pipe.run()):

@@ -21,6 +21,13 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Preempted(Exception):
     """Raised by the training loop after the stop checkpoint is saved."""
 
+    @classmethod
+    def after_save(cls, step: int, steps: int) -> Preempted:
+        return cls(
+            f"stop signal: saved at step {step} of {steps}; exit {EXIT_PREEMPTED}, start the "
+            "same run again to resume"
+        )
+
 
 class StopSignals:
     def __init__(self):

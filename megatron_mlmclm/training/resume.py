@@ -32,7 +32,7 @@ from megatron_mlmclm.errors import UsageError
 def shard_list(items: list[str]) -> list[dict[str, Any]]:
     """Each prefix of a data list with its normalised blend weight and its .idx size and sha256."""
     prefixes, weights = parse_prefixes(items)
-    total = sum(weights) if weights else None
+    total = sum(weights) if weights else 0.0  # unused without weights
     out = []
     for k, prefix in enumerate(prefixes):
         idx = prefix + ".idx"

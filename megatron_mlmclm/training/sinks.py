@@ -18,7 +18,7 @@ from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 
-from megatron_mlmclm.config import LoggingConfig, RunConfig, to_dict
+from megatron_mlmclm.config import LoggingConfig, RunConfig, WandbConfig, to_dict
 from megatron_mlmclm.errors import UsageError
 
 
@@ -69,7 +69,7 @@ class Sinks:
         if cfg.logging.tensorboard:
             self.tensorboard = SummaryWriter(str(out / "tensorboard"), purge_step=step + 1)
         if cfg.logging.wandb is not None:
-            self.wandb = _wandb_run(cfg, out)
+            self.wandb = _wandb_run(cfg, cfg.logging.wandb, out)
 
     def write(self, stats: dict[str, Any]) -> None:
         tags, step = scalars(stats), stats["step"]
@@ -86,10 +86,9 @@ class Sinks:
             self.wandb.finish()
 
 
-def _wandb_run(cfg: RunConfig, out: Path):
+def _wandb_run(cfg: RunConfig, w: WandbConfig, out: Path):
     import wandb  # optional dependency ([wandb] extra): only runs with logging.wandb import it
 
-    w = cfg.logging.wandb
     folder = out / "wandb"
     folder.mkdir(parents=True, exist_ok=True)
     id_file = folder / "run_id"

@@ -1,0 +1,78 @@
+"""The datasets of a run: one per sample stream of the phase plan (config/phases.py), and the
+validation datasets, one per sequence length a phase trains at."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_mlmclm.config import PhasePlan, RunConfig, Stream
+from megatron_mlmclm.data.dataset import build_train_dataset, temperature_blend
+from megatron_mlmclm.data.mock import MockPackedDataset
+from megatron_mlmclm.data.tokenizer import TokenSpec
+from megatron_mlmclm.runtime import distributed as rt
+
+
+def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offset: int = 0):
+    """([train dataset per stream of the phase plan], {seq_length: valid dataset} or None); rank 0
+    builds the sample-index caches first.
+
+    A stream's dataset holds every sample the run reads from it, shifted by `sample_offset` when a
+    resume with checkpoint.allow_data_change continues the stream from consumed_samples.
+    Validation reads data.valid at each seq_length a phase trains at.
+    """
+    gbs, d = cfg.train.global_batch_size, cfg.data
+    n_valid = cfg.logging.eval_iters * gbs
+    lengths = sorted({length(s) for s in plan.streams})
+
+    def train_items(stream: Stream) -> list[str]:
+        if stream.temperature is not None:
+            return temperature_blend(d.train, stream.temperature)
+        return list(stream.data) if stream.data is not None else d.train
+
+    def build():
+        if d.mock:
+            train = [
+                MockPackedDataset(
+                    max(s.samples + sample_offset, gbs),
+                    length(s),
+                    spec.vocab_size,
+                    d.seed,
+                    kind=d.mock_kind,
+                )
+                for s in plan.streams
+            ]
+            return train, {
+                n: MockPackedDataset(n_valid, n, spec.vocab_size, d.seed + 1, kind=d.mock_kind)
+                for n in lengths
+            }
+        train = [
+            build_train_dataset(
+                train_items(s),
+                length(s),
+                max(s.samples + sample_offset, gbs),
+                d.seed,
+                d.cache_dir,
+            )
+            for s in plan.streams
+        ]
+        valid = (
+            {n: build_train_dataset(d.valid, n, n_valid, d.seed, d.cache_dir) for n in lengths}
+            if d.valid
+            else None
+        )
+        return train, valid
+
+    if dist.is_initialized() and dist.get_world_size() > 1 and not d.mock:
+        if rt.is_main():
+            out = build()
+        dist.barrier()
+        if not rt.is_main():
+            out = build()
+        return out
+    return build()
+
+
+def length(stream: Stream) -> int:
+    """A stream's sequence length (the plan's phases have theirs resolved: PhasePlan.of)."""
+    assert stream.seq_length is not None, "a stream of a resolved phase plan has its seq_length"
+    return stream.seq_length
