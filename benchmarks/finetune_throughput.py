@@ -33,8 +33,8 @@ def main() -> None:
 
     from transformers import Trainer, TrainingArguments
 
-    from megatron_mlmclm.eval.data import load_split
-    from megatron_mlmclm.eval.families import Setup, collate_ids
+    from megatron_mlmclm.eval.families import load_split
+    from megatron_mlmclm.eval.families.base import Setup, collate_ids
     from megatron_mlmclm.eval.families.sc import encode
     from megatron_mlmclm.eval.finetune import FinetuneConfig, seed_everything, train
     from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder, load_tokenizer
@@ -55,7 +55,7 @@ def main() -> None:
     tok = load_tokenizer(model_dir)
     task = get_task("sst2")
     n = args.steps * args.batch_size
-    features = encode(load_split(task, "train", n), tok, 252, {"0": 0, "1": 1})
+    features = encode(task, load_split(task, "train", n), tok, 252, {"0": 0, "1": 1})
     cfg = FinetuneConfig(
         model=model_dir,
         task="sst2",
