@@ -65,6 +65,7 @@ from megatron_mlmclm.config.schema import (
     RuntimeConfig,
     TrainConfig,
     WandbConfig,
+    resolved,
 )
 
 
@@ -110,6 +111,7 @@ __all__ = [
     "refuse_contradictions",
     "resolve_budget",
     "resolve_phase_steps",
+    "resolved",
     "resolved_phases",
     "run_flops",
     "step_flops",

@@ -33,6 +33,7 @@ from megatron_mlmclm.config import (
     PhasePlan,
     RunConfig,
     from_dict,
+    resolved,
     resolved_phases,
     stream_key,
     to_dict,
@@ -72,8 +73,7 @@ MAY_DIFFER = BUDGET + OUTPUT + EXECUTION + BY_CONTENT
 def branch_source(cfg: RunConfig, fingerprint: dict[str, Any]) -> tuple[Path, list[str]]:
     """The verified checkpoint of train.branch_from, checked against this run (check_branch);
     -> (checkpoint, notes to log)."""
-    assert cfg.train.branch_from, "asked for a run with train.branch_from"
-    source = ckpt_io.resolve_checkpoint(cfg.train.branch_from)
+    source = ckpt_io.resolve_checkpoint(resolved(cfg.train.branch_from))
     state = ckpt_io.read_trainer_state(source)["trainer"]
     return source, check_branch(source, state, cfg, fingerprint)
 
@@ -116,7 +116,7 @@ def check_branch(
             "checkpoint.allow_data_change); a branch of it is no run of this config: "
             "train from scratch"
         )
-    steps, decay = budget(cfg)
+    steps, decay = resolved(cfg.train.steps), resolved(cfg.train.decay_steps)
     if step >= steps:
         raise UsageError(
             f"{where} is at step {step}, but this run's budget is {steps} "
@@ -126,13 +126,6 @@ def check_branch(
         f"branching from {source} at step {step} of {saved.train.steps}: this run decays "
         f"over steps {steps - decay}-{steps}"
     ]
-
-
-def budget(run: RunConfig) -> tuple[int, int]:
-    """(train.steps, train.decay_steps) of a resolved config (this run's, or a checkpoint's)."""
-    t = run.train
-    assert t.steps is not None and t.decay_steps is not None, "a resolved config has both"
-    return t.steps, t.decay_steps
 
 
 def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -190,18 +183,17 @@ def _compare_steps(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> N
 
 
 def _describe(cfg: RunConfig, plan: PhasePlan, i: int) -> str:
-    start, steps = plan.starts[i], plan.phases[i].steps
-    assert steps is not None, "the phases of a resolved config have their steps"
-    return phase_description(cfg, cfg.phases[i], start, start + steps)
+    start = plan.starts[i]
+    return phase_description(cfg, cfg.phases[i], start, start + resolved(plan.phases[i].steps))
 
 
 def _check_schedule(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> None:
     """WSD: the LR of step k is the schedule's value at k + 1, the peak from the warmup's end to
     steps - decay_steps. Every step before the branch point must be in both runs' stable part."""
-    ends = {}
-    for run, what in ((saved, "the source"), (cfg, "this run")):
-        steps, decay = budget(run)
-        ends[what] = steps - decay
+    ends = {
+        what: resolved(run.train.steps) - resolved(run.train.decay_steps)
+        for run, what in ((saved, "the source"), (cfg, "this run"))
+    }
     for what, end in ends.items():
         if step > end:
             raise UsageError(

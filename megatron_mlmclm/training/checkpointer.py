@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import PhasePlan, RunConfig, kept_steps
+from megatron_mlmclm.config import PhasePlan, RunConfig, kept_steps, resolved
 from megatron_mlmclm.training.branch import branch_source
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor
@@ -53,7 +53,8 @@ class Start:
 def find_start(cfg: RunConfig, fingerprint: dict[str, Any]) -> Start:
     """The run's latest complete checkpoint, checked against this run (optimizer kind, data
     fingerprint); else a branch source; else train.init_from (its checksums verified)."""
-    latest = ckpt.latest_verified_checkpoint(checkpoint_dir(cfg)) if cfg.checkpoint.resume else None
+    c = cfg.checkpoint
+    latest = ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else None
     if latest is not None:
         state = ckpt.read_trainer_state(latest)["trainer"]
         consumed, notes = check_resume(latest, state, cfg, fingerprint)
@@ -64,11 +65,6 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any]) -> Start:
         return Start(source, branched=True, notes=notes)  # read as a fresh run reads
     init = ckpt.resolve_checkpoint(cfg.train.init_from) if cfg.train.init_from else None
     return Start(init_from=init)
-
-
-def checkpoint_dir(cfg: RunConfig) -> str:
-    assert cfg.checkpoint.dir is not None, "finalize_run_config fills checkpoint.dir"
-    return cfg.checkpoint.dir
 
 
 class Checkpointer:
@@ -85,7 +81,7 @@ class Checkpointer:
         stop_at: int | None = None,
     ):
         c = cfg.checkpoint
-        self.dir, self.interval, self.keep_last = checkpoint_dir(cfg), c.save_interval, c.keep_last
+        self.dir, self.interval, self.keep_last = resolved(c.dir), c.save_interval, c.keep_last
         self.steps, self.stop_at = cfg.train.steps, stop_at
         self.kept = frozenset(kept_steps(cfg))  # checkpoints saved there and never pruned
         self.start, self.engine, self.faults = start, engine, faults

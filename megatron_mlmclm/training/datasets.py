@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron_mlmclm.config import PhasePlan, RunConfig, Stream
+from megatron_mlmclm.config import PhasePlan, RunConfig, Stream, resolved
 from megatron_mlmclm.data.dataset import build_train_dataset, temperature_blend
 from megatron_mlmclm.data.mock import MockPackedDataset
 from megatron_mlmclm.data.tokenizer import TokenSpec
@@ -22,7 +22,7 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
     """
     gbs, d = cfg.train.global_batch_size, cfg.data
     n_valid = cfg.logging.eval_iters * gbs
-    lengths = sorted({length(s) for s in plan.streams})
+    lengths = sorted({resolved(s.seq_length) for s in plan.streams})
 
     def train_items(stream: Stream) -> list[str]:
         if stream.temperature is not None:
@@ -34,7 +34,7 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
             train = [
                 MockPackedDataset(
                     max(s.samples + sample_offset, gbs),
-                    length(s),
+                    resolved(s.seq_length),
                     spec.vocab_size,
                     d.seed,
                     kind=d.mock_kind,
@@ -48,7 +48,7 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
         train = [
             build_train_dataset(
                 train_items(s),
-                length(s),
+                resolved(s.seq_length),
                 max(s.samples + sample_offset, gbs),
                 d.seed,
                 d.cache_dir,
@@ -70,9 +70,3 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
             out = build()
         return out
     return build()
-
-
-def length(stream: Stream) -> int:
-    """A stream's sequence length (the plan's phases have theirs resolved: PhasePlan.of)."""
-    assert stream.seq_length is not None, "a stream of a resolved phase plan has its seq_length"
-    return stream.seq_length

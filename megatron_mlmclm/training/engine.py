@@ -25,7 +25,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
 
 from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import PhaseConfig, RunConfig, TrainConfig
+from megatron_mlmclm.config import PhaseConfig, RunConfig, TrainConfig, resolved
 from megatron_mlmclm.model.build import build_model, transformer_config
 from megatron_mlmclm.model.kernels import KernelPlan
 from megatron_mlmclm.model.packed import flatten_for_thd, split_for_context_parallel
@@ -226,18 +226,18 @@ class Engine:
 
 def new_scheduler(optimizer: MegatronOptimizer, t: TrainConfig) -> OptimizerParamScheduler:
     """Warmup-stable-decay over the whole run, whatever its phases (docs/study.md)."""
-    assert t.steps is not None, "finalize_run_config resolves train.steps"
+    steps = resolved(t.steps)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=t.lr,
         min_lr=t.min_lr,
         lr_warmup_steps=t.warmup_steps,
-        lr_decay_steps=t.steps,
+        lr_decay_steps=steps,
         lr_decay_style="WSD",
         start_wd=t.weight_decay,
         end_wd=t.weight_decay,
-        wd_incr_steps=t.steps,
+        wd_incr_steps=steps,
         wd_incr_style="constant",
         wsd_decay_steps=t.decay_steps,
         lr_wsd_decay_style="linear",

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from megatron_mlmclm.config import PhaseConfig, PhasePlan, RunConfig, resolved_phases
+from megatron_mlmclm.config import PhaseConfig, PhasePlan, RunConfig, resolved, resolved_phases
 from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.objectives import batch_arrays
@@ -83,12 +83,11 @@ class Plan:
                 f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
                 f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp})"
             )
-        assert t.steps is not None, "finalize_run_config resolves train.steps"
         return cls(
             resolved_phases(cfg),
             spec,
             cfg.data.seed,
-            t.steps,
+            resolved(t.steps),
             t.global_batch_size,
             t.micro_batch_size,
             dp,

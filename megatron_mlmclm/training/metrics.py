@@ -19,13 +19,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import PhaseConfig, RunConfig, dump_yaml
+from megatron_mlmclm.config import PhaseConfig, RunConfig, dump_yaml, resolved
 from megatron_mlmclm.flops import mfu_step_flops
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training import sinks
 from megatron_mlmclm.training.branch import inherit_metrics
 from megatron_mlmclm.training.faults import FaultMonitor
-from megatron_mlmclm.training.phase_entry import seq_length
 
 
 def log(message: str) -> None:
@@ -89,11 +88,12 @@ class Metrics:
     ) -> dict[str, Any]:
         """The step's place and speed: tokens/s and, on a device of known peak, MFU."""
         t = self.cfg.train
-        tokens_per_step = t.global_batch_size * seq_length(phase)
+        seq_length = resolved(phase.seq_length)  # a phase of the plan (resolved_phases)
+        tokens_per_step = t.global_batch_size * seq_length
         flops = mfu_step_flops(
             self.cfg.model.shape(),
             self.vocab_size,
-            seq_length(phase),
+            seq_length,
             t.global_batch_size,
             int(tokens),
             causal=phase.objective == "clm",

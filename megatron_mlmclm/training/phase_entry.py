@@ -16,12 +16,6 @@ from megatron_mlmclm.model.build import set_rotary_base
 from megatron_mlmclm.model.packed import set_attention_mask_type
 
 
-def seq_length(phase: PhaseConfig) -> int:
-    """The sequence length of a phase as the run trains it (resolved_phases fills it in)."""
-    assert phase.seq_length is not None, "a phase of the plan has its seq_length resolved"
-    return phase.seq_length
-
-
 class PhaseEntry:
     def __init__(self, model_chunks: list[torch.nn.Module], model: ModelConfig, thd: bool):
         self.chunks, self.model, self.thd = model_chunks, model, thd

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_mlmclm.config import PhaseConfig, RunConfig, to_dict
+from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved, to_dict
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
 from megatron_mlmclm.runtime import distributed as rt
@@ -62,10 +62,9 @@ class Trainer:
     checkpointer: Checkpointer
 
     def __init__(self, cfg: RunConfig, stop_at: int | None = None):
-        assert cfg.train.steps is not None, "finalize_run_config resolves train.steps"
         self.cfg = cfg
         self.step = 0  # optimizer steps done
-        self.steps: int = cfg.train.steps
+        self.steps = resolved(cfg.train.steps)
         self.stop_at = stop_at  # `pretrain --stop-at`: save at this step and end (exit 0)
         self.end = self.steps if stop_at is None else min(self.steps, stop_at)
         self.metrics = Metrics(cfg)

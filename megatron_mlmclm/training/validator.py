@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from megatron_mlmclm.config import PhaseConfig, RunConfig
+from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor
 from megatron_mlmclm.training.loader import Plan
-from megatron_mlmclm.training.phase_entry import PhaseEntry, seq_length
+from megatron_mlmclm.training.phase_entry import PhaseEntry
 
 
 class Validator:
@@ -57,7 +57,7 @@ class Validator:
     def evaluate(self, phase: PhaseConfig) -> float | None:
         if self.datasets is None:
             return None
-        dataset = self.datasets[seq_length(phase)]
+        dataset = self.datasets[resolved(phase.seq_length)]
         self.entry.enter(phase)
         with self.engine.parameters_gathered():
             for m in self.engine.model:
