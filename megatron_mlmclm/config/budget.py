@@ -68,8 +68,6 @@ def resolve_budget(cfg: RunConfig) -> None:
     the decay phases -> train.decay_steps. A resolved config keeps what was given beside the
     steps; given steps must agree with what the budget resolves to (the config round trip)."""
     t, phases = cfg.train, cfg.phases
-    if not phases:
-        raise UsageError("phases is empty; give at least one phase, e.g. [{objective: mlm}]")
     units = [u for u in ("flops", "tokens") if getattr(t, u) is not None]
     if len(units) > 1:
         raise UsageError(

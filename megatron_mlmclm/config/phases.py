@@ -50,10 +50,6 @@ def final_model(cfg: RunConfig) -> ModelConfig:
     )
 
 
-def mean_mask_ratio(ph: PhaseConfig) -> float:
-    return ph.mean_mask_ratio()
-
-
 def resolve_phase_steps(phases: list[PhaseConfig], total: int) -> list[int]:
     """Check phases and turn shares into integer step counts that sum exactly to `total`.
 

@@ -440,50 +440,25 @@ class RunConfig:
 # `mini` (tiny with 2 layers) is the mini-study's model: on 2 CPU cores it takes 1.45x tiny's steps
 # per second and its MLM loss falls faster per step too (docs/mini_study.md).
 
+_TINY = dict(
+    num_layers=4,
+    hidden_size=128,
+    ffn_hidden_size=384,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=32,
+    seq_length=128,
+)
+
+# fmt: off
 MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(
-        num_layers=4,
-        hidden_size=128,
-        ffn_hidden_size=384,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=32,
-        seq_length=128,
-    ),
-    "mini": dict(
-        num_layers=2,
-        hidden_size=128,
-        ffn_hidden_size=384,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=32,
-        seq_length=128,
-    ),
-    "210m": dict(
-        num_layers=12,
-        hidden_size=768,
-        ffn_hidden_size=3072,
-        num_attention_heads=12,
-        num_query_groups=12,
-        kv_channels=64,
-        seq_length=2048,
-    ),
-    "610m": dict(
-        num_layers=26,
-        hidden_size=1152,
-        ffn_hidden_size=4096,
-        num_attention_heads=18,
-        num_query_groups=6,
-        kv_channels=64,
-        seq_length=2048,
-    ),
-    "1b": dict(
-        num_layers=28,
-        hidden_size=1728,
-        ffn_hidden_size=5120,
-        num_attention_heads=18,
-        num_query_groups=6,
-        kv_channels=96,
-        seq_length=2048,
-    ),
+    "tiny": _TINY,
+    "mini": {**_TINY, "num_layers": 2},
+    "210m": dict(num_layers=12, hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12,
+                 num_query_groups=12, kv_channels=64, seq_length=2048),
+    "610m": dict(num_layers=26, hidden_size=1152, ffn_hidden_size=4096, num_attention_heads=18,
+                 num_query_groups=6, kv_channels=64, seq_length=2048),
+    "1b": dict(num_layers=28, hidden_size=1728, ffn_hidden_size=5120, num_attention_heads=18,
+               num_query_groups=6, kv_channels=96, seq_length=2048),
 }
+# fmt: on
