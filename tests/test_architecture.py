@@ -9,6 +9,8 @@ file, the line and the import.
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import re
 import textwrap
 from pathlib import Path
@@ -306,4 +308,67 @@ def test_argparse_outside_commands_is_found(tmp_path):
     assert argparse_outside_commands(root) == [
         f"{PKG}/data/dataset.py:1: def add_arguments",
         f"{PKG}/data/dataset.py:2: add_argument",
+    ]
+
+
+# Scripts outside the package that import from it; nothing runs them in the suite, so a renamed
+# function would break them silently (benchmarks have, before this check).
+SCRIPTS = ("benchmarks", "tools", "tests/scripts")
+
+
+def missing_names(paths: list[Path]) -> list[str]:
+    """'file:line: from M import N' for each import of the package (anywhere in the file) whose
+    module or name does not exist. Modules are imported for real: names made at run time count."""
+    problems = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                pairs = [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                pairs = [(node.module, alias.name) for alias in node.names]
+            else:
+                continue
+            for module, name in pairs:
+                if module.split(".")[0] != PKG:
+                    continue
+                where = f"{path.name}:{node.lineno}: " + (
+                    f"import {module}" if name is None else f"from {module} import {name}"
+                )
+                try:
+                    mod = importlib.import_module(module)
+                except ImportError:
+                    problems.append(where)
+                    continue
+                if name is None or hasattr(mod, name):
+                    continue
+                if importlib.util.find_spec(f"{module}.{name}") is None:
+                    problems.append(where)
+    return problems
+
+
+def test_scripts_outside_the_package_import_names_that_exist():
+    paths = sorted(p for d in SCRIPTS for p in (REPO / d).glob("*.py"))
+    assert len(paths) >= 10, paths
+    problems = missing_names(paths)
+    assert not problems, "imports of names that do not exist:\n" + "\n".join(problems)
+
+
+def test_an_import_of_a_missing_name_is_found(tmp_path):
+    write(
+        tmp_path,
+        "bench.py",
+        """\
+        from megatron_mlmclm.config import load_config
+
+
+        def main():
+            from megatron_mlmclm.config import no_such_function
+            import megatron_mlmclm.no_such_module
+            from megatron_mlmclm import training
+        """,
+    )
+    assert missing_names([tmp_path / "bench.py"]) == [
+        "bench.py:5: from megatron_mlmclm.config import no_such_function",
+        "bench.py:6: import megatron_mlmclm.no_such_module",
     ]
