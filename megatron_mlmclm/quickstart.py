@@ -85,7 +85,7 @@ def run_quickstart(
     tasks: Sequence[str] = ("sst2", "conll2003"),
     lrs: Sequence[float] = (2e-4, 1e-3),
     seeds: Sequence[int] = (0, 1),
-    finetune_steps: int = 150,
+    finetune_steps: int = 100,
     workers: int = 2,
 ) -> Path:
     """Run (or finish) every stage into `out`; returns the folder. A failing stage exits with its

@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tasks", nargs="+", default=["sst2", "conll2003"])
     parser.add_argument("--lrs", nargs="+", type=float, default=[2e-4, 1e-3])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--finetune-steps", type=int, default=150)
+    parser.add_argument("--finetune-steps", type=int, default=100)
     parser.add_argument("--workers", type=int, default=2, help="parallel fine-tuning runs")
 
 
