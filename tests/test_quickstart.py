@@ -100,3 +100,23 @@ def test_no_data_and_no_datasets_package_is_one_clear_error(monkeypatch, capsys)
     monkeypatch.undo()
     assert main(["quickstart", "--data-dir", "/nonexistent", "--out", "/tmp/unused"]) == 2
     assert "Gutenberg corpus not found" in capsys.readouterr().err
+
+
+def test_the_command_line_defaults_are_the_functions():
+    """`mlmclm quickstart` keeps its own defaults (the function's module is imported late, to keep
+    --help fast); they must not drift from run_quickstart's, which `make quickstart` documents."""
+    import argparse
+    import inspect
+
+    from megatron_mlmclm.commands import quickstart as command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = vars(parser.parse_args([]))
+    args["data_folder"] = args.pop("data_dir")
+    signature = inspect.signature(quickstart.run_quickstart).parameters
+    for name, parameter in signature.items():
+        if name == "out":
+            continue
+        default = parameter.default
+        assert args[name] == (list(default) if isinstance(default, tuple) else default), name
