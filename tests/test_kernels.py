@@ -77,7 +77,7 @@ def test_cuda_plan_never_asks_for_a_missing_kernel():
     assert (
         "Transformer Engine >= 1.4" in dict((n, w) for n, _, w in plan.rows())["apply_rope_fusion"]
     )
-    assert got["attention"] == "sdpa"  # no TE: dense mask
+    assert got["attention"] == "flex"  # no TE, a torch without varlen: FlexAttention
     old_te = on(plan_kernels(cfg(), "cuda", Kernels(te_version=(1, 3, 0))))
     assert old_te["apply_rope_fusion"] is False and old_te["attention"] == "te-thd"
 
@@ -234,3 +234,91 @@ def test_summary_line_lists_what_is_on_and_why_the_rest_is_off():
     line = plan_kernels(cfg(), "cuda", NOTHING).summary()
     assert "\n" not in line and "bias_activation_fusion" in line.split("; off:")[0]
     assert "apply_rope_fusion (needs Transformer Engine >= 1.4" in line
+
+
+def test_attention_auto_takes_the_fastest_kernel_the_machine_has():
+    """TE's THD kernel, else torch's varlen kernel, else FlexAttention, on a GPU in bf16; the
+    dense mask on CPU and for an fp32 run (the reference)."""
+    varlen = Kernels(torch_varlen=True)
+    assert plan_kernels(cfg(), "cuda", EVERYTHING).attention == "te-thd"
+    assert plan_kernels(cfg(), "cuda", varlen).attention == "varlen"
+    assert plan_kernels(cfg(), "cuda", NOTHING).attention == "flex"
+    assert plan_kernels(cfg("train.precision=fp32"), "cuda", varlen).attention == "sdpa"
+    assert plan_kernels(cfg(), "cpu", varlen).attention == "sdpa"
+    # Asked for by name: varlen off CUDA is the stand-in, said so.
+    stand_in = plan_kernels(cfg("model.attention=varlen"), "cpu", varlen)
+    assert stand_in.attention == "varlen" and "stand-in" in stand_in.attention_why
+    assert not stand_in.thd  # one row of sequences, megatron's own (sbhd) RoPE and shapes
+    with pytest.raises(UsageError, match="needs packed THD attention"):
+        plan_kernels(
+            cfg("model.attention=varlen", "parallel.context_parallel_size=2"), "cuda", varlen
+        )
+
+
+def test_optimizer_layers_and_compile_decisions():
+    """torch's fused AdamW wherever megatron would fall back to the unfused one; the plain layer
+    at TP = CP = 1 outside the THD paths; torch.compile on CUDA (or when asked for)."""
+    gpu = plan_kernels(cfg(), "cuda", Kernels(torch_varlen=True))
+    assert gpu.fused_adamw.on and gpu.plain_layers.on and gpu.compile.on
+    assert "plain layer" in gpu.compile.why
+    cpu = plan_kernels(cfg(), "cpu", NOTHING)
+    assert cpu.fused_adamw.on and cpu.plain_layers.on and not cpu.compile.on
+    assert plan_kernels(cfg("model.compile=on"), "cpu", NOTHING).compile.on
+    assert not plan_kernels(cfg("model.compile=off"), "cuda", NOTHING).compile.on
+    off = plan_kernels(cfg("model.fusions=off"), "cuda", NOTHING)
+    assert not off.fused_adamw.on and not off.compile.on
+    te = plan_kernels(cfg(), "cuda", Kernels(te_version=(2, 8, 0), apex_adam=True))
+    assert not te.fused_adamw.on and "FusedAdam" in te.fused_adamw.why
+    assert not te.plain_layers.on  # TE's layers
+    tp2 = plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cuda", NOTHING)
+    assert not tp2.plain_layers.on and tp2.compile.on and "loss" in tp2.compile.why
+
+
+def test_dry_run_names_every_kernel_decision(capsys):
+    assert main(["pretrain", *BASE, "runtime.device=cuda", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for name in (
+        "attention",
+        "fused_adamw",
+        "plain_layers",
+        "compile",
+        "collectives",
+        "host_syncs",
+    ):
+        assert f"#   {name} " in out, name
+    assert yaml.safe_load(out)["model"]["compile"] == "auto"
+
+
+def test_the_engine_runs_the_planned_optimizer(tmp_path):
+    """The built optimizer is torch's fused AdamW (its param groups say so, its step counters sit
+    on the parameters' device), and with model.fusions=off the unfused one: the same losses over
+    a few bf16 steps (fused and unfused AdamW compute the same update)."""
+    from megatron_mlmclm.training.engine import chained
+    from megatron_mlmclm.training.trainer import Trainer
+
+    losses = {}
+    for fusions in ("auto", "off"):
+        c = cfg(
+            f"output_dir={tmp_path / fusions}",
+            "checkpoint.resume=false",
+            "logging.tensorboard=false",
+            "train.steps=20",
+            "train.precision=bf16",
+            f"model.fusions={fusions}",
+        )
+        trainer = Trainer(c)
+        trainer.setup()
+        try:
+            runs = []
+            for step in range(4):
+                trainer.step = step
+                runs.append(trainer.train_step(c.phases[0])["loss"])
+            inner = [o.optimizer for o in chained(trainer.optimizer)]
+            groups = [g for o in inner for g in o.param_groups]
+            assert all(bool(g.get("fused")) == (fusions == "auto") for g in groups)
+            steps = [s["step"] for o in inner for s in o.state.values()]
+            assert steps and all(int(s) == 4 for s in steps)
+        finally:
+            trainer.close()
+        losses[fusions] = runs
+    assert losses["auto"] == losses["off"]

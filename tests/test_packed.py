@@ -16,12 +16,12 @@ from megatron_mlmclm.model.attention import (
     FlexDocumentAttention,
     SDPAttention,
     document_block_mask,
-    documents_from_mask,
 )
 from megatron_mlmclm.model.packed import (
     cu_seqlens_from_document_ids,
     document_seq_params,
     flatten_for_thd,
+    flatten_for_varlen,
     thd_packed_seq_params,
 )
 from megatron_mlmclm.objectives import document_attention_mask
@@ -103,14 +103,6 @@ def random_docs(b, s, seed, mean=50):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_documents_from_mask_round_trip(causal):
-    docs = random_docs(3, 97, seed=1, mean=10)
-    got, got_causal = documents_from_mask(document_attention_mask(docs, causal))
-    assert got_causal == causal
-    assert torch.equal(document_attention_mask(got, causal), document_attention_mask(docs, causal))
-
-
-@pytest.mark.parametrize("causal", [True, False])
 def test_block_mask_matches_dense_mask(causal):
     docs = random_docs(2, 300, seed=2, mean=60)  # s not a multiple of the 128 block size
     bm = document_block_mask(docs, causal)
@@ -130,8 +122,7 @@ def test_block_mask_matches_dense_mask(causal):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("via", ["dense_mask", "document_ids"])
-def test_flex_matches_sdpa_forward(causal, via):
+def test_flex_matches_sdpa_forward(causal):
     torch.manual_seed(0)
     config = attention_config()
     kind = AttnMaskType.arbitrary
@@ -145,23 +136,21 @@ def test_flex_matches_sdpa_forward(causal, via):
     mask = document_attention_mask(docs, causal)
     with torch.no_grad():
         ref = sdpa(query, key, value, mask)
-        if via == "dense_mask":
-            out = flex(query, key, value, mask)
-        else:
-            out = flex(query, key, value, None, packed_seq_params=document_seq_params(docs, causal))
+        out = flex(query, key, value, None, packed_seq_params=document_seq_params(docs, causal))
     assert out.shape == ref.shape == (s, b, 4 * d)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_flex_rejects_a_mask_that_is_not_a_document_mask():
+def test_flex_takes_document_ids_never_a_dense_mask():
+    """A dense mask would have to be read back into document ids on the device (and checked)
+    every micro-batch: the flex path refuses one."""
     config = attention_config()
     flex = FlexDocumentAttention(config, 1, AttnMaskType.arbitrary, "self").eval()
     s, b = 16, 1
     q = torch.randn(s, b, 4, 16)
     kv = torch.randn(s, b, 2, 16)
-    mask = torch.zeros(b, 1, s, s, dtype=torch.bool)
-    mask[0, 0, 3, 10] = True  # one arbitrary blocked pair
-    with torch.no_grad(), pytest.raises(ValueError, match="document mask"):
+    mask = document_attention_mask(torch.zeros(b, s, dtype=torch.long), causal=False)
+    with torch.no_grad(), pytest.raises(ValueError, match="not a dense mask"):
         flex(q, kv, kv, mask)
 
 
@@ -190,7 +179,8 @@ def swap_core_attention(model, cls):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_whole_model_flex_matches_sdpa(model, causal):
-    """Through GPTModel: dense mask, and document ids carried by packed_seq_params (sbhd)."""
+    """Through GPTModel: the document ids carried by packed_seq_params (sbhd) give SDPA's logits
+    with the dense mask."""
     tokens = torch.randint(4, 256, (2, 160), generator=torch.Generator().manual_seed(5))
     positions = torch.arange(160).expand_as(tokens)
     docs = random_docs(2, 160, seed=6, mean=40)
@@ -200,13 +190,11 @@ def test_whole_model_flex_matches_sdpa(model, causal):
             swap_core_attention(model, SDPAttention)
             ref = model(tokens, positions, mask)
             swap_core_attention(model, FlexDocumentAttention)
-            out_mask = model(tokens, positions, mask)
             out_ids = model(
                 tokens, positions, None, packed_seq_params=document_seq_params(docs, causal)
             )
     finally:
         swap_core_attention(model, SDPAttention)
-    torch.testing.assert_close(out_mask, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out_ids, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -239,9 +227,11 @@ def test_flex_model_layers_share_one_block_mask(model, monkeypatch):
     )
     tokens = torch.randint(4, 256, (2, 160), generator=torch.Generator().manual_seed(8))
     positions = torch.arange(160).expand_as(tokens)
-    mask = document_attention_mask(random_docs(2, 160, seed=9, mean=40), causal=False)
+    docs = random_docs(2, 160, seed=9, mean=40)
+    mask = document_attention_mask(docs, causal=False)
     with torch.no_grad():
-        out = flex_model.eval()(tokens, positions, mask)
+        params = document_seq_params(docs, causal=False)
+        out = flex_model.eval()(tokens, positions, None, packed_seq_params=params)
         ref = model(tokens, positions, mask)
     assert len(built) == 1
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -506,6 +496,152 @@ def test_padded_thd_streams_on_random_document_layouts(multiple):
         assert out["attention_mask"] is None
 
 
+# ------------------------------------------------ varlen: a micro-batch as one row of sequences
+def test_flatten_for_varlen_hand_example():
+    docs = torch.tensor([[0, 0, 1, 1, 1, 2], [2, 2, 3, 3, 3, 3]])
+    batch = {
+        "tokens": torch.arange(12).view(2, 6),
+        "labels": torch.arange(12).view(2, 6),
+        "loss_mask": torch.ones(2, 6),
+        "position_ids": torch.zeros(2, 6, dtype=torch.long),
+    }
+    out = flatten_for_varlen(batch, docs, causal=True)
+    p = out["packed_seq_params"]
+    assert out["tokens"].tolist() == [list(range(12))] and out["attention_mask"] is None
+    assert p.qkv_format == "sbhd" and p.causal  # megatron's own (unpacked) RoPE and shapes
+    assert p.cu_seqlens_q.tolist() == p.cu_seqlens_kv.tolist() == [0, 2, 5, 6, 8, 12]
+    assert p.cu_seqlens_q.dtype == torch.int32 and p.max_seqlen_q == p.max_seqlen_kv == 4
+    # Each token's RoPE position restarts with its sequence (TE's THD convention).
+    assert p.rope_positions.tolist() == [0, 1, 0, 1, 2, 0, 0, 1, 0, 1, 2, 3]
+
+
+def varlen_inputs(seed: int, t_docs=(3, 41), heads=4, groups=2, d=16):
+    gen = torch.Generator().manual_seed(seed)
+    docs = random_docs(*t_docs, seed=seed, mean=9)
+    cu, longest = cu_seqlens_from_document_ids(docs)
+    t = docs.numel()
+    q, k, v = (torch.randn(t, n, d, generator=gen) for n in (heads, groups, groups))
+    return q, k, v, cu, longest
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_stand_in_is_attention_per_sequence(causal):
+    """The varlen path's CPU stand-in (VarlenAttention off CUDA) against this file's per-sequence
+    loop over SDPA, with GQA (4 query heads, 2 KV groups)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_mlmclm.model.attention import VarlenAttention
+    from megatron_mlmclm.model.packed import DocumentSeqParams
+
+    config = attention_config()
+    kind = AttnMaskType.causal if causal else AttnMaskType.no_mask
+    q, k, v, cu, longest = varlen_inputs(seed=12)
+    want = VarlenReferenceAttention(config, 1, kind, "self")(
+        q, k, v, None, attn_mask_type=kind, packed_seq_params=PackedSeqParams("thd", cu, cu)
+    )
+    params = DocumentSeqParams("sbhd", cu, cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    params.causal = causal
+    core = VarlenAttention(config, 1, AttnMaskType.arbitrary, "self")
+    got = core(*(x.unsqueeze(1) for x in (q, k, v)), None, packed_seq_params=params)
+    assert got.shape == (q.size(0), 1, 4 * 16)
+    torch.testing.assert_close(got.squeeze(1), want.reshape(q.size(0), -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("version", ["is_causal", "window_size", "window_size+enable_gqa"])
+def test_the_varlen_kernel_is_called_as_each_torch_version_expects(version, causal):
+    """torch's varlen_attn says "causal" as `is_causal=` in some versions and as a (-1, 0) window
+    in others, and takes `enable_gqa` only in some: stand-in kernels with each signature record
+    what they were given and compute with the reference, so a wrong call shows in the output."""
+    from megatron_mlmclm.model.attention import _varlen_call, varlen_reference
+
+    q, k, v, cu, longest = varlen_inputs(seed=13)
+    seen = {}
+
+    def compute(q, k, v, cu_q, cu_k, max_q, max_k, causal_, scale, gqa):
+        seen.update(max_q=max_q, max_k=max_k, causal=causal_, heads_k=k.size(1))
+        assert cu_q is cu_k is cu
+        return varlen_reference(q, k, v, cu_q, causal_, scale, gqa)
+
+    if version == "is_causal":
+
+        def kernel(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None, scale=None):
+            return compute(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, False)
+    elif version == "window_size":
+
+        def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+            return compute(q, k, v, cu_q, cu_k, max_q, max_k, window_size == (-1, 0), scale, False)
+    else:
+
+        def kernel(
+            q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+        ):
+            causal_ = window_size == (-1, 0)
+            return compute(q, k, v, cu_q, cu_k, max_q, max_k, causal_, scale, enable_gqa)
+
+    got = _varlen_call(kernel, q, k, v, cu, longest, causal, 0.25, gqa=True)
+    want = varlen_reference(q, k, v, cu, causal, 0.25, True)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert seen["causal"] == causal and seen["max_q"] == seen["max_k"] == longest
+    assert seen["heads_k"] == (2 if version.endswith("gqa") else 4)  # repeated where needed
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_through_the_model_matches_dense_mask(model, causal):
+    """flatten_for_varlen + VarlenAttention (its CPU stand-in) + per-token RoPE positions + the
+    head's host-built labelled positions == the dense-mask path: logits, per-token losses and
+    every gradient. RoPE restarts with each sequence on the varlen path and runs over the sample
+    on the dense one; attention never crosses a document and RoPE is relative, so they agree."""
+    from megatron_mlmclm.model.attention import VarlenAttention
+    from megatron_mlmclm.model.build import labelled_positions
+
+    b, s = 2, 160
+    tokens = torch.randint(4, 256, (b, s), generator=torch.Generator().manual_seed(14))
+    docs = random_docs(b, s, seed=15, mean=40)
+    labels = torch.randint(4, 256, (b, s), generator=torch.Generator().manual_seed(16))
+    loss_mask = (torch.rand(b, s, generator=torch.Generator().manual_seed(17)) < 0.4).float()
+    positions = torch.arange(s).expand(b, s)
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": positions}
+    row = flatten_for_varlen(batch, docs, causal)
+    index, targets = labelled_positions(row["loss_mask"], row["labels"])
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    mask = document_attention_mask(docs, causal)
+    try:
+        swap_core_attention(model, SDPAttention)
+        ref_logits = model(tokens, positions, mask).detach()
+        ref_loss, _ = model(tokens, positions, mask, labels=labels, loss_mask=loss_mask)
+        ref_loss.sum().backward()
+        ref_grads = grads()
+        swap_core_attention(model, VarlenAttention)
+        params = row["packed_seq_params"]
+        logits = model(row["tokens"], row["position_ids"], None, packed_seq_params=params)
+        loss, _ = model(
+            row["tokens"],
+            row["position_ids"],
+            None,
+            labels=targets,
+            label_index=index,
+            packed_seq_params=params,
+        )
+        loss.sum().backward()
+        varlen_grads = grads()
+    finally:
+        swap_core_attention(model, SDPAttention)
+    torch.testing.assert_close(logits.detach().reshape(b, s, -1), ref_logits, rtol=1e-5, atol=1e-5)
+    # Per-token losses: (sequence, batch) order on the dense path, flattened on the varlen path.
+    order = torch.arange(b * s).view(b, s).t()[loss_mask.t().bool()]
+    by_flat = torch.full((b * s,), float("nan"))
+    by_flat[loss_mask.view(-1).bool()] = loss.detach()
+    torch.testing.assert_close(by_flat[order], ref_loss.detach(), rtol=1e-5, atol=1e-5)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(varlen_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 # --------------------------------------------------- the GPU path builds no dense mask, any PP
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("objective", ["clm", "mlm"])
@@ -542,6 +678,7 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
         raise AssertionError("a dense [b,1,s,s] document mask was built on the THD path")
 
     monkeypatch.setattr(objectives, "document_attention_mask", no_dense_mask)
+    monkeypatch.setattr(engine_module, "document_attention_mask", no_dense_mask)
 
     # Only the batch path and the schedule call: no process groups, no model. CP = 1: no split.
     engine = engine_module.Engine(plan, None, [], [object()], None, None)

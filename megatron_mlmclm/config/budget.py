@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from megatron_mlmclm.config.attention import SKIPS_MASKED_BLOCKS, attention_path
+from megatron_mlmclm.config.attention import SKIPS_MASKED_BLOCKS, attention_path, torch_has_varlen
 from megatron_mlmclm.config.phases import (
     phase_rotary_base,
     phase_seq_length,
@@ -38,7 +38,10 @@ def causal_attention_halved(cfg: RunConfig) -> bool:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
     te = device == "cuda" and importlib.util.find_spec("transformer_engine") is not None
-    path, _ = attention_path(cfg.model.attention, cfg.train.precision, device, te)
+    varlen = device == "cuda" and torch_has_varlen()
+    path, _ = attention_path(
+        cfg.model.attention, cfg.train.precision, device, te, varlen_installed=varlen
+    )
     return SKIPS_MASKED_BLOCKS[path]
 
 

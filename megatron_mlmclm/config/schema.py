@@ -70,14 +70,21 @@ class ModelConfig:
     init_method_std: float = 0.02
     qk_layernorm: bool = False  # Qwen3-style q/k RMSNorm
     tie_embeddings: bool = False  # the study unties input and output embeddings
-    # Core attention (model/kernels.py): auto = Transformer Engine on packed THD sequences on a
-    # GPU with TE (bf16), else SDPA with a dense document mask; sdpa; flex = FlexAttention document
-    # masking (CUDA only for training); thd = packed THD sequences everywhere (TE's kernel on a
-    # GPU, a pure-torch stand-in elsewhere: what the CPU suite runs the GPU path with).
-    attention: Literal["auto", "sdpa", "flex", "thd"] = "auto"
-    # Fused kernels on CUDA (model/kernels.py): auto = Megatron-LM's defaults where the kernel is
-    # present; off = none (a debugging switch). CPU runs use none either way.
+    # Core attention (config/attention.py): auto = Transformer Engine on packed THD sequences on a
+    # GPU with TE (bf16), else torch's varlen kernel on a GPU (bf16, torch >= 2.10), else
+    # FlexAttention on a GPU, else SDPA with a dense document mask (CPU, fp32); sdpa; flex =
+    # FlexAttention document masking (CUDA only for training); varlen = torch's varlen kernel on
+    # packed sequences (a pure-torch stand-in off CUDA); thd = packed THD sequences everywhere
+    # (TE's kernel on a GPU, a pure-torch stand-in elsewhere: what the CPU suite runs the GPU
+    # path with).
+    attention: Literal["auto", "sdpa", "flex", "varlen", "thd"] = "auto"
+    # Fused kernels (model/kernels.py): auto = Megatron-LM's defaults where the kernel is present
+    # on CUDA, and torch's fused AdamW without Apex/TE; off = none (a debugging switch).
     fusions: Literal["auto", "off"] = "auto"
+    # torch.compile of the plain transformer layers (model/layers.py) and of the sparse head's
+    # loss (model/loss.py): auto = on with CUDA (the first step then compiles, about a minute),
+    # off on CPU; on = also on CPU (tests; slow to compile); off = eager everywhere.
+    compile: Literal["auto", "on", "off"] = "auto"
 
     SHAPE_FIELDS = (
         "num_layers",

@@ -11,6 +11,8 @@ attends only inside its own document, causally in CLM phases and in both directi
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import weakref
 
@@ -25,7 +27,6 @@ from megatron.core.utils import divide
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megatron_mlmclm.model.packed import cp_partition_indices
-from megatron_mlmclm.objectives import document_attention_mask
 
 
 class CoreAttention(MegatronModule):
@@ -92,41 +93,20 @@ class SDPAttention(CoreAttention):
 
 
 # --------------------------------------------------------------------------------------------
-# FlexAttention with document masking (GPU path without Transformer Engine).
+# FlexAttention with document masking (a GPU path without Transformer Engine).
 #
 # FlexAttention skips the blocks of the score matrix that a block mask marks empty (other
 # documents, the future in CLM), so packed samples cost only their within-document attention.
-# It needs document ids, not a dense mask. FlexDocumentAttention takes them from either
-#   1. packed_seq_params with a `document_ids` field (model.packed.DocumentSeqParams, qkv_format
-#      "sbhd" so megatron does not reshape): the dense mask is then not needed at all; or
-#   2. the dense [b, 1, s, s] document mask that make_batch already builds, from which the ids are
-#      read back in O(s) (a document starts at i where i may not see i - 1) and the result is
-#      checked against the mask (a mask that is not a document mask is an error, never a silent
-#      approximation). This makes it a drop-in for SDPAttention with no other change.
-# The block mask is built once per micro-batch and shared by all layers of a model (DocumentMasks:
-# one per model, handed to each layer by the layer spec; cached on the identity and version of the
-# source tensor).
+# It takes the [b, s] document ids through packed_seq_params (model.packed.DocumentSeqParams,
+# qkv_format "sbhd" so megatron does not reshape), never a dense [b, 1, s, s] mask. The block
+# mask is built once per micro-batch on the device and shared by all layers of a model
+# (DocumentMasks: one per model, handed to each layer by the layer spec; cached on the identity
+# and version of the ids tensor).
 #
 # torch 2.13 runs flex_attention forward on CPU (eager) but has no CPU backward, eager or
 # compiled: on CPU this module serves inference and tests; training needs CUDA, where the
 # compiled kernel is used.
 # --------------------------------------------------------------------------------------------
-
-
-def documents_from_mask(attention_mask: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """[b, 1, s, s] document mask (True = blocked) -> ([b, s] int32 document ids, causal)."""
-    m = attention_mask[:, 0]
-    b, s, _ = m.shape
-    starts = torch.zeros(b, s, dtype=torch.int32, device=m.device)
-    if s > 1:
-        starts[:, 1:] = m.diagonal(offset=-1, dim1=1, dim2=2).to(torch.int32)  # m[i, i-1]
-    doc = starts.cumsum(dim=1, dtype=torch.int32)
-    causal = False
-    if s > 1:
-        same = doc[:, :-1] == doc[:, 1:]  # i and i+1 in the same document
-        ahead = m.diagonal(offset=1, dim1=1, dim2=2)  # m[i, i+1]
-        causal = bool((ahead & same).any())
-    return doc, causal
 
 
 def document_block_mask(
@@ -231,9 +211,13 @@ class FlexDocumentAttention(SDPAttention):
         assert attention_bias is None
         if self.training and self.dropout > 0:
             raise NotImplementedError("FlexDocumentAttention has no attention dropout")
+        if attention_mask is not None:
+            raise ValueError(
+                "FlexDocumentAttention takes document ids (model.packed.document_seq_params), "
+                "not a dense mask"
+            )
         sq, b = query.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        mask_type = attn_mask_type or self.attn_mask_type
         doc_ids = getattr(packed_seq_params, "document_ids", None)
         if doc_ids is not None:
             assert packed_seq_params.qkv_format != "thd", "THD batches go to TE attention"
@@ -243,28 +227,118 @@ class FlexDocumentAttention(SDPAttention):
                 ("ids", causal, self.heads),
                 lambda: document_block_mask(doc_ids.to(q.device), causal),
             )
-        elif attention_mask is not None:
-            assert packed_seq_params is None, "packed THD sequences need Transformer Engine"
-
-            def build():
-                doc, causal = documents_from_mask(attention_mask)
-                if not torch.equal(document_attention_mask(doc, causal), attention_mask.bool()):
-                    raise ValueError(
-                        "FlexDocumentAttention needs a document mask "
-                        "(document_attention_mask); got another kind of mask"
-                    )
-                return document_block_mask(doc, causal)
-
-            block_mask = self.masks.block_mask(attention_mask, ("mask",), build)
         else:
             assert packed_seq_params is None, "packed THD sequences need Transformer Engine"
-            causal = mask_type == AttnMaskType.causal
             block_mask = None
-            if causal:
+            if (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal:
                 ones = torch.zeros(b, sq, dtype=torch.int32, device=q.device)
                 block_mask = document_block_mask(ones, True)
         out = self.masks.attend(q, k, v, block_mask, self.softmax_scale, self.heads != self.groups)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# Variable-length attention over packed sequences (the GPU path without Transformer Engine).
+#
+# torch >= 2.10 ships FlashAttention's variable-length kernels with their backward as
+# torch.nn.attention.varlen.varlen_attn: packed sequences given by cu_seqlens, no mask, no
+# padding, no work outside each sequence. The micro-batch arrives as one row of t tokens
+# (model.packed.flatten_for_varlen: qkv "sbhd" with b = 1, so megatron's own RoPE and projections
+# run unchanged), and this core squeezes it to the kernel's [t, heads, d]. Where the kernel does
+# not run (no CUDA, or a torch without it) `varlen_reference` computes the same attention with
+# SDPA and a block-diagonal mask: the CPU suite runs the whole varlen path through it, as it runs
+# the THD path through THDReferenceAttention.
+# --------------------------------------------------------------------------------------------
+
+
+def varlen_reference(q, k, v, cu_seqlens, causal: bool, scale: float, enable_gqa: bool):
+    """[t, heads, d] attention inside each cu_seqlens sequence (causal or not), O(t^2) memory."""
+    t = q.size(0)
+    positions = torch.arange(t, device=q.device)
+    sequence = torch.bucketize(positions, cu_seqlens[1:].to(q.device).long(), right=True)
+    allowed = sequence[:, None] == sequence[None, :]
+    if causal:
+        allowed &= positions[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(
+        *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
+        attn_mask=allowed[None, None],
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def varlen_kernel():
+    """torch's varlen_attn, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_call(kernel, q, k, v, cu, longest: int, causal: bool, scale: float, gqa: bool):
+    """varlen_attn across its torch versions: causal is `is_causal=` in some and a
+    (-1, 0) window in others; without `enable_gqa` the K/V heads are repeated for their query
+    groups (megatron's order: a group's query heads are adjacent)."""
+    params = _kernel_parameters(kernel)
+    kwargs: dict = {"scale": scale}
+    if "is_causal" in params:
+        kwargs["is_causal"] = causal
+    elif causal:
+        kwargs["window_size"] = (-1, 0)
+    if gqa:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = q.size(1) // k.size(1)
+            k, v = (x.repeat_interleave(repeat, dim=1) for x in (k, v))
+    return kernel(q, k, v, cu, cu, longest, longest, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel_parameters(kernel) -> frozenset[str]:
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+class VarlenAttention(CoreAttention):
+    """Core attention over the packed sequences of a one-row micro-batch (see above)."""
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        params = packed_seq_params
+        assert params is not None and params.cu_seqlens_q is not None, (
+            "VarlenAttention takes packed sequences (model.packed.flatten_for_varlen)"
+        )
+        assert attention_bias is None and attention_mask is None and query.size(1) == 1
+        if self.training and self.dropout > 0:
+            raise NotImplementedError("VarlenAttention has no attention dropout")
+        q, k, v = (x.squeeze(1) for x in (query, key, value))  # [t, heads, d]
+        causal, gqa = bool(params.causal), self.heads != self.groups
+        kernel = varlen_kernel() if q.is_cuda else None
+        if kernel is None:
+            out = varlen_reference(q, k, v, params.cu_seqlens_q, causal, self.softmax_scale, gqa)
+        else:
+            out = _varlen_call(
+                kernel,
+                q,
+                k,
+                v,
+                params.cu_seqlens_q,
+                params.max_seqlen_q,
+                causal,
+                self.softmax_scale,
+                gqa,
+            )
+        return out.reshape(out.size(0), 1, -1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,8 +438,7 @@ class THDReferenceAttention(CoreAttention):
         # A padding query with no real key before it would have an empty row: let it see itself
         # (its output is zeroed below, as TE leaves padding out).
         empty = ~allowed.any(dim=1)
-        if empty.any():
-            allowed[empty.nonzero().squeeze(1), mine[empty]] = True
+        allowed |= empty[:, None] & (keys_at[None, :] == mine[:, None])
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, h, t, d]
         out = F.scaled_dot_product_attention(
             q,

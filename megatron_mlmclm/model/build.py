@@ -34,9 +34,13 @@ from megatron_mlmclm.model.attention import (
     FlexDocumentAttention,
     SDPAttention,
     THDReferenceAttention,
+    VarlenAttention,
 )
 from megatron_mlmclm.model.init import initialize_by_global_parameter
 from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
+from megatron_mlmclm.model.layers import LayerKernels, PlainTransformerLayer
+from megatron_mlmclm.model.loss import EAGER as EAGER_LOSS
+from megatron_mlmclm.model.loss import LossKernels, sparse_cross_entropy
 
 
 def have_transformer_engine() -> bool:
@@ -116,22 +120,36 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(config: TransformerConfig, attention: str, vp_stage: int | None = None):
-    """The kernel plan's attention path as a layer spec: Transformer Engine's spec for te-thd,
-    else megatron's local spec with our core attention (SDPA, Flex or the THD stand-in) and our
-    RMSNorm (a block spec, so the final norm is ours too)."""
+def layer_spec(
+    config: TransformerConfig,
+    attention: str,
+    vp_stage: int | None = None,
+    plain: bool = False,
+    compiled: bool = False,
+):
+    """The kernel plan's layer as a layer spec: Transformer Engine's spec for te-thd, else
+    megatron's local spec with our core attention (SDPA, Flex, varlen or the THD stand-in), our
+    RMSNorm (a block spec, so the final norm is ours too) and, where the plan says so, the plain
+    layer forward (model/layers.py; compiled or not). Parameter names are megatron's either way."""
     if attention == "te-thd":
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
         return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
-    core = {"sdpa": SDPAttention, "thd-reference": THDReferenceAttention}.get(attention)
+    core = {
+        "sdpa": SDPAttention,
+        "varlen": VarlenAttention,
+        "thd-reference": THDReferenceAttention,
+    }.get(attention)
     if attention == "flex":  # one DocumentMasks for all layers: one block mask per micro-batch
         core = functools.partial(FlexDocumentAttention, masks=DocumentMasks())
     spec.submodules.self_attention.submodules.core_attention = core
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    if plain:  # one LayerKernels for all layers: one compiled graph per half
+        spec.module = PlainTransformerLayer
+        spec.params = {**spec.params, "kernels": LayerKernels(compiled)}
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm
     )
@@ -140,11 +158,37 @@ def layer_spec(config: TransformerConfig, attention: str, vp_stage: int | None =
 class EncoderLM(GPTModel):
     """GPTModel whose loss path computes output logits only where a label exists.
 
-    With labels, the last stage returns `(per_token_loss [n], correct [n])` over the n positions
-    whose loss_mask is set, in (sequence, batch) order. MLM at 40% therefore pays 40% of the
-    output-layer matmul (the largest one at vocab 128k); CLM pays for all positions.
+    With labels, the last stage returns `(per_token_loss [n], correct [n])` over the n labelled
+    positions. The trainer names them as `label_index` (positions in the flattened [s, b] hidden
+    states, built on the host with the batch, so picking them never waits for the device) with
+    `labels` the n targets; a direct caller may instead pass [b, s] labels and a loss mask, whose
+    positions are then found on the device. MLM at 40% therefore pays 40% of the output-layer
+    matmul (the largest one at vocab 128k); CLM pays for all positions. The loss is
+    model/loss.py's sparse cross-entropy, compiled where the kernel plan says so (`loss_kernels`).
     Without labels it returns logits [b, s, vocab/tp] as GPTModel does.
+
+    Packed layouts whose rows hold many sequences (the varlen path) pass per-token RoPE positions
+    in their packed_seq_params (`rope_positions`): each token is rotated by its position inside
+    its own sequence, as Transformer Engine's THD kernels do.
     """
+
+    loss_kernels: LossKernels = EAGER_LOSS
+    _label_index: torch.Tensor | None = None
+
+    def forward(self, *args, label_index: torch.Tensor | None = None, **kwargs):
+        self._label_index = label_index
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._label_index = None
+
+    def _preprocess(self, *args, packed_seq_params=None, **kwargs):
+        out = super()._preprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
+        positions = getattr(packed_seq_params, "rope_positions", None)
+        if positions is None or out[1] is None:
+            return out
+        # megatron's table covers 0 .. max_seqlen - 1 (get_rotary_seq_len): one row per token.
+        return (out[0], out[1].index_select(0, positions), *out[2:])
 
     def _postprocess(
         self,
@@ -160,7 +204,10 @@ class EncoderLM(GPTModel):
             return super()._postprocess(
                 hidden_states, input_ids, position_ids, labels, *args, loss_mask=loss_mask, **kwargs
             )
-        keep = (loss_mask if loss_mask is not None else labels >= 0).transpose(0, 1).bool()
+        index, targets = self._label_index, labels
+        if index is None:  # [b, s] labels: their positions, found on the device
+            keep = loss_mask if loss_mask is not None else labels >= 0
+            index, targets = labelled_positions(keep, labels)
         sequence_parallel = self.output_layer.sequence_parallel
         if sequence_parallel:
             # Each TP rank holds s/TP positions: gather the whole sequence before picking the
@@ -170,8 +217,7 @@ class EncoderLM(GPTModel):
             hidden_states = gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False
             )
-        hidden = hidden_states[keep].unsqueeze(1)  # [n, 1, h]
-        targets = labels.transpose(0, 1)[keep]  # [n]
+        hidden = hidden_states.reshape(-1, hidden_states.size(-1)).index_select(0, index)
         weight = (
             self.shared_embedding_or_output_weight()
             if self.share_embeddings_and_output_weights
@@ -179,32 +225,28 @@ class EncoderLM(GPTModel):
         )
         self.output_layer.sequence_parallel = False
         try:
-            logits, _ = self.output_layer(hidden, weight=weight)  # [n, 1, V/tp]
+            logits, _ = self.output_layer(hidden.unsqueeze(1), weight=weight)  # [n, 1, V/tp]
         finally:
             self.output_layer.sequence_parallel = sequence_parallel
-        loss = self.compute_language_model_loss(targets.unsqueeze(0), logits).view(-1)
-        with torch.no_grad():
-            correct = vocab_parallel_argmax_matches(logits.squeeze(1), targets)
-        return loss, correct
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        return sparse_cross_entropy(
+            logits.squeeze(1),
+            targets,
+            vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.size(-1),
+            group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+            kernels=self.loss_kernels,
+        )
 
 
-def vocab_parallel_argmax_matches(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """1.0 where argmax over the (TP-sharded) vocabulary equals the target, without gathering."""
-    logits = logits.float()
-    group = parallel_state.get_tensor_model_parallel_group()
-    local_max = logits.max(dim=-1).values
-    global_max = local_max.clone()
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(global_max, op=torch.distributed.ReduceOp.MAX, group=group)
-    part = logits.size(-1)
-    start = parallel_state.get_tensor_model_parallel_rank() * part
-    local = targets - start
-    in_range = (local >= 0) & (local < part)
-    target_logit = logits.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
-    hit = (in_range & (target_logit >= global_max)).float()
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        torch.distributed.all_reduce(hit, group=group)
-    return hit
+def labelled_positions(
+    loss_mask: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, s] loss mask and labels -> (positions in the flattened [s, b] order the head reads
+    hidden states in, the labels there). On host tensors this is how a batch is prepared; on
+    device tensors it waits for the device (nonzero)."""
+    keep = loss_mask.transpose(0, 1).reshape(-1) != 0
+    index = keep.nonzero().squeeze(1)
+    return index, labels.transpose(0, 1).reshape(-1).index_select(0, index)
 
 
 def build_model_chunk(
@@ -224,7 +266,9 @@ def build_model_chunk(
     plan = plan if plan is not None else plan_kernels(cfg, resolve_device(cfg))
     model = EncoderLM(
         config=config,
-        transformer_layer_spec=layer_spec(config, plan.attention, vp_stage),
+        transformer_layer_spec=layer_spec(
+            config, plan.attention, vp_stage, plan.plain_layers.on, plan.compile.on
+        ),
         vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=m.seq_length,
         pre_process=pre_process,
@@ -237,6 +281,7 @@ def build_model_chunk(
     )
     if m.rope_scaling is not None:
         apply_rope_scaling(model, m)
+    model.loss_kernels = LossKernels(compiled=plan.compile.on)
     initialize_by_global_parameter([model], config, cfg.train.seed)
     return model
 

@@ -29,6 +29,7 @@ import torch
 
 from megatron_mlmclm.config import ModelConfig, RunConfig, attention_path
 from megatron_mlmclm.config import attention as attention_rule
+from megatron_mlmclm.config.attention import torch_has_varlen
 from megatron_mlmclm.errors import UsageError
 
 # Megatron-LM's fusion flags, in the order the plan prints them.
@@ -49,6 +50,8 @@ class Kernels:
     """What imports on this machine (probed once by `probe_kernels`; tests pass their own)."""
 
     te_version: tuple[int, ...] | None = None  # Transformer Engine
+    apex_adam: bool = False  # megatron's optimizer uses TE's or Apex's FusedAdam when present
+    torch_varlen: bool = False  # torch.nn.attention.varlen (torch >= 2.10)
     apex_grad_accum: bool = False  # fused_weight_gradient_mlp_cuda (Apex --cuda_ext)
     apex_masked_softmax: bool = False  # scaled_masked_softmax_cuda (Apex)
     apex_persist_layer_norm: bool = False  # apex.contrib.layer_norm (FastLayerNormFN)
@@ -79,6 +82,8 @@ def probe_kernels() -> Kernels:
         te = _version("transformer_engine") or _version("transformer-engine") or (0,)
     return Kernels(
         te_version=te,
+        apex_adam=te is not None or _importable("apex.optimizers"),
+        torch_varlen=torch_has_varlen(),
         apex_grad_accum=_importable("fused_weight_gradient_mlp_cuda"),
         apex_masked_softmax=_importable("scaled_masked_softmax_cuda"),
         apex_persist_layer_norm=_importable("apex.contrib.layer_norm"),
@@ -102,8 +107,13 @@ class KernelPlan:
     p2p_why: str
     sequence_parallel: Choice
     context_parallel: Choice
-    attention: str  # "te-thd" | "thd-reference" | "sdpa" | "flex"
+    attention: str  # "te-thd" | "thd-reference" | "varlen" | "flex" | "sdpa"
     attention_why: str
+    # torch's fused AdamW behind megatron's optimizer (its fallback without TE/Apex is unfused).
+    fused_adamw: Choice = Choice(False, "")
+    # megatron's layer or the plain-torch one (model/layers.py), and what torch.compile covers.
+    plain_layers: Choice = Choice(False, "")
+    compile: Choice = Choice(False, "")
     context_parallel_size: int = 1
     # THD streams: the whole micro-batch's token count is padded to `thd_token_multiple` (FP8
     # GEMMs; TP under sequence parallelism); with CP each sequence to `cp_sequence_multiple`.
@@ -158,6 +168,11 @@ class KernelPlan:
             ("context_parallel", self.context_parallel.on, self.context_parallel.why),
             ("initialization", "global", INIT_WHY),
             ("attention", self.attention, self.attention_why),
+            ("fused_adamw", self.fused_adamw.on, self.fused_adamw.why),
+            ("plain_layers", self.plain_layers.on, self.plain_layers.why),
+            ("compile", self.compile.on, self.compile.why),
+            ("collectives", "as needed", COLLECTIVES_WHY),
+            ("host_syncs", "one a step", HOST_SYNCS_WHY),
         ]
         if self.thd:
             out.append(("thd_token_multiple", str(self.thd_token_multiple), self.thd_multiple_why))
@@ -208,6 +223,15 @@ INIT_WHY = (
     "every parameter drawn whole from (train.seed, its checkpoint key, its layer) and "
     "sliced: every TP/PP/VPP layout starts from the single-process model (model/init.py)"
 )
+COLLECTIVES_WHY = (
+    "none over a group of one rank: with DP = CP = 1 no gradient reduction, with TP = 1 no "
+    "loss reductions, in a world of one no stop-signal agreement (training/engine.py)"
+)
+HOST_SYNCS_WHY = (
+    "batches laid out and labelled positions, cu_seqlens and RoPE positions computed on the "
+    "host; loss totals, gradient norm and the non-finite check come back in one transfer "
+    "(runtime/host_sync.py counts them)"
+)
 THD_PATHS = ("te-thd", "thd-reference")
 # FP8 GEMMs take token counts divisible by 16; MXFP8's 32-element scaling blocks need 32.
 FP8_TOKEN_MULTIPLE = {"delayed": 16, "current": 16, "mxfp8": 32}
@@ -245,6 +269,7 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
     connections, connections_why = _max_connections(cfg, device)
     tf32, tf32_why = _tf32(cfg, device)
     p2p, p2p_why = _pipeline_p2p(cfg)
+    plain = _plain_layers(cfg, attention[0], sp.on)
     return KernelPlan(
         device=device,
         fusions=fusions,
@@ -257,6 +282,9 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
         context_parallel=_context_parallel(cfg, attention, cp_multiple),
         attention=attention[0],
         attention_why=attention[1],
+        fused_adamw=_fused_adamw(cfg, k),
+        plain_layers=plain,
+        compile=_compile(cfg, device, plain),
         context_parallel_size=p.context_parallel_size,
         thd_token_multiple=multiple,
         thd_multiple_why=multiple_why,
@@ -483,4 +511,45 @@ def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
         device,
         k.te_version is not None,
         cfg.parallel.pipeline_model_parallel_size,
+        varlen_installed=k.torch_varlen,
     )
+
+
+def _fused_adamw(cfg: RunConfig, k: Kernels) -> Choice:
+    """megatron's optimizer takes TE's or Apex's FusedAdam when either imports; without them it
+    falls back to torch's AdamW unfused. torch's own fused AdamW (CUDA and CPU) computes the same
+    update in one kernel per tensor group, its state and checkpoints unchanged."""
+    if k.apex_adam:
+        return Choice(False, "Transformer Engine or Apex installed: megatron uses their FusedAdam")
+    if cfg.model.fusions == "off":
+        return Choice(False, "model.fusions=off: torch's AdamW unfused (megatron's fallback)")
+    return Choice(True, "no TE/Apex FusedAdam: torch's fused AdamW behind megatron's optimizer")
+
+
+def _plain_layers(cfg: RunConfig, attention: str, sequence_parallel: bool) -> Choice:
+    """The plain-torch layer forward (model/layers.py) where a layer runs whole on one rank."""
+    p = cfg.parallel
+    if attention == "te-thd":
+        return Choice(False, "Transformer Engine's layers")
+    if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
+        return Choice(False, "TP or CP > 1: megatron's layer (its split linears and collectives)")
+    if attention == "thd-reference":
+        return Choice(False, "packed THD batches: megatron's layer (its THD RoPE)")
+    if cfg.train.recompute == "selective":
+        return Choice(False, "train.recompute=selective: megatron's layer recomputes attention")
+    del sequence_parallel  # off at TP = 1
+    return Choice(True, "TP = CP = 1: the layer in plain torch (same parameters, same result)")
+
+
+def _compile(cfg: RunConfig, device: str, plain: Choice) -> Choice:
+    wanted = cfg.model.compile
+    if wanted == "off" or (wanted == "auto" and cfg.model.fusions == "off"):
+        return Choice(False, f"model.{'compile' if wanted == 'off' else 'fusions'}=off: eager")
+    if wanted == "auto" and device != "cuda":
+        return Choice(False, "auto: eager on CPU (model.compile=on compiles there too, slowly)")
+    what = (
+        "each plain layer's two halves and the sparse head's loss"
+        if plain.on
+        else ("the sparse head's loss (megatron's layers do not compile)")
+    )
+    return Choice(True, f"torch.compile: {what}; the first steps compile (a minute or more)")

@@ -117,21 +117,56 @@ def flatten_for_thd(
 
 @dataclass
 class DocumentSeqParams(PackedSeqParams):
-    """Carries per-token document ids to FlexDocumentAttention through megatron's forward.
+    """What the document-masked attention paths without Transformer Engine take through megatron's
+    forward. qkv_format stays "sbhd", so megatron applies its own (unpacked) RoPE and reshapes
+    nothing; GPTModel sizes its RoPE table from max_seqlen_q/kv whenever packed_seq_params is
+    given.
 
-    qkv_format stays "sbhd" (megatron reshapes only for "thd") and max_seqlen_q/kv equal the
-    sample length (GPTModel sizes RoPE from them whenever packed_seq_params is given).
+    - flex: `document_ids` [b, s] and `causal`; max_seqlen = the sample length.
+    - varlen: the micro-batch flattened to one row of t tokens holding many sequences,
+      `cu_seqlens_q/kv` (int32 [n + 1]) and max_seqlen = the longest sequence, `causal`, and
+      `rope_positions` [t]: each token's position inside its sequence, by which EncoderLM picks
+      its row of the RoPE table (Transformer Engine's THD convention).
     """
 
     document_ids: torch.Tensor | None = None  # [b, s]
     causal: bool = False
+    rope_positions: torch.Tensor | None = None  # [t]
 
 
 def document_seq_params(document_ids: torch.Tensor, causal: bool) -> DocumentSeqParams:
+    """The flex path's parameters: the [b, s] document ids themselves."""
     s = document_ids.size(1)
     return DocumentSeqParams(
         qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s, document_ids=document_ids, causal=causal
     )
+
+
+def flatten_for_varlen(batch: dict, document_ids: torch.Tensor, causal: bool) -> dict:
+    """A micro-batch [b, s] -> one row [1, b*s] of sequences (the maximal runs of one document
+    inside each sample, as on the THD path) for varlen attention: cu_seqlens, the longest
+    sequence and each token's position inside its sequence, all computed here (on the host,
+    where the loader leaves the batch)."""
+    out = {
+        k: v.reshape(1, -1)
+        for k, v in batch.items()
+        if k in ("tokens", "labels", "loss_mask", "position_ids")
+    }
+    cu, longest = cu_seqlens_from_document_ids(document_ids)
+    lengths = (cu[1:] - cu[:-1]).long()
+    start = torch.repeat_interleave(cu[:-1].long(), lengths, output_size=int(cu[-1]))
+    positions = torch.arange(int(cu[-1]), device=cu.device) - start
+    out["attention_mask"] = None
+    out["packed_seq_params"] = DocumentSeqParams(
+        qkv_format="sbhd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        causal=causal,
+        rope_positions=positions,
+    )
+    return out
 
 
 def set_attention_mask_type(model_chunks, mask_type) -> None:

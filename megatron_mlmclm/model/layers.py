@@ -1,0 +1,161 @@
+"""The transformer layer as a few lines of plain torch, which torch.compile fuses.
+
+`PlainTransformerLayer` is megatron-core's TransformerLayer (same submodules, so the same
+parameter names, checkpoints, initialisation and sharded state) whose forward, where a layer runs
+whole on one rank (tensor and context parallel size 1) and trains without dropout, is written out
+below instead of going through megatron's general one: RMSNorm, the QKV projection split per KV
+group as megatron splits it, RoPE, the core attention module of the layer spec (SDPA, Flex or
+varlen; called between the two compiled halves, since each brings its own kernel), the output
+projection and residual, RMSNorm, SwiGLU and the second residual. Eager, it computes what
+megatron computes; compiled (`LayerKernels(compiled=True)`, the kernel plan's choice on CUDA),
+each half is a handful of fused kernels around the GEMMs, where megatron's layer launches dozens
+of small ones (and does not compile: its linear layers warn on every call, a graph break inside
+a context manager).
+
+Anything else (TP or CP > 1, packed THD batches for Transformer Engine or its stand-in, dropout,
+selective recompute, inference) runs megatron's own forward, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """megatron's unfused RoPE (_apply_rotary_pos_emb_bshd, not interleaved): the first
+    freqs.shape[-1] channels rotated, the rest passed through."""
+    rot = freqs.shape[-1]
+    t, rest = t[..., :rot], t[..., rot:]
+    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+    first, second = torch.chunk(t, 2, dim=-1)
+    t = (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
+    return torch.cat((t, rest), dim=-1)
+
+
+def _before_attention(
+    hidden, norm, eps, qkv, groups, per_group, head_dim, q_norm, k_norm, qk_eps, q_freqs, k_freqs
+):
+    """RMSNorm, QKV projection, the split into [s, b, heads, d] query and [s, b, groups, d]
+    key/value (per KV group: its query heads, then its key, then its value), q/k norms, RoPE.
+    Weights come as tensors (not the layer) so that one compiled graph serves every layer."""
+    mixed = F.linear(F.rms_norm(hidden, norm.shape, norm, eps), qkv)
+    mixed = mixed.view(*mixed.shape[:-1], groups, (per_group + 2) * head_dim)
+    query, key, value = torch.split(mixed, [per_group * head_dim, head_dim, head_dim], dim=3)
+    query = query.reshape(query.size(0), query.size(1), -1, head_dim)
+    if q_norm is not None:
+        query = F.rms_norm(query, q_norm.shape, q_norm, qk_eps)
+        key = F.rms_norm(key, k_norm.shape, k_norm, qk_eps)
+    if q_freqs is not None:
+        query, key = _rope(query, q_freqs), _rope(key, k_freqs)
+    return query, key, value
+
+
+def _after_attention(residual, context, proj, norm, eps, fc1, fc2):
+    """Output projection and residual, RMSNorm, SwiGLU MLP and residual."""
+    hidden = residual + F.linear(context, proj)
+    gate, up = torch.chunk(F.linear(F.rms_norm(hidden, norm.shape, norm, eps), fc1), 2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, fc2)
+
+
+class LayerKernels:
+    """The two halves of a plain layer, eager or compiled; shared by all layers of a model (one
+    compiled graph serves them all: their weights are inputs)."""
+
+    def __init__(self, compiled: bool = False):
+        self.compiled = compiled
+        wrap = torch.compile if compiled else (lambda f: f)
+        self.before_attention = wrap(_before_attention)
+        self.after_attention = wrap(_after_attention)
+
+
+EAGER = LayerKernels(compiled=False)
+
+
+class PlainTransformerLayer(TransformerLayer):
+    """TransformerLayer with the plain forward above where it applies (`plain`)."""
+
+    def __init__(self, *args, kernels: LayerKernels | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kernels = kernels or EAGER
+        c, attention = self.config, self.self_attention
+        self.head_dim = c.kv_channels
+        self.q_norm, self.k_norm = (
+            None if isinstance(n, IdentityOp) else n
+            for n in (attention.q_layernorm, attention.k_layernorm)
+        )
+        norms = [self.input_layernorm, self.pre_mlp_layernorm]
+        if self.q_norm is not None:
+            norms += [self.q_norm, self.k_norm]
+        linears = [attention.linear_qkv, attention.linear_proj, self.mlp.linear_fc1]
+        linears.append(self.mlp.linear_fc2)
+        self.plain = (
+            c.tensor_model_parallel_size == 1
+            and c.context_parallel_size == 1
+            and not c.sequence_parallel
+            and c.hidden_dropout == 0.0
+            and c.attention_dropout == 0.0
+            and c.gated_linear_unit
+            and c.activation_func is F.silu
+            and c.recompute_granularity != "selective"
+            and not c.attention_output_gate
+            and not c.rotary_interleaved
+            and not c.apply_residual_connection_post_layernorm
+            and all(isinstance(n, torch.nn.RMSNorm) for n in norms)
+            and all(getattr(m, "bias", None) is None for m in linears)
+        )
+
+    def forward(self, *args, **kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        packed = kwargs.get("packed_seq_params")
+        if (
+            not self.plain
+            or len(args) > 1
+            or kwargs.get("context") is not None
+            or kwargs.get("inference_context") is not None
+            or kwargs.get("attention_bias") is not None
+            or kwargs.get("rotary_pos_cos") is not None
+            or (packed is not None and packed.qkv_format == "thd")
+        ):
+            return super().forward(*args, **kwargs)
+        freqs = kwargs.get("rotary_pos_emb")
+        q_freqs, k_freqs = freqs if isinstance(freqs, tuple) else (freqs, freqs)
+        attention, mlp = self.self_attention, self.mlp
+        norm, q_norm, k_norm = self.input_layernorm, self.q_norm, self.k_norm
+        groups = attention.num_query_groups_per_partition
+        query, key, value = self.kernels.before_attention(
+            hidden,
+            norm.weight,
+            norm.eps,
+            attention.linear_qkv.weight,
+            groups,
+            attention.num_attention_heads_per_partition // groups,
+            self.head_dim,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            None if q_norm is None else q_norm.eps,
+            q_freqs,
+            k_freqs,
+        )
+        context = attention.core_attention(
+            query,
+            key,
+            value,
+            kwargs.get("attention_mask"),
+            attn_mask_type=attention.attn_mask_type,
+            attention_bias=None,
+            packed_seq_params=packed,
+        )
+        post = self.pre_mlp_layernorm
+        out = self.kernels.after_attention(
+            hidden,
+            context,
+            attention.linear_proj.weight,
+            post.weight,
+            post.eps,
+            mlp.linear_fc1.weight,
+            mlp.linear_fc2.weight,
+        )
+        return out, kwargs.get("context")

@@ -1,0 +1,176 @@
+"""The plain-torch transformer layer (model/layers.py) against megatron-core's own forward of the
+same layer (same module, same weights): forward and every gradient, fp32 and bf16, dense mask and
+document ids, with q/k norms; compiled within rounding; and where the plan keeps megatron's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_mlmclm.config import load_config
+from megatron_mlmclm.model.build import build_model, transformer_config
+from megatron_mlmclm.model.kernels import plan_kernels
+from megatron_mlmclm.model.layers import LayerKernels, PlainTransformerLayer
+from megatron_mlmclm.model.packed import document_seq_params
+from megatron_mlmclm.objectives import document_attention_mask
+
+BASE = [
+    "data.mock=true",
+    "model.vocab_size=256",
+    "model.seq_length=48",
+    "model.num_layers=2",
+    "model.num_query_groups=2",  # GQA: 4 query heads share 2 KV groups in the tiny preset
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_process():
+    from megatron_mlmclm.runtime.distributed import init_distributed
+
+    init_distributed(1, 1, None, seed=0)
+
+
+def layer_and_inputs(precision: str, *overrides: str):
+    cfg = load_config(None, BASE + [f"train.precision={precision}", *overrides])
+    (model,) = build_model(cfg, transformer_config(cfg), 256)
+    if precision == "bf16":  # as Float16Module leaves it for training
+        model = model.bfloat16()
+    layer = model.decoder.layers[1]
+    assert isinstance(layer, PlainTransformerLayer) and layer.plain
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    s, b = 48, 2
+    hidden = torch.randn(s, b, layer.config.hidden_size, generator=g).to(dtype)
+    docs = torch.tensor([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11])
+    return model, layer, hidden, docs, model.rotary_pos_emb(s)
+
+
+def run(forward, layer, hidden, **kwargs):
+    x = hidden.clone().requires_grad_()
+    out, _ = forward(layer, hidden_states=x, **kwargs)
+    gen = torch.Generator().manual_seed(2)
+    out.backward(torch.randn(out.shape, generator=gen).to(out.dtype))
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, grads
+
+
+def assert_same(a, b, exact: bool):
+    (out_a, dx_a, grads_a), (out_b, dx_b, grads_b) = a, b
+    if exact:
+        assert torch.equal(out_a, out_b) and torch.equal(dx_a, dx_b)
+        for name in grads_b:
+            assert torch.equal(grads_a[name], grads_b[name]), name
+        return
+    tol = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out_a, out_b, **tol)
+    torch.testing.assert_close(dx_a, dx_b, **tol)
+    for name in grads_b:
+        torch.testing.assert_close(grads_a[name], grads_b[name], **tol, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_plain_forward_is_megatrons_forward(precision, causal, qk_norm):
+    """Bit for bit where the layer's arithmetic is the same op for op; the projections are
+    F.linear here and a matmul inside megatron's linear autograd function, which may round a
+    weight gradient differently in the last bit: within 1e-4 then, in fp32 and bf16."""
+    overrides = ["model.qk_layernorm=true"] if qk_norm else []
+    model, layer, hidden, docs, rope = layer_and_inputs(precision, *overrides)
+    mask = document_attention_mask(docs, causal)
+    kwargs = dict(attention_mask=mask, rotary_pos_emb=rope)
+    plain = run(PlainTransformerLayer.forward, layer, hidden, **kwargs)
+    theirs = run(TransformerLayer.forward, layer, hidden, **kwargs)
+    assert_same(plain, theirs, exact=False)
+    torch.testing.assert_close(plain[0], theirs[0], rtol=0, atol=0)  # the forward: exact
+
+
+def test_document_ids_reach_the_core_attention_unchanged():
+    """The flex path's packed_seq_params pass through the plain forward to the core attention:
+    with SDPA's core swapped for one that builds the dense mask from the ids, the output is the
+    dense-mask output."""
+    model, layer, hidden, docs, rope = layer_and_inputs("fp32")
+    core = layer.self_attention.core_attention
+    seen = []
+
+    class FromIds(torch.nn.Module):
+        def forward(
+            self, q, k, v, mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):
+            seen.append(packed_seq_params)
+            ids = packed_seq_params.document_ids
+            return core(q, k, v, document_attention_mask(ids, packed_seq_params.causal))
+
+    params = document_seq_params(docs, causal=True)
+    layer.self_attention.core_attention = FromIds()
+    try:
+        out, _ = layer(hidden_states=hidden, rotary_pos_emb=rope, packed_seq_params=params)
+    finally:
+        layer.self_attention.core_attention = core
+    want, _ = TransformerLayer.forward(
+        layer,
+        hidden_states=hidden,
+        attention_mask=document_attention_mask(docs, True),
+        rotary_pos_emb=rope,
+    )
+    assert seen == [params]
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "overrides,why",
+    [
+        (["parallel.tensor_model_parallel_size=2"], "TP or CP > 1"),
+        (["model.attention=thd"], "packed THD batches"),
+        (["train.recompute=selective"], "selective"),
+    ],
+)
+def test_the_plan_keeps_megatrons_layer_where_the_plain_one_does_not_apply(overrides, why):
+    plan = plan_kernels(load_config(None, BASE + overrides), "cpu")
+    assert plan.plain_layers.on is False and why in plan.plain_layers.why
+    assert plan_kernels(load_config(None, BASE), "cpu").plain_layers.on is True
+
+
+@pytest.mark.slow
+def test_compiled_halves_match_eager_within_rounding():
+    """torch.compile of the two halves (CPU inductor here; the kernel plan compiles on CUDA):
+    forward and gradients within fp32 rounding of the eager plain layer, on both layers of the
+    model (one compiled graph serves them: their weights are inputs)."""
+    model, layer, hidden, docs, rope = layer_and_inputs("fp32")
+    kwargs = dict(attention_mask=document_attention_mask(docs, True), rotary_pos_emb=rope)
+    compiled = LayerKernels(compiled=True)
+    for layer in model.decoder.layers:
+        eager = run(PlainTransformerLayer.forward, layer, hidden, **kwargs)
+        layer.kernels = compiled
+        try:
+            fused = run(PlainTransformerLayer.forward, layer, hidden, **kwargs)
+        finally:
+            layer.kernels = LayerKernels(compiled=False)
+        assert_same(fused, eager, exact=False)
+
+
+def test_each_half_is_one_graph_without_breaks():
+    """What torch.compile fuses: each half traces whole (megatron's own layer breaks its graph
+    8 times: its linears warn on every call, inside a context manager)."""
+    from megatron_mlmclm.model.layers import _after_attention, _before_attention
+
+    model, layer, hidden, docs, rope = layer_and_inputs("fp32")
+    a = layer.self_attention
+    args = (hidden, layer.input_layernorm.weight, 1e-5, a.linear_qkv.weight, 2, 2, 32)
+    before = torch._dynamo.explain(_before_attention)(*args, None, None, None, rope, rope)
+    q, k, v = _before_attention(*args, None, None, None, rope, rope)
+    context = q.flatten(2)
+    mlp = layer.mlp
+    after = torch._dynamo.explain(_after_attention)(
+        hidden,
+        context,
+        a.linear_proj.weight,
+        layer.pre_mlp_layernorm.weight,
+        1e-5,
+        mlp.linear_fc1.weight,
+        mlp.linear_fc2.weight,
+    )
+    assert (before.graph_count, before.graph_break_count) == (1, 0)
+    assert (after.graph_count, after.graph_break_count) == (1, 0)
