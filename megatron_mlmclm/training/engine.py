@@ -9,8 +9,8 @@ step runs and what is done with its figures.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import math
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
@@ -26,11 +27,17 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import PhaseConfig, RunConfig, TrainConfig, resolved
-from megatron_mlmclm.model.build import build_model, transformer_config
+from megatron_mlmclm.model.build import build_model, labelled_positions, transformer_config
 from megatron_mlmclm.model.kernels import KernelPlan
-from megatron_mlmclm.model.packed import flatten_for_thd, split_for_context_parallel
-from megatron_mlmclm.objectives import to_device
+from megatron_mlmclm.model.packed import (
+    document_seq_params,
+    flatten_for_thd,
+    flatten_for_varlen,
+    split_for_context_parallel,
+)
+from megatron_mlmclm.objectives import document_attention_mask
 from megatron_mlmclm.runtime import distributed as rt
+from megatron_mlmclm.runtime.host_sync import on_host
 from megatron_mlmclm.training.faults import SpikePolicy
 from megatron_mlmclm.training.metrics import log
 
@@ -54,7 +61,8 @@ class Engine:
         # Packed THD sequences (no [s, s] mask) through TE's fused attention (its stand-in on
         # CPU), at any PP layout.
         self.thd = kernels.thd
-        self.local_loss_finite = True  # this rank's loss in the last schedule, before reductions
+        # This rank's [loss sum, tokens, correct] of the last schedule, before the reductions.
+        self.local_totals = torch.zeros(3, dtype=torch.float64)
 
     @classmethod
     def build(cls, cfg: RunConfig, kernels: KernelPlan, vocab_size: int, gradients_ready) -> Engine:
@@ -75,8 +83,9 @@ class Engine:
             align_param_gather=kernels.align_param_gather.on,
             use_distributed_optimizer=p.use_distributed_optimizer,
         )
-        model = [
-            DDP(tconfig, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(wrapped)
+        model: list[DDP] = [
+            DataParallel(tconfig, ddp_config, c, disable_bucketing=i > 0)
+            for i, c in enumerate(wrapped)
         ]
         wire_overlap(tconfig, model, ddp_config, gradients_ready)
         opt_config = OptimizerConfig(
@@ -94,7 +103,28 @@ class Engine:
         )
         modules: list[MegatronModule] = list(model)
         optimizer = get_megatron_optimizer(opt_config, modules)
-        return cls(kernels, tconfig, chunks, model, optimizer, new_scheduler(optimizer, t))
+        engine = cls(kernels, tconfig, chunks, model, optimizer, new_scheduler(optimizer, t))
+        engine.optimizer_loaded()
+        return engine
+
+    def optimizer_loaded(self) -> None:
+        """After the optimizer is built or its state loaded: the kernel plan's AdamW. A checkpoint
+        carries its param groups' flags (`fused`, `foreach`) and loading restores them, so they
+        are set again here; fused AdamW keeps its step counters on the parameters' device."""
+        if not self.kernels.fused_adamw.on:
+            return
+        for opt in chained(self.optimizer):
+            inner = opt.optimizer
+            if inner is None or not isinstance(inner, torch.optim.AdamW):
+                continue
+            inner.defaults.update(fused=True, foreach=False)
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)
+                for param in group["params"]:
+                    state = inner.state.get(param, {})
+                    step = state.get("step")
+                    if isinstance(step, torch.Tensor) and step.device != param.device:
+                        state["step"] = step.to(param.device, torch.float32)
 
     def parameters_gathered(self):
         """With overlap_param_gather, the step leaves the parameter all-gather to the next forward
@@ -108,29 +138,60 @@ class Engine:
 
     # ------------------------------------------------------------------------------ one step
     def to_device(self, host: list[dict[str, Any]], phase: PhaseConfig) -> list[dict[str, Any]]:
-        """Host micro-batches on the device: with a dense document mask, or on the THD path as
-        packed rows (split over the context-parallel ranks). A batch's `loss_scale` (the
-        fault-injection hook) rides along."""
+        """Host micro-batches laid out on the host for the attention path, then copied to the
+        device without waiting for it (pinned memory, non-blocking): nothing here makes the host
+        wait (runtime/host_sync.py). A batch's `loss_scale` (the fault-injection hook) rides
+        along."""
+        device = rt.device()
+        with on_host():
+            laid = [self.layout(dict(batch), phase) for batch in host]
+            if device.type == "cuda":
+                laid = [_map_tensors(batch, lambda t: t.pin_memory()) for batch in laid]
         out = []
-        for batch in host:
-            scale = batch.pop("loss_scale", None)
-            placed: dict[str, Any] = to_device(batch, phase, rt.device(), dense_mask=not self.thd)
-            if self.thd:
-                placed = flatten_for_thd(
-                    placed, placed["document_ids"], self.kernels.thd_token_multiple
+        for batch in laid:
+            placed = _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+            if "document_ids" in placed:  # sdpa: the dense mask, built where it is used
+                placed["attention_mask"] = document_attention_mask(
+                    placed.pop("document_ids"), causal=phase.objective == "clm"
                 )
-                cp = self.kernels.context_parallel_size
-                if cp > 1:
-                    placed = split_for_context_parallel(
-                        placed,
-                        cp,
-                        parallel_state.get_context_parallel_rank(),
-                        self.kernels.cp_sequence_multiple,
-                    )
-            if scale is not None:
-                placed["loss_scale"] = scale
             out.append(placed)
         return out
+
+    def layout(self, batch: dict[str, Any], phase: PhaseConfig) -> dict[str, Any]:
+        """One host micro-batch in the form its attention path takes (model/kernels.py), with the
+        head's labelled positions (`label_index`) and their targets (`labels`):
+        - te-thd / thd-reference: packed THD rows (model/packed.py), split over the context-
+          parallel ranks;
+        - varlen: the micro-batch as one row of sequences, cu_seqlens and per-token RoPE
+          positions computed here;
+        - flex: [b, s] with the document ids (the block mask is built once per micro-batch on
+          the device and shared by the layers);
+        - sdpa: [b, s] with the document ids, from which to_device builds the dense mask."""
+        scale = batch.pop("loss_scale", None)
+        documents = batch.pop("document_ids")
+        causal = phase.objective == "clm"
+        attention = self.kernels.attention
+        if self.thd:
+            batch = flatten_for_thd(batch, documents, self.kernels.thd_token_multiple)
+            cp = self.kernels.context_parallel_size
+            if cp > 1:
+                batch = split_for_context_parallel(
+                    batch,
+                    cp,
+                    parallel_state.get_context_parallel_rank(),
+                    self.kernels.cp_sequence_multiple,
+                )
+        elif attention == "varlen":
+            batch = flatten_for_varlen(batch, documents, causal)
+        elif attention == "flex":
+            batch["packed_seq_params"] = document_seq_params(documents, causal)
+        else:
+            batch["document_ids"] = documents
+        index, targets = labelled_positions(batch.pop("loss_mask"), batch["labels"])
+        batch["label_index"], batch["labels"] = index, targets
+        if scale is not None:
+            batch["loss_scale"] = scale
+        return batch
 
     def zero_grad(self) -> None:
         for m in self.model:
@@ -161,19 +222,20 @@ class Engine:
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             for out in outputs:
                 totals += out["lm loss"].to(totals.dtype)
-        self.local_loss_finite = bool(torch.isfinite(totals[0]))
+        self.local_totals = totals.clone()  # this rank's own, for the failure path
         # Sum over DP (and CP: each CP rank holds part of every sequence) ranks, then make the
         # last stage's figures known to every stage.
-        dist.all_reduce(
-            totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        all_reduce_if_shared(
+            totals, parallel_state.get_data_parallel_group(with_context_parallel=True)
         )
-        dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
+        all_reduce_if_shared(totals, parallel_state.get_pipeline_model_parallel_group())
         return totals
 
     def ranks_with_nonfinite_loss(self) -> list[int]:
         """Data-parallel ranks whose own loss was not finite (collective, on the failure path)."""
+        finite = bool(torch.isfinite(self.local_totals[0]))
         mine = torch.tensor(
-            [-1 if self.local_loss_finite else parallel_state.get_data_parallel_rank()],
+            [-1 if finite else parallel_state.get_data_parallel_rank()],
             dtype=torch.int64,
             device=rt.device(),
         )
@@ -181,47 +243,117 @@ class Engine:
         dist.all_gather(every, mine)
         return sorted({int(t) for t in every if int(t) >= 0})
 
-    def nonfinite(self, loss: float) -> str | None:
-        """What is not finite in the step just run (its loss, else a gradient), or None."""
-        if not math.isfinite(loss):
-            return f"loss is {loss}"
-        return None if self.gradients_finite() else "a gradient is not finite"
+    @torch.no_grad()
+    def step_figures(self, totals: torch.Tensor) -> torch.Tensor:
+        """After the schedule, before any update: the step's figures on the device, for its one
+        transfer to the host: [loss sum, tokens, correct, gradient norm, non-finite gradient
+        buffers]. The optimizer's main gradients are prepared here (megatron's prepare_grads) and
+        their norm taken with foreach norms (megatron's fallback without Apex reads one value per
+        parameter back to the host); the norm is all-reduced over the optimizer's gradient
+        statistics group, the non-finite count over the world, each only when it has more than
+        one rank."""
+        found_inf = self.optimizer.prepare_grads()  # a grad scaler's verdict: fp16 only
+        grads = [g for opt in chained(self.optimizer) for g in opt.get_main_grads_for_grad_norm()]
+        if grads:
+            norms = torch._foreach_norm(grads)  # pyright: ignore[reportPrivateImportUsage]
+            norm = torch.linalg.vector_norm(torch.stack(norms))
+        else:
+            norm = torch.zeros((), device=totals.device)
+        group = self.optimizer.get_grad_stats_parallel_group()
+        if group is not None and dist.get_world_size(group) > 1:
+            squared = norm.square()
+            dist.all_reduce(squared, group=group)
+            norm = squared.sqrt()
+        # DDP keeps its gradient buffers in an attribute that shadows Module.buffers().
+        buffers = [
+            b
+            for m in self.model
+            for b in m.buffers + m.expert_parallel_buffers  # pyright: ignore[reportOperatorIssue]
+        ]
+        nonfinite = torch.stack([~torch.isfinite(b.grad_data).all() for b in buffers]).sum()
+        all_reduce_if_shared(nonfinite, None)
+        if found_inf:
+            nonfinite = nonfinite + 1
+        return torch.cat([totals, torch.stack([norm.to(totals.dtype), nonfinite.to(totals.dtype)])])
 
-    def gradients_finite(self) -> bool:
-        """All-reduced check of the reduced gradient buffers (cheap: one pass, no copies)."""
-        bad = torch.zeros(1, device=rt.device())
-        for m in self.model:
-            # DDP keeps its gradient buffers in an attribute that shadows Module.buffers().
-            buffers = m.buffers + m.expert_parallel_buffers  # pyright: ignore[reportOperatorIssue]
-            for buf in buffers:
-                if not torch.isfinite(buf.grad_data).all():
-                    bad += 1
-        dist.all_reduce(bad)
-        return bad.item() == 0
-
-    def update(self, spikes: SpikePolicy, step: int) -> dict[str, Any]:
-        """The optimizer step of 0-based `step`, unless the spike policy (train.skip_spikes) skips
-        it: {grad_norm, skipped[, spike_skipped]}."""
+    def update(self, spikes: SpikePolicy, step: int, grad_norm: float) -> dict[str, Any]:
+        """The optimizer step of 0-based `step` with its gradients prepared by step_figures and
+        their norm known on the host, unless the spike policy (train.skip_spikes) skips it:
+        {grad_norm, skipped[, spike_skipped]}. Clipping and the step are megatron's own
+        (clip_grad_by_total_norm_fp32, step_with_ready_grads), as its ChainedOptimizer.step runs
+        them."""
         if spikes.factor is not None:
-            # The norm before the update decides it (prepare_grads is repeated by step()).
-            self.optimizer.prepare_grads()
-            norm = float(self.optimizer.get_grad_norm())
-            if spikes.is_spike(norm):
+            if spikes.is_spike(grad_norm):
                 spikes.skipped += 1
                 log(
-                    f"step {step + 1}: update skipped, gradient norm {norm:.4g} is over "
+                    f"step {step + 1}: update skipped, gradient norm {grad_norm:.4g} is over "
                     f"{spikes.factor:g}x the running median (train.skip_spikes; "
                     f"{spikes.skipped} skipped so far)"
                 )
-                return {"grad_norm": norm, "skipped": True, "spike_skipped": True}
-            spikes.accept(norm)
-        # MegatronOptimizer.step is an untyped abstract stub; every optimizer returns
-        # (update successful, grad norm, zeros in the gradients).
-        ok, grad_norm, _ = self.optimizer.step()  # pyright: ignore[reportGeneralTypeIssues]
-        return {
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "skipped": not ok,
-        }
+                return {"grad_norm": grad_norm, "skipped": True, "spike_skipped": True}
+            spikes.accept(grad_norm)
+        for opt in chained(self.optimizer):
+            if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0.0:
+                continue
+            params: list[torch.Tensor] = list(opt.get_parameters())
+            if params:
+                clip_grad_by_total_norm_fp32(
+                    params,
+                    max_norm=opt.config.clip_grad,
+                    total_norm=grad_norm,
+                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+        ok = self.optimizer.step_with_ready_grads()
+        return {"grad_norm": grad_norm, "skipped": not ok}
+
+
+def chained(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    """The optimizers behind megatron's ChainedOptimizer (or the one given)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def all_reduce_if_shared(tensor: torch.Tensor, group: Any, op=dist.ReduceOp.SUM) -> None:
+    """All-reduce over `group` (None: the world) unless it has a single rank: a collective over
+    one rank still launches kernels and, with NCCL, waits in the communicator."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+class DataParallel(DDP):
+    """megatron's DDP, which skips its gradient reduction when the data-parallel group (with
+    context parallelism) has one rank: there is nothing to reduce, and megatron would still run a
+    coalesced all-reduce per step. With overlapped reduction the buckets start their own
+    reductions from the backward hooks, so the skip applies only without it."""
+
+    def __init__(self, config, ddp_config, module, **kwargs):
+        super().__init__(config, ddp_config, module, **kwargs)
+        group: Any = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.reduces = dist.get_world_size(group) > 1 or ddp_config.overlap_grad_reduce
+
+    def start_grad_sync(self, *args):
+        if self.reduces:
+            super().start_grad_sync(*args)
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False):
+        if self.reduces:
+            super().finish_grad_sync(force_all_reduce=force_all_reduce)
+
+
+def _map_tensors(batch: dict[str, Any], fn) -> dict[str, Any]:
+    """`fn` applied to a micro-batch's tensors, those inside its packed_seq_params included."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            value = fn(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            moved = {
+                f.name: fn(getattr(value, f.name))
+                for f in dataclasses.fields(value)
+                if isinstance(getattr(value, f.name), torch.Tensor)
+            }
+            value = dataclasses.replace(value, **moved)
+        out[key] = value
+    return out
 
 
 def new_scheduler(optimizer: MegatronOptimizer, t: TrainConfig) -> OptimizerParamScheduler:
@@ -257,10 +389,12 @@ def wire_overlap(config, model: list, ddp_config, gradients_ready=None) -> None:
     def one_or_list(fns):
         return fns[0] if len(fns) == 1 else fns
 
-    def finalize(*args, **kwargs):
+    def finalize(model_chunks, num_tokens=None, *args, **kwargs):
         if gradients_ready is not None:
             gradients_ready()
-        return finalize_model_grads(*args, **kwargs)
+        finalize_model_grads(model_chunks, None, *args, **kwargs)
+        if num_tokens is not None:
+            scale_by_tokens(model_chunks, num_tokens)
 
     config.no_sync_func = one_or_list([m.no_sync for m in model])
     config.finalize_model_grads_func = finalize
@@ -268,6 +402,23 @@ def wire_overlap(config, model: list, ddp_config, gradients_ready=None) -> None:
         config.grad_sync_func = one_or_list([m.start_grad_sync for m in model])
     if ddp_config.overlap_param_gather and ddp_config.align_param_gather:
         config.param_sync_func = one_or_list([m.start_param_sync for m in model])
+
+
+def scale_by_tokens(model_chunks: list, num_tokens: torch.Tensor) -> None:
+    """The per-token loss's gradient scaling of megatron's finalize_model_grads (divide by the
+    global batch's labelled tokens), without its host read of the count (`if num_tokens > 0`)
+    and without collectives over groups of one rank."""
+    pp: Any = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp) > 1:  # the count is known on the last stage
+        last = dist.get_global_rank(pp, dist.get_world_size(pp) - 1)
+        dist.broadcast(num_tokens, src=last, group=pp)
+    all_reduce_if_shared(
+        num_tokens, parallel_state.get_data_parallel_group(with_context_parallel=True)
+    )
+    # No labelled token: the gradients are zero, and megatron leaves them unscaled.
+    scaling = 1.0 / num_tokens.clamp(min=1)
+    for chunk in model_chunks:
+        chunk.scale_gradients(scaling)
 
 
 @contextlib.contextmanager
@@ -292,7 +443,7 @@ def forward_step(data_iterator, model):
         batch["position_ids"],
         batch.get("attention_mask"),
         labels=batch["labels"],
-        loss_mask=batch["loss_mask"],
+        label_index=batch["label_index"],
         packed_seq_params=batch.get("packed_seq_params"),
     )
     return output, functools.partial(loss_func, scale=batch.get("loss_scale"))
@@ -304,6 +455,8 @@ def loss_func(output, scale: float | None = None):
     total = per_token_loss.sum()
     if scale is not None:  # the fault-injection test hook: a NaN or spiked loss and gradients
         total = total * scale
-    count = torch.tensor(per_token_loss.numel(), dtype=torch.int, device=total.device)
+    # The count is known on the host (the number of labelled positions): filled on the device,
+    # not copied there.
+    count = torch.full((), per_token_loss.numel(), dtype=torch.int, device=total.device)
     logged = torch.stack([total.detach().float(), count.float(), correct.sum().float()])
     return total, count, {"lm loss": logged}

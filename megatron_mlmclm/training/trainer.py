@@ -13,6 +13,7 @@ decides when (`should_log`, `should_validate`, `should_save`) and how.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -204,11 +205,19 @@ class Trainer:
         if scale != 1.0:
             host = [dict(host[0], loss_scale=scale)] + host[1:]
         totals = e.run_schedule(e.to_device(host, phase), forward_only=False)
-        loss_sum, tokens, correct = totals.tolist()
+        # The step's one transfer to the host (runtime/host_sync.py): its loss, token and
+        # accuracy totals with the gradient norm and the non-finite check, before any update.
+        loss_sum, tokens, correct, grad_norm, nonfinite = e.step_figures(totals).tolist()
         loss = loss_sum / max(tokens, 1)
         # Stop before a non-finite loss or gradient can reach the weights or a checkpoint; the
         # restart re-runs the step to tell a transient fault from a persistent one.
-        problem = e.nonfinite(loss)
+        problem = (
+            f"loss is {loss}"
+            if not math.isfinite(loss)
+            else "a gradient is not finite"
+            if nonfinite
+            else None
+        )
         note = faults.check_step(
             self.step + 1,
             problem and f"{problem} ({phase.objective})",
@@ -229,7 +238,7 @@ class Trainer:
         }
         if note:
             stats["fault"] = "transient non-finite step, finite on its re-run"
-        stats.update(e.update(faults.spikes, self.step))
+        stats.update(e.update(faults.spikes, self.step, grad_norm))
         return stats
 
     # ----------------------------------------------------------------- checkpoint state, close
