@@ -322,3 +322,39 @@ def test_the_engine_runs_the_planned_optimizer(tmp_path):
             trainer.close()
         losses[fusions] = runs
     assert losses["auto"] == losses["off"]
+
+
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["float16", "distributed"])
+def test_a_resumed_optimizer_is_fused_again(tmp_path, dist_opt):
+    """A checkpoint carries its param groups' AdamW flags and loading restores them: a run saved
+    unfused (model.fusions=off) and resumed with the plan's fused AdamW gets fused groups back,
+    its step counters on the parameters' device and counting on."""
+    from megatron_mlmclm.training.engine import chained
+    from megatron_mlmclm.training.trainer import Trainer
+
+    common = [
+        f"output_dir={tmp_path}",
+        "logging.tensorboard=false",
+        "train.steps=20",
+        "train.precision=bf16",
+        f"parallel.use_distributed_optimizer={str(dist_opt).lower()}",
+    ]
+    first = Trainer(cfg(*common, "model.fusions=off"), stop_at=2)
+    first.setup()
+    try:
+        first.train()
+    finally:
+        first.close()
+    resumed = Trainer(cfg(*common))
+    resumed.setup()
+    try:
+        assert resumed.step == 2
+        inner = [o.optimizer for o in chained(resumed.optimizer)]
+        assert all(g["fused"] is True for o in inner for g in o.param_groups)
+        for o in inner:
+            for param, state in o.state.items():
+                assert state["step"].device == param.device and int(state["step"]) == 2
+        resumed.train_step(resumed.cfg.phases[0])
+        assert all(int(s["step"]) == 3 for o in inner for s in o.state.values())
+    finally:
+        resumed.close()

@@ -103,6 +103,7 @@ class Checkpointer:
                 state = ckpt.load_checkpoint(
                     start.resume_from, e.model_chunks, e.optimizer, e.scheduler
                 )
+                e.optimizer_loaded()  # a checkpoint's param groups carry their own AdamW flags
                 for part in (self.train_state, self, self.faults):
                     part.load_state_dict(state)
                 for note in start.notes:
