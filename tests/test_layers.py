@@ -174,3 +174,17 @@ def test_each_half_is_one_graph_without_breaks():
     )
     assert (before.graph_count, before.graph_break_count) == (1, 0)
     assert (after.graph_count, after.graph_break_count) == (1, 0)
+
+
+def test_the_plain_layer_keeps_megatrons_parameter_names():
+    """Checkpoints, conversion and layouts read the names: the same as megatron's own layer's
+    (built where the plan keeps it: selective recompute), q/k norms included."""
+    names = {}
+    for extra in ([], ["train.recompute=selective"]):
+        cfg = load_config(None, BASE + ["model.qk_layernorm=true", *extra])
+        (model,) = build_model(cfg, transformer_config(cfg), 256)
+        kind = {type(layer) for layer in model.decoder.layers}
+        names[kind.pop().__name__] = list(model.state_dict())
+    assert set(names) == {"PlainTransformerLayer", "TransformerLayer"}
+    assert names["PlainTransformerLayer"] == names["TransformerLayer"]
+    assert any("q_layernorm" in n for n in names["TransformerLayer"])

@@ -82,13 +82,10 @@ class PlainTransformerLayer(TransformerLayer):
         self.kernels = kernels or EAGER
         c, attention = self.config, self.self_attention
         self.head_dim = c.kv_channels
-        self.q_norm, self.k_norm = (
-            None if isinstance(n, IdentityOp) else n
-            for n in (attention.q_layernorm, attention.k_layernorm)
-        )
+        q_norm, k_norm = self.qk_norms
         norms = [self.input_layernorm, self.pre_mlp_layernorm]
-        if self.q_norm is not None:
-            norms += [self.q_norm, self.k_norm]
+        if q_norm is not None:
+            norms += [q_norm, k_norm]
         linears = [attention.linear_qkv, attention.linear_proj, self.mlp.linear_fc1]
         linears.append(self.mlp.linear_fc2)
         self.plain = (
@@ -107,6 +104,16 @@ class PlainTransformerLayer(TransformerLayer):
             and all(getattr(m, "bias", None) is None for m in linears)
         )
 
+    @property
+    def qk_norms(self) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+        """The attention's q/k norms (Qwen3), or None where the spec has none (megatron's
+        IdentityOp). Read through the attention module, never registered twice."""
+        attention = self.self_attention
+        return tuple(  # type: ignore[return-value]
+            None if isinstance(n, IdentityOp) else n
+            for n in (attention.q_layernorm, attention.k_layernorm)
+        )
+
     def forward(self, *args, **kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         packed = kwargs.get("packed_seq_params")
@@ -123,7 +130,7 @@ class PlainTransformerLayer(TransformerLayer):
         freqs = kwargs.get("rotary_pos_emb")
         q_freqs, k_freqs = freqs if isinstance(freqs, tuple) else (freqs, freqs)
         attention, mlp = self.self_attention, self.mlp
-        norm, q_norm, k_norm = self.input_layernorm, self.q_norm, self.k_norm
+        norm, (q_norm, k_norm) = self.input_layernorm, self.qk_norms
         groups = attention.num_query_groups_per_partition
         query, key, value = self.kernels.before_attention(
             hidden,
