@@ -113,7 +113,7 @@ class Block(nn.Module):
                     else {"is_causal": True}
                 )
             cu = batch.cu_seqlens  # max length: s bounds every document (a constant: no recompile)
-            flat = [t.reshape(b * s, t.shape[2], self.d) for t in (q, k, v)]
+            flat = [t.reshape(b * s, t.shape[2], self.d).contiguous() for t in (q, k, v)]
             return varlen_attn(*flat, cu, cu, s, s, **extra).view(b, s, -1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         if self.attention == "flex":
@@ -201,11 +201,15 @@ class ReferenceStep:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True
         )
+        self.compiled = compile_model
         self.forward = torch.compile(model) if compile_model else model
         device = next(model.parameters()).device
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def __call__(self, batch: Batch) -> torch.Tensor:
+        if self.compiled:  # document and label counts change every step: one graph for all
+            for t in (batch.cu_seqlens, batch.label_index, batch.targets):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         mask = self.model.document_mask(batch.document_ids)
         with self.autocast:
             loss = self.forward(batch, mask)
