@@ -359,7 +359,7 @@ def ratio(row: dict, key: str) -> float | None:
     return row["ours_s"] / row[key] if row.get(key) else None
 
 
-def sample_batch(trainer, phase, r: int, mb: int, mlm_mask, IGNORE):
+def sample_batch(trainer, seed: int, phase, r: int, mb: int, mlm_mask, IGNORE):
     """Step r's samples of the run's one stream, as ours reads them: (inputs, labels, document
     ids), numpy [mb, seq]; labels IGNORE where no loss (CLM: the next token of another document)."""
     idx = list(range(r * mb, (r + 1) * mb))
@@ -370,7 +370,7 @@ def sample_batch(trainer, phase, r: int, mb: int, mlm_mask, IGNORE):
         labels = tokens[:, 1:].copy()
         labels[docs[:, :-1] != docs[:, 1:]] = IGNORE
         return tokens[:, :-1], labels, docs[:, :-1]
-    spec, seed = trainer.spec, trainer.cfg.data.seed
+    spec = trainer.spec
     pairs = [
         mlm_mask(t[:-1], i, seed, phase.mask_ratio, spec, phase.mask_replace)
         for t, i in zip(tokens, idx)
@@ -420,7 +420,7 @@ def run_row(
         amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
 
         def step_hf(r):
-            inputs, labels, _ = sample_batch(trainer, phase, r, mb, mlm_mask, IGNORE)
+            inputs, labels, _ = sample_batch(trainer, cfg.data.seed, phase, r, mb, mlm_mask, IGNORE)
             inputs = torch.from_numpy(inputs).to(dev, non_blocking=True)
             labels = torch.from_numpy(labels).to(dev, non_blocking=True)
             with amp:
@@ -447,7 +447,9 @@ def run_row(
         )
 
         def step_ref(r):
-            inputs, labels, docs = sample_batch(trainer, phase, r, mb, mlm_mask, IGNORE)
+            inputs, labels, docs = sample_batch(
+                trainer, cfg.data.seed, phase, r, mb, mlm_mask, IGNORE
+            )
             loss = ref(make_batch(inputs, labels, docs, IGNORE, dev))
             if r == 0:
                 step0["ref"] = loss
