@@ -27,7 +27,7 @@ RUNS = [(name, ["--quick"]) for name in SCRIPTS] + [
     ("train_throughput.py", ["--quick", "--profile"])
 ]
 
-pytestmark = pytest.mark.slow  # 108 s in all on 2 shared cores
+pytestmark = pytest.mark.slow  # 110-130 s in all on 2 shared cores
 
 
 def test_every_script_is_run():
