@@ -31,7 +31,18 @@ pytestmark = pytest.mark.slow  # 110-130 s in all on 2 shared cores
 
 
 def test_every_script_is_run():
-    assert len(SCRIPTS) == 9, SCRIPTS
+    known = {
+        "data_loader.py",
+        "fault_monitor.py",
+        "finetune_throughput.py",
+        "learning_curves.py",
+        "mlm_vs_clm_step.py",
+        "preprocess.py",
+        "sample_index.py",
+        "train_step.py",
+        "train_throughput.py",
+    }
+    assert known <= set(SCRIPTS), SCRIPTS
     assert "reference_encoder.py" not in SCRIPTS
 
 
