@@ -8,7 +8,9 @@ import tempfile
 
 
 def add_shape_arguments(p) -> None:
-    p.add_argument("--quick", action="store_true", help="fewer steps (about 30 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="seconds: tiny shapes, few steps (a smoke run)"
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--hidden", type=int, default=256)
@@ -19,6 +21,18 @@ def add_shape_arguments(p) -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--mask-ratio", type=float, default=0.4)
+
+
+QUICK_SHAPES = dict(
+    vocab=2048, hidden=64, ffn=192, layers=2, heads=4, kv_heads=2, seq=64, micro_batch=2
+)
+
+
+def apply_quick(args) -> None:
+    """--quick: the tiny shapes above in place of the flags' (the step counts are each script's)."""
+    if args.quick:
+        for k, v in QUICK_SHAPES.items():
+            setattr(args, k, v)
 
 
 def build_trainer(args, extra_overrides: list[str], prefix: str):

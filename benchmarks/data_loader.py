@@ -18,7 +18,11 @@
 
 The machine is shared: the load average is printed before and after; repeat when it is high.
 
-    PYTHONPATH=. python benchmarks/data_loader.py [--work /tmp/bench_data] [--quick]
+    PYTHONPATH=. python benchmarks/data_loader.py [--work /tmp/bench_data]
+    PYTHONPATH=. python benchmarks/data_loader.py --quick   # seconds: 8 books, 1k BPE, seq 256
+
+--quick is a smoke run, not a measurement: the first 8 train books with a 1k BPE (in a temp dir
+unless --work names one), seq 256, a few steps per loader and per arm.
 
 Needs $MLMCLM_DATA_DIR (gutenberg_en/). Tokenizer and shards are built into --work (default: a
 temp dir) with `mlmclm tokenize` / `mlmclm preprocess`, and reused when --work is given.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gzip
 import os
 import shutil
 import statistics
@@ -42,29 +47,38 @@ import torch
 
 warnings.filterwarnings("ignore")
 
-SEQ, MASK_RATIO, MBS, MICROBATCHES = 2048, 0.4, 8, 4
+MASK_RATIO, MBS, MICROBATCHES = 0.4, 8, 4
 
 
-def build_data(work: Path) -> tuple[Path, str]:
+def build_data(work: Path, books: int | None = None) -> tuple[Path, str]:
     """An 8k BPE trained on 60 books and the train split's shards (244 books). A small vocabulary
-    keeps the CPU training step of the overlap short; the loaders' cost hardly depends on it."""
+    keeps the CPU training step of the overlap short; the loaders' cost hardly depends on it.
+    `books`: only the first books, and a 1k BPE (--quick)."""
     from megatron_mlmclm.data.preprocess import preprocess
     from megatron_mlmclm.data.tokenizer import train_tokenizer
     from megatron_mlmclm.paths import data_dir
 
-    books = data_dir(required=True) / "gutenberg_en"
-    tokenizer = work / "tokenizer"
+    source = str(data_dir(required=True) / "gutenberg_en" / "train.jsonl.gz")
+    name = "gutenberg_train"
+    if books is not None:
+        name = f"gutenberg_train_first{books}"
+        first = work / f"{name}.jsonl"
+        if not first.is_file():
+            with gzip.open(source, "rt", encoding="utf-8") as f:
+                first.write_text("".join(line for _, line in zip(range(books), f)))
+        source = str(first)
+    tokenizer = work / ("tokenizer" if books is None else f"tokenizer_first{books}")
     if not (tokenizer / "mlmclm_tokenizer.json").is_file():
         train_tokenizer(
-            [str(books / "train.jsonl.gz")],
+            [source],
             tokenizer,
-            vocab_size=8192,
+            vocab_size=8192 if books is None else 1024,
             max_documents=60,
             progress=False,
         )
-    prefix = work / "shards" / "gutenberg_train"
+    prefix = work / "shards" / name
     if not Path(f"{prefix}_text_document.idx").is_file():
-        preprocess([str(books / "train.jsonl.gz")], prefix, tokenizer, workers=2, progress=False)
+        preprocess([source], prefix, tokenizer, workers=2, progress=False)
     return tokenizer, f"{prefix}_text_document"
 
 
@@ -141,7 +155,7 @@ def overlap(args, tokenizer: Path, prefix: str, kinds: list[str]):
             f"data.tokenizer={tokenizer}",
             f"data.cache_dir={out}/cache",
             "data.loader=sync",
-            f"model.seq_length={SEQ}",
+            f"model.seq_length={args.seq}",
             "model.preset=tiny",
             f"model.num_layers={args.layers}",
             f"model.hidden_size={args.hidden}",
@@ -170,7 +184,7 @@ def overlap(args, tokenizer: Path, prefix: str, kinds: list[str]):
     n_params = sum(p.numel() for c in trainer.model_chunks for p in c.parameters())
     print(
         f"overlap: {n_params / 1e6:.2f}M parameters ({args.layers} layers, hidden "
-        f"{args.hidden}, vocab {trainer.spec.vocab_size}), seq {SEQ}, {MICROBATCHES} "
+        f"{args.hidden}, vocab {trainer.spec.vocab_size}), seq {args.seq}, {MICROBATCHES} "
         f"micro-batches of {args.overlap_mbs} a step, torch threads "
         f"{torch.get_num_threads()}, {args.overlap_workers} loader worker(s); {args.rounds} "
         f"rounds x blocks of {args.block} steps per arm ({args.settle} untimed), arms "
@@ -204,7 +218,10 @@ def overlap(args, tokenizer: Path, prefix: str, kinds: list[str]):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", help="folder for tokenizer and shards (kept; default: a temp dir)")
-    p.add_argument("--quick", action="store_true", help="fewer steps")
+    p.add_argument(
+        "--quick", action="store_true", help="seconds: 8 books, 1k BPE, seq 256, few steps"
+    )
+    p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--workers", type=int, default=2, help="loader processes for throughput")
     p.add_argument("--steps", type=int, default=64, help="steps per loader for throughput")
     p.add_argument("--repeats", type=int, default=3, help="throughput runs per loader (best kept)")
@@ -219,7 +236,8 @@ def main() -> None:
     p.add_argument("--no-overlap", action="store_true")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.repeats, args.rounds, args.block, args.settle = 16, 1, 2, 5, 2
+        args.steps, args.repeats, args.rounds, args.block, args.settle = 6, 1, 1, 3, 1
+        args.seq = 256
     torch.set_num_threads(1)
 
     from megatron_mlmclm.config import PhaseConfig, load_config
@@ -241,7 +259,7 @@ def main() -> None:
         atexit.register(shutil.rmtree, work, ignore_errors=True)
     print(f"load average before: {load_average()} ({os.cpu_count()} CPUs, shared)")
     t0 = time.perf_counter()
-    tokenizer, prefix = build_data(work)
+    tokenizer, prefix = build_data(work, books=8 if args.quick else None)
     print(f"data: {prefix} ({time.perf_counter() - t0:.1f} s to build or find)")
 
     cfg = load_config(None, [f"data.tokenizer={tokenizer}", f"data.train=[{prefix}]"])
@@ -257,7 +275,9 @@ def main() -> None:
         1,
         0,
     )
-    dataset = build_train_dataset([prefix], SEQ, args.steps * gbs, cfg.data.seed, work / "cache")
+    dataset = build_train_dataset(
+        [prefix], args.seq, args.steps * gbs, cfg.data.seed, work / "cache"
+    )
     runs = {kind: [] for kind in kinds}
     for _ in range(args.repeats):  # loaders in turn, so machine noise hits each alike
         for kind in kinds:
@@ -267,7 +287,7 @@ def main() -> None:
         workers = "" if kind == "sync" else f", {args.workers} workers"
         print(
             f"throughput {kind}{workers}: best {rates[kind]:,.0f} samples/s, runs "
-            f"{' '.join(f'{x:,.0f}' for x in r)} (seq {SEQ}, MLM {MASK_RATIO:.0%}, "
+            f"{' '.join(f'{x:,.0f}' for x in r)} (seq {args.seq}, MLM {MASK_RATIO:.0%}, "
             f"{args.steps - 1} steps of {gbs} samples)"
         )
     print(f"load average after throughput: {load_average()}")

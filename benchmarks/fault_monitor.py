@@ -24,7 +24,8 @@ ready to requeue.
    teardown overhead. The breakdown uses the injector's marker file (touched as the hang starts)
    and the watchdog's stack dump (written as it fires).
 
-    PYTHONPATH=. python benchmarks/fault_monitor.py [--quick] [--hang-timeout 10] [--threads 1]
+    PYTHONPATH=. python benchmarks/fault_monitor.py [--hang-timeout 10] [--threads 1]
+    PYTHONPATH=. python benchmarks/fault_monitor.py --quick   # seconds: 2 x 4 steps, no DP2 run
 
 Last line: RESULT fault_monitor ratio=<on_s/off_s> on_s=<..> off_s=<..> hang_to_exit_s=<..>
 timeout_s=<T>, where on is the poll_s=0.01 watchdog.
@@ -332,60 +333,8 @@ def measure_hang(timeout_s: float, limit_s: float) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer rounds, T=5 (about 30 s)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=24, help="timed rounds (every mode once)")
-    p.add_argument("--block", type=int, default=25, help="steps per mode per round")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds")
-    p.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=None,
-        help="train.hang_timeout_s T of the hang run (default 10; 5 with --quick)",
-    )
-    args = p.parse_args()
-    if args.quick:
-        args.rounds, args.block = 4, 10
-    T = args.hang_timeout if args.hang_timeout is not None else (5.0 if args.quick else 10.0)
-
-    s = measure_steps(args)
-    rounds = s["rounds"]
-    times = {m: [t for r in rounds for t in r[m]] for m in MODES}
-    med = {m: statistics.median(times[m]) for m in MODES}
-    print(
-        f"1. step cost: torch {s['torch']}, {s['threads']} torch thread(s), CPU, fp32; model "
-        f"preset tiny (4 layers, hidden 128, seq 128), vocab 1000, micro-batch "
-        f"{args.micro_batch}, data.loader=sync; {args.rounds} rounds x {len(MODES)} modes x "
-        f"{args.block} steps ({s['wall_s']:.0f} s), after {args.warmup} untimed round(s)"
-    )
-    print(
-        f"   {'mode':<8} {'median s/step':>13} {'q1':>8} {'q3':>8} {'min':>8}   "
-        f"{'vs off':>6}  95% CI (bootstrap over rounds)  per-round ratio q1..q3"
-    )
-    for m in MODES:
-        q1, q3 = quartiles(times[m])
-        row = f"   {m:<8} {med[m]:>13.5f} {q1:>8.5f} {q3:>8.5f} {min(times[m]):>8.5f}   "
-        if m != "off":
-            lo, hi = bootstrap_ratio(rounds, m, "off")
-            per = [statistics.median(r[m]) / statistics.median(r["off"]) for r in rounds]
-            p1, p3 = quartiles(per)
-            row += (
-                f"{med[m] / med['off']:>6.3f}  [{lo:.3f}, {hi:.3f}]{'':<19}"
-                f"{statistics.median(per):.3f} ({p1:.3f}..{p3:.3f})"
-            )
-        else:
-            row += f"{1.0:>6.3f}"
-        print(row)
-    lo, hi = bootstrap_ratio(rounds, "on-0.01", "off")
-    verdict = "within noise (the interval holds 1)" if lo <= 1.0 <= hi else "outside the noise"
-    print(
-        f"   on-0.01 / off = {med['on-0.01'] / med['off']:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]: "
-        f"{verdict}"
-    )
-
+def hang_to_requeue(T: float) -> float:
+    """Part 2, printed; returns hang_to_exit_s."""
     h = measure_hang(T, limit_s=T + 180)
     print(
         f"\n2. hang to requeue-ready: DP2 torchrun, {CONFIG['train']['steps']} steps, "
@@ -440,6 +389,75 @@ def main() -> None:
     )
     if not ok:
         print(f"   stderr tail:\n{h['stderr_tail']}")
+    return hang_to_exit
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 2 rounds x 4 steps; the hang run only with --hang-timeout",
+    )
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=24, help="timed rounds (every mode once)")
+    p.add_argument("--block", type=int, default=25, help="steps per mode per round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds")
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="train.hang_timeout_s T of the hang run (default 10; with --quick: no hang run)",
+    )
+    args = p.parse_args()
+    if args.quick:
+        args.rounds, args.block = 2, 4
+    T = args.hang_timeout if args.hang_timeout is not None else 10.0
+
+    s = measure_steps(args)
+    rounds = s["rounds"]
+    times = {m: [t for r in rounds for t in r[m]] for m in MODES}
+    med = {m: statistics.median(times[m]) for m in MODES}
+    print(
+        f"1. step cost: torch {s['torch']}, {s['threads']} torch thread(s), CPU, fp32; model "
+        f"preset tiny (4 layers, hidden 128, seq 128), vocab 1000, micro-batch "
+        f"{args.micro_batch}, data.loader=sync; {args.rounds} rounds x {len(MODES)} modes x "
+        f"{args.block} steps ({s['wall_s']:.0f} s), after {args.warmup} untimed round(s)"
+    )
+    print(
+        f"   {'mode':<8} {'median s/step':>13} {'q1':>8} {'q3':>8} {'min':>8}   "
+        f"{'vs off':>6}  95% CI (bootstrap over rounds)  per-round ratio q1..q3"
+    )
+    for m in MODES:
+        q1, q3 = quartiles(times[m])
+        row = f"   {m:<8} {med[m]:>13.5f} {q1:>8.5f} {q3:>8.5f} {min(times[m]):>8.5f}   "
+        if m != "off":
+            lo, hi = bootstrap_ratio(rounds, m, "off")
+            per = [statistics.median(r[m]) / statistics.median(r["off"]) for r in rounds]
+            p1, p3 = quartiles(per)
+            row += (
+                f"{med[m] / med['off']:>6.3f}  [{lo:.3f}, {hi:.3f}]{'':<19}"
+                f"{statistics.median(per):.3f} ({p1:.3f}..{p3:.3f})"
+            )
+        else:
+            row += f"{1.0:>6.3f}"
+        print(row)
+    lo, hi = bootstrap_ratio(rounds, "on-0.01", "off")
+    verdict = "within noise (the interval holds 1)" if lo <= 1.0 <= hi else "outside the noise"
+    print(
+        f"   on-0.01 / off = {med['on-0.01'] / med['off']:.3f}, 95% CI [{lo:.3f}, {hi:.3f}]: "
+        f"{verdict}"
+    )
+
+    if args.quick and args.hang_timeout is None:
+        print(
+            "\n2. hang to requeue-ready: not run (--quick; the DP2 torchrun job takes about 30 s "
+            "on 2 cores: give --hang-timeout T to run it)"
+        )
+        hang_to_exit, T = float("nan"), float("nan")
+    else:
+        hang_to_exit = hang_to_requeue(T)
     print(
         f"RESULT fault_monitor ratio={med['on-0.01'] / med['off']:.3f} "
         f"on_s={med['on-0.01']:.5f} off_s={med['off']:.5f} hang_to_exit_s={hang_to_exit:.2f} "

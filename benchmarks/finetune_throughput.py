@@ -7,6 +7,7 @@ dynamic padding with the same collate function; no evaluation or checkpointing i
 timed part is the training loop only (model and data are built before the clock starts).
 
     PYTHONPATH=. python benchmarks/finetune_throughput.py [--steps 60] [--threads 1]
+    PYTHONPATH=. python benchmarks/finetune_throughput.py --quick   # seconds: 6 steps x 8, once
 
 Last line: RESULT finetune ratio=<ours_time/trainer_time> ours_s=<..> baseline_s=<..>
 """
@@ -28,7 +29,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2, help="best of N for each side")
+    p.add_argument("--quick", action="store_true", help="6 steps x batch 8, one run each")
     args = p.parse_args()
+    if args.quick:
+        args.steps, args.batch_size, args.repeats = 6, 8, 1
     torch.set_num_threads(args.threads)
 
     from transformers import Trainer, TrainingArguments

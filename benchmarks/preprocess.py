@@ -11,6 +11,7 @@ The tokenizer is a byte-level BPE trained here (--vocab-size) on the first book,
 RESULT preprocess ratio=<ours_tput/baseline_tput> ours_s=<..> baseline_s=<..>
 
     python benchmarks/preprocess.py --workers 2
+    python benchmarks/preprocess.py --quick      # seconds: 2 books, a 1k BPE, one run each
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", help="tokenizer folder (default: train one here)")
     ap.add_argument("--backend", choices=("threads", "processes"), default="threads")
     ap.add_argument("--repeats", type=int, default=2, help="best of N for each side")
+    ap.add_argument("--quick", action="store_true", help="2 books, vocabulary 1024, one run each")
     ap.add_argument(
         "--compare-processes",
         action="store_true",
         help="also time --backend processes (information only)",
     )
     args = ap.parse_args(argv)
+    if args.quick:
+        args.books, args.vocab_size, args.repeats = 2, 1024, 1
     os.environ["RAYON_NUM_THREADS"] = str(args.workers)  # before tokenizers' pool starts
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -8,6 +8,15 @@ in the megatron-core wheel), gpt_dataset._build_shuffle_index (the sample permut
 Ours: megatron_mlmclm.data.sample_index.build_sample_index (no cache): document shuffle, packing,
 per-sample document boundaries (which megatron does not compute) and the sample shuffle.
 
+Like with like: for one epoch of T tokens at sequence length S, megatron's index holds
+floor((T - 1) / S) samples, those whose S + 1 tokens lie inside the epoch. Ours holds ceil(T / S),
+one more: the epoch's last, partial sample is packed too, running on into the next epoch's
+documents (so the builder lays out and shuffles the next epoch's document order as well), and it
+is shuffled with its epoch, so that the stream's order never depends on the run's length
+(csrc/sample_index.cpp, data/sample_index.py). The check compares the rows both indexes hold:
+megatron's build_sample_idx on our document order gives our sample_idx's first rows exactly, and
+ours has exactly one sample more. The time includes that extra work.
+
 Time: best of --repeats in this process, the two builders alternating. Memory: each builder runs
 once more in its own fresh subprocess, which loads the same lengths from a .npy file and reports
 peak RSS growth (VmHWM after the build minus VmRSS before it, from /proc/self/status): everything
@@ -15,6 +24,7 @@ the build allocates and touches, numpy or C++.
 
     python benchmarks/sample_index.py              # 10M documents, ~2.4B tokens, seq 2048
     python benchmarks/sample_index.py --docs 100000
+    python benchmarks/sample_index.py --quick      # seconds: 100k documents, one run, no memory
 """
 
 from __future__ import annotations
@@ -114,12 +124,17 @@ def main() -> None:
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--quick", action="store_true", help="100k documents, one run each, no memory subprocesses"
+    )
     ap.add_argument("--child", choices=["ours", "baseline"], help=argparse.SUPPRESS)
     ap.add_argument("--lengths-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args.child, args.lengths_file, args.seq_length, args.seed)
         return
+    if args.quick:
+        args.docs, args.repeats = 100_000, 1
 
     import warnings
 
@@ -144,18 +159,23 @@ def main() -> None:
         t_base.append(time.perf_counter() - t0)
         del base
 
-    # Same packing as megatron on our document order (megatron's row 0 may name a leading empty
-    # document; ours names the first document holding a token).
+    # Same packing as megatron on our document order, on the rows both hold (megatron's row 0 may
+    # name a leading empty document; ours names the first document holding a token). Ours has
+    # one sample more: the epoch's last, which megatron leaves out (the module docstring).
     from megatron.core.datasets.helpers import build_sample_idx
 
     ref = build_sample_idx(lengths, idx.doc_idx, args.seq_length, 1, total, True, True)
-    assert ref.shape == idx.sample_idx.shape, (ref.shape, idx.sample_idx.shape)
-    assert np.array_equal(ref[1:], idx.sample_idx[1:]), "sample_idx differs from megatron's"
+    megatron_samples = ref.shape[0] - 1
+    assert megatron_samples == (total - 1) // args.seq_length, (megatron_samples, total)
+    assert idx.num_packed == megatron_samples + 1, (idx.num_packed, megatron_samples)
+    common = ref.shape[0]
+    assert np.array_equal(ref[1:], idx.sample_idx[1:common]), "sample_idx differs from megatron's"
     assert np.array_equal(np.sort(idx.shuffle_idx), np.arange(idx.num_samples)), "not a permutation"
     print(
-        f"samples={idx.num_samples} boundaries={idx.boundary_offsets.shape[0]} "
+        f"samples={idx.num_samples} (megatron's one epoch: {megatron_samples}, without the last, "
+        f"partial sample) boundaries={idx.boundary_offsets.shape[0]} "
         f"({idx.boundary_offsets.shape[0] / idx.num_samples:.2f}/sample); "
-        f"sample_idx equals megatron build_sample_idx on the same order; "
+        f"sample_idx equals megatron build_sample_idx on the same order for its {common} rows; "
         f"shuffle_idx is a permutation ({idx.shuffle_idx.dtype})"
     )
     print(
@@ -164,15 +184,18 @@ def main() -> None:
     )
     del idx, ref
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "lengths.npy")
-        np.save(path, lengths)
-        mem_ours = peak_mib("ours", path, args.seq_length, args.seed)
-        mem_base = peak_mib("baseline", path, args.seq_length, args.seed)
-    print(
-        f"PEAK_MEMORY (peak RSS growth during the build, fresh subprocess each) "
-        f"ours_mib={mem_ours:.1f} baseline_mib={mem_base:.1f} ratio={mem_ours / mem_base:.2f}"
-    )
+    if args.quick:
+        print("PEAK_MEMORY not measured (--quick)")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "lengths.npy")
+            np.save(path, lengths)
+            mem_ours = peak_mib("ours", path, args.seq_length, args.seed)
+            mem_base = peak_mib("baseline", path, args.seq_length, args.seed)
+        print(
+            f"PEAK_MEMORY (peak RSS growth during the build, fresh subprocess each) "
+            f"ours_mib={mem_ours:.1f} baseline_mib={mem_base:.1f} ratio={mem_ours / mem_base:.2f}"
+        )
     o, b = min(t_ours), min(t_base)
     print(f"RESULT sample_index ratio={o / b:.3f} ours_s={o:.3f} baseline_s={b:.3f}")
 

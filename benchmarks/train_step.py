@@ -19,7 +19,8 @@ Each timed step includes building the batch from packed samples (masking; ours a
 document mask), forward, backward, clipping and the optimizer step. Steps alternate between the
 three loops (rotating order each round); the headline is the median s/step.
 
-    PYTHONPATH=. python benchmarks/train_step.py [--quick] [--threads 1]
+    PYTHONPATH=. python benchmarks/train_step.py [--threads 1]
+    PYTHONPATH=. python benchmarks/train_step.py --quick   # seconds: tiny shapes, 2 steps
 
 Last line (the headline is like for like): RESULT train_step ratio=<ours_s/hf_gather_s> ours_s=<..>
 baseline_s=<hf_gather_s>; the ratio against the plain loop is printed above it, for information.
@@ -35,7 +36,7 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _engine import add_shape_arguments, build_trainer
+from _engine import add_shape_arguments, apply_quick, build_trainer
 
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
@@ -102,7 +103,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12, help="timed steps per loop")
     args = p.parse_args()
     if args.quick:
-        args.warmup, args.steps = 1, 4
+        args.warmup, args.steps = 1, 2
+    apply_quick(args)
     torch.set_num_threads(args.threads)
 
     from megatron_mlmclm.objectives import IGNORE, mlm_mask

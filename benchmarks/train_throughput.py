@@ -1,4 +1,5 @@
-"""Training throughput (tokens/s/GPU) and MFU of our engine vs plain HF EuroBERT, same shapes.
+"""Training throughput (tokens/s/GPU) and MFU of our engine vs HF EuroBERT and a plain-PyTorch
+reference of the same shape, fed the same batches.
 
 For each preset x sequence length x objective x precision, in one process:
 - ours: `Trainer.train_step(phase)` (megatron-core EncoderLM, megatron DDP + optimizer, packed mock
@@ -6,23 +7,50 @@ For each preset x sequence length x objective x precision, in one process:
   packed THD path when TE imports (bf16, and FP8 rows), else --attention: `sdpa` (SDPAttention,
   dense [b,1,s,s] document mask) or `flex` (FlexDocumentAttention: block-sparse document masking;
   CUDA only, torch has no FlexAttention backward on CPU). Default: flex on CUDA, sdpa on CPU.
-- hf (MLM rows): EuroBertForMaskedLM(attn_implementation="sdpa") under torch.compile, fused AdamW,
-  bf16 autocast on GPU, the same masked inputs (megatron_mlmclm.objectives.mlm_mask on the same
-  samples), cross-entropy over full logits, padding-free batch with attention_mask all ones (HF's
-  SDPA then runs unmasked: cheaper than document masking, and blind to document boundaries).
-  EuroBERT is an encoder: there is no HF baseline for CLM rows.
+- hf (MLM rows): EuroBertForMaskedLM(attn_implementation="sdpa") under torch.compile (eager with
+  --no-compile or --quick), fused AdamW, bf16 autocast on GPU, the same masked inputs
+  (megatron_mlmclm.objectives.mlm_mask on the same samples), cross-entropy over full logits,
+  padding-free batch with attention_mask all ones (HF's SDPA then runs unmasked: cheaper than
+  document masking, and blind to document boundaries). EuroBERT is an encoder: there is no HF
+  baseline for CLM rows.
+- ref (MLM and CLM rows): benchmarks/reference_encoder.py, the same shape written plainly in
+  PyTorch (RMSNorm, RoPE, SwiGLU, sparse head at the labelled positions, fused AdamW, clipping),
+  the whole model under torch.compile on CUDA (eager on CPU or with --no-compile), bf16 autocast on
+  GPU. Attention per document (causal inside each document for CLM): varlen_attn with cu_seqlens
+  from the samples' document ids on CUDA (FlexAttention with a document block mask where torch has
+  no varlen_attn; --ref-attention chooses), SDPA with a dense document mask on CPU. Fed the same
+  samples (`trainer.train_ds[0][i]`), MLM masks (mlm_mask) and document ids as ours; CLM labels at
+  every next token inside its document, as ours. What plain PyTorch reaches on the same work: the
+  ceiling our engine is measured against.
+The contenders alternate step by step (rotating order); each row reports the median s/step.
+The loss of each contender's first step is printed as a sanity check (same init scale: all near
+ln(vocab) at step 0), not a test of equality.
 
 MFU = model FLOPs (megatron_mlmclm.flops.mfu_step_flops: attention counted in full, half
 for causal; output head at labelled positions) / step time / dense bf16 peak of the device
-(megatron_mlmclm.runtime.distributed.device_peak_flops). The same FLOP count is used for hf, so MFU
-ratios equal throughput ratios.
-On CPU the peak is unknown and MFU prints n/a.
+(megatron_mlmclm.runtime.distributed.device_peak_flops). The same FLOP count is used for hf and
+ref, so MFU ratios equal throughput ratios. On CPU the peak is unknown and MFU prints n/a.
+
+--profile: no timing table; N (--profile-steps) steps of ours, after the warm-up steps, for the
+first preset, the longest sequence and MLM (else the first objective):
+(a) under torch.profiler: the GPU-busy fraction of the wall time (the CUDA kernels' device time
+    summed, over the wall time of the steps; n/a on CPU) and the top kernels and CPU ops;
+(b) on CUDA, torch's own count of synchronising calls per step (cuda_sync_debug_count, sync
+    debug mode), then under megatron_mlmclm.runtime.host_sync.HostSyncCounter the operations per
+    step that make the host wait for the device, by operation and line (counted on CPU too: what
+    would wait on a GPU). The counter is a dispatch mode, under which torch.compile does not
+    trace and FlexAttention's higher-order operator does not run: on the flex path it prints
+    n/a (--attention sdpa counts the step's other waits).
 
     PYTHONPATH=. python benchmarks/train_throughput.py          # GPU: presets, bf16 (+FP8 w/ TE)
-    PYTHONPATH=. python benchmarks/train_throughput.py --quick  # CPU: tiny, seq 64/128, fp32
+    PYTHONPATH=. python benchmarks/train_throughput.py --quick  # CPU, seconds: tiny, seq 128, fp32
+    PYTHONPATH=. python benchmarks/train_throughput.py --quick --profile
 
-Last line: RESULT train_throughput ratio=<ours_s/hf_s> ours_s=.. baseline_s=.. for the headline
-row (210m, seq 2048, MLM 40%, bf16; with --quick the largest quick MLM row).
+Last lines: RESULT train_throughput_vs_reference ratio=<ours_s/ref_s> ours_s=.. baseline_s=..,
+then RESULT train_throughput ratio=<ours_s/hf_s> ours_s=.. baseline_s=.., for the headline row
+(210m, seq 2048, MLM 40%, bf16; with --quick the quick MLM row). With --profile the last line is
+RESULT train_throughput_profile host_syncs_per_step=<n or n/a> gpu_busy=<fraction or n/a>
+(and cuda_syncs_per_step=<n> on CUDA).
 """
 
 from __future__ import annotations
@@ -30,6 +58,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
+import math
 import shutil
 import statistics
 import tempfile
@@ -39,6 +68,7 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
+from reference_encoder import ReferenceEncoder, ReferenceStep, default_attention, make_batch
 
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
@@ -155,9 +185,11 @@ def fmt(x, spec):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument(
-        "--quick", action="store_true", help="CPU check: tiny preset, seq 64/128, fp32, few steps"
+        "--quick",
+        action="store_true",
+        help="CPU check in seconds: tiny preset, seq 128, fp32, eager, 1 + 2 steps",
     )
     p.add_argument("--presets", default="210m,610m,1b")
     p.add_argument("--seqs", default="512,1024,2048")
@@ -183,20 +215,37 @@ def main() -> None:
         help="core attention without TE (default: flex on CUDA, sdpa on CPU)",
     )
     p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--no-compile", action="store_true", help="HF baseline in eager mode")
+    p.add_argument("--no-ref", action="store_true", help="leave out the plain-PyTorch reference")
+    p.add_argument(
+        "--ref-attention",
+        choices=["varlen", "flex", "sdpa"],
+        default=None,
+        help="the reference's attention (default: varlen on CUDA where torch has it, else flex; "
+        "sdpa on CPU)",
+    )
+    p.add_argument(
+        "--no-compile", action="store_true", help="HF baseline and reference in eager mode"
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile ours instead of timing the rows: GPU-busy fraction, host syncs, top ops",
+    )
+    p.add_argument("--profile-steps", type=int, default=4)
     args = p.parse_args()
     if args.quick:
-        args.presets, args.seqs, args.vocab = "tiny", "64,128", 1024
-        args.tokens_per_step, args.warmup, args.steps = 256, 2, 3
+        args.presets, args.seqs, args.vocab = "tiny", "128", 1024
+        args.tokens_per_step, args.warmup, args.steps = 256, 1, 2
+        args.no_compile, args.profile_steps = True, 2
+        args.threads = args.threads or 1
     if args.threads:
         torch.set_num_threads(args.threads)
 
     from megatron_mlmclm.flops import mfu_step_flops
     from megatron_mlmclm.model.build import have_transformer_engine
-    from megatron_mlmclm.objectives import IGNORE, mlm_mask
     from megatron_mlmclm.runtime.distributed import device_peak_flops
 
     gpu = on_gpu()
@@ -207,16 +256,24 @@ def main() -> None:
     attention = "te" if te else (args.attention or ("flex" if gpu else "sdpa"))
     if attention == "flex" and not gpu:
         raise SystemExit("--attention flex needs CUDA (torch has no FlexAttention backward on CPU)")
+    device = torch.device("cuda" if gpu else "cpu")
+    ref_attention = args.ref_attention or default_attention(device)
+    if ref_attention != "sdpa" and not gpu:
+        raise SystemExit(f"--ref-attention {ref_attention} needs CUDA (no backward on CPU)")
     peak = device_peak_flops()
-    device = torch.cuda.get_device_name() if gpu else "cpu"
+    name = torch.cuda.get_device_name() if gpu else "cpu"
     print(
-        f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
+        f"torch {torch.__version__}, device {name}, threads {torch.get_num_threads()}, "
         f"Transformer Engine {'yes' if te else 'no'}, attention core {attention}, "
-        f"peak bf16 {fmt(peak and peak / 1e12, '.0f')} TFLOP/s"
+        f"reference attention {ref_attention}, peak bf16 {fmt(peak and peak / 1e12, '.0f')} "
+        "TFLOP/s"
     )
+    if args.profile:
+        profile_ours(args, attention, precisions[0][0])
+        return
     print(
         f"vocab {args.vocab}; one micro-batch of ~{args.tokens_per_step} tokens per step; "
-        f"{args.warmup} warmup + {args.steps} timed steps, ours and hf alternating; "
+        f"{args.warmup} warmup + {args.steps} timed steps, the contenders alternating; "
         "median s/step"
     )
 
@@ -238,10 +295,9 @@ def main() -> None:
                             precision,
                             fp8,
                             attention,
+                            ref_attention,
                             peak,
                             mfu_step_flops,
-                            mlm_mask,
-                            IGNORE,
                         )
                     except torch.OutOfMemoryError:
                         row = {"oom": True}
@@ -259,77 +315,114 @@ def main() -> None:
                     if gpu:
                         torch.cuda.empty_cache()
 
-    print("\n| config | mb | ours tok/s/GPU | ours MFU | hf tok/s | hf MFU | ours/hf s |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "\n| config | mb | ours tok/s/GPU | ours MFU | hf tok/s | hf MFU | ref tok/s | ref MFU "
+        "| ours/hf s | ours/ref s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r.get("oom"):
-            print(f"| {r['label']} | OOM | | | | | |")
+            print(f"| {r['label']} | OOM | | | | | | | | |")
             continue
-        ratio = r["ours_s"] / r["hf_s"] if r.get("hf_s") else None
         print(
             f"| {r['label']} | {r['mb']} | {r['ours_tok']:.0f} | {fmt(r['ours_mfu'], '.1%')} | "
             f"{fmt(r.get('hf_tok'), '.0f')} | {fmt(r.get('hf_mfu'), '.1%')} | "
-            f"{fmt(ratio, '.3f')} |"
+            f"{fmt(r.get('ref_tok'), '.0f')} | {fmt(r.get('ref_mfu'), '.1%')} | "
+            f"{fmt(ratio(r, 'hf_s'), '.3f')} | {fmt(ratio(r, 'ref_s'), '.3f')} |"
         )
-    if headline is None or not headline.get("hf_s"):
+    print(
+        f"\nloss at step 0 (a sanity check, same init scale; ln(vocab) = "
+        f"{math.log(args.vocab):.3f}):"
+    )
+    for r in rows:
+        if not r.get("oom"):
+            losses = ", ".join(f"{k} {v:.3f}" for k, v in r["step0_loss"].items())
+            print(f"  {r['label']}: {losses}")
+    if headline is None:
+        print(
+            "RESULT train_throughput_vs_reference ratio=n/a (headline row 210m s2048 mlm not run)"
+        )
         print("RESULT train_throughput ratio=n/a (headline row 210m s2048 mlm not run)")
         return
     print(f"headline: {headline['label']}")
-    print(
-        f"RESULT train_throughput ratio={headline['ours_s'] / headline['hf_s']:.3f} "
-        f"ours_s={headline['ours_s']:.4f} baseline_s={headline['hf_s']:.4f}"
-    )
+    for key, name in (("ref_s", "train_throughput_vs_reference"), ("hf_s", "train_throughput")):
+        if headline.get(key):
+            print(
+                f"RESULT {name} ratio={ratio(headline, key):.3f} "
+                f"ours_s={headline['ours_s']:.4f} baseline_s={headline[key]:.4f}"
+            )
+        else:
+            print(f"RESULT {name} ratio=n/a ({key[:-2]} not run)")
+
+
+def ratio(row: dict, key: str) -> float | None:
+    return row["ours_s"] / row[key] if row.get(key) else None
+
+
+def sample_batch(trainer, seed: int, phase, r: int, mb: int, mlm_mask, IGNORE):
+    """Step r's samples of the run's one stream, as ours reads them: (inputs, labels, document
+    ids), numpy [mb, seq]; labels IGNORE where no loss (CLM: the next token of another document)."""
+    idx = list(range(r * mb, (r + 1) * mb))
+    samples = [trainer.train_ds[0][i] for i in idx]
+    tokens = np.stack([s["tokens"] for s in samples]).astype(np.int64)
+    docs = np.stack([s["document_ids"] for s in samples])
+    if phase.objective == "clm":
+        labels = tokens[:, 1:].copy()
+        labels[docs[:, :-1] != docs[:, 1:]] = IGNORE
+        return tokens[:, :-1], labels, docs[:, :-1]
+    spec = trainer.spec
+    pairs = [
+        mlm_mask(t[:-1], i, seed, phase.mask_ratio, spec, phase.mask_replace)
+        for t, i in zip(tokens, idx)
+    ]
+    return np.stack([q[0] for q in pairs]), np.stack([q[1] for q in pairs]), docs[:, :-1]
+
+
+def build_ref(cfg, vocab: int, causal: bool, ref_attention: str, bf16: bool, compile_model: bool):
+    m = cfg.model
+    torch.manual_seed(0)
+    model = ReferenceEncoder(
+        m.shape(),
+        vocab,
+        m.seq_length,
+        m.rotary_base,
+        m.norm_epsilon,
+        m.init_method_std,
+        ref_attention,
+        causal,
+    ).to("cuda" if on_gpu() else "cpu")
+    return ReferenceStep(model, LR, BETAS, EPS, WD, CLIP, compile_model, bf16)
 
 
 def run_row(
-    args,
-    preset,
-    seq,
-    objective,
-    precision,
-    fp8,
-    attention,
-    peak,
-    mfu_step_flops,
-    mlm_mask,
-    IGNORE,
+    args, preset, seq, objective, precision, fp8, attention, ref_attention, peak, mfu_step_flops
 ) -> dict:
+    from megatron_mlmclm.objectives import IGNORE, mlm_mask
+
     trainer, cfg, mb = build_ours(
         args, preset, seq, objective, precision, fp8, {"te": "auto"}.get(attention, attention)
     )
-    phase, spec, seed = cfg.phases[0], trainer.spec, cfg.data.seed
-    labelled = []
+    phase, spec = cfg.phases[0], trainer.spec
+    dev = torch.device("cuda" if on_gpu() else "cpu")
+    bf16 = precision == "bf16" and on_gpu()
+    labelled, step0 = [], {}
 
     def step_ours(r):
         trainer.step = r
-        labelled.append(int(trainer.train_step(phase)["tokens"]))
+        stats = trainer.train_step(phase)
+        labelled.append(int(stats["tokens"]))
+        if r == 0:
+            step0["ours"] = stats["loss"]
 
     loops = {"ours": step_ours}
     if objective == "mlm" and not args.no_hf:
-        model, fwd, opt = build_hf(cfg, precision == "bf16", not args.no_compile)
-        dev = "cuda" if on_gpu() else "cpu"
-        amp = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if precision == "bf16" and on_gpu()
-            else torch.autocast("cpu", enabled=False)
-        )
+        model, fwd, opt = build_hf(cfg, bf16, not args.no_compile)
+        amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
 
         def step_hf(r):
-            idx = list(range(r * mb, (r + 1) * mb))
-            samples = [trainer.train_ds[0][i] for i in idx]  # the run's one sample stream
-            pairs = [
-                mlm_mask(
-                    s["tokens"][:-1].astype(np.int64),
-                    i,
-                    seed,
-                    phase.mask_ratio,
-                    spec,
-                    phase.mask_replace,
-                )
-                for s, i in zip(samples, idx)
-            ]
-            inputs = torch.from_numpy(np.stack([q[0] for q in pairs])).to(dev, non_blocking=True)
-            labels = torch.from_numpy(np.stack([q[1] for q in pairs])).to(dev, non_blocking=True)
+            inputs, labels, _ = sample_batch(trainer, cfg.data.seed, phase, r, mb, mlm_mask, IGNORE)
+            inputs = torch.from_numpy(inputs).to(dev, non_blocking=True)
+            labels = torch.from_numpy(labels).to(dev, non_blocking=True)
             with amp:
                 logits = fwd(input_ids=inputs, attention_mask=torch.ones_like(inputs)).logits
                 loss = F.cross_entropy(
@@ -339,13 +432,33 @@ def run_row(
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if r == 0:
+                step0["hf"] = loss.detach()
 
         loops["hf"] = step_hf
+    if not args.no_ref and fp8 is None:
+        ref = build_ref(
+            cfg,
+            spec.vocab_size,
+            objective == "clm",
+            ref_attention,
+            bf16,
+            on_gpu() and not args.no_compile,
+        )
+
+        def step_ref(r):
+            inputs, labels, docs = sample_batch(
+                trainer, cfg.data.seed, phase, r, mb, mlm_mask, IGNORE
+            )
+            loss = ref(make_batch(inputs, labels, docs, IGNORE, dev))
+            if r == 0:
+                step0["ref"] = loss
+
+        loops["ref"] = step_ref
     t0 = time.perf_counter()
     times = time_rows(loops, args.warmup, args.steps)
     wall = time.perf_counter() - t0
     tokens = mb * seq
-    ours_s = statistics.median(times["ours"])
     flops = mfu_step_flops(
         cfg.model.shape(),
         spec.vocab_size,
@@ -354,33 +467,114 @@ def run_row(
         int(statistics.median(labelled)),
         causal=objective == "clm",
     )
-    row = {
-        "mb": mb,
-        "ours_s": ours_s,
-        "ours_tok": tokens / ours_s,
-        "ours_mfu": flops / ours_s / peak if peak else None,
-        "wall_s": wall,
-    }
-    if "hf" in times:
-        hf_s = statistics.median(times["hf"])
-        row.update(hf_s=hf_s, hf_tok=tokens / hf_s, hf_mfu=flops / hf_s / peak if peak else None)
+    row = {"mb": mb, "wall_s": wall, "step0_loss": {k: float(v) for k, v in step0.items()}}
+    for name in loops:
+        t = statistics.median(times[name])
+        row.update(
+            {
+                f"{name}_s": t,
+                f"{name}_tok": tokens / t,
+                f"{name}_mfu": flops / t / peak if peak else None,
+            }
+        )
     trainer.close()
-    return row  # both models go with this frame; the caller's gc.collect() frees them
+    return row  # the models go with this frame; the caller's gc.collect() frees them
 
 
 def print_row(row) -> None:
     if row.get("oom"):
         print(f"{row['label']}: out of memory")
         return
-    hf = (
-        f"hf {row['hf_s']:.4f} s ({row['hf_tok']:.0f} tok/s, MFU {fmt(row['hf_mfu'], '.1%')})"
-        if row.get("hf_s")
-        else "hf n/a"
-    )
+
+    def other(name):
+        if not row.get(f"{name}_s"):
+            return f"{name} n/a"
+        return (
+            f"{name} {row[f'{name}_s']:.4f} s ({row[f'{name}_tok']:.0f} tok/s, MFU "
+            f"{fmt(row[f'{name}_mfu'], '.1%')})"
+        )
+
     print(
         f"{row['label']}: mb {row['mb']}, ours {row['ours_s']:.4f} s ({row['ours_tok']:.0f} "
-        f"tok/s/GPU, MFU {fmt(row['ours_mfu'], '.1%')}); {hf}; wall {row['wall_s']:.0f} s",
+        f"tok/s/GPU, MFU {fmt(row['ours_mfu'], '.1%')}); {other('hf')}; {other('ref')}; "
+        f"wall {row['wall_s']:.0f} s",
         flush=True,
+    )
+
+
+def profile_ours(args, attention: str, precision: str) -> None:
+    """Where a step of ours spends its time: see the module docstring (--profile)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_mlmclm.runtime.host_sync import HostSyncCounter, cuda_sync_debug_count
+
+    preset = args.presets.split(",")[0]
+    seq = max(int(s) for s in args.seqs.split(","))
+    objectives = args.objectives.split(",")
+    objective = "mlm" if "mlm" in objectives else objectives[0]
+    trainer, cfg, mb = build_ours(
+        args, preset, seq, objective, precision, None, {"te": "auto"}.get(attention, attention)
+    )
+    phase, n, gpu = cfg.phases[0], args.profile_steps, on_gpu()
+    step = iter(range(10**9))
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            trainer.step = next(step)
+            trainer.train_step(phase)
+        sync()
+
+    run(args.warmup)
+    t0 = time.perf_counter()
+    run(n)
+    plain = (time.perf_counter() - t0) / n
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run(n)
+        wall = time.perf_counter() - t0
+    busy = None
+    if gpu:
+        kernel_us = sum(
+            getattr(e, "device_time", None) or e.cuda_time
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA
+        )
+        busy = kernel_us / 1e6 / wall
+    print(
+        f"profile: {preset} s{seq} {objective} {precision}, mb {mb}, attention {attention}; "
+        f"{args.warmup} warm-up steps, then {n} steps each: unprofiled {plain:.4f} s/step, "
+        f"profiled {wall / n:.4f} s/step; GPU busy {fmt(busy, '.1%')} of the wall time"
+    )
+    table = prof.key_averages()
+    if gpu:
+        print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    cuda_syncs = None
+    if gpu:
+        count, messages = cuda_sync_debug_count(lambda: run(n))
+        cuda_syncs = count / n
+        print(f"CUDA sync debug mode: {cuda_syncs:g} synchronising calls per step")
+        for m in messages[:8]:
+            print(f"  {m.splitlines()[0][:140]}")
+    # Last: the counter is a dispatch mode, under which torch.compile does not trace and torch
+    # runs no higher-order operator without a rule for it (FlexAttention): on the flex path it
+    # stops the step, and --attention sdpa counts the rest.
+    syncs = None
+    try:
+        with HostSyncCounter() as counter:
+            run(n)
+        syncs = counter.total / n
+        print(f"host synchronisations over {n} steps ({syncs:g} per step), commonest sites:")
+        print("\n".join(counter.report().splitlines()[:20]))
+    except (NotImplementedError, RuntimeError) as e:
+        print(f"HostSyncCounter cannot count this step: {str(e).splitlines()[0][:200]}")
+    trainer.close()
+    print(
+        f"RESULT train_throughput_profile host_syncs_per_step={fmt(syncs, 'g')} "
+        f"gpu_busy={fmt(busy, '.3f')}" + (f" cuda_syncs_per_step={cuda_syncs:g}" if gpu else "")
     )
 
 

@@ -1,0 +1,104 @@
+"""The benchmarks keep working: every script in benchmarks/ runs in its quick form (seconds, CPU)
+and ends with its RESULT line, so a benchmark that breaks fails here rather than when someone
+next measures. And the plain-PyTorch reference that train_throughput.py times against keeps
+attention inside each document, as our model does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+# The scripts (reference_encoder.py and _engine.py are modules they import).
+SCRIPTS = sorted(
+    p.name
+    for p in BENCHMARKS.glob("*.py")
+    if not p.name.startswith("_") and 'if __name__ == "__main__":' in p.read_text()
+)
+RUNS = [(name, ["--quick"]) for name in SCRIPTS] + [
+    ("train_throughput.py", ["--quick", "--profile"])
+]
+
+pytestmark = pytest.mark.slow  # 110-130 s in all on 2 shared cores
+
+
+def test_every_script_is_run():
+    known = {
+        "data_loader.py",
+        "fault_monitor.py",
+        "finetune_throughput.py",
+        "learning_curves.py",
+        "mlm_vs_clm_step.py",
+        "preprocess.py",
+        "sample_index.py",
+        "train_step.py",
+        "train_throughput.py",
+    }
+    assert known <= set(SCRIPTS), SCRIPTS
+    assert "reference_encoder.py" not in SCRIPTS
+
+
+@pytest.mark.parametrize("script,flags", RUNS, ids=[" ".join([s, *f]) for s, f in RUNS])
+def test_quick_form_runs_and_prints_its_result(script, flags, data_dir):
+    env = dict(os.environ, MLMCLM_DATA_DIR=str(data_dir), PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *flags],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = proc.stdout.strip().splitlines()
+    tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-3000:]).strip()
+    assert proc.returncode == 0, tail
+    assert lines and lines[-1].startswith("RESULT "), tail  # the headline is the last line
+    if script == "train_throughput.py" and "--profile" not in flags:
+        assert lines[-2].startswith("RESULT train_throughput_vs_reference ratio="), tail
+        assert "n/a" not in lines[-2] and "n/a" not in lines[-1], tail
+
+
+def test_reference_attention_stays_inside_each_document():
+    """The reference on a packed batch equals the same model run on each document alone (no mask,
+    positions from 0), for MLM (bidirectional) and CLM (causal), in float64."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from reference_encoder import ReferenceEncoder, make_batch
+
+    from megatron_mlmclm.flops import TransformerShape
+
+    shape = TransformerShape(2, 64, 96, 4, 2, 16)  # GQA: 4 heads, 2 KV heads
+    vocab, seq = 50, 24
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(0, vocab, (2, seq))
+    docs = np.array([[0] * 7 + [1] * 10 + [2] * 7, [0] * seq])
+    labels = np.where(rng.random((2, seq)) < 0.5, inputs, -100)
+    batch = make_batch(inputs, labels, docs, -100, torch.device("cpu"))
+    assert batch.cu_seqlens.tolist() == [0, 7, 17, 24, 48]
+    for causal in (False, True):
+        torch.manual_seed(0)
+        model = ReferenceEncoder(shape, vocab, seq, 10000.0, 1e-5, 0.02, "sdpa", causal).double()
+        with torch.no_grad():
+            packed = model(batch, model.document_mask(batch.document_ids))
+            hidden = []
+            for row in range(2):
+                for d in np.unique(docs[row]):
+                    tokens = torch.from_numpy(inputs[row, docs[row] == d])[None]
+                    n = tokens.shape[1]
+                    mask = torch.ones(n, n, dtype=torch.bool).tril() if causal else None
+                    x = model.embedding(tokens)
+                    for block in model.blocks:
+                        x = block(x, model.cos[:n], model.sin[:n], mask, None)
+                    hidden.append(model.final_norm(x)[0])
+            flat = torch.from_numpy(labels.reshape(-1))
+            keep = flat != -100
+            alone = F.cross_entropy(model.head(torch.cat(hidden)[keep]).float(), flat[keep])
+        torch.testing.assert_close(packed, alone, rtol=1e-6, atol=1e-6)
