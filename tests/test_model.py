@@ -111,6 +111,27 @@ def test_patched_targets_exist():
     assert cpu_support.check_targets() == []
 
 
+def test_main_to_model_parameter_copy_is_one_foreach_copy_of_the_same_values():
+    """megatron's optimizer copies its fp32 main parameters into the bf16 model ones: one
+    foreach copy here (megatron loops, a kernel launch per parameter, without Apex), the same
+    values as megatron's own loop of copy_."""
+    import megatron.core.optimizer.optimizer as megatron_optimizer
+
+    from megatron_mlmclm.runtime import cpu_support
+
+    cpu_support.apply_megatron_fixes()
+    ours = megatron_optimizer._multi_tensor_copy_this_to_that
+    assert ours is cpu_support._foreach_copy_this_to_that
+    g = torch.Generator().manual_seed(3)
+    main = [torch.randn(37, generator=g), torch.randn(5, 8, generator=g) * 1e3]
+    model = [torch.empty(37, dtype=torch.bfloat16), torch.empty(5, 8, dtype=torch.bfloat16)]
+    ours(main, model)
+    for src, dst in zip(main, model):
+        want = torch.empty_like(dst)
+        want.copy_(src)  # megatron's loop
+        assert torch.equal(dst, want)
+
+
 def test_cuda_literal_factories_land_on_cpu(setup):
     import megatron.core.pipeline_parallel.schedules as schedules
 

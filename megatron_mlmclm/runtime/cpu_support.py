@@ -52,6 +52,7 @@ FIX_TARGETS = (
     ("megatron.core.utils", "local_multi_tensor_scale"),
     ("megatron.core.optimizer.clip_grads", "multi_tensor_scale_impl"),
     ("megatron.core.optimizer.optimizer", "multi_tensor_scale_impl"),
+    ("megatron.core.optimizer.optimizer", "_multi_tensor_copy_this_to_that"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.sharded_state_dict"),
     (
@@ -197,6 +198,19 @@ def _inplace_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     torch._foreach_mul_(dst, scale)
 
 
+def _foreach_copy_this_to_that(this, that, overflow_buf=None):
+    """megatron's copy between the main (fp32) and model (bf16) parameters, as one foreach copy
+    where megatron, without Apex's multi-tensor kernel for bf16, loops over the parameters: one
+    kernel launch per parameter per step. The same values (a copy is an exact cast)."""
+    if overflow_buf is not None:
+        return _megatron_copy_this_to_that(this, that, overflow_buf)
+    if this:
+        torch._foreach_copy_(list(that), list(this))
+
+
+_megatron_copy_this_to_that = None
+
+
 def apply_megatron_fixes() -> None:
     """Fix megatron-core bugs that affect every run without Apex/TE (CPU or GPU)."""
     global _fixes_applied
@@ -210,6 +224,12 @@ def apply_megatron_fixes() -> None:
         module = importlib.import_module(name)
         if module.multi_tensor_scale_impl is core_utils.local_multi_tensor_scale:
             module.multi_tensor_scale_impl = _inplace_multi_tensor_scale
+    # Without Apex, megatron copies the updated fp32 main parameters into the bf16 model ones
+    # one parameter at a time (a launch each, every step); one foreach copy does the same.
+    global _megatron_copy_this_to_that
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    _megatron_copy_this_to_that = optimizer._multi_tensor_copy_this_to_that
+    optimizer._multi_tensor_copy_this_to_that = _foreach_copy_this_to_that
 
     dopt = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     if not dopt.HAVE_APEX_OR_TE:
