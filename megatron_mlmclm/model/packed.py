@@ -153,9 +153,10 @@ def flatten_for_varlen(batch: dict, document_ids: torch.Tensor, causal: bool) ->
         if k in ("tokens", "labels", "loss_mask", "position_ids")
     }
     cu, longest = cu_seqlens_from_document_ids(document_ids)
-    lengths = (cu[1:] - cu[:-1]).long()
-    start = torch.repeat_interleave(cu[:-1].long(), lengths, output_size=int(cu[-1]))
-    positions = torch.arange(int(cu[-1]), device=cu.device) - start
+    # Position inside the sequence: the distance to the latest sequence start at or before it.
+    tokens = torch.arange(int(cu[-1]), device=cu.device)
+    starts = torch.zeros_like(tokens).index_fill_(0, cu[:-1].long(), 1).bool()
+    positions = tokens - torch.where(starts, tokens, 0).cummax(0).values
     out["attention_mask"] = None
     out["packed_seq_params"] = DocumentSeqParams(
         qkv_format="sbhd",
