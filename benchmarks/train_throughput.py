@@ -3,10 +3,11 @@ reference of the same shape, fed the same batches.
 
 For each preset x sequence length x objective x precision, in one process:
 - ours: `Trainer.train_step(phase)` (megatron-core EncoderLM, megatron DDP + optimizer, packed mock
-  samples with per-document attention). Attention core (`model.attention`): Transformer Engine's
-  packed THD path when TE imports (bf16, and FP8 rows), else --attention: `sdpa` (SDPAttention,
-  dense [b,1,s,s] document mask) or `flex` (FlexDocumentAttention: block-sparse document masking;
-  CUDA only, torch has no FlexAttention backward on CPU). Default: flex on CUDA, sdpa on CPU.
+  samples with per-document attention). Attention core (`model.attention`, --attention): `auto`
+  by default, what a run gets (Transformer Engine's packed THD path when TE imports, else torch's
+  varlen kernel on CUDA, else FlexAttention on CUDA, else SDPA with a dense mask: the kernel
+  plan's rule), or `varlen`, `flex` (CUDA only: torch has no FlexAttention backward on CPU),
+  `sdpa` (dense [b,1,s,s] document mask).
 - hf (MLM rows): EuroBertForMaskedLM(attn_implementation="sdpa") under torch.compile (eager with
   --no-compile or --quick), fused AdamW, bf16 autocast on GPU, the same masked inputs
   (megatron_mlmclm.objectives.mlm_mask on the same samples), cross-entropy over full logits,
@@ -210,9 +211,9 @@ def main() -> None:
     )
     p.add_argument(
         "--attention",
-        choices=["sdpa", "flex"],
-        default=None,
-        help="core attention without TE (default: flex on CUDA, sdpa on CPU)",
+        choices=["auto", "varlen", "flex", "sdpa"],
+        default="auto",
+        help="model.attention of ours (default auto: what a run on this machine gets)",
     )
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-ref", action="store_true", help="leave out the plain-PyTorch reference")
@@ -253,7 +254,7 @@ def main() -> None:
     precisions = [("bf16", None)] if gpu else [("fp32", None)]
     if te:
         precisions += [("bf16", r) for r in args.fp8.split(",") if r]
-    attention = "te" if te else (args.attention or ("flex" if gpu else "sdpa"))
+    attention = args.attention
     if attention == "flex" and not gpu:
         raise SystemExit("--attention flex needs CUDA (torch has no FlexAttention backward on CPU)")
     device = torch.device("cuda" if gpu else "cpu")
@@ -399,9 +400,7 @@ def run_row(
 ) -> dict:
     from megatron_mlmclm.objectives import IGNORE, mlm_mask
 
-    trainer, cfg, mb = build_ours(
-        args, preset, seq, objective, precision, fp8, {"te": "auto"}.get(attention, attention)
-    )
+    trainer, cfg, mb = build_ours(args, preset, seq, objective, precision, fp8, attention)
     phase, spec = cfg.phases[0], trainer.spec
     dev = torch.device("cuda" if on_gpu() else "cpu")
     bf16 = precision == "bf16" and on_gpu()
@@ -513,9 +512,7 @@ def profile_ours(args, attention: str, precision: str) -> None:
     seq = max(int(s) for s in args.seqs.split(","))
     objectives = args.objectives.split(",")
     objective = "mlm" if "mlm" in objectives else objectives[0]
-    trainer, cfg, mb = build_ours(
-        args, preset, seq, objective, precision, None, {"te": "auto"}.get(attention, attention)
-    )
+    trainer, cfg, mb = build_ours(args, preset, seq, objective, precision, None, attention)
     phase, n, gpu = cfg.phases[0], args.profile_steps, on_gpu()
     step = iter(range(10**9))
 

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The prepared measurement of a GPU session (docs/gpu.md, "Measuring on one GPU"): throughput and
+# MFU against the plain-PyTorch reference and HF's EuroBERT at 16k and 64k tokens per step, the
+# profile (GPU-busy fraction, host synchronisations), and the GPU tier's checks of the fast path.
+# Every part writes its log to OUT and prints a line `=== <part> rc=<status> <seconds>s`.
+#
+#   bash tools/gpu_check.sh OUT [PARTS]
+#
+# PARTS, comma-separated (default: bench16k,profile): bench16k, bench64k, profile, tier, and
+# smoke (the same commands in their CPU quick forms: checks the plumbing on any machine). A
+# compiled model needs a minute or more on a fresh machine, so each part has its own time limit
+# and one call of about 10 minutes fits bench16k + profile, another bench64k + tier.
+#
+# Where the machine has no megatron-core, put its wheel (and nothing else) in .whl/ first:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl megatron-core==0.16.1
+# The sample-index extension is built here with the machine's pybind11.
+set -uo pipefail
+
+OUT=${1:?usage: tools/gpu_check.sh OUT [PARTS]}
+PARTS=${2:-bench16k,profile}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/mlmclm-inductor}
+
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+
+part() {  # part NAME LIMIT_S COMMAND...: run, log to OUT/NAME.log, report status and time
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "=== $name (limit ${limit}s) $(date -u +%FT%TZ)"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    grep -E "^(RESULT|PROFILE|SYNC|torch |device|headline|\| |GPU tier|check |.* (pass|FAIL)$)" \
+        "$OUT/$name.log" | tail -40
+    [ "$rc" -ne 0 ] && tail -25 "$OUT/$name.log"
+    echo "=== $name rc=$rc $(($(date +%s) - start))s"
+}
+
+# --- setup: megatron-core (carried wheel where missing), the C++ extension, versions
+if ! $PY -c "import megatron.core" 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/mlmclm-site .whl/*.whl \
+        || { echo "megatron-core missing and no wheel in .whl/"; exit 2; }
+    export PYTHONPATH=/tmp/mlmclm-site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! $PY -c "import megatron_mlmclm._sample_index" 2>/dev/null; then
+    $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 2; }
+fi
+{
+    date -u +%FT%TZ
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
+        || echo "no nvidia-smi"
+    $PY - <<'EOF'
+import importlib.metadata as md
+import torch
+import megatron_mlmclm
+names = ("megatron-core", "transformers", "transformer-engine", "apex", "triton")
+found = {}
+for name in names:
+    try:
+        found[name] = md.version(name)
+    except md.PackageNotFoundError:
+        found[name] = "absent"
+cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+print(f"megatron_mlmclm {megatron_mlmclm.__version__}; torch {torch.__version__} ({cuda});",
+      "; ".join(f"{k} {v}" for k, v in found.items()))
+EOF
+} | tee "$OUT/versions.txt"
+
+# BENCH_EXTRA: more flags for the benchmark parts (e.g. --no-hf when time is short).
+read -r -a EXTRA <<<"${BENCH_EXTRA:-}"
+BENCH=(benchmarks/train_throughput.py --presets 210m --seqs 2048 --objectives mlm --fp8 ""
+    --warmup 3 --steps 15 "${EXTRA[@]}")
+has bench16k && part bench16k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 16384
+has bench64k && part bench64k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 65536
+has profile && part profile "${LIMIT_PROFILE:-200}" $PY "${BENCH[@]}" --tokens-per-step 16384 --profile
+has tier && part tier "${LIMIT_TIER:-480}" $PY -m pytest -q -m gpu -rs tests/gpu \
+    -k "learned or varlen or flex or optimizer or synchronis"
+if has smoke; then
+    part smoke-bench 300 $PY benchmarks/train_throughput.py --quick
+    part smoke-profile 300 $PY benchmarks/train_throughput.py --quick --profile
+fi
+exit 0
