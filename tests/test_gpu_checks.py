@@ -25,11 +25,15 @@ def test_learned_check_runs_on_the_stand_in(tmp_path):
 
 
 @pytest.mark.slow
-def test_thd_check_passes_on_the_stand_in(tmp_path):
-    """Also a real check on CPU: the stand-in's packed path agrees with the dense mask in bf16 on
-    the same trained weights within the dense path's own bf16-vs-fp32 difference."""
-    row = checks.check_thd_matches_dense(tmp_path, CPU_SIZE, have_te=False)
-    assert row.ok, row
+def test_packed_checks_pass_on_the_stand_ins(tmp_path):
+    """Also real checks on CPU: the THD and varlen stand-ins' packed paths agree with the dense
+    mask in bf16 on the same trained weights within the dense path's own bf16-vs-fp32
+    difference (one source run and one pair of dense runs serve both)."""
+    for row in (
+        checks.check_thd_matches_dense(tmp_path, CPU_SIZE, have_te=False),
+        checks.check_varlen_matches_dense(tmp_path, CPU_SIZE),
+    ):
+        assert row.ok, row
 
 
 @pytest.mark.slow

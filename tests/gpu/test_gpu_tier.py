@@ -63,6 +63,59 @@ def test_learned_without_a_clm_leak(record, tmp_path):
     assert record(row.check, row.result, row.expected, row.ok)
 
 
+def test_varlen_attention_matches_the_dense_mask(record, tmp_path):
+    row = checks.check_varlen_matches_dense(tmp_path, GPU_SIZE)
+    assert record(row.check, row.result, row.expected, row.ok)
+
+
+def test_a_training_step_synchronises_at_most_four_times(record, tmp_path):
+    """torch's own count (CUDA sync debug mode) of the synchronising calls of a bf16 step of the
+    default path (varlen, compiled plain layers, fused AdamW), after the compiling steps; the CPU
+    suite holds the same step to the same budget by counting operations
+    (tests/test_host_sync.py)."""
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.runtime.host_sync import cuda_sync_debug_count
+    from megatron_mlmclm.training.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={tmp_path}",
+            "checkpoint.resume=false",
+            "logging.tensorboard=false",
+            "data.mock=true",
+            f"model.vocab_size={checks.VOCAB}",
+            "model.seq_length=256",
+            "train.steps=20",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=16",
+            "train.precision=bf16",
+        ],
+    )
+    trainer = Trainer(cfg)
+    trainer.setup()
+    steps = iter(range(20))
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            trainer.step = next(steps)
+            trainer.train_step(cfg.phases[0])
+
+    try:
+        run(4)
+        torch.cuda.synchronize()
+        count, messages = cuda_sync_debug_count(lambda: run(4))
+    finally:
+        trainer.close()
+    per_step = count / 4
+    assert record(
+        "synchronising calls per step (4 micro-batches, CUDA sync debug mode)",
+        f"{per_step:g} per step ({trainer.kernels.attention})",
+        "<= 4",
+        per_step <= 4,
+    ), messages
+
+
 def test_thd_attention_matches_the_dense_mask(record, tmp_path):
     row = checks.check_thd_matches_dense(tmp_path, GPU_SIZE, have_te())
     assert record(row.check, row.result, row.expected, row.ok)
@@ -76,6 +129,7 @@ def test_flex_matches_sdpa_forward_and_backward(record, causal):
     from test_packed import attention_config, random_docs
 
     from megatron_mlmclm.model.attention import FlexDocumentAttention, SDPAttention
+    from megatron_mlmclm.model.packed import document_seq_params
     from megatron_mlmclm.objectives import document_attention_mask
 
     torch.manual_seed(0)
@@ -84,11 +138,15 @@ def test_flex_matches_sdpa_forward_and_backward(record, causal):
     flex = FlexDocumentAttention(config, 1, AttnMaskType.arbitrary, "self")
     s, b, d = 512, 2, 16
     base = [torch.randn(s, b, n, d, device="cuda") for n in (4, 2, 2)]
-    mask = document_attention_mask(random_docs(b, s, seed=3, mean=100).cuda(), causal)
+    docs = random_docs(b, s, seed=3, mean=100).cuda()
+    mask = document_attention_mask(docs, causal)
     grads = []
     for core in (sdpa, flex):
         inputs = [t.clone().requires_grad_() for t in base]
-        out = core(*inputs, mask)
+        if core is flex:  # the flex path takes the document ids, never a dense mask
+            out = core(*inputs, None, packed_seq_params=document_seq_params(docs, causal))
+        else:
+            out = core(*inputs, mask)
         out.square().sum().backward()
         grads.append([out.detach()] + [t.grad for t in inputs])
     worst = max(float((got - ref).abs().max()) for ref, got in zip(*grads))
@@ -105,12 +163,17 @@ def test_flex_matches_sdpa_forward_and_backward(record, causal):
     [
         ("bf16 vs fp32", ["train.precision=bf16"], ["train.precision=fp32"]),
         (
-            "fusions auto vs off (bf16)",
+            "fusions auto vs off (bf16; fused AdamW, compile)",
             ["train.precision=bf16"],
             ["train.precision=bf16", "model.fusions=off"],
         ),
+        (
+            "compiled vs eager (bf16)",
+            ["train.precision=bf16"],
+            ["train.precision=bf16", "model.compile=off"],
+        ),
     ],
-    ids=["bf16_fp32", "fusions"],
+    ids=["bf16_fp32", "fusions", "compile"],
 )
 def test_settings_train_alike(record, tmp_path, name, a, b):
     row = checks.check_trains_alike(tmp_path, GPU_SIZE, name, a, b)
