@@ -93,7 +93,15 @@ def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run
     config.write_text(yaml.safe_dump(cfg))
     (tmp_path / "logs").mkdir()
     run = tmp_path / "run"
-    env = job_environment(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    # Half a second a step on rank 0 (the fault-injection hook's `slow`: sleeps, changes no
+    # number), so the signal sent after step 3 finds the run well before its last step: a tiny
+    # model's 16 steps take under a second each on two cores, faster than the signal's way
+    # through SLURM.
+    env = job_environment(
+        NPROC_PER_NODE="2",
+        MASTER_PORT=str(free_port()),
+        MLMCLM_INJECT_FAULTS="slow rank=0 ms=500",
+    )
     job = slurm.sbatch(
         "--cpus-per-task=2",
         str(SLURM_DIR / "pretrain.sbatch"),
