@@ -7,11 +7,23 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from gpu import checks
-from gpu.checks import CPU_SIZE, judge_close, judge_learned
+from gpu.checks import (
+    CPU_SIZE,
+    GPU_SIZE,
+    MLM_MARGIN,
+    VOCAB,
+    judge_close,
+    judge_learned,
+    markov_unigram,
+    unigram_level,
+)
 
-from megatron_mlmclm.data.mock import markov_entropy
+from megatron_mlmclm.data.mock import MockPackedDataset, markov_entropy
+from megatron_mlmclm.data.tokenizer import TokenSpec
+from megatron_mlmclm.objectives import IGNORE, mlm_mask
 
 
 def finite(row) -> bool:
@@ -21,7 +33,7 @@ def finite(row) -> bool:
 @pytest.mark.slow
 def test_learned_check_runs_on_the_stand_in(tmp_path):
     row = checks.check_learned_without_leak(tmp_path, CPU_SIZE, have_te=False)
-    assert "CLM tail" in row.result and finite(row)
+    assert "CLM tail" in row.result and "unigram level" in row.result and finite(row)
 
 
 @pytest.mark.slow
@@ -45,12 +57,42 @@ def test_trains_alike_check_measures_noise(tmp_path):
     assert finite(row) and noise > 0  # a second data seed really moves the run
 
 
+@pytest.mark.parametrize("seq_length", [CPU_SIZE.seq_length, GPU_SIZE.seq_length])
+def test_unigram_level_is_the_masked_targets_entropy(seq_length):
+    """The exact unigram distribution q against the mock data itself, the masked targets of real
+    samples (MockPackedDataset, objectives.mlm_mask): their cross-entropy under q is H(p) + KL(p, q)
+    for their true distribution p; it must equal both q's entropy (the level the judge uses) and
+    the targets' own entropy (plug-in, Miller-Madow corrected), so KL(p, q) is near zero. A uniform
+    q (KL 0.23) or the chain without document restarts would fail it."""
+    q = markov_unigram(VOCAB, seq_length)
+    assert abs(q.sum() - 1) < 1e-9 and q[:4].sum() == 0
+    level = unigram_level(VOCAB, seq_length)
+    assert markov_entropy() + 4 < level < math.log(VOCAB - 4)
+    data = MockPackedDataset(250_000 // seq_length, seq_length, VOCAB, seed=5, kind="markov")
+    spec = TokenSpec(vocab_size=VOCAB, mask_id=3, special_ids=(0, 1, 2, 3))
+    targets = []
+    for i in range(len(data)):
+        _, labels = mlm_mask(data[i]["tokens"][:-1], i, seed=5, ratio=0.4, spec=spec)
+        targets.append(labels[labels != IGNORE])
+    targets = np.concatenate(targets)
+    cross_entropy = float(-np.log(q[targets]).mean())
+    counts = np.bincount(targets, minlength=VOCAB)
+    f = counts[counts > 0] / targets.size
+    own = float(-(f * np.log(f)).sum()) + (f.size - 1) / (2 * targets.size)
+    assert abs(cross_entropy - level) < 0.02, (cross_entropy, level)
+    assert abs(cross_entropy - own) < 0.02, (cross_entropy, own)
+
+
 def test_judges_fail_what_they_should():
-    h = markov_entropy()
-    assert judge_learned(h + 0.3, h + 0.8).ok
-    assert not judge_learned(h - 0.5, h + 0.8).ok  # CLM below the entropy: it saw the future
-    assert not judge_learned(5.0, 5.0).ok  # CLM near ln V: nothing learned
-    assert not judge_learned(h + 0.3, 6.92).ok  # MLM at ln V: not even the unigram
+    h, u = markov_entropy(), unigram_level(VOCAB, GPU_SIZE.seq_length)
+    assert judge_learned(h + 0.3, u - MLM_MARGIN - 0.05, u).ok
+    assert not judge_learned(h - 0.5, u - 1.0, u).ok  # CLM below the entropy: it saw the future
+    assert not judge_learned(5.0, u - 1.0, u).ok  # CLM near ln V: nothing learned
+    # MLM that learned only token frequencies: at the unigram level, or a sampling dip below it
+    assert not judge_learned(h + 0.3, u, u).ok
+    assert not judge_learned(h + 0.3, u - 0.1, u).ok
+    assert not judge_learned(h + 0.3, 6.768, u).ok  # the H200's MLM tail of 0.18.0
+    assert not judge_learned(h + 0.3, math.log(VOCAB), u).ok  # not even the frequencies
     assert judge_close("x", diff=0.04, noise=0.001, floor=0.05).ok
     assert not judge_close("x", diff=0.2, noise=0.01, floor=0.05).ok
     assert judge_close("x", diff=0.2, noise=0.1, floor=0.05).ok

@@ -45,6 +45,7 @@ PATCH_TARGETS = (
     ("torch", "Tensor.type"),
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.layers", "_initialize_affine_weight_gpu"),
 ) + tuple((m, "torch") for m in CUDA_LITERAL_MODULES)
 
 # Megatron bugs fixed everywhere (not only on CPU).
@@ -183,12 +184,49 @@ def apply() -> bool:
     random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
         new_state
     )
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+    layers._initialize_affine_weight_gpu = _initialize_affine_weight_on_cpu(layers)
 
     proxy = _CpuTorch()
     for name in CUDA_LITERAL_MODULES:
         importlib.import_module(name).torch = proxy
     _applied = True
     return True
+
+
+def _initialize_affine_weight_on_cpu(layers):
+    """megatron's weight init "on the GPU", for CPU tensors: the same draws from the same state.
+
+    megatron draws each linear and embedding weight inside its CUDA RNG tracker's `fork()`, which
+    warns "CPU RNG state changed within GPU RNG context" when torch's CPU generator moved inside
+    it. On a GPU the weight is a CUDA tensor and the draw moves the CUDA generator only: no
+    warning. Here the CUDA RNG is the CPU generator (apply() maps one onto the other), so every
+    one of these draws moved "the CPU RNG" and the check, comparing the generator with itself,
+    fired once per weight at every model build. The draw is made as `fork()` makes it (from the
+    tracker's state, which then advances, the process generator restored after), by
+    `torch.random.fork_rng` instead: the same numbers, the same states after, no false warning;
+    the tracker's own `fork()`, and its check, are left as they are for everything else.
+    """
+
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+
+    @functools.wraps(layers._initialize_affine_weight_gpu)
+    def initialize(weight, init_method, partition_dim, stride=1, is_expert=False):
+        layers.set_tensor_model_parallel_attributes(
+            tensor=weight, is_parallel=True, dim=partition_dim, stride=stride
+        )
+        tracker = random.get_cuda_rng_tracker()
+        name = (
+            random.get_expert_parallel_rng_tracker_name()
+            if is_expert
+            else random._MODEL_PARALLEL_RNG_TRACKER_NAME
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(tracker.states_[name])
+            init_method(weight)
+            tracker.states_[name] = torch.get_rng_state()
+
+    return initialize
 
 
 def _inplace_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
