@@ -28,6 +28,11 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from megatron_mlmclm.model.packed import cp_partition_indices
 
+try:  # torch >= 2.10; older torch has no varlen kernel (the plan then never picks the path)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - the pinned torch has it
+    varlen_attn = None
+
 
 class CoreAttention(MegatronModule):
     """What every core attention here shares: megatron's DotProductAttention constructor (this
@@ -268,15 +273,6 @@ def varlen_reference(q, k, v, cu_seqlens, causal: bool, scale: float, enable_gqa
     return out.squeeze(0).transpose(0, 1)
 
 
-def varlen_kernel():
-    """torch's varlen_attn, or None where this torch has none."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10
-    except ImportError:
-        return None
-    return varlen_attn
-
-
 def _varlen_call(kernel, q, k, v, cu, longest: int, causal: bool, scale: float, gqa: bool):
     """varlen_attn across its torch versions: causal is `is_causal=` in some and a
     (-1, 0) window in others; without `enable_gqa` the K/V heads are repeated for their query
@@ -323,7 +319,7 @@ class VarlenAttention(CoreAttention):
             raise NotImplementedError("VarlenAttention has no attention dropout")
         q, k, v = (x.squeeze(1) for x in (query, key, value))  # [t, heads, d]
         causal, gqa = bool(params.causal), self.heads != self.groups
-        kernel = varlen_kernel() if q.is_cuda else None
+        kernel = varlen_attn if q.is_cuda else None
         if kernel is None:
             out = varlen_reference(q, k, v, params.cu_seqlens_q, causal, self.softmax_scale, gqa)
         else:
