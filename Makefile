@@ -8,6 +8,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 QS_STAMP := $(VENV)/.quickstart-stamp
 PYTEST_ARGS ?=
+# pytest workers for `make test`: 2 fills CI's two cores (tests/conftest.py orders the modules).
+TEST_WORKERS ?= 2
 
 .PHONY: install quickstart study lint test test-gpu slurm-deps clean
 
@@ -41,7 +43,7 @@ lint: install
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
 test: install slurm-deps lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # The GPU tier (docs/gpu.md), run with the Python that has megatron_mlmclm installed: inside the
 # Docker image that is the image's own (the default); elsewhere e.g. `make test-gpu PY=.venv/bin/python`.

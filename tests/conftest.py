@@ -24,3 +24,25 @@ def slurm():
 
     with Cluster() as cluster:
         yield cluster
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding slow tests first, each module's tests kept together and in order: under
+    `make test`'s two workers (pytest-xdist, one module at a time per worker) the long modules
+    start early and short ones fill the end, instead of one long module running alone last."""
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
+    first_seen: dict = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.module, i)
+    items.sort(key=lambda it: (it.module not in slow_modules, first_seen[it.module]))
+
+
+def pytest_configure(config):
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Two workers share two cores: one thread each for in-process torch, as the jobs the
+        # tests launch already run (tests/jobs.py), so the workers do not oversubscribe them.
+        import torch
+
+        torch.set_num_threads(1)

@@ -154,6 +154,7 @@ def test_bad_design_is_refused_before_any_work(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     """Five recipes x one pretraining seed, SST-2 only: the whole pipeline, the report's sections
