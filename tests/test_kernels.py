@@ -260,7 +260,7 @@ def test_optimizer_layers_and_compile_decisions():
     at TP = CP = 1 outside the THD paths; torch.compile on CUDA (or when asked for)."""
     gpu = plan_kernels(cfg(), "cuda", Kernels(torch_varlen=True))
     assert gpu.fused_adamw.on and gpu.plain_layers.on and gpu.compile.on
-    assert "plain layer" in gpu.compile.why
+    assert gpu.plain_stack.on and "layer stack as one graph" in gpu.compile.why
     cpu = plan_kernels(cfg(), "cpu", NOTHING)
     assert cpu.fused_adamw.on and cpu.plain_layers.on and not cpu.compile.on
     assert plan_kernels(cfg("model.compile=on"), "cpu", NOTHING).compile.on
@@ -274,6 +274,34 @@ def test_optimizer_layers_and_compile_decisions():
     assert not tp2.plain_layers.on and tp2.compile.on and "loss" in tp2.compile.why
 
 
+@pytest.mark.parametrize(
+    "overrides,kernels,why",
+    [
+        (["parallel.tensor_model_parallel_size=2"], Kernels(torch_varlen=True), "megatron's"),
+        (["model.attention=flex"], Kernels(torch_varlen=True), "block mask"),
+        (["train.recompute=full"], Kernels(torch_varlen=True), "recomputes layer by layer"),
+        (
+            ["parallel.use_distributed_optimizer=true"],
+            Kernels(torch_varlen=True),
+            "overlaps the backward",
+        ),
+    ],
+)
+def test_the_layer_stack_is_one_function_only_where_nothing_runs_between_layers(
+    overrides, kernels, why
+):
+    """One stack (model/layers.py) needs plain layers, a pure-function attention (SDPA,
+    varlen), no per-layer recompute and no gradient reduce overlapping the backward; the halves
+    are compiled per layer otherwise."""
+    default = plan_kernels(cfg(), "cuda", kernels)
+    assert default.plain_stack.on and default.attention == "varlen"
+    plan = plan_kernels(cfg(*overrides), "cuda", kernels)
+    assert not plan.plain_stack.on and why in plan.plain_stack.why, plan.plain_stack.why
+    if plan.plain_layers.on:
+        assert "two halves" in plan.compile.why
+    assert plan_kernels(cfg(), "cpu", NOTHING).plain_stack.on  # eager, through the same stack
+
+
 def test_dry_run_names_every_kernel_decision(capsys):
     assert main(["pretrain", *BASE, "runtime.device=cuda", "--dry-run"]) == 0
     out = capsys.readouterr().out
@@ -281,6 +309,7 @@ def test_dry_run_names_every_kernel_decision(capsys):
         "attention",
         "fused_adamw",
         "plain_layers",
+        "plain_stack",
         "compile",
         "collectives",
         "host_syncs",

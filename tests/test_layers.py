@@ -188,3 +188,133 @@ def test_the_plain_layer_keeps_megatrons_parameter_names():
     assert set(names) == {"PlainTransformerLayer", "TransformerLayer"}
     assert names["PlainTransformerLayer"] == names["TransformerLayer"]
     assert any("q_layernorm" in n for n in names["TransformerLayer"])
+
+
+# ------------------------------------------------------------------------------ the stack
+def model_step(model, precision: str, varlen: bool, causal: bool):
+    """Loss over labelled positions and every gradient, through the whole model: the dense mask
+    (SDPA) or one row of packed sequences (varlen's CPU stand-in, per-token RoPE)."""
+    from megatron_mlmclm.model.build import labelled_positions
+    from megatron_mlmclm.model.packed import flatten_for_varlen
+
+    g = torch.Generator().manual_seed(3)
+    b, s = 2, 48
+    tokens = torch.randint(4, 256, (b, s), generator=g)
+    labels = torch.randint(4, 256, (b, s), generator=g)
+    loss_mask = (torch.rand(b, s, generator=g) < 0.4).float()
+    docs = torch.tensor([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11])
+    positions = torch.arange(s).expand(b, s)
+    batch = dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=positions)
+    if varlen:
+        batch = flatten_for_varlen(batch, docs, causal)
+        mask, params = None, batch["packed_seq_params"]
+    else:
+        mask, params = document_attention_mask(docs, causal), None
+    index, targets = labelled_positions(batch["loss_mask"], batch["labels"])
+    loss, _ = model(
+        batch["tokens"],
+        batch["position_ids"],
+        mask,
+        labels=targets,
+        label_index=index,
+        packed_seq_params=params,
+    )
+    loss.float().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def stack_model(precision: str, varlen: bool, *overrides: str):
+    from megatron_mlmclm.model.layers import PlainTransformerBlock
+
+    attention = "varlen" if varlen else "sdpa"
+    cfg = load_config(
+        None, BASE + [f"train.precision={precision}", f"model.attention={attention}", *overrides]
+    )
+    (model,) = build_model(cfg, transformer_config(cfg), 256)
+    assert isinstance(model.decoder, PlainTransformerBlock)
+    return model.bfloat16() if precision == "bf16" else model
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa", "varlen"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_stack_computes_what_the_layers_compute_one_by_one(precision, varlen, causal):
+    """Eager, the stack (one function over all layers, attention and final norm) is the same
+    arithmetic as the layers called one by one: loss and every gradient bit for bit; and against
+    megatron's own layers (the plain forward switched off) the loss is exact and gradients within
+    the weight-GEMM rounding of test_plain_forward_is_megatrons_forward."""
+    model = stack_model(precision, varlen, "model.qk_layernorm=true")
+    kernels = model.decoder.layers[0].kernels
+    calls, stack = [], kernels.stack
+    kernels.stack = lambda *args: calls.append(1) or stack(*args)
+    stacked = model_step(model, precision, varlen, causal)
+    assert calls == [1]  # the stack ran (and nothing layer by layer)
+    kernels.stack_on = False
+    try:
+        one_by_one = model_step(model, precision, varlen, causal)
+        for layer in model.decoder.layers:
+            layer.plain = False
+        megatron = model_step(model, precision, varlen, causal)
+    finally:
+        kernels.stack_on = True
+        for layer in model.decoder.layers:
+            layer.plain = True
+    assert torch.equal(stacked[0], one_by_one[0])
+    for name, grad in one_by_one[1].items():
+        assert torch.equal(stacked[1][name], grad), name
+    torch.testing.assert_close(stacked[0], megatron[0], rtol=0, atol=0)
+    for name, grad in megatron[1].items():
+        torch.testing.assert_close(stacked[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa", "varlen"])
+def test_the_stack_is_one_graph_without_breaks(varlen):
+    """What torch.compile sees of the stack: one graph, attention included, for the dense mask
+    and for varlen (its CPU stand-in, and torch's kernel call through a stand-in kernel with the
+    signature of torch 2.11: the signature is read outside the trace)."""
+    from megatron_mlmclm.model import attention as attn
+    from megatron_mlmclm.model.layers import _stack
+
+    model = stack_model("fp32", varlen)
+    seen = []
+    captured = {}
+
+    def capture(hidden, layers, final, eps, q_freqs, k_freqs, attend, *args):
+        captured.update(args=(hidden, layers, final, eps, q_freqs, k_freqs, attend, *args))
+        return _stack(hidden, layers, final, eps, q_freqs, k_freqs, attend, *args)
+
+    kernels = model.decoder.layers[0].kernels
+    kernels.stack = capture
+    model_step(model, "fp32", varlen, causal=True)
+    explained = torch._dynamo.explain(_stack)(*captured["args"])
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    if varlen:
+
+        def kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+            seen.append(max_q)
+            causal = window_size == (-1, 0)
+            return attn.varlen_reference(q, k, v, cu_q, causal, scale, False)
+
+        call = attn.VarlenKernel(kernel)
+        q, k, v, cu, longest = (torch.randn(12, 4, 8), torch.randn(12, 2, 8),
+                                torch.randn(12, 2, 8), torch.tensor([0, 5, 12]), 7)  # fmt: skip
+        explained = torch._dynamo.explain(call)(q, k, v, cu, longest, True, 0.3, True)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0) and seen
+
+
+@pytest.mark.slow
+def test_the_compiled_stack_matches_eager_within_rounding():
+    """torch.compile of the whole stack on the varlen path, what a GPU run without TE takes (CPU
+    inductor here, with the stand-in attention): loss and gradients within fp32 rounding of the
+    eager stack."""
+    varlen = True
+    model = stack_model("fp32", varlen)
+    eager = model_step(model, "fp32", varlen, causal=False)
+    for layer in model.decoder.layers:
+        layer.kernels = LayerKernels(compiled=True, stack=True)
+    fused = model_step(model, "fp32", varlen, causal=False)
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-5)
+    for name, grad in eager[1].items():
+        torch.testing.assert_close(fused[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)

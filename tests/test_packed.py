@@ -553,7 +553,7 @@ def test_the_varlen_kernel_is_called_as_each_torch_version_expects(version, caus
     """torch's varlen_attn says "causal" as `is_causal=` in some versions and as a (-1, 0) window
     in others, and takes `enable_gqa` only in some: stand-in kernels with each signature record
     what they were given and compute with the reference, so a wrong call shows in the output."""
-    from megatron_mlmclm.model.attention import _varlen_call, varlen_reference
+    from megatron_mlmclm.model.attention import VarlenKernel, varlen_reference
 
     q, k, v, cu, longest = varlen_inputs(seed=13)
     seen = {}
@@ -579,7 +579,7 @@ def test_the_varlen_kernel_is_called_as_each_torch_version_expects(version, caus
             causal_ = window_size == (-1, 0)
             return compute(q, k, v, cu_q, cu_k, max_q, max_k, causal_, scale, enable_gqa)
 
-    got = _varlen_call(kernel, q, k, v, cu, longest, causal, 0.25, gqa=True)
+    got = VarlenKernel(kernel)(q, k, v, cu, longest, causal, 0.25, gqa=True)
     want = varlen_reference(q, k, v, cu, causal, 0.25, True)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert seen["causal"] == causal and seen["max_q"] == seen["max_k"] == longest

@@ -33,10 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from tqdm import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.data.text_sources import expand_inputs, iter_texts
 from megatron_mlmclm.errors import UsageError
@@ -97,6 +93,10 @@ def special_token_ids(tok) -> dict[str, int | None]:
 
 
 def _load_hf(path: str | os.PathLike):
+    # Imported here: transformers takes a second and more to import, and a training run on
+    # mock data, or any process that only reads TokenSpec, never needs it.
+    from transformers import AutoTokenizer
+
     p = Path(path)
     if not p.is_dir():
         raise UsageError(
@@ -244,6 +244,10 @@ def train_tokenizer(
     progress: bool = True,
 ) -> Path:
     """Train a byte-level BPE of ``vocab_size`` tokens (specials included) and save it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tqdm import tqdm
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<s>", "</s>", "<pad>", "<mask>"]
     if vocab_size < 256 + len(specials):
         raise UsageError(

@@ -11,7 +11,6 @@ attends only inside its own document, causally in CLM phases and in both directi
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import weakref
@@ -57,6 +56,12 @@ class CoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
+    def as_function(self, attention_mask, attn_mask_type=None, packed_seq_params=None):
+        """(a pure function of (query, key, value, *args), args) computing what this core computes
+        for these inputs, which the plain layer stack (model/layers.py) traces whole; None where
+        the core keeps state of its own between calls (Flex's shared block mask)."""
+        return None
+
 
 class SDPAttention(CoreAttention):
     """Drop-in for megatron's DotProductAttention (same constructor and forward signature)."""
@@ -75,26 +80,36 @@ class SDPAttention(CoreAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        assert packed_seq_params is None, "packed THD sequences need Transformer Engine"
         assert attention_bias is None
-        sq, b = query.shape[:2]
-        # [s, b, heads, d] -> [b, heads, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        attend, args = self.as_function(attention_mask, attn_mask_type, packed_seq_params)
+        return attend(query, key, value, *args, self.dropout if self.training else 0.0)
+
+    def as_function(self, attention_mask, attn_mask_type=None, packed_seq_params=None):
+        assert packed_seq_params is None, "packed THD sequences need Transformer Engine"
         mask_type = attn_mask_type or self.attn_mask_type
         is_causal = attention_mask is None and mask_type == AttnMaskType.causal
         allowed = None if attention_mask is None else ~attention_mask
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=allowed,
-            is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            scale=self.softmax_scale,
-            enable_gqa=self.heads != self.groups,
-        )
-        # [b, heads, s, d] -> [s, b, heads * d]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+        return sdpa_attention, (allowed, is_causal, self.softmax_scale, self.heads != self.groups)
+
+
+def sdpa_attention(query, key, value, allowed, is_causal, scale, gqa, dropout=0.0):
+    """[s, b, heads, d] query and [s, b, groups, d] key/value -> [s, b, heads * d] through SDPA;
+    `allowed` a bool mask (True: may attend) or None."""
+    sq, b = query.shape[:2]
+    # [s, b, heads, d] -> [b, heads, s, d]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=allowed,
+        is_causal=is_causal,
+        dropout_p=dropout,
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    # [b, heads, s, d] -> [s, b, heads * d]
+    return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,6 +218,9 @@ class FlexDocumentAttention(SDPAttention):
         )
         self.masks = masks if masks is not None else DocumentMasks()
 
+    def as_function(self, attention_mask, attn_mask_type=None, packed_seq_params=None):
+        return None  # the block mask is shared state (DocumentMasks), built between layers
+
     def forward(
         self,
         query,
@@ -273,28 +291,45 @@ def varlen_reference(q, k, v, cu_seqlens, causal: bool, scale: float, enable_gqa
     return out.squeeze(0).transpose(0, 1)
 
 
-def _varlen_call(kernel, q, k, v, cu, longest: int, causal: bool, scale: float, gqa: bool):
-    """varlen_attn across its torch versions: causal is `is_causal=` in some and a
-    (-1, 0) window in others; without `enable_gqa` the K/V heads are repeated for their query
-    groups (megatron's order: a group's query heads are adjacent)."""
-    params = _kernel_parameters(kernel)
-    kwargs: dict = {"scale": scale}
-    if "is_causal" in params:
-        kwargs["is_causal"] = causal
-    elif causal:
-        kwargs["window_size"] = (-1, 0)
-    if gqa:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            repeat = q.size(1) // k.size(1)
-            k, v = (x.repeat_interleave(repeat, dim=1) for x in (k, v))
-    return kernel(q, k, v, cu, cu, longest, longest, **kwargs)
+class VarlenKernel:
+    """torch's varlen_attn (or a stand-in with one of its signatures) called as its version
+    expects: causal is `is_causal=` in some versions and a (-1, 0) window in others; without
+    `enable_gqa` the K/V heads are repeated for their query groups (megatron's order: a group's
+    query heads are adjacent). The signature is read once, here, so the call traces under
+    torch.compile."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.parameters = frozenset(inspect.signature(kernel).parameters)
+
+    def __call__(self, q, k, v, cu, longest: int, causal: bool, scale: float, gqa: bool):
+        kwargs: dict = {"scale": scale}
+        if "is_causal" in self.parameters:
+            kwargs["is_causal"] = causal
+        elif causal:
+            kwargs["window_size"] = (-1, 0)
+        if gqa:
+            if "enable_gqa" in self.parameters:
+                kwargs["enable_gqa"] = True
+            else:
+                repeat = q.size(1) // k.size(1)
+                k, v = (x.repeat_interleave(repeat, dim=1) for x in (k, v))
+        return self.kernel(q, k, v, cu, cu, longest, longest, **kwargs)
 
 
-@functools.lru_cache(maxsize=4)
-def _kernel_parameters(kernel) -> frozenset[str]:
-    return frozenset(inspect.signature(kernel).parameters)
+TORCH_VARLEN = VarlenKernel(varlen_attn) if varlen_attn is not None else None
+
+
+def varlen_attention(query, key, value, cu_seqlens, longest: int, causal: bool, scale, gqa):
+    """[t, 1, heads, d] query and [t, 1, groups, d] key/value of a one-row micro-batch ->
+    [t, 1, heads * d], attention inside each cu_seqlens sequence: torch's kernel on CUDA, the
+    reference elsewhere."""
+    q, k, v = (x.squeeze(1) for x in (query, key, value))  # [t, heads, d]
+    if q.is_cuda and TORCH_VARLEN is not None:
+        out = TORCH_VARLEN(q, k, v, cu_seqlens, longest, causal, scale, gqa)
+    else:
+        out = varlen_reference(q, k, v, cu_seqlens, causal, scale, gqa)
+    return out.reshape(out.size(0), 1, -1)
 
 
 class VarlenAttention(CoreAttention):
@@ -310,31 +345,23 @@ class VarlenAttention(CoreAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
+        assert attention_bias is None
+        if self.training and self.dropout > 0:
+            raise NotImplementedError("VarlenAttention has no attention dropout")
+        assert query.size(1) == 1, "one row of packed sequences (model.packed.flatten_for_varlen)"
+        attend, args = self.as_function(attention_mask, attn_mask_type, packed_seq_params)
+        return attend(query, key, value, *args)
+
+    def as_function(self, attention_mask, attn_mask_type=None, packed_seq_params=None):
+        """As SDPAttention.as_function: varlen_attention and its arguments."""
         params = packed_seq_params
         assert params is not None and params.cu_seqlens_q is not None, (
             "VarlenAttention takes packed sequences (model.packed.flatten_for_varlen)"
         )
-        assert attention_bias is None and attention_mask is None and query.size(1) == 1
-        if self.training and self.dropout > 0:
-            raise NotImplementedError("VarlenAttention has no attention dropout")
-        q, k, v = (x.squeeze(1) for x in (query, key, value))  # [t, heads, d]
-        causal, gqa = bool(params.causal), self.heads != self.groups
-        kernel = varlen_attn if q.is_cuda else None
-        if kernel is None:
-            out = varlen_reference(q, k, v, params.cu_seqlens_q, causal, self.softmax_scale, gqa)
-        else:
-            out = _varlen_call(
-                kernel,
-                q,
-                k,
-                v,
-                params.cu_seqlens_q,
-                params.max_seqlen_q,
-                causal,
-                self.softmax_scale,
-                gqa,
-            )
-        return out.reshape(out.size(0), 1, -1)
+        assert attention_mask is None
+        gqa = self.heads != self.groups
+        args = (params.cu_seqlens_q, params.max_seqlen_q, bool(params.causal))
+        return varlen_attention, (*args, self.softmax_scale, gqa)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,11 @@ from megatron_mlmclm.model.attention import (
 )
 from megatron_mlmclm.model.init import initialize_by_global_parameter
 from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
-from megatron_mlmclm.model.layers import LayerKernels, PlainTransformerLayer
+from megatron_mlmclm.model.layers import (
+    LayerKernels,
+    PlainTransformerBlock,
+    PlainTransformerLayer,
+)
 from megatron_mlmclm.model.loss import EAGER as EAGER_LOSS
 from megatron_mlmclm.model.loss import LossKernels, sparse_cross_entropy
 
@@ -126,11 +130,13 @@ def layer_spec(
     vp_stage: int | None = None,
     plain: bool = False,
     compiled: bool = False,
+    stack: bool = False,
 ):
     """The kernel plan's layer as a layer spec: Transformer Engine's spec for te-thd, else
     megatron's local spec with our core attention (SDPA, Flex, varlen or the THD stand-in), our
     RMSNorm (a block spec, so the final norm is ours too) and, where the plan says so, the plain
-    layer forward (model/layers.py; compiled or not). Parameter names are megatron's either way."""
+    layer forward (model/layers.py; compiled or not, one stack or layer by layer). Parameter names
+    are megatron's either way."""
     if attention == "te-thd":
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
@@ -147,9 +153,9 @@ def layer_spec(
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
-    if plain:  # one LayerKernels for all layers: one compiled graph per half
+    if plain:  # one LayerKernels for all layers: one compiled graph per half, or one stack
         spec.module = PlainTransformerLayer
-        spec.params = {**spec.params, "kernels": LayerKernels(compiled)}
+        spec.params = {**spec.params, "kernels": LayerKernels(compiled, stack)}
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm
     )
@@ -267,7 +273,12 @@ def build_model_chunk(
     model = EncoderLM(
         config=config,
         transformer_layer_spec=layer_spec(
-            config, plan.attention, vp_stage, plan.plain_layers.on, plan.compile.on
+            config,
+            plan.attention,
+            vp_stage,
+            plan.plain_layers.on,
+            plan.compile.on,
+            plan.plain_stack.on,
         ),
         vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=m.seq_length,
@@ -279,6 +290,8 @@ def build_model_chunk(
         rotary_base=int(m.rotary_base),
         vp_stage=vp_stage,
     )
+    if plan.plain_stack.on:  # the block GPTModel built, with the stacked forward (no rebuild)
+        model.decoder.__class__ = PlainTransformerBlock
     if m.rope_scaling is not None:
         apply_rope_scaling(model, m)
     model.loss_kernels = LossKernels(compiled=plan.compile.on)

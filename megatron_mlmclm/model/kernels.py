@@ -113,6 +113,7 @@ class KernelPlan:
     fused_adamw: Choice = Choice(False, "")
     # megatron's layer or the plain-torch one (model/layers.py), and what torch.compile covers.
     plain_layers: Choice = Choice(False, "")
+    plain_stack: Choice = Choice(False, "")
     compile: Choice = Choice(False, "")
     context_parallel_size: int = 1
     # THD streams: the whole micro-batch's token count is padded to `thd_token_multiple` (FP8
@@ -170,6 +171,7 @@ class KernelPlan:
             ("attention", self.attention, self.attention_why),
             ("fused_adamw", self.fused_adamw.on, self.fused_adamw.why),
             ("plain_layers", self.plain_layers.on, self.plain_layers.why),
+            ("plain_stack", self.plain_stack.on, self.plain_stack.why),
             ("compile", self.compile.on, self.compile.why),
             ("collectives", "as needed", COLLECTIVES_WHY),
             ("host_syncs", "one a step", HOST_SYNCS_WHY),
@@ -270,6 +272,7 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
     tf32, tf32_why = _tf32(cfg, device)
     p2p, p2p_why = _pipeline_p2p(cfg)
     plain = _plain_layers(cfg, attention[0], sp.on)
+    stack = _plain_stack(cfg, plain, attention[0], grad)
     return KernelPlan(
         device=device,
         fusions=fusions,
@@ -284,7 +287,8 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
         attention_why=attention[1],
         fused_adamw=_fused_adamw(cfg, k),
         plain_layers=plain,
-        compile=_compile(cfg, device, plain),
+        plain_stack=stack,
+        compile=_compile(cfg, device, plain, stack),
         context_parallel_size=p.context_parallel_size,
         thd_token_multiple=multiple,
         thd_multiple_why=multiple_why,
@@ -541,15 +545,30 @@ def _plain_layers(cfg: RunConfig, attention: str, sequence_parallel: bool) -> Ch
     return Choice(True, "TP = CP = 1: the layer in plain torch (same parameters, same result)")
 
 
-def _compile(cfg: RunConfig, device: str, plain: Choice) -> Choice:
+def _plain_stack(cfg: RunConfig, plain: Choice, attention: str, grad_overlap: Choice) -> Choice:
+    """The plain layers as one stack (model/layers.py, PlainTransformerBlock): one function, so
+    one compiled graph, for all layers and their attention."""
+    if not plain.on:
+        return Choice(False, "megatron's layers")
+    if attention not in ("sdpa", "varlen"):
+        return Choice(False, f"{attention}: its block mask is built between layers; layer by layer")
+    if cfg.train.recompute == "full":
+        return Choice(False, "train.recompute=full: megatron recomputes layer by layer")
+    if grad_overlap.on:
+        return Choice(False, "the gradient reduce overlaps the backward layer by layer")
+    return Choice(True, "all layers and their attention as one function (no reduce overlaps them)")
+
+
+def _compile(cfg: RunConfig, device: str, plain: Choice, stack: Choice) -> Choice:
     wanted = cfg.model.compile
     if wanted == "off" or (wanted == "auto" and cfg.model.fusions == "off"):
         return Choice(False, f"model.{'compile' if wanted == 'off' else 'fusions'}=off: eager")
     if wanted == "auto" and device != "cuda":
         return Choice(False, "auto: eager on CPU (model.compile=on compiles there too, slowly)")
-    what = (
-        "each plain layer's two halves and the sparse head's loss"
-        if plain.on
-        else ("the sparse head's loss (megatron's layers do not compile)")
-    )
+    if stack.on:
+        what = "the layer stack as one graph and the sparse head's loss"
+    elif plain.on:
+        what = "each plain layer's two halves and the sparse head's loss"
+    else:
+        what = "the sparse head's loss (megatron's layers do not compile)"
     return Choice(True, f"torch.compile: {what}; the first steps compile (a minute or more)")

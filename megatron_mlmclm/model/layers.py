@@ -12,16 +12,27 @@ each half is a handful of fused kernels around the GEMMs, where megatron's layer
 of small ones (and does not compile: its linear layers warn on every call, a graph break inside
 a context manager).
 
+`PlainTransformerBlock` goes one step further where the kernel plan allows it (`plain_stack`: no
+gradient reduce overlapping the backward layer by layer, no per-layer recompute, and a core
+attention that is a pure function: SDPA or varlen): the whole layer stack, attention included,
+plus the final norm, is one function of the hidden states and every layer's weights, so compiled
+it is one graph forward and one backward, where per-layer halves cost four compiled calls per
+layer and step, each with its host-side overhead.
+
 Anything else (TP or CP > 1, packed THD batches for Transformer Engine or its stand-in, dropout,
 selective recompute, inference) runs megatron's own forward, unchanged.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
 
 
 def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -60,15 +71,54 @@ def _after_attention(residual, context, proj, norm, eps, fc1, fc2):
     return hidden + F.linear(F.silu(gate) * up, fc2)
 
 
-class LayerKernels:
-    """The two halves of a plain layer, eager or compiled; shared by all layers of a model (one
-    compiled graph serves them all: their weights are inputs)."""
+class LayerWeights(NamedTuple):
+    """One plain layer's weights and shape constants, as the functions above take them."""
 
-    def __init__(self, compiled: bool = False):
+    norm: torch.Tensor
+    eps: float
+    qkv: torch.Tensor
+    groups: int
+    per_group: int
+    head_dim: int
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float | None
+    proj: torch.Tensor
+    post_norm: torch.Tensor
+    post_eps: float
+    fc1: torch.Tensor
+    fc2: torch.Tensor
+
+
+def _stack(hidden, layers, final_norm, final_eps, q_freqs, k_freqs, attend, attend_args):
+    """Every layer (LayerWeights each) in turn, then the final RMSNorm (if this stage has it):
+    the layer forward below, with the core attention `attend(query, key, value, *attend_args)`
+    (model/attention.py's as_function) inside."""
+    for w in layers:
+        query, key, value = _before_attention(
+            hidden, w.norm, w.eps, w.qkv, w.groups, w.per_group, w.head_dim,
+            w.q_norm, w.k_norm, w.qk_eps, q_freqs, k_freqs,
+        )  # fmt: skip
+        context = attend(query, key, value, *attend_args)
+        hidden = _after_attention(
+            hidden, context, w.proj, w.post_norm, w.post_eps, w.fc1, w.fc2
+        )  # fmt: skip
+    if final_norm is not None:
+        hidden = F.rms_norm(hidden, final_norm.shape, final_norm, final_eps)
+    return hidden
+
+
+class LayerKernels:
+    """The two halves of a plain layer and the whole stack, eager or compiled; shared by all
+    layers of a model (one compiled graph serves them all: their weights are inputs)."""
+
+    def __init__(self, compiled: bool = False, stack: bool = False):
         self.compiled = compiled
+        self.stack_on = stack  # the kernel plan's plain_stack: PlainTransformerBlock may stack
         wrap = torch.compile if compiled else (lambda f: f)
         self.before_attention = wrap(_before_attention)
         self.after_attention = wrap(_after_attention)
+        self.stack = wrap(_stack)
 
 
 EAGER = LayerKernels(compiled=False)
@@ -129,23 +179,12 @@ class PlainTransformerLayer(TransformerLayer):
             return super().forward(*args, **kwargs)
         freqs = kwargs.get("rotary_pos_emb")
         q_freqs, k_freqs = freqs if isinstance(freqs, tuple) else (freqs, freqs)
-        attention, mlp = self.self_attention, self.mlp
-        norm, (q_norm, k_norm) = self.input_layernorm, self.qk_norms
-        groups = attention.num_query_groups_per_partition
+        w = self.weights()
         query, key, value = self.kernels.before_attention(
-            hidden,
-            norm.weight,
-            norm.eps,
-            attention.linear_qkv.weight,
-            groups,
-            attention.num_attention_heads_per_partition // groups,
-            self.head_dim,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
-            None if q_norm is None else q_norm.eps,
-            q_freqs,
-            k_freqs,
-        )
+            hidden, w.norm, w.eps, w.qkv, w.groups, w.per_group, w.head_dim,
+            w.q_norm, w.k_norm, w.qk_eps, q_freqs, k_freqs,
+        )  # fmt: skip
+        attention = self.self_attention
         context = attention.core_attention(
             query,
             key,
@@ -155,14 +194,83 @@ class PlainTransformerLayer(TransformerLayer):
             attention_bias=None,
             packed_seq_params=packed,
         )
-        post = self.pre_mlp_layernorm
         out = self.kernels.after_attention(
-            hidden,
-            context,
-            attention.linear_proj.weight,
-            post.weight,
-            post.eps,
-            mlp.linear_fc1.weight,
-            mlp.linear_fc2.weight,
+            hidden, context, w.proj, w.post_norm, w.post_eps, w.fc1, w.fc2
         )
         return out, kwargs.get("context")
+
+    def weights(self) -> LayerWeights:
+        attention, mlp = self.self_attention, self.mlp
+        norm, post, (q_norm, k_norm) = self.input_layernorm, self.pre_mlp_layernorm, self.qk_norms
+        groups = attention.num_query_groups_per_partition
+        return LayerWeights(
+            norm=norm.weight,
+            eps=norm.eps,
+            qkv=attention.linear_qkv.weight,
+            groups=groups,
+            per_group=attention.num_attention_heads_per_partition // groups,
+            head_dim=self.head_dim,
+            q_norm=None if q_norm is None else q_norm.weight,
+            k_norm=None if k_norm is None else k_norm.weight,
+            qk_eps=None if q_norm is None else q_norm.eps,
+            proj=attention.linear_proj.weight,
+            post_norm=post.weight,
+            post_eps=post.eps,
+            fc1=mlp.linear_fc1.weight,
+            fc2=mlp.linear_fc2.weight,
+        )
+
+
+class PlainTransformerBlock(TransformerBlock):
+    """megatron's TransformerBlock whose plain layers run as one stack (see above) where the
+    kernel plan says so (`LayerKernels.stack_on`) and the call allows it; anything else runs
+    megatron's block forward, layer by layer. No state of its own: build_model_chunk gives
+    GPTModel's block this class after building it (one build, one initialisation)."""
+
+    def forward(self, *args, **kwargs):
+        layers = self.layers
+        packed = kwargs.get("packed_seq_params")
+        kernels = layers[0].kernels if len(layers) else None
+        if (
+            kernels is None
+            or not kernels.stack_on
+            or args
+            or not all(isinstance(layer, PlainTransformerLayer) and layer.plain for layer in layers)
+            or (self.config.recompute_granularity == "full" and self.training)
+            or self.config.fp8
+            or self.config.fp4
+            or self.config.cpu_offloading
+            or any(
+                kwargs.get(name) is not None
+                for name in (
+                    "context",
+                    "inference_context",
+                    "inference_params",
+                    "attention_bias",
+                    "rotary_pos_cos",
+                )
+            )
+            or (packed is not None and packed.qkv_format == "thd")
+        ):
+            return super().forward(*args, **kwargs)
+        first = layers[0].self_attention
+        attend = first.core_attention.as_function(
+            kwargs.get("attention_mask"), first.attn_mask_type, packed
+        )
+        if attend is None:  # a core with state between layers (Flex): layer by layer
+            return super().forward(*args, **kwargs)
+        hidden = kwargs["hidden_states"] if self.pre_process else self.input_tensor
+        hidden = make_viewless_tensor(inp=hidden, requires_grad=True, keep_graph=True)
+        freqs = kwargs.get("rotary_pos_emb")
+        q_freqs, k_freqs = freqs if isinstance(freqs, tuple) else (freqs, freqs)
+        final = self.final_layernorm
+        hidden = kernels.stack(
+            hidden,
+            [layer.weights() for layer in layers],
+            None if final is None else final.weight,
+            None if final is None else final.eps,
+            q_freqs,
+            k_freqs,
+            *attend,
+        )
+        return make_viewless_tensor(inp=hidden, requires_grad=True, keep_graph=True)
