@@ -35,6 +35,7 @@ def test_every_script_is_run():
         "data_loader.py",
         "fault_monitor.py",
         "finetune_throughput.py",
+        "layer_stack.py",
         "learning_curves.py",
         "mlm_vs_clm_step.py",
         "preprocess.py",
