@@ -191,7 +191,10 @@ def test_the_plain_layer_keeps_megatrons_parameter_names():
 
 
 # ------------------------------------------------------------------------------ the stack
-def model_step(model, precision: str, varlen: bool, causal: bool):
+DOCS = torch.tensor([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11])
+
+
+def model_step(model, precision: str, varlen: bool, causal: bool, docs=DOCS):
     """Loss over labelled positions and every gradient, through the whole model: the dense mask
     (SDPA) or one row of packed sequences (varlen's CPU stand-in, per-token RoPE)."""
     from megatron_mlmclm.model.build import labelled_positions
@@ -202,7 +205,6 @@ def model_step(model, precision: str, varlen: bool, causal: bool):
     tokens = torch.randint(4, 256, (b, s), generator=g)
     labels = torch.randint(4, 256, (b, s), generator=g)
     loss_mask = (torch.rand(b, s, generator=g) < 0.4).float()
-    docs = torch.tensor([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11])
     positions = torch.arange(s).expand(b, s)
     batch = dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=positions)
     if varlen:
@@ -308,13 +310,24 @@ def test_the_stack_is_one_graph_without_breaks(varlen):
 def test_the_compiled_stack_matches_eager_within_rounding():
     """torch.compile of the whole stack on the varlen path, what a GPU run without TE takes (CPU
     inductor here, with the stand-in attention): loss and gradients within fp32 rounding of the
-    eager stack."""
-    varlen = True
-    model = stack_model("fp32", varlen)
-    eager = model_step(model, "fp32", varlen, causal=False)
+    eager stack, over micro-batches whose sequence counts and longest sequences differ (the
+    second compiles again with those dynamic; after that no batch compiles)."""
+    from torch._dynamo.utils import counters
+
+    layouts = [
+        DOCS,
+        torch.tensor([[0] * 5 + [1] * 9 + [2] * 34, [0] * 48]),  # 4 sequences, the longest 48
+        torch.tensor([[0] * 8 + [1] * 40, [0] * 4 + [1] * 4 + [2] * 10 + [3] * 30]),  # 6, 40
+    ]
+    model = stack_model("fp32", True)
+    eager = [model_step(model, "fp32", True, False, docs) for docs in layouts]
     for layer in model.decoder.layers:
         layer.kernels = LayerKernels(compiled=True, stack=True)
-    fused = model_step(model, "fp32", varlen, causal=False)
-    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-5)
-    for name, grad in eager[1].items():
-        torch.testing.assert_close(fused[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    graphs = []
+    for docs, want in zip(layouts, eager, strict=True):
+        fused = model_step(model, "fp32", True, False, docs)
+        graphs.append(counters["stats"]["unique_graphs"])
+        torch.testing.assert_close(fused[0], want[0], rtol=1e-5, atol=1e-5)
+        for name, grad in want[1].items():
+            torch.testing.assert_close(fused[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert graphs[2] == graphs[1], graphs  # the third layout reused the dynamic graphs
