@@ -5,6 +5,9 @@ from __future__ import annotations
 import atexit
 import shutil
 import tempfile
+import time
+
+import torch
 
 
 def add_shape_arguments(p) -> None:
@@ -67,3 +70,25 @@ def build_trainer(args, extra_overrides: list[str], prefix: str):
     trainer = Trainer(cfg)
     trainer.setup()
     return trainer, cfg
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_rows(loops: dict, warmup: int, steps: int) -> dict[str, list[float]]:
+    """Alternate the loops step by step (rotating order); return timed seconds per loop (each
+    loop called with the round number, the device synchronised around it)."""
+    names = list(loops)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + steps):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for n in order:
+            sync()
+            t0 = time.perf_counter()
+            loops[n](r)
+            sync()
+            if r >= warmup:
+                times[n].append(time.perf_counter() - t0)
+    return times

@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import torch
-from _engine import add_shape_arguments, apply_quick, build_trainer
+from _engine import add_shape_arguments, apply_quick, build_trainer, time_rows
 
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
@@ -65,27 +64,17 @@ def main() -> None:
         f"{args.steps} timed steps each, rotating order"
     )
 
-    def step(stack: bool) -> float:
-        kernels.stack_on = stack
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        trainer.train_step(phase)
-        trainer.step += 1
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+    def loop(stack: bool):
+        def run(_round: int) -> None:
+            kernels.stack_on = stack
+            trainer.train_step(phase)
+            trainer.step += 1
 
-    names = {"stack": True, "layers": False}
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.warmup + args.steps):
-        order = list(names)[r % 2 :] + list(names)[: r % 2]
-        for n in order:
-            t = step(names[n])
-            if r >= args.warmup:
-                times[n].append(t)
+        return run
+
+    times = time_rows({"stack": loop(True), "layers": loop(False)}, args.warmup, args.steps)
     med = {n: statistics.median(v) for n, v in times.items()}
-    for n in names:
+    for n in times:
         print(f"  {n:<7} median {med[n] * 1e3:8.2f} ms/step  (min {min(times[n]) * 1e3:.2f})")
     ratio = med["stack"] / med["layers"]
     print(

@@ -69,6 +69,7 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _engine import sync, time_rows
 from reference_encoder import ReferenceEncoder, ReferenceStep, default_attention, make_batch
 
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
@@ -78,11 +79,6 @@ LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 def on_gpu() -> bool:
     return torch.cuda.is_available()
-
-
-def sync() -> None:
-    if on_gpu():
-        torch.cuda.synchronize()
 
 
 def build_ours(args, preset: str, seq: int, objective: str, precision: str, fp8, attention: str):
@@ -163,22 +159,6 @@ def build_hf(cfg, bf16: bool, compile_model: bool):
     )
     fwd = torch.compile(model) if compile_model else model
     return model, fwd, opt
-
-
-def time_rows(loops: dict, warmup: int, steps: int) -> dict[str, list[float]]:
-    """Alternate the loops step by step (rotating order); return timed seconds per loop."""
-    names = list(loops)
-    times = {n: [] for n in names}
-    for r in range(warmup + steps):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for n in order:
-            sync()
-            t0 = time.perf_counter()
-            loops[n](r)
-            sync()
-            if r >= warmup:
-                times[n].append(time.perf_counter() - t0)
-    return times
 
 
 def fmt(x, spec):
