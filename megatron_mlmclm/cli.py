@@ -126,5 +126,5 @@ def entry() -> None:  # pragma: no cover - thin wrapper for console_scripts
     sys.exit(main())
 
 
-if __name__ == "__main__":  # the spawn Manager of dist_checkpointing needs a __main__ guard
+if __name__ == "__main__":  # spawn-started workers (preprocessing, the eval grid) need a guard
     entry()

@@ -320,7 +320,7 @@ def test_killed_launcher_leaves_no_process_and_a_live_run_owns_its_folder(config
         assert time.time() < deadline and launcher.poll() is None, "the run never saved"
         time.sleep(0.2)
     tree = psutil.Process(launcher.pid).children(recursive=True)
-    # Ranks, loader workers, the checkpoint helper and its resource tracker.
+    # Ranks, their loader workers and checkpoint helpers (the Manager, forked: no resource tracker).
     assert len(tree) >= 6, [p.cmdline()[-3:] for p in tree]
     # A second run on the live run's folder: refused, naming it.
     assert main(["pretrain", str(config), f"output_dir={run}", "train.steps=400"]) == 2

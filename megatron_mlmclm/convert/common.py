@@ -34,6 +34,7 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model_chunk, transformer_config
 from megatron_mlmclm.objectives import document_attention_mask
 from megatron_mlmclm.runtime.distributed import init_distributed
+from megatron_mlmclm.runtime.lifetime import checkpoint_helper_dies_with_us
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -292,6 +293,7 @@ def save_imported_checkpoint(
 
     Returns (the single-process config the model was built with, the checkpoint path).
     """
+    checkpoint_helper_dies_with_us()  # the writer's Manager, forked before the model exists
     build_cfg = run_config_from_dict(to_dict(cfg))
     model = build_encoder(build_cfg, vocab, seed)
     load_global_tensors(model, tensors)

@@ -7,7 +7,7 @@ folder that a restarted run then shared. Now:
 - `die_with_parent()`: the kernel sends SIGKILL to this process when its parent ends
   (PR_SET_PDEATHSIG). Ranks under torchrun call it first thing; forked workers started inside
   `children_die_with_us()` call it too, and `checkpoint_helper_dies_with_us()` starts
-  dist_checkpointing's spawned Manager (which megatron would start at the first save, and which
+  dist_checkpointing's Manager (which megatron would start at the first save, and which
   outlived every killed run) with it as the server's initializer. multiprocessing's resource
   trackers end by themselves once every process holding their pipe is gone.
 - `RunLock`: an flock on `<output_dir>/.mlmclm.lock` held by rank 0 for the run's life; a second
@@ -82,7 +82,13 @@ def children_die_with_us():
 
 def checkpoint_helper_dies_with_us() -> None:
     """Start, from the main thread, the Manager process behind megatron's checkpoint-writer
-    results queue, armed to die with this process; megatron then finds its queue made."""
+    results queue, armed to die with this process; megatron then finds its queue made.
+
+    megatron starts that Manager with `spawn`: a fresh interpreter that imports torch to unpickle
+    the first write result, about 2 CPU-seconds in every rank that saves. It is forked here
+    instead, before the process groups, the model and any thread exist, so it starts with torch
+    already imported and holds copies of nothing large. (megatron forks its writer processes from
+    the training process at every save anyway.)"""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
@@ -92,7 +98,7 @@ def checkpoint_helper_dies_with_us() -> None:
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
     manager.start(initializer=die_with_parent)
     filesystem_async._results_queue = manager.Queue()
     _keep.append(manager)  # alive as long as this process
