@@ -23,14 +23,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from megatron_mlmclm.config.attention import torch_has_varlen
 from megatron_mlmclm.model.packed import cp_partition_indices
 
-try:  # torch >= 2.10; older torch has no varlen kernel (the plan then never picks the path)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - the pinned torch has it
-    varlen_attn = None
+# torch.nn.attention's flex and varlen modules import TorchDynamo (about 2 s of a process's
+# start): they are imported where those paths are built, not by every process that imports this.
 
 
 class CoreAttention(MegatronModule):
@@ -149,6 +147,8 @@ def document_block_mask(
         def mask_mod(bi, hi, qi, ki):
             return doc[bi, qi] == doc[bi, ki]
 
+    from torch.nn.attention.flex_attention import create_block_mask
+
     if compile_mask is None:
         compile_mask = doc.is_cuda
     return create_block_mask(
@@ -181,6 +181,8 @@ class DocumentMasks:
         return self.value
 
     def attend(self, q, k, v, block_mask, scale, enable_gqa):
+        from torch.nn.attention.flex_attention import flex_attention
+
         if not q.is_cuda:  # eager reference (forward only on CPU)
             return flex_attention(
                 q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
@@ -317,7 +319,18 @@ class VarlenKernel:
         return self.kernel(q, k, v, cu, cu, longest, longest, **kwargs)
 
 
-TORCH_VARLEN = VarlenKernel(varlen_attn) if varlen_attn is not None else None
+TORCH_VARLEN: VarlenKernel | None = None  # torch's kernel, loaded by the first VarlenAttention
+
+
+def load_torch_varlen() -> None:
+    """torch's varlen kernel into TORCH_VARLEN, once; called eagerly when a VarlenAttention is
+    built, so the compiled layer stack reads a ready global (torch < 2.10 has none: the plan
+    then never picks the path)."""
+    global TORCH_VARLEN
+    if TORCH_VARLEN is None and torch_has_varlen():
+        from torch.nn.attention.varlen import varlen_attn
+
+        TORCH_VARLEN = VarlenKernel(varlen_attn)
 
 
 def varlen_attention(query, key, value, cu_seqlens, longest: int, causal: bool, scale, gqa):
@@ -334,6 +347,10 @@ def varlen_attention(query, key, value, cu_seqlens, longest: int, causal: bool, 
 
 class VarlenAttention(CoreAttention):
     """Core attention over the packed sequences of a one-row micro-batch (see above)."""
+
+    def __init__(self, config: TransformerConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        load_torch_varlen()
 
     def forward(
         self,
