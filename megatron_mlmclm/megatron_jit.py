@@ -1,14 +1,14 @@
 """megatron-core's fused kernels compiled at their first call, not when megatron is imported.
 
 megatron-core decorates about 40 kernels with `torch.compile` as its modules are imported
-(`jit_fuser` in megatron/core/jit.py). Decorating imports TorchDynamo and Inductor: about 2 s in
-every process that imports megatron-core (each rank, each converter), also where none of those
-kernels ever runs (on CPU the kernel plan turns megatron's fusions off). `install()`, called by
-the package's __init__ before anything here imports megatron, replaces `jit_fuser` right after
-megatron/core/jit.py has run (before any module decorates with it) by a decorator that calls
-`torch.compile` at the kernel's first call, which is when torch.compile compiles anyway. Inside a
-torch.compile trace the kernel's Python function is called as it is: TorchDynamo traces it as it
-traces a nested compiled function.
+(`jit_fuser` in megatron/core/jit.py). Decorating imports TorchDynamo and Inductor, about 1.5 s
+of the start of every process that imports megatron-core (each rank, each converter), also where
+none of those kernels ever runs (on CPU the kernel plan turns megatron's fusions off).
+`install()`, called by the package's __init__ before anything here imports megatron, replaces
+`jit_fuser` right after megatron/core/jit.py has run (before any module decorates with it) by a
+decorator that calls `torch.compile` at the kernel's first call, which is when torch.compile
+compiles anyway. Inside a torch.compile trace the kernel's Python function is called as it is:
+TorchDynamo traces it as it traces a nested compiled function.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def test_importing_megatron_through_the_package_does_not_import_inductor():
         check=True,
     ).stdout.split()
     assert out == ["megatron_mlmclm.megatron_jit", "True", "False"]
-    # The check can fail: megatron imported first, as megatron itself does, imports Inductor.
+    # The check can fail: with megatron imported before our package, Inductor is imported.
     eager = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", "import megatron.core; " + IMPORTS],
         env=job_env(),

@@ -27,7 +27,7 @@ from megatron.core.utils import divide
 from megatron_mlmclm.config.attention import torch_has_varlen
 from megatron_mlmclm.model.packed import cp_partition_indices
 
-# torch.nn.attention's flex and varlen modules import TorchDynamo (about 2 s of a process's
+# torch.nn.attention's flex and varlen modules import TorchDynamo (over a second of a process's
 # start): they are imported where those paths are built, not by every process that imports this.
 
 

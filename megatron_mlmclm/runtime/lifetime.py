@@ -86,9 +86,9 @@ def checkpoint_helper_dies_with_us() -> None:
 
     megatron starts that Manager with `spawn`: a fresh interpreter that imports torch to unpickle
     the first write result, about 2 CPU-seconds in every rank that saves. It is forked here
-    instead, before the process groups, the model and any thread exist, so it starts with torch
-    already imported and holds copies of nothing large. (megatron forks its writer processes from
-    the training process at every save anyway.)"""
+    instead (a run calls this before its process groups, model and threads exist), so it starts
+    with torch already imported. (megatron forks its writer processes from the training process
+    at every save anyway.)"""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
