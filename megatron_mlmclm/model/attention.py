@@ -162,6 +162,9 @@ class DocumentMasks:
     compiled flex_attention kernel."""
 
     def __init__(self):
+        from torch.nn.attention.flex_attention import flex_attention  # where the path is built
+
+        self.flex_attention = flex_attention
         self.source = None  # weakref to the tensor the block mask was built from
         self.version = -1
         self.key = None
@@ -181,14 +184,12 @@ class DocumentMasks:
         return self.value
 
     def attend(self, q, k, v, block_mask, scale, enable_gqa):
-        from torch.nn.attention.flex_attention import flex_attention
-
         if not q.is_cuda:  # eager reference (forward only on CPU)
-            return flex_attention(
+            return self.flex_attention(
                 q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa
             )
         if self.compiled is None:
-            self.compiled = torch.compile(flex_attention, dynamic=False)
+            self.compiled = torch.compile(self.flex_attention, dynamic=False)
         return self.compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
