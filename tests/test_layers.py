@@ -310,8 +310,8 @@ def test_the_stack_is_one_graph_without_breaks(varlen):
 def test_the_compiled_stack_matches_eager_within_rounding():
     """torch.compile of the whole stack on the varlen path, what a GPU run without TE takes (CPU
     inductor here, with the stand-in attention): loss and gradients within fp32 rounding of the
-    eager stack, over micro-batches whose sequence counts and longest sequences differ (the
-    second compiles again with those dynamic; after that no batch compiles)."""
+    eager stack, over micro-batches whose sequence counts and longest sequences differ, from one
+    compilation: a second batch that recompiled the stack would stall a GPU run for a minute."""
     from torch._dynamo.utils import counters
 
     layouts = [
@@ -330,4 +330,4 @@ def test_the_compiled_stack_matches_eager_within_rounding():
         torch.testing.assert_close(fused[0], want[0], rtol=1e-5, atol=1e-5)
         for name, grad in want[1].items():
             torch.testing.assert_close(fused[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
-    assert graphs[2] == graphs[1], graphs  # the third layout reused the dynamic graphs
+    assert graphs[0] == graphs[1] == graphs[2], graphs  # compiled once, at the first batch

@@ -346,6 +346,12 @@ def varlen_attention(query, key, value, cu_seqlens, longest: int, causal: bool, 
     return out.reshape(out.size(0), 1, -1)
 
 
+# Arguments whose first dimension changes from micro-batch to micro-batch (cu_seqlens: one entry
+# per sequence), which a compiled caller marks dynamic before its first call: one graph for every
+# sequence count, where torch.compile would specialise on the first and recompile at the second.
+varlen_attention.varying_length_args = (0,)
+
+
 class VarlenAttention(CoreAttention):
     """Core attention over the packed sequences of a one-row micro-batch (see above)."""
 

@@ -261,6 +261,10 @@ class PlainTransformerBlock(TransformerBlock):
             return super().forward(*args, **kwargs)
         hidden = kwargs["hidden_states"] if self.pre_process else self.input_tensor
         hidden = make_viewless_tensor(inp=hidden, requires_grad=True, keep_graph=True)
+        if kernels.compiled:
+            function, arguments = attend
+            for i in getattr(function, "varying_length_args", ()):
+                torch._dynamo.maybe_mark_dynamic(arguments[i], 0)
         freqs = kwargs.get("rotary_pos_emb")
         q_freqs, k_freqs = freqs if isinstance(freqs, tuple) else (freqs, freqs)
         final = self.final_layernorm

@@ -124,7 +124,7 @@ class DocumentSeqParams(PackedSeqParams):
 
     - flex: `document_ids` [b, s] and `causal`; max_seqlen = the sample length.
     - varlen: the micro-batch flattened to one row of t tokens holding many sequences,
-      `cu_seqlens_q/kv` (int32 [n + 1]) and max_seqlen = the longest sequence, `causal`, and
+      `cu_seqlens_q/kv` (int32 [n + 1]) and max_seqlen = the sample length, `causal`, and
       `rope_positions` [t]: each token's position inside its sequence, by which EncoderLM picks
       its row of the RoPE table (Transformer Engine's THD convention).
     """
@@ -144,15 +144,19 @@ def document_seq_params(document_ids: torch.Tensor, causal: bool) -> DocumentSeq
 
 def flatten_for_varlen(batch: dict, document_ids: torch.Tensor, causal: bool) -> dict:
     """A micro-batch [b, s] -> one row [1, b*s] of sequences (the maximal runs of one document
-    inside each sample, as on the THD path) for varlen attention: cu_seqlens, the longest
-    sequence and each token's position inside its sequence, all computed here (on the host,
-    where the loader leaves the batch)."""
+    inside each sample, as on the THD path) for varlen attention: cu_seqlens and each token's
+    position inside its sequence, computed here (on the host, where the loader leaves the
+    batch)."""
     out = {
         k: v.reshape(1, -1)
         for k, v in batch.items()
         if k in ("tokens", "labels", "loss_mask", "position_ids")
     }
-    cu, longest = cu_seqlens_from_document_ids(document_ids)
+    cu, _ = cu_seqlens_from_document_ids(document_ids)
+    # max_seqlen is the sample length, a bound on every sequence (none crosses a row), not this
+    # micro-batch's longest: a constant keeps the compiled stack to one graph (an int that changes
+    # recompiles it) and megatron's RoPE table to one size; FlashAttention only sizes its grid by it.
+    longest = document_ids.size(1)
     # Position inside the sequence: the distance to the latest sequence start at or before it.
     tokens = torch.arange(int(cu[-1]), device=cu.device)
     starts = torch.zeros_like(tokens).index_fill_(0, cu[:-1].long(), 1).bool()
