@@ -154,8 +154,9 @@ def flatten_for_varlen(batch: dict, document_ids: torch.Tensor, causal: bool) ->
     }
     cu, _ = cu_seqlens_from_document_ids(document_ids)
     # max_seqlen is the sample length, a bound on every sequence (none crosses a row), not this
-    # micro-batch's longest: a constant keeps the compiled stack to one graph (an int that changes
-    # recompiles it) and megatron's RoPE table to one size; FlashAttention only sizes its grid by it.
+    # micro-batch's longest: a constant keeps the compiled stack to one graph (an int that
+    # changes recompiles it) and megatron's RoPE table to one size; FlashAttention only sizes its
+    # grid by it.
     longest = document_ids.size(1)
     # Position inside the sequence: the distance to the latest sequence start at or before it.
     tokens = torch.arange(int(cu[-1]), device=cu.device)
