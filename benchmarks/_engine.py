@@ -77,9 +77,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def time_rows(loops: dict, warmup: int, steps: int) -> dict[str, list[float]]:
+def time_rows(
+    loops: dict, warmup: int, steps: int, warm: dict[str, list[float]] | None = None
+) -> dict[str, list[float]]:
     """Alternate the loops step by step (rotating order); return timed seconds per loop (each
-    loop called with the round number, the device synchronised around it)."""
+    loop called with the round number, the device synchronised around it). `warm`, if given,
+    receives the warm-up rounds' seconds per loop (where the compiles show)."""
     names = list(loops)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(warmup + steps):
@@ -91,4 +94,6 @@ def time_rows(loops: dict, warmup: int, steps: int) -> dict[str, list[float]]:
             sync()
             if r >= warmup:
                 times[n].append(time.perf_counter() - t0)
+            elif warm is not None:
+                warm.setdefault(n, []).append(time.perf_counter() - t0)
     return times

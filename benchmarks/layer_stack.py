@@ -11,6 +11,9 @@ ratio is a proxy for the host-side saving, not a GPU measurement. On CUDA it run
 
     PYTHONPATH=. python benchmarks/layer_stack.py            # compiled (a minute or two first)
     PYTHONPATH=. python benchmarks/layer_stack.py --quick    # seconds: eager, tiny, 2 steps
+    # how often the stack compiles on the varlen path (the warm-up rounds' seconds), fresh cache:
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python benchmarks/layer_stack.py \
+        --layers 12 --attention varlen --warmup 6 --steps 5
     # 210m at 16k tokens a step on a GPU (tools/gpu_check.sh, part `stack`):
     PYTHONPATH=. python benchmarks/layer_stack.py --precision bf16 --layers 12 --hidden 768 \
         --ffn 3072 --heads 12 --kv-heads 12 --seq 2048 --micro-batch 8 --vocab 128256
@@ -36,6 +39,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds (the compiles)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per contender")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument(
+        "--attention",
+        choices=("auto", "sdpa", "varlen"),
+        default="auto",
+        help="model.attention (varlen runs its stand-in off CUDA)",
+    )
     p.set_defaults(layers=8, hidden=64, ffn=192, seq=64, micro_batch=2, vocab=2048)
     args = p.parse_args()
     apply_quick(args)
@@ -49,6 +58,7 @@ def main() -> None:
             "phases.0.objective=mlm",
             f"phases.0.mask_ratio={args.mask_ratio}",
             f"model.compile={compiled}",
+            f"model.attention={args.attention}",
         ],  # fmt: skip
         prefix="bench_layer_stack_",
     )
@@ -72,8 +82,11 @@ def main() -> None:
 
         return run
 
-    times = time_rows({"stack": loop(True), "layers": loop(False)}, args.warmup, args.steps)
+    warm: dict[str, list[float]] = {}
+    times = time_rows({"stack": loop(True), "layers": loop(False)}, args.warmup, args.steps, warm)
     med = {n: statistics.median(v) for n, v in times.items()}
+    for n, seconds in warm.items():  # a compile shows as a long round: one per graph, or more
+        print(f"  {n:<7} warm-up rounds {' '.join(f'{t:.2f}' for t in seconds)} s")
     for n in times:
         print(f"  {n:<7} median {med[n] * 1e3:8.2f} ms/step  (min {min(times[n]) * 1e3:.2f})")
     ratio = med["stack"] / med["layers"]
