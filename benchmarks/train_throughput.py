@@ -46,6 +46,12 @@ first preset, the longest sequence and MLM (else the first objective):
     PYTHONPATH=. python benchmarks/train_throughput.py          # GPU: presets, bf16 (+FP8 w/ TE)
     PYTHONPATH=. python benchmarks/train_throughput.py --quick  # CPU, seconds: tiny, seq 128, fp32
     PYTHONPATH=. python benchmarks/train_throughput.py --quick --profile
+    # CPU, host-bound shapes, ours compiled as on a GPU (--set: config overrides for ours):
+    PYTHONPATH=. python benchmarks/train_throughput.py --presets tiny --seqs 64 --vocab 512 \
+        --tokens-per-step 64 --objectives mlm --no-hf --threads 1 --warmup 5 --steps 40 \
+        --set model.compile=on --set model.num_layers=12 --set model.hidden_size=64 \
+        --set model.ffn_hidden_size=128 --set model.num_attention_heads=2 \
+        --set model.num_query_groups=2
 
 Last lines: RESULT train_throughput_vs_reference ratio=<ours_s/ref_s> ours_s=.. baseline_s=..,
 then RESULT train_throughput ratio=<ours_s/hf_s> ours_s=.. baseline_s=.., for the headline row
@@ -116,7 +122,7 @@ def build_ours(args, preset: str, seq: int, objective: str, precision: str, fp8,
         overrides.append(f"phases.0.mask_ratio={args.mask_ratio}")
     if fp8:
         overrides.append(f"train.fp8={fp8}")
-    cfg = load_config(None, overrides + [f"model.attention={attention}"])
+    cfg = load_config(None, overrides + [f"model.attention={attention}", *args.set])
     trainer = Trainer(cfg)
     trainer.setup()
     return trainer, cfg, mb
@@ -210,6 +216,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for ours after the preset's (repeatable), e.g. model.num_layers=12 "
+        "or model.compile=on; the reference and HF take their shape from ours",
+    )
     p.add_argument(
         "--profile",
         action="store_true",
