@@ -311,7 +311,7 @@ def test_the_compiled_stack_matches_eager_within_rounding():
     """torch.compile of the whole stack on the varlen path, what a GPU run without TE takes (CPU
     inductor here, with the stand-in attention): loss and gradients within fp32 rounding of the
     eager stack, over micro-batches whose sequence counts and longest sequences differ, from one
-    compilation: a second batch that recompiled the stack would stall a GPU run for a minute."""
+    compilation: a batch that recompiled the stack would stall the run for a second compile."""
     from torch._dynamo.utils import counters
 
     layouts = [

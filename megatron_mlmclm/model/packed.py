@@ -157,7 +157,7 @@ def flatten_for_varlen(batch: dict, document_ids: torch.Tensor, causal: bool) ->
     # micro-batch's longest: a constant keeps the compiled stack to one graph (an int that
     # changes recompiles it) and megatron's RoPE table to one size; FlashAttention only sizes its
     # grid by it.
-    longest = document_ids.size(1)
+    bound = document_ids.size(1)
     # Position inside the sequence: the distance to the latest sequence start at or before it.
     tokens = torch.arange(int(cu[-1]), device=cu.device)
     starts = torch.zeros_like(tokens).index_fill_(0, cu[:-1].long(), 1).bool()
@@ -167,8 +167,8 @@ def flatten_for_varlen(batch: dict, document_ids: torch.Tensor, causal: bool) ->
         qkv_format="sbhd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
+        max_seqlen_q=bound,
+        max_seqlen_kv=bound,
         causal=causal,
         rope_positions=positions,
     )
