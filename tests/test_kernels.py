@@ -272,6 +272,12 @@ def test_optimizer_layers_and_compile_decisions():
     assert not te.plain_layers.on  # TE's layers
     tp2 = plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cuda", NOTHING)
     assert not tp2.plain_layers.on and tp2.compile.on and "loss" in tp2.compile.why
+    # The update queued before the figures are read: wherever fused AdamW can skip a
+    # non-finite step on the device, and the spike policy does not need the norm on the host.
+    assert gpu.queued_update.on and cpu.queued_update.on
+    assert not off.queued_update.on and not te.queued_update.on
+    spikes = plan_kernels(cfg("train.skip_spikes=3"), "cuda", NOTHING)
+    assert not spikes.queued_update.on and "skip_spikes" in spikes.queued_update.why
 
 
 @pytest.mark.parametrize(
@@ -308,6 +314,7 @@ def test_dry_run_names_every_kernel_decision(capsys):
     for name in (
         "attention",
         "fused_adamw",
+        "queued_update",
         "plain_layers",
         "plain_stack",
         "compile",

@@ -7,7 +7,10 @@
 #   bash tools/gpu_check.sh OUT [PARTS]
 #
 # PARTS, comma-separated (default: bench16k,profile): bench16k, bench64k, profile, stack (the
-# layer stack against the layers compiled one by one), tier, and smoke (the same commands in their CPU quick forms: checks the plumbing on any machine). A
+# layer stack against the layers compiled one by one), hostfirst (the 16k row without HF, the
+# host reading the step's figures before it queues the update: train.skip_spikes=1e30, against
+# bench16k's queued update), tier, and smoke (the same commands in their CPU quick forms: checks
+# the plumbing on any machine). A
 # compiled model needs a minute or more on a fresh machine, so each part has its own time limit
 # and one call of about 10 minutes fits bench16k + profile, another bench64k + tier.
 #
@@ -77,6 +80,8 @@ BENCH=(benchmarks/train_throughput.py --presets 210m --seqs 2048 --objectives ml
     --warmup 3 --steps 15 "${EXTRA[@]}")
 has bench16k && part bench16k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 16384
 has bench64k && part bench64k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 65536
+has hostfirst && part hostfirst "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 16384 \
+    --no-hf --set train.skip_spikes=1e30
 has profile && part profile "${LIMIT_PROFILE:-200}" $PY "${BENCH[@]}" --tokens-per-step 16384 --profile
 # The layer stack against the same layers compiled one by one, 210m at 16k tokens a step.
 has stack && part stack "${LIMIT_STACK:-300}" $PY benchmarks/layer_stack.py --precision bf16 \
@@ -86,6 +91,7 @@ has tier && part tier "${LIMIT_TIER:-480}" $PY -m pytest -q -m gpu -rs tests/gpu
     -k "learned or varlen or flex or optimizer or synchronis"
 if has smoke; then
     part smoke-bench 300 $PY benchmarks/train_throughput.py --quick
+    part smoke-hostfirst 300 $PY benchmarks/train_throughput.py --quick --set train.skip_spikes=1e30
     part smoke-profile 300 $PY benchmarks/train_throughput.py --quick --profile
     part smoke-stack 300 $PY benchmarks/layer_stack.py --quick
 fi

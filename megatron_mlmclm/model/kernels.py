@@ -111,6 +111,8 @@ class KernelPlan:
     attention_why: str
     # torch's fused AdamW behind megatron's optimizer (its fallback without TE/Apex is unfused).
     fused_adamw: Choice = Choice(False, "")
+    # The update queued before the step's figures reach the host (training/engine.py).
+    queued_update: Choice = Choice(False, "")
     # megatron's layer or the plain-torch one (model/layers.py), and what torch.compile covers.
     plain_layers: Choice = Choice(False, "")
     plain_stack: Choice = Choice(False, "")
@@ -170,6 +172,7 @@ class KernelPlan:
             ("initialization", "global", INIT_WHY),
             ("attention", self.attention, self.attention_why),
             ("fused_adamw", self.fused_adamw.on, self.fused_adamw.why),
+            ("queued_update", self.queued_update.on, self.queued_update.why),
             ("plain_layers", self.plain_layers.on, self.plain_layers.why),
             ("plain_stack", self.plain_stack.on, self.plain_stack.why),
             ("compile", self.compile.on, self.compile.why),
@@ -231,8 +234,8 @@ COLLECTIVES_WHY = (
 )
 HOST_SYNCS_WHY = (
     "batches laid out and labelled positions, cu_seqlens and RoPE positions computed on the "
-    "host; loss totals, gradient norm and the non-finite check come back in one transfer "
-    "(runtime/host_sync.py counts them)"
+    "host; loss totals, gradient norm and the non-finite check come back in one transfer, "
+    "which with queued_update waits for them only, not the update (runtime/host_sync.py)"
 )
 THD_PATHS = ("te-thd", "thd-reference")
 # FP8 GEMMs take token counts divisible by 16; MXFP8's 32-element scaling blocks need 32.
@@ -273,6 +276,7 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
     p2p, p2p_why = _pipeline_p2p(cfg)
     plain = _plain_layers(cfg, attention[0], sp.on)
     stack = _plain_stack(cfg, plain, attention[0], grad)
+    fused_adamw = _fused_adamw(cfg, k)
     return KernelPlan(
         device=device,
         fusions=fusions,
@@ -285,7 +289,8 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
         context_parallel=_context_parallel(cfg, attention, cp_multiple),
         attention=attention[0],
         attention_why=attention[1],
-        fused_adamw=_fused_adamw(cfg, k),
+        fused_adamw=fused_adamw,
+        queued_update=_queued_update(cfg, fused_adamw),
         plain_layers=plain,
         plain_stack=stack,
         compile=_compile(cfg, device, plain, stack),
@@ -528,6 +533,21 @@ def _fused_adamw(cfg: RunConfig, k: Kernels) -> Choice:
     if cfg.model.fusions == "off":
         return Choice(False, "model.fusions=off: torch's AdamW unfused (megatron's fallback)")
     return Choice(True, "no TE/Apex FusedAdam: torch's fused AdamW behind megatron's optimizer")
+
+
+def _queued_update(cfg: RunConfig, fused_adamw: Choice) -> Choice:
+    """The optimizer step queued before the step's figures are read on the host, so that the
+    device runs it while the host reads them and prepares the next step. Clipping and the skip of
+    a non-finite step are then decided on the device, which torch's fused AdamW allows (its
+    `found_inf`); the spike policy's running median is the host's."""
+    if not fused_adamw.on:
+        return Choice(False, "needs torch's fused AdamW (it skips a non-finite step on the device)")
+    if cfg.train.skip_spikes is not None:
+        return Choice(False, "train.skip_spikes: the host decides the skip from the gradient norm")
+    return Choice(
+        True,
+        "the update is queued before the figures are read: clip and non-finite skip on the device",
+    )
 
 
 def _plain_layers(cfg: RunConfig, attention: str, sequence_parallel: bool) -> Choice:

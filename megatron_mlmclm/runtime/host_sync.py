@@ -187,6 +187,28 @@ class HostSyncCounter:
         return "\n".join(lines)
 
 
+class OnTheWayToHost:
+    """A small device tensor sent to the host now, read later: the copy is queued on the stream
+    (into pinned memory, non-blocking) and `values()` waits for that copy alone, not for the
+    work queued after it. On CPU, where the device is the host, it holds a copy and `values()`
+    reads it: the one read that the counter sees either way."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._done: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = tensor.detach().clone()
+
+    def values(self) -> Any:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()
+
+
 def cuda_sync_debug_count(fn: Callable[[], Any]) -> tuple[int, list[str]]:
     """Run `fn` under torch.cuda.set_sync_debug_mode('warn') and count the synchronising calls
     torch reports (CUDA only): (count, the distinct messages)."""

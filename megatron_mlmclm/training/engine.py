@@ -24,6 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
+from megatron.core.utils import to_local_if_dtensor
 
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import PhaseConfig, RunConfig, TrainConfig, resolved
@@ -305,6 +306,54 @@ class Engine:
                 )
         ok = self.optimizer.step_with_ready_grads()
         return {"grad_norm": grad_norm, "skipped": not ok}
+
+    @torch.no_grad()
+    def queue_update(self, figures: torch.Tensor) -> dict[str, Any]:
+        """The optimizer step of a step whose figures (step_figures) are still on the device,
+        queued before the host reads them (the kernel plan's queued_update), so the device runs it
+        while the host waits for the figures alone. What `update` decides on the host from the
+        read figures is decided here on the device, with the same arithmetic:
+        - megatron's clip (clip_grad_by_total_norm_fp32): coefficient max_norm / (norm + 1e-6) in
+          float64, the fp32 gradients scaled by it where it is below 1 (and by exactly 1, which
+          changes no value, elsewhere);
+        - a step whose loss or gradients are not finite leaves the parameters and the optimizer
+          state as they were: torch's fused AdamW skips its update, weight decay and step count
+          on `found_inf` (as under a grad scaler), and megatron then copies the unchanged main
+          parameters to the model's. The trainer reads the figures next and stops such a step as
+          before; nothing of it has reached the weights."""
+        loss_sum, norm, nonfinite = figures[0], figures[3], figures[4]
+        skip = (~torch.isfinite(loss_sum) | (nonfinite > 0)).to(torch.float32)
+        inner = []
+        for opt in chained(self.optimizer):
+            if getattr(opt, "is_stub_optimizer", False):
+                continue
+            fused = isinstance(opt.optimizer, torch.optim.AdamW) and all(
+                group.get("fused") for group in opt.optimizer.param_groups
+            )
+            if not fused:  # only the fused kernel honours found_inf
+                raise RuntimeError("queue_update needs torch's fused AdamW (kernel plan)")
+            if opt.config.clip_grad > 0.0:
+                decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                grads = []
+                for param in opt.get_parameters():
+                    grad = getattr(param, "decoupled_grad", None) if decoupled else param.grad
+                    if grad is not None:
+                        grads.append(to_local_if_dtensor(grad).detach())
+                if grads:
+                    # max_norm / x as a true division (Python's float / tensor is a reciprocal
+                    # times max_norm, which can differ in the last bit).
+                    coeff = torch.full_like(norm, opt.config.clip_grad) / (norm + 1.0e-6)
+                    scale = torch.where(coeff < 1.0, coeff, 1.0).to(torch.float32)
+                    torch._foreach_mul_(grads, scale)  # pyright: ignore[reportPrivateImportUsage]
+            inner.append(opt.optimizer)
+            # torch's Adam step reads found_inf where a grad scaler sets it.
+            opt.optimizer.found_inf = skip  # pyright: ignore[reportAttributeAccessIssue]
+        try:
+            self.optimizer.step_with_ready_grads()
+        finally:
+            for optimizer in inner:
+                del optimizer.found_inf
+        return {"skipped": False}
 
 
 def chained(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:

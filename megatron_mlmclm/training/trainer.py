@@ -26,6 +26,7 @@ from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved, to_dict
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
 from megatron_mlmclm.runtime import distributed as rt
+from megatron_mlmclm.runtime.host_sync import OnTheWayToHost
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import sinks
 from megatron_mlmclm.training.checkpointer import Checkpointer, Start, find_start
@@ -206,11 +207,23 @@ class Trainer:
             host = [dict(host[0], loss_scale=scale)] + host[1:]
         totals = e.run_schedule(e.to_device(host, phase), forward_only=False)
         # The step's one transfer to the host (runtime/host_sync.py): its loss, token and
-        # accuracy totals with the gradient norm and the non-finite check, before any update.
-        loss_sum, tokens, correct, grad_norm, nonfinite = e.step_figures(totals).tolist()
+        # accuracy totals with the gradient norm and the non-finite check. With the kernel plan's
+        # queued_update the update is queued first, clip and non-finite skip decided on the
+        # device, and the host waits for the figures alone while the device runs the update;
+        # otherwise the host reads them, then updates.
+        figures = e.step_figures(totals)
+        queued = e.kernels.queued_update.on
+        if queued:
+            e.scheduler.step(1)  # the LR of step k is the schedule's value at k + 1
+            on_the_way = OnTheWayToHost(figures)
+            update = e.queue_update(figures)
+            loss_sum, tokens, correct, grad_norm, nonfinite = on_the_way.values()
+        else:
+            loss_sum, tokens, correct, grad_norm, nonfinite = figures.tolist()
         loss = loss_sum / max(tokens, 1)
-        # Stop before a non-finite loss or gradient can reach the weights or a checkpoint; the
-        # restart re-runs the step to tell a transient fault from a persistent one.
+        # Stop before a non-finite loss or gradient can reach the weights (a queued update has
+        # skipped it on the device) or a checkpoint; the restart re-runs the step to tell a
+        # transient fault from a persistent one.
         problem = (
             f"loss is {loss}"
             if not math.isfinite(loss)
@@ -229,16 +242,19 @@ class Trainer:
         )
         if note:
             log(note)
-        e.scheduler.step(1)  # the LR of step k is the schedule's value at k + 1
+        if not queued:
+            e.scheduler.step(1)
+            update = e.update(faults.spikes, self.step, grad_norm)
         stats: dict[str, Any] = {
             "loss": loss,
             "accuracy": correct / max(tokens, 1),
             "tokens": tokens,
             "lr": e.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
         }
         if note:
             stats["fault"] = "transient non-finite step, finite on its re-run"
-        stats.update(e.update(faults.spikes, self.step, grad_norm))
+        stats.update(update)
         return stats
 
     # ----------------------------------------------------------------- checkpoint state, close
