@@ -116,6 +116,36 @@ def test_a_training_step_synchronises_at_most_four_times(record, tmp_path):
     ), messages
 
 
+def test_a_non_finite_step_changes_no_weight_or_optimizer_state(record, tmp_path):
+    """The queued update on CUDA (the figures' copy to pinned memory, its event, fused AdamW's
+    found_inf): step 3's loss made NaN by the fault-injection hook; the update queued before the
+    host saw the figures is skipped, and every model and main parameter and Adam state is as
+    after step 2 (the CPU suite: tests/test_queued_update.py)."""
+    import test_queued_update as queued
+
+    from megatron_mlmclm.training.faults import NonFinite
+
+    trainer = queued.trainer_for(tmp_path, "nan", "train.precision=bf16")
+    try:
+        assert trainer.kernels.queued_update.on, trainer.kernels.queued_update.why
+        queued.train(trainer, 2)
+        before = queued.state(trainer)
+        trainer.faults.loss_scale = lambda step: float("nan") if step == 3 else 1.0
+        trainer.step = 2
+        with pytest.raises(NonFinite, match="at step 3"):
+            trainer.train_step(trainer.cfg.phases[0])
+        after = queued.state(trainer)
+    finally:
+        trainer.close()
+    changed = [k for k in after if not torch.equal(after[k], before[k])]
+    assert record(
+        "non-finite step with the queued update: weights and optimizer state",
+        f"{len(changed)} of {len(after)} tensors changed",
+        "0 changed",
+        not changed and after.keys() == before.keys(),
+    ), changed[:5]
+
+
 def test_thd_attention_matches_the_dense_mask(record, tmp_path):
     row = checks.check_thd_matches_dense(tmp_path, GPU_SIZE, have_te())
     assert record(row.check, row.result, row.expected, row.ok)
