@@ -110,7 +110,7 @@ def test_the_queued_update_trains_bit_for_bit_as_the_host_deciding_first(
 def test_a_non_finite_step_reaches_no_weight_and_no_optimizer_state(tmp_path, extra):
     """Step 3's loss (and so its gradients) made NaN by the fault-injection hook: the step stops
     with NonFinite, and the model's parameters, the main parameters and the Adam state (moments,
-    step counts) are those after step 2, bit for bit; the queued update ran and skipped."""
+    step counts) are those after step 2, bit for bit (queued: the update ran, and skipped)."""
     trainer = trainer_for(tmp_path, "run", "train.precision=bf16", *extra)
     try:
         train(trainer, 2)
