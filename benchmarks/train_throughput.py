@@ -35,7 +35,11 @@ ref, so MFU ratios equal throughput ratios. On CPU the peak is unknown and MFU p
 --profile: no timing table; N (--profile-steps) steps of ours, after the warm-up steps, for the
 first preset, the longest sequence and MLM (else the first objective):
 (a) under torch.profiler: the GPU-busy fraction of the wall time (the CUDA kernels' device time
-    summed, over the wall time of the steps; n/a on CPU) and the top kernels and CPU ops;
+    summed, over the wall time of the steps; n/a on CPU) and the top kernels and CPU ops, then
+    the host's time by Python caller (a second pass of 2 steps with stacks); --trace FILE writes
+    the timed pass's Chrome trace (chrome://tracing, Perfetto); then the reference's steps on
+    the same batches under the profiler: its device work per step against ours (the step's
+    GPU work, whatever the host does) and its top kernels (skipped with --no-ref);
 (b) on CUDA, torch's own count of synchronising calls per step (cuda_sync_debug_count, sync
     debug mode), then under megatron_mlmclm.runtime.host_sync.HostSyncCounter the operations per
     step that make the host wait for the device, by operation and line (counted on CPU too: what
@@ -57,7 +61,8 @@ Last lines: RESULT train_throughput_vs_reference ratio=<ours_s/ref_s> ours_s=.. 
 then RESULT train_throughput ratio=<ours_s/hf_s> ours_s=.. baseline_s=.., for the headline row
 (210m, seq 2048, MLM 40%, bf16; with --quick the quick MLM row). With --profile the last line is
 RESULT train_throughput_profile host_syncs_per_step=<n or n/a> gpu_busy=<fraction or n/a>
-(and cuda_syncs_per_step=<n> on CUDA).
+(and cuda_syncs_per_step=<n> on CUDA) device_ms=<ours' device work per step, ms, or n/a>
+ref_device_ms=<the reference's, or n/a>.
 """
 
 from __future__ import annotations
@@ -230,6 +235,7 @@ def main() -> None:
         help="profile ours instead of timing the rows: GPU-busy fraction, host syncs, top ops",
     )
     p.add_argument("--profile-steps", type=int, default=4)
+    p.add_argument("--trace", default=None, help="with --profile: write the Chrome trace here")
     args = p.parse_args()
     if args.quick:
         args.presets, args.seqs, args.vocab = "tiny", "128", 1024
@@ -264,7 +270,7 @@ def main() -> None:
         "TFLOP/s"
     )
     if args.profile:
-        profile_ours(args, attention, precisions[0][0])
+        profile_ours(args, attention, ref_attention, precisions[0][0])
         return
     print(
         f"vocab {args.vocab}; one micro-batch of ~{args.tokens_per_step} tokens per step; "
@@ -495,9 +501,67 @@ def print_row(row) -> None:
     )
 
 
-def profile_ours(args, attention: str, precision: str) -> None:
-    """Where a step of ours spends its time: see the module docstring (--profile)."""
+def device_ms(prof) -> float:
+    """The device time of the profiled kernels, summed, in ms."""
     from torch.autograd import DeviceType
+
+    return (
+        sum(
+            getattr(e, "device_time", None) or e.cuda_time
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA
+        )
+        / 1e3
+    )
+
+
+def profile_reference(args, trainer, cfg, phase, mb: int, ref_attention: str, n: int):
+    """The reference's steps on ours' batches under the profiler: its device work per step (the
+    kernels' time summed; None on CPU), set against ours', and its top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_mlmclm.objectives import IGNORE, mlm_mask
+
+    gpu = on_gpu()
+    dev = torch.device("cuda" if gpu else "cpu")
+    ref = build_ref(
+        cfg,
+        trainer.spec.vocab_size,
+        phase.objective == "clm",
+        ref_attention,
+        gpu and trainer.cfg.train.precision == "bf16",
+        gpu and not args.no_compile,
+    )
+
+    def run(first: int, steps: int) -> None:
+        for r in range(first, first + steps):
+            inputs, labels, docs = sample_batch(
+                trainer, cfg.data.seed, phase, r, mb, mlm_mask, IGNORE
+            )
+            ref(make_batch(inputs, labels, docs, IGNORE, dev))
+        sync()
+
+    run(0, args.warmup)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        run(args.warmup, n)
+        wall = (time.perf_counter() - t0) / n
+    work = device_ms(prof) / n if gpu else None
+    print(
+        f"reference, same batches: profiled {wall:.4f} s/step; device work "
+        f"{fmt(work, '.1f')} ms/step"
+    )
+    if gpu:
+        table = prof.key_averages().table(
+            sort_by="self_device_time_total", row_limit=12, max_name_column_width=60
+        )
+        print(table)
+    return work
+
+
+def profile_ours(args, attention: str, ref_attention: str, precision: str) -> None:
+    """Where a step of ours spends its time: see the module docstring (--profile)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_mlmclm.runtime.host_sync import HostSyncCounter, cuda_sync_debug_count
@@ -526,23 +590,30 @@ def profile_ours(args, attention: str, precision: str) -> None:
         t0 = time.perf_counter()
         run(n)
         wall = time.perf_counter() - t0
-    busy = None
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    busy = work = None
     if gpu:
-        kernel_us = sum(
-            getattr(e, "device_time", None) or e.cuda_time
-            for e in prof.events()
-            if e.device_type == DeviceType.CUDA
-        )
-        busy = kernel_us / 1e6 / wall
+        work = device_ms(prof) / n
+        busy = work * n / 1e3 / wall
     print(
         f"profile: {preset} s{seq} {objective} {precision}, mb {mb}, attention {attention}; "
         f"{args.warmup} warm-up steps, then {n} steps each: unprofiled {plain:.4f} s/step, "
-        f"profiled {wall / n:.4f} s/step; GPU busy {fmt(busy, '.1%')} of the wall time"
+        f"profiled {wall / n:.4f} s/step; GPU busy {fmt(busy, '.1%')} of the wall time, "
+        f"device work {fmt(work, '.1f')} ms/step"
     )
     table = prof.key_averages()
     if gpu:
         print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    # Where the host's time goes, by Python caller: a second, shorter pass with stacks (they
+    # slow the host, so the timed pass above runs without them).
+    with profile(activities=activities, with_stack=True) as prof:
+        run(min(n, 2))
+    print_host_callers(prof, min(n, 2))
+    ref_work = (
+        None if args.no_ref else profile_reference(args, trainer, cfg, phase, mb, ref_attention, n)
+    )
     cuda_syncs = None
     if gpu:
         count, messages = cuda_sync_debug_count(lambda: run(n))
@@ -565,8 +636,30 @@ def profile_ours(args, attention: str, precision: str) -> None:
     trainer.close()
     print(
         f"RESULT train_throughput_profile host_syncs_per_step={fmt(syncs, 'g')} "
-        f"gpu_busy={fmt(busy, '.3f')}" + (f" cuda_syncs_per_step={cuda_syncs:g}" if gpu else "")
+        f"gpu_busy={fmt(busy, '.3f')}"
+        + (f" cuda_syncs_per_step={cuda_syncs:g}" if gpu else "")
+        + f" device_ms={fmt(work, '.2f')} ref_device_ms={fmt(ref_work, '.2f')}"
     )
+
+
+def print_host_callers(prof, steps: int, top: int = 14, frames: int = 4) -> None:
+    """The host's self time of torch's operators, summed by operator and its innermost Python
+    frames (the profiler's Python events are the operators' ancestors)."""
+    totals: dict[tuple, list] = {}
+    for e in prof.events():
+        if ".py(" in e.name or e.name.startswith("<built-in") or e.self_cpu_time_total <= 0:
+            continue
+        where, parent = [], e.cpu_parent
+        while parent is not None and len(where) < frames:
+            if ".py(" in parent.name and "/torch/" not in parent.name:
+                where.append(parent.name.split("/")[-1])
+            parent = parent.cpu_parent
+        entry = totals.setdefault((e.name, " < ".join(where) or "?"), [0.0, 0])
+        entry[0] += e.self_cpu_time_total
+        entry[1] += 1
+    print(f"host time by caller (self CPU per step over {steps} steps, innermost frame first):")
+    for (name, where), (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {us / 1e3 / steps:7.2f} ms {count / steps:6.0f}x {name[:40]:40s} {where[:220]}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,8 @@ def test_a_shard_of_the_vocabulary_holds_only_its_targets():
 def test_compiled_matches_megatron_within_rounding_at_every_size(dtype):
     """torch.compile of the pieces (dynamic in the number of labelled positions: one compile
     serves every micro-batch): within float rounding of megatron's, loss and gradient."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     kernels = LossKernels(compiled=True)
     for n in (37, 64, 5):
         logits, targets, grad_loss = inputs(dtype, n=n, seed=n)
@@ -96,3 +98,5 @@ def test_compiled_matches_megatron_within_rounding_at_every_size(dtype):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=tol, atol=tol)
+    # One graph per piece (the forward and the gradient) for all three sizes: no recompile.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2

@@ -106,19 +106,34 @@ def test_the_queued_update_trains_bit_for_bit_as_the_host_deciding_first(
     assert not changed, changed[:5]
 
 
+@pytest.mark.parametrize("fault", ["loss", "one_gradient"])
 @pytest.mark.parametrize("extra", [[], [NEVER_A_SPIKE]], ids=["queued", "host_first"])
-def test_a_non_finite_step_reaches_no_weight_and_no_optimizer_state(tmp_path, extra):
-    """Step 3's loss (and so its gradients) made NaN by the fault-injection hook: the step stops
-    with NonFinite, and the model's parameters, the main parameters and the Adam state (moments,
-    step counts) are those after step 2, bit for bit (queued: the update ran, and skipped)."""
+def test_a_non_finite_step_reaches_no_weight_and_no_optimizer_state(tmp_path, extra, fault):
+    """Step 3 made non-finite: its loss (so every gradient) NaN by the fault-injection hook, or
+    a single element of one layer's gradient +inf with the loss finite. The step stops with
+    NonFinite, and the model's parameters, the main parameters and the Adam state (moments, step
+    counts) are those after step 2, bit for bit (queued: the update ran, and skipped)."""
     trainer = trainer_for(tmp_path, "run", "train.precision=bf16", *extra)
     try:
         train(trainer, 2)
         before = state(trainer)
-        trainer.faults.loss_scale = lambda step: float("nan") if step == 3 else 1.0
+        if fault == "loss":
+            trainer.faults.loss_scale = lambda step: float("nan") if step == 3 else 1.0
+            problem = "loss is nan"
+        else:
+            _, weight = next(
+                (n, p) for n, p in trainer.model_chunks[0].named_parameters() if "layers.1." in n
+            )
+            weight.register_hook(
+                lambda g: (
+                    g.flatten().index_fill(0, g.new_tensor([7]).long(), float("inf")).view_as(g)
+                )
+            )
+            problem = "the gradient norm is not finite"
         trainer.step = 2
-        with pytest.raises(NonFinite, match="at step 3"):
+        with pytest.raises(NonFinite, match="at step 3") as raised:
             trainer.train_step(trainer.cfg.phases[0])
+        assert problem in str(raised.value), (fault, str(raised.value))
         after = state(trainer)
     finally:
         trainer.close()

@@ -6,7 +6,8 @@
 #
 #   bash tools/gpu_check.sh OUT [PARTS]
 #
-# PARTS, comma-separated (default: bench16k,profile): bench16k, bench64k, profile, stack (the
+# PARTS, comma-separated (default: bench16k,profile): bench16k, bench64k, profile (with the
+# Chrome trace of its timed steps, gzipped), stack (the
 # layer stack against the layers compiled one by one), hostfirst (the 16k row without HF, the
 # host reading the step's figures before it queues the update: train.skip_spikes=1e30, against
 # bench16k's queued update), tier, and smoke (the same commands in their CPU quick forms: checks
@@ -82,17 +83,24 @@ has bench16k && part bench16k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-p
 has bench64k && part bench64k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 65536
 has hostfirst && part hostfirst "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 16384 \
     --no-hf --set train.skip_spikes=1e30
-has profile && part profile "${LIMIT_PROFILE:-200}" $PY "${BENCH[@]}" --tokens-per-step 16384 --profile
+if has profile; then  # the timed pass's Chrome trace comes back gzipped
+    part profile "${LIMIT_PROFILE:-200}" $PY "${BENCH[@]}" --tokens-per-step 16384 --profile \
+        --trace "$OUT/profile-trace.json"
+    [ -f "$OUT/profile-trace.json" ] && gzip -f "$OUT/profile-trace.json"
+fi
 # The layer stack against the same layers compiled one by one, 210m at 16k tokens a step.
 has stack && part stack "${LIMIT_STACK:-300}" $PY benchmarks/layer_stack.py --precision bf16 \
     --layers 12 --hidden 768 --ffn 3072 --heads 12 --kv-heads 12 --seq 2048 --micro-batch 8 \
     --vocab 128256 --threads 8
+# TIER_K: the tier's checks (pytest -k); the first, a model trained until it has learned, takes
+# a few minutes on a fresh machine.
 has tier && part tier "${LIMIT_TIER:-480}" $PY -m pytest -q -m gpu -rs tests/gpu \
-    -k "learned or varlen or flex or optimizer or synchronis"
+    -k "${TIER_K:-learned or varlen or flex or optimizer or synchronis}"
 if has smoke; then
     part smoke-bench 300 $PY benchmarks/train_throughput.py --quick
     part smoke-hostfirst 300 $PY benchmarks/train_throughput.py --quick --set train.skip_spikes=1e30
-    part smoke-profile 300 $PY benchmarks/train_throughput.py --quick --profile
+    part smoke-profile 300 $PY benchmarks/train_throughput.py --quick --profile \
+        --trace "$OUT/smoke-trace.json"
     part smoke-stack 300 $PY benchmarks/layer_stack.py --quick
 fi
 exit 0

@@ -48,12 +48,26 @@ def _gradient(logits, column, on_shard, row_max, sum_exp, grad_loss):
     return ((softmax - one_hot.to(softmax.dtype)) * grad_loss.unsqueeze(-1)).to(logits.dtype)
 
 
+def _compiled_by_rows(fn):
+    """`fn` compiled once for any number of rows: every argument's first dimension (the labelled
+    positions) is dynamic, the vocabulary a constant. With `dynamic=True` the vocabulary would be
+    symbolic too, and each element's row and column would be found by a division at run time."""
+    compiled = torch.compile(fn)
+
+    def call(*tensors):
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(*tensors)
+
+    return call
+
+
 class LossKernels:
     """The loss's pieces, eager or compiled (dynamic in the number of labelled positions)."""
 
     def __init__(self, compiled: bool = False):
         self.compiled = compiled
-        wrap = (lambda f: torch.compile(f, dynamic=True)) if compiled else (lambda f: f)
+        wrap = _compiled_by_rows if compiled else (lambda f: f)
         self.max_and_target = wrap(_max_and_target)
         self.sum_exp = wrap(_sum_exp)
         self.local_forward = wrap(_local_forward)

@@ -247,12 +247,16 @@ class Engine:
     @torch.no_grad()
     def step_figures(self, totals: torch.Tensor) -> torch.Tensor:
         """After the schedule, before any update: the step's figures on the device, for its one
-        transfer to the host: [loss sum, tokens, correct, gradient norm, non-finite gradient
-        buffers]. The optimizer's main gradients are prepared here (megatron's prepare_grads) and
-        their norm taken with foreach norms (megatron's fallback without Apex reads one value per
-        parameter back to the host); the norm is all-reduced over the optimizer's gradient
-        statistics group, the non-finite count over the world, each only when it has more than
-        one rank."""
+        transfer to the host: [loss sum, tokens, correct, gradient norm, non-finite flag]. The
+        optimizer's main gradients are prepared here (megatron's prepare_grads) and their norm
+        taken with foreach norms (megatron's fallback without Apex reads one value per parameter
+        back to the host), all-reduced over the optimizer's gradient statistics group when it has
+        more than one rank: every rank then holds the same norm. The flag is set where that norm
+        is not finite, as Megatron-LM's own check of the gradient norm: one non-finite gradient
+        makes it so (a finite gradient whose squares overflow fp32 too), and testing the norm
+        costs nothing, where testing the gradient buffers element by element cost five passes
+        over them (torch's isfinite is an abs, two comparisons and a product; 2.3 ms of a
+        16k-token step of 210m on an H100)."""
         found_inf = self.optimizer.prepare_grads()  # a grad scaler's verdict: fp16 only
         grads = [g for opt in chained(self.optimizer) for g in opt.get_main_grads_for_grad_norm()]
         if grads:
@@ -265,14 +269,7 @@ class Engine:
             squared = norm.square()
             dist.all_reduce(squared, group=group)
             norm = squared.sqrt()
-        # DDP keeps its gradient buffers in an attribute that shadows Module.buffers().
-        buffers = [
-            b
-            for m in self.model
-            for b in m.buffers + m.expert_parallel_buffers  # pyright: ignore[reportOperatorIssue]
-        ]
-        nonfinite = torch.stack([~torch.isfinite(b.grad_data).all() for b in buffers]).sum()
-        all_reduce_if_shared(nonfinite, None)
+        nonfinite = ~torch.isfinite(norm)
         if found_inf:
             nonfinite = nonfinite + 1
         return torch.cat([totals, torch.stack([norm.to(totals.dtype), nonfinite.to(totals.dtype)])])

@@ -227,7 +227,7 @@ class Trainer:
         problem = (
             f"loss is {loss}"
             if not math.isfinite(loss)
-            else "a gradient is not finite"
+            else "the gradient norm is not finite"
             if nonfinite
             else None
         )
