@@ -34,8 +34,11 @@ ref, so MFU ratios equal throughput ratios. On CPU the peak is unknown and MFU p
 
 --profile: no timing table; N (--profile-steps) steps of ours, after the warm-up steps, for the
 first preset, the longest sequence and MLM (else the first objective):
-(a) under torch.profiler: the GPU-busy fraction of the wall time (the CUDA kernels' device time
-    summed, over the wall time of the steps; n/a on CPU) and the top kernels and CPU ops, then
+(a) under torch.profiler: the GPU-busy fraction of the wall time (the device time of the
+    kernels, copies and fills, summed, over the wall time of the steps; n/a on CPU) and the top
+    kernels and CPU ops. The steps run back to back as in training: the clock (and the profile's
+    record) starts after a lead-in step's host work, while the device still runs that step, so
+    no drain before the first timed step counts as idle. Then
     the host's time by Python caller (a second pass of 2 steps with stacks); --trace FILE writes
     the timed pass's Chrome trace (chrome://tracing, Perfetto); then the reference's steps on
     the same batches under the profiler: its device work per step against ours (the step's
@@ -502,14 +505,17 @@ def print_row(row) -> None:
 
 
 def device_ms(prof) -> float:
-    """The device time of the profiled kernels, summed, in ms."""
+    """The device time of the profiled kernels, copies and fills, summed, in ms. Not the ranges
+    torch marks on the device around work already counted (`Optimizer.step#AdamW.step` spans
+    the fused AdamW's kernels: counted, the optimizer's time would be added twice), as torch's
+    own "Self CUDA time total" leaves them out."""
     from torch.autograd import DeviceType
 
     return (
         sum(
             getattr(e, "device_time", None) or e.cuda_time
             for e in prof.events()
-            if e.device_type == DeviceType.CUDA
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation
         )
         / 1e3
     )
@@ -574,22 +580,33 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
     phase, n, gpu = cfg.phases[0], args.profile_steps, on_gpu()
     step = iter(range(10**9))
 
-    def run(steps: int) -> None:
+    def run(steps: int, then_sync: bool = True) -> None:
         for _ in range(steps):
             trainer.step = next(step)
             trainer.train_step(phase)
-        sync()
+        if then_sync:
+            sync()
 
+    # Steps as training runs them, back to back: the clock starts after one step's host work,
+    # while the device still runs that step, not after a drain that training never has.
     run(args.warmup)
+    run(1, then_sync=False)
     t0 = time.perf_counter()
     run(n)
     plain = (time.perf_counter() - t0) / n
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with profile(activities=activities) as prof:
+    lead_in = torch.profiler.schedule(wait=0, warmup=1, active=n, repeat=1)
+    with profile(activities=activities, schedule=lead_in) as prof:
+        run(1, then_sync=False)  # the lead-in step: traced, not recorded
+        prof.step()
         t0 = time.perf_counter()
-        run(n)
+        for i in range(n):
+            run(1, then_sync=i == n - 1)
+            if i < n - 1:
+                prof.step()
         wall = time.perf_counter() - t0
+        prof.step()  # the last: ends the recorded steps
     if args.trace:
         prof.export_chrome_trace(args.trace)
     busy = work = None

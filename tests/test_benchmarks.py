@@ -103,3 +103,26 @@ def test_reference_attention_stays_inside_each_document():
             keep = flat != -100
             alone = F.cross_entropy(model.head(torch.cat(hidden)[keep]).float(), flat[keep])
         torch.testing.assert_close(packed, alone, rtol=1e-6, atol=1e-6)
+
+
+def test_device_work_counts_each_kernel_once():
+    """The profile's device work sums the kernels, copies and fills, not the ranges torch marks on
+    the device around them (`Optimizer.step#AdamW.step` spans the fused AdamW's kernels), nor the
+    host's operators: a profile with both counts each kernel once."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from train_throughput import device_ms
+
+    def event(device, us, annotation=False):
+        return SimpleNamespace(device_type=device, device_time=us, is_user_annotation=annotation)
+
+    events = [
+        event(DeviceType.CUDA, 3000.0),  # the fused AdamW kernel
+        event(DeviceType.CUDA, 3000.0, annotation=True),  # its Optimizer.step range
+        event(DeviceType.CUDA, 500.0),  # a copy
+        event(DeviceType.CPU, 9000.0),  # the host's operator
+    ]
+    assert device_ms(SimpleNamespace(events=lambda: events)) == 3.5
