@@ -38,11 +38,11 @@ first preset, the longest sequence and MLM (else the first objective):
     kernels, copies and fills, summed, over the wall time of the steps; n/a on CPU) and the top
     kernels and CPU ops. The steps run back to back as in training: the clock (and the profile's
     record) starts after a lead-in step's host work, while the device still runs that step, so
-    no drain before the first timed step counts as idle. Then
-    the host's time by Python caller (a second pass of 2 steps with stacks); --trace FILE writes
-    the timed pass's Chrome trace (chrome://tracing, Perfetto); then the reference's steps on
-    the same batches under the profiler: its device work per step against ours (the step's
-    GPU work, whatever the host does) and its top kernels (skipped with --no-ref);
+    no drain before the first timed step counts as idle. --trace FILE writes that pass's Chrome
+    trace (chrome://tracing, Perfetto). Then the host's time by Python caller (a second pass of
+    2 steps with stacks), and the reference's steps on the same batches under the profiler: its
+    device work per step against ours (the GPU's work, whatever the host does) and its top
+    kernels (skipped with --no-ref);
 (b) on CUDA, torch's own count of synchronising calls per step (cuda_sync_debug_count, sync
     debug mode), then under megatron_mlmclm.runtime.host_sync.HostSyncCounter the operations per
     step that make the host wait for the device, by operation and line (counted on CPU too: what

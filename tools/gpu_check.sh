@@ -7,13 +7,14 @@
 #   bash tools/gpu_check.sh OUT [PARTS]
 #
 # PARTS, comma-separated (default: bench16k,profile): bench16k, bench64k, profile (with the
-# Chrome trace of its timed steps, gzipped), stack (the
-# layer stack against the layers compiled one by one), hostfirst (the 16k row without HF, the
-# host reading the step's figures before it queues the update: train.skip_spikes=1e30, against
-# bench16k's queued update), tier, and smoke (the same commands in their CPU quick forms: checks
-# the plumbing on any machine). A
-# compiled model needs a minute or more on a fresh machine, so each part has its own time limit
-# and one call of about 10 minutes fits bench16k + profile, another bench64k + tier.
+# Chrome trace of its timed steps, gzipped), stack (the layer stack against the layers compiled
+# one by one), hostfirst (the 16k row without HF, the host reading the step's figures before it
+# queues the update: train.skip_spikes=1e30, against bench16k's queued update), tier, and smoke
+# (the same commands in their CPU quick forms: checks the plumbing on any machine). Each part has
+# its own time limit. On a fresh H100 (2026-11-27) they took: bench16k 76 s without HF and 107 s
+# with it, profile 33 s (the compiles cached by bench16k), bench64k 71-80 s without HF, tier
+# 61 s with TIER_K="optimizer or synchronis" (its whole default selection ran past 200 s); the
+# machine's start and the copies add about 30 s a call.
 #
 # Where the machine has no megatron-core, put its wheel (and nothing else) in .whl/ first:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
