@@ -398,6 +398,24 @@ def build_ref(cfg, vocab: int, causal: bool, ref_attention: str, bf16: bool, com
     return ReferenceStep(model, LR, BETAS, EPS, WD, CLIP, compile_model, bf16)
 
 
+def reference_steps(args, trainer, cfg, phase, mb: int, ref_attention: str, bf16: bool):
+    """The reference fed ours' samples: a function of the step index r that runs step r and
+    returns its loss tensor."""
+    from megatron_mlmclm.objectives import IGNORE, mlm_mask
+
+    dev = torch.device("cuda" if on_gpu() else "cpu")
+    compile_model = on_gpu() and not args.no_compile
+    ref = build_ref(
+        cfg, trainer.spec.vocab_size, phase.objective == "clm", ref_attention, bf16, compile_model
+    )
+
+    def step(r: int) -> torch.Tensor:
+        inputs, labels, docs = sample_batch(trainer, cfg.data.seed, phase, r, mb, mlm_mask, IGNORE)
+        return ref(make_batch(inputs, labels, docs, IGNORE, dev))
+
+    return step
+
+
 def run_row(
     args, preset, seq, objective, precision, fp8, attention, ref_attention, peak, mfu_step_flops
 ) -> dict:
@@ -439,20 +457,10 @@ def run_row(
 
         loops["hf"] = step_hf
     if not args.no_ref and fp8 is None:
-        ref = build_ref(
-            cfg,
-            spec.vocab_size,
-            objective == "clm",
-            ref_attention,
-            bf16,
-            on_gpu() and not args.no_compile,
-        )
+        ref_step = reference_steps(args, trainer, cfg, phase, mb, ref_attention, bf16)
 
         def step_ref(r):
-            inputs, labels, docs = sample_batch(
-                trainer, cfg.data.seed, phase, r, mb, mlm_mask, IGNORE
-            )
-            loss = ref(make_batch(inputs, labels, docs, IGNORE, dev))
+            loss = ref_step(r)
             if r == 0:
                 step0["ref"] = loss
 
@@ -526,25 +534,13 @@ def profile_reference(args, trainer, cfg, phase, mb: int, ref_attention: str, n:
     kernels' time summed; None on CPU), set against ours', and its top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_mlmclm.objectives import IGNORE, mlm_mask
-
     gpu = on_gpu()
-    dev = torch.device("cuda" if gpu else "cpu")
-    ref = build_ref(
-        cfg,
-        trainer.spec.vocab_size,
-        phase.objective == "clm",
-        ref_attention,
-        gpu and trainer.cfg.train.precision == "bf16",
-        gpu and not args.no_compile,
-    )
+    bf16 = gpu and cfg.train.precision == "bf16"
+    step = reference_steps(args, trainer, cfg, phase, mb, ref_attention, bf16)
 
     def run(first: int, steps: int) -> None:
         for r in range(first, first + steps):
-            inputs, labels, docs = sample_batch(
-                trainer, cfg.data.seed, phase, r, mb, mlm_mask, IGNORE
-            )
-            ref(make_batch(inputs, labels, docs, IGNORE, dev))
+            step(r)
         sync()
 
     run(0, args.warmup)
@@ -596,17 +592,14 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
     plain = (time.perf_counter() - t0) / n
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    lead_in = torch.profiler.schedule(wait=0, warmup=1, active=n, repeat=1)
+    # The lead-in step is traced, not recorded; the n steps after it are recorded as one.
+    lead_in = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
     with profile(activities=activities, schedule=lead_in) as prof:
-        run(1, then_sync=False)  # the lead-in step: traced, not recorded
+        run(1, then_sync=False)
         prof.step()
         t0 = time.perf_counter()
-        for i in range(n):
-            run(1, then_sync=i == n - 1)
-            if i < n - 1:
-                prof.step()
+        run(n)
         wall = time.perf_counter() - t0
-        prof.step()  # the last: ends the recorded steps
     if args.trace:
         prof.export_chrome_trace(args.trace)
     busy = work = None
