@@ -121,14 +121,16 @@ def test_a_non_finite_step_reaches_no_weight_and_no_optimizer_state(tmp_path, ex
             trainer.faults.loss_scale = lambda step: float("nan") if step == 3 else 1.0
             problem = "loss is nan"
         else:
-            _, weight = next(
-                (n, p) for n, p in trainer.model_chunks[0].named_parameters() if "layers.1." in n
+            weight = next(
+                p for n, p in trainer.model_chunks[0].named_parameters() if "layers.1." in n
             )
-            weight.register_hook(
-                lambda g: (
-                    g.flatten().index_fill(0, g.new_tensor([7]).long(), float("inf")).view_as(g)
-                )
-            )
+
+            def one_infinite_element(grad: torch.Tensor) -> torch.Tensor:
+                grad = grad.clone()
+                grad.view(-1)[7] = float("inf")
+                return grad
+
+            weight.register_hook(one_infinite_element)
             problem = "the gradient norm is not finite"
         trainer.step = 2
         with pytest.raises(NonFinite, match="at step 3") as raised:
