@@ -35,7 +35,9 @@ ref, so MFU ratios equal throughput ratios. On CPU the peak is unknown and MFU p
 --profile: no timing table; N (--profile-steps) steps of ours, after the warm-up steps, for the
 first preset, the longest sequence and MLM (else the first objective):
 (a) under torch.profiler: the GPU-busy fraction of the wall time (the device time of the
-    kernels, copies and fills, summed, over the wall time of the steps; n/a on CPU) and the top
+    kernels, copies and fills, summed, over the wall time of the steps; n/a on CPU; also over
+    the same steps' unprofiled wall time, since the profiler slows the host and not the
+    kernels: the busy fraction of a step as it trains) and the top
     kernels and CPU ops. The steps run back to back as in training: the clock (and the profile's
     record) starts after a lead-in step's host work, while the device still runs that step, so
     no drain before the first timed step counts as idle. --trace FILE writes that pass's Chrome
@@ -64,8 +66,8 @@ Last lines: RESULT train_throughput_vs_reference ratio=<ours_s/ref_s> ours_s=.. 
 then RESULT train_throughput ratio=<ours_s/hf_s> ours_s=.. baseline_s=.., for the headline row
 (210m, seq 2048, MLM 40%, bf16; with --quick the quick MLM row). With --profile the last line is
 RESULT train_throughput_profile host_syncs_per_step=<n or n/a> gpu_busy=<fraction or n/a>
-(and cuda_syncs_per_step=<n> on CUDA) device_ms=<ours' device work per step, ms, or n/a>
-ref_device_ms=<the reference's, or n/a>.
+gpu_busy_unprofiled=<fraction or n/a> (and cuda_syncs_per_step=<n> on CUDA)
+device_ms=<ours' device work per step, ms, or n/a> ref_device_ms=<the reference's, or n/a>.
 """
 
 from __future__ import annotations
@@ -602,15 +604,19 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
         wall = time.perf_counter() - t0
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    busy = work = None
+    busy = busy_plain = work = None
     if gpu:
         work = device_ms(prof) / n
         busy = work * n / 1e3 / wall
+        # The profiler slows the host (each launch is recorded), not the kernels: the same
+        # device work over the unprofiled step is the busy fraction of a step as it trains.
+        busy_plain = work / 1e3 / plain
     print(
         f"profile: {preset} s{seq} {objective} {precision}, mb {mb}, attention {attention}; "
         f"{args.warmup} warm-up steps, then {n} steps each: unprofiled {plain:.4f} s/step, "
-        f"profiled {wall / n:.4f} s/step; GPU busy {fmt(busy, '.1%')} of the wall time, "
-        f"device work {fmt(work, '.1f')} ms/step"
+        f"profiled {wall / n:.4f} s/step; GPU busy {fmt(busy, '.1%')} of the profiled wall "
+        f"time ({fmt(busy_plain, '.1%')} of the unprofiled step's), device work "
+        f"{fmt(work, '.1f')} ms/step"
     )
     table = prof.key_averages()
     if gpu:
@@ -646,7 +652,7 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
     trainer.close()
     print(
         f"RESULT train_throughput_profile host_syncs_per_step={fmt(syncs, 'g')} "
-        f"gpu_busy={fmt(busy, '.3f')}"
+        f"gpu_busy={fmt(busy, '.3f')} gpu_busy_unprofiled={fmt(busy_plain, '.3f')}"
         + (f" cuda_syncs_per_step={cuda_syncs:g}" if gpu else "")
         + f" device_ms={fmt(work, '.2f')} ref_device_ms={fmt(ref_work, '.2f')}"
     )

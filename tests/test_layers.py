@@ -190,6 +190,30 @@ def test_the_plain_layer_keeps_megatrons_parameter_names():
     assert any("q_layernorm" in n for n in names["TransformerLayer"])
 
 
+def test_the_kept_weights_follow_a_replaced_parameter():
+    """The weights a plain layer hands its functions are kept between forwards; a parameter
+    registered anew (load_state_dict(assign=True)) is picked up, an in-place load needs nothing."""
+    _, layer, hidden, _, freqs = layer_and_inputs("fp32", "model.qk_layernorm=true")
+    first = layer.weights()
+    assert layer.weights() is first  # kept
+    fresh = {
+        k: v.clone() + 1 if isinstance(v, torch.Tensor) else v
+        for k, v in layer.state_dict().items()
+    }
+    layer.load_state_dict(fresh)  # in place: the same parameters, new values
+    assert layer.weights() is first
+    assert torch.equal(first.qkv, fresh["self_attention.linear_qkv.weight"])
+    doubled = {k: v * 2 if isinstance(v, torch.Tensor) else v for k, v in fresh.items()}
+    layer.load_state_dict(doubled, assign=True)
+    now = layer.weights()
+    assert now is not first
+    assert now.fc2 is layer.mlp.linear_fc2.weight and now.q_norm is layer.qk_norms[0].weight
+    out, _ = layer(hidden_states=hidden, rotary_pos_emb=freqs, attention_mask=None)
+    layer.__dict__.pop("_weights")  # built afresh from the modules: the same output
+    again, _ = layer(hidden_states=hidden, rotary_pos_emb=freqs, attention_mask=None)
+    assert torch.equal(out, again)
+
+
 # ------------------------------------------------------------------------------ the stack
 DOCS = torch.tensor([[0] * 20 + [1] * 28, [0] * 7 + [1] * 30 + [2] * 11])
 

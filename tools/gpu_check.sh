@@ -96,7 +96,7 @@ has stack && part stack "${LIMIT_STACK:-300}" $PY benchmarks/layer_stack.py --pr
 # TIER_K: the tier's checks (pytest -k); the first, a model trained until it has learned, takes
 # a few minutes on a fresh machine.
 has tier && part tier "${LIMIT_TIER:-480}" $PY -m pytest -q -m gpu -rs tests/gpu \
-    -k "${TIER_K:-learned or varlen or flex or optimizer or synchronis}"
+    -k "${TIER_K:-learned or varlen or flex or optimizer or synchronis or accumulation}"
 if has smoke; then
     part smoke-bench 300 $PY benchmarks/train_throughput.py --quick
     part smoke-hostfirst 300 $PY benchmarks/train_throughput.py --quick --set train.skip_spikes=1e30

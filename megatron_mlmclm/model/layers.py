@@ -200,6 +200,25 @@ class PlainTransformerLayer(TransformerLayer):
         return out, kwargs.get("context")
 
     def weights(self) -> LayerWeights:
+        """The layer's weights as the plain functions take them. Built once and kept: gathering
+        them goes through a dozen module attribute look-ups, host time at the start of every
+        forward (0.35 ms for 12 layers on a slow host core). Rebuilt where a weight was replaced
+        (a parameter registered anew, as load_state_dict(assign=True) does)."""
+        cached = self.__dict__.get("_weights")
+        if cached is not None and all(slots[name] is w for slots, name, w in cached[1]):
+            return cached[0]
+        weights = self._gather_weights()
+        held = {id(w) for w in weights if isinstance(w, torch.Tensor)}
+        slots = [
+            (module._parameters, name, w)
+            for module in self.modules()
+            for name, w in module._parameters.items()
+            if id(w) in held
+        ]
+        self.__dict__["_weights"] = (weights, slots)
+        return weights
+
+    def _gather_weights(self) -> LayerWeights:
         attention, mlp = self.self_attention, self.mlp
         norm, post, (q_norm, k_norm) = self.input_layernorm, self.pre_mlp_layernorm, self.qk_norms
         groups = attention.num_query_groups_per_partition

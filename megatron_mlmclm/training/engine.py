@@ -23,8 +23,10 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.utils import to_local_if_dtensor
+from torch.autograd import Variable
 
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import PhaseConfig, RunConfig, TrainConfig, resolved
@@ -85,7 +87,13 @@ class Engine:
             use_distributed_optimizer=p.use_distributed_optimizer,
         )
         model: list[DDP] = [
-            DataParallel(tconfig, ddp_config, c, disable_bucketing=i > 0)
+            DataParallel(
+                tconfig,
+                ddp_config,
+                c,
+                disable_bucketing=i > 0,
+                batched_accumulation=kernels.batched_grad_accumulation.on,
+            )
             for i, c in enumerate(wrapped)
         ]
         wire_overlap(tconfig, model, ddp_config, gradients_ready)
@@ -366,15 +374,73 @@ def all_reduce_if_shared(tensor: torch.Tensor, group: Any, op=dist.ReduceOp.SUM)
 
 
 class DataParallel(DDP):
-    """megatron's DDP, which skips its gradient reduction when the data-parallel group (with
-    context parallelism) has one rank: there is nothing to reduce, and megatron would still run a
-    coalesced all-reduce per step. With overlapped reduction the buckets start their own
-    reductions from the backward hooks, so the skip applies only without it."""
+    """megatron's DDP, with two changes:
+    - it skips its gradient reduction when the data-parallel group (with context parallelism)
+      has one rank: there is nothing to reduce, and megatron would still run a coalesced
+      all-reduce per step. With overlapped reduction the buckets start their own reductions from
+      the backward hooks, so the skip applies only without it;
+    - with `batched_accumulation` (the kernel plan's batched_grad_accumulation; never with
+      overlapped reduction, whose buckets start from the hooks), the backward hooks keep each
+      gradient (as megatron, they clear param.grad) and the end of the backward pass moves them
+      all into main_grad at once: one foreach copy for the parameters whose main_grad is still
+      as the buffer was zeroed (0 + g is g: the same values, where megatron's add turns a -0.0
+      into +0.0), one foreach add for the others (a second micro-batch). The gradients of one
+      backward pass then live until its end: under the plain stack, whose one backward yields
+      the layers' gradients together, that holds only the embedding's and output layer's longer.
+    """
 
-    def __init__(self, config, ddp_config, module, **kwargs):
+    def __init__(self, config, ddp_config, module, batched_accumulation=False, **kwargs):
         super().__init__(config, ddp_config, module, **kwargs)
         group: Any = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.reduces = dist.get_world_size(group) > 1 or ddp_config.overlap_grad_reduce
+        self.batched_accumulation = (
+            batched_accumulation
+            and not ddp_config.overlap_grad_reduce
+            and not ddp_config.delay_wgrad_compute
+        )
+        self._arrived: list[tuple[Any, torch.Tensor]] = []  # (parameter, its gradient)
+        self._accumulated: set[int] = set()  # ids of parameters with a gradient since the zeroing
+
+    def _make_backward_post_hook(self, param: torch.nn.Parameter):
+        per_parameter = super()._make_backward_post_hook(param)
+
+        def hook(*unused):
+            if not self.batched_accumulation or is_graph_capturing():
+                return per_parameter(*unused)
+            if param not in self.param_to_bucket_group:
+                return None
+            # megatron's condition for adding param.grad (False where Apex already added it)
+            added = getattr(param, "grad_added_to_main_grad", False)
+            if param.grad is not None and (not added or getattr(param, "zero_out_wgrad", False)):
+                if not self._arrived:
+                    Variable._execution_engine.queue_callback(self._accumulate_arrived)
+                self._arrived.append((param, param.grad.data))
+            elif added:
+                self._accumulated.add(id(param))
+            param.grad = None
+            return None
+
+        return hook
+
+    def _accumulate_arrived(self) -> None:
+        """The end of a backward pass: its gradients into main_grad (see the class)."""
+        arrived, self._arrived = self._arrived, []
+        copy: tuple[list, list] = ([], [])
+        add: tuple[list, list] = ([], [])
+        for param, grad in arrived:
+            into = add if id(param) in self._accumulated else copy
+            into[0].append(param.main_grad)
+            into[1].append(grad)
+            self._accumulated.add(id(param))
+        with torch.no_grad():
+            if copy[0]:
+                torch._foreach_copy_(copy[0], copy[1])  # pyright: ignore[reportPrivateImportUsage]
+            if add[0]:
+                torch._foreach_add_(add[0], add[1])  # pyright: ignore[reportPrivateImportUsage]
+
+    def zero_grad_buffer(self):
+        self._accumulated.clear()
+        super().zero_grad_buffer()
 
     def start_grad_sync(self, *args):
         if self.reduces:
@@ -463,8 +529,11 @@ def scale_by_tokens(model_chunks: list, num_tokens: torch.Tensor) -> None:
     )
     # No labelled token: the gradients are zero, and megatron leaves them unscaled.
     scaling = 1.0 / num_tokens.clamp(min=1)
-    for chunk in model_chunks:
-        chunk.scale_gradients(scaling)
+    # megatron's DDP.scale_gradients multiplies each buffer by the 0-dim device tensor, which
+    # CUDA runs unvectorised (a broadcast operand); the foreach kernel reads the factor once per
+    # block and multiplies the same fp32 values by it.
+    grads = [b.grad_data for c in model_chunks for b in c.buffers + c.expert_parallel_buffers]
+    torch._foreach_mul_(grads, scaling)  # pyright: ignore[reportPrivateImportUsage]
 
 
 @contextlib.contextmanager

@@ -146,6 +146,24 @@ def test_a_non_finite_step_changes_no_weight_or_optimizer_state(record, tmp_path
     ), changed[:5]
 
 
+def test_batched_gradient_accumulation_matches_megatrons_hook(record, tmp_path):
+    """The kernel plan's batched_grad_accumulation on CUDA (foreach copy and add of bf16
+    gradients into fp32 main_grad) against megatron's per-parameter hook: two micro-batches a
+    step, three steps, main gradients, weights and Adam state bit for bit (the CPU suite:
+    tests/test_grad_accumulation.py)."""
+    import test_grad_accumulation as accumulation
+
+    differ, changed, compared = accumulation.compare_with_megatrons_hook(
+        tmp_path, "bf16", 2, "float16"
+    )
+    assert record(
+        "batched gradient accumulation against megatron's hook (bf16, 2 micro-batches)",
+        f"{len(differ)} main gradients and {len(changed)} of {compared} tensors differ",
+        "0 differ",
+        not differ and not changed,
+    ), (differ[:5], changed[:5])
+
+
 def test_thd_attention_matches_the_dense_mask(record, tmp_path):
     row = checks.check_thd_matches_dense(tmp_path, GPU_SIZE, have_te())
     assert record(row.check, row.result, row.expected, row.ok)
