@@ -36,6 +36,9 @@ def compare_with_megatrons_hook(tmp_path, precision: str, micro_batches: int, op
             plan = trainer.engine.kernels.batched_grad_accumulation
             assert plan.on, plan.why
             ddp = trainer.model[0]
+            # the stack's gradients wait for the end of the backward, the embedding's does not
+            embedding = trainer.model_chunks[0].embedding.word_embeddings.weight
+            assert ddp._together and id(embedding) not in ddp._together
             if name == "per_parameter":
                 ddp.batched_accumulation = False  # megatron's hook, read at every call
             calls: list[int] = []

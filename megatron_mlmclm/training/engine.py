@@ -380,13 +380,13 @@ class DataParallel(DDP):
       all-reduce per step. With overlapped reduction the buckets start their own reductions from
       the backward hooks, so the skip applies only without it;
     - with `batched_accumulation` (the kernel plan's batched_grad_accumulation; never with
-      overlapped reduction, whose buckets start from the hooks), the backward hooks keep each
-      gradient (as megatron, they clear param.grad) and the end of the backward pass moves them
-      all into main_grad at once: one foreach copy for the parameters whose main_grad is still
-      as the buffer was zeroed (0 + g is g: the same values, where megatron's add turns a -0.0
-      into +0.0), one foreach add for the others (a second micro-batch). The gradients of one
-      backward pass then live until its end: under the plain stack, whose one backward yields
-      the layers' gradients together, that holds only the embedding's and output layer's longer.
+      overlapped reduction, whose buckets start from the hooks), gradients go into main_grad by
+      foreach kernels: a copy where main_grad is still as the buffer was zeroed (0 + g is g: the
+      same values, where megatron's add turns a -0.0 into +0.0), an add after that (a second
+      micro-batch). The layer stack's gradients, which its one backward yields together, are
+      kept by the hooks (which clear param.grad, as megatron's do) and moved all at once at the
+      end of the backward pass; the others (embedding, output layer) are moved as they arrive,
+      so that none is held through the stack's backward, where the step's memory peaks.
     """
 
     def __init__(self, config, ddp_config, module, batched_accumulation=False, **kwargs):
@@ -398,6 +398,9 @@ class DataParallel(DDP):
             and not ddp_config.overlap_grad_reduce
             and not ddp_config.delay_wgrad_compute
         )
+        inner = module.module if isinstance(module, Float16Module) else module
+        decoder = getattr(inner, "decoder", None)
+        self._together = {id(p) for p in decoder.parameters()} if decoder is not None else set()
         self._arrived: list[tuple[Any, torch.Tensor]] = []  # (parameter, its gradient)
         self._accumulated: set[int] = set()  # ids of parameters with a gradient since the zeroing
 
@@ -412,9 +415,12 @@ class DataParallel(DDP):
             # megatron's condition for adding param.grad (False where Apex already added it)
             added = getattr(param, "grad_added_to_main_grad", False)
             if param.grad is not None and (not added or getattr(param, "zero_out_wgrad", False)):
-                if not self._arrived:
-                    Variable._execution_engine.queue_callback(self._accumulate_arrived)
-                self._arrived.append((param, param.grad.data))
+                if id(param) not in self._together:
+                    self._accumulate([(param, param.grad.data)])
+                else:
+                    if not self._arrived:
+                        Variable._execution_engine.queue_callback(self._accumulate_arrived)
+                    self._arrived.append((param, param.grad.data))
             elif added:
                 self._accumulated.add(id(param))
             param.grad = None
@@ -423,8 +429,12 @@ class DataParallel(DDP):
         return hook
 
     def _accumulate_arrived(self) -> None:
-        """The end of a backward pass: its gradients into main_grad (see the class)."""
+        """The end of a backward pass: the layer stack's gradients into main_grad."""
         arrived, self._arrived = self._arrived, []
+        self._accumulate(arrived)
+
+    @torch.no_grad()
+    def _accumulate(self, arrived: list[tuple[Any, torch.Tensor]]) -> None:
         copy: tuple[list, list] = ([], [])
         add: tuple[list, list] = ([], [])
         for param, grad in arrived:
@@ -432,11 +442,10 @@ class DataParallel(DDP):
             into[0].append(param.main_grad)
             into[1].append(grad)
             self._accumulated.add(id(param))
-        with torch.no_grad():
-            if copy[0]:
-                torch._foreach_copy_(copy[0], copy[1])  # pyright: ignore[reportPrivateImportUsage]
-            if add[0]:
-                torch._foreach_add_(add[0], add[1])  # pyright: ignore[reportPrivateImportUsage]
+        if copy[0]:
+            torch._foreach_copy_(copy[0], copy[1])  # pyright: ignore[reportPrivateImportUsage]
+        if add[0]:
+            torch._foreach_add_(add[0], add[1])  # pyright: ignore[reportPrivateImportUsage]
 
     def zero_grad_buffer(self):
         self._accumulated.clear()
