@@ -35,16 +35,17 @@ ref, so MFU ratios equal throughput ratios. On CPU the peak is unknown and MFU p
 --profile: no timing table; N (--profile-steps) steps of ours, after the warm-up steps, for the
 first preset, the longest sequence and MLM (else the first objective):
 (a) under torch.profiler: the GPU-busy fraction of the wall time (the device time of the
-    kernels, copies and fills, summed, over the wall time of the steps; n/a on CPU; also over
-    the same steps' unprofiled wall time, since the profiler slows the host and not the
-    kernels: the busy fraction of a step as it trains) and the top
-    kernels and CPU ops. The steps run back to back as in training: the clock (and the profile's
-    record) starts after a lead-in step's host work, while the device still runs that step, so
-    no drain before the first timed step counts as idle. --trace FILE writes that pass's Chrome
-    trace (chrome://tracing, Perfetto). Then the host's time by Python caller (a second pass of
-    2 steps with stacks), and the reference's steps on the same batches under the profiler: its
-    device work per step against ours (the GPU's work, whatever the host does) and its top
-    kernels (skipped with --no-ref);
+    kernels, copies and fills inside the window, summed, over its wall time; n/a on CPU) and the
+    top kernels and CPU ops. The steps run back to back as in training: the clock (and the
+    profile's record) starts after a lead-in step's host work, while the device still runs that
+    step, so no drain before the first timed step counts as idle (the lead-in's last kernels,
+    run inside the window, count in it). --trace FILE writes that pass's Chrome trace
+    (chrome://tracing, Perfetto). Then the host's time by Python caller (a second pass of 2
+    steps with stacks, started drained: its device time is a step's device work, printed and in
+    the RESULT line, and over the unprofiled step's time it is the busy fraction of a step as it
+    trains, since the profiler slows the host and not the kernels), and the reference's steps on
+    the same batches under the profiler, also started drained: its device work per step against
+    ours (the GPU's work, whatever the host does) and its top kernels (skipped with --no-ref);
 (b) on CUDA, torch's own count of synchronising calls per step (cuda_sync_debug_count, sync
     debug mode), then under megatron_mlmclm.runtime.host_sync.HostSyncCounter the operations per
     step that make the host wait for the device, by operation and line (counted on CPU too: what
@@ -305,8 +306,17 @@ def main() -> None:
                             peak,
                             mfu_step_flops,
                         )
-                    except torch.OutOfMemoryError:
+                    except torch.OutOfMemoryError as e:
                         row = {"oom": True}
+                        gib = 2**30
+                        print(
+                            f"{label}: {str(e).splitlines()[0][:240]} (peak allocated "
+                            f"{torch.cuda.max_memory_allocated() / gib:.1f} GiB, reserved "
+                            f"{torch.cuda.memory_reserved() / gib:.1f} GiB)"
+                        )
+                        import traceback
+
+                        print("".join(traceback.format_exc().splitlines(True)[-14:-1]))
                     row["label"] = label
                     rows.append(row)
                     print_row(row)
@@ -604,11 +614,24 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
         wall = time.perf_counter() - t0
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    busy = busy_plain = work = None
+    table = prof.key_averages()
     if gpu:
-        work = device_ms(prof) / n
-        busy = work * n / 1e3 / wall
-        # The profiler slows the host (each launch is recorded), not the kernels: the same
+        print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    # The busy fraction is the device's time inside the timed window over the window; that time
+    # includes the lead-in step's last kernels, which run inside it. The device work of a step is
+    # taken from the next pass, which starts drained: its kernels are its own steps' alone.
+    window_work = device_ms(prof) if gpu else None
+    # Where the host's time goes, by Python caller: a second, shorter pass with stacks (they
+    # slow the host, so the timed pass above runs without them).
+    with profile(activities=activities, with_stack=True) as prof:
+        run(min(n, 2))
+    print_host_callers(prof, min(n, 2))
+    busy = busy_plain = work = None
+    if gpu and window_work is not None:
+        busy = window_work / 1e3 / wall
+        work = device_ms(prof) / min(n, 2)
+        # The profiler slows the host (each launch is recorded), not the kernels: a step's
         # device work over the unprofiled step is the busy fraction of a step as it trains.
         busy_plain = work / 1e3 / plain
     print(
@@ -618,15 +641,6 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
         f"time ({fmt(busy_plain, '.1%')} of the unprofiled step's), device work "
         f"{fmt(work, '.1f')} ms/step"
     )
-    table = prof.key_averages()
-    if gpu:
-        print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
-    print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-    # Where the host's time goes, by Python caller: a second, shorter pass with stacks (they
-    # slow the host, so the timed pass above runs without them).
-    with profile(activities=activities, with_stack=True) as prof:
-        run(min(n, 2))
-    print_host_callers(prof, min(n, 2))
     ref_work = (
         None if args.no_ref else profile_reference(args, trainer, cfg, phase, mb, ref_attention, n)
     )

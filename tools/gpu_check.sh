@@ -11,10 +11,10 @@
 # one by one), hostfirst (the 16k row without HF, the host reading the step's figures before it
 # queues the update: train.skip_spikes=1e30, against bench16k's queued update), tier, and smoke
 # (the same commands in their CPU quick forms: checks the plumbing on any machine). Each part has
-# its own time limit. On a fresh H100 (2026-11-27) they took: bench16k 76 s without HF and 107 s
-# with it, profile 33 s (the compiles cached by bench16k), bench64k 71-80 s without HF, tier
-# 61 s with TIER_K="optimizer or synchronis" (its whole default selection ran past 200 s); the
-# machine's start and the copies add about 30 s a call.
+# its own time limit. On a fresh H100 (2026-11-27) they took: bench16k 76 s without HF and
+# 100-107 s with it, profile 27-33 s (the compiles cached by bench16k), bench64k 71-80 s, tier
+# 35 s with TIER_K=accumulation and 50-61 s with "optimizer or synchronis" (its whole default
+# selection ran past 200 s); the machine's start and the copies add 30-40 s a call.
 #
 # Where the machine has no megatron-core, put its wheel (and nothing else) in .whl/ first:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -81,7 +81,9 @@ read -r -a EXTRA <<<"${BENCH_EXTRA:-}"
 BENCH=(benchmarks/train_throughput.py --presets 210m --seqs 2048 --objectives mlm --fp8 ""
     --warmup 3 --steps 15 "${EXTRA[@]}")
 has bench16k && part bench16k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 16384
-has bench64k && part bench64k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 65536
+# No HF at 64k: its full-vocabulary logits alone ask for 31 GiB more (out of memory on an H100).
+has bench64k && part bench64k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 65536 \
+    --no-hf
 has hostfirst && part hostfirst "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 16384 \
     --no-hf --set train.skip_spikes=1e30
 if has profile; then  # the timed pass's Chrome trace comes back gzipped
