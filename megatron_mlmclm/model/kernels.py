@@ -593,9 +593,9 @@ def _batched_grad_accumulation(cfg: RunConfig, fusions: dict, stack: Choice) -> 
     arrives: one cast-and-add kernel per parameter, which CUDA runs unvectorised (bf16 into
     fp32: 1.5 ms of a 16k-token 210m step on an H100, 75 kernels). Under the plain stack the
     layers' gradients arrive together at the end of its one backward anyway, and no reduction
-    waits on a hook: there, every gradient of a backward pass goes into main_grad at its end in
-    one foreach kernel, a copy where main_grad is still as zeroed (0 + g: the same value) and an
-    add after that."""
+    waits on a hook: there they go into main_grad at the end of the backward pass in one foreach
+    kernel (the embedding's and output layer's as they arrive), a copy where main_grad is still
+    as zeroed (0 + g: the same value) and an add after that (training/engine.py, DataParallel)."""
     if fusions["gradient_accumulation_fusion"].on:
         return Choice(False, "Apex accumulates into main_grad inside the weight-gradient GEMM")
     if cfg.model.fusions == "off":
