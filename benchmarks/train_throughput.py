@@ -81,6 +81,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 import warnings
 
 import numpy as np
@@ -314,8 +315,6 @@ def main() -> None:
                             f"{torch.cuda.max_memory_allocated() / gib:.1f} GiB, reserved "
                             f"{torch.cuda.memory_reserved() / gib:.1f} GiB)"
                         )
-                        import traceback
-
                         print("".join(traceback.format_exc().splitlines(True)[-14:-1]))
                     row["label"] = label
                     rows.append(row)

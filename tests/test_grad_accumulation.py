@@ -1,6 +1,7 @@
-"""The kernel plan's batched_grad_accumulation (training/engine.py, DataParallel): the gradients of
-a backward pass moved into megatron's fp32 main_grad at its end in one foreach copy (or add),
-against megatron's own backward hook (one add per parameter as each gradient arrives). Same
+"""The kernel plan's batched_grad_accumulation (training/engine.py, DataParallel): the layer
+stack's gradients moved into megatron's fp32 main_grad at the end of the backward pass in one
+foreach copy (or add), the embedding's and output layer's as they arrive, against megatron's own
+backward hook (one add per parameter as each gradient arrives). Same
 main gradients after every backward, same weights and Adam state after every step, bit for bit,
 at one micro-batch (every gradient a copy) and two (the second an add), in bf16 and fp32."""
 
