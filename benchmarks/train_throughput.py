@@ -44,8 +44,10 @@ first preset, the longest sequence and MLM (else the first objective):
     steps with stacks, started drained: its device time is a step's device work, printed and in
     the RESULT line, and over the unprofiled step's time it is the busy fraction of a step as it
     trains, since the profiler slows the host and not the kernels), and the reference's steps on
-    the same batches under the profiler, also started drained: its device work per step against
-    ours (the GPU's work, whatever the host does) and its top kernels (skipped with --no-ref);
+    the same batches: unprofiled back to back as ours' (the ratio of the two is what training
+    gets, where the table's rows time each step between two drains), then under the profiler,
+    started drained: its device work per step against ours (the GPU's work, whatever the host
+    does) and its top kernels (skipped with --no-ref);
 (b) on CUDA, torch's own count of synchronising calls per step (cuda_sync_debug_count, sync
     debug mode), then under megatron_mlmclm.runtime.host_sync.HostSyncCounter the operations per
     step that make the host wait for the device, by operation and line (counted on CPU too: what
@@ -68,7 +70,8 @@ then RESULT train_throughput ratio=<ours_s/hf_s> ours_s=.. baseline_s=.., for th
 (210m, seq 2048, MLM 40%, bf16; with --quick the quick MLM row). With --profile the last line is
 RESULT train_throughput_profile host_syncs_per_step=<n or n/a> gpu_busy=<fraction or n/a>
 gpu_busy_unprofiled=<fraction or n/a> (and cuda_syncs_per_step=<n> on CUDA)
-device_ms=<ours' device work per step, ms, or n/a> ref_device_ms=<the reference's, or n/a>.
+device_ms=<ours' device work per step, ms, or n/a> ref_device_ms=<the reference's, or n/a>
+back_to_back_vs_reference=<ours / the reference, each timed unprofiled back to back, or n/a>.
 """
 
 from __future__ import annotations
@@ -541,20 +544,27 @@ def device_ms(prof) -> float:
 
 
 def profile_reference(args, trainer, cfg, phase, mb: int, ref_attention: str, n: int):
-    """The reference's steps on ours' batches under the profiler: its device work per step (the
-    kernels' time summed; None on CPU), set against ours', and its top kernels."""
+    """The reference's steps on ours' batches: unprofiled back to back as ours' (after a lead-in
+    step, the clock stopped by a drain), then under the profiler from a drain: (its unprofiled
+    s/step, its device work per step: the kernels' time summed, None on CPU), set against ours',
+    and its top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     gpu = on_gpu()
     bf16 = gpu and cfg.train.precision == "bf16"
     step = reference_steps(args, trainer, cfg, phase, mb, ref_attention, bf16)
 
-    def run(first: int, steps: int) -> None:
+    def run(first: int, steps: int, then_sync: bool = True) -> None:
         for r in range(first, first + steps):
             step(r)
-        sync()
+        if then_sync:
+            sync()
 
     run(0, args.warmup)
+    run(args.warmup, 1, then_sync=False)
+    t0 = time.perf_counter()
+    run(args.warmup + 1, n)
+    plain = (time.perf_counter() - t0) / n
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
@@ -562,15 +572,15 @@ def profile_reference(args, trainer, cfg, phase, mb: int, ref_attention: str, n:
         wall = (time.perf_counter() - t0) / n
     work = device_ms(prof) / n if gpu else None
     print(
-        f"reference, same batches: profiled {wall:.4f} s/step; device work "
-        f"{fmt(work, '.1f')} ms/step"
+        f"reference, same batches: unprofiled {plain:.4f} s/step, profiled {wall:.4f} s/step; "
+        f"device work {fmt(work, '.1f')} ms/step"
     )
     if gpu:
         table = prof.key_averages().table(
             sort_by="self_device_time_total", row_limit=12, max_name_column_width=60
         )
         print(table)
-    return work
+    return plain, work
 
 
 def profile_ours(args, attention: str, ref_attention: str, precision: str) -> None:
@@ -640,9 +650,14 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
         f"time ({fmt(busy_plain, '.1%')} of the unprofiled step's), device work "
         f"{fmt(work, '.1f')} ms/step"
     )
-    ref_work = (
-        None if args.no_ref else profile_reference(args, trainer, cfg, phase, mb, ref_attention, n)
-    )
+    ref_plain = ref_work = back_to_back = None
+    if not args.no_ref:
+        ref_plain, ref_work = profile_reference(args, trainer, cfg, phase, mb, ref_attention, n)
+        back_to_back = plain / ref_plain
+        print(
+            f"back to back, unprofiled (as training runs steps): ours {plain:.4f} s/step, "
+            f"reference {ref_plain:.4f} s/step, ours / reference {back_to_back:.3f}"
+        )
     cuda_syncs = None
     if gpu:
         count, messages = cuda_sync_debug_count(lambda: run(n))
@@ -668,6 +683,7 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
         f"gpu_busy={fmt(busy, '.3f')} gpu_busy_unprofiled={fmt(busy_plain, '.3f')}"
         + (f" cuda_syncs_per_step={cuda_syncs:g}" if gpu else "")
         + f" device_ms={fmt(work, '.2f')} ref_device_ms={fmt(ref_work, '.2f')}"
+        + f" back_to_back_vs_reference={fmt(back_to_back, '.3f')}"
     )
 
 
