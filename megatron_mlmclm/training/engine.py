@@ -408,10 +408,12 @@ class DataParallel(DDP):
         per_parameter = super()._make_backward_post_hook(param)
 
         def hook(*unused):
-            if not self.batched_accumulation or is_graph_capturing():
+            if (
+                not self.batched_accumulation
+                or is_graph_capturing()
+                or param not in self.param_to_bucket_group  # megatron's hook: nothing to do
+            ):
                 return per_parameter(*unused)
-            if param not in self.param_to_bucket_group:
-                return None
             # megatron's condition for adding param.grad (False where Apex already added it)
             added = getattr(param, "grad_added_to_main_grad", False)
             if param.grad is not None and (not added or getattr(param, "zero_out_wgrad", False)):
