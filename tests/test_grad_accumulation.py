@@ -3,7 +3,10 @@ stack's gradients moved into megatron's fp32 main_grad at the end of the backwar
 foreach copy (or add), the embedding's and output layer's as they arrive, against megatron's own
 backward hook (one add per parameter as each gradient arrives). Same
 main gradients after every backward, same weights and Adam state after every step, bit for bit,
-at one micro-batch (every gradient a copy) and two (the second an add), in bf16 and fp32."""
+at one micro-batch (every gradient a copy) and two (the second an add), in bf16 and fp32.
+Batched accumulation also leaves the buffers unzeroed at a step's start: every main_grad is
+filled with NaN after each step (megatron zeroes them, ours must overwrite them), and the last
+step freezes the word embeddings, whose main_grad must then be zeroed before the update."""
 
 from __future__ import annotations
 
@@ -51,15 +54,22 @@ def compare_with_megatrons_hook(tmp_path, precision: str, micro_batches: int, op
             ddp._accumulate_arrived = counted
             grads, records = [], []
             for step in range(3):
+                if step == 2:  # no gradient this step: its main_grad must be zero, not stale
+                    embedding.requires_grad_(False)
                 trainer.step = step
-                records.append(trainer.train_step(trainer.cfg.phases[0]))
+                records.append(trainer.train_step(trainer.phase_at_step(step)))
                 grads.append(main_grads(trainer))
+                with torch.no_grad():  # what a step leaves in the buffers must not matter
+                    for p in ddp.param_to_bucket_group:
+                        p.main_grad.fill_(float("nan"))
             # one end-of-backward move per micro-batch, none with megatron's hook
             assert len(calls) == (3 * micro_batches if name == "batched" else 0)
             runs[name] = (records, grads, state(trainer))
         finally:
             trainer.close()
     (b_rec, b_grads, b_state), (p_rec, p_grads, p_state) = runs["batched"], runs["per_parameter"]
+    (frozen,) = [n for n in p_grads[2] if n.endswith("embedding.word_embeddings.weight")]
+    assert not p_grads[2][frozen].any() and p_grads[1][frozen].any()
     for a, b in zip(b_rec, p_rec):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
     differ = []

@@ -386,7 +386,12 @@ class DataParallel(DDP):
       micro-batch). The layer stack's gradients, which its one backward yields together, are
       kept by the hooks (which clear param.grad, as megatron's do) and moved all at once at the
       end of the backward pass; the others (embedding, output layer) are moved as they arrive,
-      so that none is held through the stack's backward, where the step's memory peaks.
+      so that none is held through the stack's backward, where the step's memory peaks. Since
+      the first gradient of a step is copied, not added, the buffers are not zeroed at the
+      step's start (a pass over every fp32 gradient: 0.4 ms of a 16k-token 210m step on an
+      H100); what a parameter's main_grad held before its copy never reaches the update, and a
+      parameter that got no gradient in the step has its main_grad zeroed before the reduction
+      (finish_grad_sync), as the zeroed buffer would have left it.
     """
 
     def __init__(self, config, ddp_config, module, batched_accumulation=False, **kwargs):
@@ -402,7 +407,8 @@ class DataParallel(DDP):
         decoder = getattr(inner, "decoder", None)
         self._together = {id(p) for p in decoder.parameters()} if decoder is not None else set()
         self._arrived: list[tuple[Any, torch.Tensor]] = []  # (parameter, its gradient)
-        self._accumulated: set[int] = set()  # ids of parameters with a gradient since the zeroing
+        self._accumulated: set[int] = set()  # ids of parameters with a gradient this step
+        self._unzeroed = False  # the step started without zeroing the buffers
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
         per_parameter = super()._make_backward_post_hook(param)
@@ -413,6 +419,8 @@ class DataParallel(DDP):
                 or is_graph_capturing()
                 or param not in self.param_to_bucket_group  # megatron's hook: nothing to do
             ):
+                if self._unzeroed and param in self.param_to_bucket_group:
+                    self._zero_if_first(param)  # megatron's hook adds
                 return per_parameter(*unused)
             # megatron's condition for adding param.grad (False where Apex already added it)
             added = getattr(param, "grad_added_to_main_grad", False)
@@ -423,7 +431,7 @@ class DataParallel(DDP):
                     if not self._arrived:
                         Variable._execution_engine.queue_callback(self._accumulate_arrived)
                     self._arrived.append((param, param.grad.data))
-            elif added:
+            elif added:  # Apex added it (the buffers were zeroed: see zero_grad_buffer)
                 self._accumulated.add(id(param))
             param.grad = None
             return None
@@ -449,15 +457,38 @@ class DataParallel(DDP):
         if add[0]:
             torch._foreach_add_(add[0], add[1])  # pyright: ignore[reportPrivateImportUsage]
 
+    def _zero_if_first(self, param) -> None:
+        """Before an add into main_grad other than ours: zeroed, if the step has not yet."""
+        if self._unzeroed and id(param) not in self._accumulated:
+            param.main_grad.zero_()
+        self._accumulated.add(id(param))
+
     def zero_grad_buffer(self):
         self._accumulated.clear()
-        super().zero_grad_buffer()
+        self._unzeroed = self.batched_accumulation and not self.config.gradient_accumulation_fusion
+        if not self._unzeroed:
+            return super().zero_grad_buffer()
+        # megatron's zero_grad_buffer but the buffers' zeroing (the bucket groups' reset holds
+        # no gradient)
+        if getattr(self.config, "cuda_graph_impl", "none") != "transformer_engine":
+            for param in self.params_with_grad:
+                param.grad_added_to_main_grad = False
+        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            bucket_group.reset()
 
     def start_grad_sync(self, *args):
         if self.reduces:
             super().start_grad_sync(*args)
 
+    @torch.no_grad()
     def finish_grad_sync(self, force_all_reduce: bool | None = False):
+        if self._unzeroed:  # main_grad of a parameter without a gradient this step: zero
+            self._unzeroed = False
+            stale = [
+                p.main_grad for p in self.param_to_bucket_group if id(p) not in self._accumulated
+            ]
+            if stale:
+                torch._foreach_zero_(stale)  # pyright: ignore[reportPrivateImportUsage]
         if self.reduces:
             super().finish_grad_sync(force_all_reduce=force_all_reduce)
 
