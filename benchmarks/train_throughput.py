@@ -3,11 +3,13 @@ reference of the same shape, fed the same batches.
 
 For each preset x sequence length x objective x precision, in one process:
 - ours: `Trainer.train_step(phase)` (megatron-core EncoderLM, megatron DDP + optimizer, packed mock
-  samples with per-document attention). Attention core (`model.attention`, --attention): `auto`
-  by default, what a run gets (Transformer Engine's packed THD path when TE imports, else torch's
-  varlen kernel on CUDA, else FlexAttention on CUDA, else SDPA with a dense mask: the kernel
-  plan's rule), or `varlen`, `flex` (CUDA only: torch has no FlexAttention backward on CPU),
-  `sdpa` (dense [b,1,s,s] document mask).
+  samples with per-document attention), data.loader=sync: each step builds, lays out and sends
+  the next step's batches while it waits for its own figures (Trainer.prefetch_next), where hf
+  and ref build theirs at the start of the step, as plain loops do. Attention core
+  (`model.attention`, --attention): `auto` by default, what a run gets (Transformer Engine's
+  packed THD path when TE imports, else torch's varlen kernel on CUDA, else FlexAttention on
+  CUDA, else SDPA with a dense mask: the kernel plan's rule), or `varlen`, `flex` (CUDA only:
+  torch has no FlexAttention backward on CPU), `sdpa` (dense [b,1,s,s] document mask).
 - hf (MLM rows): EuroBertForMaskedLM(attn_implementation="sdpa") under torch.compile (eager with
   --no-compile or --quick), fused AdamW, bf16 autocast on GPU, the same masked inputs
   (megatron_mlmclm.objectives.mlm_mask on the same samples), cross-entropy over full logits,
@@ -116,7 +118,9 @@ def build_ours(args, preset: str, seq: int, objective: str, precision: str, fp8,
         "logging.tensorboard=false",
         "data.mock=true",
         f"model.preset={preset}",
-        "data.loader=sync",  # batches built in the step, as for hf (benchmarks/data_loader.py)
+        # batches built in this process, as for hf and ref (benchmarks/data_loader.py); the
+        # trainer builds the next step's while it waits for this step's figures
+        "data.loader=sync",
         f"model.vocab_size={args.vocab}",
         f"model.seq_length={seq}",
         f"train.steps={args.warmup + args.steps + 10}",
@@ -443,7 +447,7 @@ def run_row(
 
     def step_ours(r):
         trainer.step = r
-        stats = trainer.train_step(phase)
+        stats = trainer.train_step(trainer.phase_at_step(r))
         labelled.append(int(stats["tokens"]))
         if r == 0:
             step0["ours"] = stats["loss"]
@@ -600,7 +604,7 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
     def run(steps: int, then_sync: bool = True) -> None:
         for _ in range(steps):
             trainer.step = next(step)
-            trainer.train_step(phase)
+            trainer.train_step(trainer.phase_at_step(trainer.step))
         if then_sync:
             sync()
 

@@ -73,6 +73,9 @@ class Trainer:
         self.stop = StopSignals()  # SIGTERM / SIGUSR1: save after the step in flight, then stop
         self.lock: RunLock | None = None  # rank 0's lock on output_dir
         self._faults: FaultMonitor | None = None
+        # The next step's device micro-batches, fetched ahead (prefetch_next): ((loader, step,
+        # first sample, phase), batches).
+        self._next: tuple[tuple, list[dict[str, Any]]] | None = None
         self.loader: SyncLoader | None = None  # data.loader
 
     # ---------------------------------------------------------------------------------- setup
@@ -201,11 +204,15 @@ class Trainer:
         first = self.plan.first_sample(self.step)
         self.entry.enter(phase)
         e.zero_grad()
-        host = loader.get(self.step, first, phase)
+        ready, self._next = self._next, None
+        if ready is not None and ready[0] == (loader, self.step, first, phase):
+            batches = ready[1]
+        else:
+            batches = e.to_device(loader.get(self.step, first, phase), phase)
         scale = faults.loss_scale(self.step + 1)  # the test hook (training/inject.py)
         if scale != 1.0:
-            host = [dict(host[0], loss_scale=scale)] + host[1:]
-        totals = e.run_schedule(e.to_device(host, phase), forward_only=False)
+            batches = [dict(batches[0], loss_scale=scale)] + batches[1:]
+        totals = e.run_schedule(batches, forward_only=False)
         # The step's one transfer to the host (runtime/host_sync.py): its loss, token and
         # accuracy totals with the gradient norm and the non-finite check. With the kernel plan's
         # queued_update the update is queued first, clip and non-finite skip decided on the
@@ -217,8 +224,10 @@ class Trainer:
             e.scheduler.step(1)  # the LR of step k is the schedule's value at k + 1
             on_the_way = OnTheWayToHost(figures)
             update = e.queue_update(figures)
+            self.prefetch_next()
             loss_sum, tokens, correct, grad_norm, nonfinite = on_the_way.values()
         else:
+            self.prefetch_next()
             loss_sum, tokens, correct, grad_norm, nonfinite = figures.tolist()
         loss = loss_sum / max(tokens, 1)
         # Stop before a non-finite loss or gradient can reach the weights (a queued update has
@@ -256,6 +265,26 @@ class Trainer:
             stats["fault"] = "transient non-finite step, finite on its re-run"
         stats.update(update)
         return stats
+
+    def prefetch_next(self) -> None:
+        """The next step's micro-batches taken from the loader, laid out and sent to the device
+        while the host would wait for this step's figures (the device is still in the backward
+        pass then; the copies queue behind the update). The next step then starts its forward
+        at once. Fetched in the step, they kept the device idle 2.3 ms a step (210m, 16k tokens,
+        an H200 machine): the layout, pinning and copies take 1.4 ms of host time, building a
+        data.loader=sync batch 2-3 ms more. A step other than the next, another phase or another
+        loader finds no match and asks the loader itself; so does the next step where this
+        fetch failed (it meets the error there, in its own step)."""
+        self._next = None
+        step = self.step + 1
+        if step >= self.end or self.loader is None:
+            return
+        phase, first = self.plan.phase(step), self.plan.first_sample(step)
+        try:
+            batches = self.engine.to_device(self.loader.get(step, first, phase), phase)
+        except Exception:
+            return
+        self._next = ((self.loader, step, first, phase), batches)
 
     # ----------------------------------------------------------------- checkpoint state, close
     def state_dict(self) -> dict[str, Any]:
