@@ -96,9 +96,11 @@ has stack && part stack "${LIMIT_STACK:-300}" $PY benchmarks/layer_stack.py --pr
     --layers 12 --hidden 768 --ffn 3072 --heads 12 --kv-heads 12 --seq 2048 --micro-batch 8 \
     --vocab 128256 --threads 8
 # TIER_K: the tier's checks (pytest -k); the first, a model trained until it has learned, takes
-# a few minutes on a fresh machine.
+# a few minutes on a fresh machine. "fusions" and "compile" train the fast path against megatron's
+# unfused kernels and optimizer, and against eager.
+TIER_DEFAULT="learned or varlen or flex or optimizer or synchronis or accumulation or fusions"
 has tier && part tier "${LIMIT_TIER:-480}" $PY -m pytest -q -m gpu -rs tests/gpu \
-    -k "${TIER_K:-learned or varlen or flex or optimizer or synchronis or accumulation}"
+    -k "${TIER_K:-$TIER_DEFAULT or compile}"
 if has smoke; then
     part smoke-bench 300 $PY benchmarks/train_throughput.py --quick
     part smoke-hostfirst 300 $PY benchmarks/train_throughput.py --quick --set train.skip_spikes=1e30
