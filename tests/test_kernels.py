@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import yaml
 
 from megatron_mlmclm.cli import main
@@ -360,11 +361,14 @@ def test_the_engine_runs_the_planned_optimizer(tmp_path):
     assert losses["auto"] == losses["off"]
 
 
+@pytest.mark.parametrize("saved,resumed", [("off", "auto"), ("auto", "off")])
 @pytest.mark.parametrize("dist_opt", [False, True], ids=["float16", "distributed"])
-def test_a_resumed_optimizer_is_fused_again(tmp_path, dist_opt):
+def test_a_resumed_optimizer_is_the_plans(tmp_path, dist_opt, saved, resumed):
     """A checkpoint carries its param groups' AdamW flags and loading restores them: a run saved
     unfused (model.fusions=off) and resumed with the plan's fused AdamW gets fused groups back,
-    its step counters on the parameters' device and counting on."""
+    its step counters on the parameters' device; a run saved fused and resumed with
+    model.fusions=off gets torch's unfused AdamW, its counters on the host (as torch keeps
+    them). Either way the counters count on."""
     from megatron_mlmclm.training.engine import chained
     from megatron_mlmclm.training.trainer import Trainer
 
@@ -375,22 +379,27 @@ def test_a_resumed_optimizer_is_fused_again(tmp_path, dist_opt):
         "train.precision=bf16",
         f"parallel.use_distributed_optimizer={str(dist_opt).lower()}",
     ]
-    first = Trainer(cfg(*common, "model.fusions=off"), stop_at=2)
+    first = Trainer(cfg(*common, f"model.fusions={saved}"), stop_at=2)
     first.setup()
     try:
         first.train()
+        saved_groups = [g for o in chained(first.optimizer) for g in o.optimizer.param_groups]
+        assert all(bool(g.get("fused")) == (saved == "auto") for g in saved_groups)
     finally:
         first.close()
-    resumed = Trainer(cfg(*common))
-    resumed.setup()
+    resumed_run = Trainer(cfg(*common, f"model.fusions={resumed}"))
+    resumed_run.setup()
+    fused = resumed == "auto"
     try:
-        assert resumed.step == 2
-        inner = [o.optimizer for o in chained(resumed.optimizer)]
-        assert all(g["fused"] is True for o in inner for g in o.param_groups)
+        assert resumed_run.step == 2
+        assert resumed_run.engine.kernels.fused_adamw.on == fused
+        inner = [o.optimizer for o in chained(resumed_run.optimizer)]
+        assert all(bool(g["fused"]) == fused for o in inner for g in o.param_groups)
         for o in inner:
             for param, state in o.state.items():
-                assert state["step"].device == param.device and int(state["step"]) == 2
-        resumed.train_step(resumed.cfg.phases[0])
+                where = param.device if fused else torch.device("cpu")
+                assert state["step"].device == where and int(state["step"]) == 2
+        resumed_run.train_step(resumed_run.cfg.phases[0])
         assert all(int(s["step"]) == 3 for o in inner for s in o.state.values())
     finally:
-        resumed.close()
+        resumed_run.close()

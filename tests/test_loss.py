@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerance import assert_close_at_scale
 
 from megatron_mlmclm.model.loss import EAGER, LossKernels, sparse_cross_entropy
 
@@ -97,6 +98,6 @@ def test_compiled_matches_megatron_within_rounding_at_every_size(dtype):
         loss, grad, _ = ours(logits, targets, grad_loss, kernels)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
         tol = 1e-6 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(grad.float(), ref_grad.float(), rtol=tol, atol=tol)
+        assert_close_at_scale(grad.float(), ref_grad.float(), rel=tol)
     # One graph per piece (the forward and the gradient) for all three sizes: no recompile.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2

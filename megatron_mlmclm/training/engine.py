@@ -117,23 +117,27 @@ class Engine:
         return engine
 
     def optimizer_loaded(self) -> None:
-        """After the optimizer is built or its state loaded: the kernel plan's AdamW. A checkpoint
-        carries its param groups' flags (`fused`, `foreach`) and loading restores them, so they
-        are set again here; fused AdamW keeps its step counters on the parameters' device."""
-        if not self.kernels.fused_adamw.on:
-            return
+        """After the optimizer is built or its state loaded: the kernel plan's AdamW, fused or
+        not. A checkpoint carries its param groups' flags (`fused`, `foreach`) and loading
+        restores them, so they are set again here, both ways: a run saved fused and resumed with
+        model.fusions=off runs the unfused AdamW it asked for. Fused AdamW keeps its step
+        counters on the parameters' device, the unfused one on the host (torch's defaults)."""
+        fused = self.kernels.fused_adamw.on
         for opt in chained(self.optimizer):
             inner = opt.optimizer
             if inner is None or not isinstance(inner, torch.optim.AdamW):
                 continue
-            inner.defaults.update(fused=True, foreach=False)
+            if fused:
+                inner.defaults.update(fused=True, foreach=False)
+            flags = {"fused": inner.defaults.get("fused"), "foreach": inner.defaults.get("foreach")}
             for group in inner.param_groups:
-                group.update(fused=True, foreach=False)
+                group.update(flags)
                 for param in group["params"]:
                     state = inner.state.get(param, {})
                     step = state.get("step")
-                    if isinstance(step, torch.Tensor) and step.device != param.device:
-                        state["step"] = step.to(param.device, torch.float32)
+                    where = param.device if fused else torch.device("cpu")
+                    if isinstance(step, torch.Tensor) and step.device != where:
+                        state["step"] = step.to(where, torch.float32)
 
     def parameters_gathered(self):
         """With overlap_param_gather, the step leaves the parameter all-gather to the next forward

@@ -4,6 +4,7 @@ fp32 copy anywhere, and the step differs from the fp32 one; fp32 stays fp32."""
 from __future__ import annotations
 
 import torch
+from tolerance import assert_close_at_scale
 
 from megatron_mlmclm.eval.families import sc
 from megatron_mlmclm.eval.finetune import FinetuneConfig, seed_everything, train
@@ -68,4 +69,4 @@ def test_bf16_pure_keeps_weights_and_optimizer_state_in_bf16(tiny_model):
     w = "classifier.weight"
     assert not torch.equal(pure.state_dict()[w].float(), full.state_dict()[w])
     # bf16 holds ~3 significant digits: the two updates agree to that, not beyond
-    assert torch.allclose(pure.state_dict()[w].float(), full.state_dict()[w], atol=2e-2)
+    assert_close_at_scale(pure.state_dict()[w].float(), full.state_dict()[w], rel=1e-2)
