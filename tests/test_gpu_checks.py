@@ -31,9 +31,11 @@ def finite(row) -> bool:
 
 
 @pytest.mark.slow
-def test_learned_check_runs_on_the_stand_in(tmp_path):
-    row = checks.check_learned_without_leak(tmp_path, CPU_SIZE, have_te=False)
+@pytest.mark.parametrize("attention", ["thd", "varlen"])
+def test_learned_check_runs_on_the_stand_ins(tmp_path, attention):
+    row = checks.check_learned_without_leak(tmp_path, CPU_SIZE, attention)
     assert "CLM tail" in row.result and "unigram level" in row.result and finite(row)
+    assert f"attention {attention}" in row.check
 
 
 @pytest.mark.slow

@@ -48,7 +48,11 @@ def test_cpu_plan_is_todays_cpu_path_everything_off():
 
 
 def test_cuda_plan_is_megatron_lms_defaults_where_the_kernels_are_present():
-    got = on(plan_kernels(cfg("parallel.use_distributed_optimizer=true"), "cuda", EVERYTHING))
+    got = on(
+        plan_kernels(
+            cfg("parallel.use_distributed_optimizer=true"), "cuda", EVERYTHING, world_size=8
+        )
+    )
     for f in (
         "bias_activation_fusion",
         "bias_dropout_fusion",
@@ -84,20 +88,26 @@ def test_cuda_plan_never_asks_for_a_missing_kernel():
 
 
 def test_fusions_off_and_overlap_rules():
-    got = on(
-        plan_kernels(
-            cfg("model.fusions=off", "parallel.use_distributed_optimizer=true"), "cuda", EVERYTHING
-        )
-    )
+    dist = "parallel.use_distributed_optimizer=true"
+    got = on(plan_kernels(cfg("model.fusions=off", dist), "cuda", EVERYTHING, world_size=2))
     assert all(got[f] is False for f in FUSIONS)
     assert got["overlap_param_gather"] is True  # fusions=off leaves overlap alone
-    plain = on(plan_kernels(cfg(), "cuda", EVERYTHING))  # no distributed optimizer
-    assert plain["overlap_grad_reduce"] is False and plain["overlap_param_gather"] is False
+    # without the distributed optimizer the all-reduce overlaps, nothing is gathered
+    plain = plan_kernels(cfg(), "cuda", EVERYTHING, world_size=2)
+    assert plain.overlap_grad_reduce.on and "all-reduce" in plain.overlap_grad_reduce.why
+    assert not plain.overlap_param_gather.on
+    # one data-parallel rank: nothing to reduce, whatever the optimizer
+    for world, layout in ((1, []), (2, ["parallel.tensor_model_parallel_size=2"])):
+        alone = plan_kernels(cfg(dist, *layout), "cuda", EVERYTHING, world_size=world)
+        assert alone.data_parallel_size == 1
+        assert not alone.overlap_grad_reduce.on and not alone.overlap_param_gather.on
+        assert "one data-parallel rank" in alone.overlap_grad_reduce.why
     no_gather = on(
         plan_kernels(
             cfg("parallel.use_distributed_optimizer=true", "parallel.overlap_param_gather=false"),
             "cuda",
             EVERYTHING,
+            world_size=2,
         )
     )
     assert no_gather["overlap_grad_reduce"] is True and no_gather["overlap_param_gather"] is False
@@ -131,17 +141,17 @@ def test_pipeline_p2p_and_aligned_gather_follow_megatron_lm():
     vpp = pp2 + ["parallel.virtual_pipeline_model_parallel_size=1"]
     dist = ["parallel.use_distributed_optimizer=true"]
     for device in ("cuda", "cpu"):  # the CPU runs the GPU's choice
-        plain = plan_kernels(cfg(*pp2, *dist), device, EVERYTHING)
+        plain = plan_kernels(cfg(*pp2, *dist), device, EVERYTHING, world_size=4)
         kw = plain.transformer_kwargs()
         assert plain.p2p == "batched" and kw["batch_p2p_comm"] and not kw["overlap_p2p_comm"]
-        inter = plan_kernels(cfg(*vpp, *dist), device, EVERYTHING)
+        inter = plan_kernels(cfg(*vpp, *dist), device, EVERYTHING, world_size=4)
         kw = inter.transformer_kwargs()
         assert inter.p2p == "overlapped" and not kw["batch_p2p_comm"] and kw["overlap_p2p_comm"]
         assert "PP > 2" in inter.p2p_why
-    gpu = plan_kernels(cfg(*pp2, *dist), "cuda", EVERYTHING)
+    gpu = plan_kernels(cfg(*pp2, *dist), "cuda", EVERYTHING, world_size=4)
     assert gpu.overlap_param_gather.on and not gpu.align_param_gather.on
     assert "pre-hooks" in gpu.align_param_gather.why
-    gpu_vpp = plan_kernels(cfg(*vpp, *dist), "cuda", EVERYTHING)
+    gpu_vpp = plan_kernels(cfg(*vpp, *dist), "cuda", EVERYTHING, world_size=4)
     assert gpu_vpp.overlap_param_gather.on and gpu_vpp.align_param_gather.on
     report = gpu_vpp.report()
     assert "pipeline_p2p" in report and "align_param_gather" in report
@@ -268,6 +278,8 @@ def test_optimizer_layers_and_compile_decisions():
     assert not plan_kernels(cfg("model.compile=off"), "cuda", NOTHING).compile.on
     off = plan_kernels(cfg("model.fusions=off"), "cuda", NOTHING)
     assert not off.fused_adamw.on and not off.compile.on
+    assert not off.plain_layers.on and not off.plain_stack.on  # megatron's own layers
+    assert not off.batched_grad_accumulation.on and not off.queued_update.on
     te = plan_kernels(cfg(), "cuda", Kernels(te_version=(2, 8, 0), apex_adam=True))
     assert not te.fused_adamw.on and "FusedAdam" in te.fused_adamw.why
     assert not te.plain_layers.on  # TE's layers
@@ -287,19 +299,13 @@ def test_optimizer_layers_and_compile_decisions():
         (["parallel.tensor_model_parallel_size=2"], Kernels(torch_varlen=True), "megatron's"),
         (["model.attention=flex"], Kernels(torch_varlen=True), "block mask"),
         (["train.recompute=full"], Kernels(torch_varlen=True), "recomputes layer by layer"),
-        (
-            ["parallel.use_distributed_optimizer=true"],
-            Kernels(torch_varlen=True),
-            "overlaps the backward",
-        ),
     ],
 )
 def test_the_layer_stack_is_one_function_only_where_nothing_runs_between_layers(
     overrides, kernels, why
 ):
     """One stack (model/layers.py) needs plain layers, a pure-function attention (SDPA,
-    varlen), no per-layer recompute and no gradient reduce overlapping the backward; the halves
-    are compiled per layer otherwise."""
+    varlen) and no per-layer recompute; the halves are compiled per layer otherwise."""
     default = plan_kernels(cfg(), "cuda", kernels)
     assert default.plain_stack.on and default.attention == "varlen"
     plan = plan_kernels(cfg(*overrides), "cuda", kernels)
@@ -307,6 +313,63 @@ def test_the_layer_stack_is_one_function_only_where_nothing_runs_between_layers(
     if plan.plain_layers.on:
         assert "two halves" in plan.compile.why
     assert plan_kernels(cfg(), "cpu", NOTHING).plain_stack.on  # eager, through the same stack
+
+
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["float16", "distributed"])
+def test_data_parallel_runs_take_the_layer_stack_in_chunks(dist_opt):
+    """Under data parallelism (with or without the distributed optimizer) the reduce overlaps the
+    backward and the fast path stays: the plain stack, in chunks of at most 4 layers so each
+    chunk's buckets reduce while the earlier layers' backward runs, with the batched gradient
+    accumulation. One rank: one chunk (nothing to overlap). model.stack_chunks overrides."""
+    varlen = Kernels(torch_varlen=True)
+    common = [f"parallel.use_distributed_optimizer={str(dist_opt).lower()}", "model.preset=610m"]
+    plan = plan_kernels(cfg(*common, "model.num_layers=26"), "cuda", varlen, world_size=8)
+    assert plan.overlap_grad_reduce.on and plan.overlap_param_gather.on == dist_opt
+    assert plan.plain_stack.on and plan.batched_grad_accumulation.on
+    assert plan.stack_chunks == 7 and "chunks of at most 4" in plan.stack_chunks_why
+    assert plan.data_parallel_size == 8 and "8 ranks" in plan.data_parallel_why
+    one = plan_kernels(cfg(*common, "model.num_layers=26"), "cuda", varlen, world_size=1)
+    assert one.plain_stack.on and one.batched_grad_accumulation.on and one.stack_chunks == 1
+    pp = ["model.num_layers=26", "parallel.pipeline_model_parallel_size=2"]
+    assert plan_kernels(cfg(*common, *pp), "cuda", varlen, world_size=16).stack_chunks == 4
+    asked = plan_kernels(
+        cfg(*common, "model.num_layers=26", "model.stack_chunks=3"), "cuda", varlen, world_size=1
+    )
+    assert asked.stack_chunks == 3 and "model.stack_chunks=3" in asked.stack_chunks_why
+    with pytest.raises(UsageError, match="model.stack_chunks must be >= 1"):
+        cfg("model.stack_chunks=0")
+
+
+def test_the_data_parallel_size_is_the_launchs(monkeypatch):
+    """WORLD_SIZE (torchrun's) over TP x PP; unset: one rank, and the plan says how to plan a
+    launch of more."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    alone = plan_kernels(cfg(), "cuda", NOTHING)
+    assert alone.data_parallel_size == 1 and "WORLD_SIZE unset" in alone.data_parallel_why
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    tp2 = plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cuda", NOTHING)
+    assert tp2.data_parallel_size == 4 and "WORLD_SIZE=8" in tp2.data_parallel_why
+    assert tp2.overlap_grad_reduce.on
+
+
+def test_the_studys_610m_config_takes_the_fast_path_on_eight_gpus(capsys, monkeypatch):
+    """The study's 610m config (distributed optimizer) planned for a launch of 8 ranks on a GPU
+    machine: the layer stack, in chunks, and the batched gradient accumulation (with torch's
+    varlen kernel, as on the GPUs that ran it)."""
+    import megatron_mlmclm.model.kernels as kernels
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setattr(kernels, "probe_kernels", lambda: Kernels(torch_varlen=True))
+    config = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "610m.yaml")
+    assert main(["pretrain", config, "runtime.device=cuda", "--dry-run"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        words = line.lstrip("# ").split()
+        if len(words) >= 2 and line.startswith("#   "):
+            rows[words[0]] = words[1]
+    for name in ("plain_stack", "batched_grad_accumulation", "overlap_grad_reduce"):
+        assert rows[name] == "on", (name, rows)
+    assert rows["stack_chunks"] == "7" and rows["data_parallel"] == "8"
 
 
 def test_dry_run_names_every_kernel_decision(capsys):

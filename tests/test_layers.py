@@ -296,6 +296,57 @@ def test_the_stack_computes_what_the_layers_compute_one_by_one(precision, varlen
         assert_close_at_scale(stacked[1][name], grad, rel=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_stack_in_chunks_is_the_one_stack_and_runs_the_modules_pre_hooks(precision):
+    """Three layers in two chunks (two layers, then one with the final norm): loss and every
+    gradient bit for bit the stack as one function. Before each chunk the forward pre-hooks of
+    the modules it stands for run, every one, in forward order (megatron's DDP waits there for
+    the overlapped parameter all-gather), and the chunks' gradient groups hold every decoder
+    parameter once."""
+    model = stack_model(precision, True, "model.num_layers=3", "model.stack_chunks=2")
+    decoder, kernels = model.decoder, model.decoder.layers[0].kernels
+    assert kernels.stack_chunks == 2
+    groups = decoder.gradient_groups()
+    assert [len(g) for g in groups] == [2 * 6, 6 + 1]  # 6 weights a layer, the final norm
+    assert sorted(id(p) for g in groups for p in g) == sorted(id(p) for p in decoder.parameters())
+    events: list[str] = []
+    names = {id(m): n for n, m in decoder.named_modules()}
+    handles = [
+        m.register_forward_pre_hook(lambda m, args: events.append(names[id(m)]))
+        for m in decoder.modules()
+        if m is not decoder
+    ]
+    stack = kernels.stack
+    kernels.stack = lambda *args: events.append(f"stack of {len(args[1])}") or stack(*args)
+    try:
+        chunked = model_step(model, precision, True, False)
+        kernels.stack_chunks = 1
+        events_one = len(events)
+        whole = model_step(model, precision, True, False)
+    finally:
+        kernels.stack_chunks = 2
+        kernels.stack = stack
+        for handle in handles:
+            handle.remove()
+    # every module the stack stands for (a ModuleList is a container: it has no forward)
+    modules = [
+        n
+        for n, m in decoder.named_modules()
+        if m is not decoder and not isinstance(m, torch.nn.ModuleList)
+    ]
+    first = [n for n in modules if n.startswith(("layers.0", "layers.1"))]
+    assert events[:events_one] == [
+        *first,
+        "stack of 2",
+        *[n for n in modules if n not in first],
+        "stack of 1",
+    ]
+    assert events[events_one:] == [*modules, "stack of 3"]
+    assert torch.equal(chunked[0], whole[0])
+    for name, grad in whole[1].items():
+        assert torch.equal(chunked[1][name], grad), name
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["sdpa", "varlen"])
 def test_the_stack_is_one_graph_without_breaks(varlen):
     """What torch.compile sees of the stack: one graph, attention included, for the dense mask

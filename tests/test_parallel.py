@@ -53,15 +53,7 @@ LAYOUTS = {
         ],
     ),
     "dp2": (2, []),
-    # Overlapped gradient reduce-scatter and parameter all-gather (the GPU default), run on gloo.
-    "dp2_distopt_overlap": (
-        2,
-        [
-            "parallel.use_distributed_optimizer=true",
-            "parallel.overlap_grad_reduce=true",
-            "parallel.overlap_param_gather=true",
-        ],
-    ),
+    # (the overlapped reduce-scatter and gather, the GPU default: tests/test_data_parallel.py)
     "dp2_distopt": (2, ["parallel.use_distributed_optimizer=true"]),
     "recompute_full": (1, ["train.recompute=full"]),
     # The packed THD path and context parallelism (TE's path on GPU), with the stand-in kernel.

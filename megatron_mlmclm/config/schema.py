@@ -79,12 +79,18 @@ class ModelConfig:
     # path with).
     attention: Literal["auto", "sdpa", "flex", "varlen", "thd"] = "auto"
     # Fused kernels (model/kernels.py): auto = Megatron-LM's defaults where the kernel is present
-    # on CUDA, and torch's fused AdamW without Apex/TE; off = none (a debugging switch).
+    # on CUDA, torch's fused AdamW without Apex/TE and the plain layers; off = the reference path
+    # (a debugging switch): no fusion, megatron's own layers, hooks and unfused AdamW.
     fusions: Literal["auto", "off"] = "auto"
     # torch.compile of the plain transformer layers (model/layers.py) and of the sparse head's
     # loss (model/loss.py): auto = on with CUDA (the first step then compiles, about a minute),
     # off on CPU; on = also on CPU (tests; slow to compile); off = eager everywhere.
     compile: Literal["auto", "on", "off"] = "auto"
+    # The layer stack (model/layers.py) as this many consecutive chunks of layers, each one
+    # compiled graph whose gradient buckets are reduced while the earlier layers' backward runs:
+    # None = the kernel plan's (one chunk where no gradient reduce overlaps the backward, chunks
+    # of 4 layers where one does).
+    stack_chunks: int | None = None
 
     SHAPE_FIELDS = (
         "num_layers",
@@ -137,6 +143,8 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             self.rope_scaling.validate()
+        if self.stack_chunks is not None and self.stack_chunks < 1:
+            raise UsageError(f"model.stack_chunks must be >= 1 (or null), got {self.stack_chunks}")
 
     def shape(self) -> TransformerShape:
         """What the FLOP count needs (flops.py)."""
@@ -290,9 +298,14 @@ class ParallelConfig:
     context_parallel_size: int = 1
     # None = auto (model/kernels.py): on with TP > 1 on GPU; true also runs on CPU (gloo).
     sequence_parallel: bool | None = None
-    # None = auto (model/kernels.py): on CUDA with the distributed optimizer, both overlap.
+    # None = auto (model/kernels.py): on CUDA where the data-parallel group has more than one
+    # rank, the gradient reduce overlaps the backward pass, and with the distributed optimizer
+    # the parameter gather the forward pass.
     overlap_grad_reduce: bool | None = None
     overlap_param_gather: bool | None = None
+    # Parameters per gradient bucket of megatron's DDP (Megatron-LM's --ddp-bucket-size) where
+    # the reduce overlaps the backward: None = megatron's max(40M, 1M x DP ranks).
+    ddp_bucket_size: int | None = None
 
     def validate(self) -> None:
         for k in (
@@ -302,6 +315,10 @@ class ParallelConfig:
         ):
             if getattr(self, k) < 1:
                 raise UsageError(f"parallel.{k} must be >= 1, got {getattr(self, k)}")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise UsageError(
+                f"parallel.ddp_bucket_size must be >= 1 (or null), got {self.ddp_bucket_size}"
+            )
 
 
 @dataclass

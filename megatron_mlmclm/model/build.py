@@ -131,6 +131,7 @@ def layer_spec(
     plain: bool = False,
     compiled: bool = False,
     stack: bool = False,
+    stack_chunks: int = 1,
 ):
     """The kernel plan's layer as a layer spec: Transformer Engine's spec for te-thd, else
     megatron's local spec with our core attention (SDPA, Flex, varlen or the THD stand-in), our
@@ -155,7 +156,7 @@ def layer_spec(
     spec.submodules.pre_mlp_layernorm = RMSNorm
     if plain:  # one LayerKernels for all layers: one compiled graph per half, or one stack
         spec.module = PlainTransformerLayer
-        spec.params = {**spec.params, "kernels": LayerKernels(compiled, stack)}
+        spec.params = {**spec.params, "kernels": LayerKernels(compiled, stack, stack_chunks)}
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm
     )
@@ -279,6 +280,7 @@ def build_model_chunk(
             plan.plain_layers.on,
             plan.compile.on,
             plan.plain_stack.on,
+            plan.stack_chunks,
         ),
         vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=m.seq_length,

@@ -4,17 +4,21 @@ One function decides it from three things: the target device (`runtime.device`),
 this machine (Transformer Engine and its version, Apex's CUDA extensions) and the run config. On
 CUDA the plan is Megatron-LM's (megatron/training/arguments.py in megatron-core 0.16): every fusion
 that Megatron-LM turns on by default is on here too, but only where its kernel is present, so the
-plan never asks megatron-core for a kernel that would raise; with the distributed optimizer,
-gradient reduce and parameter gather overlap the backward and forward passes. On CPU the fusions are
+plan never asks megatron-core for a kernel that would raise; where the data-parallel group has more
+than one rank the gradient reduce overlaps the backward pass (and with the distributed optimizer
+the parameter gather the forward pass). The data-parallel size is the launch's (WORLD_SIZE, as
+torchrun sets it, over TP x PP x CP). On CPU the fusions are
 off, as megatron-core's fused paths need CUDA (docs/parallelism.md); every other decision (pipeline
 communication, initialisation, the packed THD path through a pure-torch stand-in for TE's kernel)
-is the GPU's, so the CPU suite runs what a GPU runs. `model.fusions: off` turns the fusions off on
-any device (a debugging switch). The plan also sets what must be set in the process before CUDA
+is the GPU's, so the CPU suite runs what a GPU runs. `model.fusions: off` is the reference path on
+any device (a debugging switch): no fusion, megatron's own layers (no plain layer, stack or
+compile), megatron's gradient hooks, torch's unfused AdamW and the host deciding before the
+update. The plan also sets what must be set in the process before CUDA
 starts (`apply_to_process`: CUDA_DEVICE_MAX_CONNECTIONS, TF32).
 
 `mlmclm pretrain CONFIG --dry-run` prints the plan, and `runtime.device=cuda` plans a GPU run on a
 machine without one (a login node) as the kernels that import there allow. A training run logs the
-plan's one-line summary at setup. docs/gpu.md says which of this has run on a GPU (so far: none).
+plan's one-line summary at setup. docs/gpu.md says which of this has run on a GPU.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_mlmclm.config import ModelConfig, RunConfig, attention_path
+from megatron_mlmclm.config import ModelConfig, RunConfig, attention_path, resolved
 from megatron_mlmclm.config import attention as attention_rule
 from megatron_mlmclm.config.attention import torch_has_varlen
 from megatron_mlmclm.errors import UsageError
@@ -120,6 +124,12 @@ class KernelPlan:
     # The backward's gradients into megatron's fp32 main_grad: one foreach kernel per backward
     # pass, or megatron's one kernel per parameter (training/engine.py, DataParallel).
     batched_grad_accumulation: Choice = Choice(False, "")
+    # The stack as consecutive chunks of layers, one compiled graph each (model/layers.py).
+    stack_chunks: int = 1
+    stack_chunks_why: str = ""
+    # Data-parallel ranks times context-parallel ranks: the gradient reduce's group.
+    data_parallel_size: int = 1
+    data_parallel_why: str = ""
     context_parallel_size: int = 1
     # THD streams: the whole micro-batch's token count is padded to `thd_token_multiple` (FP8
     # GEMMs; TP under sequence parallelism); with CP each sequence to `cp_sequence_multiple`.
@@ -166,6 +176,7 @@ class KernelPlan:
         """(name, on or value, why) for every decision, in print order."""
         out = [(n, c.on, c.why) for n, c in self.fusions.items()]
         out += [
+            ("data_parallel", str(self.data_parallel_size), self.data_parallel_why),
             ("overlap_grad_reduce", self.overlap_grad_reduce.on, self.overlap_grad_reduce.why),
             ("overlap_param_gather", self.overlap_param_gather.on, self.overlap_param_gather.why),
             ("align_param_gather", self.align_param_gather.on, self.align_param_gather.why),
@@ -178,6 +189,7 @@ class KernelPlan:
             ("queued_update", self.queued_update.on, self.queued_update.why),
             ("plain_layers", self.plain_layers.on, self.plain_layers.why),
             ("plain_stack", self.plain_stack.on, self.plain_stack.why),
+            ("stack_chunks", str(self.stack_chunks), self.stack_chunks_why),
             ("compile", self.compile.on, self.compile.why),
             (
                 "batched_grad_accumulation",
@@ -266,7 +278,11 @@ def resolve_device(cfg: RunConfig, planning: bool = False) -> str:
     return wanted
 
 
-def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) -> KernelPlan:
+def plan_kernels(
+    cfg: RunConfig, device: str, kernels: Kernels | None = None, world_size: int | None = None
+) -> KernelPlan:
+    """The plan for `device`; `world_size` is the launch's number of ranks (None: WORLD_SIZE
+    from the environment, as torchrun sets it before the process starts; 1 without it)."""
     k = kernels if kernels is not None else probe_kernels()
     p = cfg.parallel
     attention = _attention(cfg, device, k)
@@ -276,14 +292,16 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
     else:
         off = Choice(False, "CPU: megatron-core's fused kernels need CUDA")
         fusions = {n: off for n in FUSIONS}
-    grad, gather = _overlap(cfg, device)
+    dp, dp_why = _data_parallel(cfg, world_size)
+    grad, gather = _overlap(cfg, device, dp)
     sp = _sequence_parallel(cfg, device)
     multiple, multiple_why, cp_multiple = _thd_multiples(cfg, sp.on)
     connections, connections_why = _max_connections(cfg, device)
     tf32, tf32_why = _tf32(cfg, device)
     p2p, p2p_why = _pipeline_p2p(cfg)
     plain = _plain_layers(cfg, attention[0], sp.on)
-    stack = _plain_stack(cfg, plain, attention[0], grad)
+    stack = _plain_stack(cfg, plain, attention[0])
+    chunks, chunks_why = _stack_chunks(cfg, stack, grad)
     fused_adamw = _fused_adamw(cfg, k)
     return KernelPlan(
         device=device,
@@ -301,8 +319,12 @@ def plan_kernels(cfg: RunConfig, device: str, kernels: Kernels | None = None) ->
         queued_update=_queued_update(cfg, fused_adamw),
         plain_layers=plain,
         plain_stack=stack,
-        compile=_compile(cfg, device, plain, stack),
+        compile=_compile(cfg, device, plain, stack, chunks),
         batched_grad_accumulation=_batched_grad_accumulation(cfg, fusions, stack),
+        stack_chunks=chunks,
+        stack_chunks_why=chunks_why,
+        data_parallel_size=dp,
+        data_parallel_why=dp_why,
         context_parallel_size=p.context_parallel_size,
         thd_token_multiple=multiple,
         thd_multiple_why=multiple_why,
@@ -406,9 +428,31 @@ def _check_fp8(cfg: RunConfig, device: str, k: Kernels, attention: tuple[str, st
         )
 
 
-def _overlap(cfg: RunConfig, device: str) -> tuple[Choice, Choice]:
-    """Megatron-LM's --overlap-grad-reduce / --overlap-param-gather: on by default on GPU with the
-    distributed optimizer; an explicit true also runs on CPU (gloo has the async collectives)."""
+def _data_parallel(cfg: RunConfig, world_size: int | None) -> tuple[int, str]:
+    """The gradient reduce's group size: data-parallel ranks times context-parallel ranks (each
+    CP rank holds part of every sequence), the launch's ranks over TP x PP."""
+    p = cfg.parallel
+    if world_size is None:
+        launched = os.environ.get("WORLD_SIZE")
+        world, source = int(launched or 1), f"WORLD_SIZE={launched}" if launched else None
+    else:
+        world, source = world_size, f"{world_size} ranks"
+    model = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    size = max(1, world // model)
+    if source is None:
+        return size, (
+            "WORLD_SIZE unset: one rank (plan a launch with e.g. "
+            "WORLD_SIZE=8 mlmclm pretrain CONFIG --dry-run)"
+        )
+    cp = p.context_parallel_size
+    return size, f"{source} over TP x PP = {model}" + (f" (DP x CP, CP = {cp})" if cp > 1 else "")
+
+
+def _overlap(cfg: RunConfig, device: str, data_parallel: int) -> tuple[Choice, Choice]:
+    """Megatron-LM's --overlap-grad-reduce / --overlap-param-gather: on GPU where there is a
+    reduce to overlap (a data-parallel group of more than one rank), the gather with the
+    distributed optimizer only; an explicit true also runs on CPU (gloo has the async
+    collectives) and over one rank."""
     p = cfg.parallel
     dist_opt = p.use_distributed_optimizer
     if p.overlap_grad_reduce is False:
@@ -420,10 +464,11 @@ def _overlap(cfg: RunConfig, device: str) -> tuple[Choice, Choice]:
         )
     elif device != "cuda":
         grad = Choice(False, "auto: off on CPU (parallel.overlap_grad_reduce=true runs it on gloo)")
-    elif not dist_opt:
-        grad = Choice(False, "auto: on with parallel.use_distributed_optimizer=true")
+    elif data_parallel == 1:
+        grad = Choice(False, "auto: one data-parallel rank, no gradient reduce to overlap")
     else:
-        grad = Choice(True, "auto: the gradient reduce-scatter overlaps the backward pass")
+        what = "reduce-scatter" if dist_opt else "all-reduce"
+        grad = Choice(True, f"auto: the gradient {what} overlaps the backward pass")
     if not dist_opt:
         gather = Choice(False, "needs parallel.use_distributed_optimizer=true")
     elif p.overlap_param_gather is False:
@@ -570,22 +615,51 @@ def _plain_layers(cfg: RunConfig, attention: str, sequence_parallel: bool) -> Ch
         return Choice(False, "packed THD batches: megatron's layer (its THD RoPE)")
     if cfg.train.recompute == "selective":
         return Choice(False, "train.recompute=selective: megatron's layer recomputes attention")
+    if cfg.model.fusions == "off":
+        return Choice(False, "model.fusions=off: megatron's own layer (the reference path)")
     del sequence_parallel  # off at TP = 1
     return Choice(True, "TP = CP = 1: the layer in plain torch (same parameters, same result)")
 
 
-def _plain_stack(cfg: RunConfig, plain: Choice, attention: str, grad_overlap: Choice) -> Choice:
+def _plain_stack(cfg: RunConfig, plain: Choice, attention: str) -> Choice:
     """The plain layers as one stack (model/layers.py, PlainTransformerBlock): one function, so
-    one compiled graph, for all layers and their attention."""
+    one compiled graph, for all layers and their attention (or one per chunk of layers: see
+    `_stack_chunks`)."""
     if not plain.on:
         return Choice(False, "megatron's layers")
     if attention not in ("sdpa", "varlen"):
         return Choice(False, f"{attention}: its block mask is built between layers; layer by layer")
     if cfg.train.recompute == "full":
         return Choice(False, "train.recompute=full: megatron recomputes layer by layer")
-    if grad_overlap.on:
-        return Choice(False, "the gradient reduce overlaps the backward layer by layer")
-    return Choice(True, "all layers and their attention as one function (no reduce overlaps them)")
+    return Choice(True, "all layers and their attention as one function")
+
+
+# Layers per chunk of the stack where a gradient reduce overlaps the backward (docs/gpu.md).
+LAYERS_PER_STACK_CHUNK = 4
+
+
+def _stack_chunks(cfg: RunConfig, stack: Choice, grad_overlap: Choice) -> tuple[int, str]:
+    """The stack's backward yields its gradients together at its end, so a gradient bucket can
+    only be reduced once the chunk holding its layers is done: one chunk where no reduce overlaps
+    the backward (nothing waits on the gradients), chunks of a few layers where one does, so each
+    chunk's buckets are reduced while the earlier layers' backward runs (the first layers' and
+    the embedding's buckets are left exposed, as megatron's last bucket is)."""
+    p = cfg.parallel
+    layers = resolved(cfg.model.num_layers) // p.pipeline_model_parallel_size
+    layers //= p.virtual_pipeline_model_parallel_size or 1
+    if not stack.on:
+        return 1, "no layer stack"
+    if cfg.model.stack_chunks is not None:
+        n = min(cfg.model.stack_chunks, max(layers, 1))
+        return n, f"model.stack_chunks={cfg.model.stack_chunks} ({layers} layers in this chunk)"
+    if not grad_overlap.on:
+        return 1, "no gradient reduce overlaps the backward: the stack is one graph"
+    n = max(1, -(-layers // LAYERS_PER_STACK_CHUNK))
+    return n, (
+        f"the gradient reduce overlaps the backward: {layers} layers in chunks of at most "
+        f"{LAYERS_PER_STACK_CHUNK}, each chunk's buckets reduced while the earlier layers' "
+        "backward runs"
+    )
 
 
 def _batched_grad_accumulation(cfg: RunConfig, fusions: dict, stack: Choice) -> Choice:
@@ -602,17 +676,18 @@ def _batched_grad_accumulation(cfg: RunConfig, fusions: dict, stack: Choice) -> 
         return Choice(False, "model.fusions=off: megatron's hook, one add per parameter")
     if not stack.on:
         return Choice(False, "needs plain_stack (gradients arrive layer by layer)")
-    return Choice(True, "one foreach copy (or add) into main_grad per backward pass")
+    return Choice(True, "one foreach copy (or add) into main_grad per chunk of the stack")
 
 
-def _compile(cfg: RunConfig, device: str, plain: Choice, stack: Choice) -> Choice:
+def _compile(cfg: RunConfig, device: str, plain: Choice, stack: Choice, chunks: int) -> Choice:
     wanted = cfg.model.compile
     if wanted == "off" or (wanted == "auto" and cfg.model.fusions == "off"):
         return Choice(False, f"model.{'compile' if wanted == 'off' else 'fusions'}=off: eager")
     if wanted == "auto" and device != "cuda":
         return Choice(False, "auto: eager on CPU (model.compile=on compiles there too, slowly)")
     if stack.on:
-        what = "the layer stack as one graph and the sparse head's loss"
+        graphs = "one graph" if chunks == 1 else f"one graph per chunk ({chunks} chunks)"
+        what = f"the layer stack as {graphs} and the sparse head's loss"
     elif plain.on:
         what = "each plain layer's two halves and the sparse head's loss"
     else:

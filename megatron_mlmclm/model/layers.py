@@ -13,11 +13,16 @@ of small ones (and does not compile: its linear layers warn on every call, a gra
 a context manager).
 
 `PlainTransformerBlock` goes one step further where the kernel plan allows it (`plain_stack`: no
-gradient reduce overlapping the backward layer by layer, no per-layer recompute, and a core
-attention that is a pure function: SDPA or varlen): the whole layer stack, attention included,
-plus the final norm, is one function of the hidden states and every layer's weights, so compiled
-it is one graph forward and one backward, where per-layer halves cost four compiled calls per
-layer and step, each with its host-side overhead.
+per-layer recompute, and a core attention that is a pure function: SDPA or varlen): the whole
+layer stack, attention included, plus the final norm, is one function of the hidden states and
+every layer's weights, so compiled it is one graph forward and one backward, where per-layer
+halves cost four compiled calls per layer and step, each with its host-side overhead. Where a
+gradient reduce overlaps the backward (data parallelism), the stack runs as a few consecutive
+chunks of layers (`stack_chunks`), one graph each: a chunk's backward yields its layers'
+gradients together, so their buckets are reduced while the earlier chunks' backward runs
+(`gradient_groups` tells the data-parallel wrapper which parameters arrive together). Before a
+chunk runs, the forward pre-hooks of the modules it stands for run, as their own forwards would
+have run them: megatron's DDP waits there for the overlapped parameter all-gather.
 
 Anything else (TP or CP > 1, packed THD batches for Transformer Engine or its stand-in, dropout,
 selective recompute, inference) runs megatron's own forward, unchanged.
@@ -112,9 +117,10 @@ class LayerKernels:
     """The two halves of a plain layer and the whole stack, eager or compiled; shared by all
     layers of a model (one compiled graph serves them all: their weights are inputs)."""
 
-    def __init__(self, compiled: bool = False, stack: bool = False):
+    def __init__(self, compiled: bool = False, stack: bool = False, stack_chunks: int = 1):
         self.compiled = compiled
         self.stack_on = stack  # the kernel plan's plain_stack: PlainTransformerBlock may stack
+        self.stack_chunks = stack_chunks  # the kernel plan's: consecutive chunks of layers
         wrap = torch.compile if compiled else (lambda f: f)
         self.before_attention = wrap(_before_attention)
         self.after_attention = wrap(_after_attention)
@@ -241,10 +247,28 @@ class PlainTransformerLayer(TransformerLayer):
 
 
 class PlainTransformerBlock(TransformerBlock):
-    """megatron's TransformerBlock whose plain layers run as one stack (see above) where the
-    kernel plan says so (`LayerKernels.stack_on`) and the call allows it; anything else runs
-    megatron's block forward, layer by layer. No state of its own: build_model_chunk gives
-    GPTModel's block this class after building it (one build, one initialisation)."""
+    """megatron's TransformerBlock whose plain layers run as one stack, or a few chunks of it (see
+    above), where the kernel plan says so (`LayerKernels.stack_on`, `stack_chunks`) and the call
+    allows it; anything else runs megatron's block forward, layer by layer. No state of its own:
+    build_model_chunk gives GPTModel's block this class after building it (one build, one
+    initialisation)."""
+
+    def chunks(self) -> list[list[torch.nn.Module]]:
+        """The layers in consecutive chunks of equal size (the last one shorter), the final norm
+        with the last: one compiled graph per chunk size."""
+        layers = list(self.layers)
+        kernels = layers[0].kernels if layers else None
+        wanted = kernels.stack_chunks if kernels is not None and kernels.stack_on else 1
+        size = max(1, -(-len(layers) // max(1, wanted)))
+        out = [layers[i : i + size] for i in range(0, len(layers), size)] or [[]]
+        if self.final_layernorm is not None:
+            out[-1] = [*out[-1], self.final_layernorm]
+        return out
+
+    def gradient_groups(self) -> list[list[torch.nn.Parameter]]:
+        """The parameters whose gradients the stack's backward yields together, chunk by chunk
+        (the data-parallel wrapper moves and reduces each group as it completes)."""
+        return [[p for m in chunk for p in m.parameters()] for chunk in self.chunks()]
 
     def forward(self, *args, **kwargs):
         layers = self.layers
@@ -287,13 +311,27 @@ class PlainTransformerBlock(TransformerBlock):
         freqs = kwargs.get("rotary_pos_emb")
         q_freqs, k_freqs = freqs if isinstance(freqs, tuple) else (freqs, freqs)
         final = self.final_layernorm
-        hidden = kernels.stack(
-            hidden,
-            [layer.weights() for layer in layers],
-            None if final is None else final.weight,
-            None if final is None else final.eps,
-            q_freqs,
-            k_freqs,
-            *attend,
-        )
+        for chunk in self.chunks():
+            _run_forward_pre_hooks(chunk)
+            last = chunk[-1] is final
+            hidden = kernels.stack(
+                hidden,
+                [layer.weights() for layer in (chunk[:-1] if last else chunk)],
+                final.weight if last else None,
+                final.eps if last else None,
+                q_freqs,
+                k_freqs,
+                *attend,
+            )
         return make_viewless_tensor(inp=hidden, requires_grad=True, keep_graph=True)
+
+
+def _run_forward_pre_hooks(modules: list[torch.nn.Module]) -> None:
+    """The forward pre-hooks of every module in `modules` (and below), in forward order, as the
+    modules' own forwards would run them: the stack calls their weights directly. megatron's
+    DDP registers its wait for the overlapped parameter all-gather there; without that hook
+    nothing is registered and this is a loop over empty dicts."""
+    for top in modules:
+        for module in top.modules():
+            for hook in list(module._forward_pre_hooks.values()):
+                hook(module, ())

@@ -85,6 +85,7 @@ class Engine:
             overlap_param_gather=kernels.overlap_param_gather.on,
             align_param_gather=kernels.align_param_gather.on,
             use_distributed_optimizer=p.use_distributed_optimizer,
+            bucket_size=p.ddp_bucket_size,
         )
         model: list[DDP] = [
             DataParallel(
@@ -380,37 +381,47 @@ def all_reduce_if_shared(tensor: torch.Tensor, group: Any, op=dist.ReduceOp.SUM)
 class DataParallel(DDP):
     """megatron's DDP, with two changes:
     - it skips its gradient reduction when the data-parallel group (with context parallelism)
-      has one rank: there is nothing to reduce, and megatron would still run a coalesced
-      all-reduce per step. With overlapped reduction the buckets start their own reductions from
-      the backward hooks, so the skip applies only without it;
-    - with `batched_accumulation` (the kernel plan's batched_grad_accumulation; never with
-      overlapped reduction, whose buckets start from the hooks), gradients go into main_grad by
-      foreach kernels: a copy where main_grad is still as the buffer was zeroed (0 + g is g: the
-      same values, where megatron's add turns a -0.0 into +0.0), an add after that (a second
-      micro-batch). The layer stack's gradients, which its one backward yields together, are
-      kept by the hooks (which clear param.grad, as megatron's do) and moved all at once at the
-      end of the backward pass; the others (embedding, output layer) are moved as they arrive,
-      so that none is held through the stack's backward, where the step's memory peaks. Since
-      the first gradient of a step is copied, not added, the buffers are not zeroed at the
-      step's start (a pass over every fp32 gradient: 0.4 ms of a 16k-token 210m step on an
-      H100); what a parameter's main_grad held before its copy never reaches the update, and a
-      parameter that got no gradient in the step has its main_grad zeroed before the reduction
-      (finish_grad_sync), as the zeroed buffer would have left it.
+      has one rank and nothing asked for the overlap: there is nothing to reduce, and megatron
+      would still run a coalesced all-reduce per step;
+    - with `batched_accumulation` (the kernel plan's batched_grad_accumulation), gradients go
+      into main_grad by foreach kernels: a copy where main_grad is still as the buffer was zeroed
+      (0 + g is g: the same values, where megatron's add turns a -0.0 into +0.0), an add after
+      that (a later micro-batch). The layer stack yields a chunk's gradients together at the end
+      of that chunk's backward (model/layers.py, `gradient_groups`): the hooks keep them
+      (clearing param.grad, as megatron's do) until the group is complete, then move them at
+      once; the others (embedding, output layer) are moved as they arrive, so that none is held
+      through the stack's backward, where the step's memory peaks. With overlapped reduction a
+      moved gradient is then registered ready with megatron's bucket group, which starts the
+      bucket's reduce (a reduce-scatter under the distributed optimizer) once all its gradients
+      are in: the output layer's during the stack's backward, each chunk's during the earlier
+      chunks' backward. A group still incomplete at the end of the backward pass (a parameter
+      that got no gradient) is moved there. Since the first gradient of a step is copied, not
+      added, the buffers are not zeroed at the step's start (a pass over every fp32 gradient:
+      0.4 ms of a 16k-token 210m step on an H100); what a parameter's main_grad held before its
+      copy never reaches the update, and a parameter that got no gradient in the step has its
+      main_grad zeroed before the reduction (finish_grad_sync), as the zeroed buffer would have
+      left it, and its bucket, which the hooks never complete, is started there.
     """
 
     def __init__(self, config, ddp_config, module, batched_accumulation=False, **kwargs):
         super().__init__(config, ddp_config, module, **kwargs)
         group: Any = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.reduces = dist.get_world_size(group) > 1 or ddp_config.overlap_grad_reduce
-        self.batched_accumulation = (
-            batched_accumulation
-            and not ddp_config.overlap_grad_reduce
-            and not ddp_config.delay_wgrad_compute
-        )
+        self.batched_accumulation = batched_accumulation and not ddp_config.delay_wgrad_compute
         inner = module.module if isinstance(module, Float16Module) else module
         decoder = getattr(inner, "decoder", None)
-        self._together = {id(p) for p in decoder.parameters()} if decoder is not None else set()
-        self._arrived: list[tuple[Any, torch.Tensor]] = []  # (parameter, its gradient)
+        if decoder is None:
+            groups = []
+        elif hasattr(decoder, "gradient_groups"):
+            groups = decoder.gradient_groups()
+        else:
+            groups = [list(decoder.parameters())]
+        # Each group's parameters that have a gradient buffer, and each one's group.
+        self.gradient_groups = [[p for p in g if p in self.param_to_bucket_group] for g in groups]
+        self._group_of = {id(p): i for i, g in enumerate(self.gradient_groups) for p in g}
+        self._expected = [len(g) for g in self.gradient_groups]  # gradients to wait for
+        self._waiting: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in self.gradient_groups]
+        self._end_queued = False  # the end-of-backward move is queued for this backward
         self._accumulated: set[int] = set()  # ids of parameters with a gradient this step
         self._unzeroed = False  # the step started without zeroing the buffers
 
@@ -429,26 +440,39 @@ class DataParallel(DDP):
             # megatron's condition for adding param.grad (False where Apex already added it)
             added = getattr(param, "grad_added_to_main_grad", False)
             if param.grad is not None and (not added or getattr(param, "zero_out_wgrad", False)):
-                if id(param) not in self._together:
-                    self._accumulate([(param, param.grad.data)])
+                group = self._group_of.get(id(param))
+                if group is None:
+                    self._move([(param, param.grad.data)])
                 else:
-                    if not self._arrived:
-                        Variable._execution_engine.queue_callback(self._accumulate_arrived)
-                    self._arrived.append((param, param.grad.data))
+                    self._wait_for_group(group, param, param.grad.data)
             elif added:  # Apex added it (the buffers were zeroed: see zero_grad_buffer)
                 self._accumulated.add(id(param))
+                self._ready([param])
             param.grad = None
             return None
 
         return hook
 
-    def _accumulate_arrived(self) -> None:
-        """The end of a backward pass: the layer stack's gradients into main_grad."""
-        arrived, self._arrived = self._arrived, []
-        self._accumulate(arrived)
+    def _wait_for_group(self, group: int, param, grad: torch.Tensor) -> None:
+        if not self._end_queued:
+            self._end_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        waiting = self._waiting[group]
+        waiting.append((param, grad))
+        if len(waiting) == self._expected[group]:
+            self._waiting[group] = []
+            self._move(waiting)
+
+    def _end_of_backward(self) -> None:
+        """The groups a missing gradient left incomplete: moved now."""
+        self._end_queued = False
+        for group, waiting in enumerate(self._waiting):
+            if waiting:
+                self._waiting[group] = []
+                self._move(waiting)
 
     @torch.no_grad()
-    def _accumulate(self, arrived: list[tuple[Any, torch.Tensor]]) -> None:
+    def _move(self, arrived: list[tuple[Any, torch.Tensor]]) -> None:
         copy: tuple[list, list] = ([], [])
         add: tuple[list, list] = ([], [])
         for param, grad in arrived:
@@ -460,6 +484,14 @@ class DataParallel(DDP):
             torch._foreach_copy_(copy[0], copy[1])  # pyright: ignore[reportPrivateImportUsage]
         if add[0]:
             torch._foreach_add_(add[0], add[1])  # pyright: ignore[reportPrivateImportUsage]
+        self._ready([param for param, _ in arrived])
+
+    def _ready(self, params: list) -> None:
+        """megatron's bookkeeping of the overlapped reduce, as its own hook does it: the bucket
+        group starts its reduce when its last gradient is registered (last micro-batch only)."""
+        if self.ddp_config.overlap_grad_reduce and self.reduces:
+            for param in params:
+                self.param_to_bucket_group[param].register_grad_ready(param, self.force_all_reduce)
 
     def _zero_if_first(self, param) -> None:
         """Before an add into main_grad other than ours: zeroed, if the step has not yet."""
@@ -469,6 +501,8 @@ class DataParallel(DDP):
 
     def zero_grad_buffer(self):
         self._accumulated.clear()
+        # a parameter frozen since the last step gives no gradient: its group completes without
+        self._expected = [sum(p.requires_grad for p in g) for g in self.gradient_groups]
         self._unzeroed = self.batched_accumulation and not self.config.gradient_accumulation_fusion
         if not self._unzeroed:
             return super().zero_grad_buffer()
@@ -493,8 +527,15 @@ class DataParallel(DDP):
             ]
             if stale:
                 torch._foreach_zero_(stale)  # pyright: ignore[reportPrivateImportUsage]
-        if self.reduces:
-            super().finish_grad_sync(force_all_reduce=force_all_reduce)
+        if not self.reduces:
+            return
+        if self.ddp_config.overlap_grad_reduce:
+            # A bucket holding a parameter that got no gradient this step never completes in the
+            # hooks (megatron's own DDP then stops on an assertion): its reduce starts here.
+            for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
+                if not bucket_group.is_first_batch and bucket_group.grad_reduce_handle is None:
+                    bucket_group.start_grad_sync(force_all_reduce=force_all_reduce)
+        super().finish_grad_sync(force_all_reduce=force_all_reduce)
 
 
 def _map_tensors(batch: dict[str, Any], fn) -> dict[str, Any]:

@@ -160,7 +160,7 @@ def unigram_level(vocab: int, seq_length: int) -> float:
 MLM_MARGIN = 0.5
 
 
-def judge_learned(clm_tail: float, mlm_tail: float, unigram: float) -> Row:
+def judge_learned(clm_tail: float, mlm_tail: float, unigram: float, path: str = "") -> Row:
     """Learned: CLM ends far below the unigram floor ln V, MLM clearly below the unigram level
     (`unigram_level`: the loss of a model that knows only token frequencies). No leak: CLM cannot
     beat the chain's entropy unless attention shows it the future (a wrong mask or THD boundary).
@@ -179,7 +179,7 @@ def judge_learned(clm_tail: float, mlm_tail: float, unigram: float) -> Row:
     learned = clm_tail < floor - 3 and mlm_tail < bound
     no_leak = clm_tail >= entropy - 0.1
     return Row(
-        "markov: learned, CLM sees no future (bf16)",
+        f"markov: learned, CLM sees no future (bf16{', ' + path if path else ''})",
         f"CLM tail {clm_tail:.3f}, MLM tail {mlm_tail:.3f} (unigram level {unigram:.3f})",
         f"CLM < ln V - 3 = {floor - 3:.2f}, MLM < unigram - {MLM_MARGIN} = {bound:.2f}; "
         f"CLM >= entropy - 0.1 = {entropy - 0.1:.2f}",
@@ -202,21 +202,28 @@ def judge_close(name: str, diff: float, noise: float, floor: float) -> Row:
 # ---- checks ----
 
 
-def check_learned_without_leak(root: Path, size: Size, have_te: bool) -> Row:
+def check_learned_without_leak(root: Path, size: Size, attention: str) -> Row:
+    """`attention`: `auto` trains the path a run takes (on CUDA without TE: varlen, the plain
+    layer stack compiled, batched gradient accumulation, fused AdamW, the queued update); `thd`
+    TE's packed path or its stand-in (thd_attention); `varlen` the fast path's layout through
+    its CPU stand-in."""
     clm, mlm = size.learned_clm_steps, size.learned_mlm_steps
     curve = train(
         root,
-        "learned",
+        f"learned_{attention}",
         size,
         [
             "train.precision=bf16",
-            f"model.attention={thd_attention(have_te)}",
+            f"model.attention={attention}",
             f"phases=[{{objective: clm, steps: {clm}}}, {{objective: mlm, mask_ratio: 0.4}}]",
             f"train.steps={clm + mlm}",
             f"train.decay_steps={max(1, (clm + mlm) // 10)}",
         ],
     )
-    return judge_learned(*phase_tails(curve, clm_steps=clm), unigram_level(VOCAB, size.seq_length))
+    path = "the run's default path" if attention == "auto" else f"attention {attention}"
+    return judge_learned(
+        *phase_tails(curve, clm_steps=clm), unigram_level(VOCAB, size.seq_length), path
+    )
 
 
 def check_trains_alike(root: Path, size: Size, name: str, a: list[str], b: list[str]) -> Row:

@@ -58,8 +58,13 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def test_learned_without_a_clm_leak(record, tmp_path):
-    row = checks.check_learned_without_leak(tmp_path, GPU_SIZE, have_te())
+@pytest.mark.parametrize("path", ["fast", "thd"])
+def test_learned_without_a_clm_leak(record, tmp_path, path):
+    """`fast`: the path a run takes by default (attention auto: without TE, varlen, the plain
+    layer stack compiled, batched gradient accumulation, fused AdamW, the queued update); `thd`:
+    TE's packed THD path, or its stand-in without TE."""
+    attention = "auto" if path == "fast" else checks.thd_attention(have_te())
+    row = checks.check_learned_without_leak(tmp_path, GPU_SIZE, attention)
     assert record(row.check, row.result, row.expected, row.ok)
 
 
