@@ -15,12 +15,22 @@ Attention, by `attention`:
   varlen kernel and no FlexAttention backward there).
 RoPE positions run along the row (0..s-1): attention never crosses a document, so only positions
 relative to each other inside a document matter, and these are the same as per-document ones.
+
+`ReferenceLoop` runs the steps as a training loop that overlaps its input with the device: step
+k's work is queued (forward, backward, clipping, update; nothing in them waits for the device),
+then step k + 1's batch is built on the host, pinned and copied non-blocking, then step k's loss
+is read, the step's one wait. Our trainer does the same (Trainer.prefetch_next). The plain model
+in the measuring tools beside the project (a whole-model torch.compile, fused AdamW, bf16
+autocast, fused QKV and gate-up projections, logits at the labelled positions) builds its batch
+inside the step and never reads its loss; this reference keeps those design choices and takes
+our loop's: its batch ahead, its loss read every step.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -218,3 +228,25 @@ class ReferenceStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+
+class ReferenceLoop:
+    """Step r of a training loop over `step` (a ReferenceStep), its batches from `fetch(r)`: the
+    batch fetched during the previous step where that was step r - 1 (else fetched now), step r
+    queued, step r + 1's batch fetched while the device runs it, then step r's loss read (the
+    host's one wait a step), and returned as a float. A fetch ahead that fails (`IndexError`:
+    past the data) is left to the step that needs it."""
+
+    def __init__(self, step: ReferenceStep, fetch: Callable[[int], Batch]):
+        self.step, self.fetch = step, fetch
+        self.ready: tuple[int, Batch] | None = None
+
+    def __call__(self, r: int) -> float:
+        ready, self.ready = self.ready, None
+        batch = ready[1] if ready is not None and ready[0] == r else self.fetch(r)
+        loss = self.step(batch)
+        try:
+            self.ready = (r + 1, self.fetch(r + 1))
+        except IndexError:
+            self.ready = None
+        return loss.item()
