@@ -13,8 +13,8 @@ the sparse MLM head computes. Causal attention is where the two conventions diff
 
 Beside that convention, `document_step_flops` counts the attention that document-masked kernels
 execute on packed samples: over each document (the sum of its squared length) instead of each
-whole row (seq^2 per row); on web-like documents in 2,048-token rows that is a fraction of the
-row count.
+whole row (seq^2 per row); on web-like documents in 2,048-token rows that is about half the row
+count. benchmarks/train_throughput.py prints the MFU of both.
 
 The device's peak, for MFU, is runtime.distributed.device_peak_flops.
 """
