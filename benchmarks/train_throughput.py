@@ -17,23 +17,24 @@ process:
   document masking, and blind to document boundaries), its batch built in its step and its loss
   read at the step's end, as a plain HF loop does. EuroBERT is an encoder: there is no HF
   baseline for CLM rows.
-- ref (MLM and CLM rows): benchmarks/reference_encoder.py, the same shape written plainly in
-  PyTorch (RMSNorm, RoPE, SwiGLU, GQA and any head dim, untied embeddings, sparse head at the
-  labelled positions, fused AdamW, clipping), the whole model under torch.compile on CUDA (eager
-  on CPU or with --no-compile), bf16 autocast on GPU. Attention per document (causal inside each
-  document for CLM): varlen_attn with cu_seqlens from the samples' document ids on CUDA
-  (FlexAttention with a document block mask where torch has no varlen_attn; --ref-attention
-  chooses), SDPA with a dense document mask on CPU. Fed the same samples (`trainer.train_ds[0]`),
-  MLM masks (mlm_mask) and document ids as ours; CLM labels at every next token inside its
-  document, as ours. Its loop is ours' (reference_encoder.ReferenceLoop): step k's work queued,
-  then step k + 1's batch built, pinned and copied non-blocking while the device runs it, then
-  step k's loss read, its one wait a step. Its model keeps the design of the independent plain
-  model in the GPU measuring tools (../shared/gpu/ref_encoder.py, not part of the project: one
-  torch.compile over the whole model, fused QKV and gate-up projections, bf16 autocast, fused
-  AdamW, logits at the labelled positions), and takes varlen attention where that one takes
-  FlexAttention, and ours' loop where that one builds its batch inside the step. Each row prints
-  the parameter counts of ours and the reference, which must be equal. What plain PyTorch
-  reaches on the same work: the ceiling our engine is measured against.
+- ref (MLM and CLM rows): benchmarks/reference_encoder.py, the same shape written plainly in PyTorch
+  (RMSNorm, RoPE, SwiGLU, GQA and any head dim, untied embeddings, sparse head at the labelled
+  positions, fused AdamW, clipping), the whole model under torch.compile on CUDA (eager on CPU or
+  with --no-compile), bf16 autocast on GPU. Attention per document (causal inside each document for
+  CLM): varlen_attn with cu_seqlens from the samples' document ids on CUDA (FlexAttention with a
+  document block mask where torch has no varlen_attn; --ref-attention chooses), SDPA with a dense
+  document mask on CPU. Fed the same samples (`trainer.train_ds[0]`), MLM masks (mlm_mask) and
+  document ids as ours; CLM labels at every next token inside its document, as ours. Its loop is
+  ours' (reference_encoder.ReferenceLoop): step k's work queued, then step k + 1's batch built,
+  pinned and copied non-blocking while the device runs it, then step k's loss read, its one wait a
+  step (the loss copied to the host before the update is queued, so the read does not wait for the
+  update: ours' queued update). Its model keeps the design of the independent plain model in the GPU
+  measuring tools (../shared/gpu/ref_encoder.py, not part of the project: one torch.compile over the
+  whole model, fused QKV and gate-up projections, bf16 autocast, fused AdamW, logits at the labelled
+  positions), and takes varlen attention where that one takes FlexAttention, and ours' loop where
+  that one builds its batch inside the step. Each row prints the parameter counts of ours and the
+  reference, which must be equal. What plain PyTorch reaches on the same work: the ceiling our
+  engine is measured against.
 - distopt (--distopt): ours with the distributed optimizer's layout
   (parallel.use_distributed_optimizer=true; its gradient reduce and parameter gather overlapped,
   as on CUDA by default) at DP = 1, where it has nothing to shard: what the layout costs on one

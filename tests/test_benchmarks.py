@@ -126,7 +126,7 @@ def test_the_reference_fetches_the_next_batch_before_it_reads_its_loss():
     """ReferenceLoop: step r queued, step r + 1's batch fetched, then step r's loss read; a step
     finds the batch fetched for it; a jump fetches its own; a fetch past the data is left."""
     sys.path.insert(0, str(BENCHMARKS))
-    from reference_encoder import ReferenceLoop
+    from reference_encoder import LossReading, ReferenceLoop
 
     events = []
 
@@ -134,7 +134,7 @@ def test_the_reference_fetches_the_next_batch_before_it_reads_its_loss():
         def __init__(self, r):
             self.r = r
 
-        def item(self):
+        def value(self):
             events.append(("read", self.r))
             return float(self.r)
 
@@ -147,6 +147,11 @@ def test_the_reference_fetches_the_next_batch_before_it_reads_its_loss():
     def step(batch):
         events.append(("step", batch))
         return Loss(batch)
+
+    loss = torch.tensor(2.5)
+    reading = LossReading(loss)
+    loss.add_(1.0)  # what the device does after the reading was taken is not in it
+    assert reading.value() == 2.5
 
     loop = ReferenceLoop(step, fetch)
     assert [loop(0), loop(1), loop(3), loop(5)] == [0.0, 1.0, 3.0, 5.0]
