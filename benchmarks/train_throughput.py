@@ -38,7 +38,9 @@ process:
 - distopt (--distopt): ours with the distributed optimizer's layout
   (parallel.use_distributed_optimizer=true; its gradient reduce and parameter gather overlapped,
   as on CUDA by default) at DP = 1, where it has nothing to shard: what the layout costs on one
-  GPU. Same samples; its first loss equals ours'.
+  GPU, with what the kernel plan turns off under an overlapped reduce (the layer stack and the
+  batched gradient accumulation; its kernel line says which). Same samples; its first loss
+  equals ours'.
 Timing: by default the contenders alternate step by step (rotating order), each step timed
 between two drains of the device, and each row reports the median s/step. With --sequential
 they run one at a time, each built, warmed up, timed back to back as training runs its steps
