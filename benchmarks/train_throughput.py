@@ -58,7 +58,9 @@ distopt, --sequential, no HF, no FP8. --quick --size: the same rows on the tiny 
 
 Documents (--documents, data.mock_doc_length): the mock samples' documents are `web` by default,
 log-normal lengths of mean 700 tokens with a long tail (about 6% over 2,048 tokens), each sample a
-window of a packed stream of them (data/mock.py); `short` is the mock's default elsewhere
+window of a packed stream of them (data/mock.py); `medium` are uniform from 64 to 1,023 tokens,
+each row starting a document, the documents the plain model of the GPU measuring tools draws
+(run both on them to compare the two references); `short` is the mock's default elsewhere
 (geometric, mean 96 tokens). The benchmark reads no shards; it prints which documents it ran, and
 for each row the documents of its timed steps: their mean length in the rows (a document cut by
 a row's edge counts as its pieces), the longest, and attention over documents as a share of
@@ -306,10 +308,10 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=None, help="fixed micro-batch instead")
     p.add_argument(
         "--documents",
-        choices=["web", "short"],
+        choices=["web", "medium", "short"],
         default="web",
         help="the mock samples' document lengths (data.mock_doc_length): web (log-normal, mean "
-        "700 tokens, a long tail) or short (geometric, mean 96)",
+        "700 tokens, a long tail), medium (uniform 64-1,023 tokens) or short (geometric, mean 96)",
     )
     p.add_argument(
         "--fp8",
@@ -381,7 +383,7 @@ def main() -> None:
     if args.sequential and args.warmup < 1:
         raise SystemExit("--sequential needs --warmup 1 or more (the timed steps' lead-in)")
 
-    from megatron_mlmclm.data.mock import SHORT_MEAN, WEB_MEAN
+    from megatron_mlmclm.data.mock import MEDIUM_RANGE, SHORT_MEAN, WEB_MEAN
     from megatron_mlmclm.model.build import have_transformer_engine
     from megatron_mlmclm.runtime.distributed import device_peak_flops
 
@@ -407,6 +409,8 @@ def main() -> None:
     )
     shapes = {
         "web": f"log-normal lengths, mean {WEB_MEAN:.0f} tokens, a long tail",
+        "medium": f"uniform lengths from {MEDIUM_RANGE[0]} to {MEDIUM_RANGE[1] - 1} tokens, each "
+        "row starting a document",
         "short": f"geometric lengths, mean {SHORT_MEAN} tokens",
     }
     print(

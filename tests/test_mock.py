@@ -1,6 +1,7 @@
 """The synthetic samples' document lengths (data/mock.py, data.mock_doc_length): the default
-`short` samples are the ones every test was written against, and `web` samples are windows of a
-packed stream of log-normal documents, checked against a stream packed here by brute force."""
+`short` samples are the ones every test was written against, `medium` documents are uniform in
+length, and `web` samples are windows of a packed stream of log-normal documents, checked
+against a stream packed here by brute force."""
 
 from __future__ import annotations
 
@@ -124,3 +125,22 @@ def test_a_resume_tells_web_samples_from_short_ones():
         seen[lengths] = fingerprint(cfg, spec)["data.train"]
     assert seen["short"] == f"mock (vocab {spec.vocab_size})"
     assert seen["web"] == f"mock web-length (vocab {spec.vocab_size})"
+
+
+def test_medium_documents_are_uniform_between_64_and_1023_tokens():
+    """The first two documents of a sample: both end inside it (2 x 1,023 < 2,049 tokens), so
+    their lengths are the draws themselves (later ones are biased short by the sample's end)."""
+    ds = MockPackedDataset(1500, SEQ, 1000, seed=2, doc_length="medium")
+    first_two = []
+    for i in range(1500):
+        s = ds[i]
+        assert s["position_ids"][0] == 0  # each sample starts a document
+        first_two += np.unique(s["document_ids"], return_counts=True)[1][:2].tolist()
+    lengths = np.array(first_two)
+    assert lengths.min() >= 64 and lengths.max() <= 1023
+    sd = (1024 - 64) / math.sqrt(12)
+    assert abs(lengths.mean() - (64 + 1023) / 2) < 4 * sd / math.sqrt(len(lengths))
+    # all of the range drawn about equally: 10 bins of 96 tokens
+    counts = np.histogram(lengths, bins=10, range=(64, 1024))[0]
+    expected = len(lengths) / 10
+    assert np.all(np.abs(counts - expected) < 4 * math.sqrt(expected)), counts

@@ -15,6 +15,9 @@ Document lengths (`data.mock_doc_length`):
 
 - `short`: a document starts at each token with probability 1 / 96 (geometric lengths, mean 96
   tokens), each sample's first token starting one.
+- `medium`: lengths uniform from 64 to 1,023 tokens (mean 543.5), each sample's first token
+  starting one: the documents of the plain-PyTorch model in the GPU measuring tools beside the
+  project, so that the benchmarks can run on the same documents as that model.
 - `web`: log-normal lengths (`WEB_MEAN` 700 tokens, `WEB_SIGMA` 1: median 425, about 6% of the
   documents longer than 2,048 tokens), the long-tailed shape of web text, on which attention's
   work and a document-masked kernel's saving depend. A sample is a window of a packed stream of
@@ -31,8 +34,9 @@ import math
 import numpy as np
 
 MOCK_KINDS = ("uniform", "markov")
-MOCK_DOC_LENGTHS = ("short", "web")
+MOCK_DOC_LENGTHS = ("short", "medium", "web")
 SHORT_MEAN = 96
+MEDIUM_RANGE = (64, 1024)  # uniform lengths, the upper end excluded
 WEB_MEAN, WEB_SIGMA = 700.0, 1.0
 WEB_MU = math.log(WEB_MEAN) - WEB_SIGMA**2 / 2  # log-normal: mean = exp(mu + sigma^2 / 2)
 BRANCHES = 4
@@ -78,7 +82,8 @@ class MockPackedDataset:
         self.first_regular_id = first_regular_id
         self.mean_document_length = mean_document_length
         self.kind = kind
-        self.doc_length = doc_length  # short: geometric of mean_document_length; web: log-normal
+        # short: geometric of mean_document_length; medium: uniform; web: log-normal
+        self.doc_length = doc_length
         self.successors = None
         if kind == "markov":
             chain = np.random.default_rng([LANGUAGE_SEED, vocab_size, first_regular_id])
@@ -96,6 +101,8 @@ class MockPackedDataset:
         offset = 0  # tokens of the first document before this sample
         if self.doc_length == "web":
             starts, offset = self._web_starts(n, rng)
+        elif self.doc_length == "medium":
+            starts = self._medium_starts(n, rng)
         else:
             starts = np.flatnonzero(rng.random(n) < 1.0 / self.mean_document_length)
             starts = starts[starts > 0]
@@ -118,6 +125,12 @@ class MockPackedDataset:
         while ends[-1] < n:
             ends.extend((ends[-1] + np.cumsum(web_document_lengths(rng, 16))).tolist())
         return np.array([e for e in ends if e < n], dtype=np.int64), offset
+
+    def _medium_starts(self, n: int, rng) -> np.ndarray:
+        """Document starts after position 0 inside n tokens of documents of uniform lengths."""
+        low, high = MEDIUM_RANGE
+        ends = np.cumsum(rng.integers(low, high, size=n // low + 1))
+        return ends[ends < n]
 
     def _markov(self, uniform: np.ndarray, document_ids: np.ndarray, rng) -> np.ndarray:
         """Walk the chain inside each document; a document's first token stays uniform."""
