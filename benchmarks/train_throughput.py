@@ -907,7 +907,8 @@ def count_syncs(run: Callable[[int], None], n: int, who: str) -> tuple[float | N
             print(f"  {m.splitlines()[0][:140]}")
     # Last: the counter is a dispatch mode, under which torch.compile does not trace and torch
     # runs no higher-order operator without a rule for it (FlexAttention): on the flex path it
-    # stops the step, and --attention sdpa counts the rest.
+    # stops the step, and --attention sdpa counts the rest. A diagnostic: whatever stops the
+    # counted steps is printed, and the profile goes on.
     syncs = None
     try:
         with HostSyncCounter() as counter:
@@ -915,8 +916,9 @@ def count_syncs(run: Callable[[int], None], n: int, who: str) -> tuple[float | N
         syncs = counter.total / n
         print(f"{who}: host synchronisations over {n} steps ({syncs:g} per step), commonest sites:")
         print("\n".join(counter.report().splitlines()[:20]))
-    except (NotImplementedError, RuntimeError) as e:
-        print(f"{who}: HostSyncCounter cannot count this step: {str(e).splitlines()[0][:200]}")
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0][:200]
+        print(f"{who}: HostSyncCounter cannot count this step: {type(e).__name__}: {first}")
     return cuda_syncs, syncs
 
 
