@@ -427,9 +427,8 @@ def main() -> None:
         else "the contenders alternating, each step between two drains (median s/step)"
     )
     print(
-        f"vocab {args.vocab}; one micro-batch of ~{args.tokens_per_step} tokens per step (a row "
-        f"for each); "
-        f"{args.warmup} warmup + {args.steps} timed steps, {timing}"
+        f"vocab {args.vocab}; tokens per step {args.tokens_per_step.replace(',', ', ')} (a row "
+        f"each; one micro-batch a step); {args.warmup} warmup + {args.steps} timed steps, {timing}"
     )
     print(
         "MFU: model FLOPs (attention over whole rows, half for causal: the published convention) "
