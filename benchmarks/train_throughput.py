@@ -47,7 +47,9 @@ they run one at a time, each built, warmed up, timed back to back as training ru
 (the median of the timed steps, each from the end of the one before; a step ends when its loss
 is read) and freed before the next is built, so a row needs the memory of one model, not of all
 of them (1b at 24,576 tokens a step: its states alone are 25 GB at 18 bytes a parameter, and
-activations take about as much again); each row then prints each contender's peak GPU memory.
+activations take about as much again); each row then prints each contender's peak GPU memory,
+and a contender that fails (out of memory or otherwise) is reported with its error while the
+row's others are still measured.
 The loss of each contender's first step is printed as a sanity check (same init scale: all near
 ln(vocab) at step 0), not a test of equality.
 
@@ -489,7 +491,8 @@ def main() -> None:
     for r in rows:
         if r.get("oom") or r["fp8"]:
             continue
-        if r.get("ref_s"):
+        failed = ", ".join(f"{k} {v}" for k, v in r["failed"].items())
+        if r.get("ref_s") and r.get("ours_s"):
             print(
                 f"RESULT train_throughput_vs_reference_{r['key']} ratio={ratio(r, 'ref_s'):.3f} "
                 f"ours_s={r['ours_s']:.4f} baseline_s={r['ref_s']:.4f} "
@@ -498,12 +501,16 @@ def main() -> None:
                 f"ref_mfu={fmt(r['ref_mfu'], '.3f')} "
                 f"params_equal={params_equal(r)}{mode}"
             )
+        elif "ref" in r["params"] or "ref" in r["failed"]:
+            print(f"RESULT train_throughput_vs_reference_{r['key']} ratio=n/a ({failed})")
         if r.get("distopt_s") and r.get("ours_s"):
             print(
                 f"RESULT train_throughput_distopt_{r['key']} "
                 f"ratio={r['distopt_s'] / r['ours_s']:.3f} ours_s={r['distopt_s']:.4f} "
                 f"baseline_s={r['ours_s']:.4f}{mode}"
             )
+        elif "distopt" in r["params"] or "distopt" in r["failed"]:
+            print(f"RESULT train_throughput_distopt_{r['key']} ratio=n/a ({failed})")
     if headline is None:
         print(
             "RESULT train_throughput_vs_reference ratio=n/a (headline row 210m s2048 mlm not run)"
@@ -734,7 +741,7 @@ def run_row(
     phase = cfg.phases[0]
     source = Samples(trainer, phase, mb)
     row: dict = {"mb": mb, "seq": seq, "step0_loss": {}, "params": {}, "peak_gib": {}}
-    row["oom_in"] = []
+    row["failed"] = {}  # --sequential: contender -> what stopped it (the others still run)
     labelled: list[int] = []
     first = [trainer]  # handed to its contender, so that nothing here keeps it alive after
     del trainer
@@ -768,12 +775,20 @@ def run_row(
                 times[name] = time_back_to_back(contender.step, args.warmup, args.steps)
                 if gpu:
                     row["peak_gib"][name] = torch.cuda.max_memory_allocated() / GIB
-            except torch.OutOfMemoryError as e:
-                print(f"  {name}: {out_of_memory(e)}")
-                row["oom_in"].append(name)
+            except Exception as e:  # one contender's failure leaves the row's others measured
+                if isinstance(e, torch.OutOfMemoryError):
+                    print(f"  {name}: {out_of_memory(e)}")
+                    row["failed"][name] = "out of memory"
+                else:
+                    print(f"  {name} failed:")
+                    print("".join(traceback.format_exc().splitlines(True)[-14:]))
+                    row["failed"][name] = f"failed ({type(e).__name__})"
             finally:
-                if contender is not None:
-                    contender.close()
+                try:
+                    if contender is not None:
+                        contender.close()
+                except Exception as e:
+                    print(f"  {name}: closing it failed: {type(e).__name__}: {e}")
                 contender = None
                 free_memory()
                 left = torch.cuda.memory_allocated() / GIB if gpu else 0.0
@@ -831,7 +846,7 @@ def print_row(row) -> None:
 
     def other(name):
         if not row.get(f"{name}_s"):
-            return f"{name} {'out of memory' if name in row['oom_in'] else 'n/a'}"
+            return f"{name} {row['failed'].get(name, 'n/a')}"
         mfu, documents = row[f"{name}_mfu"], row[f"{name}_mfu_documents"]
         return (
             f"{name} {row[f'{name}_s']:.4f} s ({row[f'{name}_tok']:.0f} tok/s, MFU "
@@ -839,7 +854,7 @@ def print_row(row) -> None:
         )
 
     print(f"{row['label']}: mb {row['mb']}, {other('ours')}; {other('hf')}; {other('ref')}", end="")
-    if "distopt" in row["params"] or "distopt" in row["oom_in"]:
+    if "distopt" in row["params"] or "distopt" in row["failed"]:
         d = ratio_of(row, "distopt_s", "ours_s")
         print(f"; {other('distopt')}, distopt / ours {fmt(d, '.3f')}", end="")
     print(f"; wall {row['wall_s']:.0f} s", flush=True)
