@@ -97,3 +97,26 @@ def time_rows(
             elif warm is not None:
                 warm.setdefault(n, []).append(time.perf_counter() - t0)
     return times
+
+
+def time_back_to_back(step, warmup: int, steps: int) -> list[float]:
+    """Steps 0 .. warmup + steps - 1 of one loop (called with the step number), back to back as
+    training runs them: the device is drained before the last warm-up step, whose host work
+    starts the clock's lead-in, then each timed step's seconds run from the end of the step
+    before it (no drain between steps: a step that reads a device value each step, as a training
+    loop reads its loss, waits there for its own work). The device is drained at the end."""
+    if warmup < 1:
+        raise ValueError("time_back_to_back needs a warm-up step (the lead-in)")
+    for r in range(warmup - 1):
+        step(r)
+    sync()
+    step(warmup - 1)  # the lead-in: its device work runs into the first timed step
+    times: list[float] = []
+    t0 = time.perf_counter()
+    for r in range(warmup, warmup + steps):
+        step(r)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    sync()
+    return times

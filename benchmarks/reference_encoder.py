@@ -15,12 +15,24 @@ Attention, by `attention`:
   varlen kernel and no FlexAttention backward there).
 RoPE positions run along the row (0..s-1): attention never crosses a document, so only positions
 relative to each other inside a document matter, and these are the same as per-document ones.
+
+`ReferenceLoop` runs the steps as a training loop that overlaps its input with the device: step
+k's work is queued (forward, backward, clipping, update; nothing in them waits for the device;
+the loss is copied to the host before the update is queued), then step k + 1's batch is built
+on the host, pinned and copied non-blocking, then step k's loss is read, the step's one wait,
+which the update does not prolong. Our trainer does the same (Trainer.prefetch_next, its
+queued update). The plain model
+in the measuring tools beside the project (a whole-model torch.compile, fused AdamW, bf16
+autocast, fused QKV and gate-up projections, logits at the labelled positions) builds its batch
+inside the step and never reads its loss; this reference keeps those design choices and takes
+our loop's: its batch ahead, its loss read every step.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,9 +204,33 @@ class ReferenceEncoder(nn.Module):
         return F.cross_entropy(self.head(x).float(), batch.targets)
 
 
+class LossReading:
+    """A loss on its way to the host: copied to pinned memory behind the work queued so far, with
+    an event after the copy (CUDA), so that `value()` waits for that work alone and not for what
+    is queued after it; on CPU, the value itself."""
+
+    def __init__(self, loss: torch.Tensor):
+        self._done = None
+        if loss.is_cuda:
+            self._host = torch.empty(loss.shape, dtype=loss.dtype, pin_memory=True)
+            self._host.copy_(loss, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._host = loss.detach().clone()
+
+    def value(self) -> float:
+        if self._done is not None:
+            self._done.synchronize()
+        return float(self._host.tolist())
+
+
 class ReferenceStep:
     """One optimizer step: forward (under torch.compile when `compile_model`, bf16 autocast when
-    `bf16`), backward, clip_grad_norm_, fused AdamW. Returns the loss tensor (never read here)."""
+    `bf16`), backward, clip_grad_norm_, fused AdamW, all queued; nothing waits for the device.
+    Returns the loss as a LossReading taken before the update is queued, so that reading it
+    waits for the forward, backward and clipping, while the device runs the update (as our
+    trainer reads its step's figures)."""
 
     def __init__(self, model, lr, betas, eps, weight_decay, clip, compile_model, bf16):
         self.model, self.clip = model, clip
@@ -206,7 +242,7 @@ class ReferenceStep:
         device = next(model.parameters()).device
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    def __call__(self, batch: Batch) -> torch.Tensor:
+    def __call__(self, batch: Batch) -> LossReading:
         if self.compiled:  # document and label counts change every step: one graph for all
             for t in (batch.cu_seqlens, batch.label_index, batch.targets):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -215,6 +251,29 @@ class ReferenceStep:
             loss = self.forward(batch, mask)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        reading = LossReading(loss.detach())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return reading
+
+
+class ReferenceLoop:
+    """Step r of a training loop over `step` (a ReferenceStep), its batches from `fetch(r)`: the
+    batch fetched during the previous step where that was step r - 1 (else fetched now), step r
+    queued, step r + 1's batch fetched while the device runs it, then step r's loss read (the
+    host's one wait a step), and returned as a float. A fetch ahead that fails (`IndexError`:
+    past the data) is left to the step that needs it."""
+
+    def __init__(self, step: ReferenceStep, fetch: Callable[[int], Batch]):
+        self.step, self.fetch = step, fetch
+        self.ready: tuple[int, Batch] | None = None
+
+    def __call__(self, r: int) -> float:
+        ready, self.ready = self.ready, None
+        batch = ready[1] if ready is not None and ready[0] == r else self.fetch(r)
+        loss = self.step(batch)
+        try:
+            self.ready = (r + 1, self.fetch(r + 1))
+        except IndexError:
+            self.ready = None
+        return loss.value()

@@ -7,14 +7,19 @@
 #   bash tools/gpu_check.sh OUT [PARTS]
 #
 # PARTS, comma-separated (default: bench16k,profile): bench16k, bench64k, profile (with the
-# Chrome trace of its timed steps, gzipped), stack (the layer stack against the layers compiled
-# one by one), hostfirst (the 16k row without HF, the host reading the step's figures before it
-# queues the update: train.skip_spikes=1e30, against bench16k's queued update), tier, and smoke
-# (the same commands in their CPU quick forms: checks the plumbing on any machine). Each part has
-# its own time limit. On a fresh H100 (2026-11-27) they took: bench16k 76 s without HF and
-# 100-107 s with it, profile 27-33 s (the compiles cached by bench16k), bench64k 71-80 s, tier
-# 35 s with TIER_K=accumulation and 50-61 s with "optimizer or synchronis" (its whole default
-# selection ran past 200 s); the machine's start and the copies add 30-40 s a call.
+# Chrome trace of its timed steps, gzipped; the reference profiled beside ours), stack (the layer
+# stack against the layers compiled one by one), hostfirst (the 16k row without HF, the host
+# reading the step's figures before it queues the update: train.skip_spikes=1e30, against
+# bench16k's queued update), bench210m, bench610m, bench1b (one model size with all its rows:
+# 16k and 24,576 tokens a step, ours, the reference and ours with the distributed optimizer's
+# layout, one at a time, no HF; `sizes` runs the three), tier, and smoke (the same commands in
+# their CPU quick forms: checks the plumbing on any machine). Each part has its own time limit.
+# On a fresh H100 (2026-11-27) they took: bench16k 76 s without HF and 100-107 s with it, profile
+# 27-33 s (the compiles cached by bench16k), bench64k 71-80 s, tier 35 s with
+# TIER_K=accumulation and 50-61 s with "optimizer or synchronis" (its whole default selection ran
+# past 200 s); the machine's start and the copies add 30-40 s a call. The size parts have not run
+# on a GPU yet: each compiles ours, the reference and the distributed optimizer's row at both
+# token counts, so allow them a call each (LIMIT_SIZE, 540 s).
 #
 # Where the machine has no megatron-core, put its wheel (and nothing else) in .whl/ first:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -39,7 +44,7 @@ part() {  # part NAME LIMIT_S COMMAND...: run, log to OUT/NAME.log, report statu
     echo "=== $name (limit ${limit}s) $(date -u +%FT%TZ)"
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     rc=$?
-    grep -E "^(RESULT|PROFILE|SYNC|torch |device|headline|\| |GPU tier|check |.* (pass|FAIL)$)" \
+    grep -E "^(RESULT|PROFILE|SYNC|torch |device|headline|\| |GPU tier|check |.* (pass|FAIL)$)|^ *(documents|parameters|peak GPU)" \
         "$OUT/$name.log" | tail -40
     [ "$rc" -ne 0 ] && tail -25 "$OUT/$name.log"
     echo "=== $name rc=$rc $(($(date +%s) - start))s"
@@ -86,6 +91,14 @@ has bench64k && part bench64k "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-p
     --no-hf
 has hostfirst && part hostfirst "${LIMIT_BENCH:-330}" $PY "${BENCH[@]}" --tokens-per-step 16384 \
     --no-hf --set train.skip_spikes=1e30
+# One size a part, all its rows in one process (--size: seq 2048, MLM 40%, 16k and 24,576 tokens
+# a step, ours, the reference, ours with the distributed optimizer; compiles twice per model).
+for size in 210m 610m 1b; do
+    if has "bench$size" || has sizes; then
+        part "bench$size" "${LIMIT_SIZE:-540}" $PY benchmarks/train_throughput.py --size "$size" \
+            --warmup 3 --steps 15 "${EXTRA[@]}"
+    fi
+done
 if has profile; then  # the timed pass's Chrome trace comes back gzipped
     part profile "${LIMIT_PROFILE:-200}" $PY "${BENCH[@]}" --tokens-per-step 16384 --profile \
         --trace "$OUT/profile-trace.json"
@@ -104,6 +117,7 @@ has tier && part tier "${LIMIT_TIER:-480}" $PY -m pytest -q -m gpu -rs tests/gpu
 if has smoke; then
     part smoke-bench 300 $PY benchmarks/train_throughput.py --quick
     part smoke-hostfirst 300 $PY benchmarks/train_throughput.py --quick --set train.skip_spikes=1e30
+    part smoke-size 300 $PY benchmarks/train_throughput.py --quick --size 1b
     part smoke-profile 300 $PY benchmarks/train_throughput.py --quick --profile \
         --trace "$OUT/smoke-trace.json"
     part smoke-stack 300 $PY benchmarks/layer_stack.py --quick

@@ -265,6 +265,10 @@ class DataConfig:
     # What synthetic text (data/mock.py): uniform tokens (nothing to learn) or a Markov chain a
     # model can learn far below the unigram floor (tests and the GPU tier).
     mock_kind: Literal["uniform", "markov"] = "uniform"
+    # Document lengths of the synthetic samples (data/mock.py): short (geometric, mean 96 tokens),
+    # medium (uniform 64-1,023 tokens) or web (log-normal, mean 700 tokens, a long tail: the
+    # attention work of web text).
+    mock_doc_length: Literal["short", "medium", "web"] = "short"
     # Who builds the training micro-batches (docs/data.md): sync (in the step), workers (torch
     # DataLoader processes, steps ahead) or dali (an NVIDIA DALI pipeline; needs the dali extra).
     loader: Literal["sync", "workers", "dali"] = "workers"

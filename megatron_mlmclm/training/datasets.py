@@ -38,11 +38,19 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
                     spec.vocab_size,
                     d.seed,
                     kind=d.mock_kind,
+                    doc_length=d.mock_doc_length,
                 )
                 for s in plan.streams
             ]
             return train, {
-                n: MockPackedDataset(n_valid, n, spec.vocab_size, d.seed + 1, kind=d.mock_kind)
+                n: MockPackedDataset(
+                    n_valid,
+                    n,
+                    spec.vocab_size,
+                    d.seed + 1,
+                    kind=d.mock_kind,
+                    doc_length=d.mock_doc_length,
+                )
                 for n in lengths
             }
         train = [

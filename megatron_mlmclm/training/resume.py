@@ -61,7 +61,8 @@ def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
     d = cfg.data
     if d.mock:
         kind = "" if d.mock_kind == "uniform" else f"{d.mock_kind} "  # uniform: as before kinds
-        train = valid = f"mock {kind}(vocab {spec.vocab_size})"
+        lengths = "" if d.mock_doc_length == "short" else f"{d.mock_doc_length}-length "
+        train = valid = f"mock {kind}{lengths}(vocab {spec.vocab_size})"
     else:
         train, valid = shard_list(d.train), shard_list(d.valid) if d.valid else []
     phases, start = [], 0
