@@ -12,14 +12,14 @@
 # reading the step's figures before it queues the update: train.skip_spikes=1e30, against
 # bench16k's queued update), bench210m, bench610m, bench1b (one model size with all its rows:
 # 16k and 24,576 tokens a step, ours, the reference and ours with the distributed optimizer's
-# layout, one at a time, no HF; `sizes` runs the three), tier, and smoke (the same commands in
-# their CPU quick forms: checks the plumbing on any machine). Each part has its own time limit.
-# On a fresh H100 (2026-11-27) they took: bench16k 76 s without HF and 100-107 s with it, profile
-# 27-33 s (the compiles cached by bench16k), bench64k 71-80 s, tier 35 s with
-# TIER_K=accumulation and 50-61 s with "optimizer or synchronis" (its whole default selection ran
-# past 200 s); the machine's start and the copies add 30-40 s a call. The size parts have not run
-# on a GPU yet: each compiles ours, the reference and the distributed optimizer's row at both
-# token counts, so allow them a call each (LIMIT_SIZE, 540 s).
+# layout, one at a time, no HF; `sizes` runs the three), tier, compare and long
+# (tools/gpu_train_check.py on real shards in $GPU_DATA: the default path against the reference
+# path over 200 steps, and a run of LONG_SECONDS exported and fine-tuned), and smoke (the same
+# commands in their CPU quick forms: checks the plumbing on any machine). Each part has its own
+# time limit. On a fresh H100 (2026-11-27) they took: bench16k 76 s without HF and 100-107 s
+# with it, profile 27-33 s (the compiles cached by bench16k), bench64k 71-80 s, tier 35 s with
+# TIER_K=accumulation and 50-61 s with "optimizer or synchronis" (its whole default selection
+# ran past 200 s); the machine's start and the copies add 30-40 s a call.
 #
 # Where the machine has no megatron-core, put its wheel (and nothing else) in .whl/ first:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -44,7 +44,7 @@ part() {  # part NAME LIMIT_S COMMAND...: run, log to OUT/NAME.log, report statu
     echo "=== $name (limit ${limit}s) $(date -u +%FT%TZ)"
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     rc=$?
-    grep -E "^(RESULT|PROFILE|SYNC|torch |device|headline|\| |GPU tier|check |.* (pass|FAIL)$)|^ *(documents|parameters|peak GPU)" \
+    grep -E "^(RESULT|PLAN|PROFILE|SYNC|torch |device|headline|\| |GPU tier|check |.* (pass|FAIL)$)|^ *(documents|parameters|peak GPU)" \
         "$OUT/$name.log" | tail -40
     [ "$rc" -ne 0 ] && tail -25 "$OUT/$name.log"
     echo "=== $name rc=$rc $(($(date +%s) - start))s"
@@ -55,7 +55,7 @@ if ! $PY -c "import megatron.core" 2>/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/mlmclm-site .whl/*.whl \
         || { echo "megatron-core missing and no wheel in .whl/"; exit 2; }
     export PYTHONPATH=/tmp/mlmclm-site
-fi
+fi  # (other missing wheels in .whl/, e.g. seqeval for the fine-tuning, come along)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ! $PY -c "import megatron_mlmclm._sample_index" 2>/dev/null; then
     $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 2; }
@@ -114,6 +114,12 @@ has stack && part stack "${LIMIT_STACK:-300}" $PY benchmarks/layer_stack.py --pr
 TIER_DEFAULT="learned or varlen or flex or optimizer or synchronis or accumulation or fusions"
 has tier && part tier "${LIMIT_TIER:-480}" $PY -m pytest -q -m gpu -rs tests/gpu \
     -k "${TIER_K:-$TIER_DEFAULT or compile}"
+# Real shards: GPU_DATA holds tok/, shards/ and the fine-tuning sets (tools/gpu_train_check.py).
+GPU_DATA=${GPU_DATA:-.gpu/data}
+has compare && part compare "${LIMIT_COMPARE:-330}" $PY tools/gpu_train_check.py compare \
+    "$GPU_DATA" "$OUT/compare"
+has long && part long "${LIMIT_LONG:-480}" $PY tools/gpu_train_check.py long "$GPU_DATA" \
+    "$OUT/long" --seconds "${LONG_SECONDS:-240}"
 if has smoke; then
     part smoke-bench 300 $PY benchmarks/train_throughput.py --quick
     part smoke-hostfirst 300 $PY benchmarks/train_throughput.py --quick --set train.skip_spikes=1e30
@@ -121,5 +127,7 @@ if has smoke; then
     part smoke-profile 300 $PY benchmarks/train_throughput.py --quick --profile \
         --trace "$OUT/smoke-trace.json"
     part smoke-stack 300 $PY benchmarks/layer_stack.py --quick
+    [ -d "$GPU_DATA/shards" ] && part smoke-compare 300 $PY tools/gpu_train_check.py compare \
+        "$GPU_DATA" "$OUT/smoke-compare" --quick --steps 12
 fi
 exit 0
