@@ -3,12 +3,12 @@
     python tools/gpu_train_check.py compare DATA OUT [--steps 200] [--quick]
     python tools/gpu_train_check.py long DATA OUT [--seconds 240] [--quick]
 
-DATA is a folder with `tok/` (a tokenizer from `mlmclm tokenize`), `shards/<name>_train_text_document`
-and `shards/<name>_valid_text_document` (from `mlmclm preprocess`; the first train/valid prefixes
-found are used) and, for `long`, the fine-tuning sets in the layout of $MLMCLM_DATA_DIR
-(`sst2/`, `conll2003/`). Each run is `mlmclm pretrain` as a user runs it (210m, seq 2048, MLM 40%,
-bf16, 16,384 tokens a step; with --quick the tiny preset at seq 128 in fp32, which runs on a CPU
-in minutes: bf16 matrix products are slow there).
+DATA is a folder with `tok/` (a tokenizer from `mlmclm tokenize`), the shards
+`shards/<name>_train_text_document` and `shards/<name>_valid_text_document` (from `mlmclm
+preprocess`; the first train/valid prefixes found are used) and, for `long`, the fine-tuning
+sets in the layout of $MLMCLM_DATA_DIR (`sst2/`, `conll2003/`). Each run is `mlmclm pretrain` as
+a user runs it (210m, seq 2048, MLM 40%, bf16, 16,384 tokens a step; with --quick the tiny preset
+at seq 128 in fp32, which runs on a CPU in minutes: bf16 matrix products are slow there).
 
 compare: three runs on the same batches, at once (one GPU holds all three): the default path;
 the reference path (`model.fusions=off`: megatron's own layers, hooks and unfused AdamW, eager)
@@ -151,7 +151,8 @@ def compare(args) -> dict:
     wait(procs, logs)
     verdict = judge_curves(*(curve(out / name) for name in runs))
     for name in runs:
-        plan = [line for line in (logs / f"{name}.log").read_text().splitlines() if "kernels on" in line]
+        lines = (logs / f"{name}.log").read_text().splitlines()
+        plan = [line for line in lines if "kernels on" in line]
         verdict[f"{name}_plan"] = plan[0].split("kernels on ", 1)[-1][:300] if plan else "?"
     return verdict
 
