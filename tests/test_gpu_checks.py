@@ -98,3 +98,39 @@ def test_judges_fail_what_they_should():
     assert judge_close("x", diff=0.04, noise=0.001, floor=0.05).ok
     assert not judge_close("x", diff=0.2, noise=0.01, floor=0.05).ok
     assert judge_close("x", diff=0.2, noise=0.1, floor=0.05).ok
+
+
+def gpu_train_check():
+    """tools/gpu_train_check.py, imported by path (tools/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "gpu_train_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_train_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_real_run_judges_fail_what_they_should():
+    """The curves' judge: the default path within the other seed's spread of the reference path
+    passes; a path that trains worse by more than that spread, or whose first step (the same
+    weights and batch) differs, fails. The fine-tuning judge: every task above random
+    initialisation, strictly."""
+    tool = gpu_train_check()
+    steps = range(1, 201)
+    reference = {s: 10.0 - 3.0 * (1 - math.exp(-s / 50)) for s in steps}
+    fast = {s: v + (0.004 if s % 2 else -0.004) for s, v in reference.items()}
+    seed2 = {s: v + 0.5 * math.exp(-s / 80) + 0.02 for s, v in reference.items()}
+    assert tool.judge_curves(fast, reference, seed2)["ok"]
+    worse = {s: v + 0.1 * (s > 100) for s, v in fast.items()}  # a drift beyond the spread
+    verdict = tool.judge_curves(worse, reference, seed2)
+    assert not verdict["ok"] and verdict["late_mean_diff"] > verdict["late_mean_seed_spread"]
+    off_at_start = {**fast, 1: fast[1] + 0.05}
+    assert not tool.judge_curves(off_at_start, reference, seed2)["ok"]
+    assert tool.judge_finetuned({"sst2": 0.8, "conll2003": 0.7}, {"sst2": 0.6, "conll2003": 0.4})[
+        "ok"
+    ]
+    assert not tool.judge_finetuned(
+        {"sst2": 0.8, "conll2003": 0.4}, {"sst2": 0.6, "conll2003": 0.4}
+    )["ok"]

@@ -112,8 +112,10 @@ has stack && part stack "${LIMIT_STACK:-300}" $PY benchmarks/layer_stack.py --pr
 # a few minutes on a fresh machine. "fusions" and "compile" train the fast path against megatron's
 # unfused kernels and optimizer, and against eager.
 TIER_DEFAULT="learned or varlen or flex or optimizer or synchronis or accumulation or fusions"
+# TIER_ARGS: more pytest arguments, e.g. "-n 4 --dist load" to run the checks side by side.
+read -r -a TIER_EXTRA <<<"${TIER_ARGS:-}"
 has tier && part tier "${LIMIT_TIER:-480}" $PY -m pytest -q -m gpu -rs tests/gpu \
-    -k "${TIER_K:-$TIER_DEFAULT or compile}"
+    -k "${TIER_K:-$TIER_DEFAULT or compile}" "${TIER_EXTRA[@]}"
 # Real shards: GPU_DATA holds tok/, shards/ and the fine-tuning sets (tools/gpu_train_check.py).
 GPU_DATA=${GPU_DATA:-.gpu/data}
 has compare && part compare "${LIMIT_COMPARE:-330}" $PY tools/gpu_train_check.py compare \
