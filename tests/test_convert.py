@@ -702,3 +702,28 @@ def test_wrong_arch_for_qk_norm_is_refused(ws, capsys, tmp_path):
         capsys, out, "to-hf", imp / "checkpoints", out, "--arch", "eurobert", match="qk-norm"
     )
     assert_refused(capsys, out, "to-hf", ws["ckpt"]["tp1"], out, "--arch", "qwen3", match="qk-norm")
+
+
+def test_the_conversion_model_is_the_cpus_whatever_the_run_trained_with():
+    """Conversion and its verification build the model fp32, eager and on the CPU, whatever the
+    run's own config says (a GPU run: bf16, compiled stack). On a GPU machine the run's plan left
+    megatron's linear layers on the GPU beside the norms on the CPU and failed in the compiled
+    stack: the export of a model trained on an H100 did not verify."""
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.convert.common import build_encoder
+
+    cfg = load_config(
+        None,
+        [
+            "data.mock=true",
+            "model.preset=tiny",
+            "model.num_layers=2",
+            "model.vocab_size=256",
+            "train.precision=bf16",
+            "model.compile=on",
+        ],
+    )
+    model = build_encoder(cfg, 256)
+    assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.float32, "cpu")}
+    kernels = model.decoder.layers[0].kernels
+    assert not kernels.compiled and cfg.train.precision == "bf16"  # the run's config untouched

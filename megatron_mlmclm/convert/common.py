@@ -32,6 +32,7 @@ from megatron_mlmclm.checkpoint import read_trainer_state, resolve_checkpoint, s
 from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model_chunk, transformer_config
+from megatron_mlmclm.model.kernels import plan_kernels
 from megatron_mlmclm.objectives import document_attention_mask
 from megatron_mlmclm.runtime.distributed import init_distributed
 from megatron_mlmclm.runtime.lifetime import checkpoint_helper_dies_with_us
@@ -157,12 +158,21 @@ def init_single_process(seed: int = 1234) -> None:
 
 
 def build_encoder(cfg, vocab_size: int, seed: int = 1234):
-    """The trainer's EncoderLM at TP1/PP1, float32, eval mode."""
+    """The trainer's EncoderLM at TP1/PP1, float32 on the CPU with the CPU's kernel plan (eager,
+    SDPA), eval mode, on any machine: conversions and their verification run the arithmetic the
+    CPU suite tests. On a GPU machine the machine's own plan would run the model in bf16 and
+    compile its stack, and megatron-core would put its linear layers on the GPU and leave the
+    norms on the CPU (the trainer moves its chunks; conversion has no use for the GPU)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.train.precision, cfg.runtime.device, cfg.model.compile = "fp32", "cpu", "off"
     init_single_process(seed)
+    plan = plan_kernels(cfg, "cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_model_chunk(cfg, transformer_config(cfg), vocab_size, True, True)
-    return model.eval()
+        model = build_model_chunk(
+            cfg, transformer_config(cfg, plan), vocab_size, True, True, plan=plan
+        )
+    return model.to("cpu").eval()
 
 
 def _local_to_global(model) -> dict[str, tuple[str, int | None]]:
