@@ -393,6 +393,16 @@ def test_the_guard_refuses_a_trunk_of_another_history(
     assert "\n" not in str(e.value) and expected in str(e.value), str(e.value)
 
 
+def test_the_guard_refuses_a_trunk_of_other_data(base, clm_trunk):
+    """The same config over another blend of the shards: the data fingerprint differs."""
+    _, root = base
+    with pytest.raises(UsageError) as e:
+        biphasic_check(
+            base, clm_trunk / "checkpoints" / "iter_0000003", [f"data.train=[{root / 'a'}]"]
+        )
+    assert "\n" not in str(e.value) and "a branch reads the data its source read" in str(e.value)
+
+
 def test_a_biphasic_branch_of_an_mlm_run_exits_2_before_any_work(base, tmp_path, capsys):
     """An MLM run's checkpoint at the switch step is no CLM history: refused in one line, exit
     status 2, nothing written."""
