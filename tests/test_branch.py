@@ -9,15 +9,19 @@ sample index, not synthetic tokens: its order is what a budget could change).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 from jobs import line_tokenizer, train_in_process
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.cli import main
@@ -273,7 +277,153 @@ def test_a_refused_branch_exits_2_before_any_work(base, source, tmp_path, capsys
     )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "train.clip_grad = 1.0 but this run has 0.5" in err, err
-    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+    assert not out.exists()  # not even the run's lock
+
+
+# --------------------------------------------------------------------------------------------------
+# Biphasic runs: branches of the CLM run at their switch step
+
+
+def checkpoint_tensors(ckpt) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint holds, the optimizer's (Adam moments, fp32 main weights) with the
+    model's, as saved (no cast)."""
+    reader = FileSystemReader(str(ckpt))
+    state = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and not k.startswith("rng_state")
+    }
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+@pytest.fixture(scope="module")
+def clm_trunk(base, tmp_path_factory):
+    """A 14-step CLM run stopped at step 3, where it keeps its checkpoint."""
+    path, _ = base
+    out = tmp_path_factory.mktemp("trunk") / "clm"
+    train(
+        path,
+        [
+            "phases=[{objective: clm}]",
+            f"output_dir={out}",
+            "train.steps=14",
+            "checkpoint.keep_steps=[3]",
+        ],
+        stop_at=3,
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    "mlm",
+    ["{objective: mlm, mask_ratio: 0.3}", "{objective: mlm, mask_ratio: {from: 0.5, to: 0.15}}"],
+    ids=["mlm30", "mask-ratio-schedule"],
+)
+def test_a_biphasic_run_is_a_branch_of_the_clm_run(base, clm_trunk, tmp_path, mlm):
+    """CLM for 3 steps then MLM to 8, from scratch and as a branch of the CLM run's step-3
+    checkpoint: the branch trains steps 4-8 only, and every loss, every tensor of the final
+    checkpoint (weights, Adam moments, main weights) and the stream position agree bit for bit."""
+    path, _ = base
+    p = f"phases=[{{objective: clm, steps: 3}}, {mlm}]"
+    scratch, branch = tmp_path / "scratch", tmp_path / "branch"
+    train(path, [p, f"output_dir={scratch}"])
+    source = clm_trunk / "checkpoints" / "iter_0000003"
+    train(path, [p, f"output_dir={branch}", f"train.branch_from={source}"])
+
+    records = (branch / "metrics.jsonl").read_text().splitlines()
+    # steps 1-3 are the trunk's own records, inherited; the branch logged steps 4-8
+    assert records[:3] == (clm_trunk / "metrics.jsonl").read_text().splitlines()[:3]
+    assert [json.loads(r)["step"] for r in records] == list(range(1, 9))
+    assert [json.loads(r)["objective"] for r in records if "loss" in json.loads(r)] == [
+        "clm"
+    ] * 3 + ["mlm"] * 5
+    assert losses(branch) == losses(scratch)
+    end = "checkpoints/iter_0000008"
+    a, b = checkpoint_tensors(scratch / end), checkpoint_tensors(branch / end)
+    assert any(k.startswith("optimizer.") for k in a) and a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    sa, sb = (read_trainer_state(r / end)["trainer"] for r in (scratch, branch))
+    assert sa["consumed_samples"] == sb["consumed_samples"] == 8 * GBS
+    assert sb["iteration"] == 8 and sb["config"]["phases"] == sa["config"]["phases"]
+
+
+def biphasic_check(base, trunk_ckpt, overrides, trunk_edit=None):
+    """check_branch of CLM 3 steps -> MLM (8 steps) against a trunk checkpoint, whose saved
+    config `trunk_edit` may rewrite (a trunk of another history without training one)."""
+    path, _ = base
+    state = copy.deepcopy(read_trainer_state(trunk_ckpt)["trainer"])
+    if trunk_edit:
+        trunk_edit(state["config"])
+    cfg = load_config(
+        path,
+        [f"phases={json.dumps(CLM_THEN_MLM)}", f"train.branch_from={trunk_ckpt}"] + overrides,
+    )
+    return check_branch(trunk_ckpt, state, cfg, fingerprint(cfg, token_spec_and_vocab(cfg)))
+
+
+def trunk_decays_from_step_2(config):
+    config["train"]["steps"], config["train"]["decay_steps"] = 4, 2
+
+
+@pytest.mark.parametrize(
+    "override,trunk_edit,expected",
+    [
+        (None, None, None),
+        ("phases.0.steps=2", None, "step 3 trains differently, the source in phases.0 (clm steps"),
+        ("phases.0.objective=mlm", None, "step 1 trains differently"),
+        ("data.seed=9", None, "data.seed = 1234 but this run has 9"),
+        ("train.lr=1e-3", None, "train.lr = 0.0005 but this run has 0.001"),
+        ("train.warmup_steps=1", None, "train.warmup_steps = 2 but this run has 1"),
+        ("model.num_layers=2", None, "model.num_layers = 4 but this run has 2"),
+        (None, trunk_decays_from_step_2, "past the end of the source's stable phase"),
+    ],
+    ids=["same", "switch", "objective", "seed", "lr", "warmup", "model", "trunk-decay"],
+)
+def test_the_guard_refuses_a_trunk_of_another_history(
+    base, clm_trunk, override, trunk_edit, expected
+):
+    ckpt = clm_trunk / "checkpoints" / "iter_0000003"
+    overrides = [override] if override else []
+    if expected is None:
+        assert "at step 3 of 14" in biphasic_check(base, ckpt, overrides)[0]
+        return
+    with pytest.raises(UsageError) as e:
+        biphasic_check(base, ckpt, overrides, trunk_edit)
+    assert "\n" not in str(e.value) and expected in str(e.value), str(e.value)
+
+
+def test_the_guard_refuses_a_trunk_of_other_data(base, clm_trunk):
+    """The same config over another blend of the shards: the data fingerprint differs."""
+    _, root = base
+    with pytest.raises(UsageError) as e:
+        biphasic_check(
+            base, clm_trunk / "checkpoints" / "iter_0000003", [f"data.train=[{root / 'a'}]"]
+        )
+    assert "\n" not in str(e.value) and "a branch reads the data its source read" in str(e.value)
+
+
+def test_a_biphasic_branch_of_an_mlm_run_exits_2_before_any_work(base, tmp_path, capsys):
+    """An MLM run's checkpoint at the switch step is no CLM history: refused in one line, exit
+    status 2, nothing written."""
+    path, _ = base
+    trunk = tmp_path / "mlm"
+    train(path, ["phases=[{objective: mlm}]", f"output_dir={trunk}", "train.steps=14"], stop_at=3)
+    out = tmp_path / "b"
+    argv = [
+        "pretrain",
+        str(path),
+        f"phases={json.dumps(CLM_THEN_MLM)}",
+        f"output_dir={out}",
+        f"train.branch_from={trunk / 'checkpoints' / 'iter_0000003'}",
+    ]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert "step 1 trains differently, the source in phases.0 (mlm steps 0-14" in err, err
+    assert "branch from a run that trained steps 1-3 as this run does" in err, err
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------------------------------

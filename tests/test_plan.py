@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import csv
+import datetime
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
+from megatron_mlmclm.plan.compute import read_measurements
+from megatron_mlmclm.training.branch import check_history
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -84,21 +88,60 @@ def test_cpt_configs_start_from_their_source(plan_dir):
             assert cfg.train.init_from is None
 
 
+# The switch steps of the biphasic runs (25/50/75% of each budget), written out by hand.
+SWITCHES = {12: (3000, 6000, 9000), 22: (5500, 11000, 16500), 42: (10500, 21000, 31500)}
+
+
 def test_smaller_budgets_are_decay_branches_of_the_largest(plan_dir):
     """Per size and single objective, 42K is the stable run; 12K and 22K branch off its kept
-    checkpoints at 10K and 20K (budget - 2,000 decay steps). CLM -> MLM and CPT runs do not."""
+    checkpoints at 10K and 20K (budget - 2,000 decay steps)."""
     runs = {p.stem: load_config(p) for p in (plan_dir / "configs").glob("*.yaml")}
-    branches = {n: c for n, c in runs.items() if c.train.branch_from}
+    single = {n: c for n, c in runs.items() if len(c.phases) == 1 and "-dec" not in n}
+    branches = {n: c for n, c in single.items() if c.train.branch_from}
     assert len(branches) == 2 * 3 * 5  # 12k and 22k x 3 sizes x (CLM, MLM at 4 ratios)
     for name, cfg in branches.items():
         stable, budget = name.rsplit("-", 1)[0] + "-42k", int(name.rsplit("-", 1)[1][:-1]) * 1000
         at = budget - 2000
         assert cfg.train.branch_from == f"{runs[stable].checkpoint.dir}/iter_{at:07d}"
-        assert runs[stable].checkpoint.keep_steps == [10000, 20000]
+        kept = set(runs[stable].checkpoint.keep_steps)
+        assert kept == {10000, 20000} | (
+            {s for ss in SWITCHES.values() for s in ss} if stable == "610m-clm-42k" else set()
+        )
         assert cfg.train.init_from is None and cfg.train.steps == budget
-    assert not any(
-        c.train.branch_from for n, c in runs.items() if "-mlm40-" in n[5:] or "-dec" in n
-    )
+
+
+def test_biphasic_runs_branch_from_the_clm_run_and_cpt_runs_from_the_longest(plan_dir):
+    """Every CLM -> MLM run starts from 610m-clm-42k's checkpoint at its switch step; the +2K and
+    +12K CPT runs of a source from its +22K run where their decays start (2,000 - 1,800 and
+    12,000 - 2,000). Each is a branch the branch guard accepts, by the configs: the guard,
+    not the plan, decides."""
+    runs = {p.stem: load_config(p) for p in (plan_dir / "configs").glob("*.yaml")}
+    trunk = runs["610m-clm-42k"]
+    for budget, switches in SWITCHES.items():
+        for at in switches:
+            name = f"610m-clm-{at // 1000}k-mlm40-{budget}k"
+            cfg = runs[name]
+            assert [(p.objective, p.steps) for p in cfg.phases] == [
+                ("clm", at),
+                ("mlm", budget * 1000 - at),
+            ]
+            assert cfg.train.branch_from == f"{trunk.checkpoint.dir}/iter_{at:07d}"
+    for src in ("clm", "mlm40"):
+        longest = runs[f"610m-{src}-dec42k-mlm40-64k"]
+        assert longest.train.branch_from is None
+        assert sorted(longest.checkpoint.keep_steps) == [200, 10000]
+        for total, at in ((44, 200), (54, 10000)):
+            cfg = runs[f"610m-{src}-dec42k-mlm40-{total}k"]
+            assert cfg.train.branch_from == f"{longest.checkpoint.dir}/iter_{at:07d}"
+            assert cfg.train.init_from == longest.train.init_from  # the same decayed source
+    branched = {n: c for n, c in runs.items() if c.train.branch_from}
+    assert len(branched) == 30 + 9 + 4
+    by_dir = {c.checkpoint.dir: c for c in runs.values()}
+    for name, cfg in branched.items():
+        folder, step = cfg.train.branch_from.rsplit("/iter_", 1)
+        source = by_dir[folder]
+        assert int(step) in source.checkpoint.keep_steps
+        check_history(name, source, cfg, int(step))
 
 
 def flops_per_token_210m(objective: str) -> int:
@@ -118,22 +161,36 @@ def test_summary_totals_and_dependencies(plan_dir):
     for r in rows:
         assert int(r["tokens"]) == int(r["steps"]) * 1152 * 2048
         scratch, hours = float(r["gpu_hours_from_scratch"]), float(r["gpu_hours"])
+        # a CLM step's hours at the row's CLM throughput
+        clm_step = 1152 * 2048 / float(r["tokens_per_gpu_s"]) / 3600
         if r["kind"] == "branch":  # it trains only its own decay
             assert r["depends_on"] == r["name"].rsplit("-", 1)[0] + "-42k"
             assert int(r["branch_at"]) == int(r["steps"]) - 2000
             assert hours == pytest.approx(scratch * 2000 / int(r["steps"]), abs=0.02)
+        elif r["kind"] == "biphasic":  # it trains all but its CLM phase
+            assert r["depends_on"] == "610m-clm-42k"
+            assert hours == pytest.approx(scratch - int(r["branch_at"]) * clm_step, abs=0.02)
+        elif r["branch_at"]:  # a CPT run branched off the longest of its source
+            assert r["kind"] == "cpt" and r["depends_on"].endswith("-64k")
+            left = int(r["steps"]) - int(r["branch_at"])
+            assert hours == pytest.approx(scratch * left / int(r["steps"]), abs=0.02)
         else:
             assert hours == scratch
-        if "mlm" not in r["phases"]:  # the stated throughput is a CLM step's
-            assert scratch == pytest.approx(
-                int(r["tokens"]) / float(r["tokens_per_gpu_s"]) / 3600, abs=0.01
-            )
-        if "-dec" in r["name"]:
+        if "mlm" not in r["phases"]:  # the row's throughput is a CLM step's
+            assert scratch == pytest.approx(int(r["tokens"]) * clm_step / (1152 * 2048), abs=0.01)
+        if r["name"].endswith("-dec42k-mlm40-64k"):
             assert r["depends_on"] == r["name"].split("-dec")[0] + "-42k"
-        elif r["kind"] != "branch":
+        elif r["kind"] == "single":
             assert r["depends_on"] == ""
         if r["depends_on"]:
             assert rows.index(by_name[r["depends_on"]]) < rows.index(r)  # sources first
+    # the biphasic runs save exactly their CLM steps: 114,000 CLM steps of 610m
+    biphasic = [r for r in rows if r["kind"] == "biphasic"]
+    assert sum(int(r["branch_at"]) for r in biphasic) == 114000
+    saved = sum(float(r["gpu_hours_from_scratch"]) - float(r["gpu_hours"]) for r in biphasic)
+    assert saved == pytest.approx(
+        114000 * 1152 * 2048 / float(by_name["610m-clm-42k"]["tokens_per_gpu_s"]) / 3600, abs=0.1
+    )
     # an MLM step costs its own FLOPs at the CLM step's FLOP rate
     ratio = flops_per_token_210m("mlm") / flops_per_token_210m("clm")
     assert float(by_name["210m-mlm40-42k"]["gpu_hours"]) == pytest.approx(
@@ -144,13 +201,123 @@ def test_summary_totals_and_dependencies(plan_dir):
     alone = round(sum(float(r["gpu_hours_from_scratch"]) for r in rows), 2)
     total_tokens = sum(int(r["tokens"]) for r in rows)
     assert (
-        f"{total:,.1f} GPU-hours with decay branches, {alone:,.1f} GPU-hours with every run "
+        f"{total:,.1f} GPU-hours with branches, {alone:,.1f} GPU-hours with every run "
         "from scratch" in md
     )
     assert total < 0.75 * alone
     assert f"{total_tokens / 1e12:.2f}T tokens" in md
     manifest = (plan_dir / "manifest.tsv").read_text().splitlines()
     assert len(manifest) == 61 and manifest[0].startswith("index\tname")
+
+
+MEASURED = REPO / "megatron_mlmclm" / "plan" / "measured_step_times.yaml"
+
+
+def test_measured_step_times_are_well_formed():
+    """Every entry of the package's file has every field, and its figures agree: tokens/s per GPU
+    = tokens per step / seconds per step. The file ships as package data."""
+    entries = yaml.safe_load(MEASURED.read_text())
+    assert "210m" in entries
+    for size, m in entries.items():
+        assert size in ("210m", "610m", "1b"), size
+        assert set(m) == {
+            "device",
+            "date",
+            "software",
+            "config",
+            "tokens_per_gpu_step",
+            "seconds_per_step",
+            "tokens_per_s_per_gpu",
+            "source",
+        }, size
+        assert m["device"].startswith("NVIDIA ") and isinstance(m["date"], datetime.date)
+        assert set(m["software"]) == {"torch", "megatron-core"}
+        c = m["config"]
+        assert {"seq_length", "objective", "precision", "attention", "layout"} <= set(c)
+        assert c["objective"] == "clm" or 0 < c["mask_ratio"] < 1
+        rate = m["tokens_per_gpu_step"] / m["seconds_per_step"]
+        assert m["tokens_per_s_per_gpu"] == pytest.approx(rate, rel=1e-4), size
+        assert "BENCHMARKS.md" in m["source"]
+    assert read_measurements() == entries  # what the plan reads
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"megatron_mlmclm.plan" = ["*.yaml"]' in pyproject
+
+
+def test_a_measured_size_is_priced_from_its_step(plan_dir):
+    """210m's MLM 40% run costs its tokens at the measured tokens/s of that very step (no FLOP
+    arithmetic between them); the summary names what each size is priced from."""
+    m = yaml.safe_load(MEASURED.read_text())["210m"]
+    assert (m["config"]["objective"], m["config"]["mask_ratio"], m["config"]["seq_length"]) == (
+        "mlm",
+        0.4,
+        2048,
+    )
+    with open(plan_dir / "SUMMARY.csv", newline="") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    r = rows["210m-mlm40-42k"]
+    tok_s = m["tokens_per_gpu_step"] / m["seconds_per_step"]
+    assert float(r["gpu_hours"]) == pytest.approx(42000 * 1152 * 2048 / tok_s / 3600, abs=0.01)
+    assert {x["size"]: x["priced_from"] for x in rows.values()} == {
+        "210m": "measured",
+        "610m": "assumed",
+        "1b": "assumed",
+    }
+    md = (plan_dir / "SUMMARY.md").read_text()
+    assert f"- 210m: measured, {m['tokens_per_s_per_gpu']:,} tokens/s per GPU" in md
+    assert f"on one {m['device']}, {m['date']}" in md
+    assert "- 610m: assumed, 85,000 CLM tokens/s per GPU" in md
+    assert "- 1b: assumed, 45,000 CLM tokens/s per GPU" in md
+    assert "Data-parallel communication (the gradient reduce across the run's GPUs) is not" in md
+
+
+def test_a_new_measurement_is_a_data_only_change(tmp_path, capsys):
+    """A 610m entry added to a copy of the file prices 610m from it; --throughput still wins."""
+    entries = yaml.safe_load(MEASURED.read_text())
+    entries["610m"] = dict(
+        entries["210m"],
+        device="NVIDIA H100 80GB HBM3",
+        tokens_per_gpu_step=8192,
+        seconds_per_step=0.08,
+        tokens_per_s_per_gpu=102400,
+    )
+    times = tmp_path / "times.yaml"
+    times.write_text(yaml.safe_dump(entries))
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), "--sizes", "610m", "--budgets", "12000",
+            "--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps",
+            "--step-times", str(times)]  # fmt: skip
+    assert main(argv) == 0
+    assert "priced measured: 610m" in capsys.readouterr().out
+    with open(out / "SUMMARY.csv", newline="") as f:
+        [r] = list(csv.DictReader(f))
+    assert float(r["gpu_hours"]) == pytest.approx(12000 * 1152 * 2048 / 102400 / 3600, abs=0.01)
+    assert "- 610m: measured, 102,400 tokens/s per GPU" in (out / "SUMMARY.md").read_text()
+    assert main(argv + ["--force", "--throughput", "610m=50000"]) == 0
+    assert "- 610m: given, 50,000 CLM tokens/s per GPU" in (out / "SUMMARY.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "edit,expected",
+    [
+        (lambda m: m.pop("device"), "give exactly device, date"),
+        (
+            lambda m: m.update(seconds_per_step=0.05),
+            "is not tokens_per_gpu_step / seconds_per_step",
+        ),
+        (lambda m: m["config"].pop("objective"), "config needs seq_length"),
+    ],
+    ids=["missing-field", "inconsistent", "no-objective"],
+)
+def test_a_malformed_measurement_exits_2(tmp_path, capsys, edit, expected):
+    entries = yaml.safe_load(MEASURED.read_text())
+    edit(entries["210m"])
+    times = tmp_path / "times.yaml"
+    times.write_text(yaml.safe_dump(entries))
+    out = tmp_path / "p"
+    assert main(["plan", "--out", str(out), "--step-times", str(times)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not out.exists()
 
 
 def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
@@ -182,9 +349,9 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
         capture_output=True,
     )
     lines = log.read_text().splitlines()
-    # pretrain, convert, evaluate per run; two more pretraining segments per stable run (15);
-    # one report
-    assert len(lines) == 3 * 60 + 2 * 15 + 1
+    # pretrain, convert, evaluate per run; a pretraining segment more per kept step: 2 per
+    # stable single-objective run (15), 9 more for 610m-clm-42k's switch steps, 2 per CPT source
+    assert len(lines) == 3 * 60 + 2 * 15 + 9 + 2 * 2 + 1
     job = {}  # job id (line number) -> sbatch line
     for i, line in enumerate(lines, 1):
         job[str(i)] = line
@@ -192,28 +359,40 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
     def dependency(line):
         return job[line.split("--dependency=afterok:")[1].split()[0]]
 
-    cpt = [ln for ln in lines if "pretrain.sbatch" in ln and "-dec42k-" in ln]
-    assert len(cpt) == 6
-    for ln in cpt:  # after the whole stable run (its last segment), not a segment
-        dep = dependency(ln)
-        src = ln.split("pt-")[1].split("-dec")[0] + "-42k.yaml"
-        assert "pretrain.sbatch" in dep and dep.endswith(f"/configs/{src}")
+    def segments(config):
+        """The pretraining jobs of a run, each by where it stops."""
+        jobs = [ln for ln in lines if "pretrain.sbatch" in ln and f"/configs/{config}.yaml" in ln]
+        return {
+            (ln.split("--stop-at ")[1].split()[0] if "--stop-at" in ln else "end"): ln
+            for ln in jobs
+        }
+
+    for src in ("610m-clm-42k", "610m-mlm40-42k"):  # the longest CPT run, after its source
+        tag = src.rsplit("-", 1)[0]
+        cpt = segments(f"{tag}-dec42k-mlm40-64k")
+        assert list(cpt) == ["200", "10000", "end"]
+        assert dependency(cpt["200"]) == segments(src)["end"]  # the decayed source, whole
+        assert dependency(cpt["10000"]) == cpt["200"] and dependency(cpt["end"]) == cpt["10000"]
+        for total, at in ((44, "200"), (54, "10000")):
+            [ln] = segments(f"{tag}-dec42k-mlm40-{total}k").values()
+            assert dependency(ln) == cpt[at]
     # a stable run: segments ending at 10K and 20K, each after the one before, then the rest
-    stable = [
-        ln for ln in lines if "pretrain.sbatch" in ln and "/configs/610m-mlm40-42k.yaml" in ln
-    ]
-    assert [
-        ln.split("--stop-at ")[1].split()[0] if "--stop-at" in ln else "end" for ln in stable
-    ] == ["10000", "20000", "end"]
+    stable = list(segments("610m-mlm40-42k").values())
+    assert list(segments("610m-mlm40-42k")) == ["10000", "20000", "end"]
     assert dependency(stable[1]) == stable[0] and dependency(stable[2]) == stable[1]
     # a branch waits for the segment that saves its branch point
     for budget, at in ((12, "10000"), (22, "20000")):
-        ln = next(
-            x
-            for x in lines
-            if "pretrain.sbatch" in x and f"/configs/610m-mlm40-{budget}k.yaml" in x
-        )
-        assert dependency(ln) == stable[0 if at == "10000" else 1]
+        [ln] = segments(f"610m-mlm40-{budget}k").values()
+        assert dependency(ln) == segments("610m-mlm40-42k")[at]
+    # the CLM stable run stops at every switch step too; each biphasic run waits for its own
+    clm = segments("610m-clm-42k")
+    assert list(clm) == [
+        str(s) for s in sorted({10000, 20000} | {s for ss in SWITCHES.values() for s in ss})
+    ] + ["end"]
+    for budget, switches in SWITCHES.items():
+        for at in switches:
+            [ln] = segments(f"610m-clm-{at // 1000}k-mlm40-{budget}k").values()
+            assert dependency(ln) == clm[str(at)]
     evals = [ln for ln in lines if "evaluate_array.sbatch" in ln]
     assert all("--array=0-179" in ln for ln in evals) and len(evals) == 60
     for ln in evals:  # each array waits for its run's export

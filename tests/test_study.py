@@ -3,6 +3,7 @@ widening rule, refusals, and one small end-to-end run on the real data that is t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import pytest
 from scipy import stats
 
 from megatron_mlmclm.cli import main
+from megatron_mlmclm.eval.tasks import load_registry
 from megatron_mlmclm.study.compare import MARGIN, study_comparisons, verdict
 from megatron_mlmclm.study.design import (
     LR_LADDER,
@@ -24,7 +26,7 @@ from megatron_mlmclm.study.design import (
     recipe_steps,
     widen,
 )
-from megatron_mlmclm.study.pipeline import next_grid
+from megatron_mlmclm.study.pipeline import next_grid, task_file
 
 FAMILY = {
     "sst2": ("sc", "accuracy"),
@@ -357,3 +359,14 @@ def test_learning_curve_points_and_verdicts_against_hand_computed_values(tmp_pat
     assert {
         k: v for k, v in branch["train"].items() if k not in ("steps", "decay_steps", "branch_from")
     } == {k: v for k, v in full_cfg["train"].items() if k not in ("steps", "decay_steps")}
+
+
+def test_the_study_ranks_its_ir_tasks_over_the_judged_documents(tmp_path):
+    """The mini-study's one deviation from evaluate's default protocol: its IR tasks are the
+    registry's entries with corpus `judged` (the default ranks the full corpus); nothing else of
+    an entry changes, and its other tasks keep the registry's entries."""
+    path = task_file(tmp_path, ["sst2", "scifact"])
+    ours, registry = load_registry([str(path)]), load_registry()
+    assert registry["scifact"].corpus == "full" and ours["scifact"].corpus == "judged"
+    assert dataclasses.replace(ours["scifact"], corpus="full") == registry["scifact"]
+    assert ours["sst2"] == registry["sst2"] and "sst2" not in path.read_text()

@@ -116,8 +116,17 @@ def add_arguments(p) -> None:
         nargs="*",
         default=d.throughput,
         metavar="SIZE=N",
-        help="CLM tokens/s per GPU per size; other objectives at the same FLOP rate "
-        "(defaults: " + ", ".join(f"{k}={v:,.0f}" for k, v in DEFAULT_THROUGHPUT.items()) + ")",
+        help="CLM tokens/s per GPU per size; other objectives at the same FLOP rate (default: "
+        "a size's measured step in --step-times, else assumed: "
+        + ", ".join(f"{k}={v:,.0f}" for k, v in DEFAULT_THROUGHPUT.items())
+        + ")",
+    )
+    c.add_argument(
+        "--step-times",
+        default=d.step_times,
+        metavar="YAML",
+        help="measured training steps per size (default: megatron_mlmclm/plan/"
+        "measured_step_times.yaml, whose head says the format)",
     )
     c.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
     c.add_argument(
@@ -136,10 +145,15 @@ def run(args) -> int:
     options = PlanOptions(**{f.name: getattr(args, f.name) for f in fields})
     totals = write_plan(args.out, options, force=args.force)
     out = args.out
+    by_source: dict[str, list[str]] = {}
+    for size, price in totals["prices"].items():
+        by_source.setdefault(price.source, []).append(size)
     print(
         f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
-        f"{totals['gpu_hours']:,.0f} GPU-hours at the stated throughput "
-        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch) -> {out}"
+        f"{totals['gpu_hours']:,.0f} GPU-hours with branches "
+        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch); priced "
+        + ", ".join(f"{source}: {' '.join(sizes)}" for source, sizes in by_source.items())
+        + f" -> {out}"
     )
     print(f"  {out}/SUMMARY.md, {out}/submit_slurm.sh, {out}/jobs/<run>.sh, {out}/configs/")
     return 0

@@ -7,8 +7,8 @@ run settings of any protocol.
 
 - ``default``: the field's usual evaluation where there is one: seqeval entity F1 with the tag on a
   word's first token, the official SQuAD F1/EM with a start/end span head over doc-stride windows,
-  trec_eval NDCG@10; validation carved out of train by a content hash; at most 1,000 steps or one
-  epoch; bf16 autocast on GPU, fp32 on CPU.
+  trec_eval NDCG@10 over the full corpus (BEIR's and MTEB's number); validation carved out of
+  train by a content hash; at most 1,000 steps or one epoch; bf16 autocast on GPU, fp32 on CPU.
 - ``encodeval``: the paper's evaluation as its code (EncodEval, branch MLM_vs_CLM) runs it: the
   validation split drawn as ``train_test_split(train_size=0.95, seed=42)``, a tag on every token of
   a word with a majority vote and the per-sentence macro-F1, QA as 2-label token tagging with the

@@ -72,7 +72,7 @@ class Task:
     max_answer_tokens: int = 30
     null_threshold: float = 0.0
     # ir
-    corpus: str = "judged"
+    corpus: str = "full"  # full | judged | judged_eval (families/ir.py)
     train_task: str | None = None  # the task whose train split gives the training pairs
     query_template: str = "{text}"
     document_template: str | None = None  # {title} {text}; None: "{title} {text}" or "{text}"

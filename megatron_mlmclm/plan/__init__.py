@@ -2,8 +2,10 @@
 
     options.py  PlanOptions: what to plan (the flags of commands/plan.py, the study's defaults)
     layout.py   the global batch and each size's parallel layout (docs/parallelism.md)
-    grid.py     the runs (single objective, CLM -> MLM, continued pretraining), names, configs
-    compute.py  tokens, model FLOPs and GPU-hours of a run
+    grid.py     the runs (single objective, CLM -> MLM, continued pretraining), names, configs,
+                and which run branches from which
+    compute.py  tokens, model FLOPs and GPU-hours of a run, each size priced from its measured
+                step (measured_step_times.yaml, package data) or an assumed throughput
     jobs.py     the per-run job script and the SLURM submit script
     summary.py  SUMMARY.md, SUMMARY.csv, manifest.tsv
     write.py    write_plan: everything built and checked in memory, then one folder renamed into

@@ -2,15 +2,24 @@
 
 The FLOPs are config/budget.py's arithmetic (step_flops: the sparse MLM head over the masked
 tokens, causal attention at half as Transformer Engine spends it on a GPU), at the vocabulary of
-the Llama-3 tokenizer. GPU-hours follow from a stated throughput: tokens per second per GPU of a
-CLM step, i.e. a FLOP rate per GPU, at which every step's own FLOPs are spent (an MLM step costs
-less than a CLM step: its head computes logits at the masked positions only). A decay branch
-trains only the steps after its branch point; its cost from scratch is reported beside it.
+the Llama-3 tokenizer. GPU-hours follow from a FLOP rate per GPU at which every step's own FLOPs
+are spent (an MLM step costs less than a CLM step: its head computes logits at the masked
+positions only). A size's FLOP rate comes, first to last, from `--throughput SIZE=N` (CLM tokens
+per second per GPU), from a measured step in measured_step_times.yaml (its tokens per second per
+GPU of the step it measured, at that step's FLOPs per token), or from an assumed CLM throughput
+(DEFAULT_THROUGHPUT). A run on G GPUs trains at G times one GPU's rate: a one-GPU measurement
+holds no data-parallel communication. A branch trains only the steps after its branch point; its
+cost from scratch is reported beside it.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
 
 from megatron_mlmclm.config import (
     PhaseConfig,
@@ -21,15 +30,123 @@ from megatron_mlmclm.config import (
     step_flops,
     step_tokens,
 )
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.plan.grid import Run
-from megatron_mlmclm.plan.layout import GLOBAL_BATCH
+from megatron_mlmclm.plan.layout import GLOBAL_BATCH, LAYOUTS, per_size
 
 VOCAB = 128256  # Llama-3 tokenizer
 
-# Tokens per second per GPU of a CLM step assumed for the GPU-hour estimates: about 35% MFU on an
-# H100 (bf16, 989 TFLOP/s dense) by flops.py's count at seq 2048, vocab 128,256. Measure
-# yours (the trainer logs tokens_per_s_per_device in metrics.jsonl) and pass --throughput SIZE=N.
+# Tokens per second per GPU of a CLM step assumed for the sizes never measured: about 35% MFU on an
+# H100 (bf16, 989 TFLOP/s dense) by flops.py's count at seq 2048, vocab 128,256.
 DEFAULT_THROUGHPUT = {"tiny": 2_000_000.0, "210m": 250_000.0, "610m": 85_000.0, "1b": 45_000.0}
+MEASURED = Path(__file__).with_name("measured_step_times.yaml")  # package data
+CLM = PhaseConfig(objective="clm")
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a size is priced from: `tokens_per_s` per GPU of a step of `phase`, and where that
+    figure comes from (`source`: measured | given | assumed, `note`: how the summary says it)."""
+
+    tokens_per_s: float
+    phase: PhaseConfig
+    source: str
+    note: str
+
+    def flop_rate(self, cfg: RunConfig) -> float:
+        """FLOP/s per GPU: the tokens per second of `phase` at its FLOPs per token in `cfg`."""
+        return self.tokens_per_s * step_flops(cfg, self.phase) / step_tokens(cfg, self.phase)
+
+
+MEASUREMENT_FIELDS = {
+    "device": str,
+    "date": datetime.date,
+    "software": dict,
+    "config": dict,
+    "tokens_per_gpu_step": int,
+    "seconds_per_step": float,
+    "tokens_per_s_per_gpu": (int, float),
+    "source": str,
+}
+CONFIG_FIELDS = ("seq_length", "objective", "precision", "attention", "layout")
+
+
+def read_measurements(path: str | Path = MEASURED) -> dict[str, dict]:
+    """The measured steps of `path`, one entry per size, each checked whole: UsageError naming
+    the file, the size and the field."""
+    path = Path(path)
+    try:
+        entries = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"cannot read the measured step times {path}: {e}") from None
+    if not isinstance(entries, dict):
+        raise UsageError(f"{path}: expected a mapping of size -> measurement")
+    for size, m in entries.items():
+        where = f"{path}: {size}"
+        if size not in LAYOUTS:
+            raise UsageError(f"{where}: unknown size; choose from {', '.join(LAYOUTS)}")
+        if not isinstance(m, dict) or set(m) != set(MEASUREMENT_FIELDS):
+            raise UsageError(f"{where}: give exactly {', '.join(MEASUREMENT_FIELDS)}")
+        for key, kind in MEASUREMENT_FIELDS.items():
+            if not isinstance(m[key], kind) or isinstance(m[key], bool):
+                raise UsageError(f"{where}: {key} {m[key]!r} is not a {key} (see the file's head)")
+        c = m["config"]
+        missing = [k for k in CONFIG_FIELDS if k not in c]
+        if (
+            missing
+            or c["objective"] not in ("clm", "mlm")
+            or set(m["software"])
+            != {
+                "torch",
+                "megatron-core",
+            }
+        ):
+            raise UsageError(
+                f"{where}: config needs {', '.join(CONFIG_FIELDS)} (objective clm or mlm, "
+                "mlm with mask_ratio) and software torch and megatron-core versions"
+            )
+        if c["objective"] == "mlm" and not 0 < c.get("mask_ratio", 0) < 1:
+            raise UsageError(f"{where}: an mlm step needs config.mask_ratio in (0, 1)")
+        rate = m["tokens_per_gpu_step"] / m["seconds_per_step"]
+        if m["seconds_per_step"] <= 0 or abs(m["tokens_per_s_per_gpu"] / rate - 1) > 1e-4:
+            raise UsageError(
+                f"{where}: tokens_per_s_per_gpu {m['tokens_per_s_per_gpu']} is not "
+                f"tokens_per_gpu_step / seconds_per_step = {rate:.0f}"
+            )
+    return entries
+
+
+def measured_pricing(size: str, m: dict) -> Pricing:
+    c = m["config"]
+    phase = PhaseConfig(
+        objective=c["objective"], mask_ratio=c.get("mask_ratio", 0.4), seq_length=c["seq_length"]
+    )
+    step = "CLM" if c["objective"] == "clm" else f"MLM {c['mask_ratio']:g}"
+    note = (
+        f"{size}: measured, {m['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+        f"({m['seconds_per_step']} s per step of {m['tokens_per_gpu_step']:,} tokens, {step}, "
+        f"seq {c['seq_length']}, {c['precision']}, {c['attention']} attention, {c['layout']}) "
+        f"on one {m['device']}, {m['date']} (torch {m['software']['torch']}, megatron-core "
+        f"{m['software']['megatron-core']}; {m['source']})"
+    )
+    return Pricing(float(m["tokens_per_s_per_gpu"]), phase, "measured", note)
+
+
+def pricing(sizes, given: list[str], measured: dict[str, dict]) -> dict[str, Pricing]:
+    """Per size: `--throughput SIZE=N` where given, else its measured step, else the assumption."""
+    flags = per_size(given, dict.fromkeys(LAYOUTS), "--throughput", float)
+    out = {}
+    for size in sizes:
+        if flags[size] is not None:
+            note = f"{size}: given, {flags[size]:,.0f} CLM tokens/s per GPU (--throughput)"
+            out[size] = Pricing(flags[size], CLM, "given", note)
+        elif size in measured:
+            out[size] = measured_pricing(size, measured[size])
+        else:
+            t = DEFAULT_THROUGHPUT[size]
+            note = f"{size}: assumed, {t:,.0f} CLM tokens/s per GPU (about 35% MFU on an H100)"
+            out[size] = Pricing(t, CLM, "assumed", note)
+    return out
 
 
 def flops_config(config: dict) -> RunConfig:
@@ -40,15 +157,9 @@ def flops_config(config: dict) -> RunConfig:
     return finalize_run_config(from_dict(RunConfig, raw, prefix=""))
 
 
-def flop_rate(cfg: RunConfig, throughput: float) -> float:
-    """FLOP/s per GPU of `throughput` CLM tokens per second per GPU."""
-    clm = PhaseConfig(objective="clm")
-    return throughput * step_flops(cfg, clm) / step_tokens(cfg, clm)
-
-
-def compute_row(run: Run, lay: dict, throughput: float) -> dict:
+def compute_row(run: Run, lay: dict, price: Pricing) -> dict:
     cfg = flops_config(run.config)
-    rate = flop_rate(cfg, throughput)
+    rate = price.flop_rate(cfg)
     first = run.branch_at or 0
     tokens = sum(ph.steps * step_tokens(cfg, ph) for ph in cfg.phases)
     flops, trained = run_flops(cfg), run_flops(cfg, first_step=first)
@@ -72,7 +183,9 @@ def compute_row(run: Run, lay: dict, throughput: float) -> dict:
         "global_batch": GLOBAL_BATCH,
         "distributed_optimizer": lay["dist_opt"],
         "recompute": lay["recompute"] or "none",
-        "tokens_per_gpu_s": throughput,
+        # the CLM tokens/s per GPU of the FLOP rate; what --throughput SIZE=N gives
+        "tokens_per_gpu_s": round(rate * step_tokens(cfg, CLM) / step_flops(cfg, CLM), 1),
+        "priced_from": price.source,
         "tflop_per_gpu_s": round(rate / 1e12, 1),
         "gpu_hours": round(gpu_hours, 2),
         "gpu_hours_from_scratch": round(scratch_hours, 2),

@@ -8,12 +8,15 @@ part off):
   * continued pretraining (CPT): from the decayed CLM and MLM runs of cpt_size at cpt_budget,
     +N MLM steps with train.init_from (fresh optimizer, its own warmup and decay).
 
-Decay branches (`branches`, on by default): the single-objective runs of one size and objective
-differ only in their budget, so the largest budget is trained as the stable run and every smaller
-budget b is its decay branch: train.branch_from the stable run's checkpoint at step b - decay
-(kept with checkpoint.keep_steps), then b's own decay (training/branch.py; bitwise the run from
-scratch). CLM -> MLM runs give the CLM phase as a share of the budget, so their phases differ
-before any branch point: they stay runs of their own.
+Branches (`branches`, on by default; training/branch.py: each is bitwise the run from scratch):
+  * decay branches: the single-objective runs of one size and objective differ only in their
+    budget, so the largest budget is trained as the stable run and every smaller budget b is its
+    decay branch: train.branch_from the stable run's checkpoint at step b - decay (kept with
+    checkpoint.keep_steps), then b's own decay. The CPT runs of one source likewise: the longest
+    is the stable run, a shorter one branches where its decay starts;
+  * biphasic branches: a CLM -> MLM run is, up to its switch step, the CLM run of its size (same
+    samples, warmup and constant LR), so it starts from the CLM stable run's checkpoint at the
+    switch step and trains only its MLM phase.
 
 Names follow the released models (see docs/plan.md): `610m-mlm40-42k`, `610m-clm-42k`,
 `610m-clm-10k-mlm40-42k` (CLM steps in thousands, rounded down: 25% of 42K = 10,500 -> 10k),
@@ -76,8 +79,9 @@ class Run:
     phases: list[dict]
     warmup: int
     decay: int
-    depends_on: str | None = None  # a CPT run's source; a branch's stable run
-    branch_at: int | None = None  # a branch starts at this step of its stable run
+    depends_on: str | None = None  # the run whose checkpoint this one starts from
+    branch_at: int | None = None  # a branch starts at this step of depends_on
+    init_from: str | None = None  # a CPT run's source: its weights (train.init_from)
     keep_steps: list[int] = field(default_factory=list)  # a stable run's branch points
     config: dict = field(default_factory=dict)
     row: dict = field(default_factory=dict)
@@ -198,28 +202,56 @@ def build_grid(opts: PlanOptions) -> list[Run]:
                         warmup,
                         decay,
                         depends_on=src.name,
+                        init_from=src.name,
                     )
                 )
     if opts.branches:
         plan_branches(list(runs.values()))
-    # Sources first: stable runs, then their branches, then CPT runs (whose source may be either).
-    return sorted(runs.values(), key=lambda r: {"branch": 1, "cpt": 2}.get(r.kind, 0))
+    return sorted(runs.values(), key=start_order)
+
+
+def start_order(run: Run) -> int:
+    """Sources first: stable runs, then their branches and the CPT runs (whose source is a stable
+    run), then the CPT runs that branch off another CPT run."""
+    return {"branch": 1, "biphasic": 1, "cpt": 2}.get(run.kind, 0) + (
+        run.kind == "cpt" and run.branch_at is not None
+    )
 
 
 def plan_branches(runs: list[Run]) -> None:
-    """Per size and single objective: the largest budget stays a run from scratch (the stable
-    run); every smaller budget becomes its decay branch at step budget - decay."""
+    """Per size and single objective, and per CPT source: the longest run stays a run from
+    scratch (the stable run) and every shorter one becomes its decay branch at step steps - decay.
+    Then every CLM -> MLM run becomes a branch of its size's CLM stable run at its switch step."""
     families: dict[tuple, list[Run]] = {}
     for r in runs:
-        if r.kind == "single":
-            families.setdefault((r.size, tuple(sorted(r.phases[0].items()))), []).append(r)
+        if r.kind in ("single", "cpt"):
+            key = (r.kind, r.size, r.init_from, r.warmup, tuple(sorted(r.phases[0].items())))
+            families.setdefault(key, []).append(r)
     for family in families.values():
         stable = max(family, key=lambda r: r.steps)
         for r in family:
             if r is not stable:
-                r.kind, r.depends_on, r.branch_at = "branch", stable.name, r.steps - r.decay
-                stable.keep_steps.append(r.branch_at)
-        stable.keep_steps.sort()
+                branch(r, stable, r.steps - r.decay)
+    clm = {r.size: r for r in runs if r.kind == "single" and r.phases == [{"objective": "clm"}]}
+    for r in runs:
+        if r.kind == "biphasic" and r.size in clm:
+            switch = int(round(r.phases[0]["share"] * r.steps))  # config.resolve_phase_steps
+            branch(r, clm[r.size], switch)
+    for r in runs:
+        r.keep_steps.sort()
+
+
+def branch(run: Run, stable: Run, at: int) -> None:
+    """Make `run` start from `stable`'s checkpoint at step `at` where the branch guard allows it:
+    a step past 0 inside both runs' stable parts (its LR that of a run from scratch). A run not
+    allowed stays a run from scratch."""
+    if not 0 < at <= min(stable.steps - stable.decay, run.steps - run.decay):
+        return
+    if run.kind == "single":
+        run.kind = "branch"
+    run.depends_on, run.branch_at = stable.name, at
+    if at not in stable.keep_steps:
+        stable.keep_steps.append(at)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,9 +278,7 @@ def run_config(run: Run, opts: PlanOptions, runs_dir: Path, lay: dict) -> dict:
             "warmup_steps": run.warmup,
             "decay_steps": run.decay,
             "recompute": lay["recompute"],
-            "init_from": (
-                str(runs_dir / run.depends_on / "checkpoints") if run.kind == "cpt" else None
-            ),
+            "init_from": str(runs_dir / run.init_from / "checkpoints") if run.init_from else None,
         },
         "checkpoint": {"save_interval": opts.save_interval, "keep_last": 2, "resume": True},
         "logging": {

@@ -55,16 +55,18 @@ esac
 
 
 def _relation(run: Run) -> str:
-    if run.kind == "branch":
-        return f", the decay branch of {run.depends_on} from its step {run.branch_at}"
-    if run.depends_on:
-        return f", continues {run.depends_on}"
+    out = ""
+    if run.branch_at is not None:
+        what = "branch at its switch step" if run.kind == "biphasic" else "decay branch"
+        out = f", the {what} of {run.depends_on} from its step {run.branch_at}"
+    elif run.depends_on:
+        out = f", continues {run.depends_on}"
     if run.keep_steps:
-        return (
+        out += (
             f"; keeps its checkpoints at steps {', '.join(map(str, run.keep_steps))}, where "
-            "its decay branches start"
+            "its branches start"
         )
-    return ""
+    return out
 
 
 def eval_grid_args(opts: PlanOptions) -> list[str]:
@@ -102,8 +104,8 @@ def submit_script(
         "#!/usr/bin/env bash",
         "# Submit every run of the plan to SLURM: pretrain -> convert -> evaluation array, and",
         "# continued-pretraining runs after their source; the report after every array. A stable",
-        "# run with decay branches is submitted in segments that end at its branch points",
-        "# (`pretrain --stop-at STEP`): each branch waits for the segment that saves its",
+        "# run with branches (decay or biphasic) is submitted in segments that end at its branch",
+        "# points (`pretrain --stop-at STEP`): each branch waits for the segment that saves its",
         "# checkpoint, the next segment for the one before.",
         "# Written by `mlmclm plan`. Variables (all optional):",
         f"#   GPUS_PER_NODE   GPUs requested per node for pretraining ({gpn}); 0 on CPU-only nodes",
@@ -136,7 +138,7 @@ def submit_script(
     for i, run in enumerate(runs):
         lay = layouts[run.name]
         var = f"j{i}"
-        if run.kind == "branch":  # waits for the segment that saves its branch point
+        if run.branch_at is not None:  # waits for the segment that saves its branch point
             dep = f" --dependency=afterok:${{SEGMENT[{q(f'{run.depends_on}@{run.branch_at}')}]}}"
         else:
             dep = (

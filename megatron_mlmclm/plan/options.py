@@ -40,6 +40,7 @@ class PlanOptions:
     eval_seeds: list[int] = field(default_factory=list)
     save_interval: int = 1000
     # cluster and compute estimate
-    throughput: list[str] = field(default_factory=list)  # SIZE=N overrides of DEFAULT_THROUGHPUT
+    throughput: list[str] = field(default_factory=list)  # SIZE=N: CLM tokens/s per GPU
+    step_times: str | None = None  # measured steps (default: plan/measured_step_times.yaml)
     gpus_per_node: int = 8
     nodes: list[str] = field(default_factory=list)  # N or SIZE=N overrides of LAYOUTS' nodes

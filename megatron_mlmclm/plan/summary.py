@@ -10,7 +10,7 @@ from megatron_mlmclm.plan.grid import Run
 from megatron_mlmclm.plan.layout import GLOBAL_BATCH
 
 
-def summary_md(rows: list[dict], totals: dict, throughput: dict) -> str:
+def summary_md(rows: list[dict], totals: dict, prices: dict) -> str:
     out = io.StringIO()
     w = out.write
     w("# Plan summary\n\n")
@@ -19,25 +19,36 @@ def summary_md(rows: list[dict], totals: dict, throughput: dict) -> str:
         "tokens per step (the study's ~2.36M). Training FLOPs as the model spends them "
         "(config/budget.py's arithmetic: the sparse MLM head over the masked tokens, causal "
         "attention at half as Transformer Engine computes it; vocabulary 128,256). GPU-hours = "
-        "the FLOPs a job trains / the FLOP rate per GPU of the stated CLM throughput / 3600, so an "
-        "MLM step costs what its FLOPs cost; wall hours = GPU-hours / GPUs of the run (no "
-        "queueing, no restarts).\n\n"
+        "the FLOPs a job trains / the FLOP rate per GPU of its size / 3600, so an MLM step costs "
+        "what its FLOPs cost; wall hours = GPU-hours / GPUs of the run (no queueing, no "
+        "restarts).\n\n"
     )
-    w(
-        "Assumed throughput (CLM tokens/s per GPU): "
-        + ", ".join(
-            f"{k} {v:,.0f}" for k, v in throughput.items() if k in {r["size"] for r in rows}
-        )
-        + ". Replace with a measured figure (`tokens_per_s_per_device` of a CLM run's "
-        "metrics.jsonl) via `--throughput SIZE=N`.\n\n"
-    )
-    branches = [r for r in rows if r["kind"] == "branch"]
-    if branches:
+    w("Each size's FLOP rate per GPU comes from:\n\n")
+    for price in prices.values():
+        w(f"- {price.note}\n")
+    if any(p.source == "measured" for p in prices.values()):
         w(
-            "Decay branches: a run of kind `branch` starts from its stable run's checkpoint at "
-            "step `branch at` (kept there) and trains only its own decay; it is bitwise the run "
-            "trained from scratch with its budget (docs/pretrain.md#decay-branches). `GPU-h` is "
-            "what the plan spends, `from scratch` what the run would cost alone.\n\n"
+            "\nA measured step is one GPU's: a run on G GPUs is priced at G times its tokens/s "
+            "per GPU, converted to each objective's step by the FLOP count. Data-parallel "
+            "communication (the gradient reduce across the run's GPUs) is not included, nor the "
+            "optimizer step that a study step (many micro-batches) spreads over more tokens.\n"
+        )
+    if any(p.source == "assumed" for p in prices.values()):
+        w(
+            "\nAn assumed throughput is no measurement: replace it with your own "
+            "(`tokens_per_s_per_device` of a CLM run's metrics.jsonl) via `--throughput SIZE=N`, "
+            "or add the size's measured step to megatron_mlmclm/plan/measured_step_times.yaml.\n"
+        )
+    w("\n")
+    if any(r["branch_at"] != "" for r in rows):
+        w(
+            "Branches: a run with a `branch at` step starts from the checkpoint of the run it "
+            "depends on at that step (kept there) and trains only the steps after it; it is "
+            "bitwise the run trained from scratch (docs/pretrain.md#decay-branches). Kind "
+            "`branch`: a decay branch of its size's stable run; `biphasic`: a branch of the CLM "
+            "stable run at its switch step (it trains its MLM phase); `cpt`: a decay branch of "
+            "the longest CPT run of its source. `GPU-h` is what the plan spends, `from scratch` "
+            "what the run would cost alone.\n\n"
         )
     w(
         "| run | kind | phases (steps) | tokens (B) | nodes x GPUs | TP/PP/DP | micro | GPU-h | "
@@ -54,7 +65,7 @@ def summary_md(rows: list[dict], totals: dict, throughput: dict) -> str:
     saved = totals["gpu_hours_from_scratch"] - totals["gpu_hours"]
     w(
         f"\n**Total**: {totals['tokens'] / 1e12:.2f}T tokens, {totals['gpu_hours']:,.1f} GPU-hours "
-        f"with decay branches, {totals['gpu_hours_from_scratch']:,.1f} GPU-hours with every run "
+        f"with branches, {totals['gpu_hours_from_scratch']:,.1f} GPU-hours with every run "
         f"from scratch ({saved:,.1f} saved, "
         f"{100 * saved / max(totals['gpu_hours_from_scratch'], 1e-9):.0f}%), "
         f"{totals['model_pflop']:,.0f} PFLOP of models.\n\n"

@@ -10,7 +10,7 @@ import yaml
 
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.plan.compute import DEFAULT_THROUGHPUT, compute_row
+from megatron_mlmclm.plan.compute import MEASURED, compute_row, pricing, read_measurements
 from megatron_mlmclm.plan.grid import build_grid, run_config
 from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
@@ -28,9 +28,10 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
             raise UsageError(f"--out {out} exists and is not empty; pass --force to replace it")
     if opts.gpus_per_node < 1:
         raise UsageError("--gpus-per-node must be >= 1")
-    throughput = per_size(opts.throughput, DEFAULT_THROUGHPUT, "--throughput", float)
+    measured = read_measurements(opts.step_times or MEASURED)
     nodes = per_size(opts.nodes, {k: v["nodes"] for k, v in LAYOUTS.items()}, "--nodes", int)
     runs = build_grid(opts)
+    prices = pricing(dict.fromkeys(r.size for r in runs), opts.throughput, measured)
     if opts.eval_tasks is not None and not opts.eval_tasks:
         raise UsageError("--eval-tasks is empty; give at least one task, e.g. sst2")
     if not opts.data:
@@ -45,7 +46,7 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     layouts = {r.name: layout_for(r.size, nodes[r.size], opts.gpus_per_node) for r in runs}
     for r in runs:
         r.config = run_config(r, opts, runs_dir, layouts[r.name])
-        r.row = compute_row(r, layouts[r.name], throughput[r.size])
+        r.row = compute_row(r, layouts[r.name], prices[r.size])
 
     tmp = root.with_name(root.name + ".tmp-plan")
     if tmp.exists():
@@ -91,7 +92,7 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
         rows = [r.row for r in runs]
         write_summary_csv(tmp / "SUMMARY.csv", rows)
         totals = totals_of(rows)
-        (tmp / "SUMMARY.md").write_text(summary_md(rows, totals, throughput), encoding="utf-8")
+        (tmp / "SUMMARY.md").write_text(summary_md(rows, totals, prices), encoding="utf-8")
         write_manifest(
             tmp / "manifest.tsv",
             runs,
@@ -108,4 +109,4 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     if root.exists():
         shutil.rmtree(root) if root.is_dir() else root.unlink()
     tmp.rename(root)
-    return dict(totals, runs=len(runs))
+    return dict(totals, runs=len(runs), prices=prices)

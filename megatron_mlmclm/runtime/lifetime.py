@@ -13,7 +13,8 @@ folder that a restarted run then shared. Now:
 - `RunLock`: an flock on `<output_dir>/.mlmclm.lock` held by rank 0 for the run's life; a second
   run pointed at a live run's folder is refused in one line (exit 2) naming the other run, and the
   lock of a dead run (the kernel drops an flock with its process) is taken over; a run that ends
-  cleanly clears its record, so only a dead run's is reported.
+  cleanly clears its record, so only a dead run's is reported, and a run refused before it wrote
+  anything leaves no folder behind.
 """
 
 from __future__ import annotations
@@ -115,9 +116,11 @@ class RunLock:
         self.path = self.folder / LOCK_NAME
         self.file = None
         self.taken_over: dict | None = None  # the holder record of a dead run, if any
+        self.created = False  # the folder did not exist before this lock
 
     def acquire(self) -> None:
         """Take the lock or raise UsageError naming the live run that holds it."""
+        self.created = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
         f = open(self.path, "a+", encoding="utf-8")
         try:
@@ -152,6 +155,9 @@ class RunLock:
         if self.file is not None:
             self.file.seek(0)
             self.file.truncate()
+            if self.created and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()  # still holding it: a run refused before any work
+                self.folder.rmdir()
             fcntl.flock(self.file.fileno(), fcntl.LOCK_UN)
             self.file.close()
             self.file = None

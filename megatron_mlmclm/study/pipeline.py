@@ -13,6 +13,7 @@ run with another design into the same folder is refused (the results would not b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -27,10 +28,12 @@ from tqdm.auto import tqdm
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid
 from megatron_mlmclm.eval.report import summarize
+from megatron_mlmclm.eval.tasks import load_registry
 from megatron_mlmclm.quickstart import build_corpus, cli, resolve_sources, small_run_config
 from megatron_mlmclm.quickstart import log as quickstart_log
 from megatron_mlmclm.study.design import (
     CURVE_RECIPES,
+    IR_CORPUS,
     RECIPE,
     StudyDesign,
     branch_point,
@@ -329,8 +332,26 @@ def next_grid(
     return low, high, widen(lrs, bool(low), bool(high))
 
 
-def finetune_settings(design: StudyDesign) -> dict:
+def task_file(out: Path, tasks: list[str]) -> Path:
+    """The study's IR tasks: the registry's entries with corpus IR_CORPUS (design.py), in a task
+    file every fine-tuning run reads (a later entry of a name replaces the registry's)."""
+    registry = load_registry()
+    ir = [registry[n] for n in tasks if n in registry and registry[n].family == "ir"]
+    entries = {
+        t.name: {
+            **{k: v for k, v in dataclasses.asdict(t).items() if k != "name"},
+            "corpus": IR_CORPUS,
+        }
+        for t in ir
+    }
+    path = out / "tasks.yaml"
+    path.write_text(yaml.safe_dump(entries, sort_keys=False))
+    return path
+
+
+def finetune_settings(out: Path, design: StudyDesign) -> dict:
     return {
+        "task_files": [str(out / "tasks.yaml")],
         "batch_size": design.batch_size,
         "max_steps": design.finetune_steps,
         "eval_every": design.finetune_steps,
@@ -349,6 +370,7 @@ def finetune_all(
     an edge (at most design.max_widen times); then, on design.curve_tasks, the learning-curve
     models (finetune_curve). Returns {task: {"lrs", "widened", "edge", "results",
     "curve_results"}}, the results being those of the final grid."""
+    task_file(out, tasks)
     grids = {}
     curve_tasks = {t for name, t in zip(design.tasks, tasks) if name in design.curve_tasks}
     curves = {n: p for n, p in exports.items() if parse_curve_key(parse_run_name(n)[0])}
@@ -360,7 +382,9 @@ def finetune_all(
                 f"5/6 fine-tune on {task}: lr {lrs} x seeds {design.finetune_seeds} x "
                 f"{len(models)} models (finished runs are kept)"
             )
-            cfgs = expand(models, [task], lrs, design.finetune_seeds, **finetune_settings(design))
+            cfgs = expand(
+                models, [task], lrs, design.finetune_seeds, **finetune_settings(out, design)
+            )
             summary = run_grid(cfgs, out / "eval", workers=design.workers, log=log)
             if summary["failed"]:
                 raise SystemExit(
@@ -412,7 +436,7 @@ def finetune_curve(
             f"5/6 learning curve on {task}: {len(models)} {key} models at lr {lrs} x seeds "
             f"{design.finetune_seeds}"
         )
-        cfgs = expand(models, [task], lrs, design.finetune_seeds, **finetune_settings(design))
+        cfgs = expand(models, [task], lrs, design.finetune_seeds, **finetune_settings(out, design))
         if run_grid(cfgs, out / "eval", workers=design.workers, log=log)["failed"]:
             raise SystemExit(
                 f"fine-tuning run(s) of the learning curve failed; their tracebacks "

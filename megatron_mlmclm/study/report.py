@@ -24,6 +24,7 @@ from megatron_mlmclm.eval.report import (
 from megatron_mlmclm.study.compare import MARGIN, recipe_table, study_comparisons
 from megatron_mlmclm.study.curves import curve_comparisons, curve_rows, curve_section
 from megatron_mlmclm.study.design import (
+    IR_CORPUS,
     RECIPES,
     StudyDesign,
     parse_run_name,
@@ -280,6 +281,15 @@ def write_study_report(
         "marked (clipped) where it reaches past); chosen LRs per pretraining seed.",
         "",
     ]
+    ir = sorted({r["task"] for g in grids.values() for r in g["results"] if r["family"] == "ir"})
+    if ir:
+        lines += [
+            f"Deviation from `mlmclm evaluate`'s default protocol: {', '.join(ir)} ranks only the "
+            f"documents judged in each split's qrels (`corpus: {IR_CORPUS}`), not the full "
+            "corpus that BEIR and MTEB rank, where models this small score near zero "
+            "(docs/mini_study.md).",
+            "",
+        ]
     lines += md_table(
         table,
         [

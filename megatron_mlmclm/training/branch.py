@@ -1,21 +1,25 @@
-"""Decay branches: a run that starts from another run's stable checkpoint and decays on its own
-budget.
+"""Branches: a run that starts from another run's checkpoint (its trunk) where their histories part.
 
-Under a warmup-stable-decay schedule, runs of one config that differ only in their budget share
-everything before their decays: the same samples in the same order (the order does not depend on
-the run's length, data/sample_index.py), the same phase at every step, the same learning rate.
-A run with `train.branch_from: RUN/checkpoints/iter_N` therefore starts at step N from that
-checkpoint (weights, optimizer, schedule position, RNG: what a resume restores) and trains on to
-its own budget, and the result is bitwise the run trained from scratch with that budget.
+Runs that train the same steps up to some step N share everything before it: the same samples in
+the same order (the order does not depend on the run's length, data/sample_index.py), the same
+phase at every step, the same learning rate. Under a warmup-stable-decay schedule that holds for
+runs of one config that differ only in their budget (a decay branch: the trunk's stable checkpoint
+at N = budget - decay), and for a run whose phases are CLM then MLM against the CLM run of its
+config (a biphasic branch: the CLM run's checkpoint at the switch step, where the MLM phase starts
+on the samples a run from scratch would read there). A run with
+`train.branch_from: RUN/checkpoints/iter_N` therefore starts at step N from that checkpoint
+(weights, optimizer, schedule position, RNG: what a resume restores) and trains on to its own
+budget, and the result is bitwise the run trained from scratch with that config.
 `check_branch` refuses, in one line, a source for which that would not hold:
 
 - the config may differ only in the budget (train.steps / tokens / flops, and the decay that
-  follows from it), the output folder (name, output_dir, checkpoint.dir), and what a resume may
-  change anyway because it changes how the run executes, not what it computes (the parallel layout
-  and micro-batch, the loader, recompute, logging, checkpoint cadence, fault timeouts);
-- every step before N must train the same phase on the same samples (a phase given as a share of
-  the budget moves with the budget: give the phases before the branch point in steps, tokens or
-  FLOPs, and let the last phase take the rest);
+  follows from it), the output folder (name, output_dir, checkpoint.dir), the phases after N, and
+  what a resume may change anyway because it changes how the run executes, not what it computes
+  (the parallel layout and micro-batch, the loader, recompute, logging, checkpoint cadence, fault
+  timeouts);
+- every step before N must train the same objective (and mask ratio) on the same samples (a phase
+  given as a share of the budget moves with the budget: give the phases before the branch point
+  in steps, tokens or FLOPs, and let the last phase take the rest);
 - N must lie before both runs' decays (the learning rate of every step before N agrees), and the
   source must have read its stream as a fresh run does (no checkpoint.allow_data_change history).
 
@@ -104,9 +108,7 @@ def check_branch(
                 f"{where} was trained with {key} = {show_value(saved_fp.get(key))} but "
                 f"this run has {show_value(now)}; a branch reads the data its source read"
             )
-    _compare_settings(where, flat(to_dict(saved)), flat(to_dict(cfg)))
-    _compare_steps(where, saved, cfg, step)
-    _check_schedule(where, saved, cfg, step)
+    check_history(where, saved, cfg, step)
     consumed = int(state.get("consumed_samples", -1))
     expected = PhasePlan.of(saved).position(step)
     if consumed != expected:
@@ -126,6 +128,15 @@ def check_branch(
         f"branching from {source} at step {step} of {saved.train.steps}: this run decays "
         f"over steps {steps - decay}-{steps}"
     ]
+
+
+def check_history(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> None:
+    """UsageError unless `cfg`, started at `step` from a checkpoint of a run of config `saved`, is
+    the run trained from scratch with `cfg`, by the configs alone: the settings, every step's
+    phase and samples before `step`, and the learning rate of those steps."""
+    _compare_settings(where, flat(to_dict(saved)), flat(to_dict(cfg)))
+    _compare_steps(where, saved, cfg, step)
+    _check_schedule(where, saved, cfg, step)
 
 
 def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -154,12 +165,14 @@ def _compare_settings(where: str, saved: dict[str, Any], now: dict[str, Any]) ->
 
 def _trained_as(cfg: RunConfig, plan: PhasePlan, step: int) -> tuple:
     """What decides step `step`'s update, phase by phase: the phase as it trains that step (mask
-    ratio of a schedule included), its sample stream and where in it the batch starts."""
+    ratio of a schedule included), its sample stream and where in it the batch starts. A CLM step
+    masks nothing: its phase's mask settings do not count."""
     ph = plan.phase(step)
+    mlm = ph.objective == "mlm"
     return (
         ph.objective,
-        ph.mask_ratio,
-        ph.mask_replace,
+        ph.mask_ratio if mlm else None,
+        ph.mask_replace if mlm else None,
         ph.seq_length,
         ph.rotary_base,
         stream_key(ph),
@@ -174,11 +187,19 @@ def _compare_steps(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> N
     for k in range(step):
         if _trained_as(saved, a, k) != _trained_as(cfg, b, k):
             i, j = a.index(k), b.index(k)
+            # the source's objective next to step k in this run: a phase boundary moved
+            near = {b.phase(n).objective for n in (k - 1, k + 1) if 0 <= n < b.total}
+            moved = a.phase(k).objective in near
             raise UsageError(
                 f"{where}: step {k + 1} trains differently, the source in phases.{i} "
                 f"({_describe(saved, a, i)}), this run in phases.{j} ({_describe(cfg, b, j)}); "
-                "a phase given as a share of the budget moves with it: give the phases before the "
-                "branch point in steps, tokens or flops and let the last take the rest"
+                + (
+                    "a phase given as a share of the budget moves with it: give the phases "
+                    "before the branch point in steps, tokens or flops and let the last take "
+                    "the rest"
+                    if moved
+                    else f"branch from a run that trained steps 1-{step} as this run does"
+                )
             )
 
 

@@ -29,10 +29,27 @@ TINY = [
 ]
 
 
+# SciFact over the documents judged in its qrels: ranking all 5,183 at every evaluation of the 4
+# runs would double this test's time (tests/eval/test_mteb.py ranks them, through evaluate)
+JUDGED_SCIFACT = """
+scifact:
+  family: ir
+  format: beir
+  path: scifact/beir_format
+  splits: {train: train, validation: train, test: test}
+  validation_holdout: 0.1
+  corpus: judged
+"""
+
+
 def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys):
     out = tmp_path / "results"
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text(JUDGED_SCIFACT)
     args = [
         "evaluate",
+        "--task-file",
+        str(tasks),
         "--model",
         tiny_model,
         "--task",
@@ -80,6 +97,8 @@ def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys
     assert (
         0 <= ir["metrics"]["test"]["ndcg@10"] <= 1 and "recall@100" in ir["metrics"]["validation"]
     )
+    # the judged documents of the 16 queries (the full corpus: tests/eval/test_mteb.py)
+    assert ir["info"]["corpus"] == "judged" and ir["info"]["eval_documents"]["test"] < 40
 
     capsys.readouterr()
     assert main(args) == 0  # resume: nothing left to run

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from paper_data import CONTEXT, N_TRAIN, PARAGRAPH, PASSAGE, write_all
 
 from megatron_mlmclm.cli import main
@@ -124,6 +125,42 @@ def test_retrieval_layouts_and_training_on_msmarco_pairs(reg):
     assert mv.qrels == {f"q-en-{i}": {f"doc-en-{i}": 1} for i in range(4)}  # positives only
     assert sorted(mt.qrels) == [f"q-en-{i}" for i in range(4, 8)] and len(mt.corpus) == 8
     assert mt.queries["q-en-5"] == "about document 5"
+
+
+class HashEncoder:
+    """A stand-in model: a fixed unit vector per text (seeded by the text), any batch size."""
+
+    def encode(self, texts, normalize_embeddings=True, **_):
+        rows = [
+            torch.randn(
+                8, generator=torch.Generator().manual_seed(sum(map(ord, t)) * 7919 + len(t))
+            )
+            for t in texts
+        ]
+        return torch.nn.functional.normalize(torch.stack(rows), dim=1)
+
+
+def test_retrieval_merges_the_corpus_chunk_by_chunk(reg, monkeypatch):
+    """A full corpus is encoded and scored a chunk at a time (ir.DOC_CHUNK documents): the top k
+    of each query are those of the whole score matrix, computed here at once."""
+    ms = reg["msmarco"]
+    test = load_split(ms, "test")
+    docs = sorted(test.corpus)
+    model = HashEncoder()
+    qids = [q for q in test.qrels if q in test.queries]
+    q = model.encode([ir.query_text(ms, test.queries[x]) for x in qids])
+    d = model.encode([ir.document_text(ms, test.corpus[x]) for x in docs])
+    top = torch.topk(q @ d.T, 5, dim=1)
+    want = {
+        x: {docs[j]: v for v, j in zip(top.values[r].tolist(), top.indices[r].tolist())}
+        for r, x in enumerate(qids)
+    }
+    monkeypatch.setattr(ir, "DOC_CHUNK", 5)  # 12 documents: chunks of 5, 5 and 2
+    got = ir.retrieve(model, ms, test, docs, batch_size=4, k=5)
+    assert got.keys() == want.keys()
+    for x in want:
+        assert got[x].keys() == want[x].keys()
+        assert all(got[x][k] == pytest.approx(v, abs=1e-6) for k, v in want[x].items())
 
 
 def test_the_suite_runs_under_encodeval_and_reports(reg, tiny_model, tmp_path, capsys):

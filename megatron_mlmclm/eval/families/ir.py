@@ -13,9 +13,10 @@ positive twice (finetune.no_duplicate_batches): a query with two relevant docume
 relevant to two queries, would otherwise make a relevant document one of the query's in-batch
 negatives; `shuffled`: plain shuffled batches (sentence-transformers' default sampler, EncodEval).
 
-The evaluated corpus (`corpus`): `judged`, the documents judged in the evaluated split's qrels (as
-in the study); `judged_eval`, those judged in the validation or the test qrels (EncodEval: one
-corpus for both); `full`, the whole corpus. Metrics: `ndcg@10` (trec_eval's), `ndcg@10_top10`
+The evaluated corpus (`corpus`): `full`, the whole corpus, as BEIR and MTEB rank it (the default);
+`judged`, the documents judged in the evaluated split's qrels (the mini-study's, where its small
+models score near zero on the full corpus); `judged_eval`, those judged in the validation or the
+test qrels (EncodEval: one corpus for both). Metrics: `ndcg@10` (trec_eval's), `ndcg@10_top10`
 (EncodEval's, scikit-learn over the top 10 retrieved) and `recall@100`.
 
 Formats: beir (corpus.jsonl[.gz], queries.jsonl[.gz], qrels/<split>.tsv: the BEIR distribution;
@@ -295,6 +296,11 @@ def doc_ids_of(corpus_mode: str, split_data: Beir, evaluated: list[Beir]) -> lis
     return sorted({d for q in qrels for docs in q.values() for d in docs if d in split_data.corpus})
 
 
+# Documents encoded and scored at a time: a full corpus (MS MARCO: 8.8M passages) never sits on the
+# device whole; the top k of each query is merged chunk by chunk.
+DOC_CHUNK = 65536
+
+
 def retrieve(
     model, task, split_data: Beir, doc_ids: list[str], batch_size: int, k: int = 100
 ) -> dict:
@@ -310,19 +316,27 @@ def retrieve(
             show_progress_bar=False,
         )
 
+    if not qids:
+        return {}
     q_emb = embed([query_text(task, split_data.queries[q]) for q in qids])
-    d_emb = embed([document_text(task, split_data.corpus[d]) for d in doc_ids])
-    run = {}
     k = min(k, len(doc_ids))
-    for start in range(0, len(qids), 256):
-        scores = q_emb[start : start + 256] @ d_emb.T
-        top = torch.topk(scores.float(), k, dim=1)
-        for row, q in enumerate(qids[start : start + 256]):
-            run[q] = {
-                doc_ids[j]: float(v)
-                for v, j in zip(top.values[row].tolist(), top.indices[row].tolist())
-            }
-    return run
+    values = torch.empty(len(qids), 0)
+    indices = torch.empty(len(qids), 0, dtype=torch.long)
+    for first in range(0, len(doc_ids), DOC_CHUNK):
+        chunk = doc_ids[first : first + DOC_CHUNK]
+        d_emb = embed([document_text(task, split_data.corpus[d]) for d in chunk])
+        tops = [
+            torch.topk((q_emb[q : q + 256] @ d_emb.T).float(), min(k, len(chunk)), dim=1)
+            for q in range(0, len(qids), 256)
+        ]
+        v = torch.cat([values, torch.cat([t.values.cpu() for t in tops])], dim=1)
+        i = torch.cat([indices, torch.cat([t.indices.cpu() for t in tops]) + first], dim=1)
+        best = torch.topk(v, k, dim=1)
+        values, indices = best.values, torch.gather(i, 1, best.indices)
+    return {
+        q: {doc_ids[j]: float(v) for v, j in zip(values[row].tolist(), indices[row].tolist())}
+        for row, q in enumerate(qids)
+    }
 
 
 def prefix(template: str, slot: str = "text") -> str | None:
@@ -347,6 +361,9 @@ def inputs(task, tokenizer, cfg, max_length) -> Inputs:
             "corpus": task.corpus,
             "batches": task.batches,
             "eval_queries": {s: len(d.qrels) for s, d in evals.items()},
+            "eval_documents": {
+                s: len(doc_ids_of(task.corpus, d, list(evals.values()))) for s, d in evals.items()
+            },
         },
     )
 
@@ -382,9 +399,8 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
             "query": prefix(task.query_template),
             "document": prefix(task.document_template or "{text}"),
         }
+        # the keys MTEB 2 reads (its PromptType: query, document); any other key it warns about
         model.prompts = {**model.prompts, **{k: v for k, v in prompts.items() if v}}
-        if "document" in model.prompts:
-            model.prompts["passage"] = model.prompts["document"]  # MTEB < 2 names it passage
         model.save(folder)
 
     keys = [(f"q:{q}", f"d:{d}") for q, d in pairs] if task.batches == "no_duplicates" else None
