@@ -4,7 +4,7 @@
 #
 # Written against the nvcr.io/nvidia/pytorch:25.12-py3 release notes (Python 3.12, CUDA 13.1,
 # PyTorch 2.10). It has never been built: the project's development machines have no Docker engine
-# and no GPU (docs/gpu.md says what has run on a GPU: nothing yet). It is kept deliberately simple:
+# (docs/gpu.md says what has run on a GPU, outside any image). It is kept deliberately simple:
 # install the package, keep the image's own torch (the image's pip constraint file pins it), and
 # pin megatron-core to the 0.16.x the CPU suite tests (pyproject.toml).
 #

@@ -257,12 +257,16 @@ def test_fp8_is_finite_and_close_to_bf16(record, tmp_path):
         ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=false"],
         ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
         ["parallel.pipeline_model_parallel_size=2"],
+        # the data-parallel fast path: the stack in chunks, the reduce-scatter overlapped
+        ["parallel.use_distributed_optimizer=true", "model.stack_chunks=2"],
     ],
-    ids=["tp2", "tp2_sp", "pp2"],
+    ids=["tp2", "tp2_sp", "pp2", "dp2_distopt"],
 )
 def test_model_parallel_layouts_match_tp1(record, tmp_path, layout):
     """fp32 (TF32 off, the kernel plan's fp32 reference), from scratch: initialisation by global
-    parameter gives every layout the single-process model."""
+    parameter gives every layout the single-process model. At DP = 2 the plan overlaps the
+    reduce-scatter and the parameter gather with the chunked layer stack (NCCL's collectives, the
+    CPU suite's tests/test_data_parallel.py on gloo)."""
     fp32 = ["train.precision=fp32", "train.steps=10"]
     two = train(tmp_path, "two", GPU_SIZE, [*fp32, *layout], nproc=2)
     one = train(tmp_path, "one", GPU_SIZE, fp32, nproc=1)
