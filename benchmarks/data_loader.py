@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
 warnings.filterwarnings("ignore")
 
 MASK_RATIO, MBS, MICROBATCHES = 0.4, 8, 4
@@ -316,4 +318,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     main()

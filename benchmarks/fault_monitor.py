@@ -49,6 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
 REPO = Path(__file__).resolve().parent.parent
@@ -466,4 +468,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     main()

@@ -95,6 +95,8 @@ import torch.nn.functional as F
 from _engine import sync, time_rows
 from reference_encoder import ReferenceEncoder, ReferenceStep, default_attention, make_batch
 
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
 LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -712,4 +714,5 @@ def print_host_callers(prof, steps: int, top: int = 14, frames: int = 4) -> None
 
 
 if __name__ == "__main__":
+    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     main()

@@ -30,6 +30,7 @@ from torch.autograd import Variable
 
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import PhaseConfig, RunConfig, TrainConfig, resolved
+from megatron_mlmclm.mcore_patches.optimizer import skip_step_where, use_fused_adamw
 from megatron_mlmclm.model.build import build_model, labelled_positions, transformer_config
 from megatron_mlmclm.model.kernels import KernelPlan
 from megatron_mlmclm.model.packed import (
@@ -123,22 +124,8 @@ class Engine:
         restores them, so they are set again here, both ways: a run saved fused and resumed with
         model.fusions=off runs the unfused AdamW it asked for. Fused AdamW keeps its step
         counters on the parameters' device, the unfused one on the host (torch's defaults)."""
-        fused = self.kernels.fused_adamw.on
-        for opt in chained(self.optimizer):
-            inner = opt.optimizer
-            if inner is None or not isinstance(inner, torch.optim.AdamW):
-                continue
-            if fused:
-                inner.defaults.update(fused=True, foreach=False)
-            flags = {"fused": inner.defaults.get("fused"), "foreach": inner.defaults.get("foreach")}
-            for group in inner.param_groups:
-                group.update(flags)
-                for param in group["params"]:
-                    state = inner.state.get(param, {})
-                    step = state.get("step")
-                    where = param.device if fused else torch.device("cpu")
-                    if isinstance(step, torch.Tensor) and step.device != where:
-                        state["step"] = step.to(where, torch.float32)
+        inner = [opt.optimizer for opt in chained(self.optimizer) if opt.optimizer is not None]
+        use_fused_adamw(inner, self.kernels.fused_adamw.on)
 
     def parameters_gathered(self):
         """With overlap_param_gather, the step leaves the parameter all-gather to the next forward
@@ -333,16 +320,12 @@ class Engine:
           before; nothing of it has reached the weights."""
         loss_sum, norm, nonfinite = figures[0], figures[3], figures[4]
         skip = (~torch.isfinite(loss_sum) | (nonfinite > 0)).to(torch.float32)
-        inner = []
-        for opt in chained(self.optimizer):
-            if getattr(opt, "is_stub_optimizer", False):
-                continue
-            fused = isinstance(opt.optimizer, torch.optim.AdamW) and all(
-                group.get("fused") for group in opt.optimizer.param_groups
-            )
-            if not fused:  # only the fused kernel honours found_inf
-                raise RuntimeError("queue_update needs torch's fused AdamW (kernel plan)")
-            if opt.config.clip_grad > 0.0:
+        active = [o for o in chained(self.optimizer) if not getattr(o, "is_stub_optimizer", False)]
+        # The step of each optimizer is skipped where `skip` is set (raises unless fused AdamW).
+        with skip_step_where([o.optimizer for o in active], skip):
+            for opt in active:
+                if opt.config.clip_grad <= 0.0:
+                    continue
                 decoupled = opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
                 grads = []
                 for param in opt.get_parameters():
@@ -355,14 +338,7 @@ class Engine:
                     coeff = torch.full_like(norm, opt.config.clip_grad) / (norm + 1.0e-6)
                     scale = torch.where(coeff < 1.0, coeff, 1.0).to(torch.float32)
                     torch._foreach_mul_(grads, scale)  # pyright: ignore[reportPrivateImportUsage]
-            inner.append(opt.optimizer)
-            # torch's Adam step reads found_inf where a grad scaler sets it.
-            opt.optimizer.found_inf = skip  # pyright: ignore[reportAttributeAccessIssue]
-        try:
             self.optimizer.step_with_ready_grads()
-        finally:
-            for optimizer in inner:
-                del optimizer.found_inf
         return {"skipped": False}
 
 
