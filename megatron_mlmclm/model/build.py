@@ -96,6 +96,9 @@ def transformer_config(cfg: RunConfig, plan: KernelPlan | None = None) -> Transf
         # per-token convention): the schedule divides by the token count summed over micro-batches
         # and DP ranks, so every parallel layout computes the same loss.
         calculate_per_token_loss=True,
+        # No CUDA graphs are captured (cuda_graph_impl stays "none"); the empty scope is the
+        # whole layer, what megatron's default "full" means, without its deprecation warning.
+        cuda_graph_scope=[],
         # Fusions, batched P2P, sequence parallelism and CPU initialisation: the kernel plan.
         **plan.transformer_kwargs(),
     )
@@ -154,6 +157,12 @@ def layer_spec(
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
+    # The MLP's width from the config, given as megatron-core asks (it warns when it takes it
+    # from the config itself).
+    spec.submodules.mlp.params = {
+        **spec.submodules.mlp.params,
+        "ffn_hidden_size": config.ffn_hidden_size,
+    }
     if plain:  # one LayerKernels for all layers: one compiled graph per half, or one stack
         spec.module = PlainTransformerLayer
         spec.params = {**spec.params, "kernels": LayerKernels(compiled, stack, stack_chunks)}
