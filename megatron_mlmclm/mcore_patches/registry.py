@@ -65,6 +65,8 @@ _BUCKETS = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketG
 _OPT = "megatron.core.optimizer.optimizer"
 _DOPT = "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer"
 _GPT = "megatron.core.models.gpt.gpt_model:GPTModel"
+_BLOCK_MODULE = "megatron.core.transformer.transformer_block"
+_BLOCK = f"{_BLOCK_MODULE}:TransformerBlock"
 _ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
 _NO_CUDA = "no CUDA device (apply.py)"
 _NO_APEX = "megatron-core fell back: neither Apex nor Transformer Engine imports (apply.py)"
@@ -290,6 +292,20 @@ REPLACEMENTS: tuple[Replacement, ...] = (
         ),
     ),
     # ------------------------------------------- overridden by our subclasses, or run by us
+    Replacement(
+        f"{_GPT}.__init__",
+        "override",
+        "model.build.EncoderLM.__init__",
+        "every model",
+        "GPTModel builds megatron's TransformerBlock itself: EncoderLM hands it a block spec "
+        "with no layers and builds the block class its own spec names in that place (and calls "
+        "finish_init on its modules, as GPTModel's __init__ ends)",
+        (
+            sha(f"{_GPT}.__init__", "544209c33f031dec"),
+            sha(f"{_BLOCK}.__init__", "2b66e3bd251bc0ed"),
+            sha(f"{_BLOCK_MODULE}:_get_block_submodules", "a3739b656fdf10d8"),
+        ),
+    ),
     Replacement(
         f"{_GPT}._preprocess",
         "override",
