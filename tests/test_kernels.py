@@ -433,7 +433,7 @@ def test_the_engine_runs_the_planned_optimizer(tmp_path):
     """The built optimizer is torch's fused AdamW (its param groups say so, its step counters sit
     on the parameters' device), and with model.fusions=off the unfused one: the same losses over
     a few bf16 steps (fused and unfused AdamW compute the same update)."""
-    from megatron_mlmclm.training.engine import chained
+    from megatron_mlmclm.training.optimizer import chained
     from megatron_mlmclm.training.trainer import Trainer
 
     losses = {}
@@ -472,7 +472,7 @@ def test_a_resumed_optimizer_is_the_plans(tmp_path, dist_opt, saved, resumed):
     its step counters on the parameters' device; a run saved fused and resumed with
     model.fusions=off gets torch's unfused AdamW, its counters on the host (as torch keeps
     them). Either way the counters count on."""
-    from megatron_mlmclm.training.engine import chained
+    from megatron_mlmclm.training.optimizer import chained
     from megatron_mlmclm.training.trainer import Trainer
 
     common = [

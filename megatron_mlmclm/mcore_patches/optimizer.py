@@ -4,7 +4,7 @@ a non-finite step decided on the device, and the main parameters read back after
 
 Each replacement is a row of registry.py; `apply_everywhere()` (called by apply.py in every
 process that trains or converts) installs the module-level ones, the rest are called where a
-run needs them (training/engine.py, checkpoint.py).
+run needs them (training/optimizer.py, training/update.py, checkpoint.py).
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(
         "torch.optim.AdamW (built by megatron-core): param_groups' fused / foreach",
         "patch",
-        "mcore_patches.optimizer.use_fused_adamw (training/engine.py)",
+        "mcore_patches.optimizer.use_fused_adamw (training/optimizer.py)",
         "the kernel plan's fused_adamw: after the optimizer is built and after every load",
         "megatron builds torch's AdamW without `fused` (its fallback without TE or Apex): one "
         "kernel per tensor group instead of a loop, the same state and checkpoints",
@@ -261,7 +261,7 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(
         "torch.optim.AdamW (built by megatron-core): found_inf",
         "patch",
-        "mcore_patches.optimizer.skip_step_where (training/engine.py)",
+        "mcore_patches.optimizer.skip_step_where (training/update.py)",
         "each queued update (the kernel plan's queued_update), removed after it",
         "the skip of a non-finite step decided on the device: torch's fused AdamW skips its "
         "update where found_inf is set, as under a grad scaler; megatron's step_with_ready_grads "
@@ -368,7 +368,7 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(
         f"{_DP}._make_backward_post_hook",
         "override",
-        "training.engine.DataParallel",
+        "training.data_parallel.DataParallel",
         "always (its batched accumulation with the kernel plan's batched_grad_accumulation)",
         "a private method: the hook keeps a chunk's gradients and moves them into main_grad "
         "together, registering them with megatron's bucket groups as megatron's hook does",
@@ -380,7 +380,7 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(
         f"{_DP}.zero_grad_buffer",
         "override",
-        "training.engine.DataParallel.zero_grad_buffer",
+        "training.data_parallel.DataParallel.zero_grad_buffer",
         "batched_grad_accumulation without Apex's fused accumulation",
         "megatron's reset of the step, without zeroing the buffers (a step's first gradient is "
         "copied, not added)",
@@ -392,7 +392,7 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(
         f"{_DP}.start_grad_sync",
         "override",
-        "training.engine.DataParallel.start_grad_sync / finish_grad_sync",
+        "training.data_parallel.DataParallel.start_grad_sync / finish_grad_sync",
         "always",
         "no reduction over a data-parallel group of one rank; a bucket whose parameter got no "
         "gradient is started at the end; stale main_grads of unzeroed buffers zeroed",
@@ -404,7 +404,7 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(
         "megatron.core.distributed.finalize_model_grads:finalize_model_grads",
         "override",
-        "training.engine.scale_by_tokens",
+        "training.data_parallel.scale_by_tokens",
         "always (megatron's finalize runs without the token count)",
         "the per-token gradient scaling without its host read of the count and as one foreach "
         "multiply",
@@ -418,7 +418,7 @@ REPLACEMENTS: tuple[Replacement, ...] = (
     Replacement(
         f"{_OPT}:ChainedOptimizer.step",
         "override",
-        "training.engine.Engine (step_figures, update, queue_update)",
+        "training.update.Update (figures, the queued and host-first updates)",
         "every step",
         "the step's parts run by us: prepare_grads, the gradient norm by foreach norms on the "
         "device (megatron's fallback reads one value per parameter), the clip, "

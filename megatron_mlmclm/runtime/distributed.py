@@ -53,6 +53,13 @@ def init_distributed(tp: int, pp: int, vpp: int | None, seed: int, cp: int = 1) 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def all_reduce_if_shared(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """All-reduce over `group` (None: the world) unless it has a single rank: a collective over
+    one rank still launches kernels and, with NCCL, waits in the communicator."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
 def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

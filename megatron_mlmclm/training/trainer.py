@@ -26,7 +26,6 @@ from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved, to_dict
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.runtime.host_sync import OnTheWayToHost
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import sinks
 from megatron_mlmclm.training.checkpointer import Checkpointer, Start, find_start
@@ -39,6 +38,7 @@ from megatron_mlmclm.training.metrics import Metrics, log
 from megatron_mlmclm.training.phase_entry import PhaseEntry
 from megatron_mlmclm.training.preemption import Preempted, StopSignals
 from megatron_mlmclm.training.resume import fingerprint
+from megatron_mlmclm.training.update import OnTheWayToHost
 from megatron_mlmclm.training.validator import Validator
 
 
@@ -46,9 +46,9 @@ class Trainer:
     """One pretraining run of `cfg`: `setup()`, `train()`, `close()`.
 
     Its components, built by setup() in this order: the fault monitor (training/faults.py), the
-    engine (training/engine.py: megatron-core's model, optimizer, schedules), the phase entry
-    (training/phase_entry.py), the validator (training/validator.py), the checkpointer
-    (training/checkpointer.py), data.loader (training/loader.py); the metrics
+    engine (training/engine.py: megatron-core's model, data parallelism, optimizer, schedule and
+    update), the phase entry (training/phase_entry.py), the validator (training/validator.py),
+    the checkpointer (training/checkpointer.py), data.loader (training/loader.py); the metrics
     (training/metrics.py) exist from the start.
     """
 
@@ -213,22 +213,15 @@ class Trainer:
         if scale != 1.0:
             batches = [dict(batches[0], loss_scale=scale)] + batches[1:]
         totals = e.run_schedule(batches, forward_only=False)
-        # The step's one transfer to the host (runtime/host_sync.py): its loss, token and
-        # accuracy totals with the gradient norm and the non-finite check. With the kernel plan's
-        # queued_update the update is queued first, clip and non-finite skip decided on the
-        # device, and the host waits for the figures alone while the device runs the update;
-        # otherwise the host reads them, then updates.
+        # The step's figures (loss, token and accuracy totals, gradient norm, non-finite check)
+        # and their one transfer to the host; the update goes before the host's read (the kernel
+        # plan's queued_update: decided on the device, which runs it while the host waits for the
+        # figures) or after it (host-first: decided from the read figures). training/update.py.
         figures = e.step_figures(totals)
-        queued = e.kernels.queued_update.on
-        if queued:
-            e.scheduler.step(1)  # the LR of step k is the schedule's value at k + 1
-            on_the_way = OnTheWayToHost(figures)
-            update = e.queue_update(figures)
-            self.prefetch_next()
-            loss_sum, tokens, correct, grad_norm, nonfinite = on_the_way.values()
-        else:
-            self.prefetch_next()
-            loss_sum, tokens, correct, grad_norm, nonfinite = figures.tolist()
+        on_the_way = OnTheWayToHost(figures)
+        queued = e.update.before_read(figures)
+        self.prefetch_next()
+        loss_sum, tokens, correct, grad_norm, nonfinite = on_the_way.values()
         loss = loss_sum / max(tokens, 1)
         # Stop before a non-finite loss or gradient can reach the weights (a queued update has
         # skipped it on the device) or a checkpoint; the restart re-runs the step to tell a
@@ -251,9 +244,7 @@ class Trainer:
         )
         if note:
             log(note)
-        if not queued:
-            e.scheduler.step(1)
-            update = e.update(faults.spikes, self.step, grad_norm)
+        update = e.update.after_read(queued, faults.spikes, self.step, grad_norm)
         stats: dict[str, Any] = {
             "loss": loss,
             "accuracy": correct / max(tokens, 1),
