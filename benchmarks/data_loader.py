@@ -244,7 +244,7 @@ def main() -> None:
 
     from megatron_mlmclm.config import PhaseConfig, load_config
     from megatron_mlmclm.data.dataset import build_train_dataset
-    from megatron_mlmclm.training.loader import Plan
+    from megatron_mlmclm.training.batch_plan import Plan
     from megatron_mlmclm.training.trainer import token_spec_and_vocab
 
     try:

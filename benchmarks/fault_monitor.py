@@ -97,7 +97,7 @@ def measure_steps(args) -> dict:
     import torch
 
     from megatron_mlmclm.runtime import distributed as rt
-    from megatron_mlmclm.training.faults import HangWatchdog
+    from megatron_mlmclm.training.watchdog import HangWatchdog
 
     torch.set_num_threads(args.threads)
     trainer, cfg = build_tiny_trainer(args)

@@ -661,7 +661,7 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
     from megatron_mlmclm.model.kernels import Kernels, plan_kernels
     from megatron_mlmclm.training import engine as engine_module
     from megatron_mlmclm.training import microbatch
-    from megatron_mlmclm.training.loader import Plan
+    from megatron_mlmclm.training.batch_plan import Plan
 
     cfg = load_config(
         None,

@@ -28,12 +28,13 @@ from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_devi
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import sinks
+from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.checkpointer import Checkpointer, Start, find_start
 from megatron_mlmclm.training.datasets import build_datasets
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
 from megatron_mlmclm.training.inject import Injector
-from megatron_mlmclm.training.loader import Plan, SyncLoader, build_loader
+from megatron_mlmclm.training.loader import SyncLoader, build_loader
 from megatron_mlmclm.training.metrics import Metrics, log
 from megatron_mlmclm.training.phase_entry import PhaseEntry
 from megatron_mlmclm.training.preemption import Preempted, StopSignals
