@@ -51,7 +51,7 @@ first preset, the longest sequence and MLM (else the first objective):
     started drained: its device work per step against ours (the GPU's work, whatever the host
     does) and its top kernels (skipped with --no-ref);
 (b) on CUDA, torch's own count of synchronising calls per step (cuda_sync_debug_count, sync
-    debug mode), then under megatron_mlmclm.runtime.host_sync.HostSyncCounter the operations per
+    debug mode), then under megatron_mlmclm.training.host_syncs.HostSyncCounter the operations per
     step that make the host wait for the device, by operation and line (counted on CPU too: what
     would wait on a GPU). The counter is a dispatch mode, under which torch.compile does not
     trace and FlexAttention's higher-order operator does not run: on the flex path it prints
@@ -593,7 +593,7 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
     """Where a step of ours spends its time: see the module docstring (--profile)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron_mlmclm.runtime.host_sync import HostSyncCounter, cuda_sync_debug_count
+    from megatron_mlmclm.training.host_syncs import HostSyncCounter, cuda_sync_debug_count
 
     preset = args.presets.split(",")[0]
     seq = max(int(s) for s in args.seqs.split(","))

@@ -255,7 +255,7 @@ COLLECTIVES_WHY = (
 HOST_SYNCS_WHY = (
     "batches laid out and labelled positions, cu_seqlens and RoPE positions computed on the "
     "host; loss totals, gradient norm and the non-finite check come back in one transfer, "
-    "which with queued_update waits for them only, not the update (runtime/host_sync.py)"
+    "which with queued_update waits for them only, not the update (training/host_syncs.py)"
 )
 THD_PATHS = ("te-thd", "thd-reference")
 # FP8 GEMMs take token counts divisible by 16; MXFP8's 32-element scaling blocks need 32.

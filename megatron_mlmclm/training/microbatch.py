@@ -28,7 +28,7 @@ from megatron_mlmclm.model.packed import (
 )
 from megatron_mlmclm.objectives import document_attention_mask
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.runtime.host_sync import on_host
+from megatron_mlmclm.training.host_syncs import on_host
 
 
 def to_device(
@@ -36,7 +36,7 @@ def to_device(
 ) -> list[dict[str, Any]]:
     """Host micro-batches laid out on the host for the attention path, then copied to the
     device without waiting for it (pinned memory, non-blocking): nothing here makes the host
-    wait (runtime/host_sync.py). A batch's `loss_scale` rides along."""
+    wait (training/host_syncs.py). A batch's `loss_scale` rides along."""
     device = rt.device()
     with on_host():
         laid = [layout(dict(batch), phase, kernels) for batch in host]

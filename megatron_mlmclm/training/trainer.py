@@ -13,6 +13,7 @@ decides when (`should_log`, `should_validate`, `should_save`) and how.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -33,6 +34,7 @@ from megatron_mlmclm.training.checkpointer import Checkpointer, Start, find_star
 from megatron_mlmclm.training.datasets import build_datasets
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
+from megatron_mlmclm.training.host_syncs import RunSyncs, refuse_uncountable
 from megatron_mlmclm.training.inject import Injector
 from megatron_mlmclm.training.loader import SyncLoader, build_loader
 from megatron_mlmclm.training.metrics import Metrics, log
@@ -64,12 +66,14 @@ class Trainer:
     validator: Validator
     checkpointer: Checkpointer
 
-    def __init__(self, cfg: RunConfig, stop_at: int | None = None):
+    def __init__(self, cfg: RunConfig, stop_at: int | None = None, count_syncs: bool = False):
         self.cfg = cfg
         self.step = 0  # optimizer steps done
         self.steps = resolved(cfg.train.steps)
         self.stop_at = stop_at  # `pretrain --stop-at`: save at this step and end (exit 0)
         self.end = self.steps if stop_at is None else min(self.steps, stop_at)
+        # `pretrain --count-syncs`: each step's host synchronisations (training/host_syncs.py)
+        self.syncs = RunSyncs() if count_syncs else None
         self.metrics = Metrics(cfg)
         self.stop = StopSignals()  # SIGTERM / SIGUSR1: save after the step in flight, then stop
         self.lock: RunLock | None = None  # rank 0's lock on output_dir
@@ -88,6 +92,8 @@ class Trainer:
         # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
         # this machine does not have.
         self.kernels = plan_kernels(cfg, resolve_device(cfg))
+        if self.syncs is not None:
+            refuse_uncountable(self.kernels)
         self.kernels.apply_to_process()  # before CUDA starts in init_distributed
         self.fingerprint = fingerprint(cfg, self.spec)
         self.take_output_dir()  # before anything in it is read or written
@@ -179,6 +185,8 @@ class Trainer:
     def finish(self) -> None:
         for line in self.faults.summary():
             log(line)
+        for line in self.syncs.summary() if self.syncs is not None else []:
+            log(line)
         if self.step < self.steps:  # --stop-at
             log(
                 f"stopped at step {self.step} of {self.steps} (--stop-at); run again without it "
@@ -190,7 +198,10 @@ class Trainer:
         index, phase = self.plan.phase_plan.index(self.step), self.phase_at_step(self.step)
         start = time.perf_counter()
         self.faults.step_started(self.step + 1)
-        stats = self.train_step(phase)
+        with self.syncs.count() if self.syncs is not None else contextlib.nullcontext() as counted:
+            stats = self.train_step(phase)
+        if counted is not None:
+            stats["host_syncs"] = counted.total
         self.step += 1
         elapsed = time.perf_counter() - start
         stats.update(self.metrics.step_figures(self.step, index, phase, stats["tokens"], elapsed))

@@ -35,7 +35,7 @@ class OnTheWayToHost:
     """A small device tensor sent to the host now, read later: the copy is queued on the stream
     (into pinned memory, non-blocking) and `values()` waits for that copy alone, not for the
     work queued after it. On CPU, where the device is the host, it holds a copy and `values()`
-    reads it: the one read that runtime/host_sync.py's counter sees either way."""
+    reads it: the one read that training/host_syncs.py's counter sees either way."""
 
     def __init__(self, tensor: torch.Tensor):
         self._done: torch.cuda.Event | None = None
