@@ -15,7 +15,7 @@ from megatron_mlmclm.mcore_patches.registry import missing_targets
 
 
 def apply_patches() -> None:
-    """Install the run-time replacements of registry.py for this machine (once per process);
+    """Install the run-time replacements of registry.yaml for this machine (once per process);
     raises, naming them, where the installed megatron-core no longer has a target."""
     missing = missing_targets()
     if missing:

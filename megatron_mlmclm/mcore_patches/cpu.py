@@ -3,7 +3,7 @@
 megatron-core has no CPU path: it asks for `torch.cuda.current_device()`, creates tensors with a
 literal `device="cuda"`, keeps CUDA RNG states and checks
 `tensor.type() == 'torch.cuda.FloatTensor'`. `apply_without_cuda()` redirects those to the CPU;
-apply.py calls it only where CUDA is unavailable. Each replacement is a row of registry.py.
+apply.py calls it only where CUDA is unavailable. Each replacement is a row of registry.yaml.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 Engine, its distributed optimizer's state without them, torch's fused AdamW behind it, the skip of
 a non-finite step decided on the device, and the main parameters read back after loading weights.
 
-Each replacement is a row of registry.py; `apply_everywhere()` (called by apply.py in every
+Each replacement is a row of registry.yaml; `apply_everywhere()` (called by apply.py in every
 process that trains or converts) installs the module-level ones, the rest are called where a
 run needs them (training/optimizer.py, training/update.py, checkpoint.py).
 """

@@ -11,7 +11,7 @@ Both orders run the same path (Trainer.train_step): `figures`, the transfer (`On
 `before_read` (the queued update), the host's wait for the figures, the trainer's check, then
 `after_read` (the host-first update). Bit for bit the same weights (tests/test_queued_update.py).
 megatron's ChainedOptimizer.step does these parts in one call; they are run here one by one so
-that the host reads the figures once (mcore_patches/registry.py lists what this re-runs).
+that the host reads the figures once (mcore_patches/registry.yaml lists what this re-runs).
 """
 
 from __future__ import annotations
