@@ -11,7 +11,8 @@ checking the replacement still does what `why` says, and then writing the new ha
 
 Two kinds of rows:
 - `patch`: the attribute is replaced at run time, by code in this package (jit.py, cpu.py,
-  optimizer.py). `missing_targets()` checks before patching that every one still exists.
+  optimizer.py). `missing_targets()` checks before patching that every one, and every pinned
+  definition, still exists.
 - `override`: a megatron-core method that a subclass of ours overrides, or whose work our code
   does in its place, or a private name our code calls; the code is where it runs (`by`). A
   change of the method would not raise, it would leave ours out of step.
@@ -137,10 +138,10 @@ def source_of(source: str) -> str:
 
 
 def resolve(target: str):
-    """The object at "module:qualname" (imports the module)."""
+    """The object at "module:qualname", or the module (imports it)."""
     module, _, qualname = target.partition(":")
     obj = importlib.import_module(module)
-    for part in qualname.split("."):
+    for part in qualname.split(".") if qualname else ():
         obj = getattr(obj, part)
     return obj
 
@@ -168,13 +169,15 @@ def pin_holds(pin: Pin) -> tuple[bool, str]:
 
 
 def missing_targets() -> list[str]:
-    """The patch targets that no longer exist in the installed torch / megatron-core."""
+    """What the replacements act on that no longer exists in the installed torch / megatron-core:
+    each patch's target and every pinned definition (a run fails on it at once, where a test of
+    the pins would fail first)."""
+    names = [r.target for r in REPLACEMENTS if r.kind == "patch" and " " not in r.target]
+    names += [pin.source for r in REPLACEMENTS for pin in r.pins]
     missing = []
-    for r in REPLACEMENTS:
-        if r.kind != "patch" or " " in r.target:  # an attribute of an instance: pinned only
-            continue
+    for name in dict.fromkeys(names):  # in order, once each
         try:
-            resolve(r.target)
+            resolve(name)
         except (ImportError, AttributeError):
-            missing.append(r.target)
+            missing.append(name)
     return missing
