@@ -12,9 +12,9 @@ function.
 
 Who calls it: the `mlmclm` entry point, as cli.py is imported (so every rank and converter, and
 the workers a command spawns, which import the entry point first), and the scripts and the test
-session that import megatron-core themselves. Importing megatron_mlmclm changes nothing. A
-process that imports megatron-core without calling it keeps megatron's own `torch.compile` at
-import: the same kernels, 1.5 s later.
+suite (tests/conftest.py) that import megatron-core themselves. Importing megatron_mlmclm changes
+nothing. A process that imports megatron-core without calling it keeps megatron's own
+`torch.compile` at import: the same kernels, 1.5 s later.
 """
 
 from __future__ import annotations
