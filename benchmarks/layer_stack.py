@@ -30,8 +30,6 @@ import warnings
 import torch
 from _engine import add_shape_arguments, apply_quick, build_trainer, time_rows
 
-from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
-
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
 
@@ -99,5 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     main()

@@ -38,8 +38,6 @@ import torch
 import torch.nn.functional as F
 from _engine import add_shape_arguments, apply_quick, build_trainer
 
-from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
-
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
 LR, BETAS, EPS, WD, CLIP = 5e-4, (0.9, 0.95), 1e-5, 0.1, 1.0
@@ -235,5 +233,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     main()
