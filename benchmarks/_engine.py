@@ -40,6 +40,9 @@ def apply_quick(args) -> None:
 
 def build_trainer(args, extra_overrides: list[str], prefix: str):
     """A set-up Trainer (world of one, fp32) at the shapes in `args`, writing to a temp dir."""
+    from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
+    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     from megatron_mlmclm.config import load_config
     from megatron_mlmclm.training.trainer import Trainer
 

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
 warnings.filterwarnings("ignore")
 
 MASK_RATIO, MBS, MICROBATCHES = 0.4, 8, 4
@@ -242,7 +244,7 @@ def main() -> None:
 
     from megatron_mlmclm.config import PhaseConfig, load_config
     from megatron_mlmclm.data.dataset import build_train_dataset
-    from megatron_mlmclm.training.loader import Plan
+    from megatron_mlmclm.training.batch_plan import Plan
     from megatron_mlmclm.training.trainer import token_spec_and_vocab
 
     try:
@@ -316,4 +318,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     main()

@@ -49,6 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,7 +97,7 @@ def measure_steps(args) -> dict:
     import torch
 
     from megatron_mlmclm.runtime import distributed as rt
-    from megatron_mlmclm.training.faults import HangWatchdog
+    from megatron_mlmclm.training.watchdog import HangWatchdog
 
     torch.set_num_threads(args.threads)
     trainer, cfg = build_tiny_trainer(args)
@@ -466,4 +468,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     main()

@@ -39,8 +39,12 @@ from pathlib import Path
 
 import yaml
 
-from megatron_mlmclm.data.unigram import unigram_cross_entropy
-from megatron_mlmclm.eval.report import mean_ci  # the report's 95% t-interval
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
+defer_kernel_compilation()  # before megatron-core is imported (data.unigram), as `mlmclm` does
+
+from megatron_mlmclm.data.unigram import unigram_cross_entropy  # noqa: E402
+from megatron_mlmclm.eval.report import mean_ci  # noqa: E402  (the report's 95% t-interval)
 
 OBJECTIVES = {
     "clm": [{"objective": "clm"}],

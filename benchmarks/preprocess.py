@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -122,4 +124,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     sys.exit(main())

@@ -38,6 +38,8 @@ import time
 
 import numpy as np
 
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -201,4 +203,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     main()

@@ -95,7 +95,7 @@ first preset, the longest sequence, the first tokens per step and MLM (else the 
     GPU's work, whatever the host does; its top kernels), its host time by caller and its
     synchronisations as in (b);
 (b) on CUDA, torch's own count of synchronising calls per step (cuda_sync_debug_count, sync
-    debug mode), then under megatron_mlmclm.runtime.host_sync.HostSyncCounter the operations per
+    debug mode), then under megatron_mlmclm.training.host_syncs.HostSyncCounter the operations per
     step that make the host wait for the device, by operation and line (counted on CPU too: what
     would wait on a GPU). The counter is a dispatch mode, under which torch.compile does not
     trace and FlexAttention's higher-order operator does not run: on the flex path it prints
@@ -155,6 +155,8 @@ from reference_encoder import (
     default_attention,
     make_batch,
 )
+
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
 
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
@@ -910,7 +912,7 @@ def device_ms(prof) -> float:
 def count_syncs(run: Callable[[int], None], n: int, who: str) -> tuple[float | None, float | None]:
     """(CUDA's count of synchronising calls per step or None off CUDA, HostSyncCounter's or None
     where it cannot count) over n steps of `run(n)`, printed with their commonest sites."""
-    from megatron_mlmclm.runtime.host_sync import HostSyncCounter, cuda_sync_debug_count
+    from megatron_mlmclm.training.host_syncs import HostSyncCounter, cuda_sync_debug_count
 
     cuda_syncs = None
     if on_gpu():
@@ -1095,4 +1097,5 @@ def print_host_callers(prof, steps: int, top: int = 14, frames: int = 4) -> None
 
 
 if __name__ == "__main__":
+    defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
     main()

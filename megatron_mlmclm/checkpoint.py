@@ -38,6 +38,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.mcore_patches.optimizer import model_and_main_params
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -330,10 +331,7 @@ def stale_main_params(optimizer) -> int:
     parameter (compared in the model's dtype); 0 for an fp32 optimizer, which has none."""
     stale = 0
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        pairs = getattr(opt, "_get_model_and_main_params_data_float16", None)
-        if pairs is None:
-            continue
-        for model, main in zip(*pairs()):
+        for model, main in model_and_main_params(opt):
             if main is not None and not torch.equal(main.to(model.dtype), model):
                 stale += 1
     return stale

@@ -17,6 +17,12 @@ import types
 import warnings
 
 from megatron_mlmclm.errors import EXIT_USAGE, UsageError
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
+# megatron-core's kernels compile at their first call, not at import (mcore_patches/jit.py): asked
+# for here, as the entry point is imported and before any command imports megatron-core, so that
+# the workers a command spawns, which import the entry point first, get it too.
+defer_kernel_compilation()
 
 # name -> (module, one-line help). Order is the order of the user's flow.
 _PKG = "megatron_mlmclm.commands"

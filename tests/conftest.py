@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
+# As the `mlmclm` entry point does: megatron's kernels compile when first called, not when the
+# first test module imports megatron-core (mcore_patches/jit.py).
+defer_kernel_compilation()
+
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:

@@ -30,8 +30,8 @@ from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
+from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.branch import check_branch
-from megatron_mlmclm.training.loader import Plan
 from megatron_mlmclm.training.resume import fingerprint
 from megatron_mlmclm.training.trainer import build_datasets
 

@@ -1,4 +1,4 @@
-"""megatron's weight init on CPU (runtime/cpu_support.py): the draws megatron makes inside its CUDA
+"""megatron's weight init on CPU (mcore_patches/cpu.py): the draws megatron makes inside its CUDA
 RNG tracker's fork, made outside it from the same state. megatron's own route stays reachable as
 `__wrapped__`, so each test compares against it: the same numbers, and only ours is silent.
 """
@@ -56,9 +56,9 @@ def megatrons_own_init(monkeypatch):
     """A function that puts megatron's own _initialize_affine_weight_gpu back (the fork route)."""
     from megatron.core.tensor_parallel import layers
 
-    from megatron_mlmclm.runtime import cpu_support
+    from megatron_mlmclm.mcore_patches.apply import apply_patches
 
-    cpu_support.apply()
+    apply_patches()
     ours = layers._initialize_affine_weight_gpu
     assert ours.__wrapped__ is not ours
 

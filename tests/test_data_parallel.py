@@ -1,4 +1,4 @@
-"""The fast path under data parallelism (training/engine.py DataParallel, model/layers.py): at
+"""The fast path under data parallelism (training/data_parallel.py, model/layers.py): at
 DP = 2 with megatron's distributed optimizer and the overlapped gradient reduce-scatter and
 parameter all-gather (on gloo), the plain layer stack runs in chunks and the batched gradient
 accumulation registers each moved gradient with megatron's bucket groups. Four steps, two

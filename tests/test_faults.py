@@ -21,7 +21,7 @@ from test_resume import CONFIG as RESUME_CONFIG  # DP2-able tiny CLM -> MLM run,
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime.lifetime import RunLock
-from megatron_mlmclm.training import faults
+from megatron_mlmclm.training import faults, watchdog
 from megatron_mlmclm.training.inject import Fault, parse
 
 CONFIG = {**RESUME_CONFIG, "logging": {"tensorboard": False, "log_interval": 2}}
@@ -75,13 +75,13 @@ def test_fault_specs_parse_and_bad_ones_are_refused_in_one_line():
 
 
 def test_watchdog_allowances_follow_the_measured_step_time():
-    dog = faults.HangWatchdog(0, "/nonexistent", None, None)
-    assert dog.step_timeout() == faults.STEP_TIMEOUT_FLOOR_S  # nothing measured yet
+    dog = watchdog.HangWatchdog(0, "/nonexistent", None, None)
+    assert dog.step_timeout() == watchdog.STEP_TIMEOUT_FLOOR_S  # nothing measured yet
     for t in (10.0, 50.0, 40.0):  # median 40 s -> 20 x 40 = 800 s, above the 600 s floor
         dog.leave(t)
     assert dog.step_timeout() == 800.0
     assert dog.long_timeout() == 2400.0  # 3 x 800, above the 1800 s floor
-    fixed = faults.HangWatchdog(0, "/nonexistent", 7.0, 30.0)
+    fixed = watchdog.HangWatchdog(0, "/nonexistent", 7.0, 30.0)
     fixed.leave(100.0)
     assert (fixed.step_timeout(), fixed.long_timeout()) == (7.0, 30.0)
     fixed.enter("save", 3)
@@ -93,7 +93,7 @@ def test_watchdog_allowances_follow_the_measured_step_time():
 def test_watchdog_dumps_the_hung_frame_and_exits_with_the_hang_code(tmp_path):
     script = textwrap.dedent(f"""
         import time
-        from megatron_mlmclm.training.faults import HangWatchdog
+        from megatron_mlmclm.training.watchdog import HangWatchdog
         dog = HangWatchdog(3, {str(tmp_path)!r}, 0.5, 5.0, poll_s=0.1)
         dog.start()
         def stuck_in_a_collective():
@@ -110,14 +110,14 @@ def test_watchdog_dumps_the_hung_frame_and_exits_with_the_hang_code(tmp_path):
         timeout=60,
     )
     assert time.time() - start < 20
-    assert proc.returncode == faults.EXIT_HANG, proc.stderr
+    assert proc.returncode == watchdog.EXIT_HANG, proc.stderr
     line = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(line) == 1 and line[0].startswith("mlmclm pretrain: error: rank 3 hung: step 12 "), (
         proc.stderr
     )
     dump = (tmp_path / "hang-rank3-step12.txt").read_text()
     assert "in stuck_in_a_collective" in dump and "Thread MainThread" in dump
-    assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_HANG)
+    assert (tmp_path / "exit_code").read_text().strip() == str(watchdog.EXIT_HANG)
 
 
 def test_spike_policy_skips_only_above_k_times_the_running_median():
@@ -223,7 +223,7 @@ def test_hung_rank_is_named_torn_down_and_the_restart_matches_an_uninterrupted_r
     assert launcher.returncode != 0
     gone, alive = psutil.wait_procs(tree, timeout=5)
     assert not alive, [p.cmdline() for p in alive]
-    assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_HANG)
+    assert (tmp_path / "exit_code").read_text().strip() == str(watchdog.EXIT_HANG)
     assert "exitcode  : 76" in err  # torchrun's report of the rank
     assert "mlmclm pretrain: error: rank 1 hung: step 5 made no progress for 10 s" in err, err
     dump = (run / "faults" / "hang-rank1-step5.txt").read_text()
@@ -396,7 +396,7 @@ def test_a_stopped_rank_is_caught_by_the_rank_waiting_for_it(config, tmp_path):
         assert time.time() < deadline and launcher.poll() is None, "rank 0 never fired"
         tree = psutil.Process(launcher.pid).children(recursive=True) or tree
         time.sleep(0.2)
-    assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_HANG)
+    assert (tmp_path / "exit_code").read_text().strip() == str(watchdog.EXIT_HANG)
     assert "all_reduce" in dump.read_text()  # rank 0 waited in the gradient all-reduce
     assert not (run / "faults" / "hang-rank1-step5.txt").exists()  # the stopped rank ran nothing
     os.killpg(launcher.pid, signal.SIGKILL)

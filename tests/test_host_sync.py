@@ -1,4 +1,5 @@
-"""The host-synchronisation counter (runtime/host_sync.py) sees what it is meant to see."""
+"""The host-synchronisation counter (training/host_syncs.py, `pretrain --count-syncs`) sees what it
+is meant to see."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_mlmclm.runtime.host_sync import HostSyncCounter, on_host
+from megatron_mlmclm.training.host_syncs import HostSyncCounter, on_host
 
 
 def test_every_kind_of_wait_is_counted_once_with_its_line():
@@ -125,3 +126,53 @@ def test_a_training_step_waits_for_the_device_at_most_four_times(
     assert syncs.total <= 4, syncs.report()
     assert syncs.by_op == {"Tensor.tolist": 1}, syncs.report()
     assert collectives.ops == []
+
+
+# ------------------------------------------------------- pretrain --count-syncs, the diagnostic
+def test_count_syncs_records_each_steps_synchronisations_and_their_sites(tmp_path, capsys):
+    """A run with the diagnostic on: every step's record carries its count, which from the third
+    step on is the one read of the step's figures (as counted above); the run's log ends with the
+    sites, the figures' read among them."""
+    from jobs import read_metrics, train_in_process
+
+    run = tmp_path / "run"
+    train_in_process(
+        None,
+        [
+            f"output_dir={run}",
+            "logging.tensorboard=false",
+            "data.mock=true",
+            "model.vocab_size=512",
+            "model.seq_length=64",
+            "train.steps=5",
+            "train.warmup_steps=1",
+            "train.decay_steps=1",
+            "train.precision=bf16",
+        ],
+        count_syncs=True,
+    )
+    steps = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert [r["host_syncs"] for r in steps][2:] == [1, 1, 1]
+    err = capsys.readouterr().err
+    assert "host synchronisations (--count-syncs) over 5 steps" in err
+    sites = [line for line in err.splitlines() if "Tensor.tolist" in line]
+    assert sites and "training/update.py" in sites[0], err
+
+
+def test_count_syncs_is_passed_on_and_refused_where_the_counter_cannot_run(
+    tmp_path, monkeypatch, capsys
+):
+    from megatron_mlmclm import cli
+    from megatron_mlmclm.training import pretrain
+
+    run = ["pretrain", "data.mock=true", f"output_dir={tmp_path / 'run'}"]
+    seen = {}
+    monkeypatch.setattr(pretrain, "pretrain", lambda cfg, **kw: seen.update(kw) or 0)
+    assert cli.main([*run, "--count-syncs"]) == 0
+    assert seen == {"stop_at": None, "count_syncs": True}
+    monkeypatch.undo()
+    assert cli.main([*run, "model.compile=on", "--count-syncs"]) == 2
+    assert not (tmp_path / "run").exists()
+    err = capsys.readouterr().err
+    assert "--count-syncs counts eager steps" in err and "model.compile=off" in err

@@ -4,6 +4,7 @@ really uses it. Each test pins one decision, so reverting it fails here."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -226,6 +227,45 @@ def test_transformer_config_takes_its_fields_from_the_plan():
     assert not tc_cpu.bias_activation_fusion and tc_cpu.batch_p2p_comm
 
 
+@pytest.mark.parametrize(
+    "device,extra",
+    [
+        ("cpu", ()),
+        ("cuda", ("parallel.use_distributed_optimizer=true",)),
+        ("cuda", ("parallel.tensor_model_parallel_size=2", "model.attention=thd")),
+        ("cuda", ("parallel.pipeline_model_parallel_size=2", "train.recompute=full")),
+    ],
+)
+def test_the_transformer_config_warns_of_nothing_the_project_chose(device, extra):
+    """megatron-core's TransformerConfig as the project fills it in, for several plans: no
+    warning (megatron's default cuda_graph_scope "full" warns that it is deprecated)."""
+    c = cfg(*extra)
+    plan = plan_kernels(c, device, Kernels(), world_size=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        transformer_config(c, plan)
+    assert [str(w.message) for w in caught] == []
+
+
+def test_a_cpu_training_run_warns_of_nothing(tmp_path):
+    """A whole CPU run (setup, steps, validation, a checkpoint) with every warning recorded, of
+    any category: none. (What megatron-core and torch warn as their modules are imported, before
+    the run, is theirs.) megatron's default cuda_graph_scope warned at every run, and its MLP at
+    every layer built without an ffn_hidden_size."""
+    from jobs import train_in_process
+
+    import megatron_mlmclm.training.trainer  # noqa: F401  (imported before the run)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_in_process(
+            None,
+            [*BASE, f"output_dir={tmp_path}", "logging.tensorboard=false", "train.steps=3"]
+            + ["train.warmup_steps=1", "train.decay_steps=1"],
+        )
+    assert [f"{w.filename}:{w.lineno}: {w.message}" for w in caught] == []
+
+
 def test_runtime_device_cuda_without_a_gpu_plans_but_does_not_run(tmp_path, capsys):
     c = cfg("runtime.device=cuda")
     assert resolve_device(c, planning=True) == "cuda"
@@ -393,7 +433,7 @@ def test_the_engine_runs_the_planned_optimizer(tmp_path):
     """The built optimizer is torch's fused AdamW (its param groups say so, its step counters sit
     on the parameters' device), and with model.fusions=off the unfused one: the same losses over
     a few bf16 steps (fused and unfused AdamW compute the same update)."""
-    from megatron_mlmclm.training.engine import chained
+    from megatron_mlmclm.training.optimizer import chained
     from megatron_mlmclm.training.trainer import Trainer
 
     losses = {}
@@ -432,7 +472,7 @@ def test_a_resumed_optimizer_is_the_plans(tmp_path, dist_opt, saved, resumed):
     its step counters on the parameters' device; a run saved fused and resumed with
     model.fusions=off gets torch's unfused AdamW, its counters on the host (as torch keeps
     them). Either way the counters count on."""
-    from megatron_mlmclm.training.engine import chained
+    from megatron_mlmclm.training.optimizer import chained
     from megatron_mlmclm.training.trainer import Trainer
 
     common = [

@@ -252,6 +252,44 @@ def model_step(model, precision: str, varlen: bool, causal: bool, docs=DOCS):
     return loss.detach(), grads
 
 
+@pytest.mark.parametrize("fusions", ["auto", "off"])
+def test_the_decoder_is_built_once_as_the_plans_block(monkeypatch, fusions):
+    """The model's decoder is the block class the kernel plan's spec names, built once (two
+    layers, two layer constructions), with the parameters, in the same order and shapes, that
+    megatron's own GPTModel builds from the same layers."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_mlmclm.model.build import decoder_spec
+    from megatron_mlmclm.model.layers import PlainTransformerBlock
+
+    built = []
+    init = TransformerLayer.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerLayer, "__init__", counted)
+    cfg = load_config(None, BASE + [f"model.fusions={fusions}"])
+    tconfig = transformer_config(cfg)
+    (model,) = build_model(cfg, tconfig, 256)
+    layer = "PlainTransformerLayer" if fusions == "auto" else "TransformerLayer"
+    assert built == [layer, layer]
+    assert type(model.decoder) is (PlainTransformerBlock if fusions == "auto" else TransformerBlock)
+    megatrons = GPTModel(
+        config=tconfig,
+        transformer_layer_spec=decoder_spec(tconfig, plan_kernels(cfg, "cpu")).submodules,
+        vocab_size=256,
+        max_sequence_length=48,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+    )
+    assert type(megatrons.decoder) is TransformerBlock
+    ours = [(name, p.shape) for name, p in model.named_parameters()]
+    assert ours == [(name, p.shape) for name, p in megatrons.named_parameters()]
+
+
 def stack_model(precision: str, varlen: bool, *overrides: str):
     from megatron_mlmclm.model.layers import PlainTransformerBlock
 

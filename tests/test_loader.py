@@ -30,7 +30,8 @@ from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import PhaseConfig, load_config
 from megatron_mlmclm.data.dataset import PackedDataset
 from megatron_mlmclm.objectives import TokenSpec, make_batch
-from megatron_mlmclm.training.loader import FIELDS, Plan, build_loader
+from megatron_mlmclm.training.batch_plan import Plan
+from megatron_mlmclm.training.loader import FIELDS, build_loader
 
 LOADERS = ["sync", "workers", "dali"]
 SPEC = TokenSpec(vocab_size=300, mask_id=3, special_ids=(0, 1, 2, 3))

@@ -1,6 +1,7 @@
-"""megatron-core's torch.compile'd kernels compile at their first call (megatron_jit.py): importing
-megatron through our package no longer imports Inductor, and a kernel still computes what its
-Python function computes, compiled at its first call, and traces inside an outer torch.compile."""
+"""megatron-core's torch.compile'd kernels compile at their first call (mcore_patches/jit.py): in a
+process of the `mlmclm` entry point importing megatron through our package no longer imports
+Inductor (importing the package alone changes nothing), and a kernel still computes what its Python
+function computes, compiled at its first call, and traces inside an outer torch.compile."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ import sys
 import torch
 from jobs import job_env
 
-from megatron_mlmclm.megatron_jit import compile_on_first_call
+from megatron_mlmclm.mcore_patches.jit import compile_on_first_call
 
+# The entry point as a command's process imports it; first, whether importing the package alone
+# installed an import hook.
+ENTRY = (
+    "import sys, megatron_mlmclm; "
+    "print(any('megatron_mlmclm' in type(f).__module__ for f in sys.meta_path)); "
+    "import megatron_mlmclm.cli; "
+)
 IMPORTS = (
     "import sys; import megatron_mlmclm.training.trainer, megatron_mlmclm.convert.hf_import; "
     "import megatron.core.jit as j; from megatron.core.fusions import fused_bias_swiglu as f; "
@@ -21,23 +29,23 @@ IMPORTS = (
 )
 
 
+def run_python(code: str) -> list[str]:
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+
+
 def test_importing_megatron_through_the_package_does_not_import_inductor():
-    out = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", IMPORTS],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    assert out == ["megatron_mlmclm.megatron_jit", "True", "False"]
+    """Through the `mlmclm` entry point, which asks for the deferral; the package alone installs
+    no import hook."""
+    out = run_python(ENTRY + IMPORTS)
+    assert out == ["False", "megatron_mlmclm.mcore_patches.jit", "True", "False"]
     # The check can fail: with megatron imported before our package, Inductor is imported.
-    eager = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", "import megatron.core; " + IMPORTS],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    eager = run_python("import megatron.core; " + ENTRY + IMPORTS)
     assert eager[-2:] == ["False", "True"]
 
 

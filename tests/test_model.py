@@ -106,9 +106,9 @@ def test_sparse_head_equals_dense_cross_entropy(setup):
 
 
 def test_patched_targets_exist():
-    from megatron_mlmclm.runtime import cpu_support
+    from megatron_mlmclm.mcore_patches.registry import missing_targets
 
-    assert cpu_support.check_targets() == []
+    assert missing_targets() == []
 
 
 def test_main_to_model_parameter_copy_is_one_foreach_copy_of_the_same_values():
@@ -117,11 +117,11 @@ def test_main_to_model_parameter_copy_is_one_foreach_copy_of_the_same_values():
     values as megatron's own loop of copy_."""
     import megatron.core.optimizer.optimizer as megatron_optimizer
 
-    from megatron_mlmclm.runtime import cpu_support
+    from megatron_mlmclm.mcore_patches import optimizer
 
-    cpu_support.apply_megatron_fixes()
+    optimizer.apply_everywhere()
     ours = megatron_optimizer._multi_tensor_copy_this_to_that
-    assert ours is cpu_support._foreach_copy_this_to_that
+    assert ours is optimizer._foreach_copy_this_to_that
     g = torch.Generator().manual_seed(3)
     main = [torch.randn(37, generator=g), torch.randn(5, 8, generator=g) * 1e3]
     model = [torch.empty(37, dtype=torch.bfloat16), torch.empty(5, 8, dtype=torch.bfloat16)]

@@ -660,7 +660,8 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
     from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
     from megatron_mlmclm.model.kernels import Kernels, plan_kernels
     from megatron_mlmclm.training import engine as engine_module
-    from megatron_mlmclm.training.loader import Plan
+    from megatron_mlmclm.training import microbatch
+    from megatron_mlmclm.training.batch_plan import Plan
 
     cfg = load_config(
         None,
@@ -682,7 +683,7 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
         raise AssertionError("a dense [b,1,s,s] document mask was built on the THD path")
 
     monkeypatch.setattr(objectives, "document_attention_mask", no_dense_mask)
-    monkeypatch.setattr(engine_module, "document_attention_mask", no_dense_mask)
+    monkeypatch.setattr(microbatch, "document_attention_mask", no_dense_mask)
 
     # Only the batch path and the schedule call: no process groups, no model. CP = 1: no split.
     engine = engine_module.Engine(plan, None, [], [object()], None, None)

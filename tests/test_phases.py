@@ -232,10 +232,10 @@ def test_temperature_weights_by_hand(tmp_path):
 def test_a_phase_rope_base_is_megatrons_own_frequencies_for_that_base():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
+    from megatron_mlmclm.mcore_patches.apply import apply_patches
     from megatron_mlmclm.model.build import set_rotary_base
-    from megatron_mlmclm.runtime import cpu_support
 
-    cpu_support.apply()  # megatron's RoPE asks for a CUDA device; this machine has none
+    apply_patches()  # megatron's RoPE asks for a CUDA device; this machine has none
 
     class Chunk(torch.nn.Module):
         def __init__(self):

@@ -1,7 +1,7 @@
 """Kill -9 mid-run and restart: the loss curve continues exactly (bitwise on CPU).
 
 Covers the CLM -> MLM switch, the distributed optimizer (whose resume silently diverges without the
-fix in runtime/cpu_support.py), and a checkpoint saved at TP2 resumed at TP1. Then the guard: a
+fix in mcore_patches/optimizer.py), and a checkpoint saved at TP2 resumed at TP1. Then the guard: a
 resume that would change the data stream or masks is refused (exit 2, nothing written), unless
 checkpoint.allow_data_change, which continues from the saved consumed_samples.
 """

@@ -27,6 +27,13 @@ def add_arguments(parser) -> None:
         "tokens and FLOPs, and exit",
     )
     parser.add_argument(
+        "--count-syncs",
+        action="store_true",
+        help="a diagnostic: count the operations that make the host wait for the device in "
+        "every training step (host_syncs in metrics.jsonl and the log, the sites at the end); "
+        "counted steps are slower",
+    )
+    parser.add_argument(
         "--stop-at",
         type=int,
         metavar="STEP",
@@ -53,4 +60,4 @@ def run(args) -> int:
     # Imported here: megatron-core would slow `--help` and `--dry-run`.
     from megatron_mlmclm.training.pretrain import pretrain
 
-    return pretrain(cfg, stop_at=args.stop_at)
+    return pretrain(cfg, stop_at=args.stop_at, count_syncs=args.count_syncs)

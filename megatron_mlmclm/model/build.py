@@ -1,5 +1,5 @@
-"""The encoder as a megatron-core GPTModel: config, layer spec, and a head that pays only for
-labels.
+"""The encoder as a megatron-core GPTModel: config, the decoder's spec (the kernel plan's layer
+and block classes, built by construction), and a head that pays only for labels.
 
 Architecture (docs/study.md): RMSNorm, SwiGLU, RoPE, GQA, no biases, untied embeddings. The same
 trunk is trained causally (CLM) or bidirectionally (MLM); the attention kind is a property of the
@@ -20,9 +20,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.quantization.utils import get_quant_config_or_none
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
@@ -96,6 +99,9 @@ def transformer_config(cfg: RunConfig, plan: KernelPlan | None = None) -> Transf
         # per-token convention): the schedule divides by the token count summed over micro-batches
         # and DP ranks, so every parallel layout computes the same loss.
         calculate_per_token_loss=True,
+        # No CUDA graphs are captured (cuda_graph_impl stays "none"); the empty scope is the
+        # whole layer, what megatron's default "full" means, without its deprecation warning.
+        cuda_graph_scope=[],
         # Fusions, batched P2P, sequence parallelism and CPU initialisation: the kernel plan.
         **plan.transformer_kwargs(),
     )
@@ -124,42 +130,66 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(
-    config: TransformerConfig,
-    attention: str,
-    vp_stage: int | None = None,
-    plain: bool = False,
-    compiled: bool = False,
-    stack: bool = False,
-    stack_chunks: int = 1,
-):
-    """The kernel plan's layer as a layer spec: Transformer Engine's spec for te-thd, else
-    megatron's local spec with our core attention (SDPA, Flex, varlen or the THD stand-in), our
-    RMSNorm (a block spec, so the final norm is ours too) and, where the plan says so, the plain
-    layer forward (model/layers.py; compiled or not, one stack or layer by layer). Parameter names
-    are megatron's either way."""
-    if attention == "te-thd":
+def decoder_spec(config: TransformerConfig, plan: KernelPlan, vp_stage: int | None = None):
+    """The kernel plan's decoder block as a spec EncoderLM builds:
+    - te-thd: Transformer Engine's layer spec, built by megatron's TransformerBlock;
+    - otherwise a block spec (a ModuleSpec of the block class with its TransformerBlockSubmodules):
+      megatron's local layer with our core attention (SDPA, Flex, varlen or the THD stand-in) and
+      our RMSNorm (the final norm too); where the plan says so the plain layer forward
+      (model/layers.py, compiled or not), and `PlainTransformerBlock`, which runs the plain
+      layers as one stack (plain_stack), else megatron's `TransformerBlock`.
+    Parameter names are megatron's either way."""
+    if plan.attention == "te-thd":
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
         spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
+        _mlp_width_from(config, spec)
         return spec
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     core = {
         "sdpa": SDPAttention,
         "varlen": VarlenAttention,
         "thd-reference": THDReferenceAttention,
-    }.get(attention)
-    if attention == "flex":  # one DocumentMasks for all layers: one block mask per micro-batch
+    }.get(plan.attention)
+    if plan.attention == "flex":  # one DocumentMasks for all layers: one block mask per micro-batch
         core = functools.partial(FlexDocumentAttention, masks=DocumentMasks())
     spec.submodules.self_attention.submodules.core_attention = core
     spec.submodules.self_attention.params = {"attn_mask_type": AttnMaskType.arbitrary}
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
-    if plain:  # one LayerKernels for all layers: one compiled graph per half, or one stack
+    _mlp_width_from(config, spec)
+    if plan.plain_layers.on:  # one LayerKernels for all layers: one compiled graph per half
         spec.module = PlainTransformerLayer
-        spec.params = {**spec.params, "kernels": LayerKernels(compiled, stack, stack_chunks)}
-    return TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=RMSNorm
+        kernels = LayerKernels(plan.compile.on, plan.plain_stack.on, plan.stack_chunks)
+        spec.params = {**spec.params, "kernels": kernels}
+    return ModuleSpec(
+        module=PlainTransformerBlock if plan.plain_stack.on else TransformerBlock,
+        submodules=TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=RMSNorm,
+        ),
     )
+
+
+def _mlp_width_from(config: TransformerConfig, layer: ModuleSpec) -> None:
+    """The MLP's width from the config, given as megatron-core asks (it warns when it takes it
+    from the config itself)."""
+    mlp = layer.submodules.mlp
+    mlp.params = {**mlp.params, "ffn_hidden_size": config.ffn_hidden_size}
+
+
+# GPTModel builds megatron's TransformerBlock itself from the spec it is given (megatron-core 0.16
+# has no way to name another block class). EncoderLM hands it this one, with no layers and no
+# final norm, so it builds and initialises nothing, and builds its own block in that place.
+_NO_LAYERS = TransformerBlockSubmodules(layer_specs=[], layer_norm=None)
+
+
+def _block_of(spec) -> tuple[type[TransformerBlock], object]:
+    """(block class, the spec it takes): a block spec's own class and submodules; any other spec
+    megatron's TransformerBlock of it, as GPTModel builds it."""
+    module = spec.module if isinstance(spec, ModuleSpec) else None
+    if isinstance(module, type) and issubclass(module, TransformerBlock):
+        return module, spec.submodules
+    return TransformerBlock, spec
 
 
 class EncoderLM(GPTModel):
@@ -181,6 +211,29 @@ class EncoderLM(GPTModel):
 
     loss_kernels: LossKernels = EAGER_LOSS
     _label_index: torch.Tensor | None = None
+
+    def __init__(self, config: TransformerConfig, transformer_layer_spec, **kwargs):
+        """GPTModel's arguments. `transformer_layer_spec` takes what GPTModel takes (a layer's
+        ModuleSpec, TransformerBlockSubmodules) and also a block spec: a ModuleSpec whose module
+        is a TransformerBlock subclass, built with its submodules (GPTModel would build
+        megatron's TransformerBlock of them)."""
+        super().__init__(config, _NO_LAYERS, **kwargs)
+        self.transformer_layer_spec = transformer_layer_spec
+        block, spec = _block_of(transformer_layer_spec)
+        # The decoder slot GPTModel registered, filled in place: parameter names and order as
+        # GPTModel's own block would have them.
+        self.decoder = block(
+            config=self.config,
+            spec=spec,
+            pre_process=self.pre_process,
+            post_process=self.post_process,
+            pg_collection=self.pg_collection,
+            vp_stage=self.vp_stage,
+        )
+        # What GPTModel's __init__ ends with, for the modules of the block built here.
+        for name, module in self.decoder.named_modules(prefix="decoder"):
+            if hasattr(module, "finish_init"):
+                module.finish_init(get_quant_config_or_none(name, self.config.quant_recipe))
 
     def forward(self, *args, label_index: torch.Tensor | None = None, **kwargs):
         self._label_index = label_index
@@ -273,15 +326,7 @@ def build_model_chunk(
     plan = plan if plan is not None else plan_kernels(cfg, resolve_device(cfg))
     model = EncoderLM(
         config=config,
-        transformer_layer_spec=layer_spec(
-            config,
-            plan.attention,
-            vp_stage,
-            plan.plain_layers.on,
-            plan.compile.on,
-            plan.plain_stack.on,
-            plan.stack_chunks,
-        ),
+        transformer_layer_spec=decoder_spec(config, plan, vp_stage),
         vocab_size=padded_vocab_size(vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=m.seq_length,
         pre_process=pre_process,
@@ -292,8 +337,6 @@ def build_model_chunk(
         rotary_base=int(m.rotary_base),
         vp_stage=vp_stage,
     )
-    if plan.plain_stack.on:  # the block GPTModel built, with the stacked forward (no rebuild)
-        model.decoder.__class__ = PlainTransformerBlock
     if m.rope_scaling is not None:
         apply_rope_scaling(model, m)
     model.loss_kernels = LossKernels(compiled=plan.compile.on)

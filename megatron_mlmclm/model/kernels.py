@@ -115,14 +115,14 @@ class KernelPlan:
     attention_why: str
     # torch's fused AdamW behind megatron's optimizer (its fallback without TE/Apex is unfused).
     fused_adamw: Choice = Choice(False, "")
-    # The update queued before the step's figures reach the host (training/engine.py).
+    # The update queued before the step's figures reach the host (training/update.py).
     queued_update: Choice = Choice(False, "")
     # megatron's layer or the plain-torch one (model/layers.py), and what torch.compile covers.
     plain_layers: Choice = Choice(False, "")
     plain_stack: Choice = Choice(False, "")
     compile: Choice = Choice(False, "")
     # The backward's gradients into megatron's fp32 main_grad: one foreach kernel per backward
-    # pass, or megatron's one kernel per parameter (training/engine.py, DataParallel).
+    # pass, or megatron's one kernel per parameter (training/data_parallel.py, DataParallel).
     batched_grad_accumulation: Choice = Choice(False, "")
     # The stack as consecutive chunks of layers, one compiled graph each (model/layers.py).
     stack_chunks: int = 1
@@ -250,12 +250,12 @@ INIT_WHY = (
 )
 COLLECTIVES_WHY = (
     "none over a group of one rank: with DP = CP = 1 no gradient reduction, with TP = 1 no "
-    "loss reductions, in a world of one no stop-signal agreement (training/engine.py)"
+    "loss reductions, in a world of one no stop-signal agreement (training/data_parallel.py)"
 )
 HOST_SYNCS_WHY = (
     "batches laid out and labelled positions, cu_seqlens and RoPE positions computed on the "
     "host; loss totals, gradient norm and the non-finite check come back in one transfer, "
-    "which with queued_update waits for them only, not the update (runtime/host_sync.py)"
+    "which with queued_update waits for them only, not the update (training/host_syncs.py)"
 )
 THD_PATHS = ("te-thd", "thd-reference")
 # FP8 GEMMs take token counts divisible by 16; MXFP8's 32-element scaling blocks need 32.
@@ -669,7 +669,7 @@ def _batched_grad_accumulation(cfg: RunConfig, fusions: dict, stack: Choice) -> 
     layers' gradients arrive together at the end of its one backward anyway, and no reduction
     waits on a hook: there they go into main_grad at the end of the backward pass in one foreach
     kernel (the embedding's and output layer's as they arrive), a copy where main_grad is still
-    as zeroed (0 + g: the same value) and an add after that (training/engine.py, DataParallel)."""
+    as zeroed (0 + g: the same value) and an add after that (training/data_parallel.py)."""
     if fusions["gradient_accumulation_fusion"].on:
         return Choice(False, "Apex accumulates into main_grad inside the weight-gradient GEMM")
     if cfg.model.fusions == "off":

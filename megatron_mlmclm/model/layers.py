@@ -250,8 +250,8 @@ class PlainTransformerBlock(TransformerBlock):
     """megatron's TransformerBlock whose plain layers run as one stack, or a few chunks of it (see
     above), where the kernel plan says so (`LayerKernels.stack_on`, `stack_chunks`) and the call
     allows it; anything else runs megatron's block forward, layer by layer. No state of its own:
-    build_model_chunk gives GPTModel's block this class after building it (one build, one
-    initialisation)."""
+    EncoderLM builds it where the kernel plan's block spec names it (model/build.py,
+    decoder_spec), as GPTModel builds megatron's block."""
 
     def chunks(self) -> list[list[torch.nn.Module]]:
         """The layers in consecutive chunks of equal size (the last one shorter), the final norm

@@ -14,12 +14,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.runtime import cpu_support
+from megatron_mlmclm.mcore_patches.apply import apply_patches
 
 
 def init_distributed(tp: int, pp: int, vpp: int | None, seed: int, cp: int = 1) -> None:
     """Create the default group and megatron's TP/PP/CP/DP groups; seed megatron's RNG tracker."""
-    cpu_support.apply()
+    apply_patches()  # megatron-core's changes for this machine (mcore_patches/)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         timeout = datetime.timedelta(minutes=30)
@@ -51,6 +51,13 @@ def init_distributed(tp: int, pp: int, vpp: int | None, seed: int, cp: int = 1) 
         )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def all_reduce_if_shared(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    """All-reduce over `group` (None: the world) unless it has a single rank: a collective over
+    one rank still launches kernels and, with NCCL, waits in the communicator."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
 
 
 def destroy_distributed() -> None:

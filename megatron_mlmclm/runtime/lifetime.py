@@ -15,6 +15,8 @@ folder that a restarted run then shared. Now:
   lock of a dead run (the kernel drops an flock with its process) is taken over; a run that ends
   cleanly clears its record, so only a dead run's is reported, and a run refused before it wrote
   anything leaves no folder behind.
+- `write_exit_code`: a rank's exit status written to $MLMCLM_EXIT_FILE, for a launcher that sees
+  only torchrun's exit 1 (examples/slurm/pretrain.sbatch reads it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ from megatron_mlmclm.errors import UsageError
 
 PR_SET_PDEATHSIG = 1
 LOCK_NAME = ".mlmclm.lock"
+EXIT_FILE_ENV = "MLMCLM_EXIT_FILE"
+
+
+def write_exit_code(code: int) -> None:
+    """Tell a launcher that sees only torchrun's exit 1 which code this rank ended with."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"{code}\n")
+    except OSError:
+        pass
 
 
 def die_with_parent(expected_parent: int | None = None) -> bool:

@@ -1,13 +1,8 @@
 """The trainer's micro-batches, built ahead of the step that uses them: `data.loader`.
 
-Which samples a training step reads is a pure function of its number: the phase plan
-(config/phases.py) names the phase and sample stream of step s and the stream position
-where its global batch starts, first_sample(s) (s x GBS + sample_offset in a run of one stream;
-sample_offset is 0 unless a resume continued the stream from another consumed_samples,
-training/resume.py); each DP rank reads its contiguous share of it, micro-batch after
-micro-batch, and the phase fixes the objective and the step's mask ratio. MLM masks are a function
-of (data.seed, stream position). So a loader can prepare the next steps while the current one runs,
-and a resumed run's loader simply starts at its step: there is no iterator state to save.
+Which samples a training step reads is a pure function of its number (training/batch_plan.py,
+`Plan`). So a loader can prepare the next steps while the current one runs, and a resumed run's
+loader simply starts at its step: there is no iterator state to save.
 
 - `sync`: built in the training process when the step asks (the reference; validation uses it).
 - `workers`: torch DataLoader worker processes over "micro-batch m = s x num_microbatches + j",
@@ -31,17 +26,15 @@ import math
 import queue
 import signal
 import threading
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from megatron_mlmclm.config import PhaseConfig, PhasePlan, RunConfig, resolved, resolved_phases
-from megatron_mlmclm.data.tokenizer import TokenSpec
-from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.config import PhaseConfig
 from megatron_mlmclm.objectives import batch_arrays
 from megatron_mlmclm.runtime.lifetime import children_die_with_us
+from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.preemption import SIGNALS
 
 FIELDS = {
@@ -51,94 +44,6 @@ FIELDS = {
     "position_ids": torch.int64,
     "document_ids": torch.int32,
 }
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Which samples, under which phase, make up this DP rank's micro-batches of each step."""
-
-    phases: tuple[PhaseConfig, ...]
-    spec: TokenSpec
-    seed: int  # data.seed: the MLM masks
-    steps: int  # train.steps: the plan ends there
-    global_batch_size: int
-    micro_batch_size: int
-    dp: int
-    dp_rank: int
-    sample_offset: int = 0
-    phase_plan: PhasePlan = field(init=False, repr=False, compare=False)  # from the above
-
-    def __post_init__(self):
-        object.__setattr__(self, "phase_plan", PhasePlan(self.phases, self.global_batch_size))
-
-    @classmethod
-    def of_run(
-        cls, cfg: RunConfig, spec: TokenSpec, dp: int, dp_rank: int, sample_offset: int = 0
-    ) -> Plan:
-        """The plan of a run on `dp` data-parallel ranks, which its global batch must split into
-        whole micro-batches."""
-        t = cfg.train
-        if t.global_batch_size % (t.micro_batch_size * dp):
-            raise UsageError(
-                f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-                f"micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp})"
-            )
-        return cls(
-            resolved_phases(cfg),
-            spec,
-            cfg.data.seed,
-            resolved(t.steps),
-            t.global_batch_size,
-            t.micro_batch_size,
-            dp,
-            dp_rank,
-            sample_offset,
-        )
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.dp)
-
-    def first_sample(self, step: int) -> int:
-        return self.phase_plan.position(step) + self.sample_offset
-
-    def phase(self, step: int) -> PhaseConfig:
-        return self.phase_plan.phase(step)
-
-    def stream(self, step: int) -> int:
-        """Which of the run's sample streams (one dataset each) step `step` reads."""
-        return self.phase_plan.stream(step)
-
-    def positions(self, first_sample: int, j: int) -> range:
-        """Stream positions of micro-batch j of this rank in the global batch at first_sample."""
-        start = (
-            first_sample
-            + self.dp_rank * (self.global_batch_size // self.dp)
-            + j * self.micro_batch_size
-        )
-        return range(start, start + self.micro_batch_size)
-
-    def arrays(self, dataset, first_sample: int, j: int, phase: PhaseConfig) -> dict:
-        idx = list(self.positions(first_sample, j))
-        return batch_arrays([dataset[i] for i in idx], idx, phase, self.spec, self.seed)
-
-    def microbatch(self, dataset, first_sample: int, j: int, phase: PhaseConfig) -> dict:
-        return {
-            k: torch.from_numpy(v) for k, v in self.arrays(dataset, first_sample, j, phase).items()
-        }
-
-    def microbatches(self, dataset, first_sample: int, phase: PhaseConfig) -> list[dict]:
-        return [
-            self.microbatch(dataset, first_sample, j, phase) for j in range(self.num_microbatches)
-        ]
-
-    def planned(self, step: int | None, first_sample: int, phase: PhaseConfig) -> bool:
-        return (
-            step is not None
-            and 0 <= step < self.steps
-            and first_sample == self.first_sample(step)
-            and phase == self.phase(step)
-        )
 
 
 def build_loader(kind: str, datasets, plan: Plan, num_workers: int = 2, start_step: int = 0):

@@ -138,6 +138,8 @@ class Metrics:
         bar.set_postfix(post)
         if self.should_log(stats["step"]):
             extra = f" val_loss {stats['val_loss']:.4f}" if "val_loss" in stats else ""
+            if "host_syncs" in stats:  # pretrain --count-syncs
+                extra += f" host_syncs {stats['host_syncs']}"
             if "straggler_rank" in stats:
                 extra += (
                     f" slowest rank {stats['straggler_rank']} "

@@ -13,6 +13,7 @@ decides when (`should_log`, `should_validate`, `should_save`) and how.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -26,19 +27,21 @@ from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved, to_dict
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.runtime.host_sync import OnTheWayToHost
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import sinks
+from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.checkpointer import Checkpointer, Start, find_start
 from megatron_mlmclm.training.datasets import build_datasets
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
+from megatron_mlmclm.training.host_syncs import RunSyncs, refuse_uncountable
 from megatron_mlmclm.training.inject import Injector
-from megatron_mlmclm.training.loader import Plan, SyncLoader, build_loader
+from megatron_mlmclm.training.loader import SyncLoader, build_loader
 from megatron_mlmclm.training.metrics import Metrics, log
 from megatron_mlmclm.training.phase_entry import PhaseEntry
 from megatron_mlmclm.training.preemption import Preempted, StopSignals
 from megatron_mlmclm.training.resume import fingerprint
+from megatron_mlmclm.training.update import OnTheWayToHost
 from megatron_mlmclm.training.validator import Validator
 
 
@@ -46,9 +49,9 @@ class Trainer:
     """One pretraining run of `cfg`: `setup()`, `train()`, `close()`.
 
     Its components, built by setup() in this order: the fault monitor (training/faults.py), the
-    engine (training/engine.py: megatron-core's model, optimizer, schedules), the phase entry
-    (training/phase_entry.py), the validator (training/validator.py), the checkpointer
-    (training/checkpointer.py), data.loader (training/loader.py); the metrics
+    engine (training/engine.py: megatron-core's model, data parallelism, optimizer, schedule and
+    update), the phase entry (training/phase_entry.py), the validator (training/validator.py),
+    the checkpointer (training/checkpointer.py), data.loader (training/loader.py); the metrics
     (training/metrics.py) exist from the start.
     """
 
@@ -63,12 +66,14 @@ class Trainer:
     validator: Validator
     checkpointer: Checkpointer
 
-    def __init__(self, cfg: RunConfig, stop_at: int | None = None):
+    def __init__(self, cfg: RunConfig, stop_at: int | None = None, count_syncs: bool = False):
         self.cfg = cfg
         self.step = 0  # optimizer steps done
         self.steps = resolved(cfg.train.steps)
         self.stop_at = stop_at  # `pretrain --stop-at`: save at this step and end (exit 0)
         self.end = self.steps if stop_at is None else min(self.steps, stop_at)
+        # `pretrain --count-syncs`: each step's host synchronisations (training/host_syncs.py)
+        self.syncs = RunSyncs() if count_syncs else None
         self.metrics = Metrics(cfg)
         self.stop = StopSignals()  # SIGTERM / SIGUSR1: save after the step in flight, then stop
         self.lock: RunLock | None = None  # rank 0's lock on output_dir
@@ -87,6 +92,8 @@ class Trainer:
         # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
         # this machine does not have.
         self.kernels = plan_kernels(cfg, resolve_device(cfg))
+        if self.syncs is not None:
+            refuse_uncountable(self.kernels)
         self.kernels.apply_to_process()  # before CUDA starts in init_distributed
         self.fingerprint = fingerprint(cfg, self.spec)
         self.take_output_dir()  # before anything in it is read or written
@@ -178,6 +185,8 @@ class Trainer:
     def finish(self) -> None:
         for line in self.faults.summary():
             log(line)
+        for line in self.syncs.summary() if self.syncs is not None else []:
+            log(line)
         if self.step < self.steps:  # --stop-at
             log(
                 f"stopped at step {self.step} of {self.steps} (--stop-at); run again without it "
@@ -189,7 +198,10 @@ class Trainer:
         index, phase = self.plan.phase_plan.index(self.step), self.phase_at_step(self.step)
         start = time.perf_counter()
         self.faults.step_started(self.step + 1)
-        stats = self.train_step(phase)
+        with self.syncs.count() if self.syncs is not None else contextlib.nullcontext() as counted:
+            stats = self.train_step(phase)
+        if counted is not None:
+            stats["host_syncs"] = counted.total
         self.step += 1
         elapsed = time.perf_counter() - start
         stats.update(self.metrics.step_figures(self.step, index, phase, stats["tokens"], elapsed))
@@ -213,22 +225,15 @@ class Trainer:
         if scale != 1.0:
             batches = [dict(batches[0], loss_scale=scale)] + batches[1:]
         totals = e.run_schedule(batches, forward_only=False)
-        # The step's one transfer to the host (runtime/host_sync.py): its loss, token and
-        # accuracy totals with the gradient norm and the non-finite check. With the kernel plan's
-        # queued_update the update is queued first, clip and non-finite skip decided on the
-        # device, and the host waits for the figures alone while the device runs the update;
-        # otherwise the host reads them, then updates.
+        # The step's figures (loss, token and accuracy totals, gradient norm, non-finite check)
+        # and their one transfer to the host; the update goes before the host's read (the kernel
+        # plan's queued_update: decided on the device, which runs it while the host waits for the
+        # figures) or after it (host-first: decided from the read figures). training/update.py.
         figures = e.step_figures(totals)
-        queued = e.kernels.queued_update.on
-        if queued:
-            e.scheduler.step(1)  # the LR of step k is the schedule's value at k + 1
-            on_the_way = OnTheWayToHost(figures)
-            update = e.queue_update(figures)
-            self.prefetch_next()
-            loss_sum, tokens, correct, grad_norm, nonfinite = on_the_way.values()
-        else:
-            self.prefetch_next()
-            loss_sum, tokens, correct, grad_norm, nonfinite = figures.tolist()
+        on_the_way = OnTheWayToHost(figures)
+        queued = e.update.before_read(figures)
+        self.prefetch_next()
+        loss_sum, tokens, correct, grad_norm, nonfinite = on_the_way.values()
         loss = loss_sum / max(tokens, 1)
         # Stop before a non-finite loss or gradient can reach the weights (a queued update has
         # skipped it on the device) or a checkpoint; the restart re-runs the step to tell a
@@ -251,9 +256,7 @@ class Trainer:
         )
         if note:
             log(note)
-        if not queued:
-            e.scheduler.step(1)
-            update = e.update(faults.spikes, self.step, grad_norm)
+        update = e.update.after_read(queued, faults.spikes, self.step, grad_norm)
         stats: dict[str, Any] = {
             "loss": loss,
             "accuracy": correct / max(tokens, 1),

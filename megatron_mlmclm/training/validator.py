@@ -10,9 +10,9 @@ import torch
 
 from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved
 from megatron_mlmclm.runtime import distributed as rt
+from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor
-from megatron_mlmclm.training.loader import Plan
 from megatron_mlmclm.training.phase_entry import PhaseEntry
 
 

@@ -79,7 +79,7 @@ def test_a_training_step_synchronises_at_most_four_times(record, tmp_path):
     suite holds the same step to the same budget by counting operations
     (tests/test_host_sync.py)."""
     from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.runtime.host_sync import cuda_sync_debug_count
+    from megatron_mlmclm.training.host_syncs import cuda_sync_debug_count
     from megatron_mlmclm.training.trainer import Trainer
 
     cfg = load_config(

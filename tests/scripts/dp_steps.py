@@ -16,10 +16,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_mlmclm.config import load_config
-from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training import engine
-from megatron_mlmclm.training.trainer import Trainer
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
+defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
+
+from megatron_mlmclm.config import load_config  # noqa: E402
+from megatron_mlmclm.runtime import distributed as rt  # noqa: E402
+from megatron_mlmclm.training import engine  # noqa: E402
+from megatron_mlmclm.training.trainer import Trainer  # noqa: E402
 
 FROZEN = ("embedding.word_embeddings.weight",)
 

@@ -4,10 +4,14 @@ across layouts."""
 
 import sys
 
-from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import load_config
-from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.trainer import Trainer
+from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
+
+defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
+
+from megatron_mlmclm import checkpoint as ckpt  # noqa: E402
+from megatron_mlmclm.config import load_config  # noqa: E402
+from megatron_mlmclm.runtime import distributed as rt  # noqa: E402
+from megatron_mlmclm.training.trainer import Trainer  # noqa: E402
 
 if __name__ == "__main__":
     config, out, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]

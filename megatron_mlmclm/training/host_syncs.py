@@ -1,4 +1,5 @@
-"""Operations that make the host wait for the device, counted.
+"""Operations that make the host wait for the device, counted: `mlmclm pretrain CONFIG
+--count-syncs`, a diagnostic a user runs where steps leave the GPU idle.
 
 A training step should queue its kernels and let the GPU run them while the host prepares the
 next ones. Each operation below makes the host wait until the device has caught up (on CUDA a
@@ -18,6 +19,13 @@ device (the loader building batches, the engine laying them out) runs under `on_
 counter leaves out: on a GPU those tensors never touch the device. On CUDA,
 `cuda_sync_debug_count` gives the ground truth: torch's own sync debug mode, one warning per
 synchronising call.
+
+With `--count-syncs` the trainer counts each training step under a `HostSyncCounter`
+(`RunSyncs`): the step's count goes into its metrics.jsonl record and its log line
+(`host_syncs`), and the run ends with the sites summed over its steps. The counter intercepts
+every operation the step dispatches, so counted steps are slower: for a diagnosis, not a run to
+time. The suite holds a step to its budget with it (tests/test_host_sync.py); the benchmarks'
+profile mode uses both counts (benchmarks/train_throughput.py --profile).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_mlmclm.errors import UsageError
 
 # aten operations (by overload packet name) that wait for the device whatever their arguments.
 WAITING_OPS = frozenset(
@@ -187,28 +197,6 @@ class HostSyncCounter:
         return "\n".join(lines)
 
 
-class OnTheWayToHost:
-    """A small device tensor sent to the host now, read later: the copy is queued on the stream
-    (into pinned memory, non-blocking) and `values()` waits for that copy alone, not for the
-    work queued after it. On CPU, where the device is the host, it holds a copy and `values()`
-    reads it: the one read that the counter sees either way."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self._done: torch.cuda.Event | None = None
-        if tensor.device.type == "cuda":
-            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
-            self._done = torch.cuda.Event()
-            self._done.record()
-        else:
-            self._host = tensor.detach().clone()
-
-    def values(self) -> Any:
-        if self._done is not None:
-            self._done.synchronize()
-        return self._host.tolist()
-
-
 def cuda_sync_debug_count(fn: Callable[[], Any]) -> tuple[int, list[str]]:
     """Run `fn` under torch.cuda.set_sync_debug_mode('warn') and count the synchronising calls
     torch reports (CUDA only): (count, the distinct messages)."""
@@ -223,3 +211,42 @@ def cuda_sync_debug_count(fn: Callable[[], Any]) -> tuple[int, list[str]]:
     # One warning per synchronising call; torch also warns once that the mode is a prototype.
     syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     return len(syncs), sorted(set(syncs))
+
+
+def refuse_uncountable(kernels) -> None:
+    """--count-syncs on a plan whose steps the counter cannot run: under its dispatch mode
+    torch.compile does not trace and FlexAttention's operator does not run."""
+    if kernels.compile.on or kernels.attention == "flex":
+        raise UsageError(
+            "--count-syncs counts eager steps: torch.compile does not trace under its counter "
+            "and FlexAttention does not run; add model.compile=off"
+            + (" model.attention=sdpa" if kernels.attention == "flex" else "")
+        )
+
+
+class RunSyncs:
+    """--count-syncs: every training step counted (`count`), the sites summed over the run."""
+
+    def __init__(self):
+        self.steps: list[int] = []  # each counted step's total
+        self.by_site: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    @contextlib.contextmanager
+    def count(self) -> Iterator[HostSyncCounter]:
+        with HostSyncCounter() as counter:
+            yield counter
+        self.steps.append(counter.total)
+        self.by_site.update(counter.by_site)
+
+    def summary(self) -> list[str]:
+        """The run's log lines: the counts per step and where they came from."""
+        if not self.steps:
+            return []
+        per_step = sorted(self.steps)
+        lines = [
+            f"host synchronisations (--count-syncs) over {len(per_step)} steps: "
+            f"{per_step[0]} to {per_step[-1]} a step, median {per_step[len(per_step) // 2]}"
+        ]
+        for (op, site), n in self.by_site.most_common():
+            lines.append(f"  {n:6d}  {op:<28}  {site}")
+        return lines
