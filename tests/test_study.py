@@ -199,8 +199,10 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
         "sst2",
         "--curve-shares",
         "0.5",
+        "--train-documents",
+        "8",  # ~1M tokens, ten times what the longest run reads
         "--vocab-size",
-        "1024",
+        "1024",  # (last: the design change below replaces it)
     ]
     env = dict(os.environ, MLMCLM_DATA_DIR=str(data_dir))
     first = subprocess.run(args, env=env, capture_output=True, text=True)

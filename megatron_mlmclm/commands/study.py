@@ -31,6 +31,13 @@ def add_arguments(parser) -> None:
     g.add_argument("--pretrain-seeds", nargs="+", type=int, default=_D.pretrain_seeds)
     g.add_argument("--lr", type=float, default=_D.lr, help="peak pretraining LR")
     g.add_argument("--vocab-size", type=int, default=_D.vocab_size)
+    g.add_argument(
+        "--train-documents",
+        type=int,
+        default=_D.train_documents,
+        help="tokenize only the first N documents (books) of the corpus's train split "
+        "(default: all)",
+    )
     g = parser.add_argument_group("fine-tuning")
     g.add_argument("--tasks", nargs="+", default=list(TASKS))
     g.add_argument(

@@ -76,6 +76,7 @@ class StudyDesign:
     lr: float = 2e-3
     eval_iters: int = 16  # validation batches of micro_batch_size sequences
     vocab_size: int = 8192
+    train_documents: int | None = None  # the first N books of the corpus's train split (None: all)
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3, 1e-2])
     finetune_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -134,6 +135,8 @@ class StudyDesign:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_widen < 0:
             raise UsageError("--max-widen must be >= 0")
+        if self.train_documents is not None and self.train_documents <= 0:
+            raise UsageError("--train-documents must be > 0")
         warmup = decay_steps(self.steps)
         for share in self.curve_shares:
             budget = round(share * self.steps)

@@ -59,7 +59,15 @@ def run_study(out: str | Path, design: StudyDesign, data_folder: str | None = No
     out = Path(out).resolve()
     _claim_folder(out, design)
     start = time.time()
-    tokenizer, prefixes = build_corpus(out, corpus, design.vocab_size, "1/6", "2/6", who="study")
+    tokenizer, prefixes = build_corpus(
+        out,
+        corpus,
+        design.vocab_size,
+        "1/6",
+        "2/6",
+        who="study",
+        max_train_documents=design.train_documents,
+    )
     floor = out / "unigram.json"
     if not floor.is_file():
         from megatron_mlmclm.data.unigram import unigram_cross_entropy  # megatron-core: slow import
