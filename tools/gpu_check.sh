@@ -131,5 +131,7 @@ if has smoke; then
     part smoke-stack 300 $PY benchmarks/layer_stack.py --quick
     [ -d "$GPU_DATA/shards" ] && part smoke-compare 300 $PY tools/gpu_train_check.py compare \
         "$GPU_DATA" "$OUT/smoke-compare" --quick --steps 12
+    [ -d "$GPU_DATA/sst2" ] && part smoke-long 300 $PY tools/gpu_train_check.py long \
+        "$GPU_DATA" "$OUT/smoke-long" --quick --steps 60 --seconds 60 --save-interval 20 --workers 2
 fi
 exit 0
