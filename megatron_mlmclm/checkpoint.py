@@ -27,6 +27,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,24 +167,28 @@ def verify_checkpoint(ckpt: str | Path) -> str | None:
     return None
 
 
-def latest_verified_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint that verifies. Each one that fails is reported in one line
-    and left on disk as it is; when checkpoints exist but none verifies, UsageError."""
+def latest_verified_checkpoint(ckpt_dir: str | Path) -> tuple[Path | None, list[Path]]:
+    """(The newest complete checkpoint that verifies, the newer ones that failed). Each failure
+    is reported in one line; the run sets those folders aside at its first save
+    (`save_checkpoint(set_aside=...)`), never deletes them. When checkpoints exist but none
+    verifies, UsageError."""
     ckpts = complete_checkpoints(ckpt_dir)
+    damaged = []
     for ck in reversed(ckpts):
         problem = verify_checkpoint(ck)
         if problem is None:
-            return ck
+            return ck, damaged
+        damaged.append(ck)
         _say(
-            f"checkpoint {ck} fails verification ({problem}); left on disk untouched, "
-            "trying the previous one"
+            f"checkpoint {ck} fails verification ({problem}); kept for inspection (moved aside "
+            "at the run's first save), trying the previous one"
         )
     if ckpts:
         raise UsageError(
             f"no checkpoint in {ckpt_dir} passes verification; move the folder "
             "away to start over, or restore a good copy"
         )
-    return None
+    return None, damaged
 
 
 def model_keys(chunks: list[torch.nn.Module]) -> list[str]:
@@ -238,9 +243,12 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int,
     keep=frozenset(),
+    set_aside: Sequence[Path] = (),
 ) -> Path:
     """Save model, optimizer, scheduler, trainer state and RNG; atomic; prune to the newest
-    keep_last, never touching the iterations in `keep`."""
+    keep_last, never touching the iterations in `keep`. The folders in `set_aside` (checkpoints
+    the resume found damaged) are first renamed `iter_NNNNNNN.corrupt-TIME`, out of the pruning's
+    reach: here, once every rank has long finished reading the checkpoint directory."""
     ckpt_dir = Path(ckpt_dir)
     final = ckpt_dir / iter_name(iteration)
     tmp = ckpt_dir / (iter_name(iteration) + ".tmp")
@@ -262,13 +270,14 @@ def save_checkpoint(
     dist.barrier()
     write_manifest(tmp)  # last: a folder with a manifest is complete and durable
     if dist.get_rank() == 0:
+        for damaged in set_aside:
+            if damaged.is_dir():
+                _move_aside(damaged)
         if final.exists():
             if verify_checkpoint(final) is None:
                 shutil.rmtree(final)
             else:  # a damaged one that resume skipped: keep it for inspection, out of the way
-                aside = final.with_name(f"{final.name}.corrupt-{int(time.time())}")
-                os.replace(final, aside)
-                _say(f"moved the damaged {final.name} aside to {aside.name}")
+                _move_aside(final)
         os.replace(tmp, final)
         tmp_latest = ckpt_dir / "latest.tmp"
         with open(tmp_latest, "w", encoding="utf-8") as f:
@@ -280,6 +289,12 @@ def save_checkpoint(
         prune(ckpt_dir, keep_last, keep)
     dist.barrier()
     return final
+
+
+def _move_aside(damaged: Path) -> None:
+    aside = damaged.with_name(f"{damaged.name}.corrupt-{int(time.time())}")
+    os.replace(damaged, aside)
+    _say(f"moved the damaged {damaged.name} aside to {aside.name}")
 
 
 def checkpoint_iteration(ckpt: Path) -> int:

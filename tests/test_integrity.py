@@ -130,16 +130,18 @@ def test_stop_signal_then_damaged_latest_resumes_from_the_one_before(
     resume_step = int(previous.name.split("_")[1])
     assert f"resumed from {previous} at step {resume_step}" in resumed.stderr
     assert curve(run) == curve(reference)  # bitwise, steps 1..10
-    # Left as it was: renamed aside when the resumed run saved that step again, else in place.
-    kept = list((run / "checkpoints").glob(damaged.name + ".corrupt-*")) or [damaged]
-    assert (kept[0] / shard.name).read_bytes() == bad_bytes
+    # Kept as it was, renamed aside at the resumed run's first save: out of keep_last's reach
+    # wherever the stop landed (at an odd step, nothing saves that step again, and the pruning
+    # after step 10 would have deleted it in place).
+    (kept,) = (run / "checkpoints").glob(damaged.name + ".corrupt-*")
+    assert (kept / shard.name).read_bytes() == bad_bytes
 
     # `convert to-hf` refuses it: exit 2, one line, nothing written.
     out = tmp_path / "hf"
     capsys.readouterr()
-    assert main(["convert", "to-hf", str(kept[0]), str(out)]) == 2
+    assert main(["convert", "to-hf", str(kept), str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "fails verification" in err and shard.name in err, err
     assert not out.exists()
     with pytest.raises(Exception, match="fails verification"):
-        resolve_checkpoint(kept[0])
+        resolve_checkpoint(kept)

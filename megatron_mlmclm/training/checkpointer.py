@@ -44,6 +44,9 @@ class Start:
     # Step k reads samples from k x GBS + sample_offset: 0 unless a resume continued the data
     # stream from a consumed_samples that is not step x GBS (checkpoint.allow_data_change).
     sample_offset: int = 0
+    # newer checkpoints the resume found damaged: set aside (renamed, never deleted) at the
+    # first save, before any pruning could delete them
+    damaged: list[Path] = field(default_factory=list)
 
     @property
     def branched_from(self) -> Path | None:
@@ -54,12 +57,12 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any]) -> Start:
     """The run's latest complete checkpoint, checked against this run (optimizer kind, data
     fingerprint); else a branch source; else train.init_from (its checksums verified)."""
     c = cfg.checkpoint
-    latest = ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else None
+    latest, damaged = ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else (None, [])
     if latest is not None:
         state = ckpt.read_trainer_state(latest)["trainer"]
         consumed, notes = check_resume(latest, state, cfg, fingerprint)
         offset = consumed - PhasePlan.of(cfg).position(int(state["iteration"]))
-        return Start(latest, notes=notes, sample_offset=offset)
+        return Start(latest, notes=notes, sample_offset=offset, damaged=damaged)
     if cfg.train.branch_from:  # a stable checkpoint of this config at another budget
         source, notes = branch_source(cfg, fingerprint)
         return Start(source, branched=True, notes=notes)  # read as a fresh run reads
@@ -142,5 +145,7 @@ class Checkpointer:
                 state,
                 self.keep_last,
                 keep=self.kept,
+                set_aside=self.start.damaged,
             )
+        self.start.damaged = []  # set aside now
         log(f"saved {path}")
