@@ -43,7 +43,7 @@ lint: install
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
 test: install slurm-deps lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The GPU tier (docs/gpu.md), run with the Python that has megatron_mlmclm installed: inside the
 # Docker image that is the image's own (the default); elsewhere e.g. `make test-gpu PY=.venv/bin/python`.
