@@ -634,7 +634,9 @@ def _plain_stack(cfg: RunConfig, plain: Choice, attention: str) -> Choice:
     return Choice(True, "all layers and their attention as one function")
 
 
-# Layers per chunk of the stack where a gradient reduce overlaps the backward (docs/gpu.md).
+# Layers per chunk of the stack where a gradient reduce overlaps the backward (docs/gpu.md): a
+# bound on the backward left exposed after the last reduce, not yet timed against other sizes
+# on GPUs at DP > 1.
 LAYERS_PER_STACK_CHUNK = 4
 
 
