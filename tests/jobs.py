@@ -1,13 +1,33 @@
-"""Test helpers: launching `mlmclm pretrain` as a real (torchrun) job or training in this process,
-reading its metrics, and small BPE tokenizers."""
+"""Test helpers: launching `mlmclm pretrain` as a job or training in this process, reading its
+metrics, and small BPE tokenizers.
+
+A job starts one of two ways:
+- `launch` (and `run_pretrain`, which uses it): each rank is a process forked from a server that
+  has already imported torch, megatron-core and the package (multiprocessing's forkserver, one per
+  test worker). A rank runs the `mlmclm` entry point (or a script as `__main__`) with the
+  environment torchrun gives it: RANK, WORLD_SIZE, LOCAL_RANK, and a store hosted by the launcher
+  as torchrun's agent hosts it. What it skips is the interpreter start: about 6 CPU-seconds a rank
+  on 2 cores (torch, megatron-core and wandb, which megatron-core imports), most of what a small
+  test run costs.
+- `pretrain_cmd` with subprocess: the real `python -m torch.distributed.run` launch, for the tests
+  of what the launch itself does (stop signals, kills, hung ranks, restarts, exit codes through
+  torchrun, the SLURM scripts).
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
+import multiprocessing
 import os
 import random
+import runpy
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
+from multiprocessing import forkserver
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,16 +59,138 @@ def pretrain_cmd(nproc: int) -> list[str]:
     ]
 
 
+# What a rank has imported before it starts: the entry point first, as `python -m megatron_mlmclm`
+# (it defers megatron-core's kernel compilation before megatron-core is imported), then training.
+PRELOAD = [
+    "megatron_mlmclm.cli",
+    "megatron_mlmclm.commands.pretrain",
+    "megatron_mlmclm.training.pretrain",
+]
+
+
+def _forkserver():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    # The server starts with what job_env gives a job's interpreter at its start: the OpenMP
+    # threads (libgomp reads them once, as torch loads) and the warnings filter.
+    env, saved = job_env(), dict(os.environ)
+    os.environ.update({k: env[k] for k in ("OMP_NUM_THREADS", "PYTHONWARNINGS")})
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return ctx
+
+
+def _rank_main(target: tuple[str, list[str]], env: dict, cwd: str, out: str, err: str) -> None:
+    """One rank, in a process forked from the server: the job's environment, folder and output
+    files, then the entry point or the script, and its exit status."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    if env.get("PYTHONWARNINGS") == "ignore":
+        warnings.simplefilter("ignore")
+    kind, args = target
+    code = 1
+    try:
+        if kind == "mlmclm":
+            import megatron_mlmclm.__main__ as entry
+            from megatron_mlmclm.cli import main
+
+            sys.argv = [entry.__file__, *args]
+            code = main(args)
+        else:
+            sys.argv = list(args)
+            runpy.run_path(args[0], run_name="__main__")
+            code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        atexit._run_exitfuncs()  # what an interpreter's exit runs; a forked child skips it
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def launch(
+    target: tuple[str, list[str]],
+    nproc: int = 1,
+    timeout: int = 300,
+    env: dict | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess:
+    """Run `target` — ("mlmclm", argv) or ("script", [path, *args]) — as a job of `nproc` ranks
+    forked from the preloaded server; -> its exit status and the ranks' output, rank 0 first.
+    One rank is a world of one, as a plain `mlmclm pretrain` is. A failed rank ends the others,
+    as torchrun does."""
+    import torch.distributed as dist
+
+    env = dict(job_env() if env is None else env)
+    ctx = _forkserver()
+    store = None
+    ranks = [dict(env) for _ in range(nproc)]
+    if nproc > 1:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        for r, rank_env in enumerate(ranks):
+            rank_env.update(
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                GROUP_RANK="0",
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(store.port),
+                TORCHELASTIC_USE_AGENT_STORE="True",  # the ranks join this store, as torchrun's
+            )
+    with tempfile.TemporaryDirectory(prefix="job") as logs:
+        files = [(f"{logs}/out{r}", f"{logs}/err{r}") for r in range(nproc)]
+        procs = [
+            ctx.Process(
+                target=_rank_main, args=(target, rank_env, str(cwd or os.getcwd()), *files[r])
+            )
+            for r, rank_env in enumerate(ranks)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.exitcode is None for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # a failed rank: end the job
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(str(target), timeout)
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+            del store
+        codes = [p.exitcode for p in procs]
+        code = next((c for c in codes if c != 0), 0)
+        out, err = (
+            "".join(Path(files[r][i]).read_text(errors="replace") for r in range(nproc))
+            for i in (0, 1)
+        )
+    return subprocess.CompletedProcess(target[1], code, out, err)
+
+
 def run_pretrain(
     config: Path, overrides: list[str], nproc: int = 1, check: bool = True, timeout: int = 300
 ) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        pretrain_cmd(nproc) + [str(config)] + overrides,
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = launch(("mlmclm", ["pretrain", str(config), *overrides]), nproc, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc

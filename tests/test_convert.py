@@ -96,35 +96,11 @@ def ws(tmp_path_factory):
         "train.decay_steps=0",
         "phases=[{objective: mlm}]",
     ]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                "-m",
-                "megatron_mlmclm",
-                "pretrain",
-                str(config),
-                f"output_dir={root / name}",
-                f"parallel.{key}=2",
-            ]
-            + lr0,
-            env=job_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, key in (
-            ("tp2", "tensor_model_parallel_size"),
-            ("pp2", "pipeline_model_parallel_size"),
-        )
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
+    for name, key in (
+        ("tp2", "tensor_model_parallel_size"),
+        ("pp2", "pipeline_model_parallel_size"),
+    ):
+        run_pretrain(config, [f"output_dir={root / name}", f"parallel.{key}=2", *lr0], nproc=2)
 
     hf = {}
     for name, kind, extra in (
@@ -201,23 +177,6 @@ def megatron_reference(ws, ckpt_dir: Path, tokens: torch.Tensor, causal: bool) -
     with torch.no_grad():
         logits = model(tokens, torch.arange(s).expand(b, s), mask)
     return logits[..., :VOCAB_TOKENIZER].float()
-
-
-def pretrain_subprocess(config: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    """`mlmclm pretrain` in a fresh world: drop the rendezvous variables that the in-process
-    conversions (a gloo world of one) put into this process's environment."""
-    env = job_env()
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_mlmclm", "pretrain", str(config), *overrides],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def run_cli(capsys, *args) -> tuple[int, str]:
@@ -514,7 +473,7 @@ def test_imported_checkpoint_continues_with_mlm(ws):
     imp = ws["root"] / "imp_llama"
     if not imp.exists():
         from_hf(ws["hf"]["llama"], imp, verbose=False)
-    proc = pretrain_subprocess(
+    proc = run_pretrain(
         imp / "config.yaml",
         [
             "data.mock=true",

@@ -16,15 +16,13 @@ them out of its buckets), stopped after two steps and resumed, against two indep
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from jobs import REPO, job_env, losses
+from jobs import REPO, launch, losses
 from tolerance import assert_close_at_scale
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -55,21 +53,9 @@ def run(
     out: Path, nproc: int, hook: str = "batched", stop_at: str = "none", precision: str = "bf16"
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    launch = [sys.executable]
-    if nproc > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    proc = subprocess.run(
-        [
-            *launch,
-            *(str(SCRIPT), str(out), hook, stop_at, *RUN),
-            *(f"train.precision={precision}", f"output_dir={out}"),
-        ],
-        env=job_env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = [str(SCRIPT), str(out), hook, stop_at, *RUN]
+    args += [f"train.precision={precision}", f"output_dir={out}"]
+    proc = launch(("script", args), nproc, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 

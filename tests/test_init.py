@@ -9,14 +9,12 @@ single-process run's bit for bit. And the draws follow megatron's own init metho
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from jobs import REPO, job_env
+from jobs import REPO, launch
 
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.convert.common import init_single_process, read_global_tensors
@@ -33,32 +31,8 @@ CONFIG = {
 
 
 def initial_weights(config: Path, out: Path, nproc: int, overrides: list[str]) -> dict:
-    launch = (
-        [sys.executable]
-        if nproc == 1
-        else [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-        ]
-    )
-    proc = subprocess.run(
-        launch
-        + [
-            str(SCRIPT),
-            str(config),
-            str(out),
-            f"output_dir={out.parent / (out.name + '_run')}",
-            *overrides,
-        ],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    script = [str(SCRIPT), str(config), str(out), f"output_dir={out.parent / (out.name + '_run')}"]
+    proc = launch(("script", script + overrides), nproc, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_global_tensors(out / "iter_0000000")
 
