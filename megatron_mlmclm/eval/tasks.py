@@ -19,6 +19,7 @@ under one evaluation protocol (eval/protocols.py); `suites: [NAME]` puts the tas
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -208,6 +209,22 @@ def _check_splits(task: Task, where: str) -> None:
         )
 
 
+# Every fine-tuning run loads the registry (0.2 s of YAML); a grid worker runs many: each file is
+# parsed once per process, again when its size or modification time changes.
+_PARSED: dict[tuple, Any] = {}
+
+
+def _task_file(f: Path):
+    stat = f.stat()
+    key = (str(f.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _PARSED:
+        try:
+            _PARSED[key] = yaml.safe_load(f.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UsageError(f"task file {f} is not valid YAML: {e}") from None
+    return copy.deepcopy(_PARSED[key])  # the entries are parsed into tasks a run may change
+
+
 def load_registry(extra_files: list[str] | None = None) -> dict[str, Task]:
     files = list(_builtin_files())
     env = os.environ.get("MLMCLM_EVAL_TASKS")
@@ -219,10 +236,7 @@ def load_registry(extra_files: list[str] | None = None) -> dict[str, Task]:
     for f in files:
         if not f.is_file():
             raise UsageError(f"task file {f} not found")
-        try:
-            doc = yaml.safe_load(f.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UsageError(f"task file {f} is not valid YAML: {e}") from None
+        doc = _task_file(f)
         if not isinstance(doc, dict):
             raise UsageError(f"task file {f}: expected `name: {{fields}}` entries")
         for name, entry in doc.items():

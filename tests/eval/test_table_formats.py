@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 
 import pytest
 import yaml
@@ -295,3 +296,57 @@ def test_bad_table_files_are_one_line(tmp_path):
         with pytest.raises(UsageError, match=match) as e:
             load_split(t, "test")
         assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------ what a process keeps between runs
+
+
+def test_a_split_is_read_once_per_process_and_again_when_its_file_or_entry_changes(
+    tmp_path, monkeypatch
+):
+    """A grid worker runs many fine-tunings: a split's file is read and carved once, until the
+    file or the task's entry changes; what a run gets is its own list."""
+    from megatron_mlmclm.eval.families import sc
+
+    reads = []
+    monkeypatch.setitem(
+        sc.READERS, "tsv", lambda t, split: reads.append(split) or sc.read_table(t, split)
+    )
+    (tmp_path / "rte.tsv").write_text(QUOTED_TSV, encoding="utf-8", newline="")
+    entry = dict(family="sc", format="tsv", text_a="sentence1", text_b="sentence2")
+    t = task(tmp_path, **entry, splits={"train": "a.tsv", "validation": "b.tsv", "test": "rte.tsv"})
+
+    first = load_split(t, "test")
+    assert first == QUOTED_RECORDS and reads == ["test"]
+    first.clear()  # a run's own list: changing it changes nothing for the next run
+    assert load_split(t, "test") == QUOTED_RECORDS and reads == ["test"]
+    # the documented subset: a seed-0 sample of the indices, in file order
+    keep = sorted(random.Random(0).sample(range(3), 2))
+    assert load_split(t, "test", 2) == [QUOTED_RECORDS[i] for i in keep]
+    assert reads == ["test"]
+
+    # another entry reading the same file (validation carved out of train) -> read again
+    carved = task(
+        tmp_path,
+        **entry,
+        splits={"train": "rte.tsv", "validation": "rte.tsv", "test": "c.tsv"},
+        validation_holdout=0.5,
+        holdout_method="permutation",
+    )
+    assert len(load_split(carved, "train")) == 1 and len(load_split(carved, "validation")) == 2
+    assert reads == ["test", "train", "validation"]
+
+    # the file rewritten (one row less) -> read again, and the new rows are what a run gets
+    (tmp_path / "rte.tsv").write_text(QUOTED_TSV.rsplit("2\t", 1)[0], encoding="utf-8", newline="")
+    assert load_split(t, "test") == QUOTED_RECORDS[:2] and reads[-1] == "test" and len(reads) == 4
+
+
+def test_a_task_file_changed_between_runs_is_read_again(tmp_path):
+    f = tmp_path / "tasks.yaml"
+    entry = {"family": "sc", "format": "tsv", "path": str(tmp_path), "splits": {"train": "a.tsv"}}
+    f.write_text(yaml.safe_dump({"t": entry}))
+    first = load_registry([str(f)])["t"]
+    first.splits["train"] = "changed by a run"  # a run's tasks are its own
+    assert load_registry([str(f)])["t"].splits == {"train": "a.tsv"}
+    f.write_text(yaml.safe_dump({"t": {**entry, "splits": {"train": "b.tsv"}}}))
+    assert load_registry([str(f)])["t"].splits == {"train": "b.tsv"}
