@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from scipy import stats
 
 from megatron_mlmclm.cli import main
@@ -175,6 +176,10 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
         "40",
         "--cpt-steps",
         "10",
+        "--micro-batch-size",
+        "8",
+        "--eval-iters",
+        "4",
         "--pretrain-seeds",
         "0",
         "--tasks",
@@ -200,7 +205,7 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
         "--curve-shares",
         "0.5",
         "--train-documents",
-        "8",  # ~1M tokens, ten times what the longest run reads
+        "8",  # ~1M tokens, twenty times what the longest run reads
         "--vocab-size",
         "1024",  # (last: the design change below replaces it)
     ]
@@ -225,7 +230,7 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     comparisons = (out / "comparisons.csv").read_text()
     assert "MLM beats CLM on sequence classification" in comparisons
     assert "At equal compute (the CLM run's FLOPs), MLM beats CLM" in comparisons
-    design = StudyDesign(steps=40, cpt_steps=10, micro_batch_size=16, vocab_size=1024)
+    design = StudyDesign(steps=40, cpt_steps=10, micro_batch_size=8, eval_iters=4, vocab_size=1024)
     steps = recipe_steps(design, "mlm40-flops")
     assert steps > 40 and f"MLM 40% trains {steps} steps where CLM trains 40" in report
     assert (
@@ -235,6 +240,8 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
         )
         == steps
     )
+    run_config = yaml.safe_load((out / "configs" / "mlm40-p0.yaml").read_text())
+    assert run_config["train"]["micro_batch_size"] == 8 and run_config["logging"]["eval_iters"] == 4
     for name, start in (("clm-b20-p0", 18), ("mlm40-b20-p0", 18)):  # branched where decay starts
         train = (out / "runs" / name / "train.log").read_text()
         assert f"iter_{start:07d}" in train and "branching from" in train
@@ -286,7 +293,6 @@ def test_learning_curve_points_and_verdicts_against_hand_computed_values(tmp_pat
     """CLM and MLM 40% at 250, 500 and 1,000 steps on SciFact, 2 pretraining x 3 fine-tuning seeds:
     every point's tokens (steps x 16 sequences x 128 tokens), mean and interval, the paired CLM -
     MLM rows and the early-vs-full lead, the figure; and where the branches start."""
-    import yaml
 
     from megatron_mlmclm.eval.report import plot_curves
     from megatron_mlmclm.study.curves import curve_comparisons, curve_rows

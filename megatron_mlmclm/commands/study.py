@@ -30,6 +30,19 @@ def add_arguments(parser) -> None:
     )
     g.add_argument("--pretrain-seeds", nargs="+", type=int, default=_D.pretrain_seeds)
     g.add_argument("--lr", type=float, default=_D.lr, help="peak pretraining LR")
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=_D.micro_batch_size,
+        help="sequences per pretraining step (default %(default)s)",
+    )
+    g.add_argument(
+        "--eval-iters",
+        type=int,
+        default=_D.eval_iters,
+        help="validation batches of --micro-batch-size sequences per evaluation "
+        "(default %(default)s)",
+    )
     g.add_argument("--vocab-size", type=int, default=_D.vocab_size)
     g.add_argument(
         "--train-documents",
