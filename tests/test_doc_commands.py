@@ -2,7 +2,10 @@
 
 - Code blocks fenced as ```bash smoke``` in README.md and docs/*.md are the CPU-sized examples:
   each file's blocks run as written, in order, with `bash -euo pipefail` in a fresh folder that
-  holds a link to examples/, with $MLMCLM_DATA_DIR set.
+  holds a link to examples/, with $MLMCLM_DATA_DIR set. Where two files open with the same
+  `mlmclm` commands (convert.md and evaluate.md both tokenize, preprocess, pretrain and export),
+  those commands run once per test worker: the next file starts from a copy of the folder they
+  left, and runs the rest of its commands there.
 - Every other `mlmclm` command in README.md, docs/*.md and the header comments of examples/ (GPU
   and cluster commands that cannot run here) goes through the real argument parser of its
   subcommand; a `pretrain` command whose config ships in the repository is also resolved and
@@ -13,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -157,25 +162,66 @@ def test_every_flow_step_has_a_smoke_example():
         assert f"mlmclm {sub}" in shown, f"no ```bash smoke``` block runs `mlmclm {sub}`"
 
 
+def shared_openings() -> set[tuple[str, ...]]:
+    """The leading commands any two smoke files have in common: plain `mlmclm` lines only, which
+    leave no shell state (variables, working folder) behind for the lines after them."""
+    scripts = [logical_lines("\n".join(smoke_blocks(p))) for p in SMOKE_FILES]
+    found = set()
+    for a, b in itertools.combinations(scripts, 2):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k] and a[k].startswith("mlmclm "):
+            k += 1
+        if k:
+            found.add(tuple(a[:k]))
+    return found
+
+
+SHARED_OPENINGS = shared_openings()
+_OPENING_FOLDERS: dict[tuple[str, ...], Path] = {}  # an opening -> a copy of what it left
+
+
+def test_the_smoke_files_share_their_opening_commands():
+    """convert.md and evaluate.md open alike: if they drift apart, each runs its own opening (and
+    the smoke tests take longer), which this test notices."""
+    docs = {p.name: logical_lines("\n".join(smoke_blocks(p))) for p in SMOKE_FILES}
+    assert tuple(docs["evaluate.md"][:4]) in SHARED_OPENINGS
+    assert tuple(docs["convert.md"][:4]) == tuple(docs["evaluate.md"][:4])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", SMOKE_FILES, ids=lambda p: p.name)
-def test_smoke_blocks_run_as_written(doc, tmp_path, data_dir):
-    (tmp_path / "examples").symlink_to(REPO / "examples")
-    script = "\n".join(smoke_blocks(doc))
+def test_smoke_blocks_run_as_written(doc, tmp_path, tmp_path_factory, data_dir):
+    lines = logical_lines("\n".join(smoke_blocks(doc)))
+    cuts = sorted(len(o) for o in SHARED_OPENINGS if tuple(lines[: len(o)]) == o)
+    start = max((k for k in cuts if tuple(lines[:k]) in _OPENING_FOLDERS), default=0)
+    if start:
+        shutil.copytree(
+            _OPENING_FOLDERS[tuple(lines[:start])], tmp_path, dirs_exist_ok=True, symlinks=True
+        )
+    else:
+        (tmp_path / "examples").symlink_to(REPO / "examples")
     env = dict(
         os.environ,
         MLMCLM_DATA_DIR=str(data_dir),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     )
-    proc = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (
-        f"{doc.name}: a smoke block failed (rc {proc.returncode})\n{proc.stderr[-3000:]}"
-    )
+    ends = [k for k in cuts if k > start] + [len(lines)]
+    for begin, end in zip([start, *ends], ends):
+        # A file that shares no opening runs its blocks' text unchanged.
+        script = "\n".join(lines[begin:end]) if cuts else "\n".join(smoke_blocks(doc))
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, (
+            f"{doc.name}: a smoke block failed (rc {proc.returncode})\n{proc.stderr[-3000:]}"
+        )
+        if end in cuts:
+            kept = tmp_path_factory.mktemp("smoke-opening")
+            shutil.copytree(tmp_path, kept, dirs_exist_ok=True, symlinks=True)
+            _OPENING_FOLDERS[tuple(lines[:end])] = kept
