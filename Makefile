@@ -17,7 +17,8 @@ install: $(STAMP)
 
 # torch first, pinned: on these CPU machines 2.13.0 lies on disk; anything else pulls a CUDA build.
 # The quickstart needs the package and the [eval] extra only; `make test` (and `make install`)
-# add the test runner, W&B and NVIDIA DALI (a 424 MB wheel) on top of the same venv.
+# add the test runner and NVIDIA DALI (a 424 MB wheel) on top of the same venv. W&B goes into a
+# layer of its own (below).
 $(QS_STAMP): pyproject.toml setup.py csrc/sample_index.cpp
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -26,8 +27,21 @@ $(QS_STAMP): pyproject.toml setup.py csrc/sample_index.cpp
 	touch $(QS_STAMP)
 
 $(STAMP): $(QS_STAMP)
-	$(BIN)/python -m pip install -q -e ".[eval,test,lint,wandb,dali]"
+	$(BIN)/python -m pip install -q -e ".[eval,test,lint,dali]"
 	touch $(STAMP)
+
+# The [wandb] extra in a venv layered over $(VENV) (its site-packages added as a site dir), for
+# tests/test_wandb.py: megatron-core imports wandb at import whenever it can (1.3 CPU-s a process
+# here), and the suite starts some 150 such processes that never log to W&B.
+WANDB_VENV  := .venv-wandb
+WANDB_STAMP := $(WANDB_VENV)/.installed-stamp
+SITE_DIR    := 'import site; print(site.getsitepackages()[0])'
+$(WANDB_STAMP): $(STAMP)
+	$(PYTHON) -m venv $(WANDB_VENV)
+	printf 'import site; site.addsitedir("%s")\n' "$$($(BIN)/python -c $(SITE_DIR))" \
+	  > "$$($(WANDB_VENV)/bin/python -c $(SITE_DIR))/base_venv.pth"
+	$(WANDB_VENV)/bin/python -m pip install -q "wandb>=0.19"
+	touch $(WANDB_STAMP)
 
 quickstart: $(QS_STAMP)
 	$(BIN)/mlmclm quickstart --out $(OUT)
@@ -42,7 +56,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
-test: install slurm-deps lint
+test: install $(WANDB_STAMP) slurm-deps lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The GPU tier (docs/gpu.md), run with the Python that has megatron_mlmclm installed: inside the
@@ -61,4 +75,4 @@ slurm-deps:
 	    --no-install-recommends $(SLURM_PKGS); }
 
 clean:
-	rm -rf $(VENV) build *.egg-info megatron_mlmclm/*.so
+	rm -rf $(VENV) $(WANDB_VENV) build *.egg-info megatron_mlmclm/*.so

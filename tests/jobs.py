@@ -7,8 +7,7 @@ A job starts one of two ways:
   test worker). A rank runs the `mlmclm` entry point (or a script as `__main__`) with the
   environment torchrun gives it: RANK, WORLD_SIZE, LOCAL_RANK, and a store hosted by the launcher
   as torchrun's agent hosts it. What it skips is the interpreter start: about 6 CPU-seconds a rank
-  on 2 cores (torch, megatron-core and wandb, which megatron-core imports), most of what a small
-  test run costs.
+  on 2 cores (torch and megatron-core), most of what a small test run costs.
 - `pretrain_cmd` with subprocess: the real `python -m torch.distributed.run` launch, for the tests
   of what the launch itself does (stop signals, kills, hung ranks, restarts, exit codes through
   torchrun, the SLURM scripts).
