@@ -114,6 +114,7 @@ def _rank_main(target: tuple[str, list[str]], env: dict, cwd: str, out: str, err
             code = main(args)
         else:
             sys.argv = list(args)
+            sys.path.insert(0, str(Path(args[0]).resolve().parent))  # as `python SCRIPT` has it
             runpy.run_path(args[0], run_name="__main__")
             code = 0
     except SystemExit as e:

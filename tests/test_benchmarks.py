@@ -1,12 +1,15 @@
 """The benchmarks keep working: every script in benchmarks/ runs in its quick form (seconds, CPU)
 and ends with its RESULT line, so a benchmark that breaks fails here rather than when someone
 next measures. And the plain-PyTorch reference that train_throughput.py times against keeps
-attention inside each document, as our model does."""
+attention inside each document, as our model does.
+
+A script runs as `__main__` in a process forked from the test worker's preloaded server
+(`jobs.launch`), as `python benchmarks/SCRIPT --quick` runs it minus the interpreter's start;
+the processes a script starts itself are fresh interpreters."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from jobs import launch
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
@@ -27,7 +31,7 @@ RUNS = [(name, ["--quick"]) for name in SCRIPTS] + [
     ("train_throughput.py", ["--quick", "--profile"])
 ]
 
-pytestmark = pytest.mark.slow  # 110-130 s in all on 2 shared cores
+pytestmark = pytest.mark.slow  # 95 s in all on 2 quiet cores
 
 
 def test_every_script_is_run():
@@ -47,18 +51,15 @@ def test_every_script_is_run():
     assert "reference_encoder.py" not in SCRIPTS
 
 
+def run_script(script: str, *flags: str, **env: str):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **env)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return launch(("script", [str(BENCHMARKS / script), *flags]), env=env, cwd=REPO, timeout=600)
+
+
 @pytest.mark.parametrize("script,flags", RUNS, ids=[" ".join([s, *f]) for s, f in RUNS])
 def test_quick_form_runs_and_prints_its_result(script, flags, data_dir):
-    env = dict(os.environ, MLMCLM_DATA_DIR=str(data_dir), PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *flags],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_script(script, *flags, MLMCLM_DATA_DIR=str(data_dir))
     lines = proc.stdout.strip().splitlines()
     tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-3000:]).strip()
     assert proc.returncode == 0, tail
@@ -73,16 +74,7 @@ def test_quick_form_runs_and_prints_its_result(script, flags, data_dir):
 
 
 def run_quick(*flags: str) -> tuple[list[str], str]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "train_throughput.py"), "--quick", *flags],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_script("train_throughput.py", "--quick", *flags)
     tail = (proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-3000:]).strip()
     assert proc.returncode == 0, tail
     return proc.stdout.strip().splitlines(), tail
