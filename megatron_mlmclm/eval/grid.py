@@ -138,14 +138,24 @@ def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
     return path, None
 
 
+def worker_pool(workers: int) -> cf.ProcessPoolExecutor:
+    """`workers` fine-tuning processes (fresh interpreters: spawned) that several grids can share
+    (`run_grid(pool=...)`): each imports torch and transformers, and reads a task's splits
+    (eval/families/base.py keeps them), once for all the grids instead of once per grid."""
+    return cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+
+
 def run_grid(
     cfgs: list[FinetuneConfig],
     out_dir: str | Path,
     workers: int = 1,
     array_index: int | None = None,
     log=print,
+    pool: cf.Executor | None = None,
 ) -> dict:
-    """Run the pending runs of the grid; returns {"ran", "skipped", "failed"} counts."""
+    """Run the pending runs of the grid; returns {"ran", "skipped", "failed"} counts. `pool`:
+    a `worker_pool(workers)` to run them in (else the grid starts its own, or runs them here
+    with one worker)."""
     if array_index is not None:
         if not 0 <= array_index < len(cfgs):
             raise UsageError(
@@ -162,7 +172,8 @@ def run_grid(
     )
     if not todo:
         return summary
-    workers = max(1, min(workers, len(todo)))
+    if pool is None:
+        workers = max(1, min(workers, len(todo)))
     if workers > 1:
         threads = max(1, (os.cpu_count() or 1) // workers)
         todo = [
@@ -179,13 +190,18 @@ def run_grid(
         else:
             summary["ran"] += 1
 
-    if workers == 1:
+    if pool is None and workers == 1:
         for c, p in todo:
             done(*_run_and_write(c.to_dict(), str(p)))
     else:
-        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        own = pool is None
+        pool = worker_pool(workers) if pool is None else pool
+        try:
             futures = [pool.submit(_run_and_write, c.to_dict(), str(p)) for c, p in todo]
             for f in cf.as_completed(futures):
                 done(*f.result())
+        finally:
+            if own:
+                pool.shutdown()
     bar.close()
     return summary

@@ -26,7 +26,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid
+from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid, worker_pool
 from megatron_mlmclm.eval.report import summarize
 from megatron_mlmclm.eval.tasks import load_registry
 from megatron_mlmclm.quickstart import build_corpus, cli, resolve_sources, small_run_config
@@ -379,6 +379,18 @@ def finetune_all(
     models (finetune_curve). Returns {task: {"lrs", "widened", "edge", "results",
     "curve_results"}}, the results being those of the final grid."""
     task_file(out, tasks)
+    # One pool of workers for every grid: each imports torch and transformers and reads a task's
+    # splits once for the whole stage.
+    pool = worker_pool(design.workers) if design.workers > 1 else None
+    try:
+        return _finetune_grids(out, design, tasks, exports, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+
+
+def _finetune_grids(out, design, tasks, exports, pool) -> dict[str, dict]:
+    """finetune_all's grids, run in `pool` (None: one run at a time in this process)."""
     grids = {}
     curve_tasks = {t for name, t in zip(design.tasks, tasks) if name in design.curve_tasks}
     curves = {n: p for n, p in exports.items() if parse_curve_key(parse_run_name(n)[0])}
@@ -393,7 +405,7 @@ def finetune_all(
             cfgs = expand(
                 models, [task], lrs, design.finetune_seeds, **finetune_settings(out, design)
             )
-            summary = run_grid(cfgs, out / "eval", workers=design.workers, log=log)
+            summary = run_grid(cfgs, out / "eval", workers=design.workers, log=log, pool=pool)
             if summary["failed"]:
                 raise SystemExit(
                     f"{summary['failed']} fine-tuning run(s) failed; their "
@@ -418,14 +430,21 @@ def finetune_all(
             "results": results,
             "edge": sorted(set(low) | set(high)),
             "curve_results": (
-                finetune_curve(out, design, task, curves, chosen) if task in curve_tasks else []
+                finetune_curve(out, design, task, curves, chosen, pool)
+                if task in curve_tasks
+                else []
             ),
         }
     return grids
 
 
 def finetune_curve(
-    out: Path, design: StudyDesign, task: str, curves: dict[str, Path], chosen: dict[str, float]
+    out: Path,
+    design: StudyDesign,
+    task: str,
+    curves: dict[str, Path],
+    chosen: dict[str, float],
+    pool=None,
 ) -> list[dict]:
     """The learning-curve models of each recipe on `task`, every fine-tuning seed, at the LRs the
     recipe's full-budget models chose (`chosen`: model -> LR): each model's own choice is made on
@@ -445,7 +464,7 @@ def finetune_curve(
             f"{design.finetune_seeds}"
         )
         cfgs = expand(models, [task], lrs, design.finetune_seeds, **finetune_settings(out, design))
-        if run_grid(cfgs, out / "eval", workers=design.workers, log=log)["failed"]:
+        if run_grid(cfgs, out / "eval", workers=design.workers, log=log, pool=pool)["failed"]:
             raise SystemExit(
                 f"fine-tuning run(s) of the learning curve failed; their tracebacks "
                 f"are in {out / 'eval'}/**/*.failed.json"

@@ -152,3 +152,32 @@ def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys
     assert (rep / "plots" / "families.png").read_bytes()[:4] == b"\x89PNG"
     per_family = (rep / "per_family.csv").read_text().splitlines()
     assert len(per_family) == 1 + 4  # header + sc, tc, qa, ir
+
+
+def test_grids_given_a_pool_run_in_it_and_leave_it_open(tiny_model, tmp_path):
+    """`run_grid(pool=...)`, as the study shares one pool of workers across its grids: each
+    grid's pending runs go to that pool, even a grid of one run, and the pool outlives them."""
+    import concurrent.futures as cf
+    from pathlib import Path
+
+    from megatron_mlmclm.eval.grid import expand, run_grid
+
+    submitted = []
+
+    class Recording(cf.ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            submitted.append((fn.__name__, args))
+            return super().submit(fn, *args, **kwargs)
+
+    settings = dict(
+        max_steps=2, batch_size=8, max_length=32, max_train_examples=16, max_eval_examples=16,
+        threads=1, progress=False,
+    )  # fmt: skip
+    with Recording(1) as pool:
+        for seed in (0, 1):
+            cfgs = expand([tiny_model], ["sst2"], [1e-3], [seed], **settings)
+            summary = run_grid(cfgs, tmp_path, workers=2, log=lambda _: None, pool=pool)
+            assert (summary["ran"], summary["failed"]) == (1, 0)
+        assert pool.submit(lambda: "open").result() == "open"
+    assert [name for name, _ in submitted] == ["_run_and_write", "_run_and_write", "<lambda>"]
+    assert all(Path(args[1]).is_file() for _, args in submitted[:2])  # the results
