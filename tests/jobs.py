@@ -192,9 +192,14 @@ def launch(
 
 
 def run_pretrain(
-    config: Path, overrides: list[str], nproc: int = 1, check: bool = True, timeout: int = 300
+    config: Path,
+    overrides: list[str],
+    nproc: int = 1,
+    check: bool = True,
+    timeout: int = 300,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    proc = launch(("mlmclm", ["pretrain", str(config), *overrides]), nproc, timeout)
+    proc = launch(("mlmclm", ["pretrain", str(config), *overrides]), nproc, timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"pretrain failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 import yaml
-from jobs import curve, job_env, launch, pretrain_cmd, read_metrics, run_pretrain
+from jobs import curve, job_env, pretrain_cmd, read_metrics, run_pretrain
 from test_resume import CONFIG as RESUME_CONFIG  # DP2-able tiny CLM -> MLM run, 8 steps
 
 from megatron_mlmclm.cli import main
@@ -33,12 +33,6 @@ def faulty_env(tmp_path, inject: str) -> dict[str, str]:
         "MLMCLM_INJECT_FAULTS": inject,
         "MLMCLM_EXIT_FILE": str(tmp_path / "exit_code"),
     }
-
-
-def pretrain_one_rank(args: list[str], env: dict[str, str]):
-    """`mlmclm pretrain ARGS` as one rank forked from the preloaded server (jobs.launch): for the
-    trainer's own fault handling, which needs no launcher (the launcher's tests use torchrun)."""
-    return launch(("mlmclm", ["pretrain", *args]), env=env)
 
 
 @pytest.fixture(scope="module")
@@ -270,10 +264,12 @@ def test_transient_nan_is_rerun_from_the_checkpoint_and_training_goes_on(
 def test_persistent_nan_stops_for_good_with_the_sample_indices(config, tmp_path):
     run = tmp_path / "run"
     env = faulty_env(tmp_path, "nan rank=0 step=3")
-    args = [str(config), f"output_dir={run}", "train.steps=4", "logging.log_interval=1"]
-    first = pretrain_one_rank(args, env)
+    # The trainer's own fault handling needs no launcher: one rank forked from the preloaded
+    # server (jobs.launch) runs it; the launcher's tests below use torchrun.
+    overrides = [f"output_dir={run}", "train.steps=4", "logging.log_interval=1"]
+    first = run_pretrain(config, overrides, check=False, env=env)
     assert first.returncode == faults.EXIT_NONFINITE, first.stderr[-2000:]
-    second = pretrain_one_rank(args, env)
+    second = run_pretrain(config, overrides, check=False, env=env)
     assert second.returncode == faults.EXIT_NONFINITE_PERSISTENT, second.stderr[-2000:]
     assert (
         "loss is nan (mlm) at step 3; the batch is samples 8-11 of the stream" in second.stderr
@@ -348,7 +344,7 @@ def test_skip_spikes_skips_the_spiked_update_counts_it_and_resumes_the_same(conf
         "checkpoint.save_interval=12",
         "checkpoint.keep_last=3",
     ]
-    first = pretrain_one_rank([str(config), f"output_dir={ref}", *overrides], env)
+    first = run_pretrain(config, [f"output_dir={ref}", *overrides], check=False, env=env)
     assert first.returncode == 0, first.stderr[-2000:]
     records = {m["step"]: m for m in read_metrics(ref) if "loss" in m}
     assert [s for s, m in records.items() if m.get("spike_skipped")] == [13]
@@ -360,7 +356,7 @@ def test_skip_spikes_skips_the_spiked_update_counts_it_and_resumes_the_same(conf
     import shutil
 
     shutil.copytree(ref / "checkpoints" / "iter_0000012", run / "checkpoints" / "iter_0000012")
-    second = pretrain_one_rank([str(config), f"output_dir={run}", *overrides], env)
+    second = run_pretrain(config, [f"output_dir={run}", *overrides], check=False, env=env)
     assert second.returncode == 0, second.stderr[-2000:]
     assert curve(run) == {s: m["loss"] for s, m in records.items() if s > 12}
 
@@ -435,8 +431,11 @@ def test_a_non_finite_step_names_its_stream_when_the_run_has_several(tmp_path):
             }
         )
     )
-    proc = pretrain_one_rank(
-        [str(path), f"output_dir={tmp_path / 'run'}"], faulty_env(tmp_path, "nan rank=0 step=3")
+    proc = run_pretrain(
+        path,
+        [f"output_dir={tmp_path / 'run'}"],
+        check=False,
+        env=faulty_env(tmp_path, "nan rank=0 step=3"),
     )
     assert proc.returncode == faults.EXIT_NONFINITE, proc.stderr[-2000:]
     assert (
