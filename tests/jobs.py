@@ -2,25 +2,29 @@
 metrics, and small BPE tokenizers.
 
 A job starts one of two ways:
-- `launch` (and `run_pretrain`, which uses it): each rank is a process forked from a server that
-  has already imported torch, megatron-core and the package (multiprocessing's forkserver, one per
-  test worker). A rank runs the `mlmclm` entry point (or a script as `__main__`) with the
-  environment torchrun gives it: RANK, WORLD_SIZE, LOCAL_RANK, and a store hosted by the launcher
-  as torchrun's agent hosts it. What it skips is the interpreter start: about 6 CPU-seconds a rank
-  on 2 cores (torch and megatron-core), most of what a small test run costs.
+- `start` / `launch` (and `run_pretrain`, `kill_after_checkpoint`, `stop_after_step`, which use
+  them): each rank is a process forked from a server that has already imported torch,
+  megatron-core and the package (multiprocessing's forkserver, one per test worker). A rank runs
+  the `mlmclm` entry point (or a script as `__main__`) with the environment torchrun gives it:
+  RANK, WORLD_SIZE, LOCAL_RANK, and a store hosted by the launcher as torchrun's agent hosts it.
+  What it skips is the interpreter start: about 6 CPU-seconds a rank on 2 cores (torch and
+  megatron-core), most of what a small test run costs. A started job's ranks can be signalled
+  (a stop signal reaches them as torchrun forwards it) or killed with their workers at once.
 - `pretrain_cmd` with subprocess: the real `python -m torch.distributed.run` launch, for the tests
-  of what the launch itself does (stop signals, kills, hung ranks, restarts, exit codes through
+  of what the launcher itself does (hung ranks, restarts, a killed launcher, exit codes through
   torchrun, the SLURM scripts).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import multiprocessing
 import os
 import random
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -128,17 +132,80 @@ def _rank_main(target: tuple[str, list[str]], env: dict, cwd: str, out: str, err
     os._exit(code)
 
 
-def launch(
+class Job:
+    """A job of forked ranks (`start`): poll it, signal or kill it, wait for its end."""
+
+    def __init__(self, target, procs, store, logs, files):
+        self.target, self.procs, self._store, self._logs, self._files = (
+            target,
+            procs,
+            store,
+            logs,
+            files,
+        )
+
+    def poll(self) -> int | None:
+        """None while it runs; else its exit status (a failed rank's, as torchrun reports)."""
+        codes = [p.exitcode for p in self.procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]
+        return None if None in codes else 0
+
+    def send_signal(self, sig: int) -> None:
+        """`sig` to every rank, as torchrun forwards a signal it receives."""
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                os.kill(p.pid, sig)
+
+    def kill_tree(self) -> None:
+        """SIGKILL to every rank and every process under it at once, as a node failure."""
+        import psutil
+
+        tree = []
+        for p in self.procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank = psutil.Process(p.pid)
+                tree += [rank, *rank.children(recursive=True)]
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(tree, timeout=30)
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Until every rank has ended, or one has failed (the others are then killed, as
+        torchrun ends a job); -> its exit status and the ranks' output, rank 0 first."""
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.exitcode is None for p in self.procs):
+                if any(p.exitcode not in (None, 0) for p in self.procs):
+                    break  # a failed rank: end the job
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(str(self.target), timeout)
+                time.sleep(0.05)
+        finally:
+            for p in self.procs:
+                if p.exitcode is None:
+                    p.kill()
+                p.join()
+            self._store = None
+        code = self.poll() or 0
+        out, err = (
+            "".join(Path(f[i]).read_text(errors="replace") for f in self._files) for i in (0, 1)
+        )
+        self._logs.cleanup()
+        return subprocess.CompletedProcess(self.target[1], code, out, err)
+
+
+def start(
     target: tuple[str, list[str]],
     nproc: int = 1,
-    timeout: int = 300,
     env: dict | None = None,
     cwd: str | Path | None = None,
-) -> subprocess.CompletedProcess:
-    """Run `target` — ("mlmclm", argv) or ("script", [path, *args]) — as a job of `nproc` ranks
-    forked from the preloaded server; -> its exit status and the ranks' output, rank 0 first.
-    One rank is a world of one, as a plain `mlmclm pretrain` is. A failed rank ends the others,
-    as torchrun does."""
+) -> Job:
+    """Start `target` — ("mlmclm", argv) or ("script", [path, *args]) — as a job of `nproc` ranks
+    forked from the preloaded server. One rank is a world of one, as a plain `mlmclm pretrain`
+    is; more ranks join a store hosted here, as torchrun's agent hosts it."""
     import torch.distributed as dist
 
     env = dict(job_env() if env is None else env)
@@ -158,37 +225,56 @@ def launch(
                 MASTER_PORT=str(store.port),
                 TORCHELASTIC_USE_AGENT_STORE="True",  # the ranks join this store, as torchrun's
             )
-    with tempfile.TemporaryDirectory(prefix="job") as logs:
-        files = [(f"{logs}/out{r}", f"{logs}/err{r}") for r in range(nproc)]
-        procs = [
-            ctx.Process(
-                target=_rank_main, args=(target, rank_env, str(cwd or os.getcwd()), *files[r])
-            )
-            for r, rank_env in enumerate(ranks)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.exitcode is None for p in procs):
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break  # a failed rank: end the job
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(str(target), timeout)
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-                p.join()
-            del store
-        codes = [p.exitcode for p in procs]
-        code = next((c for c in codes if c != 0), 0)
-        out, err = (
-            "".join(Path(files[r][i]).read_text(errors="replace") for r in range(nproc))
-            for i in (0, 1)
-        )
-    return subprocess.CompletedProcess(target[1], code, out, err)
+    logs = tempfile.TemporaryDirectory(prefix="job")
+    files = [(f"{logs.name}/out{r}", f"{logs.name}/err{r}") for r in range(nproc)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(target, rank_env, str(cwd or os.getcwd()), *files[r]))
+        for r, rank_env in enumerate(ranks)
+    ]
+    for p in procs:
+        p.start()
+    return Job(target, procs, store, logs, files)
+
+
+def launch(
+    target: tuple[str, list[str]],
+    nproc: int = 1,
+    timeout: int = 300,
+    env: dict | None = None,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess:
+    """`start`, then wait for the job's end; -> its exit status and the ranks' output, rank 0
+    first. A failed rank ends the others, as torchrun does."""
+    return start(target, nproc, env, cwd).wait(timeout)
+
+
+def kill_after_checkpoint(argv: list[str], nproc: int, run_dir: Path, iteration: str) -> None:
+    """`mlmclm ARGV` as a job, SIGKILLed (every rank and its workers at once) as soon as
+    run_dir/checkpoints/ITERATION has appeared (checkpoints are renamed into place whole)."""
+    job = start(("mlmclm", argv), nproc)
+    target = Path(run_dir) / "checkpoints" / iteration
+    deadline = time.monotonic() + 240
+    while not target.is_dir() and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.05)
+    assert job.poll() is None, "the run ended before it could be killed"
+    job.kill_tree()
+    job.wait()
+
+
+def stop_after_step(argv: list[str], run_dir: Path, step: int) -> subprocess.CompletedProcess:
+    """`mlmclm ARGV` as a world of one, sent SIGTERM (a scheduler's stop signal) once it has
+    logged `step`; -> how it ended."""
+    job = start(("mlmclm", argv))
+    metrics = Path(run_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while (
+        time.monotonic() < deadline
+        and job.poll() is None
+        and not (metrics.is_file() and f'"step": {step},' in metrics.read_text())
+    ):
+        time.sleep(0.02)
+    job.send_signal(signal.SIGTERM)
+    return job.wait(240)
 
 
 def run_pretrain(

@@ -11,13 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import signal
-import subprocess
-import time
 
 import pytest
 import yaml
-from jobs import curve, job_env, pretrain_cmd, run_pretrain
+from jobs import curve, run_pretrain, stop_after_step
 
 from megatron_mlmclm.checkpoint import (
     MANIFEST,
@@ -95,23 +92,8 @@ def test_stop_signal_then_damaged_latest_resumes_from_the_one_before(
     config, reference, tmp_path, capsys
 ):
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        pretrain_cmd(1) + [str(config), f"output_dir={run}"],
-        env=job_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 240
-    while (
-        time.time() < deadline
-        and proc.poll() is None
-        and not (metrics.is_file() and '"step": 3,' in metrics.read_text())
-    ):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=240)
+    proc = stop_after_step(["pretrain", str(config), f"output_dir={run}"], run, 3)
+    err = proc.stderr
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     stopped = max(curve(run))
     assert 3 <= stopped < 10, f"the stop landed at step {stopped}"

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from jobs import REPO, pretrain_cmd, read_metrics, run_pretrain, word_tokenizer
+from jobs import REPO, kill_after_checkpoint, read_metrics, run_pretrain, word_tokenizer
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from test_resume import kill_after_checkpoint
 
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import (
@@ -428,7 +427,7 @@ def test_kill_9_before_a_phase_change_resumes_bitwise(two_shards, tmp_path):
     ref = boundary_config(two_shards, change, tmp_path / "ref")
     cut = boundary_config(two_shards, change, tmp_path / "cut")
     run_pretrain(ref, [])
-    kill_after_checkpoint(pretrain_cmd(1) + [str(cut)], tmp_path / "cut", "iter_0000002")
+    kill_after_checkpoint(["pretrain", str(cut)], 1, tmp_path / "cut", "iter_0000002")
     resumed = run_pretrain(cut, [])
     assert "at step 2" in resumed.stderr or "at step 4" in resumed.stderr, resumed.stderr[-2000:]
     curve = lambda d: {m["step"]: m["loss"] for m in read_metrics(d) if "loss" in m}  # noqa

@@ -16,15 +16,11 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 import yaml
-from jobs import curve, job_env, pretrain_cmd, run_pretrain
-from test_resume import kill_after_checkpoint
+from jobs import curve, kill_after_checkpoint, run_pretrain, stop_after_step
 
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import load_config
@@ -162,7 +158,7 @@ def test_bf16_kill_and_resume_with_the_distributed_optimizer_is_exact(config, tm
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     run_pretrain(config, [f"output_dir={ref}", *extra], nproc=2)
     kill_after_checkpoint(
-        pretrain_cmd(2) + [str(config), f"output_dir={cut}", *extra], cut, "iter_0000002"
+        ["pretrain", str(config), f"output_dir={cut}", *extra], 2, cut, "iter_0000002"
     )
     resumed = run_pretrain(config, [f"output_dir={cut}", *extra], nproc=2)
     assert any(f"at step {s}" in resumed.stderr for s in (2, 4, 6)), resumed.stderr[-2000:]
@@ -181,24 +177,8 @@ def test_bf16_stop_signal_and_resume_is_exact(config, tmp_path):
         "checkpoint.save_interval=0",
     ]  # six steps or more after the signal's step: room to land it
     run_pretrain(config, [f"output_dir={ref}", BF16, *slow])
-    proc = subprocess.Popen(
-        pretrain_cmd(1) + [str(config), f"output_dir={run}", BF16, *slow],
-        env=job_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 240
-    while (
-        time.time() < deadline
-        and proc.poll() is None
-        and not (metrics.is_file() and '"step": 3,' in metrics.read_text())
-    ):
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=240)
-    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    proc = stop_after_step(["pretrain", str(config), f"output_dir={run}", BF16, *slow], run, 3)
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
     assert 3 <= max(curve(run)) < 10
     run_pretrain(config, [f"output_dir={run}", BF16, *slow])
     assert curve(run) == curve(ref)

@@ -11,16 +11,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
-import subprocess
-import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 import yaml
-from jobs import curve, job_env, line_tokenizer, pretrain_cmd, run_pretrain
+from jobs import curve, kill_after_checkpoint, line_tokenizer, run_pretrain
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_mlmclm.checkpoint import read_trainer_state
@@ -47,28 +43,6 @@ CONFIG = {
 }
 
 
-def kill_after_checkpoint(cmd, run_dir, iteration: str, timeout=240):
-    proc = subprocess.Popen(
-        cmd,
-        env=job_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    target = run_dir / "checkpoints" / iteration
-    deadline = time.time() + timeout
-    while not target.is_dir() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    # torchrun's workers live in their own process groups: kill the whole tree at once, as a
-    # node failure would.
-    tree = [proc] + [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    for p in tree[1:]:
-        p.send_signal(signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(tree[1:], timeout=30)
-
-
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     path = tmp_path_factory.mktemp("resume") / "run.yaml"
@@ -88,8 +62,8 @@ def config(tmp_path_factory):
 def test_sigkill_and_resume_is_exact(config, tmp_path, nproc, overrides):
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     run_pretrain(config, [f"output_dir={ref}"] + overrides, nproc=nproc)
-    cmd = pretrain_cmd(nproc) + [str(config), f"output_dir={cut}"] + overrides
-    kill_after_checkpoint(cmd, cut, "iter_0000002")
+    argv = ["pretrain", str(config), f"output_dir={cut}", *overrides]
+    kill_after_checkpoint(argv, nproc, cut, "iter_0000002")
     done = sorted(curve(cut))
     assert done and done[-1] < 8, f"killed run should be unfinished, logged steps {done}"
     resumed = run_pretrain(config, [f"output_dir={cut}"] + overrides, nproc=nproc)
