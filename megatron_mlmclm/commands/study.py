@@ -99,6 +99,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     fields = {k: v for k, v in vars(args).items() if k in StudyDesign.__dataclass_fields__}
     design = StudyDesign(**fields).check()
+    design.check_folder(args.out)
     # Imported here: megatron-core and transformers would slow `mlmclm study --help`.
     from megatron_mlmclm.study.pipeline import run_study
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_mlmclm.config import MODEL_PRESETS, RunConfig, load_config, run_flops
 from megatron_mlmclm.errors import UsageError
@@ -175,6 +176,29 @@ class StudyDesign:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def check_folder(self, out) -> None:
+        """Refuse a folder (--out) that holds a study of another design: its finished stages
+        would be reused as if they were this design's. Reads study.json only, so a refusal comes
+        before any heavy import."""
+        record = Path(out) / "study.json"
+        if not record.is_file():
+            return
+        saved, mine = json.loads(record.read_text())["design"], self.to_dict()
+        changed = sorted(
+            k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k) and k not in NOT_DESIGN
+        )
+        if changed:
+            k = changed[0]
+            raise UsageError(
+                f"{out} holds a study with another design ({k}: saved {saved.get(k)}, now "
+                f"{mine.get(k)}); use a new --out or the same options"
+            )
+
+
+# Options a folder's study may change: the pace (workers), and the widening cap, which only adds
+# learning rates to a task's grid (finished results stay valid; the report lists the final grids).
+NOT_DESIGN = ("workers", "max_widen")
 
 
 def run_name(recipe: Recipe | str, seed: int) -> str:

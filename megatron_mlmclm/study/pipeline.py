@@ -25,7 +25,6 @@ from pathlib import Path
 import yaml
 from tqdm.auto import tqdm
 
-from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid, worker_pool
 from megatron_mlmclm.eval.report import summarize
 from megatron_mlmclm.eval.tasks import load_registry
@@ -101,29 +100,12 @@ def run_study(out: str | Path, design: StudyDesign, data_folder: str | None = No
     return report
 
 
-# Options a folder's study may change: the pace (workers), and the widening cap, which only adds
-# learning rates to a task's grid (finished results stay valid; the report lists the final grids).
-NOT_DESIGN = ("workers", "max_widen")
-
-
 def _claim_folder(out: Path, design: StudyDesign) -> None:
+    design.check_folder(out)
     record = out / "study.json"
-    mine = design.to_dict()
-    if record.is_file():
-        saved = json.loads(record.read_text())["design"]
-        changed = sorted(
-            k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k) and k not in NOT_DESIGN
-        )
-        if changed:
-            k = changed[0]
-            raise UsageError(
-                f"{out} holds a study with another design ({k}: saved "
-                f"{saved.get(k)}, now {mine.get(k)}); use a new --out or the same "
-                f"options"
-            )
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"design": mine}, indent=1))
+    if not record.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps({"design": design.to_dict()}, indent=1))
 
 
 def _record_invocation(out: Path, start: float) -> list[float]:
@@ -280,7 +262,7 @@ def pretrain_all(out: Path, design: StudyDesign, tokenizer: Path, prefixes) -> N
                     logf,
                 )
                 todo.remove(name)
-            time.sleep(2)
+            time.sleep(0.25)  # a freed slot (or a saved branch point) is taken at once
             for name, (proc, logf) in list(running.items()):
                 if proc.poll() is None:
                     continue
