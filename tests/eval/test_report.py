@@ -243,3 +243,25 @@ def test_report_leaves_inner_intervals_and_interior_lrs_unflagged(tmp_path):
     report = (out / "report.md").read_text()
     assert "Too few seeds" not in report and "edge of its grid" not in report
     assert "Clipped intervals" not in report and f"81.00 ± {T975_DF2 / math.sqrt(3):.2f}" in report
+
+
+HEAVY = ("torch", "transformers", "megatron.core")
+
+
+def modules_after(imports: str) -> set[str]:
+    """Which of HEAVY a fresh interpreter holds after `imports`."""
+    import subprocess
+    import sys
+
+    code = f"import sys; {imports}; print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_the_report_and_the_task_registry_start_without_torch():
+    """`mlmclm report` and the task registry read the table of families, not the models: they
+    import neither torch nor transformers (several seconds), which only fine-tuning needs."""
+    light = "import megatron_mlmclm.cli, megatron_mlmclm.commands.report"
+    assert modules_after(light + ", megatron_mlmclm.eval.tasks") == set()
+    # The check can fail: a family's model code brings them in.
+    assert modules_after("import megatron_mlmclm.eval.heads") >= {"torch", "transformers"}

@@ -1,6 +1,11 @@
 """What every family module provides (`Family`, one row of the table in families/__init__.py), what
 it hands the shared fine-tuning loop (`Setup`), and the helpers they share: reading a split of
-records, filling an input template, padding and batching."""
+records, filling an input template, padding and batching.
+
+A family module imports torch and the model code (eval/heads.py: transformers) inside the
+functions that build models and tensors, not at its top: the table of families is read by what
+never trains (`mlmclm report`, the task registry, `evaluate --list-tasks`), which then starts in
+a fraction of a second instead of the several seconds those imports take."""
 
 from __future__ import annotations
 
@@ -11,9 +16,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import data
@@ -157,6 +163,8 @@ def split_template(template: str, slot: str) -> tuple[str, str]:
 
 def pad(seqs: list[list[int]], value: int):
     """Right-pad lists of ids into a LongTensor."""
+    import torch
+
     width = max(len(s) for s in seqs)
     out = torch.full((len(seqs), width), value, dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -167,6 +175,8 @@ def pad(seqs: list[list[int]], value: int):
 def collate_ids(items: list[dict], pad_id: int, extra_pad: dict | None = None) -> dict:
     """input_ids/attention_mask padding plus any per-token field in extra_pad {name: pad value};
     other fields become tensors of scalars."""
+    import torch
+
     batch = {
         "input_ids": pad([x["input_ids"] for x in items], pad_id),
         "attention_mask": pad([[1] * len(x["input_ids"]) for x in items], 0),

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import data, metrics
 from megatron_mlmclm.eval.families.base import (
@@ -42,7 +40,6 @@ from megatron_mlmclm.eval.families.base import (
     fill,
     tokens_with,
 )
-from megatron_mlmclm.eval.heads import document_tokenizer, make_bidirectional
 from megatron_mlmclm.eval.splits import holdout, subsample
 
 CORPUS = ("judged", "judged_eval", "full")
@@ -279,6 +276,8 @@ def _st_imports():
 
 
 def build_sentence_transformer(model_dir: str, max_length: int, device):
+    from megatron_mlmclm.eval.heads import document_tokenizer, make_bidirectional
+
     SentenceTransformer, Transformer, Pooling, _ = _st_imports()
 
     word = Transformer(model_dir, max_seq_length=max_length)
@@ -305,6 +304,8 @@ def retrieve(
     model, task, split_data: Beir, doc_ids: list[str], batch_size: int, k: int = 100
 ) -> dict:
     """{qid: {doc_id: cosine}} for the top-k documents of each judged query."""
+    import torch
+
     qids = [q for q in split_data.qrels if q in split_data.queries]
 
     def embed(texts):

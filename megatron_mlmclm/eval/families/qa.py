@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 
-import torch
-
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import data, metrics
 from megatron_mlmclm.eval.families.base import (
@@ -46,7 +44,6 @@ from megatron_mlmclm.eval.families.base import (
     split_template,
     tokens_with,
 )
-from megatron_mlmclm.eval.heads import span_qa_model, token_classifier
 
 N_BEST = 20
 IGNORE = -100
@@ -353,6 +350,8 @@ def postprocess(
     null_threshold: float,
 ) -> dict[str, str]:
     """{question id: answer text} from per-feature logits (lists of 1-D tensors)."""
+    import torch
+
     best: dict[int, tuple[float, str]] = {}
     null: dict[int, float] = {}
     for f, s_log, e_log in zip(features, start_logits, end_logits):
@@ -414,6 +413,8 @@ def inputs(task, tokenizer, cfg, max_length) -> Inputs:
 
 
 def setup(task, tokenizer, cfg, max_length, device) -> Setup:
+    from megatron_mlmclm.eval.heads import span_qa_model, token_classifier
+
     data_ = inputs(task, tokenizer, cfg, max_length)
     pad_id = tokenizer.pad_token_id
 

@@ -25,7 +25,6 @@ from megatron_mlmclm.eval.families.base import (
     saver,
     tokens_with,
 )
-from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder
 
 ID_COLUMNS = ("idx", "id", "guid")  # an example's id, when the source has one
 
@@ -158,6 +157,8 @@ def predict(model, features: list[dict], pad_id: int, batch_size: int, device) -
 
 
 def setup(task, tokenizer, cfg, max_length, device) -> Setup:
+    from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder
+
     data_ = inputs(task, tokenizer, cfg, max_length)
     pad_id = tokenizer.pad_token_id
 

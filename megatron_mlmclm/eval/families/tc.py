@@ -38,7 +38,6 @@ from megatron_mlmclm.eval.families.base import (
     saver,
     tokens_with,
 )
-from megatron_mlmclm.eval.heads import token_classifier
 
 IGNORE = -100
 SUBTOKENS = ("first", "all")
@@ -215,6 +214,8 @@ def inputs(task, tokenizer, cfg, max_length) -> Inputs:
 
 
 def setup(task, tokenizer, cfg, max_length, device) -> Setup:
+    from megatron_mlmclm.eval.heads import token_classifier
+
     data_ = inputs(task, tokenizer, cfg, max_length)
     names = data_.info["labels"]
     pad_id = tokenizer.pad_token_id
