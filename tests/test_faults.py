@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 import yaml
-from jobs import curve, job_env, pretrain_cmd, read_metrics, run_pretrain
+from jobs import curve, job_env, pretrain_cmd, read_metrics, run_pretrain, start
 from test_resume import CONFIG as RESUME_CONFIG  # DP2-able tiny CLM -> MLM run, 8 steps
 
 from megatron_mlmclm.cli import main
@@ -241,9 +241,8 @@ def test_transient_nan_is_rerun_from_the_checkpoint_and_training_goes_on(
     config, reference, tmp_path
 ):
     run = tmp_path / "run"
-    cmd = pretrain_cmd(2) + [str(config), f"output_dir={run}"]
     env = faulty_env(tmp_path, "nan rank=0 step=7 mode=transient")
-    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    first = run_pretrain(config, [f"output_dir={run}"], nproc=2, check=False, env=env)
     assert first.returncode != 0
     assert (tmp_path / "exit_code").read_text().strip() == str(faults.EXIT_NONFINITE)
     assert (
@@ -251,7 +250,7 @@ def test_transient_nan_is_rerun_from_the_checkpoint_and_training_goes_on(
         "on data-parallel rank 0)"
     ) in first.stderr
     assert max(curve(run)) == 6  # stopped before step 7's update; nothing saved after step 6
-    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    second = run_pretrain(config, [f"output_dir={run}"], nproc=2, check=False, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "step 7 was not finite on its first attempt" in second.stderr
     assert "a transient fault, training goes on" in second.stderr
@@ -264,8 +263,9 @@ def test_transient_nan_is_rerun_from_the_checkpoint_and_training_goes_on(
 def test_persistent_nan_stops_for_good_with_the_sample_indices(config, tmp_path):
     run = tmp_path / "run"
     env = faulty_env(tmp_path, "nan rank=0 step=3")
-    # The trainer's own fault handling needs no launcher: one rank forked from the preloaded
-    # server (jobs.launch) runs it; the launcher's tests below use torchrun.
+    # The trainer's own fault handling needs no launcher: ranks forked from the preloaded server
+    # (jobs.launch) run it; the launcher's tests (a hung rank's report, a killed launcher) use
+    # torchrun.
     overrides = [f"output_dir={run}", "train.steps=4", "logging.log_interval=1"]
     first = run_pretrain(config, overrides, check=False, env=env)
     assert first.returncode == faults.EXIT_NONFINITE, first.stderr[-2000:]
@@ -287,12 +287,12 @@ def test_persistent_nan_stops_for_good_with_the_sample_indices(config, tmp_path)
 @pytest.mark.slow
 def test_a_rank_slowed_200_ms_a_step_is_named_the_straggler(config, tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.run(
-        pretrain_cmd(2) + [str(config), f"output_dir={run}", "checkpoint.save_interval=0"],
+    proc = run_pretrain(
+        config,
+        [f"output_dir={run}", "checkpoint.save_interval=0"],
+        nproc=2,
+        check=False,
         env=faulty_env(tmp_path, "slow rank=1 ms=200"),
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     intervals = [m for m in read_metrics(run) if "straggler_rank" in m]
@@ -366,28 +366,25 @@ def test_a_stopped_rank_is_caught_by_the_rank_waiting_for_it(config, tmp_path):
     """Rank 1 stops itself (SIGSTOP) at step 5: it has no watchdog left, but rank 0, waiting in
     the gradient all-reduce, overruns its step and ends with exit 76. (torchrun would SIGKILL the
     stopped rank 30 s later; the test does not wait: it kills the launcher, and the stopped rank
-    dies with it.)"""
+    dies with it.) The ranks are forked (jobs.start): what is tested is the ranks' own watch."""
     run, timeout = tmp_path / "run", 5
-    launcher = subprocess.Popen(
-        pretrain_cmd(2) + [str(config), f"output_dir={run}", f"train.hang_timeout_s={timeout}"],
+    job = start(
+        (
+            "mlmclm",
+            ["pretrain", str(config), f"output_dir={run}", f"train.hang_timeout_s={timeout}"],
+        ),
+        nproc=2,
         env=faulty_env(tmp_path, "stop rank=1 step=5"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
     )
     dump, deadline = run / "faults" / "hang-rank0-step5.txt", time.time() + timeout + 90
-    tree = []
     while not (tmp_path / "exit_code").exists():
-        assert time.time() < deadline and launcher.poll() is None, "rank 0 never fired"
-        tree = psutil.Process(launcher.pid).children(recursive=True) or tree
+        assert time.time() < deadline and job.procs[0].exitcode is None, "rank 0 never fired"
         time.sleep(0.2)
     assert (tmp_path / "exit_code").read_text().strip() == str(watchdog.EXIT_HANG)
     assert "all_reduce" in dump.read_text()  # rank 0 waited in the gradient all-reduce
     assert not (run / "faults" / "hang-rank1-step5.txt").exists()  # the stopped rank ran nothing
-    os.killpg(launcher.pid, signal.SIGKILL)
-    launcher.wait()
-    gone, alive = psutil.wait_procs(tree, timeout=30)
-    assert not alive, [p.cmdline()[-3:] for p in alive]
+    job.kill_tree()
+    job.wait()
 
 
 def test_straggler_figures_reach_tensorboard_and_wandb_tags():
