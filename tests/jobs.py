@@ -184,9 +184,9 @@ class Job:
                     raise subprocess.TimeoutExpired(str(self.target), timeout)
                 time.sleep(0.05)
         finally:
+            if any(p.exitcode is None for p in self.procs):
+                self.kill_tree()  # a failed rank's partners, or a job past its time
             for p in self.procs:
-                if p.exitcode is None:
-                    p.kill()
                 p.join()
             self._store = None
         code = self.poll() or 0

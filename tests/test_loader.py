@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 import yaml
-from jobs import read_metrics, train_in_process
+from jobs import launch, read_metrics, train_in_process
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_mlmclm.cli import main
@@ -133,7 +133,7 @@ def test_worker_processes_ignore_the_stop_signals(dataset, kind):
         loader.close()
 
 
-# Run in its own process (a hang must not hang the suite): the trainer has dropped a DALI pipeline
+# Run as a job of its own (a hang must not hang the suite): the trainer has dropped a DALI pipeline
 # that only the garbage collector can free (a reference cycle) and has not collected it yet when it
 # starts its workers; each worker then runs the collector before every sample it reads.
 INHERITED_GARBAGE = """
@@ -178,23 +178,17 @@ print("same batches")
 
 
 @pytest.mark.parametrize("kind", ["workers", "dali"])
-def test_workers_never_finalize_what_the_trainer_has_not_collected_yet(dataset, kind):
+def test_workers_never_finalize_what_the_trainer_has_not_collected_yet(dataset, kind, tmp_path):
     """DALI's finalizer run in a forked worker on an inherited pipeline crashed the worker or hung
     it for good (a CI run hung): workers start with the garbage collector frozen."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", INHERITED_GARBAGE, kind, dataset.prefix, str(Path(__file__).parent)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    script = tmp_path / "inherited_garbage.py"
+    script.write_text(INHERITED_GARBAGE)
+    args = [str(script), kind, str(dataset.prefix), str(Path(__file__).parent)]
     try:
-        out, _ = proc.communicate(timeout=120)
+        proc = launch(("script", args), timeout=120)  # killed with its workers on a timeout
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"hung: {out[-3000:]}")
-    assert proc.returncode == 0 and "same batches" in out, out[-3000:]
+        pytest.fail("hung")
+    assert proc.returncode == 0 and "same batches" in proc.stdout, proc.stderr[-3000:]
 
 
 RUN = {
