@@ -136,13 +136,11 @@ class Job:
     """A job of forked ranks (`start`): poll it, signal or kill it, wait for its end."""
 
     def __init__(self, target, procs, store, logs, files):
-        self.target, self.procs, self._store, self._logs, self._files = (
-            target,
-            procs,
-            store,
-            logs,
-            files,
-        )
+        self.target = target
+        self.procs = procs
+        self._store = store  # the ranks' rendezvous: kept alive until they have ended
+        self._logs = logs
+        self._files = files  # (stdout, stderr) path of each rank
 
     def poll(self) -> int | None:
         """None while it runs; else its exit status (a failed rank's, as torchrun reports)."""
@@ -254,11 +252,13 @@ def kill_after_checkpoint(argv: list[str], nproc: int, run_dir: Path, iteration:
     job = start(("mlmclm", argv), nproc)
     target = Path(run_dir) / "checkpoints" / iteration
     deadline = time.monotonic() + 240
-    while not target.is_dir() and time.monotonic() < deadline and job.poll() is None:
-        time.sleep(0.05)
-    assert job.poll() is None, "the run ended before it could be killed"
-    job.kill_tree()
-    job.wait()
+    try:
+        while not target.is_dir() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        assert job.poll() is None, "the run ended before it could be killed"
+    finally:
+        job.kill_tree()
+        job.wait()
 
 
 def stop_after_step(argv: list[str], run_dir: Path, step: int) -> subprocess.CompletedProcess:

@@ -365,8 +365,8 @@ def test_skip_spikes_skips_the_spiked_update_counts_it_and_resumes_the_same(conf
 def test_a_stopped_rank_is_caught_by_the_rank_waiting_for_it(config, tmp_path):
     """Rank 1 stops itself (SIGSTOP) at step 5: it has no watchdog left, but rank 0, waiting in
     the gradient all-reduce, overruns its step and ends with exit 76. (torchrun would SIGKILL the
-    stopped rank 30 s later; the test does not wait: it kills the launcher, and the stopped rank
-    dies with it.) The ranks are forked (jobs.start): what is tested is the ranks' own watch."""
+    stopped rank 30 s later; the test does not wait: it kills the ranks.) The ranks are forked
+    (jobs.start): what is tested is their own watch, not the launcher."""
     run, timeout = tmp_path / "run", 5
     job = start(
         (
