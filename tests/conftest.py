@@ -32,8 +32,8 @@ def slurm():
         yield cluster
 
 
-# The modules that take longest (fresh clone, 2 cores, 2026-11-27: each 3-6 min of a worker),
-# longest first: started first, they leave the short modules to even out the two workers' ends.
+# The modules that take longest (2 cores, 2026-11-28: each 1-4 min of a worker), longest first:
+# started first, they leave the short modules to even out the two workers' ends.
 LONGEST_FIRST = (
     "test_study.py",
     "test_slurm.py",

@@ -173,13 +173,14 @@ class Job:
     def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
         """Until every rank has ended, or one has failed (the others are then killed, as
         torchrun ends a job); -> its exit status and the ranks' output, rank 0 first."""
-        deadline = time.monotonic() + timeout
+        deadline, late = time.monotonic() + timeout, False
         try:
             while any(p.exitcode is None for p in self.procs):
                 if any(p.exitcode not in (None, 0) for p in self.procs):
                     break  # a failed rank: end the job
                 if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(str(self.target), timeout)
+                    late = True
+                    break
                 time.sleep(0.05)
         finally:
             if any(p.exitcode is None for p in self.procs):
@@ -187,12 +188,13 @@ class Job:
             for p in self.procs:
                 p.join()
             self._store = None
-        code = self.poll() or 0
         out, err = (
             "".join(Path(f[i]).read_text(errors="replace") for f in self._files) for i in (0, 1)
         )
         self._logs.cleanup()
-        return subprocess.CompletedProcess(self.target[1], code, out, err)
+        if late:  # with what the ranks had written, to say where they hung
+            raise subprocess.TimeoutExpired(str(self.target), timeout, output=out, stderr=err)
+        return subprocess.CompletedProcess(self.target[1], self.poll() or 0, out, err)
 
 
 def start(

@@ -186,8 +186,8 @@ def test_workers_never_finalize_what_the_trainer_has_not_collected_yet(dataset, 
     args = [str(script), kind, str(dataset.prefix), str(Path(__file__).parent)]
     try:
         proc = launch(("script", args), timeout=120)  # killed with its workers on a timeout
-    except subprocess.TimeoutExpired:
-        pytest.fail("hung")
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung: {(e.output or '')[-1500:]}{(e.stderr or '')[-1500:]}")
     assert proc.returncode == 0 and "same batches" in proc.stdout, proc.stderr[-3000:]
 
 
