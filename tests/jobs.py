@@ -175,9 +175,7 @@ class Job:
         torchrun ends a job); -> its exit status and the ranks' output, rank 0 first."""
         deadline, late = time.monotonic() + timeout, False
         try:
-            while any(p.exitcode is None for p in self.procs):
-                if any(p.exitcode not in (None, 0) for p in self.procs):
-                    break  # a failed rank: end the job
+            while self.poll() is None:  # all running, or some done and none failed
                 if time.monotonic() > deadline:
                     late = True
                     break

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -250,9 +252,6 @@ HEAVY = ("torch", "transformers", "megatron.core")
 
 def modules_after(imports: str) -> set[str]:
     """Which of HEAVY a fresh interpreter holds after `imports`."""
-    import subprocess
-    import sys
-
     code = f"import sys; {imports}; print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return set(out.stdout.split())
