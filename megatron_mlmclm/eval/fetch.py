@@ -87,6 +87,38 @@ def _moved(task: Task, path: str, **changes) -> Task:
     return out
 
 
+def check_data(tasks: list[Task], root: Path | None) -> list[str]:
+    """Before a plan submits evaluation arrays: every task (and the task an IR task trains on)
+    has its files under `root` (the data folder its jobs read), or can be fetched into it. Returns
+    the names of those to fetch; UsageError for the first that is neither."""
+    to_fetch = []
+    for t in _with_training_tasks(tasks).values():
+        if t.format == "hf":
+            continue  # read from the Hub by every run
+        folder = Path(t.path) if root is None else root / t.path  # an absolute path stays
+        missing = missing_files(_moved(t, str(folder))) if folder.is_absolute() else [t.path]
+        if not missing:
+            continue
+        if not fetchable(t):
+            raise UsageError(
+                f"task '{t.name}': its data are not in {root or '$MLMCLM_DATA_DIR'} "
+                f"({missing[0]} is missing) and it has no Hub source to fetch them from; "
+                "put the files there or choose other --eval-tasks"
+            )
+        to_fetch.append(t.name)
+    return to_fetch
+
+
+def _with_training_tasks(tasks: list[Task]) -> dict[str, Task]:
+    out: dict[str, Task] = {}
+    for t in tasks:
+        out.setdefault(t.name, t)
+        source = vars(t).get("train_source")
+        if source is not None:
+            out.setdefault(source.name, source)
+    return out
+
+
 # ------------------------------------------------------------------------ writers, one per format
 # Each takes (the task as read from the Hub, the folder to write into) and writes every file of
 # the task's local layout.
@@ -353,12 +385,6 @@ def fetch_task(task: Task, root: Path) -> str:
 
 def fetch(tasks: list[Task], root: Path, log=print) -> None:
     """Fetch every task of `tasks` (and the training task an IR task trains on) into `root`."""
-    todo: dict[str, Task] = {}
-    for t in tasks:
-        source = vars(t).get("train_source")
-        todo.setdefault(t.name, t)
-        if source is not None:
-            todo.setdefault(source.name, source)
     root.mkdir(parents=True, exist_ok=True)
-    for t in todo.values():
+    for t in _with_training_tasks(tasks).values():
         log(fetch_task(t, root))
