@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.config import load_config
+from megatron_mlmclm.config import load_config, run_flops
 from megatron_mlmclm.eval.finetune import FinetuneConfig
 from megatron_mlmclm.eval.tasks import load_registry, suite
 from megatron_mlmclm.flops import trunk_flops_per_token
@@ -298,6 +299,53 @@ def test_a_new_measurement_is_a_data_only_change(tmp_path, capsys):
     assert "- 610m: measured, 102,400 tokens/s per GPU" in (out / "SUMMARY.md").read_text()
     assert main(argv + ["--force", "--throughput", "610m=50000"]) == 0
     assert "- 610m: given, 50,000 CLM tokens/s per GPU" in (out / "SUMMARY.md").read_text()
+
+
+def test_a_probe_prices_its_size_from_its_metrics(tmp_path, capsys):
+    """The plan writes a short CLM probe per size whose schedule fits; `--throughput
+    SIZE=METRICS` prices the size from a run's logged tokens/s (the later half of its steps),
+    whatever its objective: an MLM 40% probe prices an MLM 40% run at its own tokens/s, a CLM run
+    at the same FLOP rate."""
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), "--sizes", "610m", "--budgets", "12000",
+            "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps", "--no-branches",
+            "--eval-tasks", "sst2"]  # fmt: skip
+    assert main(argv) == 0
+    probe = load_config(out / "probes" / "610m.yaml")
+    assert [ph.objective for ph in probe.phases] == ["clm"] and probe.train.steps == 200
+    assert probe.checkpoint.save_interval == 0 and probe.output_dir == str(out / "probes" / "610m")
+    assert (probe.parallel.use_distributed_optimizer, probe.train.micro_batch_size) == (True, 4)
+    # a probe's folder, MLM 40% this time: config.yaml and metrics.jsonl as the trainer writes
+    run = tmp_path / "probe"
+    run.mkdir()
+    (run / "config.yaml").write_text((out / "configs" / "610m-mlm40-12k.yaml").read_text())
+    speeds = [1000.0] * 5 + [30000.0, 31000.0, 29000.0, 30500.0, 29500.0]  # compiling, then steady
+    with open(run / "metrics.jsonl", "w") as f:
+        for i, v in enumerate(speeds, 1):
+            record = {"step": 10 * i, "phase": 0, "objective": "mlm", "loss": 9.0}
+            record.update(tokens_per_s=16 * v, tokens_per_s_per_device=v)
+            f.write(json.dumps(record) + "\n")
+    assert main([*argv, "--force", "--throughput", f"610m={run / 'metrics.jsonl'}"]) == 0
+    assert "priced probed: 610m" in capsys.readouterr().out
+    with open(out / "SUMMARY.csv", newline="") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    tokens = 12000 * 1152 * 2048
+    assert float(rows["610m-mlm40-12k"]["gpu_hours"]) == pytest.approx(
+        tokens / 30000 / 3600, abs=0.01
+    )
+    mlm = flops_config(yaml.safe_load((out / "configs" / "610m-mlm40-12k.yaml").read_text()))
+    clm = flops_config(yaml.safe_load((out / "configs" / "610m-clm-12k.yaml").read_text()))
+    ratio = run_flops(clm) / run_flops(mlm)  # the same tokens: the FLOPs per token's ratio
+    assert float(rows["610m-clm-12k"]["gpu_hours"]) == pytest.approx(
+        tokens / 30000 / 3600 * ratio, rel=1e-3
+    )
+    assert (
+        "- 610m: probed, 30,000 tokens/s per GPU of mlm 0.4 steps at seq 2048"
+        in (out / "SUMMARY.md").read_text()
+    )
+    (run / "config.yaml").unlink()  # a file that is not a run's
+    assert main([*argv, "--force", "--throughput", f"610m={run}"]) == 2
+    assert "config.yaml is not beside" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from megatron_mlmclm.plan.compute import (
     read_measurements,
 )
 from megatron_mlmclm.plan.evaluation import FIGURES, eval_columns, read_eval_figures, task_table
-from megatron_mlmclm.plan.grid import build_grid, run_config
+from megatron_mlmclm.plan.grid import build_grid, probe_config, run_config
 from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
 from megatron_mlmclm.plan.options import PlanOptions
@@ -103,6 +103,17 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
                 )
             )
             s.chmod(0o755)
+        (tmp / "probes").mkdir()
+        for size in sizes:  # a short CLM run per size, for `--throughput SIZE=METRICS`
+            p = tmp / "probes" / f"{size}.yaml"
+            lay = next(layouts[r.name] for r in runs if r.size == size)
+            p.write_text(
+                f"# A throughput probe of {size} at the plan's layout, written by `mlmclm plan`: "
+                "docs/cluster.md#4-plan\n"
+                + yaml.safe_dump(probe_config(size, opts, root / "probes", lay), sort_keys=False),
+                encoding="utf-8",
+            )
+            load_config(p)  # its schedule fits its steps
         sub = tmp / "submit_slurm.sh"
         sub.write_text(
             submit_script(runs, cfg_paths, runs_dir, hf_dir, results, opts, layouts, SLURM_DIR)
