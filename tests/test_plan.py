@@ -313,7 +313,7 @@ def test_a_probe_prices_its_size_from_its_metrics(tmp_path, capsys):
     assert main(argv) == 0
     probe = load_config(out / "probes" / "610m.yaml")
     assert [ph.objective for ph in probe.phases] == ["clm"] and probe.train.steps == 200
-    assert probe.checkpoint.save_interval == 0 and probe.output_dir == str(out / "probes" / "610m")
+    assert probe.checkpoint.save_interval == 0 and probe.output_dir == str(out / "runs/probe-610m")
     assert (probe.parallel.use_distributed_optimizer, probe.train.micro_batch_size) == (True, 4)
     # a probe's folder, MLM 40% this time: config.yaml and metrics.jsonl as the trainer writes
     run = tmp_path / "probe"

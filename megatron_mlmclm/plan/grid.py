@@ -303,12 +303,12 @@ def run_config(run: Run, opts: PlanOptions, runs_dir: Path, lay: dict) -> dict:
 PROBE_STEPS, PROBE_WARMUP = 200, 20
 
 
-def probe_config(size: str, opts: PlanOptions, probes_dir: Path, lay: dict) -> dict:
-    """The config of a short CLM run of `size` at its layout, whose metrics.jsonl
-    `mlmclm plan --throughput SIZE=...` reads (docs/cluster.md): written to probes/SIZE.yaml."""
+def probe_config(size: str, opts: PlanOptions, runs_dir: Path, lay: dict) -> dict:
+    """The config of a short CLM run of `size` at its layout, written to probes/SIZE.yaml; it
+    runs in RUNS/probe-SIZE, whose metrics `mlmclm plan --throughput SIZE=RUNS/probe-SIZE` reads
+    (docs/cluster.md)."""
     run = Run(f"probe-{size}", size, "probe", PROBE_STEPS, [{"objective": "clm"}], PROBE_WARMUP, 0)
-    cfg = run_config(run, dataclasses.replace(opts, valid=[]), probes_dir, lay)
-    cfg["output_dir"] = str(probes_dir / size)
+    cfg = run_config(run, dataclasses.replace(opts, valid=[]), runs_dir, lay)
     cfg["checkpoint"] = {"save_interval": 0, "resume": False}
     cfg["logging"]["tensorboard"] = False
     return cfg

@@ -110,7 +110,7 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
             p.write_text(
                 f"# A throughput probe of {size} at the plan's layout, written by `mlmclm plan`: "
                 "docs/cluster.md#4-plan\n"
-                + yaml.safe_dump(probe_config(size, opts, root / "probes", lay), sort_keys=False),
+                + yaml.safe_dump(probe_config(size, opts, runs_dir, lay), sort_keys=False),
                 encoding="utf-8",
             )
             load_config(p)  # its schedule fits its steps
