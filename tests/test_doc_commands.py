@@ -35,6 +35,7 @@ from jobs import job_env, launch
 
 from megatron_mlmclm.cli import COMMANDS, command_parser, parse_command_args
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.tasks import load_registry, suite
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -292,10 +293,18 @@ def test_smoke_blocks_run_as_written(doc, tmp_path, tmp_path_factory, data_dir):
             _OPENING_FOLDERS[tuple(lines[:end])] = kept
 
 
+SBATCH_COMMANDS = {  # examples/slurm/: the command each template runs with its arguments
+    "pretrain.sbatch": ["pretrain"],
+    "convert.sbatch": ["convert", "to-hf"],
+    "evaluate_array.sbatch": ["evaluate"],
+    "report.sbatch": ["report"],
+}
+
+
 def cluster_steps(env: dict) -> list[tuple[str, list[str]]]:
     """docs/cluster.md's commands in order, their variables expanded from `env`: each `mlmclm`
-    command (also behind `srun $CONTAINER_ARGS`), and each `pretrain.sbatch CONFIG [overrides]`
-    as the `pretrain` command its job runs."""
+    command (also behind `srun $CONTAINER_ARGS`), and each `sbatch TEMPLATE ARGS` as the command
+    its job runs."""
     steps = []
     for info, body in fenced_blocks(REPO / "docs" / "cluster.md"):
         if info.split()[:1] not in ([], ["bash"]):
@@ -303,9 +312,10 @@ def cluster_steps(env: dict) -> list[tuple[str, list[str]]]:
         for line in logical_lines(body):
             line = re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), m.group(0)), line)
             words = shlex.split(line, comments=True)
-            if "pretrain.sbatch" in " ".join(words):
-                at = next(i for i, w in enumerate(words) if w.endswith("pretrain.sbatch"))
-                steps.append((line, ["pretrain", *words[at + 1 :]]))
+            templates = [i for i, w in enumerate(words) if Path(w).name in SBATCH_COMMANDS]
+            if words[:1] == ["sbatch"] and templates:
+                at = templates[0]
+                steps.append((line, [*SBATCH_COMMANDS[Path(words[at]).name], *words[at + 1 :]]))
             elif mlmclm_argv(line) is not None:
                 steps.append((line, mlmclm_argv(line)))
     return steps
@@ -356,3 +366,7 @@ def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
     assert ran[1] == "pretrain probe-610m" and "probed: 610m" in ran[2], ran
     assert "evaluation data to fetch" in ran[0] and "--fetch" in ran[0]
     assert "pretrain 610m-clm-42k" in ran
+    # the evaluation array is sized for the suite it runs: 6 learning rates x 5 seeds a task
+    [array] = [w for w, a in steps if a[0] == "evaluate" and "--array=0-" in w]
+    last = int(re.search(r"--array=0-(\d+)", array).group(1))
+    assert last + 1 == 30 * len(suite("paper", load_registry()))

@@ -391,7 +391,10 @@ def test_blend_rejects_bad_weights():
 def test_a_missing_extension_is_one_line_at_the_start(monkeypatch, tmp_path, capsys):
     """A Python without the build (a host checkout shadowing a container's install): `pretrain`
     and `index` stop at once, naming the interpreter, the package folder and the fix."""
+    import megatron_mlmclm
+
     monkeypatch.setitem(sys.modules, "megatron_mlmclm._sample_index", None)  # import fails
+    monkeypatch.delattr(megatron_mlmclm, "_sample_index", raising=False)  # once imported
     from megatron_mlmclm.cli import main
 
     config = ["data.train=[nowhere/shard_text_document]", "data.tokenizer=nowhere"]
