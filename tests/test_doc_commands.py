@@ -109,15 +109,21 @@ def documented_commands() -> list[tuple[str, list[str]]]:
     ]
 
 
-@pytest.mark.parametrize("where,argv", documented_commands(), ids=lambda x: str(x)[:90])
-def test_documented_command_parses(where, argv):
+def parsed(where: str, argv: list[str]):
+    """(the subcommand's module, its parsed arguments); a test failure naming `where` if its
+    parser rejects them."""
     module, parser = command_parser(argv[0])
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = parse_command_args(parser, argv[1:])
+            return module, parse_command_args(parser, argv[1:])
     except SystemExit:
         pytest.fail(f"{where}\n  is rejected by the parser: {err.getvalue().strip()}")
+
+
+@pytest.mark.parametrize("where,argv", documented_commands(), ids=lambda x: str(x)[:90])
+def test_documented_command_parses(where, argv):
+    module, args = parsed(where, argv)
     if argv[0] == "pretrain":  # resolve and validate the config, as --dry-run does
         config = args.config
         if config is not None and "=" not in config and not (REPO / config).is_file():
@@ -339,13 +345,7 @@ def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
     assert [a[0] for _, a in steps].count("plan") == 2 and ("pretrain" in [a[0] for _, a in steps])
     ran = []
     for where, argv in steps:
-        module, parser = command_parser(argv[0])
-        err = io.StringIO()
-        try:
-            with contextlib.redirect_stderr(err):
-                args = parse_command_args(parser, argv[1:])
-        except SystemExit:
-            pytest.fail(f"{where}\n  is rejected by the parser: {err.getvalue().strip()}")
+        module, args = parsed(where, argv)
         if argv[0] == "plan":
             with contextlib.redirect_stdout(io.StringIO()) as out:
                 assert module.run(args) == 0, where

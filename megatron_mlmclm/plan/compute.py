@@ -76,16 +76,23 @@ MEASUREMENT_FIELDS = {
 CONFIG_FIELDS = ("seq_length", "objective", "precision", "attention", "layout")
 
 
+def read_entries(path: Path, what: str, key: str) -> dict:
+    """A package-data table of `path` (`what` it holds, a mapping of `key` -> entry), or a
+    UsageError naming the file."""
+    try:
+        entries = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"cannot read the {what} {path}: {e}") from None
+    if not isinstance(entries, dict):
+        raise UsageError(f"{path}: expected a mapping of {key}")
+    return entries
+
+
 def read_measurements(path: str | Path = MEASURED) -> dict[str, dict]:
     """The measured steps of `path`, one entry per size, each checked whole: UsageError naming
     the file, the size and the field."""
     path = Path(path)
-    try:
-        entries = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"cannot read the measured step times {path}: {e}") from None
-    if not isinstance(entries, dict):
-        raise UsageError(f"{path}: expected a mapping of size -> measurement")
+    entries = read_entries(path, "measured step times", "size -> measurement")
     for size, m in entries.items():
         where = f"{path}: {size}"
         if size not in LAYOUTS:

@@ -20,10 +20,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import yaml
-
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.flops import TransformerShape, trunk_flops_per_token
+from megatron_mlmclm.plan.compute import read_entries
 
 FIGURES = Path(__file__).with_name("eval_tasks.yaml")  # package data
 # mlmclm evaluate's default protocol (eval/finetune.py, FinetuneConfig; tests/test_plan.py checks)
@@ -42,12 +41,7 @@ TRAINING_SET = ("train_examples", "query_tokens", "document_tokens")
 def read_eval_figures(path: str | Path = FIGURES) -> dict[str, dict]:
     """The figures of `path`, each entry checked: UsageError naming the file, task and field."""
     path = Path(path)
-    try:
-        entries = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"cannot read the evaluation figures {path}: {e}") from None
-    if not isinstance(entries, dict):
-        raise UsageError(f"{path}: expected a mapping of task -> figures")
+    entries = read_entries(path, "evaluation figures", "task -> figures")
     for task, f in entries.items():
         where = f"{path}: {task}"
         if not isinstance(f, dict) or f.get("family") not in FIELDS:
