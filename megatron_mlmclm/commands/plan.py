@@ -210,10 +210,10 @@ def run(args) -> int:
     )
     print(f"  {out}/SUMMARY.md, {out}/submit_slurm.sh, {out}/jobs/<run>.sh, {out}/configs/")
     if to_fetch:
-        where = options.eval_data_dir or "$MLMCLM_DATA_DIR"
+        where = options.eval_data_dir or "DIR"  # no data folder yet: the user names one
         print(
-            f"  evaluation data to fetch into {where} before the arrays run "
-            f"({', '.join(to_fetch)}): on a machine with internet, MLMCLM_DATA_DIR={where} "
-            f"mlmclm evaluate --task {' '.join(to_fetch)} --fetch"
+            f"  evaluation data to fetch into {options.eval_data_dir or 'a data folder'} before "
+            f"the arrays run ({', '.join(to_fetch)}): on a machine with internet, "
+            f"MLMCLM_DATA_DIR={where} mlmclm evaluate --task {' '.join(to_fetch)} --fetch"
         )
     return 0
