@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import json
 import os
 import re
 import shlex
@@ -29,10 +30,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from jobs import job_env, launch
 
 from megatron_mlmclm.cli import COMMANDS, command_parser, parse_command_args
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.tasks import load_registry, suite
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -106,15 +109,21 @@ def documented_commands() -> list[tuple[str, list[str]]]:
     ]
 
 
-@pytest.mark.parametrize("where,argv", documented_commands(), ids=lambda x: str(x)[:90])
-def test_documented_command_parses(where, argv):
+def parsed(where: str, argv: list[str]):
+    """(the subcommand's module, its parsed arguments); a test failure naming `where` if its
+    parser rejects them."""
     module, parser = command_parser(argv[0])
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            args = parse_command_args(parser, argv[1:])
+            return module, parse_command_args(parser, argv[1:])
     except SystemExit:
         pytest.fail(f"{where}\n  is rejected by the parser: {err.getvalue().strip()}")
+
+
+@pytest.mark.parametrize("where,argv", documented_commands(), ids=lambda x: str(x)[:90])
+def test_documented_command_parses(where, argv):
+    module, args = parsed(where, argv)
     if argv[0] == "pretrain":  # resolve and validate the config, as --dry-run does
         config = args.config
         if config is not None and "=" not in config and not (REPO / config).is_file():
@@ -288,3 +297,76 @@ def test_smoke_blocks_run_as_written(doc, tmp_path, tmp_path_factory, data_dir):
             kept = tmp_path_factory.mktemp("smoke-opening")
             shutil.copytree(tmp_path, kept, dirs_exist_ok=True, symlinks=True)
             _OPENING_FOLDERS[tuple(lines[:end])] = kept
+
+
+SBATCH_COMMANDS = {  # examples/slurm/: the command each template runs with its arguments
+    "pretrain.sbatch": ["pretrain"],
+    "convert.sbatch": ["convert", "to-hf"],
+    "evaluate_array.sbatch": ["evaluate"],
+    "report.sbatch": ["report"],
+}
+
+
+def cluster_steps(env: dict) -> list[tuple[str, list[str]]]:
+    """docs/cluster.md's commands in order, their variables expanded from `env`: each `mlmclm`
+    command (also behind `srun $CONTAINER_ARGS`), and each `sbatch TEMPLATE ARGS` as the command
+    its job runs."""
+    steps = []
+    for info, body in fenced_blocks(REPO / "docs" / "cluster.md"):
+        if info.split()[:1] not in ([], ["bash"]):
+            continue
+        for line in logical_lines(body):
+            line = re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), m.group(0)), line)
+            words = shlex.split(line, comments=True)
+            templates = [i for i, w in enumerate(words) if Path(w).name in SBATCH_COMMANDS]
+            if words[:1] == ["sbatch"] and templates:
+                at = templates[0]
+                steps.append((line, [*SBATCH_COMMANDS[Path(words[at]).name], *words[at + 1 :]]))
+            elif mlmclm_argv(line) is not None:
+                steps.append((line, mlmclm_argv(line)))
+    return steps
+
+
+def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
+    """docs/cluster.md as a new cluster user runs it, on CPU: every command parses; the plans run
+    as written (they train nothing); every pretraining job resolves its config (`--dry-run`);
+    the probe's folder, as its job would leave it, prices the re-plan (`--throughput`)."""
+    env = {
+        "REPO": str(REPO),
+        "STUDY_DIR": str(tmp_path / "study"),
+        "DATA_DIR": str(tmp_path / "data"),
+        "MLMCLM_DATA_DIR": str(tmp_path / "data" / "eval"),
+        "SLURM_DIR": str(REPO / "examples" / "slurm"),
+        "CONTAINER_ARGS": "--container-image=img.sqsh",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    steps = cluster_steps(env)
+    assert [a[0] for _, a in steps].count("plan") == 2 and ("pretrain" in [a[0] for _, a in steps])
+    ran = []
+    for where, argv in steps:
+        module, args = parsed(where, argv)
+        if argv[0] == "plan":
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                assert module.run(args) == 0, where
+            ran.append(out.getvalue())
+        elif argv[0] == "pretrain" and Path(args.config).is_file():
+            args.dry_run = True
+            with contextlib.redirect_stdout(io.StringIO()):
+                module.run(args)  # a config the plan wrote, with the command's overrides
+            cfg = yaml.safe_load(Path(args.config).read_text())
+            if cfg["name"].startswith("probe-"):  # what the probe's job leaves in its folder
+                run = Path(cfg["output_dir"])
+                run.mkdir(parents=True)
+                (run / "config.yaml").write_text(Path(args.config).read_text())
+                record = {"step": 10, "phase": 0, "objective": "clm", "loss": 9.0}
+                record.update(tokens_per_s=1.6e6, tokens_per_s_per_device=1e5)
+                (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+            ran.append(f"pretrain {cfg['name']}")
+    assert ran[1] == "pretrain probe-610m" and "probed: 610m" in ran[2], ran
+    assert "evaluation data to fetch" in ran[0] and "--fetch" in ran[0]
+    assert "pretrain 610m-clm-42k" in ran
+    # the evaluation array is sized for the suite it runs: 6 learning rates x 5 seeds a task
+    [array] = [w for w, a in steps if a[0] == "evaluate" and "--array=0-" in w]
+    last = int(re.search(r"--array=0-(\d+)", array).group(1))
+    assert last + 1 == 30 * len(suite("paper", load_registry()))

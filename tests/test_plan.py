@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -13,8 +14,12 @@ import pytest
 import yaml
 
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.config import load_config
-from megatron_mlmclm.plan.compute import read_measurements
+from megatron_mlmclm.config import load_config, run_flops
+from megatron_mlmclm.eval.finetune import FinetuneConfig
+from megatron_mlmclm.eval.tasks import load_registry, suite
+from megatron_mlmclm.flops import trunk_flops_per_token
+from megatron_mlmclm.plan import evaluation
+from megatron_mlmclm.plan.compute import flops_config, read_measurements
 from megatron_mlmclm.training.branch import check_history
 
 REPO = Path(__file__).resolve().parent.parent
@@ -296,6 +301,53 @@ def test_a_new_measurement_is_a_data_only_change(tmp_path, capsys):
     assert "- 610m: given, 50,000 CLM tokens/s per GPU" in (out / "SUMMARY.md").read_text()
 
 
+def test_a_probe_prices_its_size_from_its_metrics(tmp_path, capsys):
+    """The plan writes a short CLM probe per size whose schedule fits; `--throughput
+    SIZE=METRICS` prices the size from a run's logged tokens/s (the later half of its steps),
+    whatever its objective: an MLM 40% probe prices an MLM 40% run at its own tokens/s, a CLM run
+    at the same FLOP rate."""
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), "--sizes", "610m", "--budgets", "12000",
+            "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps", "--no-branches",
+            "--eval-tasks", "sst2"]  # fmt: skip
+    assert main(argv) == 0
+    probe = load_config(out / "probes" / "610m.yaml")
+    assert [ph.objective for ph in probe.phases] == ["clm"] and probe.train.steps == 200
+    assert probe.checkpoint.save_interval == 0 and probe.output_dir == str(out / "runs/probe-610m")
+    assert (probe.parallel.use_distributed_optimizer, probe.train.micro_batch_size) == (True, 4)
+    # a probe's folder, MLM 40% this time: config.yaml and metrics.jsonl as the trainer writes
+    run = tmp_path / "probe"
+    run.mkdir()
+    (run / "config.yaml").write_text((out / "configs" / "610m-mlm40-12k.yaml").read_text())
+    speeds = [1000.0] * 5 + [30000.0, 31000.0, 29000.0, 30500.0, 29500.0]  # compiling, then steady
+    with open(run / "metrics.jsonl", "w") as f:
+        for i, v in enumerate(speeds, 1):
+            record = {"step": 10 * i, "phase": 0, "objective": "mlm", "loss": 9.0}
+            record.update(tokens_per_s=16 * v, tokens_per_s_per_device=v)
+            f.write(json.dumps(record) + "\n")
+    assert main([*argv, "--force", "--throughput", f"610m={run / 'metrics.jsonl'}"]) == 0
+    assert "priced probed: 610m" in capsys.readouterr().out
+    with open(out / "SUMMARY.csv", newline="") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    tokens = 12000 * 1152 * 2048
+    assert float(rows["610m-mlm40-12k"]["gpu_hours"]) == pytest.approx(
+        tokens / 30000 / 3600, abs=0.01
+    )
+    mlm = flops_config(yaml.safe_load((out / "configs" / "610m-mlm40-12k.yaml").read_text()))
+    clm = flops_config(yaml.safe_load((out / "configs" / "610m-clm-12k.yaml").read_text()))
+    ratio = run_flops(clm) / run_flops(mlm)  # the same tokens: the FLOPs per token's ratio
+    assert float(rows["610m-clm-12k"]["gpu_hours"]) == pytest.approx(
+        tokens / 30000 / 3600 * ratio, rel=1e-3
+    )
+    assert (
+        "- 610m: probed, 30,000 tokens/s per GPU of mlm 0.4 steps at seq 2048"
+        in (out / "SUMMARY.md").read_text()
+    )
+    (run / "config.yaml").unlink()  # a file that is not a run's
+    assert main([*argv, "--force", "--throughput", f"610m={run}"]) == 2
+    assert "config.yaml is not beside" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "edit,expected",
     [
@@ -318,6 +370,106 @@ def test_a_malformed_measurement_exits_2(tmp_path, capsys, edit, expected):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+
+def test_evaluation_is_priced_per_task_beside_pretraining(plan_dir):
+    """The default plan evaluates the paper's sets; a 210m model's array costs, by hand from the
+    figures file: SC/TC/QA 3 forwards per training input and one per scored input, IR 4 per
+    training query and document plus the corpus at every validation and the test."""
+    figures = yaml.safe_load(evaluation.FIGURES.read_text())
+    tasks = suite("paper", load_registry())
+    cfg = flops_config(yaml.safe_load((plan_dir / "configs" / "210m-clm-42k.yaml").read_text()))
+    shape = cfg.model.shape()
+
+    def fwd(tokens):
+        n = min(tokens, 2027)  # 0.99 x 2048 positions
+        return n * trunk_flops_per_token(shape, round(n), causal_half=False)
+
+    def run(task):
+        f = figures[task]
+        train = figures[f["train_task"]] if "train_task" in f else f
+        steps = min(1000, -(-train["train_examples"] // 32))
+        vals = -(-steps // 100)
+        if f["family"] != "ir":
+            return (3 * 32 * steps + vals * f["validation_examples"] + f["test_examples"]) * fwd(
+                f["input_tokens"]
+            )
+        pair = fwd(train["query_tokens"]) + fwd(train["document_tokens"])
+        return (
+            4 * 32 * steps * pair
+            + (vals + 1) * f["corpus_documents"] * fwd(f["document_tokens"])
+            + (vals * f["validation_examples"] + f["test_examples"]) * fwd(f["query_tokens"])
+        )
+
+    with open(plan_dir / "SUMMARY.csv", newline="") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    r = rows["210m-clm-42k"]
+    rate = float(r["tflop_per_gpu_s"]) * 1e12  # the size's pretraining FLOP rate
+    expected = 30 * sum(run(t) for t in tasks) / rate / 3600
+    assert float(r["eval_gpu_hours"]) == pytest.approx(expected, rel=1e-3)
+    assert int(r["eval_runs"]) == 30 * len(tasks)
+    for x in rows.values():  # every model of a size costs the same to evaluate
+        assert float(x["total_gpu_hours"]) == pytest.approx(
+            float(x["gpu_hours"]) + float(x["eval_gpu_hours"]), abs=0.011
+        )
+        assert x["eval_gpu_hours"] == rows[f"{x['size']}-clm-42k"]["eval_gpu_hours"]
+    md = (plan_dir / "SUMMARY.md").read_text()
+    pre = sum(float(x["gpu_hours"]) for x in rows.values())
+    ev = sum(float(x["eval_gpu_hours"]) for x in rows.values())
+    assert f"**GPU-hours**: pretraining {pre:,.1f}, evaluation {ev:,.1f}" in md
+    for t in tasks:  # each task's row names where its figures come from
+        assert f"| {t} | {figures[t]['family']} |" in md and figures[t]["source"] in md
+
+
+def test_the_evaluation_figures_are_well_formed():
+    """Every task the plan may price by default has figures with a source; the protocol the
+    plan assumes is evaluate's default."""
+    figures = evaluation.read_eval_figures()
+    registry = load_registry()
+    mini = ["sst2", "mnli", "qqp", "conll2003", "squad", "scifact"]
+    for name in [*suite("paper", registry), *mini, "msmarco_pairs"]:
+        assert name in figures and figures[name]["family"] == registry[name].family, name
+        assert figures[name].get("train_task") == registry[name].train_task, name
+    d = FinetuneConfig(model="", task="")
+    assert (d.batch_size, d.max_steps, d.epochs, d.eval_every, d.max_length_ratio) == (
+        evaluation.BATCH,
+        evaluation.MAX_STEPS,
+        evaluation.EPOCHS,
+        evaluation.EVAL_EVERY,
+        evaluation.MAX_LENGTH_RATIO,
+    )
+
+
+SMALL = ["--sizes", "210m", "--budgets", "12000", "--mask-ratios", "0.4", "--clm-shares",
+         "--cpt-steps", "--objectives", "mlm"]  # fmt: skip
+
+
+def test_eval_tasks_by_name_and_their_data_checked(tmp_path, capsys, data_dir):
+    """The mini-study's tasks only by name; their data are checked in the folder the jobs read,
+    which the submit script exports."""
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), *SMALL, "--eval-tasks", "sst2", "mnli", "scifact"]
+    assert main([*argv, "--eval-data-dir", str(data_dir)]) == 0
+    assert "to fetch" not in capsys.readouterr().out
+    script = (out / "submit_slurm.sh").read_text()
+    assert "--array=0-89 " in script and "--task sst2 mnli scifact " in script
+    assert f"export MLMCLM_DATA_DIR=${{MLMCLM_DATA_DIR:-{data_dir.resolve()}}}" in script
+    # an empty data folder: mnli (the mini-study's subset) has no source to fetch from
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([*argv, "--force", "--eval-data-dir", str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "task 'mnli': its data are not in" in err[0], err
+    # the paper's sets (the default): fetchable, so planned, with the command that fetches them
+    assert main(["plan", "--out", str(out), "--force", *SMALL, "--eval-data-dir", str(empty)]) == 0
+    said = capsys.readouterr().out
+    assert "evaluation data to fetch into" in said and "--fetch" in said
+    assert "msmarco_pairs" in said  # the set the IR tasks train on
+    assert main(["plan", "--out", str(out), "--force", *SMALL, "--eval-suite"]) == 2
+    assert "no evaluation task" in capsys.readouterr().err
 
 
 def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
@@ -394,7 +546,8 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
             [ln] = segments(f"610m-clm-{at // 1000}k-mlm40-{budget}k").values()
             assert dependency(ln) == clm[str(at)]
     evals = [ln for ln in lines if "evaluate_array.sbatch" in ln]
-    assert all("--array=0-179" in ln for ln in evals) and len(evals) == 60
+    n = len(suite("paper", load_registry())) * 30  # the paper's sets x 6 LRs x 5 seeds
+    assert all(f"--array=0-{n - 1}" in ln for ln in evals) and len(evals) == 60
     for ln in evals:  # each array waits for its run's export
         assert "convert.sbatch" in dependency(ln)
     # the report waits for every array; GPUs are asked for on the command line

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -385,3 +386,22 @@ def test_blend_rejects_bad_weights():
     for bad in ([], [1.0, 0.0], [1.0, -2.0], [float("nan")], [float("inf"), 1.0]):
         with pytest.raises(ValueError):
             build_blend_index(bad, 10, 0)
+
+
+def test_a_missing_extension_is_one_line_at_the_start(monkeypatch, tmp_path, capsys):
+    """A Python without the build (a host checkout shadowing a container's install): `pretrain`
+    and `index` stop at once, naming the interpreter, the package folder and the fix."""
+    import megatron_mlmclm
+
+    monkeypatch.setitem(sys.modules, "megatron_mlmclm._sample_index", None)  # import fails
+    monkeypatch.delattr(megatron_mlmclm, "_sample_index", raising=False)  # once imported
+    from megatron_mlmclm.cli import main
+
+    config = ["data.train=[nowhere/shard_text_document]", "data.tokenizer=nowhere"]
+    assert main(["pretrain", *config]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "_sample_index is not built for this Python" in err[0], err
+    assert sys.executable in err[0]
+    argv = ["index", "--data-prefix", str(tmp_path / "x"), "--seq-length", "8", "--epochs", "1"]
+    assert main(argv) == 2
+    assert "is not built" in capsys.readouterr().err

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import yaml
 from jobs import read_metrics, run_pretrain
+
+from megatron_mlmclm.plan.compute import probed_pricing
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +67,15 @@ def test_validation_loss_drops_on_gutenberg(gutenberg_shards, tmp_path, name):
     assert len(vals) == 3  # step 0, 20, 40
     # From ~ln(2048) = 7.6 at initialisation; a working run loses over a nat in 40 steps.
     assert vals[0] > 7.0 and vals[-1] < vals[0] - 1.0, vals
+    # The run's folder prices a plan (`mlmclm plan --throughput SIZE=RUN`, docs/cluster.md): the
+    # median tokens/s per device of the later half of its last phase's logged steps.
+    price = probed_pricing("tiny", str(tmp_path / name))
+    last = [m for m in read_metrics(tmp_path / name) if "loss" in m][-1]["phase"]
+    logged = [m for m in read_metrics(tmp_path / name) if "loss" in m and m["phase"] == last]
+    later = [m["tokens_per_s_per_device"] for m in logged[len(logged) // 2 :]]
+    assert price.tokens_per_s == statistics.median(later) and price.source == "probed"
+    assert price.phase.objective == OBJECTIVES[name][-1]["objective"]
+    assert price.phase.seq_length == 64
 
 
 def test_non_finite_gradients_stop_the_run_and_keep_the_last_checkpoint(tmp_path):

@@ -8,6 +8,7 @@
     mlmclm evaluate ... --list                  # print the grid (size it for a SLURM array)
     mlmclm evaluate ... --array-index 17        # run grid element 17 only ($SLURM_ARRAY_TASK_ID)
     mlmclm evaluate --list-tasks
+    mlmclm evaluate --suite paper --fetch       # its data from the Hub into $MLMCLM_DATA_DIR
 
 See docs/evaluate.md.
 """
@@ -15,8 +16,10 @@ See docs/evaluate.md.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.fetch import fetch
 from megatron_mlmclm.eval.finetune import PRECISIONS, FinetuneConfig, show_inputs
 from megatron_mlmclm.eval.grid import (
     DEFAULT_LRS,
@@ -27,7 +30,8 @@ from megatron_mlmclm.eval.grid import (
     run_grid,
 )
 from megatron_mlmclm.eval.protocols import PROTOCOLS
-from megatron_mlmclm.eval.tasks import load_registry, suite
+from megatron_mlmclm.eval.tasks import get_task, load_registry, suite
+from megatron_mlmclm.paths import data_dir
 
 DEFAULTS = FinetuneConfig(model="", task="")  # the run settings a flag left out falls back to
 RUN_FLAGS = (
@@ -77,6 +81,13 @@ def add_arguments(p) -> None:
     p.add_argument("--list", action="store_true", help="print the grid with indices and exit")
     p.add_argument("--list-tasks", action="store_true", help="print the known tasks and exit")
     p.add_argument(
+        "--fetch",
+        action="store_true",
+        help="write the --task/--suite data from the Hugging Face Hub into $MLMCLM_DATA_DIR in "
+        "the local layouts (needs internet and `datasets`; present tasks are kept), verify it, "
+        "and exit",
+    )
+    p.add_argument(
         "--show-inputs",
         type=int,
         default=None,
@@ -113,6 +124,18 @@ def add_arguments(p) -> None:
     g.add_argument("--no-progress", action="store_true")
 
 
+def fetch_data(tasks) -> int:
+    """--fetch: every task's local layout under $MLMCLM_DATA_DIR, made if absent."""
+    env = os.environ.get("MLMCLM_DATA_DIR")
+    if env:
+        root = Path(env)
+        root.mkdir(parents=True, exist_ok=True)  # before the tasks resolve their folders in it
+    else:
+        root = data_dir(required=True)
+    fetch(tasks, root)
+    return 0
+
+
 def _positive(name: str, value) -> None:
     if value is not None and value <= 0:
         raise UsageError(f"--{name.replace('_', '-')} must be > 0")
@@ -126,12 +149,14 @@ def run(args) -> int:
             metric = "training set" if t.train_only else t.metric_name
             print(f"{name:<14} {t.family}  {metric:<12} {t.format:<9} {where}{suites}")
         return 0
-    if not args.model:
+    if not args.model and not args.fetch:
         raise UsageError("--model is required (one or more HF model folders)")
     registry = load_registry(args.task_file)
     tasks = list(args.task) + (suite(args.suite, registry) if args.suite else [])
     if not tasks:
         raise UsageError("--task or --suite is required; see `mlmclm evaluate --list-tasks`")
+    if args.fetch:
+        return fetch_data([get_task(t, registry=registry) for t in dict.fromkeys(tasks)])
     for name in (
         "batch_size",
         "max_steps",

@@ -31,7 +31,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     # Imported here: megatron-core would slow `mlmclm index --help`.
     from megatron_mlmclm.data.dataset import index_shards, parse_prefixes
+    from megatron_mlmclm.data.sample_index import require_extension
 
+    require_extension()  # a missing build is one line, before any shard is read
     prefixes, weights = parse_prefixes(args.data_prefix)
     if args.seq_length < 1:
         raise UsageError(f"--seq-length must be >= 1, got {args.seq_length}")

@@ -8,7 +8,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
+from megatron_mlmclm.eval.fetch import check_data
+from megatron_mlmclm.eval.tasks import get_task, load_registry, suite
+from megatron_mlmclm.paths import data_dir
 from megatron_mlmclm.plan.compute import DEFAULT_THROUGHPUT
 from megatron_mlmclm.plan.jobs import EVAL_LRS, EVAL_SEEDS
 from megatron_mlmclm.plan.layout import LAYOUTS
@@ -90,7 +95,33 @@ def add_arguments(p) -> None:
     r.add_argument(
         "--results-dir", default=d.results_dir, help="evaluation results (default OUT/results)"
     )
-    r.add_argument("--eval-tasks", nargs="*", default=d.eval_tasks)
+    r.add_argument(
+        "--eval-suite",
+        nargs="*",
+        default=d.eval_suite,
+        metavar="SUITE",
+        help="evaluate every task of a suite (default: paper, the paper's sets, unless "
+        "--eval-tasks names tasks; no value: none)",
+    )
+    r.add_argument(
+        "--eval-tasks",
+        nargs="*",
+        default=d.eval_tasks,
+        help="evaluation tasks besides the suite's (e.g. the mini-study's sst2 mnli qqp "
+        "conll2003 squad scifact)",
+    )
+    r.add_argument(
+        "--eval-data-dir",
+        default=d.eval_data_dir,
+        help="the data folder the evaluation jobs read, checked now (default: $MLMCLM_DATA_DIR)",
+    )
+    r.add_argument(
+        "--eval-figures",
+        default=d.eval_figures,
+        metavar="YAML",
+        help="each task's sizes and input lengths, for the evaluation's GPU-hours (default: "
+        "megatron_mlmclm/plan/eval_tasks.yaml)",
+    )
     r.add_argument(
         "--eval-lrs",
         nargs="*",
@@ -140,9 +171,29 @@ def add_arguments(p) -> None:
     )
 
 
+def evaluation(options: PlanOptions) -> tuple[PlanOptions, list[str]]:
+    """The plan's evaluation tasks (the suite's, then --eval-tasks) and its data folder, checked:
+    every task's data present there or fetchable from the Hub (those are returned), else one line
+    (UsageError)."""
+    registry = load_registry()
+    suites = options.eval_suite
+    if suites is None:
+        suites = [] if options.eval_tasks else ["paper"]
+    names = [n for s in suites for n in suite(s, registry)] + list(options.eval_tasks)
+    tasks = [get_task(n, registry=registry) for n in dict.fromkeys(names)]
+    root = options.eval_data_dir or os.environ.get("MLMCLM_DATA_DIR")
+    root = Path(root).resolve() if root else data_dir()
+    to_fetch = check_data(tasks, root)
+    resolved = dataclasses.replace(
+        options, eval_tasks=[t.name for t in tasks], eval_data_dir=str(root) if root else None
+    )
+    return resolved, to_fetch
+
+
 def run(args) -> int:
     fields = dataclasses.fields(PlanOptions)
     options = PlanOptions(**{f.name: getattr(args, f.name) for f in fields})
+    options, to_fetch = evaluation(options)
     totals = write_plan(args.out, options, force=args.force)
     out = args.out
     by_source: dict[str, list[str]] = {}
@@ -150,10 +201,19 @@ def run(args) -> int:
         by_source.setdefault(price.source, []).append(size)
     print(
         f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
-        f"{totals['gpu_hours']:,.0f} GPU-hours with branches "
-        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch); priced "
+        f"{totals['gpu_hours']:,.0f} GPU-hours of pretraining with branches "
+        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch), "
+        f"{totals['eval_gpu_hours']:,.0f} of evaluation ({len(options.eval_tasks)} tasks), "
+        f"{totals['total_gpu_hours']:,.0f} in total; priced "
         + ", ".join(f"{source}: {' '.join(sizes)}" for source, sizes in by_source.items())
         + f" -> {out}"
     )
     print(f"  {out}/SUMMARY.md, {out}/submit_slurm.sh, {out}/jobs/<run>.sh, {out}/configs/")
+    if to_fetch:
+        where = options.eval_data_dir or "DIR"  # no data folder yet: the user names one
+        print(
+            f"  evaluation data to fetch into {options.eval_data_dir or 'a data folder'} before "
+            f"the arrays run ({', '.join(to_fetch)}): on a machine with internet, "
+            f"MLMCLM_DATA_DIR={where} mlmclm evaluate --task {' '.join(to_fetch)} --fetch"
+        )
     return 0

@@ -57,7 +57,11 @@ def run(args) -> int:
 
         print(dry_run_report(cfg))
         return 0
-    # Imported here: megatron-core would slow `--help` and `--dry-run`.
+    # Imported here: numpy and megatron-core would slow `--help` and `--dry-run`.
+    from megatron_mlmclm.data.sample_index import require_extension
+
+    if not cfg.data.mock:  # the sample index's builder: a missing build is one line, at once
+        require_extension()
     from megatron_mlmclm.training.pretrain import pretrain
 
     return pretrain(cfg, stop_at=args.stop_at, count_syncs=args.count_syncs)

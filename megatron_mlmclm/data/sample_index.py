@@ -50,11 +50,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from megatron_mlmclm.errors import UsageError
 
 FORMAT_VERSION = 3
 # The rule that orders a stream, recorded in every checkpoint's data fingerprint
@@ -64,16 +68,20 @@ SAMPLE_ORDER = 2
 ARRAYS = ("doc_idx", "sample_idx", "boundary_ptr", "boundary_offsets", "shuffle_idx")
 
 
-def _ext():
+def require_extension():
     """The C++ builder, imported where it is used: it is compiled separately (setup.py), so a
-    checkout without the build still imports this module and the first use says how to build it."""
+    checkout without the build still imports this module; `pretrain` and `index` ask for it at
+    their start, so a missing build is one line before any work."""
     try:
         from megatron_mlmclm import _sample_index
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "the C++ extension megatron_mlmclm._sample_index is not built; run "
-            "`python setup.py build_ext --inplace` (or pip install -e .)"
-        ) from e
+    except ImportError:
+        package = Path(__file__).resolve().parents[1]
+        raise UsageError(
+            f"the C++ extension megatron_mlmclm._sample_index is not built for this Python "
+            f"({sys.executable}, {platform.python_version()}) in {package}: run `pip install .` "
+            f"or `python setup.py build_ext --inplace` in {package.parent} (in a container, start "
+            "outside any host checkout so that the image's install runs: docs/cluster.md)"
+        ) from None
     return _sample_index
 
 
@@ -213,7 +221,7 @@ def build_sample_index(
         if hit is not None:
             return hit
 
-    r = _ext().build_sample_index(
+    r = require_extension().build_sample_index(
         lengths,
         int(seq_length),
         int(seed),
@@ -272,4 +280,4 @@ def build_blend_index(weights, size: int, seed: int = 0) -> tuple[np.ndarray, np
     if int(size) < 0:
         raise ValueError(f"size must be >= 0, got {size}")
     del seed
-    return _ext().build_blend_index(w / w.sum(), int(size))
+    return require_extension().build_blend_index(w / w.sum(), int(size))

@@ -6,6 +6,8 @@
                 and which run branches from which
     compute.py  tokens, model FLOPs and GPU-hours of a run, each size priced from its measured
                 step (measured_step_times.yaml, package data) or an assumed throughput
+    evaluation.py  the GPU-hours of each model's evaluation array (eval_tasks.yaml: each task's
+                sizes and input lengths, with their sources)
     jobs.py     the per-run job script and the SLURM submit script
     summary.py  SUMMARY.md, SUMMARY.csv, manifest.tsv
     write.py    write_plan: everything built and checked in memory, then one folder renamed into

@@ -15,7 +15,10 @@ cost from scratch is reported beside it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
+import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,13 +29,15 @@ from megatron_mlmclm.config import (
     RunConfig,
     finalize_run_config,
     from_dict,
+    load_config,
+    phase_seq_length,
     run_flops,
     step_flops,
     step_tokens,
 )
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.plan.grid import Run
-from megatron_mlmclm.plan.layout import GLOBAL_BATCH, LAYOUTS, per_size
+from megatron_mlmclm.plan.layout import GLOBAL_BATCH, LAYOUTS, check_size, per_size
 
 VOCAB = 128256  # Llama-3 tokenizer
 
@@ -71,16 +76,23 @@ MEASUREMENT_FIELDS = {
 CONFIG_FIELDS = ("seq_length", "objective", "precision", "attention", "layout")
 
 
+def read_entries(path: Path, what: str, key: str) -> dict:
+    """A package-data table of `path` (`what` it holds, a mapping of `key` -> entry), or a
+    UsageError naming the file."""
+    try:
+        entries = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"cannot read the {what} {path}: {e}") from None
+    if not isinstance(entries, dict):
+        raise UsageError(f"{path}: expected a mapping of {key}")
+    return entries
+
+
 def read_measurements(path: str | Path = MEASURED) -> dict[str, dict]:
     """The measured steps of `path`, one entry per size, each checked whole: UsageError naming
     the file, the size and the field."""
     path = Path(path)
-    try:
-        entries = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise UsageError(f"cannot read the measured step times {path}: {e}") from None
-    if not isinstance(entries, dict):
-        raise UsageError(f"{path}: expected a mapping of size -> measurement")
+    entries = read_entries(path, "measured step times", "size -> measurement")
     for size, m in entries.items():
         where = f"{path}: {size}"
         if size not in LAYOUTS:
@@ -132,12 +144,63 @@ def measured_pricing(size: str, m: dict) -> Pricing:
     return Pricing(float(m["tokens_per_s_per_gpu"]), phase, "measured", note)
 
 
+def probed_pricing(size: str, path: str) -> Pricing:
+    """`--throughput SIZE=METRICS`: the tokens/s per GPU a run logged (its metrics.jsonl, or the
+    run's folder), the median over the later half of its logged steps (past compilation and
+    warmup) of its last phase, at that phase's FLOPs per token (read from the run's config.yaml
+    beside it): any objective, converted by the FLOP count."""
+    where = f"--throughput {size}={path}"
+    metrics = Path(path) / "metrics.jsonl" if Path(path).is_dir() else Path(path)
+    config = metrics.with_name("config.yaml")
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+        records = [r for r in map(json.loads, filter(str.strip, lines)) if "tokens_per_s" in r]
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{where}: cannot read {metrics}: {e}") from None
+    if not records:
+        raise UsageError(f"{where}: {metrics} holds no logged training step")
+    if not config.is_file():
+        raise UsageError(f"{where}: the run's config.yaml is not beside {metrics}")
+    run = load_config(config)
+    phase = records[-1]["phase"]
+    steps = [r for r in records if r["phase"] == phase]
+    kept = steps[len(steps) // 2 :]
+    tokens_per_s = statistics.median(r["tokens_per_s_per_device"] for r in kept)
+    ph = dataclasses.replace(run.phases[phase], seq_length=phase_seq_length(run, run.phases[phase]))
+    note = (
+        f"{size}: probed, {tokens_per_s:,.0f} tokens/s per GPU of {ph.label()} steps at seq "
+        f"{ph.seq_length} (the median of steps {kept[0]['step']}-{kept[-1]['step']} of run "
+        f"{run.name}, {metrics})"
+    )
+    return Pricing(float(tokens_per_s), ph, "probed", note)
+
+
+def split_throughput(items: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`--throughput` items: N / SIZE=N, and SIZE=PATH (a run's metrics.jsonl or folder)."""
+    numbers, probes = [], {}
+    for item in items:
+        size, _, value = item.partition("=")
+        try:
+            float(value)
+        except ValueError:
+            if value and ("/" in value or value.endswith(".jsonl") or Path(value).exists()):
+                check_size(size)
+                probes[size] = value
+                continue
+        numbers.append(item)
+    return numbers, probes
+
+
 def pricing(sizes, given: list[str], measured: dict[str, dict]) -> dict[str, Pricing]:
-    """Per size: `--throughput SIZE=N` where given, else its measured step, else the assumption."""
-    flags = per_size(given, dict.fromkeys(LAYOUTS), "--throughput", float)
+    """Per size: `--throughput SIZE=N` or `SIZE=METRICS` where given, else its measured step,
+    else the assumption."""
+    numbers, probes = split_throughput(given)
+    flags = per_size(numbers, dict.fromkeys(LAYOUTS), "--throughput", float)
     out = {}
     for size in sizes:
-        if flags[size] is not None:
+        if size in probes:
+            out[size] = probed_pricing(size, probes[size])
+        elif flags[size] is not None:
             note = f"{size}: given, {flags[size]:,.0f} CLM tokens/s per GPU (--throughput)"
             out[size] = Pricing(flags[size], CLM, "given", note)
         elif size in measured:

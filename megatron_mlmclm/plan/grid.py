@@ -25,6 +25,7 @@ Names follow the released models (see docs/plan.md): `610m-mlm40-42k`, `610m-clm
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -294,4 +295,20 @@ def run_config(run: Run, opts: PlanOptions, runs_dir: Path, lay: dict) -> dict:
         )
     if run.keep_steps:
         cfg["checkpoint"]["keep_steps"] = list(run.keep_steps)
+    return cfg
+
+
+# A throughput probe: long enough for a steady median (tokens/s is logged every 10 steps), with a
+# schedule that fits (warmup, then the constant LR: no decay), no checkpoints and no validation.
+PROBE_STEPS, PROBE_WARMUP = 200, 20
+
+
+def probe_config(size: str, opts: PlanOptions, runs_dir: Path, lay: dict) -> dict:
+    """The config of a short CLM run of `size` at its layout, written to probes/SIZE.yaml; it
+    runs in RUNS/probe-SIZE, whose metrics `mlmclm plan --throughput SIZE=RUNS/probe-SIZE` reads
+    (docs/cluster.md)."""
+    run = Run(f"probe-{size}", size, "probe", PROBE_STEPS, [{"objective": "clm"}], PROBE_WARMUP, 0)
+    cfg = run_config(run, dataclasses.replace(opts, valid=[]), runs_dir, lay)
+    cfg["checkpoint"] = {"save_interval": 0, "resume": False}
+    cfg["logging"]["tensorboard"] = False
     return cfg

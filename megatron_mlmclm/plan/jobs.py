@@ -133,6 +133,8 @@ def submit_script(
         "EVALS=",
         "",
     ]
+    if opts.eval_data_dir:  # the folder whose evaluation data `mlmclm plan` checked
+        lines[-1:-1] = [f"export MLMCLM_DATA_DIR=${{MLMCLM_DATA_DIR:-{q(opts.eval_data_dir)}}}"]
     task_args = " ".join(q(t) for t in opts.eval_tasks)
     grid = "".join(" " + q(a) for a in eval_grid_args(opts))
     for i, run in enumerate(runs):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DEFAULT_EVAL_TASKS = ("sst2", "mnli", "qqp", "conll2003", "squad", "scifact")
-
 
 @dataclass
 class PlanOptions:
@@ -35,7 +33,12 @@ class PlanOptions:
     runs_dir: str | None = None  # default: OUT/runs
     hf_dir: str | None = None  # default: OUT/hf
     results_dir: str | None = None  # default: OUT/results
-    eval_tasks: list[str] = field(default_factory=lambda: list(DEFAULT_EVAL_TASKS))
+    # the evaluation: a suite's tasks (None: the paper's unless eval_tasks names tasks) plus
+    # eval_tasks; commands/plan.py resolves them (the registry is eval/'s) into eval_tasks
+    eval_suite: list[str] | None = None
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_figures: str | None = None  # task sizes and lengths (default: plan/eval_tasks.yaml)
+    eval_data_dir: str | None = None  # the jobs' MLMCLM_DATA_DIR (default: the plan's)
     eval_lrs: list[float] = field(default_factory=list)  # empty: evaluate's default grid
     eval_seeds: list[int] = field(default_factory=list)
     save_interval: int = 1000

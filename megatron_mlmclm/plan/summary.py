@@ -10,7 +10,9 @@ from megatron_mlmclm.plan.grid import Run
 from megatron_mlmclm.plan.layout import GLOBAL_BATCH
 
 
-def summary_md(rows: list[dict], totals: dict, prices: dict) -> str:
+def summary_md(
+    rows: list[dict], totals: dict, prices: dict, eval_tasks: list[dict], runs_per_task: int
+) -> str:
     out = io.StringIO()
     w = out.write
     w("# Plan summary\n\n")
@@ -75,9 +77,48 @@ def summary_md(rows: list[dict], totals: dict, prices: dict) -> str:
         by_kind.setdefault(r["kind"], []).append(r)
     for kind, rs in by_kind.items():
         w(f"- {kind}: {len(rs)} runs, {sum(x['gpu_hours'] for x in rs):,.1f} GPU-hours\n")
+    w(eval_md(rows, totals, eval_tasks, runs_per_task))
     w(
         "\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `submit_slurm.sh`, `manifest.tsv`, "
         "`SUMMARY.csv`. See docs/plan.md.\n"
+    )
+    return out.getvalue()
+
+
+def eval_md(rows: list[dict], totals: dict, tasks: list[dict], runs_per_task: int) -> str:
+    """The evaluation's price: per task, a run's steps and GPU-hours at each size; the totals."""
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    out = io.StringIO()
+    w = out.write
+    w(
+        f"\n## Evaluation\n\nEvery model's evaluation array fine-tunes {len(tasks)} task(s) x "
+        f"{runs_per_task} runs (learning rates x seeds) under `mlmclm evaluate`'s default "
+        "protocol (batch 32, at most 1,000 steps or one epoch, validation every 100 steps and at "
+        "the end, the test once), one GPU a run, at the FLOP rate its size's pretraining is "
+        "priced at above (plan/evaluation.py): 3 forward passes per training input (IR: 4, "
+        "CachedMNRL embeds twice), one per validation and test input, and the whole corpus "
+        "encoded at every validation and at the test (IR). Inputs at each task's mean length "
+        "(megatron_mlmclm/plan/eval_tasks.yaml, sources below); padding to a batch's longest "
+        "input, data loading and start-up are not counted: fine-tuning's short batches run "
+        "below pretraining's FLOP rate, so these hours are a lower bound.\n\n"
+    )
+    w(
+        "| task | family | steps | validations | "
+        + " | ".join(f"GPU-h a model, {s}" for s in sizes)
+        + " | figures |\n|---|---|---:|---:|"
+        + "---:|" * len(sizes)
+        + "---|\n"
+    )
+    for t in tasks:
+        w(
+            f"| {t['task']} | {t['family']} | {t['steps']} | {t['validations']} | "
+            + " | ".join(f"{t[s] * runs_per_task:,.2f}" for s in sizes)
+            + f" | {t['source']} |\n"
+        )
+    w(
+        f"\n**GPU-hours**: pretraining {totals['gpu_hours']:,.1f}, evaluation "
+        f"{totals['eval_gpu_hours']:,.1f} ({len(rows)} models x {len(tasks) * runs_per_task} "
+        f"runs), total {totals['total_gpu_hours']:,.1f}.\n"
     )
     return out.getvalue()
 
@@ -86,6 +127,8 @@ def totals_of(rows: list[dict]) -> dict:
     return {
         "tokens": sum(r["tokens"] for r in rows),
         "gpu_hours": round(sum(r["gpu_hours"] for r in rows), 2),
+        "eval_gpu_hours": round(sum(r["eval_gpu_hours"] for r in rows), 2),
+        "total_gpu_hours": round(sum(r["total_gpu_hours"] for r in rows), 2),
         "gpu_hours_from_scratch": round(sum(r["gpu_hours_from_scratch"] for r in rows), 2),
         "model_pflop": round(sum(r["model_pflop"] for r in rows), 1),
     }

@@ -10,8 +10,15 @@ import yaml
 
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.plan.compute import MEASURED, compute_row, pricing, read_measurements
-from megatron_mlmclm.plan.grid import build_grid, run_config
+from megatron_mlmclm.plan.compute import (
+    MEASURED,
+    compute_row,
+    flops_config,
+    pricing,
+    read_measurements,
+)
+from megatron_mlmclm.plan.evaluation import FIGURES, eval_columns, read_eval_figures, task_table
+from megatron_mlmclm.plan.grid import build_grid, probe_config, run_config
 from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
 from megatron_mlmclm.plan.options import PlanOptions
@@ -29,11 +36,15 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     if opts.gpus_per_node < 1:
         raise UsageError("--gpus-per-node must be >= 1")
     measured = read_measurements(opts.step_times or MEASURED)
+    figures = read_eval_figures(opts.eval_figures or FIGURES)
     nodes = per_size(opts.nodes, {k: v["nodes"] for k, v in LAYOUTS.items()}, "--nodes", int)
     runs = build_grid(opts)
     prices = pricing(dict.fromkeys(r.size for r in runs), opts.throughput, measured)
     if opts.eval_tasks is not None and not opts.eval_tasks:
-        raise UsageError("--eval-tasks is empty; give at least one task, e.g. sst2")
+        raise UsageError(
+            "no evaluation task: --eval-suite and --eval-tasks are empty; give a suite "
+            "(--eval-suite paper) or tasks (--eval-tasks sst2 ...)"
+        )
     if not opts.data:
         raise UsageError("--data is empty; give the shard prefix(es) written by mlmclm preprocess")
 
@@ -44,9 +55,18 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
 
     # Build and validate everything in memory first: bad input leaves no files behind.
     layouts = {r.name: layout_for(r.size, nodes[r.size], opts.gpus_per_node) for r in runs}
+    per_task = eval_array_size(opts) // len(opts.eval_tasks)  # learning rates x seeds
+    sizes = {}  # size -> (shape, seq_length, FLOP rate): what its fine-tuning runs are priced at
     for r in runs:
         r.config = run_config(r, opts, runs_dir, layouts[r.name])
         r.row = compute_row(r, layouts[r.name], prices[r.size])
+        cfg = flops_config(r.config)
+        sizes.setdefault(
+            r.size, (cfg.model.shape(), cfg.model.seq_length, prices[r.size].flop_rate(cfg))
+        )
+        r.row.update(eval_columns(opts.eval_tasks, per_task, figures, *sizes[r.size]))
+        r.row["total_gpu_hours"] = round(r.row["gpu_hours"] + r.row["eval_gpu_hours"], 2)
+    eval_tasks = task_table(opts.eval_tasks, figures, sizes)
 
     tmp = root.with_name(root.name + ".tmp-plan")
     if tmp.exists():
@@ -83,6 +103,17 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
                 )
             )
             s.chmod(0o755)
+        (tmp / "probes").mkdir()
+        for size in sizes:  # a short CLM run per size, for `--throughput SIZE=METRICS`
+            p = tmp / "probes" / f"{size}.yaml"
+            lay = next(layouts[r.name] for r in runs if r.size == size)
+            p.write_text(
+                f"# A throughput probe of {size} at the plan's layout, written by `mlmclm plan`: "
+                "docs/cluster.md#4-plan\n"
+                + yaml.safe_dump(probe_config(size, opts, runs_dir, lay), sort_keys=False),
+                encoding="utf-8",
+            )
+            load_config(p)  # its schedule fits its steps
         sub = tmp / "submit_slurm.sh"
         sub.write_text(
             submit_script(runs, cfg_paths, runs_dir, hf_dir, results, opts, layouts, SLURM_DIR)
@@ -92,7 +123,9 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
         rows = [r.row for r in runs]
         write_summary_csv(tmp / "SUMMARY.csv", rows)
         totals = totals_of(rows)
-        (tmp / "SUMMARY.md").write_text(summary_md(rows, totals, prices), encoding="utf-8")
+        (tmp / "SUMMARY.md").write_text(
+            summary_md(rows, totals, prices, eval_tasks, per_task), encoding="utf-8"
+        )
         write_manifest(
             tmp / "manifest.tsv",
             runs,

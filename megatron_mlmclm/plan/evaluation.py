@@ -1,0 +1,135 @@
+"""The price of a plan's evaluation: the GPU-hours of every model's evaluation array (each task x
+learning rate x seed a fine-tuning run), at the FLOP rate its size's pretraining is priced at.
+
+A fine-tuning run under `mlmclm evaluate`'s default protocol (eval/finetune.py's FinetuneConfig:
+batch 32, at most 1,000 steps or one epoch, validation every 100 steps and at the end, the test
+once at the end) costs, with F(L) the forward FLOPs of one input of L tokens (flops.py's trunk,
+bidirectional attention; the small task heads left out):
+- SC, TC, QA: 3 F(L) per training input (forward and backward), F(L) per validation and test
+  input;
+- IR: each training pair's query and document at 4 F (CachedMultipleNegativesRankingLoss embeds
+  the batch without gradients first, then again with them), and at every validation and at the
+  test every corpus document and the split's queries at F.
+Each task's sizes and mean input lengths come from eval_tasks.yaml (package data; each entry says
+its source). Inputs are priced at their mean length: padding to a batch's longest input is not
+counted, nor the time a run spends loading data and models.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.flops import TransformerShape, trunk_flops_per_token
+from megatron_mlmclm.plan.compute import read_entries
+
+FIGURES = Path(__file__).with_name("eval_tasks.yaml")  # package data
+# mlmclm evaluate's default protocol (eval/finetune.py, FinetuneConfig; tests/test_plan.py checks)
+BATCH, MAX_STEPS, EPOCHS, EVAL_EVERY, MAX_LENGTH_RATIO = 32, 1000, 1.0, 100, 0.99
+
+_EXAMPLES = ("train_examples", "validation_examples", "test_examples")
+FIELDS = {  # each family's fields besides family and source (a training set: train side only)
+    "sc": (*_EXAMPLES, "input_tokens"),
+    "tc": (*_EXAMPLES, "input_tokens"),
+    "qa": (*_EXAMPLES, "input_tokens"),
+    "ir": (*_EXAMPLES, "corpus_documents", "document_tokens", "query_tokens"),
+}
+TRAINING_SET = ("train_examples", "query_tokens", "document_tokens")
+
+
+def read_eval_figures(path: str | Path = FIGURES) -> dict[str, dict]:
+    """The figures of `path`, each entry checked: UsageError naming the file, task and field."""
+    path = Path(path)
+    entries = read_entries(path, "evaluation figures", "task -> figures")
+    for task, f in entries.items():
+        where = f"{path}: {task}"
+        if not isinstance(f, dict) or f.get("family") not in FIELDS:
+            raise UsageError(f"{where}: needs family, one of {', '.join(FIELDS)}")
+        if not isinstance(f.get("source"), str):
+            raise UsageError(f"{where}: needs source (where its figures come from)")
+        need = list(FIELDS[f["family"]])
+        if f.get("train_task") is not None:
+            need.remove("train_examples")
+        elif f["family"] == "ir" and "corpus_documents" not in f:  # a training set
+            need = list(TRAINING_SET)
+        extra = set(f) - set(need) - {"family", "source", "train_task"}
+        for key in need:
+            value = f.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise UsageError(f"{where}: {key} must be a positive number, got {value!r}")
+        if extra:
+            raise UsageError(f"{where}: unknown field(s) {', '.join(sorted(extra))}")
+    return entries
+
+
+def _forward(shape: TransformerShape, tokens: float, max_length: int) -> float:
+    """Forward FLOPs of one input of `tokens` tokens (cut at the maximum length)."""
+    n = min(tokens, max_length)
+    return n * trunk_flops_per_token(shape, round(n), causal_half=False)
+
+
+def _steps(examples: int) -> int:
+    return min(MAX_STEPS, math.ceil(EPOCHS * math.ceil(examples / BATCH)))
+
+
+def run_cost(task: str, figures: dict[str, dict], shape: TransformerShape, seq_length: int):
+    """(steps, validations, FLOPs) of one fine-tuning run of `task` on a model of `shape`."""
+    f = _figures(task, figures)
+    max_length = int(MAX_LENGTH_RATIO * seq_length)
+    fwd = lambda tokens: _forward(shape, tokens, max_length)  # noqa: E731
+    if f["family"] != "ir":
+        steps = _steps(f["train_examples"])
+        validations = math.ceil(steps / EVAL_EVERY)
+        per_input = fwd(f["input_tokens"])
+        train = 3 * steps * BATCH * per_input
+        scored = validations * f["validation_examples"] + f["test_examples"]
+        return steps, validations, train + scored * per_input
+    source = _figures(f["train_task"], figures) if f.get("train_task") else f
+    steps = _steps(source["train_examples"])
+    validations = math.ceil(steps / EVAL_EVERY)
+    pair = fwd(source["query_tokens"]) + fwd(source["document_tokens"])
+    corpus = (validations + 1) * f["corpus_documents"] * fwd(f["document_tokens"])
+    queries = (validations * f["validation_examples"] + f["test_examples"]) * fwd(f["query_tokens"])
+    return steps, validations, 4 * steps * BATCH * pair + corpus + queries
+
+
+def _figures(task: str, figures: dict[str, dict]) -> dict:
+    if task not in figures:
+        raise UsageError(
+            f"no evaluation figures for task '{task}'; add its entry to "
+            "megatron_mlmclm/plan/eval_tasks.yaml (its head says how to measure them) or give "
+            "a file of that format with --eval-figures"
+        )
+    return figures[task]
+
+
+def eval_columns(
+    tasks: list[str],
+    runs_per_task: int,
+    figures: dict[str, dict],
+    shape: TransformerShape,
+    seq_length: int,
+    flop_rate: float,
+) -> dict:
+    """A model's evaluation array: its runs and GPU-hours (one GPU per run at `flop_rate`)."""
+    flops = sum(run_cost(t, figures, shape, seq_length)[2] for t in tasks) * runs_per_task
+    return {
+        "eval_runs": len(tasks) * runs_per_task,
+        "eval_gpu_hours": round(flops / flop_rate / 3600, 2),
+    }
+
+
+def task_table(tasks: list[str], figures: dict[str, dict], sizes: dict[str, tuple]) -> list[dict]:
+    """Per task: its family, steps, validations, GPU-hours of one run at each size
+    (`sizes`: size -> (shape, seq_length, FLOP rate)), and the source of its figures."""
+    rows = []
+    for t in tasks:
+        row = {"task": t, "family": _figures(t, figures)["family"]}
+        for size, (shape, seq, rate) in sizes.items():
+            steps, validations, flops = run_cost(t, figures, shape, seq)
+            row.update(steps=steps, validations=validations)
+            row[size] = flops / rate / 3600
+        row["source"] = figures[t]["source"]
+        rows.append(row)
+    return rows
