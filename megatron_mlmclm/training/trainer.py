@@ -87,6 +87,7 @@ class Trainer:
     def setup(self) -> None:
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
         # Everything that can fail on user input is checked before process groups and models.
+        rt.verify_megatron_core()  # the megatron-core source the patches were written against
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
         # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
