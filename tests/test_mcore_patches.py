@@ -1,7 +1,9 @@
 """megatron-core's changes (megatron_mlmclm/mcore_patches/): one test per row of the registry
 fails when the installed megatron-core (or torch) no longer matches what the row's replacement
-was written against; the registry holds every replacement the patches make (found by comparing
-megatron-core's modules and classes before and after they are applied); and the pins can fail.
+was written against; the registry holds every change that importing the package and a CPU run's
+step and save make to megatron-core (tests/scripts/mcore_changes.py watches every megatron
+module), and a change made outside mcore_patches/ is seen; the pins can fail; and a run refuses a
+changed pin at its start (exit 2, one line) unless the override names the installed version.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ import sys
 import types
 from pathlib import Path
 
+from megatron_mlmclm.mcore_patches.jit import then_run  # imports neither torch nor megatron
+
 MEGATRON = "megatron."
 REPO = Path(__file__).resolve().parents[2]
 BUILTIN = (types.WrapperDescriptorType, types.BuiltinFunctionType, types.MethodDescriptorType)
@@ -66,14 +68,7 @@ class _Watcher(importlib.abc.MetaPathFinder):
                 break
         else:
             return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                watch(module)
-
-            spec.loader.exec_module = exec_module
+        then_run(spec, watch)
         return spec
 
 
