@@ -35,7 +35,18 @@ from megatron_mlmclm.paths import data_dir
 
 SPLITS = ("train", "validation", "test")
 HOLDOUT_METHODS = ("hash", "permutation")
-RUN_OVERRIDES = ("max_steps", "epochs")  # run settings a task may set under a protocol
+
+
+@dataclass
+class RunOverrides:
+    """The run settings a task may set under a protocol, typed as the fine-tuning run's
+    (eval/finetune.py's FinetuneConfig)."""
+
+    max_steps: int | None = None
+    epochs: float | None = None
+
+
+RUN_OVERRIDES = tuple(f.name for f in dataclasses.fields(RunOverrides))
 
 
 @dataclass
@@ -155,21 +166,12 @@ def _parse(name: str, entry: Any, source: Path) -> Task:
         bad = sorted(map(str, set(over) - (known - {"family", "protocols"}) - set(RUN_OVERRIDES)))
         if bad:
             raise UsageError(f"{where}: protocols.{proto} sets unknown field(s) {', '.join(bad)}")
-        # the overrides typed as the entry's own fields and the run's settings are
+        # typed as the entry's own fields are: a protocol's reading (eval/protocols.py) takes them
         fields = {k: v for k, v in over.items() if k not in RUN_OVERRIDES}
         from_dict(Task, {"name": name, **entry, **fields}, prefix=f"{name}.protocols.{proto}.")
         run = {k: v for k, v in over.items() if k in RUN_OVERRIDES}
         from_dict(RunOverrides, run, prefix=f"{name}.protocols.{proto}.")
     return task
-
-
-@dataclass
-class RunOverrides:
-    """The run settings an entry may set under a protocol (RUN_OVERRIDES), typed as the
-    fine-tuning run's (eval/finetune.py's FinetuneConfig)."""
-
-    max_steps: int | None = None
-    epochs: float | None = None
 
 
 def check(task: Task, where: str) -> None:

@@ -108,7 +108,7 @@ def check_branch(
         )
     check_trajectory(where, history.of_checkpoint(state), cfg, fingerprint, step)
     consumed = int(state.get("consumed_samples", -1))
-    expected = PhasePlan.of(cfg).position(step)
+    expected = PhasePlan.of(from_dict(RunConfig, state["config"], prefix="")).position(step)
     if consumed != expected:
         raise UsageError(
             f"{where} had read its stream from sample {consumed} at step {step}, not "

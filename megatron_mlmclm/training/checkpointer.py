@@ -78,8 +78,9 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any]) -> Start:
     if cfg.train.branch_from:  # a stable checkpoint of this config at another budget
         source, state, notes = branch_source(cfg, fingerprint)
         step, before = int(state["iteration"]), history.of_checkpoint(state)
-        now = history.event("branch", step, state["consumed_samples"], cfg, fingerprint, before)
         # read as a fresh run reads
+        position = PhasePlan.of(cfg).position(step)
+        now = history.event("branch", step, position, cfg, fingerprint, before)
         return Start(source, branched=True, notes=notes, history=before + [now])
     init = ckpt.resolve_checkpoint(cfg.train.init_from) if cfg.train.init_from else None
     return Start(init_from=init, history=[history.event("start", 0, 0, cfg, fingerprint, [])])
