@@ -214,7 +214,7 @@ def verify_installed() -> None:
     """Raise SourceChanged, naming the changed targets, unless every pin of the registry holds in
     the installed packages, or $MLMCLM_ACCEPT_MEGATRON_CORE is the installed megatron-core version
     (then a warning, on stderr). Once per process; the pins of source text are computed once per
-    install (about 0.8 CPU-s: every pinned file parsed) and remembered by the size and
+    install (about 1 CPU-s: every pinned file parsed) and remembered by the size and
     modification time of each file in the user's cache folder."""
     global _verified
     if _verified:
@@ -272,11 +272,11 @@ def _cache_marker(pins: set[Pin]) -> Path | None:
     try:
         files = sorted({str(_source_file(p.source.partition(":")[0])) for p in pins})
         stats = [(f, st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)]]
-    except (ModuleNotFoundError, OSError):
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except (ModuleNotFoundError, OSError, RuntimeError):  # RuntimeError: no home folder
         return None
     key = json.dumps([sorted(f"{p.source} {p.check}" for p in pins), stats])
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "mlmclm" / "mcore-pins" / digest
 
 
