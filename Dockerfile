@@ -6,7 +6,8 @@
 # PyTorch 2.10). It has never been built: the project's development machines have no Docker engine
 # (docs/gpu.md says what has run on a GPU, outside any image). It is kept deliberately simple:
 # install the package, keep the image's own torch (the image's pip constraint file pins it), and
-# pin megatron-core to the 0.16.x the CPU suite tests (pyproject.toml).
+# pin megatron-core to the 0.16.1 that mcore_patches/registry.yaml was checked against (pyproject.toml;
+# every run verifies it).
 #
 #   docker build -t megatron-mlmclm .
 #   docker run --gpus all --ipc=host -v $PWD/data:/data -e MLMCLM_DATA_DIR=/data megatron-mlmclm \
@@ -27,7 +28,7 @@ COPY . .
 
 # The image's torch satisfies "torch>=2.6", so pip keeps it; megatron-core is pinned in pyproject.
 # The check runs from / : the installed package, with its extension, not the working directory.
-RUN python -m pip install --no-cache-dir -e ".[eval,test]" "megatron-core==0.16.*" \
+RUN python -m pip install --no-cache-dir -e ".[eval,test]" "megatron-core==0.16.1" \
  && cd / && python -c "import megatron_mlmclm._sample_index, megatron.core, transformer_engine"
 
 ENV PYTHONUNBUFFERED=1

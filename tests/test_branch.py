@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -32,6 +33,8 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.branch import check_branch
+from megatron_mlmclm.training.checkpointer import find_start
+from megatron_mlmclm.training.history import flat
 from megatron_mlmclm.training.resume import fingerprint
 from megatron_mlmclm.training.trainer import build_datasets
 
@@ -346,15 +349,30 @@ def test_a_biphasic_run_is_a_branch_of_the_clm_run(base, clm_trunk, tmp_path, ml
     sa, sb = (read_trainer_state(r / end)["trainer"] for r in (scratch, branch))
     assert sa["consumed_samples"] == sb["consumed_samples"] == 8 * GBS
     assert sb["iteration"] == 8 and sb["config"]["phases"] == sa["config"]["phases"]
+    # their histories: the run from scratch entered MLM at step 3; the branch is the CLM run's
+    # start, then its own branch there with its phases
+    assert [(e["event"], e["step"], e["position"]) for e in sa["history"]] == [
+        ("start", 0, 0),
+        ("phase 1", 3, 3 * GBS),
+    ]
+    assert [(e["event"], e["step"], e["position"]) for e in sb["history"]] == [
+        ("start", 0, 0),
+        ("branch", 3, 3 * GBS),
+    ]
+    branched = sb["history"][1]["settings"]
+    assert "phases" in branched and "train.lr" not in branched  # what changed, only
 
 
 def biphasic_check(base, trunk_ckpt, overrides, trunk_edit=None):
     """check_branch of CLM 3 steps -> MLM (8 steps) against a trunk checkpoint, whose saved
-    config `trunk_edit` may rewrite (a trunk of another history without training one)."""
+    config `trunk_edit` may rewrite (a trunk of another history without training one): the
+    config and its history's one segment."""
     path, _ = base
     state = copy.deepcopy(read_trainer_state(trunk_ckpt)["trainer"])
     if trunk_edit:
         trunk_edit(state["config"])
+        (start,) = state["history"]
+        start["settings"] = flat(state["config"])
     cfg = load_config(
         path,
         [f"phases={json.dumps(CLM_THEN_MLM)}", f"train.branch_from={trunk_ckpt}"] + overrides,
@@ -424,6 +442,98 @@ def test_a_biphasic_branch_of_an_mlm_run_exits_2_before_any_work(base, tmp_path,
     assert "step 1 trains differently, the source in phases.0 (mlm steps 0-14" in err, err
     assert "branch from a run that trained steps 1-3 as this run does" in err, err
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# Branches against the trunk's whole history
+
+
+def resumed_trunk(base, source, tmp_path, change: list[str]):
+    """A copy of the stable CLM -> MLM run (at step 3 of 14) resumed with `change` for one step:
+    its step-4 checkpoint holds the changed config, and its history the steps before it."""
+    path, _ = base
+    trunk = tmp_path / "trunk"
+    shutil.copytree(source[0].parent.parent, trunk)
+    overrides = [f"phases={json.dumps(CLM_THEN_MLM)}", f"output_dir={trunk}", "train.steps=14"]
+    train(path, overrides + change, stop_at=4)
+    return trunk / "checkpoints" / "iter_0000004"
+
+
+def refused_in_one_line(base, argv: list[str], capsys) -> str:
+    path, _ = base
+    capsys.readouterr()
+    assert main(["pretrain", str(path), f"phases={json.dumps(CLM_THEN_MLM)}", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    return err
+
+
+def test_a_trunk_resumed_onto_other_data_at_the_same_batch_is_no_source(
+    base, source, tmp_path, capsys
+):
+    """The trunk went on from step 3 on another blend (allow_data_change, the same global batch):
+    its step-4 checkpoint has the new data's fingerprint and the position a run from scratch
+    has there. A branch on the new data is refused, in one line, before any work: its steps 1-3
+    read the old blend."""
+    _, root = base
+    other = f"data.train=[{root / 'a'}]"
+    ckpt = resumed_trunk(base, source, tmp_path, [other, "checkpoint.allow_data_change=true"])
+    state = read_trainer_state(ckpt)["trainer"]
+    start, resume = state["history"]
+    assert (start["step"], start["event"], resume["step"], resume["event"]) == (
+        0,
+        "start",
+        3,
+        "resume",
+    )
+    assert resume["data_changed"] == ["data.train"] and resume["position"] == 3 * GBS
+    assert state["consumed_samples"] == 4 * GBS  # as from scratch: the old guard let it through
+    out = tmp_path / "b"
+    err = refused_in_one_line(
+        base, [other, f"output_dir={out}", f"train.branch_from={ckpt}"], capsys
+    )
+    assert f"train.branch_from={ckpt}, in its steps 1-3 (from its start at 0), was trained " in err
+    assert "with data.train = [" in err and "a branch reads the data its source read" in err, err
+    assert not out.exists()
+
+
+def test_a_trunk_resumed_with_another_learning_rate_is_no_source(base, source, tmp_path, capsys):
+    """The trunk went on from step 3 at another learning rate: its step-4 checkpoint's config is
+    the branch's, its steps 1-3 were not."""
+    ckpt = resumed_trunk(base, source, tmp_path, ["train.lr=1e-3"])
+    start, resume = read_trainer_state(ckpt)["trainer"]["history"]
+    assert start["settings"]["train.lr"] == 5e-4 and resume["settings"]["train.lr"] == 1e-3
+    assert "train.steps" not in resume["settings"]  # only what changed
+    out = tmp_path / "b"
+    argv = ["train.lr=1e-3", f"output_dir={out}", f"train.branch_from={ckpt}"]
+    err = refused_in_one_line(base, argv, capsys)
+    assert "in its steps 1-3 (from its start at 0), was trained with train.lr = 0.0005 but" in err
+    assert not out.exists()
+
+
+def test_a_branch_folder_is_checked_before_it_resumes(base, source, tmp_path, capsys):
+    """A branch that trained one step and saved: resumed with its own config it goes on (its
+    history: the source's start, its branch, this resume); with a learning rate the guard refuses
+    of a fresh branch, it is refused too, before its folder changes."""
+    path, _ = base
+    out = tmp_path / "b"
+    argv = [f"output_dir={out}", f"train.branch_from={source[0]}", "train.steps=8"]
+    p = f"phases={json.dumps(CLM_THEN_MLM)}"
+    train(path, [p, *argv], stop_at=4)
+    cfg = load_config(path, [p, *argv])
+    start = find_start(cfg, fingerprint(cfg, token_spec_and_vocab(cfg)))
+    assert start.resume_from == out / "checkpoints" / "iter_0000004"
+    assert [(e["event"], e["step"], e["position"]) for e in start.history] == [
+        ("start", 0, 0),
+        ("branch", 3, 3 * GBS),
+        ("resume", 4, 4 * GBS),
+    ]
+    before = sorted(str(f.relative_to(out)) for f in out.rglob("*"))
+    err = refused_in_one_line(base, [*argv, "train.lr=1e-3"], capsys)
+    assert f"{out / 'checkpoints' / 'iter_0000004'} (this run's folder;" in err, err
+    assert "was trained with train.lr = 0.0005 but this run has 0.001" in err, err
+    assert "use a new output_dir" in err
+    assert sorted(str(f.relative_to(out)) for f in out.rglob("*")) == before
 
 
 # --------------------------------------------------------------------------------------------------

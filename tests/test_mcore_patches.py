@@ -1,11 +1,14 @@
 """megatron-core's changes (megatron_mlmclm/mcore_patches/): one test per row of the registry
 fails when the installed megatron-core (or torch) no longer matches what the row's replacement
-was written against; the registry holds every replacement the patches make (found by comparing
-megatron-core's modules and classes before and after they are applied); and the pins can fail.
+was written against; the registry holds every change that importing the package and a CPU run's
+step and save make to megatron-core (tests/scripts/mcore_changes.py watches every megatron
+module), and a change made outside mcore_patches/ is seen; the pins can fail; and a run refuses a
+changed pin at its start (exit 2, one line) unless the override names the installed version.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -13,8 +16,10 @@ import subprocess
 import sys
 
 import pytest
-from jobs import job_env
+from jobs import REPO, job_env
 
+from megatron_mlmclm.cli import main
+from megatron_mlmclm.mcore_patches import registry
 from megatron_mlmclm.mcore_patches.registry import (
     MEGATRON_CORE,
     REPLACEMENTS,
@@ -22,6 +27,8 @@ from megatron_mlmclm.mcore_patches.registry import (
     pin_holds,
     source_of,
 )
+
+SCRIPTS = REPO / "tests" / "scripts"
 
 
 @pytest.mark.parametrize("row", REPLACEMENTS, ids=[r.target for r in REPLACEMENTS])
@@ -61,60 +68,24 @@ def test_a_pin_fails_when_its_source_changes():
     assert not pin_holds(Pin("megatron.core.optimizer.optimizer:no_such_function", "sha256:0"))[0]
 
 
-# In a fresh process: every module-level function, attribute and class member of megatron-core
-# (and of torch.cuda / torch.Tensor) before and after apply_patches(), compared by identity.
-CHANGED = """
-import importlib, json, sys
-import torch
-from megatron_mlmclm.mcore_patches.registry import REPLACEMENTS
-from megatron_mlmclm.mcore_patches.apply import apply_patches
-
-for r in REPLACEMENTS:
-    if " " not in r.target:  # not an attribute of an optimizer built by the run
-        importlib.import_module(r.target.split(":")[0])
-
-
-def members():
-    # name -> (object, is a class member): a class member set anew counts as replaced, a new
-    # module attribute does not (importing a submodule adds one).
-    out = {}
-    for name, module in list(sys.modules.items()):
-        if module is None or not (
-            name.startswith("megatron.core") or name in ("torch", "torch.cuda", "torch.cuda.random")
-        ):
-            continue
-        for key, value in list(vars(module).items()):
-            out[f"{name}:{key}"] = (value, False)
-            if isinstance(value, type) and value.__module__ == name:
-                for attr, member in list(vars(value).items()):
-                    out[f"{name}:{key}.{attr}"] = (member, True)
-    return out
-
-
-before = members()
-apply_patches()
-after = members()
-changed = [
-    k
-    for k, (value, member) in after.items()
-    if (k in before and before[k][0] is not value) or (k not in before and member)
-]
-print(json.dumps(sorted(changed)))
-print(json.dumps(torch.cuda.is_available()))
-"""
-
-
-def test_the_registry_lists_every_replacement_the_patches_make():
+@pytest.fixture(scope="module")
+def changes(tmp_path_factory) -> dict:
+    """What importing the whole package and a CPU run's step and save change in megatron-core
+    and torch, in a fresh process (tests/scripts/mcore_changes.py)."""
+    out = tmp_path_factory.mktemp("changes")
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", CHANGED],
+        [sys.executable, "-W", "ignore", str(SCRIPTS / "mcore_changes.py"), str(out)],
         env=job_env(),
         capture_output=True,
         text=True,
-        check=True,
     )
-    changed_line, cuda_line = proc.stdout.strip().splitlines()[-2:]
-    changed, cuda = set(json.loads(changed_line)), json.loads(cuda_line)
-    listed = {
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def listed(cuda: bool) -> set[str]:
+    """The registry's rows replaced at run time in a process of this machine."""
+    return {
         r.target
         for r in REPLACEMENTS
         if r.kind == "patch"
@@ -122,7 +93,81 @@ def test_the_registry_lists_every_replacement_the_patches_make():
         and r.target != "megatron.core.jit:jit_fuser"  # at import (test_megatron_jit.py)
         and not (cuda and r.when.startswith("no CUDA"))
     }
-    assert changed == listed, (
-        f"replaced but not in the registry: {sorted(changed - listed)}; "
-        f"in the registry but not replaced: {sorted(listed - changed)}"
+
+
+def test_the_registry_lists_every_change_a_run_makes_to_megatron_core(changes):
+    changed, expected = set(changes["changed"]), listed(changes["cuda"])
+    assert changed == expected, (
+        f"changed but not in the registry: {sorted(changed - expected)}; "
+        f"in the registry but not changed: {sorted(expected - changed)}"
     )
+
+
+def test_a_change_made_outside_mcore_patches_is_seen(changes):
+    """The script set a module attribute and a class member of megatron-core itself after the
+    run: both are reported, and would fail the test above."""
+    assert set(changes["planted"]) - set(changes["changed"]) == {
+        "megatron.core.utils:get_attr_wrapped_model",
+        "megatron.core.transformer.transformer_layer:TransformerLayer.sharded_state_dict",
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# At start-up: every process that applies the patches checks the pins first
+
+
+def with_a_changed_pin(monkeypatch, tmp_path):
+    """The registry as it would read after megatron-core changed finalize_model_grads (its pin no
+    longer the installed source's hash), cut to that row and one that still holds (the check
+    then parses two files, not forty); an empty cache folder; the check not yet run."""
+    row = next(r for r in REPLACEMENTS if r.target.endswith(":finalize_model_grads"))
+    holds = next(r for r in REPLACEMENTS if r.target.endswith(":_initialize_affine_weight_gpu"))
+    changed = dataclasses.replace(row, pins=(Pin(row.pins[0].source, "sha256:0123456789abcdef"),))
+    monkeypatch.setattr(registry, "REPLACEMENTS", (holds, changed))
+    monkeypatch.setattr(registry, "_verified", False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(registry.ACCEPT_ENV, raising=False)
+    return row.target
+
+
+def test_a_changed_pin_refuses_the_run_at_start_and_the_override_runs_it(
+    tmp_path, monkeypatch, capsys
+):
+    target = with_a_changed_pin(monkeypatch, tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text("data: {mock: true}\nmodel: {vocab_size: 300}\n")
+    out = tmp_path / "run"
+    assert main(["pretrain", str(config), f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    installed = importlib.metadata.version("megatron-core")
+    assert err.count("\n") == 0 and target in err, err
+    assert f"set MLMCLM_ACCEPT_MEGATRON_CORE={installed}" in err, err
+    assert ":_initialize_affine_weight_gpu" not in err  # its pin holds
+    assert not out.exists()  # refused before the run's folder, lock or log
+    # The override names the installed version: another version's does not count.
+    monkeypatch.setenv(registry.ACCEPT_ENV, "0.16.0")
+    with pytest.raises(registry.SourceChanged):
+        registry.verify_installed()
+    monkeypatch.setenv(registry.ACCEPT_ENV, installed)
+    registry.verify_installed()
+    warning = capsys.readouterr().err
+    assert warning.startswith("warning: ") and target in warning, warning
+
+
+def test_the_pins_are_computed_once_per_install(tmp_path, monkeypatch):
+    """A check whose pins held leaves a marker keyed by the pins and the pinned files' sizes and
+    modification times: the next process reads no source. A changed pin is another key."""
+    target = with_a_changed_pin(monkeypatch, tmp_path)
+    assert registry.changed_targets() == [target]
+    assert not (tmp_path / "cache").exists()  # a check that failed is remembered by nobody
+    holding = registry.REPLACEMENTS[:1]
+    monkeypatch.setattr(registry, "REPLACEMENTS", holding)
+    assert registry.changed_targets() == []
+    assert len(list((tmp_path / "cache" / "mlmclm" / "mcore-pins").iterdir())) == 1
+    monkeypatch.setattr(registry, "source_of", lambda source: pytest.fail("read " + source))
+    assert registry.changed_targets() == []  # from the marker
+    pin = Pin(holding[0].pins[0].source, "sha256:0")
+    other = dataclasses.replace(holding[0], target="t", pins=(pin,))
+    monkeypatch.setattr(registry, "REPLACEMENTS", (*holding, other))
+    with pytest.raises(pytest.fail.Exception):  # another pin: computed again
+        registry.changed_targets()

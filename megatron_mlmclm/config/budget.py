@@ -100,6 +100,8 @@ def resolve_budget(cfg: RunConfig) -> None:
         resolve_phase_steps(phases, t.steps)
     else:
         budget = float(getattr(t, unit))
+        if not 0 < budget < math.inf:
+            raise UsageError(f"train.{unit} must be a positive number, got {budget:g}")
         per = step_flops if unit == "flops" else step_tokens
         rest = rest_phase(phases)  # it takes what the others leave, as a share
         used, share_sum = 0.0, 0.0

@@ -11,6 +11,8 @@ problem raises UsageError naming the dotted key.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 import types
 import typing
@@ -71,11 +73,16 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         nxt = parts[i + 1]
         if isinstance(node, list):
             node = node[_list_index(node, part, key)]
-            continue
-        if part not in node or node[part] is None:
-            # Phases default to one entry; an override on phases.N needs that list to exist.
-            node[part] = [] if nxt.isdigit() else {}
-        node = node[part]
+        else:
+            if part not in node or node[part] is None:
+                # Phases default to one entry; an override on phases.N needs that list to exist.
+                node[part] = [] if nxt.isdigit() else {}
+            node = node[part]
+        if not isinstance(node, (dict, list)):  # set to a value by the file or an override
+            raise UsageError(
+                f"override {key}: {'.'.join(parts[: i + 1])} is {node!r}, not a section, so it "
+                f"has no {nxt!r}"
+            )
     last = parts[-1]
     if isinstance(node, list):
         idx = int(last) if last.isdigit() else None
@@ -100,18 +107,31 @@ def _list_index(node: list, part: str, key: str) -> int:
     return idx
 
 
+# A schema's annotations are strings (`from __future__ import annotations`): evaluated once per
+# class, not at every entry read (4 ms each: a task registry reads dozens).
+_type_hints = functools.cache(typing.get_type_hints)
+
+
 def from_dict(cls, raw: Any, prefix: str):
     """Build dataclass `cls` from `raw` with strict key and type checks."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise UsageError(f"{prefix or 'config'} must be a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted(set(raw) - names, key=str)  # YAML keys may be numbers or null
     if unknown:
         key = f"{prefix}{unknown[0]}"
         raise UsageError(f"unknown config key '{key}'; valid keys here: {', '.join(sorted(names))}")
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [f"{prefix}{name}" for name in required if name not in raw]
+    if missing:
+        raise UsageError(f"missing config key(s) {', '.join(missing)}")
     kwargs = {}
     for name in names:
         if name in raw:
@@ -164,14 +184,17 @@ def _convert(tp, value, key: str):
             return int(value)
         raise UsageError(f"config key '{key}' must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 5e-4 as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML reads 5e-4 as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise UsageError(f"config key '{key}' must be a number, got {value!r}")
+        if number is None or math.isnan(number):
+            raise UsageError(f"config key '{key}' must be a number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, bool):  # YAML 1.1 reads a bare off / on (no / yes) as a boolean
             return "on" if value else "off"

@@ -231,8 +231,8 @@ class PhaseConfig:
         if self.share is not None and not 0.0 <= self.share <= 1.0:
             raise UsageError(f"{key}.share {self.share} must be in [0, 1]")
         for name in ("steps", "tokens", "flops"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise UsageError(f"{key}.{name} must be >= 0")
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < math.inf:
+                raise UsageError(f"{key}.{name} must be >= 0 and finite")
         given = [n for n in ("share", "tokens", "flops") if getattr(self, n) is not None]
         if len(given) > 1:
             raise UsageError(

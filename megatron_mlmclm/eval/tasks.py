@@ -35,7 +35,18 @@ from megatron_mlmclm.paths import data_dir
 
 SPLITS = ("train", "validation", "test")
 HOLDOUT_METHODS = ("hash", "permutation")
-RUN_OVERRIDES = ("max_steps", "epochs")  # run settings a task may set under a protocol
+
+
+@dataclass
+class RunOverrides:
+    """The run settings a task may set under a protocol, typed as the fine-tuning run's
+    (eval/finetune.py's FinetuneConfig)."""
+
+    max_steps: int | None = None
+    epochs: float | None = None
+
+
+RUN_OVERRIDES = tuple(f.name for f in dataclasses.fields(RunOverrides))
 
 
 @dataclass
@@ -137,19 +148,29 @@ def _parse(name: str, entry: Any, source: Path) -> Task:
     if not isinstance(entry, dict):
         raise UsageError(f"{where}: expected a mapping of fields")
     known = set(FIELDS) - {"name"}
-    unknown = sorted(set(entry) - known)
+    unknown = sorted(map(str, set(entry) - known))
     if unknown:
         raise UsageError(
             f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
         )
-    for proto, over in (entry.get("protocols") or {}).items():
-        if not isinstance(over, dict):
-            raise UsageError(f"{where}: protocols.{proto} must be a mapping of fields")
-        bad = sorted(set(over) - (known - {"family", "protocols"}) - set(RUN_OVERRIDES))
-        if bad:
-            raise UsageError(f"{where}: protocols.{proto} sets unknown field(s) {', '.join(bad)}")
+    protocols = entry.get("protocols") or {}
+    if not isinstance(protocols, dict):
+        raise UsageError(f"{where}: protocols must be a mapping of protocol names to fields")
     task = from_dict(Task, {"name": name, **entry}, prefix=f"{name}.")  # typed, as a run config
     check(task, where)
+    for proto, over in protocols.items():
+        if not isinstance(proto, str) or not isinstance(over, dict):
+            raise UsageError(
+                f"{where}: protocols.{proto} must name a protocol and map it to fields"
+            )
+        bad = sorted(map(str, set(over) - (known - {"family", "protocols"}) - set(RUN_OVERRIDES)))
+        if bad:
+            raise UsageError(f"{where}: protocols.{proto} sets unknown field(s) {', '.join(bad)}")
+        # typed as the entry's own fields are: a protocol's reading (eval/protocols.py) takes them
+        fields = {k: v for k, v in over.items() if k not in RUN_OVERRIDES}
+        from_dict(Task, {"name": name, **entry, **fields}, prefix=f"{name}.protocols.{proto}.")
+        run = {k: v for k, v in over.items() if k in RUN_OVERRIDES}
+        from_dict(RunOverrides, run, prefix=f"{name}.protocols.{proto}.")
     return task
 
 

@@ -11,7 +11,8 @@
 - cpu.py: megatron-core on machines without CUDA.
 - optimizer.py: megatron's optimizer without Apex or Transformer Engine, torch's fused AdamW
   behind it, the device-side skip of a non-finite step, the main parameters read back.
-- apply.py: `apply_patches()`, what a training or converting process installs.
+- apply.py: `apply_patches()`, what a training or converting process installs, after checking
+  the registry's pins against the installed source (registry.verify_installed).
 
 This package imports nothing of megatron_mlmclm, and importing it (or jit.py, registry.py)
 imports neither torch nor megatron-core: the entry point can use it before either.

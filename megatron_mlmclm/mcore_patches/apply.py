@@ -11,15 +11,14 @@ from __future__ import annotations
 import torch
 
 from megatron_mlmclm.mcore_patches import cpu, optimizer
-from megatron_mlmclm.mcore_patches.registry import missing_targets
+from megatron_mlmclm.mcore_patches.registry import verify_installed
 
 
 def apply_patches() -> None:
     """Install the run-time replacements of registry.yaml for this machine (once per process);
-    raises, naming them, where the installed megatron-core no longer has a target."""
-    missing = missing_targets()
-    if missing:
-        raise RuntimeError(f"megatron-core patch targets missing (mcore_patches): {missing}")
+    raises SourceChanged, naming them, where the installed megatron-core changed a pinned
+    target (registry.verify_installed)."""
+    verify_installed()
     optimizer.apply_everywhere()
     if not torch.cuda.is_available():
         cpu.apply_without_cuda()

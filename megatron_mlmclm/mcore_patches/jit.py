@@ -72,16 +72,22 @@ class _JitModuleFinder(importlib.abc.MetaPathFinder):
             return None
         _remove_finder()
         spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            defer(module)
-
-        spec.loader.exec_module = exec_module
+        then_run(spec, defer)
         return spec
+
+
+def then_run(spec, after) -> None:
+    """Make the module that `spec` (a finder's answer) loads call `after(module)` as soon as its
+    own code has run."""
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        return
+    run = spec.loader.exec_module
+
+    def exec_module(module):
+        run(module)
+        after(module)
+
+    spec.loader.exec_module = exec_module
 
 
 def _remove_finder() -> None:

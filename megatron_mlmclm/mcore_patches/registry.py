@@ -6,13 +6,18 @@ A row names the thing replaced (`target`), our code that replaces it (`by`), whe
 of the source of each definition it replaces or re-implements, in the version it was checked
 against (`checked`). `tests/test_mcore_patches.py` recomputes every pin from the installed
 packages: when megatron-core changes one of them, the test of that row fails, naming it, before
-any run trains with a replacement that no longer fits. Updating a row is reading the new source,
-checking the replacement still does what `why` says, and then writing the new hash and version.
+any run trains with a replacement that no longer fits. Every process that applies the patches
+checks the same pins first (`verify_installed`, apply.py): a run on a megatron-core whose pinned
+source changed is refused, naming the changed targets, unless $MLMCLM_ACCEPT_MEGATRON_CORE names
+the installed version (the user has read the new source). Updating a row is reading the new
+source, checking the replacement still does what `why` says, and then writing the new hash and
+version.
 
 Two kinds of rows:
 - `patch`: the attribute is replaced at run time, by code in this package (jit.py, cpu.py,
-  optimizer.py). `missing_targets()` checks before patching that every one, and every pinned
-  definition, still exists.
+  optimizer.py; megatron's checkpoint-writer queue by runtime/lifetime.py, which owns the
+  process's lifetime rules). `missing_targets()` checks, where an override lets a changed source
+  run, that every one, and every pinned definition, still exists.
 - `override`: a megatron-core method that a subclass of ours overrides, or whose work our code
   does in its place, or a private name our code calls; the code is where it runs (`by`). A
   change of the method would not raise, it would leave ours out of step.
@@ -24,10 +29,15 @@ Pins of torch (whose CPU wheels and GPU images differ) check what the replacemen
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
+import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,13 +90,18 @@ MEGATRON_CORE, REPLACEMENTS = _load()
 
 
 # ------------------------------------------------------------------------ the pins, computed
+@functools.cache
+def _package_folders(top: str) -> tuple[str, ...]:
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(top)
+    return tuple(spec.submodule_search_locations)
+
+
 def _source_file(module: str) -> Path:
     """The file of `module`, found without importing it (nor its package's __init__)."""
     top, *rest = module.split(".")
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(module)
-    for base in spec.submodule_search_locations:
+    for base in _package_folders(top):
         path = Path(base, *rest)
         if path.with_suffix(".py").is_file():
             return path.with_suffix(".py")
@@ -181,3 +196,92 @@ def missing_targets() -> list[str]:
         except (ImportError, AttributeError):
             missing.append(name)
     return missing
+
+
+# ------------------------------------------------------------------ the pins, checked at start-up
+ACCEPT_ENV = "MLMCLM_ACCEPT_MEGATRON_CORE"
+
+
+class SourceChanged(Exception):
+    """The installed megatron-core (or torch) no longer matches the pins: one line, naming the
+    targets (runtime/distributed.py turns it into the run's usage error, exit status 2)."""
+
+
+_verified = False
+
+
+def verify_installed() -> None:
+    """Raise SourceChanged, naming the changed targets, unless every pin of the registry holds in
+    the installed packages, or $MLMCLM_ACCEPT_MEGATRON_CORE is the installed megatron-core version
+    (then a warning, on stderr). Once per process; the pins of source text are computed once per
+    install (about 1 CPU-s: every pinned file parsed) and remembered by the size and
+    modification time of each file in the user's cache folder."""
+    global _verified
+    if _verified:
+        return
+    changed = changed_targets()
+    if changed:
+        installed = _version("megatron-core")
+        message = (
+            f"megatron-core {installed} is installed, and the source of {len(changed)} "
+            f"target(s) that mcore_patches/registry.yaml pins changed since {MEGATRON_CORE}: "
+            f"{', '.join(changed)}"
+        )
+        if os.environ.get(ACCEPT_ENV) != installed:
+            raise SourceChanged(
+                f"{message}; install megatron-core==0.16.1 (as pyproject.toml pins it), or, "
+                f"having read the new source of those targets, set {ACCEPT_ENV}={installed}"
+            )
+        missing = missing_targets()
+        if missing:
+            raise SourceChanged(
+                f"megatron-core {installed} no longer has {', '.join(missing)}, which "
+                f"mcore_patches replaces or relies on; install megatron-core==0.16.1"
+            )
+        print(f"warning: {message} (run anyway: {ACCEPT_ENV}={installed})", file=sys.stderr)
+    _verified = True
+
+
+def changed_targets() -> list[str]:
+    """The targets of the rows of which some pin no longer holds, in registry order."""
+    source_pins = {p for r in REPLACEMENTS for p in r.pins if _is_source_pin(p)}
+    cached = _cache_marker(source_pins)
+    known_good = cached is not None and cached.exists()
+    failed = {
+        pin
+        for r in REPLACEMENTS
+        for pin in r.pins
+        if not (known_good and pin in source_pins) and not pin_holds(pin)[0]
+    }
+    if cached is not None and not known_good and not failed & source_pins:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            cached.touch()
+        except OSError:
+            pass  # no cache: the pins are computed again by the next process
+    return list(dict.fromkeys(r.target for r in REPLACEMENTS if failed & set(r.pins)))
+
+
+def _is_source_pin(pin: Pin) -> bool:
+    return not pin.check.startswith(("exists", "parameter"))
+
+
+def _cache_marker(pins: set[Pin]) -> Path | None:
+    """The file whose existence says that `pins` held in these very files (named by a digest of
+    the pins and each file's path, size and modification time); None where a file is missing."""
+    try:
+        files = sorted({str(_source_file(p.source.partition(":")[0])) for p in pins})
+        stats = [(f, st.st_size, st.st_mtime_ns) for f in files for st in [os.stat(f)]]
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except (ModuleNotFoundError, OSError, RuntimeError):  # RuntimeError: no home folder
+        return None
+    key = json.dumps([sorted(f"{p.source} {p.check}" for p in pins), stats])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+    return cache / "mlmclm" / "mcore-pins" / digest
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"

@@ -15,10 +15,21 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.mcore_patches.apply import apply_patches
+from megatron_mlmclm.mcore_patches.registry import SourceChanged, verify_installed
+
+
+def verify_megatron_core() -> None:
+    """UsageError (one line, naming them) where the installed megatron-core changed what
+    mcore_patches/registry.yaml pins; cheap after the first call (registry.verify_installed)."""
+    try:
+        verify_installed()
+    except SourceChanged as e:
+        raise UsageError(str(e)) from None
 
 
 def init_distributed(tp: int, pp: int, vpp: int | None, seed: int, cp: int = 1) -> None:
     """Create the default group and megatron's TP/PP/CP/DP groups; seed megatron's RNG tracker."""
+    verify_megatron_core()
     apply_patches()  # megatron-core's changes for this machine (mcore_patches/)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -117,7 +117,7 @@ def checkpoint_helper_dies_with_us() -> None:
 
     manager = SyncManager(ctx=multiprocessing.get_context("fork"))
     manager.start(initializer=die_with_parent)
-    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue = manager.Queue()  # a row of mcore_patches/registry.yaml
     _keep.append(manager)  # alive as long as this process
 
 

@@ -20,10 +20,18 @@ budget, and the result is bitwise the run trained from scratch with that config.
 - every step before N must train the same objective (and mask ratio) on the same samples (a phase
   given as a share of the budget moves with the budget: give the phases before the branch point
   in steps, tokens or FLOPs, and let the last phase take the rest);
-- N must lie before both runs' decays (the learning rate of every step before N agrees), and the
-  source must have read its stream as a fresh run does (no checkpoint.allow_data_change history).
+- N must lie before both runs' decays (the learning rate of every step before N agrees), unless
+  both have one schedule, and the source must have read its stream as a fresh run does (no
+  checkpoint.allow_data_change history).
 
-Once the branch has saved its own checkpoint, a restart resumes from that, like any run.
+The source's checkpoint holds its history (training/history.py): the settings and data of each
+segment of its steps, from its start, each resume and each branch it came from. Each segment
+before N is held to those rules, not only the config the checkpoint was saved with: a trunk
+resumed with another learning rate, or onto other data, before N is no source of this branch.
+
+Once the branch has saved its own checkpoint, a restart resumes from that, like any run; its
+folder's history is checked against its config the same way first (`check_branch_folder`), so a
+folder left by another branch (another source, budget or setting) is not resumed as this one.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ from megatron_mlmclm.config import (
     to_dict,
 )
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.training import history
+from megatron_mlmclm.training.history import flat
 from megatron_mlmclm.training.resume import ORDER_KEY, phase_description, same_value, show_value
 
 # Keys a branch may change: the budget and the output folder, and how the run executes.
@@ -74,12 +84,14 @@ BY_CONTENT = ("data.train", "data.valid", "data.tokenizer", "phases")
 MAY_DIFFER = BUDGET + OUTPUT + EXECUTION + BY_CONTENT
 
 
-def branch_source(cfg: RunConfig, fingerprint: dict[str, Any]) -> tuple[Path, list[str]]:
+def branch_source(
+    cfg: RunConfig, fingerprint: dict[str, Any]
+) -> tuple[Path, dict[str, Any], list[str]]:
     """The verified checkpoint of train.branch_from, checked against this run (check_branch);
-    -> (checkpoint, notes to log)."""
+    -> (checkpoint, its trainer state, notes to log)."""
     source = ckpt_io.resolve_checkpoint(resolved(cfg.train.branch_from))
     state = ckpt_io.read_trainer_state(source)["trainer"]
-    return source, check_branch(source, state, cfg, fingerprint)
+    return source, state, check_branch(source, state, cfg, fingerprint)
 
 
 def check_branch(
@@ -89,28 +101,14 @@ def check_branch(
     state), is the run trained from scratch with this config. Returns notes to log."""
     step = int(state["iteration"])
     where = f"train.branch_from={source}"
-    saved_fp, saved_raw = state.get("data_fingerprint"), state.get("config")
-    if saved_fp is None or saved_raw is None:
+    if state.get("data_fingerprint") is None or state.get("config") is None:
         raise UsageError(
             f"{where} holds no data fingerprint or config (saved by an older "
             "version): a branch of it cannot be checked; train from scratch"
         )
-    saved = from_dict(RunConfig, saved_raw, prefix="")
-    for key, now in fingerprint.items():
-        if key != "phases" and not same_value(saved_fp.get(key), now):
-            if key == ORDER_KEY:
-                raise UsageError(
-                    f"{where} was trained under the older sample order, which "
-                    "depended on the run's length; a branch of it would read other "
-                    "samples than a run from scratch: train from scratch"
-                )
-            raise UsageError(
-                f"{where} was trained with {key} = {show_value(saved_fp.get(key))} but "
-                f"this run has {show_value(now)}; a branch reads the data its source read"
-            )
-    check_history(where, saved, cfg, step)
+    check_trajectory(where, history.of_checkpoint(state), cfg, fingerprint, step)
     consumed = int(state.get("consumed_samples", -1))
-    expected = PhasePlan.of(saved).position(step)
+    expected = PhasePlan.of(from_dict(RunConfig, state["config"], prefix="")).position(step)
     if consumed != expected:
         raise UsageError(
             f"{where} had read its stream from sample {consumed} at step {step}, not "
@@ -125,29 +123,80 @@ def check_branch(
             "steps: branch from an earlier checkpoint"
         )
     return [
-        f"branching from {source} at step {step} of {saved.train.steps}: this run decays "
-        f"over steps {steps - decay}-{steps}"
+        f"branching from {source} at step {step} of {state['config']['train']['steps']}: this "
+        f"run decays over steps {steps - decay}-{steps}"
     ]
 
 
-def check_history(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> None:
-    """UsageError unless `cfg`, started at `step` from a checkpoint of a run of config `saved`, is
-    the run trained from scratch with `cfg`, by the configs alone: the settings, every step's
-    phase and samples before `step`, and the learning rate of those steps."""
+def check_branch_folder(
+    ckpt: Path, state: dict[str, Any], cfg: RunConfig, fingerprint: dict[str, Any]
+) -> None:
+    """UsageError (one line) unless the checkpoint `ckpt` of this branch's own folder is this
+    branch's run up to its step: a folder left by another branch (another source, budget or
+    setting) would be resumed as if it were this one."""
+    step = int(state["iteration"])
+    where = f"{ckpt} (this run's folder; train.branch_from={cfg.train.branch_from})"
+    try:
+        check_trajectory(where, history.of_checkpoint(state), cfg, fingerprint, step)
+    except UsageError as e:
+        raise UsageError(
+            f"{e}; the folder holds another run than this branch: use a new output_dir, or "
+            "remove train.branch_from to resume it as it is"
+        ) from None
+
+
+def check_trajectory(
+    where: str,
+    events: list[dict[str, Any]],
+    cfg: RunConfig,
+    fingerprint: dict[str, Any],
+    end: int,
+) -> None:
+    """UsageError unless steps [0, end) of the run whose history is `events`
+    (training/history.py) are those of `cfg`'s run from scratch, segment by segment: the data,
+    the settings, every step's phase and samples, the learning rate, and the sample position at
+    each event."""
+    segments = history.segments(events, end)
+    for seg in segments:
+        w = where
+        if len(segments) > 1:
+            w += f", in its steps {seg.start + 1}-{seg.end} (from its {seg.event} at {seg.start}),"
+        _compare_data(w, seg.data, fingerprint)
+        check_history(w, from_dict(RunConfig, seg.config(), prefix=""), cfg, seg.end, seg.start)
+    plan = PhasePlan.of(cfg)
+    for step, kind, position in history.positions(events, end):
+        if position != plan.position(step):
+            raise UsageError(
+                f"{where} read its stream from sample {position} at its {kind} at step {step}, "
+                f"not {plan.position(step)} as a run from scratch does (it was resumed with "
+                "checkpoint.allow_data_change); a branch of it is no run of this config: "
+                "train from scratch"
+            )
+
+
+def _compare_data(where: str, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    for key, value in now.items():
+        if key == "phases" or same_value(saved.get(key), value):
+            continue  # the phases: step by step (_compare_steps)
+        if key == ORDER_KEY:
+            raise UsageError(
+                f"{where} was trained under the older sample order, which "
+                "depended on the run's length; a branch of it would read other "
+                "samples than a run from scratch: train from scratch"
+            )
+        raise UsageError(
+            f"{where} was trained with {key} = {show_value(saved.get(key))} but "
+            f"this run has {show_value(value)}; a branch reads the data its source read"
+        )
+
+
+def check_history(where: str, saved: RunConfig, cfg: RunConfig, step: int, start: int = 0) -> None:
+    """UsageError unless steps [start, step) of a run of config `saved` are those of the run
+    trained from scratch with `cfg`, by the configs alone: the settings, every step's phase and
+    samples, and the learning rate of those steps."""
     _compare_settings(where, flat(to_dict(saved)), flat(to_dict(cfg)))
-    _compare_steps(where, saved, cfg, step)
+    _compare_steps(where, saved, cfg, step, start)
     _check_schedule(where, saved, cfg, step)
-
-
-def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _compare_settings(where: str, saved: dict[str, Any], now: dict[str, Any]) -> None:
@@ -180,11 +229,11 @@ def _trained_as(cfg: RunConfig, plan: PhasePlan, step: int) -> tuple:
     )
 
 
-def _compare_steps(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> None:
-    """Every step before the branch point trains the same way in both runs."""
+def _compare_steps(where: str, saved: RunConfig, cfg: RunConfig, step: int, start: int) -> None:
+    """Every step in [start, step) trains the same way in both runs."""
     gbs = cfg.train.global_batch_size
     a, b = PhasePlan(resolved_phases(saved), gbs), PhasePlan(resolved_phases(cfg), gbs)
-    for k in range(step):
+    for k in range(start, step):
         if _trained_as(saved, a, k) != _trained_as(cfg, b, k):
             i, j = a.index(k), b.index(k)
             # the source's objective next to step k in this run: a phase boundary moved
@@ -210,7 +259,11 @@ def _describe(cfg: RunConfig, plan: PhasePlan, i: int) -> str:
 
 def _check_schedule(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> None:
     """WSD: the LR of step k is the schedule's value at k + 1, the peak from the warmup's end to
-    steps - decay_steps. Every step before the branch point must be in both runs' stable part."""
+    steps - decay_steps. Every step before `step` must be in both runs' stable part, unless both
+    runs have one schedule (the other settings of the schedule are compared with the rest)."""
+    t, u = saved.train, cfg.train
+    if (resolved(t.steps), resolved(t.decay_steps)) == (resolved(u.steps), resolved(u.decay_steps)):
+        return
     ends = {
         what: resolved(run.train.steps) - resolved(run.train.decay_steps)
         for run, what in ((saved, "the source"), (cfg, "this run"))

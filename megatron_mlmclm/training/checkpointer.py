@@ -9,7 +9,8 @@ the hang watchdog.
 
 What a checkpoint holds besides model, optimizer and schedule is gathered from the run's parts as
 state dicts (`state_dict()` / `load_state_dict(state)`): the trainer's (config, stream position,
-data fingerprint), the provenance of imported weights (kept here), the spike policy's.
+data fingerprint, the run's history: training/history.py), the provenance of imported weights
+(kept here), the spike policy's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any, Protocol
 
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import PhasePlan, RunConfig, kept_steps, resolved
-from megatron_mlmclm.training.branch import branch_source
+from megatron_mlmclm.training import history
+from megatron_mlmclm.training.branch import branch_source, check_branch_folder
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor
 from megatron_mlmclm.training.metrics import log
@@ -47,6 +49,8 @@ class Start:
     # newer checkpoints the resume found damaged: set aside (renamed, never deleted) at the
     # first save, before any pruning could delete them
     damaged: list[Path] = field(default_factory=list)
+    # the run's history up to and including this start's own event (training/history.py)
+    history: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def branched_from(self) -> Path | None:
@@ -55,19 +59,31 @@ class Start:
 
 def find_start(cfg: RunConfig, fingerprint: dict[str, Any]) -> Start:
     """The run's latest complete checkpoint, checked against this run (optimizer kind, data
-    fingerprint); else a branch source; else train.init_from (its checksums verified)."""
+    fingerprint; a branch's folder: its history); else a branch source; else train.init_from (its
+    checksums verified)."""
     c = cfg.checkpoint
     latest, damaged = ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else (None, [])
     if latest is not None:
         state = ckpt.read_trainer_state(latest)["trainer"]
         consumed, notes = check_resume(latest, state, cfg, fingerprint)
-        offset = consumed - PhasePlan.of(cfg).position(int(state["iteration"]))
-        return Start(latest, notes=notes, sample_offset=offset, damaged=damaged)
+        if cfg.train.branch_from:
+            check_branch_folder(latest, state, cfg, fingerprint)
+        step = int(state["iteration"])
+        offset = consumed - PhasePlan.of(cfg).position(step)
+        before = history.of_checkpoint(state)
+        now = history.event("resume", step, consumed, cfg, fingerprint, before)
+        return Start(
+            latest, notes=notes, sample_offset=offset, damaged=damaged, history=before + [now]
+        )
     if cfg.train.branch_from:  # a stable checkpoint of this config at another budget
-        source, notes = branch_source(cfg, fingerprint)
-        return Start(source, branched=True, notes=notes)  # read as a fresh run reads
+        source, state, notes = branch_source(cfg, fingerprint)
+        step, before = int(state["iteration"]), history.of_checkpoint(state)
+        # read as a fresh run reads
+        position = PhasePlan.of(cfg).position(step)
+        now = history.event("branch", step, position, cfg, fingerprint, before)
+        return Start(source, branched=True, notes=notes, history=before + [now])
     init = ckpt.resolve_checkpoint(cfg.train.init_from) if cfg.train.init_from else None
-    return Start(init_from=init)
+    return Start(init_from=init, history=[history.event("start", 0, 0, cfg, fingerprint, [])])
 
 
 class Checkpointer:

@@ -28,7 +28,7 @@ from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
-from megatron_mlmclm.training import sinks
+from megatron_mlmclm.training import history, sinks
 from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.checkpointer import Checkpointer, Start, find_start
 from megatron_mlmclm.training.datasets import build_datasets
@@ -87,6 +87,7 @@ class Trainer:
     def setup(self) -> None:
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
         # Everything that can fail on user input is checked before process groups and models.
+        rt.verify_megatron_core()  # the megatron-core source the patches were written against
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
         # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
@@ -291,12 +292,16 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoint state, close
     def state_dict(self) -> dict[str, Any]:
-        """The trainer's part of a checkpoint: the config, where the data stream stands, and the
-        data fingerprint a resume must match (training/resume.py)."""
+        """The trainer's part of a checkpoint: the config, where the data stream stands, the
+        data fingerprint a resume must match (training/resume.py) and the run's history up to
+        this step (training/history.py)."""
+        began = self.start.history[-1]["step"] if self.start.history else 0
+        phases = history.phase_events(self.cfg, self.start.sample_offset, began, self.step)
         return {
             "config": to_dict(self.cfg),
             "consumed_samples": self.plan.first_sample(self.step),
             "data_fingerprint": self.fingerprint,
+            "history": self.start.history + phases,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
