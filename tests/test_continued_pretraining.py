@@ -265,6 +265,11 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     assert "tokenizer folder nope does not exist" in err[0] and "shards/nope.idx" in err[1], err
     rc, _, err = _dry_run(capsys, qwen3, other)
     assert rc == 2 and len(err) == 1 and "written with another tokenizer" in err[0], err
+    # Shards and data.tokenizer agree, but the checkpoint was imported with another tokenizer.
+    theirs = f"data.tokenizer={llama32 / 'ckpt' / 'decoder' / 'tokenizer'}"
+    rc, _, err = _dry_run(capsys, qwen3, other, theirs)
+    assert rc == 2 and len(err) == 1, err
+    assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
     rc, _, err = _dry_run(capsys, qwen3, SHARDS, "train.init_from=nope")
     assert rc == 2 and err == [
         "mlmclm pretrain: error: train.init_from nope does not exist; give a checkpoint folder or "

@@ -18,7 +18,7 @@ import pytest
 from jobs import word_tokenizer
 
 from megatron_mlmclm.config import load_config
-from megatron_mlmclm.data.preprocess import preprocess
+from megatron_mlmclm.data.preprocess import preprocess, summary_line
 from megatron_mlmclm.data.shards import (
     check_run_shards,
     check_shard,
@@ -158,6 +158,9 @@ def test_preprocess_writes_no_special_id_but_the_final_eos(
     tok = load_tokenizer(tokenizers[kind])
     prefix = tmp_path / "rows"
     s = preprocess([corpus], prefix, tokenizers[kind], backend=backend, progress=False)
+    assert s["seconds_with_startup"] > s["seconds"]  # the process's start-up counted too
+    line = summary_line(s)
+    assert "rows held a special token's string" in line and "with start-up" in line
     strings = [tok.convert_ids_to_tokens(i) for i in _special_ids(tok)]
     assert s["special_rows"] == sum(any(t in row for t in strings) for row in ROWS) >= 2
     docs = _read_docs(tmp_path / "rows_text_document")

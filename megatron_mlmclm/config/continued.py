@@ -23,12 +23,7 @@ from megatron_mlmclm.config.schema import MODEL_PRESETS, ModelConfig, RunConfig
 from megatron_mlmclm.errors import UsageError
 
 ARCHITECTURE = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
+    *ModelConfig.SHAPE_FIELDS,  # layers, hidden, FFN, heads, KV heads, head dim
     "vocab_size",
     "rotary_base",
     "rope_scaling",
