@@ -37,7 +37,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import psutil
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
@@ -227,8 +226,11 @@ def preprocess(
     backend: str = "threads",
     log_interval: int = 10000,
     progress: bool = True,
+    started: float | None = None,
 ) -> dict:
-    """Tokenize ``inputs`` into Megatron shards; returns the summary (also printed as one line)."""
+    """Tokenize ``inputs`` into Megatron shards; returns the summary (also printed as one line).
+    `started` (a time.time()): when the command started, for the summary's figures with its
+    start-up (imports, the tokenizer); default: now."""
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     if backend not in ("threads", "processes"):
@@ -236,7 +238,7 @@ def preprocess(
     keys = list(json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise UsageError(f"--json-keys {' '.join(keys)} must name distinct keys")
-    started = _process_start()
+    started = time.time() if started is None else started
     tok = load_tokenizer(tokenizer_path)
     expand_inputs(inputs)  # missing inputs fail before anything is created
     outs = {k: shard_paths(output_prefix, k) for k in keys}
@@ -381,12 +383,6 @@ def preprocess(
         "keys": stats,
     }
     return summary
-
-
-def _process_start() -> float:
-    """When this process started (as time.time()): the summary's second figures count its
-    start-up (interpreter, imports, the tokenizer), which dominates a small input."""
-    return psutil.Process().create_time()
 
 
 def summary_line(s: dict) -> str:
