@@ -230,7 +230,7 @@ SHARDS = "data.train=[shards/decoder_text_document]"
 
 @pytest.mark.slow
 def test_a_continued_run_refuses_another_architecture(pages, capsys):
-    """The issue's cases, through the command: qk-norm dropped from a Qwen3, the llama3 RoPE
+    """What a new user tried, through the command: qk-norm dropped from a Qwen3, the llama3 RoPE
     scaling from a Llama 3.2: one line naming the key and both values. The rest of the keys go
     through the same rule below, without a command each."""
     cases = {
