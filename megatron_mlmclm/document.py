@@ -6,6 +6,11 @@ tokenizer would add one that no shard holds, a BERT-style one [CLS]/[SEP]), foll
 the shards end documents with it (`mlmclm preprocess` does, unless ``--no-append-eod``). An
 encoder fine-tuned on inputs of another form meets token sequences it never saw in pretraining.
 
+The text is encoded as the text it is: a special token's string inside it (``<mask>``, ``</s>``,
+``<|begin_of_text|>``, ``[SEP]``: web text about NLP holds them) becomes that string's ordinary
+tokens, never the special token (`tokenizers`' ``encode_special_tokens``); only the rule adds
+special tokens.
+
 The rule is expressed as a `tokenizers` post-processor that replaces the tokenizer's own: with it,
 ``tokenizer(text)`` (special tokens on) *is* the document, and truncation keeps the EOS. The shard
 writer, the fine-tuning families and a saved sentence-transformers folder all encode through it,
@@ -37,4 +42,12 @@ def make_document_tokenizer(
     returned for convenience. Token ids of the text itself are unchanged; offsets lose the trimming
     a ByteLevel post-processor did (a token's span may include the space before it)."""
     backend.post_processor = document_processor(eos_token, eos_id)
+    return text_as_text(backend)
+
+
+def text_as_text(backend: Tokenizer) -> Tokenizer:
+    """Make `backend` encode special-token strings in a text as ordinary text; in place. The
+    setting is not part of a tokenizer's JSON: a copy made with ``Tokenizer.from_str`` (a worker
+    process's) needs it again."""
+    backend.encode_special_tokens = True
     return backend

@@ -23,6 +23,24 @@ def data_dir() -> Path:
     return d
 
 
+@pytest.fixture
+def placeholder_dry_run(capsys):
+    """`mlmclm pretrain ARGS --dry-run` of a config whose data and tokenizer are placeholders: it
+    prints the resolved run, then one line for each file it names, absent here (exit 2). -> what
+    it printed to stdout."""
+    from megatron_mlmclm.cli import main
+
+    def dry_run(*argv: str) -> str:
+        rc = main(["pretrain", *argv, "--dry-run"])
+        out, err = capsys.readouterr()
+        problems = err.strip().splitlines()
+        assert rc == 2 and problems, err
+        assert all("does not exist" in p or "data.tokenizer is not set" in p for p in problems), err
+        return out
+
+    return dry_run
+
+
 @pytest.fixture(scope="session")
 def slurm():
     """A private one-node SLURM cluster (tests/slurm_cluster.py), stopped after the session."""

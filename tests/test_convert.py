@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from megatron_mlmclm.cli import main as cli_main
 from megatron_mlmclm.convert.common import read_global_tensors
-from megatron_mlmclm.convert.hf_export import to_hf
+from megatron_mlmclm.convert.hf_export import resolve_arch, to_hf
 from megatron_mlmclm.convert.hf_import import from_hf
 
 MODEL = {
@@ -469,40 +469,6 @@ def test_llama32_legacy_rope_scaling_config_and_bad_rope(ws, capsys, tmp_path):
         assert_refused(capsys, out, "from-hf", path, out, match=match)
 
 
-def test_imported_checkpoint_continues_with_mlm(ws):
-    imp = ws["root"] / "imp_llama"
-    if not imp.exists():
-        from_hf(ws["hf"]["llama"], imp, verbose=False)
-    proc = run_pretrain(
-        imp / "config.yaml",
-        [
-            "data.mock=true",
-            f"output_dir={ws['root'] / 'continued'}",
-            "model.seq_length=32",
-            "train.steps=1",
-            "train.warmup_steps=0",
-            "train.decay_steps=0",
-            "train.micro_batch_size=1",
-            "train.global_batch_size=1",
-            "logging.tensorboard=false",
-        ],
-    )
-    assert f"initialised weights from {imp / 'checkpoints'}" in proc.stderr
-    metrics = [
-        m
-        for m in map(
-            json.loads, (ws["root"] / "continued" / "metrics.jsonl").read_text().splitlines()
-        )
-        if "loss" in m
-    ]
-    assert metrics[0]["objective"] == "mlm" and metrics[0]["loss"] == metrics[0]["loss"]
-    # The continued run's export still defaults to the source family (followed via init_from).
-    res = to_hf(
-        ws["root"] / "continued" / "checkpoints", ws["root"] / "export_continued", verbose=False
-    )
-    assert res.arch == "llama"
-
-
 def test_vocab_grows_for_mask_token(tmp_path):
     """A tokenizer without mask/pad gets them added; embeddings grow with mean rows."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -616,17 +582,15 @@ def test_tokenizer_larger_than_vocab_and_tools_script(ws, capsys, tmp_path):
     big = AutoTokenizer.from_pretrained(str(ws["tok"]))
     big.add_tokens([f"extra{i}" for i in range(20)])
     big.save_pretrained(str(tmp_path / "big"))
+    # As large as the run's, but not it: mask and pad swapped (an export would mask with pad).
+    swapped = AutoTokenizer.from_pretrained(str(ws["tok"]))
+    swapped.mask_token, swapped.pad_token = swapped.pad_token, swapped.mask_token
+    swapped.save_pretrained(str(tmp_path / "swapped"))
+    assert len(swapped) == VOCAB_TOKENIZER
     out = tmp_path / "out"
-    assert_refused(
-        capsys,
-        out,
-        "to-hf",
-        ws["ckpt"]["tp1"],
-        out,
-        "--tokenizer",
-        tmp_path / "big",
-        match="vocabulary",
-    )
+    for tok in ("big", "swapped"):
+        args = ("to-hf", ws["ckpt"]["tp1"], out, "--tokenizer", tmp_path / tok)
+        assert_refused(capsys, out, *args, match="is not the one checkpoint")
     # The Megatron-style script runs the same code: exit 2 and one line on an existing output.
     out.mkdir()
     env = job_env()
@@ -661,6 +625,12 @@ def test_wrong_arch_for_qk_norm_is_refused(ws, capsys, tmp_path):
         capsys, out, "to-hf", imp / "checkpoints", out, "--arch", "eurobert", match="qk-norm"
     )
     assert_refused(capsys, out, "to-hf", ws["ckpt"]["tp1"], out, "--arch", "qwen3", match="qk-norm")
+    # The default follows the source family where the model still is it: a Qwen3 trained without
+    # its qk-norm (an older run) is a Llama.
+    assert resolve_arch(None, False, True, {"family": "qwen3"}) == "qwen3"
+    assert resolve_arch(None, False, False, {"family": "qwen3"}) == "llama"
+    assert resolve_arch(None, False, False, {"family": "mistral"}) == "llama"
+    assert resolve_arch(None, False, False, None) == "eurobert"
 
 
 def test_the_conversion_model_is_the_cpus_whatever_the_run_trained_with():

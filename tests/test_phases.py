@@ -339,9 +339,8 @@ def test_there_are_the_recipes_the_docs_promise():
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
-def test_recipe_dry_runs_at_full_size(name, capsys):
-    assert main(["pretrain", str(RECIPES / f"{name}.yaml"), "--dry-run"]) == 0
-    out = capsys.readouterr().out
+def test_recipe_dry_runs_at_full_size(name, placeholder_dry_run):
+    out = placeholder_dry_run(str(RECIPES / f"{name}.yaml"))
     recipe = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
     for i in range(len(recipe["phases"])):
         assert f"# phases.{i}: " in out and " tokens, " in out

@@ -694,9 +694,28 @@ def test_example_configs_load():
     configs = sorted((EXAMPLES / "configs").glob("*.yaml"))
     names = {p.stem for p in configs}
     assert {"tiny", "210m", "610m", "1b", "610m-clm25-mlm75", "cpt-llama-mlm"} <= names
+    # The continued run takes its model from train.init_from: here Meta-Llama-3-8B's, as from-hf
+    # writes it (its config.json: 32 layers, 4096 hidden, 14336 FFN, 32/8 heads, 128256 tokens).
+    llama3_8b = dict(
+        preset=None,
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=128,
+        seq_length=2048,
+        vocab_size=128256,
+        rotary_base=500000.0,
+        norm_epsilon=1e-5,
+        tie_embeddings=False,
+    )
     for path in configs:
-        cfg = load_config(path)  # data paths are placeholders: validation never opens them
+        # data paths and checkpoints are placeholders: validation never opens them
+        cfg = load_config(path, checkpoint_model=lambda _: llama3_8b)
         assert sum(ph.steps for ph in cfg.phases) == cfg.train.steps
+    cpt = load_config(EXAMPLES / "configs" / "cpt-llama-mlm.yaml", [], lambda _: llama3_8b)
+    assert {k: getattr(cpt.model, k) for k in llama3_8b} == llama3_8b
     for size in ("210m", "610m", "1b"):
         cfg = load_config(EXAMPLES / "configs" / f"{size}.yaml")
         assert cfg.model.preset == size and cfg.train.steps == 42000

@@ -308,6 +308,7 @@ def test_tokenizer_without_mask_and_existing_output_are_refused(tmp_path, tok_di
     )
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
         "x_text_document.bin",
+        "x_text_document.fingerprint.json",
         "x_text_document.idx",
     ]
 

@@ -83,6 +83,16 @@ def test_llama_like_reserves_mask_and_pad_without_growing_vocab(llama_like, tmp_
         "<|reserved_special_token_0|>"
     )
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    # What the folder is, not how it was loaded; its tokens named for readers of the old layout.
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert "local_files_only" not in config and "is_local" not in config
+    named = json.loads((out / "special_tokens_map.json").read_text())
+    assert {k: named[k] for k in ("bos_token", "eos_token", "mask_token", "pad_token")} == {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "mask_token": "<|reserved_special_token_0|>",
+        "pad_token": "<|reserved_special_token_1|>",
+    }
 
 
 def test_without_reserved_tokens_everything_is_added(tmp_path):
@@ -150,8 +160,10 @@ def test_cli_tokenize_refuses_non_empty_out_and_force_replaces(llama_like, tmp_p
     out.mkdir()
     (out / "keep.txt").write_text("x")
     assert cli.main(["tokenize", "--from", str(llama_like), "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
+    said, err = capsys.readouterr()
+    err = err.strip()
     assert "not empty" in err and "--force" in err and len(err.splitlines()) == 1
+    assert said == ""  # refused before the mask and pad tokens are chosen and reported
     assert (out / "keep.txt").exists()
     assert cli.main(["tokenize", "--from", str(llama_like), "--out", str(out), "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / METADATA_FILE).exists()

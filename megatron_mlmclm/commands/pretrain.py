@@ -7,8 +7,11 @@ torchrun --nproc_per_node 4 -m megatron_mlmclm pretrain cfg.yaml \
 
 from __future__ import annotations
 
-from megatron_mlmclm.config import load_config
-from megatron_mlmclm.errors import UsageError
+import sys
+from typing import Any
+
+from megatron_mlmclm.config import RunConfig, load_config
+from megatron_mlmclm.errors import EXIT_USAGE, UsageError
 
 
 def add_arguments(parser) -> None:
@@ -24,7 +27,8 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="validate the config, print it resolved with its kernel plan "
         "(runtime.device=cuda plans a GPU run here) and each phase's steps, "
-        "tokens and FLOPs, and exit",
+        "tokens and FLOPs, open what the run would open (tokenizer, shards, "
+        "train.init_from) and exit: 2 with one line per problem",
     )
     parser.add_argument(
         "--count-syncs",
@@ -43,20 +47,46 @@ def add_arguments(parser) -> None:
     )
 
 
-def run(args) -> int:
+def checkpoint_model(init_from: str) -> dict[str, Any]:
+    """The model of train.init_from's checkpoint, which a continued run takes
+    (config/continued.py)."""
+    # Imported here: reading a checkpoint imports megatron-core, which only continued runs need.
+    from megatron_mlmclm.training.continued import checkpoint_model
+
+    return checkpoint_model(init_from)
+
+
+def resolve(args) -> RunConfig:
+    """The run's config from CONFIG and the overrides, checked, as the run and its dry run take
+    it."""
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # no file, only overrides
         config, overrides = None, [config] + overrides
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, checkpoint_model=checkpoint_model)
     if args.stop_at is not None and not 1 <= args.stop_at <= cfg.train.steps:
         raise UsageError(
             f"--stop-at {args.stop_at} is outside this run's steps 1-{cfg.train.steps}"
         )
+    return cfg
+
+
+def run(args) -> int:
+    cfg = resolve(args)
     if args.dry_run:
         from megatron_mlmclm.training.dry_run import dry_run_report  # imports torch
 
         print(dry_run_report(cfg))
-        return 0
+        if cfg.data.mock and not cfg.data.tokenizer and not cfg.train.init_from:
+            return 0  # nothing on disk to open
+        # Imported here: opening shards and checkpoints imports megatron-core.
+        from megatron_mlmclm.training.preflight import preflight
+
+        problems, notes = preflight(cfg)
+        for line in notes:
+            print(f"# note: {line}")
+        for line in problems:
+            print(f"mlmclm pretrain: error: {line}", file=sys.stderr)
+        return EXIT_USAGE if problems else 0
     # Imported here: numpy and megatron-core would slow `--help` and `--dry-run`.
     from megatron_mlmclm.data.sample_index import require_extension
 

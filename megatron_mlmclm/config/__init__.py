@@ -15,7 +15,8 @@ FLOP count itself is `megatron_mlmclm/flops.py`.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from megatron_mlmclm.config.attention import attention_path, uses_te_layers
 from megatron_mlmclm.config.budget import (
@@ -28,11 +29,13 @@ from megatron_mlmclm.config.budget import (
     step_tokens,
     tokens_at_step,
 )
+from megatron_mlmclm.config.continued import ARCHITECTURE, compare_with_checkpoint, inherit_model
 from megatron_mlmclm.config.loader import (
     apply_override,
     dump_yaml,
     from_dict,
     load,
+    read_raw,
     read_yaml,
     to_dict,
 )
@@ -68,12 +71,24 @@ from megatron_mlmclm.config.schema import (
 )
 
 
-def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """YAML file (or None for the defaults) + `a.b=value` overrides -> a checked RunConfig."""
-    return finalize_run_config(load(RunConfig, path, overrides))
+def load_config(
+    path: str | os.PathLike | None,
+    overrides: Sequence[str] = (),
+    checkpoint_model: Callable[[str], dict[str, Any]] | None = None,
+) -> RunConfig:
+    """YAML file (or None for the defaults) + `a.b=value` overrides -> a checked RunConfig.
+
+    `checkpoint_model(init_from)`: the model section of a checkpoint's run config; given, a run
+    with train.init_from takes its architecture from there (continued.py)."""
+    raw = read_raw(path, overrides)
+    init_from = (raw.get("train") or {}).get("init_from")
+    if init_from and checkpoint_model is not None:
+        raw["model"] = inherit_model(raw.get("model"), checkpoint_model(str(init_from)), init_from)
+    return finalize_run_config(from_dict(RunConfig, raw, prefix=""))
 
 
 __all__ = [
+    "ARCHITECTURE",
     "MODEL_PRESETS",
     "CheckpointConfig",
     "DataConfig",
@@ -94,10 +109,12 @@ __all__ = [
     "attention_path",
     "budget_report",
     "causal_attention_halved",
+    "compare_with_checkpoint",
     "dump_yaml",
     "final_model",
     "finalize_run_config",
     "from_dict",
+    "inherit_model",
     "kept_steps",
     "load",
     "load_config",
@@ -105,6 +122,7 @@ __all__ = [
     "phase_at",
     "phase_rotary_base",
     "phase_seq_length",
+    "read_raw",
     "read_yaml",
     "refuse_contradictions",
     "resolve_budget",

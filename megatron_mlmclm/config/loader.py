@@ -27,12 +27,17 @@ from megatron_mlmclm.errors import UsageError
 
 def load(cls, path: str | os.PathLike | None, overrides: Sequence[str] = ()):
     """YAML file (or None for the defaults) + `a.b=value` overrides -> a `cls` tree."""
+    return from_dict(cls, read_raw(path, overrides), prefix="")
+
+
+def read_raw(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """YAML file (or None for the defaults) + `a.b=value` overrides -> the raw mapping."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = read_yaml(path)
     for item in overrides:
         apply_override(raw, item)
-    return from_dict(cls, raw, prefix="")
+    return raw
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

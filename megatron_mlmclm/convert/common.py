@@ -298,9 +298,11 @@ def save_imported_checkpoint(
     source: dict[str, Any],
     vocab: int,
     seed: int,
+    tokenizer: dict[str, Any],
 ):
     """Build our model for `cfg`, load the converted global `tensors` (one line if their keys are
-    not our trunk's) and save it as step 0 with the import's provenance.
+    not our trunk's) and save it as step 0 with the import's provenance and the fingerprint of
+    its tokenizer (data/tokenizer.py: what continued runs and exports are checked against).
 
     Returns (the single-process config the model was built with, the checkpoint path).
     """
@@ -316,7 +318,12 @@ def save_imported_checkpoint(
             [model],
             None,
             None,
-            {"config": to_dict(cfg), "source": source, "consumed_samples": 0},
+            {
+                "config": to_dict(cfg),
+                "source": source,
+                "tokenizer": tokenizer,
+                "consumed_samples": 0,
+            },
             keep_last=1,
         )
     return build_cfg, saved

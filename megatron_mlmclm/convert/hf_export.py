@@ -16,6 +16,12 @@ Architectures (``arch``):
 The default is the family recorded when the weights were imported (``convert from-hf``), followed
 through ``train.init_from`` of continued runs, else eurobert (qwen3 when the model has qk-norm).
 ``causal_lm=True`` writes a causal LlamaForCausalLM (Qwen3ForCausalLM with qk-norm) for generation.
+
+The tokenizer is the run's (``data.tokenizer``); one given with ``--tokenizer`` must be the one the
+checkpoint recorded (data/tokenizer.py `tokenizer_fingerprint`: vocabulary, size, special ids).
+The export's record (``mlmclm_export.json``) carries the run's ``shards``: the tokenizer and the
+rule its pretraining documents were written by (data/shards.py: ``append_eod``, ``bos``,
+``special_tokens_as_text``), by which evaluation encodes fine-tuning inputs.
 """
 
 from __future__ import annotations
@@ -43,7 +49,15 @@ from megatron_mlmclm.convert.verify import (
     megatron_from_checkpoint,
     verify_pair,
 )
-from megatron_mlmclm.data.tokenizer import load_tokenizer, special_token_ids, token_spec_and_vocab
+from megatron_mlmclm.data.tokenizer import (
+    TOKENIZER_KEYS,
+    describe_tokenizer,
+    load_tokenizer,
+    same_tokenizer,
+    special_token_ids,
+    token_spec_and_vocab,
+    tokenizer_fingerprint,
+)
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import padded_vocab_size
 from megatron_mlmclm.paths import EXPORT_FILE
@@ -89,6 +103,8 @@ def resolve_arch(
     if arch is None:
         family = (source or {}).get("family")
         arch = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}.get(family)
+        if arch == "qwen3" and not qk_norm:  # a Qwen3 without its qk-norm: the Llama classes
+            arch = "llama"
         if arch is None:
             arch = "qwen3" if qk_norm else ("llama" if causal_lm else "eurobert")
     if arch not in ARCHS:
@@ -209,13 +225,21 @@ def to_hf(
             "--tokenizer DIR (a folder written by `mlmclm tokenize`)"
         )
     tok = load_tokenizer(tok_dir)
+    recorded = trainer.get("tokenizer")
+    if recorded and not same_tokenizer(tokenizer_fingerprint(tok), recorded):
+        raise UsageError(
+            f"tokenizer {tok_dir} ({describe_tokenizer(tokenizer_fingerprint(tok))}) is not the "
+            f"one checkpoint {ckpt} was trained with ({describe_tokenizer(recorded)}); pass that "
+            f"one{' (' + recorded['path'] + ')' if recorded.get('path') else ''}"
+        )
     vocab = trained_vocab_size(cfg, tok, verbose)
     if len(tok) > vocab:
         raise UsageError(
             f"tokenizer {tok_dir} has {len(tok)} tokens but the model's vocabulary "
             f"is {vocab}; pass the tokenizer the checkpoint was trained with"
         )
-    ids = special_token_ids(tok)
+    # The run's special ids (the same as the tokenizer's, once it is the run's)
+    ids = {k: recorded[k] for k in TOKENIZER_KEYS[2:]} if recorded else special_token_ids(tok)
 
     source = find_source(ckpt, trainer)
     arch = resolve_arch(arch, causal_lm, m.qk_layernorm, source)
@@ -253,8 +277,12 @@ def to_hf(
             and not causal_lm
         ):
             print(
-                f"note: exporting as {arch} (the source family, is_causal=false); "
-                "--arch eurobert gives the EuroBERT classes (AutoModelForMaskedLM)"
+                f"note: exporting as {arch} (the source family, is_causal=false)"
+                + (
+                    ""
+                    if m.qk_layernorm  # EuroBERT has no qk-norm
+                    else "; --arch eurobert gives the EuroBERT classes (AutoModelForMaskedLM)"
+                )
             )
         if not causal_lm and cfg.phases and cfg.phases[-1].objective == "clm":
             print("note: the last phase of this run was CLM; --causal-lm exports it for generation")
@@ -275,6 +303,7 @@ def to_hf(
                     "causal_lm": causal_lm,
                     "saved_layout": trainer.get("layout"),
                     "source": source,
+                    **({"shards": trainer["shards"]} if trainer.get("shards") else {}),
                     "verification": ver.__dict__,
                 },
                 indent=2,

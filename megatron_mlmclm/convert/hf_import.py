@@ -5,7 +5,8 @@
     OUT/checkpoints/iter_0000000/   megatron dist checkpoint (TP1/PP1 save, reshardable), whose
                                     trainer state holds the run config (explicit model fields) and
                                     the source record (family, HF config)
-    OUT/tokenizer/                  the source tokenizer with bos/eos/pad/mask guaranteed
+    OUT/tokenizer/                  the source tokenizer with bos/eos/pad/mask guaranteed (the
+                                    shards of the continued run are written with it)
     OUT/config.yaml                 a ready run config: MLM at 40% masking, train.init_from set
     OUT/mlmclm_source.json          the source record (read by `convert to-hf` for the default arch)
 
@@ -15,6 +16,10 @@ own exports (``is_causal: false``), each with the default RoPE or Llama 3.1-styl
 scaling (Llama 3.1 / 3.2; carried into ``model.rope_scaling``). Refused with one line: other
 architectures, MoE, sliding window, attention/MLP biases, other RoPE scaling kinds, non-SiLU MLPs,
 a tokenizer larger than the model's vocabulary.
+
+Tokens the completed tokenizer adds (mask, pad: where no reserved token is free) take new rows,
+or rows of the embedding the source never trained (its vocabulary padded beyond its tokenizer, as
+Qwen3's is); either way they start at the mean of the trained rows, and the import says so.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from megatron_mlmclm.convert.verify import (
     megatron_from_checkpoint,
     verify_pair,
 )
-from megatron_mlmclm.data.tokenizer import prepare_tokenizer
+from megatron_mlmclm.data.tokenizer import prepare_tokenizer, tokenizer_fingerprint
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import padded_vocab_size
 
@@ -200,11 +205,13 @@ def model_fields(cfg, vocab_size: int) -> dict[str, Any]:
     return fields
 
 
-def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """Append rows initialised to the mean embedding."""
-    if t.shape[0] >= rows:
-        return t
-    return torch.cat([t, t.mean(dim=0, keepdim=True).expand(rows - t.shape[0], -1)], dim=0)
+def _added_rows(t: torch.Tensor, trained: int, added: range, rows: int) -> torch.Tensor:
+    """`t` with `rows` rows, those of the `added` tokens set to the mean of the `trained` rows."""
+    if t.shape[0] < rows:
+        t = torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])], dim=0)
+    t = t.clone()
+    t[added.start : added.stop] = t[:trained].mean(dim=0)
+    return t
 
 
 def from_hf(
@@ -226,7 +233,8 @@ def from_hf(
     if len(src_tok) > hf_vocab:
         raise UsageError(
             f"the tokenizer of {hf_dir} has {len(src_tok)} tokens but the model's "
-            f"vocabulary is {hf_vocab}; tokenizer and weights do not match"
+            f"vocabulary is {hf_vocab}; tokenizer and weights do not match (from-hf adds the "
+            "mask and pad tokens itself: give the folder with the model's own tokenizer)"
         )
     state = read_hf_weights(hf_dir)
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
@@ -238,17 +246,25 @@ def from_hf(
 
     with common.staged_output(out, force) as tmp:
         tok_dir = prepare_tokenizer(hf_dir, tmp / "tokenizer", verbose=verbose)
-        n_tok = len(AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True))
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+        n_src, n_tok = len(src_tok), len(tok)
         vocab = max(hf_vocab, n_tok)
         grew = vocab > hf_vocab
-        if grew:
+        added = range(n_src, n_tok)  # appended by prepare_tokenizer
+        if added:
             for k in ("model.embed_tokens.weight", "lm_head.weight"):
                 if k in state:
-                    state[k] = _grow(state[k], vocab)
-            if verbose:
+                    state[k] = _added_rows(state[k], n_src, added, vocab)
+            if verbose and grew:
                 print(
                     f"vocabulary grew {hf_vocab} -> {vocab} (tokens added for bos/eos/pad/mask); "
                     "new embedding rows start at the mean embedding"
+                )
+            if verbose and added.start < hf_vocab:
+                print(
+                    f"added tokens take rows {added.start}-{min(added.stop, hf_vocab) - 1} of the "
+                    f"source's {hf_vocab}-row embedding, beyond its {n_src}-token tokenizer (never "
+                    "trained): they start at the mean embedding"
                 )
         fields = model_fields(hf_cfg, vocab)
         dims = mapping.Dims(
@@ -284,10 +300,12 @@ def from_hf(
                 default=str,
             )
         )
+        record = {**tokenizer_fingerprint(tok), "path": str(out / "tokenizer")}
         build_cfg, ckpt = common.save_imported_checkpoint(
-            tmp / "checkpoints", cfg, tensors, source, vocab, seed
+            tmp / "checkpoints", cfg, tensors, source, vocab, seed, record
         )
-        ver = _verify(hf_dir, hf_cfg, ckpt, build_cfg, vocab, hf_vocab)
+        # The rows of added tokens were changed on purpose: compared are the trained ones.
+        ver = _verify(hf_dir, hf_cfg, ckpt, build_cfg, vocab, min(hf_vocab, n_src))
         (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
         _write_run_config(tmp / "config.yaml", raw, hf_dir, final=out / "config.yaml")
     result = ImportResult(out, out / "checkpoints" / iter_name(0), family, vocab, grew, ver)
@@ -306,14 +324,15 @@ def _source_causal(hf_cfg) -> bool:
     return hf_cfg.model_type != "eurobert" and bool(getattr(hf_cfg, "is_causal", True))
 
 
-def _verify(hf_dir: Path, hf_cfg, ckpt: Path, cfg, vocab: int, hf_vocab: int) -> Verification:
+def _verify(hf_dir: Path, hf_cfg, ckpt: Path, cfg, vocab: int, compared: int) -> Verification:
+    """Logits of the written checkpoint against the source's, over the first `compared` ids."""
     auto = "AutoModelForMaskedLM" if hf_cfg.model_type == "eurobert" else "AutoModelForCausalLM"
     megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
     hf_model = load_hf(hf_dir, auto)
     return verify_pair(
         megatron_model,
         hf_model,
-        hf_vocab,
+        compared,
         causal=_source_causal(hf_cfg),
         seq=min(SEQ, cfg.model.seq_length),
         against=type(hf_model).__name__,

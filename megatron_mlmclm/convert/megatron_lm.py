@@ -51,7 +51,7 @@ from megatron_mlmclm.convert.verify import (
     megatron_from_checkpoint,
     verification_tokens,
 )
-from megatron_mlmclm.data.tokenizer import load_tokenizer
+from megatron_mlmclm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import padded_vocab_size
 
@@ -281,8 +281,9 @@ def from_megatron_lm(
                 default=str,
             )
         )
+        record = {**tokenizer_fingerprint(tok), "path": str(out / "tokenizer")}
         build_cfg, saved = common.save_imported_checkpoint(
-            tmp / "checkpoints", cfg, ours, source, vocab, seed
+            tmp / "checkpoints", cfg, ours, source, vocab, seed, record
         )
         ver = _verify(args, tensors, saved, build_cfg, vocab, seed)
         (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")

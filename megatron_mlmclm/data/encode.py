@@ -1,10 +1,10 @@
 """Text -> token ids for the shards, one batch at a time: here, or in a pool of worker processes.
 
 The tokenizer handed in encodes a text as a pretraining document (megatron_mlmclm/document.py:
-the text's tokens, then EOS; no BOS), so `encode_texts` returns documents and `pack` flattens a
-batch of them into one array plus lengths. `worker_init` / `worker_encode` run in the spawn
-processes of ``--backend processes``; those import only this module (numpy and tokenizers), so
-they start in a fraction of a second.
+the text's tokens, special-token strings as text, then EOS; no BOS), so `encode_texts` returns
+documents and `pack` flattens a batch of them into one array plus lengths. `worker_init` /
+`worker_encode` run in the spawn processes of ``--backend processes``; those import only this
+module (numpy and tokenizers), so they start in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from megatron_mlmclm.document import text_as_text
 
 
 def pack(encoded_ids: list[list[int]], dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -37,7 +39,7 @@ _WORKER_TOK = None
 def worker_init(tokenizer_json: str) -> None:
     global _WORKER_TOK
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER_TOK = Tokenizer.from_str(tokenizer_json)
+    _WORKER_TOK = text_as_text(Tokenizer.from_str(tokenizer_json))
 
 
 def worker_encode(job):

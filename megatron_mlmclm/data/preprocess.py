@@ -6,7 +6,10 @@ dtype ``DType.optimal_dtype(len(tokenizer))``: uint16 below 65500 tokens, else i
 sequence per document, one document per sequence, in input order. A document is encoded by the
 rule of megatron_mlmclm/document.py, which fine-tuning shares: the text's tokens without the
 tokenizer's own special tokens (a Llama-style tokenizer adds no bos), then eos (``--no-append-eod``
-to skip). Whitespace-only documents are dropped and counted.
+to skip); a special token's string in the text is encoded as text (the rows holding one are
+counted). Whitespace-only documents are dropped and counted. Beside each shard,
+``PREFIX.fingerprint.json`` records the tokenizer and that rule (data/shards.py), which `pretrain`
+checks shards against.
 
 Parallelism (``--workers N``), identical output for any N:
   * ``threads`` (default): batches are encoded by the Rust tokenizer's own thread pool
@@ -25,6 +28,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import re
 import struct
 import sys
 import threading
@@ -37,8 +41,9 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from megatron_mlmclm.data.encode import encode_texts, pack, worker_encode, worker_init
+from megatron_mlmclm.data.shards import shard_fingerprint, write_fingerprint
 from megatron_mlmclm.data.text_sources import expand_inputs, iter_documents
-from megatron_mlmclm.data.tokenizer import load_tokenizer
+from megatron_mlmclm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from megatron_mlmclm.document import make_document_tokenizer
 from megatron_mlmclm.errors import UsageError
 
@@ -171,6 +176,23 @@ def _prefetch(it: Iterator, depth: int = 4) -> Iterator:
         stop.set()
 
 
+def special_strings(tok) -> re.Pattern | None:
+    """A pattern matching the strings of the tokenizer's special tokens (None if it has none)."""
+    found = {t.content for t in tok.added_tokens_decoder.values() if t.special}
+    found |= set(tok.all_special_tokens)
+    if not found:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(found, key=len, reverse=True)))
+
+
+def _count_special(batches, pattern: re.Pattern | None, counter: dict[str, int]):
+    """Pass batches through, counting the rows whose text holds a special token's string."""
+    for batch in batches:
+        if pattern is not None:
+            counter["rows"] += sum(any(pattern.search(t) for t in doc.values()) for doc in batch)
+        yield batch
+
+
 def _split_batch(batch, keys):
     """Per key: the non-empty texts of the batch and the number of dropped empty ones."""
     out = {}
@@ -204,8 +226,11 @@ def preprocess(
     backend: str = "threads",
     log_interval: int = 10000,
     progress: bool = True,
+    started: float | None = None,
 ) -> dict:
-    """Tokenize ``inputs`` into Megatron shards; returns the summary (also printed as one line)."""
+    """Tokenize ``inputs`` into Megatron shards; returns the summary (also printed as one line).
+    `started` (a time.time()): when the command started, for the summary's figures with its
+    start-up (imports, the tokenizer); default: now."""
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     if backend not in ("threads", "processes"):
@@ -213,6 +238,7 @@ def preprocess(
     keys = list(json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise UsageError(f"--json-keys {' '.join(keys)} must name distinct keys")
+    started = time.time() if started is None else started
     tok = load_tokenizer(tokenizer_path)
     expand_inputs(inputs)  # missing inputs fail before anything is created
     outs = {k: shard_paths(output_prefix, k) for k in keys}
@@ -234,6 +260,7 @@ def preprocess(
     eos = tok.eos_token_id if append_eod else None
     make_document_tokenizer(backend_tok, tok.eos_token if append_eod else None, eos)
 
+    fingerprint = shard_fingerprint(tokenizer_fingerprint(tok), append_eod)
     dtype = DType.optimal_dtype(len(tok))
     parent = Path(str(output_prefix)).parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -242,6 +269,7 @@ def preprocess(
     stats = {k: {"documents": 0, "tokens": 0, "empty_dropped": 0} for k in keys}
     builders = {}
     pool = None
+    specials = {"rows": 0}
     t0 = time.perf_counter()
     # The bar shows on a terminal only; elsewhere a line every `log_interval` documents.
     bar = tqdm(desc="preprocess", unit="doc", disable=None if progress else True, mininterval=1.0)
@@ -250,7 +278,9 @@ def preprocess(
     try:
         for k in keys:
             builders[k] = IndexedDatasetBuilder(str(tmp[k][0]), dtype=dtype)
-        batches = _batches(inputs, keys, txt_split_lines)
+        batches = _count_special(
+            _batches(inputs, keys, txt_split_lines), special_strings(tok), specials
+        )
         if backend == "processes":
             pool = mp.get_context("spawn").Pool(workers, worker_init, (backend_tok.to_str(),))
 
@@ -317,6 +347,7 @@ def preprocess(
         for k in keys:
             os.replace(tmp[k][0], outs[k][0])
             os.replace(tmp[k][1], outs[k][1])
+            write_fingerprint(str(outs[k][0])[:-4], fingerprint)
     except BaseException:
         for b in builders.values():
             try:
@@ -333,13 +364,17 @@ def preprocess(
             pool.terminate()
             pool.join()
     seconds = time.perf_counter() - t0
+    total = time.time() - started
     first = stats[keys[0]]
     summary = {
         "documents": first["documents"],
         "tokens": first["tokens"],
         "empty_dropped": first["empty_dropped"],
+        "special_rows": specials["rows"],
         "seconds": seconds,
         "tokens_per_s": first["tokens"] / max(seconds, 1e-9),
+        "seconds_with_startup": total,
+        "tokens_per_s_with_startup": first["tokens"] / max(total, 1e-9),
         "dtype": np.dtype(dtype).name,
         "vocab_size": len(tok),
         "workers": workers,
@@ -351,8 +386,15 @@ def preprocess(
 
 
 def summary_line(s: dict) -> str:
+    special = (
+        f"; {s['special_rows']} rows held a special token's string, encoded as text"
+        if s["special_rows"]
+        else ""
+    )
     return (
         f"preprocess done: documents={s['documents']} tokens={s['tokens']} "
         f"empty_dropped={s['empty_dropped']} seconds={s['seconds']:.2f} "
-        f"tokens/s={s['tokens_per_s']:,.0f} -> {', '.join(s['outputs'].values())}"
+        f"({s['seconds_with_startup']:.2f} with start-up) tokens/s={s['tokens_per_s']:,.0f} "
+        f"({s['tokens_per_s_with_startup']:,.0f} with start-up) -> "
+        f"{', '.join(s['outputs'].values())}{special}"
     )

@@ -3,26 +3,32 @@
 Two ways to get one (``mlmclm tokenize``, commands/tokenize.py):
   * ``--from HF_FOLDER``: load a local Hugging Face tokenizer and guarantee the tokens. A missing
     mask (then pad) token takes the first unused ``<|reserved_special_token_N|>`` of the vocab
-    (Llama-3 has 248), so the vocab size does not change; without one, ``<mask>`` / ``<pad>`` are
-    added and the vocab grows (reported). Pad is never eos: eos is a real training token (it ends
-    every document), so a pad equal to eos counts as missing. Missing bos/eos get ``<s>``/``</s>``.
+    (Llama 3.0 has 251, Llama 3.1 and 3.2 have 248), so the vocab size does not change; without
+    one, ``<mask>`` / ``<pad>`` are added and the vocab grows (reported). Pad is never eos: eos is
+    a real training token (it ends every document), so a pad equal to eos counts as missing.
+    Missing bos/eos get ``<s>``/``</s>``.
   * ``--train INPUT ...``: byte-level BPE trained with the ``tokenizers`` library on the corpus,
     with ``<s>`` ``</s>`` ``<pad>`` ``<mask>`` as ids 0-3. No post-processor: the tokenizer never
     adds bos/eos itself; ``mlmclm preprocess`` appends eos to each document explicitly.
 
 The output folder is a normal ``save_pretrained`` folder (``AutoTokenizer.from_pretrained(out)``
-gives back mask/pad/bos/eos) plus ``mlmclm_tokenizer.json``:
+gives back mask/pad/bos/eos; ``special_tokens_map.json`` names them for other readers) plus
+``mlmclm_tokenizer.json``:
 ``{bos_id, eos_id, pad_id, mask_id, vocab_size, source, mask_reserved_from, pad_reserved_from,
 added_tokens, vocab_grew}`` where ``vocab_size`` is ``len(tokenizer)``. The folder is written under
 a temporary name and renamed when complete.
 
 What training needs from the folder (`token_spec_and_vocab` -> `TokenSpec`): the mask id, the ids
 never masked and the vocabulary size (model.vocab_size when set, else ``len(tokenizer)``); the
-pretraining run, its resume fingerprint and `convert to-hf` all derive them here.
+pretraining run, its resume fingerprint and `convert to-hf` all derive them here. What identifies
+the tokenizer (`tokenizer_fingerprint`: a hash of its vocabulary, its size, its bos/eos/pad/mask
+ids) is recorded beside every shard (data/shards.py) and in every checkpoint, so that shards,
+checkpoints and exports of another tokenizer are refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,8 +36,9 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.data.text_sources import expand_inputs, iter_texts
@@ -53,6 +60,8 @@ class TokenSpec:
     vocab_size: int
     mask_id: int
     special_ids: tuple[int, ...]  # never masked (bos, eos, pad, mask, ...)
+    # tokenizer_fingerprint of data.tokenizer (None for mock data without one)
+    tokenizer: dict[str, Any] | None = field(default=None, compare=False)
 
 
 def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
@@ -79,7 +88,35 @@ def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
         )
     )
     return TokenSpec(
-        vocab_size=cfg.model.vocab_size or vocab, mask_id=int(ids["mask_id"]), special_ids=specials
+        vocab_size=cfg.model.vocab_size or vocab,
+        mask_id=int(ids["mask_id"]),
+        special_ids=specials,
+        tokenizer=tokenizer_fingerprint(tok),
+    )
+
+
+def tokenizer_fingerprint(tok) -> dict[str, Any]:
+    """What decides the ids a tokenizer writes: a hash of its vocabulary (every token with its id,
+    added tokens included), its size and its bos/eos/pad/mask ids."""
+    vocab = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    return {"vocab_sha256": digest, "vocab_size": len(tok), **special_token_ids(tok)}
+
+
+TOKENIZER_KEYS = ("vocab_sha256", "vocab_size", "bos_id", "eos_id", "pad_id", "mask_id")
+
+
+def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two records (tokenizer or shard fingerprints) name the same tokenizer."""
+    return all(a.get(k) == b.get(k) for k in TOKENIZER_KEYS)
+
+
+def describe_tokenizer(fp: dict[str, Any]) -> str:
+    """A tokenizer fingerprint in a few words, for messages."""
+    return (
+        f"{fp.get('vocab_size')} tokens, vocabulary sha256 {str(fp.get('vocab_sha256'))[:12]}, "
+        f"bos/eos/pad/mask {fp.get('bos_id')}/{fp.get('eos_id')}/{fp.get('pad_id')}/"
+        f"{fp.get('mask_id')}"
     )
 
 
@@ -158,7 +195,12 @@ def _save(tok, out_dir: Path, source: str, reserved: dict, added: list[str], for
     out = _prepare_out(out_dir, force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        for key in ("local_files_only", "is_local"):  # how it was loaded, not what it is
+            tok.init_kwargs.pop(key, None)
         tok.save_pretrained(str(tmp))
+        (tmp / "special_tokens_map.json").write_text(
+            json.dumps(tok.special_tokens_map, indent=2, ensure_ascii=False) + "\n"
+        )
         meta = dict(
             special_token_ids(tok),
             vocab_size=len(tok),
@@ -197,6 +239,7 @@ def prepare_tokenizer(
     source: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False, verbose: bool = True
 ) -> Path:
     """Load the HF tokenizer in ``source``, guarantee bos/eos/pad/mask, save it to ``out_dir``."""
+    _prepare_out(out_dir, force)  # fail before anything is loaded or reported
     tok = _load_hf(source)
     before = len(tok)
     free = _unused_reserved(tok)

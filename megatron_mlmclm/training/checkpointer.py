@@ -2,7 +2,8 @@
 
 A run starts from its own latest verified checkpoint (resume, checked against the run by
 training/resume.py), else from a stable checkpoint of train.branch_from (training/branch.py), else
-from the weights of train.init_from with a fresh optimizer and schedule, else from scratch. It
+from the weights of train.init_from with a fresh optimizer and schedule (its model and tokenizer
+checked against the run by training/continued.py), else from scratch. It
 saves every checkpoint.save_interval steps, at the steps it keeps for good (checkpoint.keep_*), at
 its end, at `--stop-at`, and when a stop signal asks; each load and save runs in its own section of
 the hang watchdog.
@@ -21,8 +22,10 @@ from typing import Any, Protocol
 
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import PhasePlan, RunConfig, kept_steps, resolved
+from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.training import history
 from megatron_mlmclm.training.branch import branch_source, check_branch_folder
+from megatron_mlmclm.training.continued import check_init_from
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor
 from megatron_mlmclm.training.metrics import log
@@ -42,7 +45,7 @@ class Start:
     resume_from: Path | None = None  # the run's own checkpoint, or its branch source
     branched: bool = False  # resume_from is train.branch_from's checkpoint
     init_from: Path | None = None  # train.init_from, verified
-    notes: list[str] = field(default_factory=list)  # what the resume check has to say
+    notes: list[str] = field(default_factory=list)  # what the resume or init_from check says
     # Step k reads samples from k x GBS + sample_offset: 0 unless a resume continued the data
     # stream from a consumed_samples that is not step x GBS (checkpoint.allow_data_change).
     sample_offset: int = 0
@@ -57,10 +60,10 @@ class Start:
         return self.resume_from if self.branched else None
 
 
-def find_start(cfg: RunConfig, fingerprint: dict[str, Any]) -> Start:
+def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> Start:
     """The run's latest complete checkpoint, checked against this run (optimizer kind, data
     fingerprint; a branch's folder: its history); else a branch source; else train.init_from (its
-    checksums verified)."""
+    checksums verified, its model and tokenizer those of this run)."""
     c = cfg.checkpoint
     latest, damaged = ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else (None, [])
     if latest is not None:
@@ -82,8 +85,11 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any]) -> Start:
         position = PhasePlan.of(cfg).position(step)
         now = history.event("branch", step, position, cfg, fingerprint, before)
         return Start(source, branched=True, notes=notes, history=before + [now])
-    init = ckpt.resolve_checkpoint(cfg.train.init_from) if cfg.train.init_from else None
-    return Start(init_from=init, history=[history.event("start", 0, 0, cfg, fingerprint, [])])
+    started = [history.event("start", 0, 0, cfg, fingerprint, [])]
+    if not cfg.train.init_from:
+        return Start(history=started)
+    init = ckpt.resolve_checkpoint(cfg.train.init_from)
+    return Start(init_from=init, notes=check_init_from(init, cfg, spec), history=started)
 
 
 class Checkpointer:
@@ -134,6 +140,8 @@ class Checkpointer:
             elif start.init_from is not None:
                 # Keep the record of an imported HF model (its family) through continued runs.
                 self.load_state_dict(e.load_weights(start.init_from))
+                for note in start.notes:
+                    log(note)
                 log(f"initialised weights from {start.init_from} (fresh optimizer and schedule)")
 
     def should_save(self, step: int, stopping: bool) -> bool:

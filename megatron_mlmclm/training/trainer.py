@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved, to_dict
+from megatron_mlmclm.data.shards import check_run_shards
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
 from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
 from megatron_mlmclm.runtime import distributed as rt
@@ -56,6 +57,7 @@ class Trainer:
     """
 
     spec: TokenSpec
+    shards: dict[str, Any] | None  # data/shards.py: the tokenizer and rule of the run's shards
     kernels: KernelPlan
     fingerprint: dict[str, Any]
     start: Start
@@ -90,6 +92,7 @@ class Trainer:
         rt.verify_megatron_core()  # the megatron-core source the patches were written against
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
+        self.shards = check_run_shards(cfg, self.spec.tokenizer)  # of data.tokenizer, or refused
         # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
         # this machine does not have.
         self.kernels = plan_kernels(cfg, resolve_device(cfg))
@@ -98,7 +101,7 @@ class Trainer:
         self.kernels.apply_to_process()  # before CUDA starts in init_distributed
         self.fingerprint = fingerprint(cfg, self.spec)
         self.take_output_dir()  # before anything in it is read or written
-        self.start = find_start(cfg, self.fingerprint)
+        self.start = find_start(cfg, self.fingerprint, self.spec)
         rt.init_distributed(
             p.tensor_model_parallel_size,
             p.pipeline_model_parallel_size,
@@ -293,15 +296,20 @@ class Trainer:
     # ----------------------------------------------------------------- checkpoint state, close
     def state_dict(self) -> dict[str, Any]:
         """The trainer's part of a checkpoint: the config, where the data stream stands, the
-        data fingerprint a resume must match (training/resume.py) and the run's history up to
-        this step (training/history.py)."""
+        data fingerprint a resume must match (training/resume.py), the run's history up to this
+        step (training/history.py), the tokenizer (checked by a run that continues from it and by
+        `convert to-hf`) and the rule of the shards it read (data/shards.py: copied into an
+        export's record, for evaluation)."""
         began = self.start.history[-1]["step"] if self.start.history else 0
         phases = history.phase_events(self.cfg, self.start.sample_offset, began, self.step)
+        tokenizer = self.spec.tokenizer and {**self.spec.tokenizer, "path": self.cfg.data.tokenizer}
         return {
             "config": to_dict(self.cfg),
             "consumed_samples": self.plan.first_sample(self.step),
             "data_fingerprint": self.fingerprint,
             "history": self.start.history + phases,
+            "tokenizer": tokenizer,
+            "shards": self.shards,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

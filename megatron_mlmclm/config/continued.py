@@ -1,0 +1,103 @@
+"""A continued run (`train.init_from`) is its checkpoint's model.
+
+Every architecture setting (`ARCHITECTURE`: sizes, heads, head dim, qk-norm, tied embeddings, RoPE
+base and scaling, norm epsilon, vocabulary) comes from the checkpoint: a config may leave the
+model section out (the checkpoint's run config fills it) or restate it, but a value that differs
+is refused, one line naming the key and both values. What a recipe may change on purpose is
+reported instead: `model.seq_length` (the weights do not depend on it) and a phase's
+`rotary_base` (docs/pretrain.md). The rest of the model section says how the model runs
+(attention path, fusions, compile) and stays the run's own.
+
+Reading the checkpoint is not done here (config/ reads no checkpoints): `load_config` takes a
+function that returns the checkpoint's model section (training/continued.py), and the trainer
+checks the finished config against the checkpoint again before it loads a weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_mlmclm.config.loader import from_dict
+from megatron_mlmclm.config.phases import phase_rotary_base
+from megatron_mlmclm.config.schema import MODEL_PRESETS, ModelConfig, RunConfig
+from megatron_mlmclm.errors import UsageError
+
+ARCHITECTURE = (
+    *ModelConfig.SHAPE_FIELDS,  # layers, hidden, FFN, heads, KV heads, head dim
+    "vocab_size",
+    "rotary_base",
+    "rope_scaling",
+    "norm_epsilon",
+    "qk_layernorm",
+    "tie_embeddings",
+)
+
+
+def _show(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if hasattr(value, "__dataclass_fields__"):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in vars(value).items()) + "}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _refuse(key: str, ours, theirs, where: str) -> UsageError:
+    return UsageError(
+        f"model.{key}={_show(ours)} differs from the checkpoint of train.init_from ({where}: "
+        f"{_show(theirs)}); a continued run is that checkpoint's model: drop model.{key}"
+    )
+
+
+def inherit_model(raw_model: dict[str, Any] | None, saved: dict[str, Any], where: str) -> dict:
+    """The model section of a continued run's raw config (YAML and overrides): the checkpoint's
+    architecture (`saved`: the model section of its run config, with vocab_size the vocabulary it
+    trained), the run's own seq_length and running settings. UsageError for an architecture key
+    the run sets to another value (a preset's values count as set)."""
+    raw_model = dict(raw_model or {})
+    preset = raw_model.pop("preset", None)
+    theirs = from_dict(ModelConfig, saved, "model.")
+    mine = from_dict(ModelConfig, raw_model, "model.")
+    given = {k for k in raw_model if k in ARCHITECTURE}
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            mine.preset = preset
+            mine.resolve()  # the unknown-preset line
+        for k, v in MODEL_PRESETS[preset].items():
+            if k in ARCHITECTURE and k not in given:
+                setattr(mine, k, v)
+                given.add(k)
+    for k in ARCHITECTURE:
+        if k in given and getattr(theirs, k) is not None and getattr(mine, k) != getattr(theirs, k):
+            raise _refuse(k, getattr(mine, k), getattr(theirs, k), where)
+    own = {k: v for k, v in raw_model.items() if k not in ARCHITECTURE}
+    arch = {k: saved.get(k) for k in ARCHITECTURE if k in saved}
+    return {**arch, "seq_length": saved.get("seq_length"), **own, "preset": None}
+
+
+def compare_with_checkpoint(
+    cfg: RunConfig, vocab_size: int, saved: dict[str, Any], where: str
+) -> list[str]:
+    """A finished continued run's config against its checkpoint's model section (`saved`, as for
+    `inherit_model`; `vocab_size`: the vocabulary this run trains): UsageError for the first
+    architecture key that differs; -> what a recipe changed on purpose, as lines to report."""
+    theirs = from_dict(ModelConfig, saved, "model.")
+    for k in ARCHITECTURE:
+        ours = vocab_size if k == "vocab_size" else getattr(cfg.model, k)
+        if getattr(theirs, k) is not None and ours != getattr(theirs, k):
+            raise _refuse(k, ours, getattr(theirs, k), where)
+    notes = []
+    if theirs.seq_length is not None and cfg.model.seq_length != theirs.seq_length:
+        notes.append(
+            f"model.seq_length {cfg.model.seq_length}: the checkpoint of train.init_from has "
+            f"{theirs.seq_length}"
+        )
+    for i, ph in enumerate(cfg.phases):
+        base = phase_rotary_base(cfg, ph)
+        if base != theirs.rotary_base:
+            notes.append(
+                f"phases.{i}.rotary_base {base:g}: the checkpoint of train.init_from has "
+                f"model.rotary_base {theirs.rotary_base:g}"
+            )
+    return notes

@@ -1,0 +1,48 @@
+"""What `mlmclm pretrain --dry-run` opens besides the config: what the run would open, checked as
+the run checks it, every problem found (not only the first), one line each.
+
+The tokenizer loads and fits model.vocab_size; every data prefix exists, is a readable shard and
+holds ids of that tokenizer (data/shards.py); train.init_from exists, verifies against its
+manifest, and is the model and tokenizer of the run (training/continued.py).
+"""
+
+from __future__ import annotations
+
+from megatron_mlmclm.checkpoint import resolve_checkpoint
+from megatron_mlmclm.config import RunConfig
+from megatron_mlmclm.data.dataset import open_indexed_dataset
+from megatron_mlmclm.data.shards import check_run_shards, check_shard, run_prefixes
+from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.training.continued import check_init_from
+
+
+def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """(one line per problem with what the run would open, empty when everything fits; what the
+    run will report: train.init_from's settings a recipe changed on purpose)."""
+    problems: list[str] = []
+    notes: list[str] = []
+
+    def check(fn, *args):
+        try:
+            return fn(*args)
+        except UsageError as e:
+            problems.append(str(e))
+            return None
+
+    spec = check(token_spec_and_vocab, cfg)
+    tokenizer = spec.tokenizer if spec is not None else None
+    if not cfg.data.mock:
+        train, valid = run_prefixes(cfg)
+        for prefix in dict.fromkeys(train + valid):
+            if tokenizer is None:
+                check(open_indexed_dataset, prefix)
+            else:
+                check(check_shard, prefix, tokenizer, str(cfg.data.tokenizer), cfg.data.cache_dir)
+        if not problems:
+            check(check_run_shards, cfg, tokenizer)  # the training shards share one rule
+    if cfg.train.init_from:
+        found = check(resolve_checkpoint, cfg.train.init_from)
+        if found is not None and spec is not None:
+            notes = check(check_init_from, found, cfg, spec) or []
+    return problems, notes

@@ -1,0 +1,410 @@
+"""docs/continued_pretraining.md as a new user runs it, on tiny stand-ins of Qwen3-0.6B and
+Llama-3.2-1B built here from configs (no Hub), and what a continued run refuses.
+
+The stand-ins keep what sets each family apart: the Qwen3 a head dim unlike hidden / heads (32 vs
+16), qk-norm, tied embeddings and a vocabulary padded beyond its tokenizer (500 tokens, 512 rows);
+the Llama 3.2 llama3 RoPE scaling, tied embeddings and reserved special tokens; both a decoder's
+tokenizer without mask or pad token. The page's ```bash standin``` blocks run in order, as
+written, in a fresh folder per stand-in with `HF_MODEL` its folder and `TEXT` a few pages of a
+Gutenberg book (plain `mlmclm` lines forked from the preloaded server, as the smoke blocks of
+tests/test_doc_commands.py); its ```python standin``` blocks run in this process, in that folder.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_doc_commands import REPO, fenced_blocks, logical_lines, plain_mlmclm, run_forked
+
+from megatron_mlmclm.cli import main
+from megatron_mlmclm.config import load_config
+from megatron_mlmclm.config.continued import compare_with_checkpoint, inherit_model
+from megatron_mlmclm.errors import UsageError
+
+PAGE = REPO / "docs" / "continued_pretraining.md"
+KINDS = ("qwen3", "llama32")
+
+
+def make_standin(kind: str, out: Path, corpus: list[str]) -> Path:
+    """A 2-layer decoder of the family with a byte-level BPE trained on `corpus`."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if kind == "qwen3":  # Qwen3's base tokenizer: EOS <|endoftext|>, no BOS, pad or mask
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        roles = dict(eos_token="<|endoftext|>")
+    else:  # Llama 3.2's: BOS, EOS and reserved special tokens, no pad or mask
+        specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+        specials += [f"<|reserved_special_token_{i}|>" for i in range(4)]
+        roles = dict(bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokens = 500 if kind == "qwen3" else 512
+    trainer = trainers.BpeTrainer(
+        vocab_size=tokens - len(specials), show_progress=False, initial_alphabet=alphabet
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    bpe.add_special_tokens(specials)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, **roles)
+    assert len(tok) == tokens and tok.mask_token is None and tok.pad_token is None
+    shape = dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        config = transformers.Qwen3Config(
+            **shape,
+            intermediate_size=96,
+            head_dim=32,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        )
+        model = transformers.Qwen3ForCausalLM(config)
+    else:
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0}
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+        config = transformers.LlamaConfig(
+            **shape,
+            intermediate_size=128,
+            head_dim=16,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-5,
+            rope_parameters=rope,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # norms away from 1, so that a dropped norm shows in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+def page_blocks() -> list[tuple[str, str]]:
+    """(language, body) of the page's blocks that run on the stand-ins, in order."""
+    return [
+        (info.split()[0], body)
+        for info, body in fenced_blocks(PAGE)
+        if info.split()[1:2] == ["standin"]
+    ]
+
+
+def run_page(folder: Path, hf_model: Path, text: Path, data_dir: Path) -> list:
+    """The page's stand-in blocks in `folder`; -> the finished commands, in order."""
+    env = dict(
+        os.environ,
+        HF_MODEL=str(hf_model),
+        TEXT=str(text),
+        MLMCLM_DATA_DIR=str(data_dir),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    done = []
+    for lang, body in page_blocks():
+        if lang == "python":
+            cwd = os.getcwd()
+            os.chdir(folder)
+            try:
+                exec(compile(body, f"{PAGE.name} (python block)", "exec"), {})
+            finally:
+                os.chdir(cwd)
+            continue
+        for line in logical_lines(body):
+            assert plain_mlmclm(line), f"{PAGE.name}: a stand-in line must be plain: {line}"
+            proc = run_forked(line, folder, env)
+            assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+            done.append(proc)
+    return done
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory, data_dir) -> dict[str, dict]:
+    """Each stand-in, taken through the page: {kind: {folder, hf, commands}}."""
+    root = tmp_path_factory.mktemp("cpt")
+    with gzip.open(data_dir / "gutenberg_en" / "valid.jsonl.gz", "rt", encoding="utf-8") as f:
+        book = json.loads(next(f))["text"]
+    pieces = [book[i : i + 1500] for i in range(0, 60 * 1500, 1500)]
+    text = root / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": p}) + "\n" for p in pieces))
+    out = {}
+    for kind in KINDS:
+        hf = make_standin(kind, root / "models" / kind, pieces)
+        folder = root / kind
+        folder.mkdir()
+        out[kind] = {"folder": folder, "hf": hf, "commands": run_page(folder, hf, text, data_dir)}
+    return out
+
+
+def _fingerprint(folder: Path) -> dict:
+    return json.loads((folder / "shards" / "decoder_text_document.fingerprint.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_page_runs_as_written(pages, kind):
+    page = pages[kind]
+    folder = page["folder"]
+    config = json.loads((folder / "hf" / "decoder-mlm" / "config.json").read_text())
+    record = json.loads((folder / "hf" / "decoder-mlm" / "mlmclm_export.json").read_text())
+    # Exported as its own family (qk-norm: only Qwen3's classes hold it), bidirectional, tied.
+    expected = {"qwen3": "Qwen3ForCausalLM", "llama32": "LlamaForCausalLM"}[kind]
+    assert config["architectures"] == [expected] and config["is_causal"] is False
+    assert config["tie_word_embeddings"] is True
+    source = json.loads((page["hf"] / "config.json").read_text())
+    assert config["head_dim"] == source["head_dim"]
+    assert config["rope_parameters"] == source["rope_parameters"]
+    # to-hf's advice fits the family: EuroBERT has no qk-norm, so it is offered for Llama only.
+    export = next(p for p in page["commands"] if p.args[:2] == ["convert", "to-hf"])
+    assert ("--arch eurobert" in export.stdout) == (kind == "llama32"), export.stdout
+    # Evaluation follows the shards' rule: the export records what preprocess wrote.
+    assert record["shards"] == _fingerprint(folder)
+    assert record["shards"]["append_eod"] is True and record["shards"]["bos"] is False
+    # The run reported the sequence length it changed, and trained from the imported weights.
+    train = next(
+        p for p in page["commands"] if p.args[:1] == ["pretrain"] and "--dry-run" not in p.args
+    )
+    assert "model.seq_length 128: the checkpoint of train.init_from has" in train.stderr
+    assert "initialised weights from" in train.stderr
+    losses = [
+        json.loads(line)
+        for line in (folder / "ckpt" / "decoder-mlm" / "metrics.jsonl").read_text().splitlines()
+    ]
+    losses = [m for m in losses if "loss" in m]
+    assert len(losses) == 8 and all(m["objective"] == "mlm" and m["loss"] < 10 for m in losses)
+    assert list((folder / "results" / "eval").rglob("*.json"))
+
+
+@pytest.mark.slow
+def test_added_tokens_take_trained_rows_at_the_mean(pages):
+    """Qwen3's vocabulary is padded beyond its tokenizer: the added <s>, <mask> and <pad> take
+    rows 500-502 the source never trained, which start at the mean of the trained rows."""
+    from safetensors.torch import load_file
+
+    from megatron_mlmclm.convert.common import read_global_tensors
+
+    page = pages["qwen3"]
+    source = load_file(str(page["hf"] / "model.safetensors"))["model.embed_tokens.weight"]
+    ckpt = page["folder"] / "ckpt" / "decoder" / "checkpoints" / "iter_0000000"
+    rows = read_global_tensors(ckpt)["embedding.word_embeddings.weight"]
+    mean = source[:500].mean(dim=0)
+    assert torch.equal(rows[:500], source[:500])
+    for r in (500, 501, 502):
+        torch.testing.assert_close(rows[r], mean, rtol=0, atol=1e-6)
+    assert torch.equal(rows[503:512], source[503:512])  # padding rows no token uses: as they were
+    imported = page["commands"][0].stdout
+    assert "added tokens take rows 500-502 of the source's 512-row embedding" in imported
+
+
+def _dry_run(capsys, folder: Path, *overrides: str) -> tuple[int, str, list[str]]:
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        capsys.readouterr()
+        rc = main(["pretrain", "ckpt/decoder/config.yaml", "--dry-run", *overrides])
+        out, err = capsys.readouterr()
+    finally:
+        os.chdir(cwd)
+    return rc, out, err.strip().splitlines()
+
+
+SHARDS = "data.train=[shards/decoder_text_document]"
+
+
+@pytest.mark.slow
+def test_a_continued_run_refuses_another_architecture(pages, capsys):
+    """What a new user tried, through the command: qk-norm dropped from a Qwen3, the llama3 RoPE
+    scaling from a Llama 3.2: one line naming the key and both values. The rest of the keys go
+    through the same rule below, without a command each."""
+    cases = {
+        "qwen3": ("model.qk_layernorm=false", "model.qk_layernorm=false differs", "(true)"),
+        "llama32": ("model.rope_scaling=null", "model.rope_scaling=null differs", "factor: 32.0"),
+    }
+    for kind, (override, says, theirs) in cases.items():
+        rc, _, err = _dry_run(capsys, pages[kind]["folder"], SHARDS, override)
+        assert rc == 2 and len(err) == 1 and says in err[0], err
+        assert theirs.strip("()") in err[0].split("checkpoints: ")[1], err
+    rc, out, err = _dry_run(
+        capsys,
+        pages["llama32"]["folder"],
+        SHARDS,
+        "model.seq_length=64",
+        "phases.0.rotary_base=1e6",
+    )
+    assert rc == 0 and err == [], err
+    assert "# note: model.seq_length 64: the checkpoint of train.init_from has 1024" in out
+    assert "# note: phases.0.rotary_base 1e+06: the checkpoint of train.init_from has" in out
+
+
+@pytest.mark.slow
+def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
+    """Each missing or mismatched file one line, exit 2: shards and tokenizer absent, shards of
+    another tokenizer, a vocabulary smaller than the tokenizer, train.init_from absent or
+    damaged."""
+    qwen3, llama32 = (pages[k]["folder"] for k in KINDS)
+    other = f"data.train=[{llama32 / 'shards' / 'decoder_text_document'}]"
+    rc, _, err = _dry_run(capsys, qwen3, "data.train=[shards/nope]", "data.tokenizer=nope")
+    assert rc == 2 and len(err) == 2, err
+    assert "tokenizer folder nope does not exist" in err[0] and "shards/nope.idx" in err[1], err
+    rc, _, err = _dry_run(capsys, qwen3, other)
+    assert rc == 2 and len(err) == 1 and "written with another tokenizer" in err[0], err
+    # Shards and data.tokenizer agree, but the checkpoint was imported with another tokenizer.
+    theirs = f"data.tokenizer={llama32 / 'ckpt' / 'decoder' / 'tokenizer'}"
+    rc, _, err = _dry_run(capsys, qwen3, other, theirs)
+    assert rc == 2 and len(err) == 1, err
+    assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, "train.init_from=nope")
+    assert rc == 2 and err == [
+        "mlmclm pretrain: error: train.init_from nope does not exist; give a checkpoint folder or "
+        "a run's checkpoints folder"
+    ]
+    damaged = tmp_path / "checkpoints"
+    shutil.copytree(qwen3 / "ckpt" / "decoder" / "checkpoints", damaged)
+    shard = next(damaged.rglob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
+    assert rc == 2 and len(err) == 1 and "fails verification" in err[0], err
+    # Without train.init_from: a model.vocab_size below the tokenizer's, as the run refuses it.
+    cwd = os.getcwd()
+    os.chdir(qwen3)
+    try:
+        rc = main(
+            ["pretrain", "--dry-run", "data.tokenizer=ckpt/decoder/tokenizer", SHARDS]
+            + ["model.vocab_size=500", "logging.eval_interval=0"]
+        )
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "model.vocab_size (500) is smaller" in err[0], err
+
+
+@pytest.mark.slow
+def test_the_run_refuses_shards_of_a_smaller_or_larger_vocabulary(pages, capsys):
+    """The other stand-in's shards: 512 tokens into the 503-token Qwen3 run, 503 into the
+    512-token Llama 3.2 run; one line, before anything is built. Without their fingerprint (as
+    Megatron-LM writes shards) the larger vocabulary's EOS is an id out of range."""
+    for kind, other in (("qwen3", "llama32"), ("llama32", "qwen3")):
+        folder = pages[kind]["folder"]
+        shards = pages[other]["folder"] / "shards" / "decoder_text_document"
+        cwd = os.getcwd()
+        os.chdir(folder)
+        try:
+            rc = main(["pretrain", "ckpt/decoder/config.yaml", f"data.train=[{shards}]"])
+        finally:
+            os.chdir(cwd)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and "written with another tokenizer" in err[0], err
+        assert str(shards) in err[0] and "ckpt/decoder/tokenizer" in err[0]
+    bare = pages["qwen3"]["folder"] / "bare"
+    bare.mkdir()
+    for suffix in (".bin", ".idx"):
+        src = pages["llama32"]["folder"] / "shards" / f"decoder_text_document{suffix}"
+        shutil.copy(src, bare / f"llama{suffix}")
+    os.chdir(pages["qwen3"]["folder"])
+    try:
+        rc = main(["pretrain", "ckpt/decoder/config.yaml", f"data.train=[{bare / 'llama'}]"])
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "outside data.tokenizer" in err[0], err
+
+
+# --------------------------------------------------------------------------------------------------
+# Every architecture key, against a checkpoint's model section (no checkpoint needed)
+
+SAVED = dict(
+    preset=None,
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    kv_channels=32,
+    seq_length=256,
+    vocab_size=512,
+    rotary_base=1000000.0,
+    norm_epsilon=1e-6,
+    qk_layernorm=True,
+    tie_embeddings=True,
+    rope_scaling={
+        "type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+)
+CHANGED = {
+    "num_layers": 4,
+    "hidden_size": 128,
+    "ffn_hidden_size": 64,
+    "num_attention_heads": 2,
+    "num_query_groups": 4,
+    "kv_channels": 16,
+    "vocab_size": 510,
+    "rotary_base": 10000.0,
+    "norm_epsilon": 1e-5,
+    "qk_layernorm": False,
+    "tie_embeddings": False,
+    "rope_scaling": None,
+}
+
+
+def test_every_architecture_key_comes_from_the_checkpoint():
+    from megatron_mlmclm.config import ARCHITECTURE
+
+    assert set(CHANGED) == set(ARCHITECTURE)
+    # Left out, or restated as the checkpoint has it: the checkpoint's model.
+    for raw in (None, {}, {k: v for k, v in SAVED.items() if k != "seq_length"}):
+        model = inherit_model(raw, SAVED, "ckpt")
+        assert {k: model[k] for k in SAVED if k != "preset"} == {
+            k: v for k, v in SAVED.items() if k != "preset"
+        }
+    for key, value in CHANGED.items():
+        with pytest.raises(UsageError, match=rf"^model\.{key}=\S+ differs from the checkpoint"):
+            inherit_model({key: value}, SAVED, "ckpt")
+    with pytest.raises(UsageError, match=r"model\.rope_scaling=.*factor: 8.0"):
+        inherit_model({"rope_scaling": {"factor": 8}}, SAVED, "ckpt")
+    with pytest.raises(UsageError, match=r"model\.num_layers=4 differs"):
+        inherit_model({"preset": "tiny"}, SAVED, "ckpt")  # a preset's sizes count as set
+    # A recipe's own sequence length and running settings stay the run's.
+    model = inherit_model({"seq_length": 64, "attention": "sdpa"}, SAVED, "ckpt")
+    assert (model["seq_length"], model["attention"], model["preset"]) == (64, "sdpa", None)
+
+
+def test_the_trainer_checks_a_finished_config_against_the_checkpoint():
+    """The trainer's own check (training/continued.py), for configs built without the
+    checkpoint's model: each key refused; seq_length and a phase's RoPE base reported."""
+    base = [f"model.{k}={json.dumps(v)}" for k, v in SAVED.items()] + ["data.mock=true"]
+    cfg = load_config(None, base)
+    assert compare_with_checkpoint(cfg, 512, SAVED, "ckpt") == []
+    for key, value in CHANGED.items():
+        if key == "vocab_size":
+            continue
+        cfg = load_config(None, [*base, f"model.{key}={json.dumps(value)}"])
+        with pytest.raises(UsageError, match=rf"^model\.{key}="):
+            compare_with_checkpoint(cfg, 512, SAVED, "ckpt")
+    with pytest.raises(UsageError, match=r"^model\.vocab_size=510 differs"):
+        compare_with_checkpoint(load_config(None, base), 510, SAVED, "ckpt")
+    cfg = load_config(None, [*base, "model.seq_length=64", "phases.0.rotary_base=2e6"])
+    assert compare_with_checkpoint(cfg, 512, SAVED, "ckpt") == [
+        "model.seq_length 64: the checkpoint of train.init_from has 256",
+        "phases.0.rotary_base 2e+06: the checkpoint of train.init_from has model.rotary_base 1e+06",
+    ]

@@ -1,0 +1,252 @@
+"""Raw text stays text, and shards know what wrote them (document.py, data/shards.py).
+
+A special token's string in a text (`<mask>`, `</s>`, `<|begin_of_text|>`, `[SEP]`: web text about
+NLP holds them) is encoded as that string's ordinary tokens, for our byte-level BPE, a Llama-3-style
+and a BERT-style tokenizer, compared with the tokenizer's own encoding with special-token parsing
+off; `mlmclm preprocess` writes no special id inside a document, counts the rows, and records its
+tokenizer and rule beside each shard. A run's shards are checked against its tokenizer: by the
+fingerprint, else by a scan cached once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jobs import word_tokenizer
+
+from megatron_mlmclm.config import load_config
+from megatron_mlmclm.data.preprocess import preprocess, summary_line
+from megatron_mlmclm.data.shards import (
+    check_run_shards,
+    check_shard,
+    fingerprint_path,
+    read_fingerprint,
+    shard_fingerprint,
+)
+from megatron_mlmclm.data.tokenizer import load_tokenizer, prepare_tokenizer, tokenizer_fingerprint
+from megatron_mlmclm.document import make_document_tokenizer
+from megatron_mlmclm.errors import UsageError
+
+SPECIAL_STRINGS = [
+    "<mask>",
+    "</s>",
+    "<s>",
+    "<pad>",
+    "<|begin_of_text|>",
+    "<|reserved_special_token_0|>",
+    "[MASK]",
+    "[SEP]",
+]
+ROWS = [
+    "the <mask> token is what MLM predicts, and </s> marks the end",
+    "a document may start with <s> and be padded with <pad>",
+    "Llama 3 opens with <|begin_of_text|>; <|reserved_special_token_0|> is spare",
+    "BERT writes [CLS] a [MASK] b [SEP]",
+    "plain text without any of them",
+    " ".join(SPECIAL_STRINGS),
+]
+
+
+def _llama3_like(root: Path) -> Path:
+    """A byte-level BPE with Llama 3's special tokens (bos, eos, reserved ones), completed as
+    `mlmclm tokenize --from` completes Meta's: mask and pad take reserved tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False, initial_alphabet=alphabet)
+    bpe.train_from_iterator(ROWS * 20, trainer)
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    bpe.add_special_tokens(specials + [f"<|reserved_special_token_{i}|>" for i in range(4)])
+    PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token=specials[0], eos_token=specials[1]
+    ).save_pretrained(str(root / "llama3-src"))
+    return prepare_tokenizer(root / "llama3-src", root / "llama3", verbose=False)
+
+
+def _bert_like(root: Path) -> Path:
+    """A WordPiece with BERT's [CLS] [SEP] [MASK] [PAD] [UNK] and its [CLS] $A [SEP] template,
+    completed with bos/eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    wp = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wp.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wp.decoder = decoders.WordPiece()
+    wp.train_from_iterator(
+        ROWS * 20, trainers.WordPieceTrainer(vocab_size=300, special_tokens=specials)
+    )
+    wp.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=wp,
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        pad_token="[PAD]",
+    ).save_pretrained(str(root / "bert-src"))
+    return prepare_tokenizer(root / "bert-src", root / "bert", verbose=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("toks")
+    return {
+        "ours": word_tokenizer(root, 300),
+        "llama3": _llama3_like(root),
+        "bert": _bert_like(root),
+    }
+
+
+def _special_ids(tok) -> set[int]:
+    return {i for i, t in tok.added_tokens_decoder.items() if t.special} | set(tok.all_special_ids)
+
+
+def _reference(tok, text: str) -> list[int]:
+    """Hugging Face's own encoding with special-token parsing off, then EOS."""
+    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [
+        tok.eos_token_id
+    ]
+
+
+@pytest.mark.parametrize("kind", ["ours", "llama3", "bert"])
+def test_special_token_strings_are_encoded_as_text(tokenizers, kind):
+    tok = load_tokenizer(tokenizers[kind])  # the reference (Hugging Face sets its backend's flag)
+    mine = load_tokenizer(tokenizers[kind])
+    backend = make_document_tokenizer(mine.backend_tokenizer, tok.eos_token, tok.eos_token_id)
+    specials = _special_ids(tok)
+    for text in ROWS:
+        ids = backend.encode(text).ids
+        assert ids == _reference(tok, text), text
+        assert ids[-1] == tok.eos_token_id and not specials & set(ids[:-1]), text
+        decoded = tok.decode(ids[:-1])
+        if kind == "bert":  # WordPiece decodes with spaces between word pieces
+            assert decoded.replace(" ", "") == text.replace(" ", "").lower() or (
+                decoded.replace(" ", "") == text.replace(" ", "")
+            )
+        else:
+            assert decoded == text
+
+
+def _read_docs(prefix) -> list[list[int]]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(str(prefix))
+    return [ds[i].tolist() for i in range(len(ds))]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "rows.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ROWS))
+    return path
+
+
+@pytest.mark.parametrize("kind,backend", [("ours", "processes"), ("llama3", "threads")])
+def test_preprocess_writes_no_special_id_but_the_final_eos(
+    tokenizers, corpus, tmp_path, kind, backend
+):
+    tok = load_tokenizer(tokenizers[kind])
+    prefix = tmp_path / "rows"
+    s = preprocess([corpus], prefix, tokenizers[kind], backend=backend, progress=False)
+    assert s["seconds_with_startup"] > s["seconds"]  # the process's start-up counted too
+    line = summary_line(s)
+    assert "rows held a special token's string" in line and "with start-up" in line
+    strings = [tok.convert_ids_to_tokens(i) for i in _special_ids(tok)]
+    assert s["special_rows"] == sum(any(t in row for t in strings) for row in ROWS) >= 2
+    docs = _read_docs(tmp_path / "rows_text_document")
+    assert docs == [_reference(tok, t) for t in ROWS]
+    for doc in docs:
+        assert not _special_ids(tok) & set(doc[:-1]) and doc[-1] == tok.eos_token_id
+    fp = read_fingerprint(tmp_path / "rows_text_document")
+    assert fp == {
+        **tokenizer_fingerprint(tok),
+        "append_eod": True,
+        "bos": False,
+        "special_tokens_as_text": True,
+    }
+
+
+def test_shards_of_another_tokenizer_are_refused_and_unfingerprinted_ones_scanned(
+    tokenizers, corpus, tmp_path
+):
+    ours, llama3 = (load_tokenizer(tokenizers[k]) for k in ("ours", "llama3"))
+    fp_ours, fp_llama3 = tokenizer_fingerprint(ours), tokenizer_fingerprint(llama3)
+    assert fp_llama3["vocab_size"] > fp_ours["vocab_size"]
+    prefix = str(tmp_path / "rows_text_document")
+    preprocess([corpus], tmp_path / "rows", tokenizers["llama3"], progress=False)
+    with pytest.raises(UsageError, match="written with another tokenizer") as e:
+        check_shard(prefix, fp_ours, str(tokenizers["ours"]), None)
+    assert str(tokenizers["ours"]) in str(e.value) and "\n" not in str(e.value)
+    rule = check_shard(prefix, fp_llama3, "llama3", None)
+    assert rule == {"append_eod": True, "bos": False, "special_tokens_as_text": True}
+
+    # Megatron-LM's shards carry no fingerprint: scanned once (the result cached), ids in range.
+    fingerprint_path(prefix).unlink()
+    rule = check_shard(prefix, fp_llama3, "llama3", str(tmp_path / "cache"))
+    assert rule == {"append_eod": True, "bos": False, "special_tokens_as_text": None}
+    assert len(list((tmp_path / "cache").glob("shard_scan-*.json"))) == 1
+    top = max(max(d) for d in _read_docs(prefix))
+    assert top >= fp_ours["vocab_size"]  # the EOS of the larger vocabulary
+    with pytest.raises(UsageError, match=f"holds token id {top}, outside") as e:
+        check_shard(prefix, fp_ours, "ours", str(tmp_path / "cache"))
+    assert "\n" not in str(e.value)
+
+
+def test_scan_reads_eod_and_bos_off_the_documents(tokenizers, tmp_path):
+    """Documents written by another tool: whether each ends with EOS and starts with BOS."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    fp = tokenizer_fingerprint(load_tokenizer(tokenizers["ours"]))
+    bos, eos = fp["bos_id"], fp["eos_id"]
+    cases = {
+        "eod_bos": [[bos, 7, 8, eos], [bos, 9, eos]],
+        "eod": [[7, 8, eos], [9, eos], []],
+        "neither": [[7, 8], [9, eos]],
+    }
+    for name, docs in cases.items():
+        builder = IndexedDatasetBuilder(str(tmp_path / f"{name}.bin"), dtype=np.uint16)
+        for d in docs:
+            builder.add_document(np.asarray(d, dtype=np.int64), [len(d)])
+        builder.finalize(str(tmp_path / f"{name}.idx"))
+    got = {n: check_shard(str(tmp_path / n), fp, "ours", None) for n in cases}
+    assert {n: (r["append_eod"], r["bos"]) for n, r in got.items()} == {
+        "eod_bos": (True, True),
+        "eod": (True, False),
+        "neither": (False, False),
+    }
+
+
+def test_a_run_records_its_shards_rule_and_refuses_a_mix(tokenizers, corpus, tmp_path):
+    """The rule of a run's training shards (evaluation follows it: --no-append-eod shards are
+    recorded without EOD); shards of both rules in one run are refused."""
+    tok_dir = tokenizers["ours"]
+    fp = tokenizer_fingerprint(load_tokenizer(tok_dir))
+    preprocess([corpus], tmp_path / "eod", tok_dir, progress=False)
+    preprocess([corpus], tmp_path / "noeod", tok_dir, append_eod=False, progress=False)
+
+    def run(*train: str):
+        cfg = load_config(
+            None,
+            [
+                f"data.tokenizer={tok_dir}",
+                f"data.train=[{','.join(train)}]",
+                "logging.eval_interval=0",
+            ],
+        )
+        return check_run_shards(cfg, fp)
+
+    eod, noeod = str(tmp_path / "eod_text_document"), str(tmp_path / "noeod_text_document")
+    assert run(noeod) == shard_fingerprint(fp, append_eod=False)
+    assert run(eod) == shard_fingerprint(fp, append_eod=True)
+    with pytest.raises(UsageError, match="disagree on append_eod"):
+        run(eod, noeod)
