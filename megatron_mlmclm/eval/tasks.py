@@ -59,6 +59,8 @@ class Task:
     label: str = "label"
     labels: list[str] | None = None
     template: str | None = None  # sc: {text_a} {text_b}; qa: {question} {context}
+    # sc, qa: two texts as the template's one text (joined) or in the tokenizer's pair form
+    pairs: str = "joined"
     # tc
     token_column: int = 0
     tag_column: int = -1
@@ -74,6 +76,8 @@ class Task:
     null_threshold: float = 0.0
     # ir
     corpus: str = "full"  # full | judged | judged_eval (families/ir.py)
+    # corpus full: validation ranks the judged documents and this many others (seeded; 0: all)
+    validation_documents: int = 100_000
     train_task: str | None = None  # the task whose train split gives the training pairs
     query_template: str = "{text}"
     document_template: str | None = None  # {title} {text}; None: "{title} {text}" or "{text}"
