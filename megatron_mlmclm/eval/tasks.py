@@ -115,6 +115,10 @@ class Task:
     def hub_split(self, split: str) -> str:
         return (self.hf_splits or self.splits)[split]
 
+    def local_layout(self) -> str:
+        """The local folder and the files read there, for messages."""
+        return f"{self.folder()} ({', '.join(FAMILIES[self.family].local_files(self))})"
+
     def holdout_source(self) -> str:
         """The split that `validation_holdout` carves validation out of: train, or test for a
         task without one (trained on another task's pairs)."""
@@ -176,6 +180,11 @@ def check(task: Task, where: str) -> None:
         )
     if task.format == "hf" and not task.hf_name:
         raise UsageError(f"{where}: format hf needs hf_name")
+    if task.format != "hf" and task.hf_name and set(task.hf_splits or ()) != set(splits):
+        raise UsageError(
+            f"{where}: hf_name (read where the local folder is absent) needs hf_splits, the "
+            f"Hub dataset's split for each of {', '.join(splits)}"
+        )
     if task.labels is not None:
         task.labels = [str(x) for x in task.labels]
     if task.metric is not None and task.metric not in family.metrics:

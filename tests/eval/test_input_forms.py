@@ -34,7 +34,10 @@ TEMPLATE = {
     "export": (None, "</s>"),
 }
 # strings of special tokens, met in web text about NLP
-SPECIAL_TEXT = "the <mask> token, </s> and <s>, <pad>, [MASK] and [SEP], <|begin_of_text|> and <|reserved_special_token_0|>"
+SPECIAL_TEXT = (
+    "the <mask> token, </s> and <s>, <pad>, [MASK] and [SEP], <|begin_of_text|> and "
+    "<|reserved_special_token_0|>"
+)
 PAIRS = [
     ("The cat sat on the mat.", "A cat was sitting.", "yes"),
     ("The war began in 1914.", "Nothing began.", "no"),

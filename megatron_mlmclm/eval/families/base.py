@@ -38,7 +38,9 @@ class Family:
     setup(task, tokenizer, cfg, max_length, device): what the loop trains (`Setup`);
     show(item, tokenizer, inputs): one training input as tokens with labels (--show-inputs);
     default_metric(task): the main metric when the entry names none (default: the first of
-    `metrics`).
+    `metrics`);
+    layout(task): the files its local format reads in the task's folder, for messages (default:
+    the entry's split files).
     """
 
     name: str
@@ -51,6 +53,12 @@ class Family:
     setup: Callable
     show: Callable
     default_metric: Callable | None = None
+    layout: Callable | None = None
+
+    def local_files(self, task) -> list[str]:
+        if self.layout is not None:
+            return self.layout(task)
+        return list(dict.fromkeys(task.splits.values()))
 
     @property
     def formats(self) -> tuple[str, ...]:

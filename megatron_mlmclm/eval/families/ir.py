@@ -248,6 +248,16 @@ def labels(task, train):
     return []
 
 
+def layout(task) -> list[str]:
+    """The files of the task's local format (beir, mldr; pairs: its split files)."""
+    splits = list(dict.fromkeys(task.splits.values()))
+    if task.format == "beir":
+        return ["corpus.jsonl[.gz]", "queries.jsonl[.gz]", *(f"qrels/{s}.tsv" for s in splits)]
+    if task.format == "mldr":
+        return ["corpus.jsonl[.gz]", *splits]
+    return splits
+
+
 def check(task, where):
     if task.corpus not in CORPUS:
         raise UsageError(f"{where}: corpus must be one of {', '.join(CORPUS)}")
@@ -490,4 +500,5 @@ FAMILY = Family(
     inputs=inputs,
     setup=setup,
     show=show,
+    layout=layout,
 )

@@ -69,7 +69,7 @@ def read_glue_tsv(task, split):
 
 def read_glue_json(task, split):
     paths = data.files(task, task.splits[split])
-    return records(task, [r for p in paths for r in data.json_rows(p, keyed=True)], paths[0])
+    return records(task, data.read_rows(task, paths, "json"), paths[0])
 
 
 def read_table(task, split):
