@@ -102,6 +102,7 @@ def tasks(tmp_path_factory):
     }
     entries["f_sc_pairs"] = entries["f_sc"] + "\n  pairs: tokenizer"
     entries["f_qa_pairs"] = entries["f_qa"] + "\n  pairs: tokenizer"
+    entries["f_ir_bounded"] = entries["f_ir"] + "\n  validation_documents: 2"
     yaml = root / "tasks.yaml"
     yaml.write_text("".join(f"{name}:\n  {body}\n" for name, body in entries.items()))
     corpus = [f"{a} {b}" for a, b, _ in PAIRS] + [" ".join(w) for w, _ in SENTENCES]
@@ -298,3 +299,38 @@ def test_an_earlier_export_gets_the_document_rule_and_encodeval_its_own(tasks, t
     tok = load_tokenizer(str(roberta), "document")
     assert tok("The cat sat.")["input_ids"] == ids
     assert dataclasses.asdict(tok.input_form)["rule"] == "document"
+
+
+def test_retrieval_validation_encodes_a_bounded_sample_and_test_the_corpus(
+    tasks, tmp_path, monkeypatch
+):
+    """Under `corpus: full`, each validation ranks the judged documents and a fixed sample of
+    `validation_documents` others; the test ranks the whole corpus once, on the final model. The
+    documents are counted as sentence-transformers receives them."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = build("export", tasks["corpus"], tmp_path / "export")
+    encoded = []
+    encode = SentenceTransformer.encode
+
+    def counting(self, texts, **kw):
+        encoded[-1] += sum(t.startswith("Document: ") for t in texts)
+        return encode(self, texts, **kw)
+
+    monkeypatch.setattr(SentenceTransformer, "encode", counting)
+    cfg = config(folder, "f_ir_bounded", tasks)
+    task = entry("f_ir_bounded", tasks)
+    judged = {d for docs in ir.load_split(task, "validation").qrels.values() for d in docs}
+    real_retrieve = ir.retrieve
+
+    def retrieve(*args, **kw):  # one count per evaluation
+        encoded.append(0)
+        return real_retrieve(*args, **kw)
+
+    monkeypatch.setattr(ir, "retrieve", retrieve)
+    result = run_finetune(cfg, log=lambda *_: None)
+    counts = result["info"]["documents_encoded"]
+    assert encoded == counts["validation"] + counts["test"]
+    assert len(counts["validation"]) == 2 and counts["test"] == [len(DOCS)]
+    assert all(n <= len(judged) + 2 < len(DOCS) for n in counts["validation"])
+    assert result["test_time_s"] > 0 and result["eval_time_s"] > 0
