@@ -52,7 +52,12 @@ CASES = {
     ),
     "qa_jsonl": (
         "format: jsonl\n  family: qa",
-        {"id": "1", "question": "q", "context": BREAKS, "answers": {"text": [], "answer_start": []}},
+        {
+            "id": "1",
+            "question": "q",
+            "context": BREAKS,
+            "answers": {"text": [], "answer_start": []},
+        },
         lambda rec: rec[0]["context"],
     ),
     "qa_record": (
@@ -93,7 +98,9 @@ def test_a_beir_corpus_with_raw_breaks_loads_and_ranks(tmp_path):
     folder = tmp_path / "beir"
     docs = [{"_id": f"d{i}", "title": "", "text": f"passage {i} {BREAKS}"} for i in range(6)]
     _raw_jsonl(folder / "corpus.jsonl", docs)
-    _raw_jsonl(folder / "queries.jsonl", [{"_id": f"q{i}", "text": f"q {i} {BREAKS}"} for i in range(6)])
+    _raw_jsonl(
+        folder / "queries.jsonl", [{"_id": f"q{i}", "text": f"q {i} {BREAKS}"} for i in range(6)]
+    )
     (folder / "qrels").mkdir()
     for split in ("train", "test"):
         (folder / f"qrels/{split}.tsv").write_text("".join(f"q{i}\td{i}\t1\n" for i in range(6)))
