@@ -273,13 +273,18 @@ def test_an_earlier_export_gets_the_document_rule_and_encodeval_its_own(tasks, t
     assert (
         main(
             ["evaluate", "--model", str(legacy), "--task-file", tasks["file"]]
-            + ["--task", "f_sc", "--show-inputs", "1"]
+            + ["--task", "f_sc", "--show-inputs", "3"]
         )
         == 0
     )
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"note: {legacy} is an export of an earlier mlmclm") and len(out) == 3
-    assert out[2].split()[-1] == "</s>"
+    assert out[0].startswith(f"note: {legacy} is an export of an earlier mlmclm") and len(out) == 5
+    # the row holding special-token strings is shown as its text: no special token but the EOS
+    row = out[4].split(": ", 1)[1].split()
+    assert row[-1] == "</s>" and not {"<mask>", "</s>", "<s>", "<pad>"} & set(row[:-1]), row
+    assert "".join(row[:-1]).replace("Ġ", "").replace("Ċ", "") == "".join(
+        f"{PAIRS[2][0]}{PAIRS[2][1]}".split()
+    )
     tok = load_tokenizer(str(legacy))
     assert tok.input_form.rule == "document"
     assert tok("a b")["input_ids"] == load_tokenizer(str(folder))("a b")["input_ids"]
