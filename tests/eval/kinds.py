@@ -33,6 +33,10 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# BERT's special tokens (also ModernBERT's and DeBERTa-v3's)
+BERT_TOKENS = dict(
+    unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
+)
 LLAMA_SPECIALS = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -85,14 +89,7 @@ def bert_tokenizer(corpus):
         tk_trainers.WordPieceTrainer(vocab_size=600, special_tokens=specials, show_progress=False),
     )
     _template(tok, "[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1", ["[CLS]", "[SEP]"])
-    return _fast(
-        tok,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
+    return _fast(tok, **BERT_TOKENS)
 
 
 def roberta_tokenizer(corpus):
@@ -115,14 +112,7 @@ def roberta_tokenizer(corpus):
 def modernbert_tokenizer(corpus):
     tok = _bpe(corpus, ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
     _template(tok, "[CLS] $A [SEP]", "[CLS] $A [SEP] $B [SEP]", ["[CLS]", "[SEP]"])
-    return _fast(
-        tok,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
+    return _fast(tok, **BERT_TOKENS)
 
 
 def deberta_tokenizer(corpus):
@@ -138,14 +128,7 @@ def deberta_tokenizer(corpus):
         ),
     )
     _template(tok, "[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1", ["[CLS]", "[SEP]"])
-    return _fast(
-        tok,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
+    return _fast(tok, **BERT_TOKENS)
 
 
 def llama3_tokenizer(corpus, eos_in_template: bool):

@@ -380,10 +380,13 @@ def retrieve(model, task, split_data: Beir, doc_ids: list[str], max_tokens: int,
     values = torch.empty(len(qids), 0)
     indices = torch.empty(len(qids), 0, dtype=torch.long)
     for first in range(0, len(doc_ids), DOC_CHUNK):
-        scores = q_emb @ d_emb[first : first + DOC_CHUNK].T
-        top = torch.topk(scores.float(), min(k, scores.shape[1]), dim=1)
-        v = torch.cat([values, top.values.cpu()], dim=1)
-        i = torch.cat([indices, top.indices.cpu() + first], dim=1)
+        block = d_emb[first : first + DOC_CHUNK].T
+        tops = [  # 256 queries at a time: a score block stays small
+            torch.topk((q_emb[q : q + 256] @ block).float(), min(k, block.shape[1]), dim=1)
+            for q in range(0, len(qids), 256)
+        ]
+        v = torch.cat([values, torch.cat([t.values.cpu() for t in tops])], dim=1)
+        i = torch.cat([indices, torch.cat([t.indices.cpu() for t in tops]) + first], dim=1)
         best = torch.topk(v, k, dim=1)
         values, indices = best.values, torch.gather(i, 1, best.indices)
     return {
