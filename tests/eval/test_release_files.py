@@ -163,3 +163,14 @@ def test_without_the_local_folder_or_the_hub_one_line_names_both(tmp_path, monke
         layout = task.splits[split]
         assert (layout in msg or f"qrels/{layout}.tsv" in msg) and asked, msg
         assert task.hub_split(split) in asked or asked == ["corpus"], (name, asked)
+
+
+def test_an_entry_read_from_the_hub_names_its_splits(tmp_path):
+    """Local file names are not Hub split names: an entry with `hf_name` and a local format must
+    say which Hub split each of its splits is."""
+    (tmp_path / "t.yaml").write_text(
+        f"t:\n  family: sc\n  format: jsonl\n  path: {tmp_path}\n  splits: {SPLITS}\n"
+        "  hf_name: someone/dataset\n"
+    )
+    with pytest.raises(UsageError, match="needs hf_splits, the Hub dataset's split for each of"):
+        load_registry([str(tmp_path / "t.yaml")])
