@@ -1,24 +1,113 @@
 """Fine-tuning throughput: our loop (megatron_mlmclm.eval.finetune.train) vs a plain Hugging Face
-Trainer at the same settings on CPU.
+Trainer at the same settings, on CPU or a GPU; and, on a GPU, several of our runs sharing it (as
+`mlmclm evaluate --workers N` does).
 
 Same tiny EuroBert + mean-pooling head (same init), same SST-2 examples, batch size, number of
 steps, AdamW (0.9, 0.95, eps 1e-5, wd 0.1), 10% warmup + linear decay, gradient clipping 1.0,
-dynamic padding with the same collate function; no evaluation or checkpointing in either. The
-timed part is the training loop only (model and data are built before the clock starts).
+dynamic padding with the same collate function, the same precision (fp32 on CPU, bf16 autocast
+with fp32 weights on a GPU); no evaluation or checkpointing in either. The timed part is the
+training loop only (model and data are built before the clock starts). Our loop reads the loss
+back only at the validation curve's points (one here, the last step); the Trainer, as it runs by
+default, checks each step's loss for NaN/inf on the host (`logging_nan_inf_filter`), so on a GPU
+it waits for every step to finish before queueing the next.
 
     PYTHONPATH=. python benchmarks/finetune_throughput.py [--steps 60] [--threads 1]
     PYTHONPATH=. python benchmarks/finetune_throughput.py --quick   # seconds: 6 steps x 8, once
+    # on a GPU: a 4-layer, 512-wide model, ours vs the Trainer, then 1, 2 and 4 of our runs at once
+    PYTHONPATH=. python benchmarks/finetune_throughput.py --device cuda --hidden 512 --layers 4 \\
+        --steps 200 --workers 1 2 4
 
 Last line: RESULT finetune ratio=<ours_time/trainer_time> ours_s=<..> baseline_s=<..>
+ours_eps=<..> baseline_eps=<..> [workers_eps=<N>:<examples/s>,...]
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import tempfile
 import time
 
 import torch
+
+
+def prepare(args, model_dir: str):
+    """(SST-2 features, the run config, the collate function, a fresh model maker)."""
+    from megatron_mlmclm.eval.families import load_split
+    from megatron_mlmclm.eval.families.base import collate_ids
+    from megatron_mlmclm.eval.families.sc import encode
+    from megatron_mlmclm.eval.finetune import FinetuneConfig, seed_everything
+    from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder
+    from megatron_mlmclm.eval.input_form import load_tokenizer
+    from megatron_mlmclm.eval.tasks import get_task
+
+    torch.set_num_threads(args.threads)
+    tok = load_tokenizer(model_dir)
+    task = get_task("sst2")
+    n = args.steps * args.batch_size
+    features = encode(task, load_split(task, "train", n), tok, 252, {"0": 0, "1": 1})
+    cfg = FinetuneConfig(
+        model=model_dir,
+        task="sst2",
+        lr=1e-4,
+        batch_size=args.batch_size,
+        max_steps=args.steps,
+        epochs=None,
+        eval_every=10**9,
+        threads=args.threads,
+        progress=False,
+        device=args.device,
+        precision=args.precision,
+    )
+    pad_id = tok.pad_token_id
+
+    def fresh_model():
+        seed_everything(0)
+        return MeanPoolClassifier(load_encoder(model_dir), num_labels=2)
+
+    return features, cfg, lambda items: collate_ids(items, pad_id), fresh_model
+
+
+def run_ours(features, cfg, collate, fresh_model) -> float:
+    """Seconds our loop takes for the run (after a device sync)."""
+    from megatron_mlmclm.eval.families.base import Setup
+    from megatron_mlmclm.eval.finetune import resolve_device, train
+
+    device = resolve_device(cfg)
+    setup = Setup(
+        model=fresh_model(),
+        train_items=features,
+        collate=collate,
+        loss=lambda m, b: m(**b).loss,
+        evaluate=lambda m, s: {},
+    )
+    t = time.perf_counter()
+    train(setup, cfg, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def worker(args, model_dir: str, barrier, results) -> None:
+    """One of N runs sharing the device: built, then started with the others at once."""
+    prepared = prepare(args, model_dir)
+    run_ours(*prepared)  # warm-up: kernels, allocator
+    barrier.wait()
+    results.put(run_ours(*prepared))
+
+
+def shared(args, model_dir: str, n: int) -> float:
+    """Examples per second of `n` of our runs at once on the device (all of their examples over
+    the slowest run's time)."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(args, model_dir, barrier, results)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    times = [results.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return n * args.steps * args.batch_size / max(times)
 
 
 def main() -> None:
@@ -28,21 +117,23 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=2, help="best of N for each side")
+    p.add_argument("--repeats", type=int, default=3, help="best of N for each side")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--precision", choices=("fp32", "bf16"), default=None, help="default: bf16 on a GPU"
+    )
+    p.add_argument(
+        "--workers", type=int, nargs="*", default=[], help="also N of our runs at once (GPU)"
+    )
     p.add_argument("--quick", action="store_true", help="6 steps x batch 8, one run each")
     args = p.parse_args()
     if args.quick:
         args.steps, args.batch_size, args.repeats = 6, 8, 1
+    args.precision = args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")
     torch.set_num_threads(args.threads)
 
     from transformers import Trainer, TrainingArguments
 
-    from megatron_mlmclm.eval.families import load_split
-    from megatron_mlmclm.eval.families.base import Setup, collate_ids
-    from megatron_mlmclm.eval.families.sc import encode
-    from megatron_mlmclm.eval.finetune import FinetuneConfig, seed_everything, train
-    from megatron_mlmclm.eval.heads import MeanPoolClassifier, load_encoder, load_tokenizer
-    from megatron_mlmclm.eval.tasks import get_task
     from megatron_mlmclm.eval.tiny import build_tiny_model, sample_texts
     from megatron_mlmclm.paths import data_dir
 
@@ -56,42 +147,12 @@ def main() -> None:
             max_positions=256,
         )
     )
-    tok = load_tokenizer(model_dir)
-    task = get_task("sst2")
-    n = args.steps * args.batch_size
-    features = encode(task, load_split(task, "train", n), tok, 252, {"0": 0, "1": 1})
-    cfg = FinetuneConfig(
-        model=model_dir,
-        task="sst2",
-        lr=1e-4,
-        batch_size=args.batch_size,
-        max_steps=args.steps,
-        eval_every=10**9,
-        threads=args.threads,
-        progress=False,
-    )
-    pad_id = tok.pad_token_id
-    collate = lambda items: collate_ids(items, pad_id)  # noqa: E731
+    features, cfg, collate, fresh_model = prepare(args, model_dir)
     print(
         f"{len(features)} SST-2 examples, {args.steps} steps x batch {args.batch_size}, "
-        f"hidden {args.hidden}, {args.layers} layers, {torch.get_num_threads()} thread(s)"
+        f"hidden {args.hidden}, {args.layers} layers, {args.device} {args.precision}, "
+        f"{torch.get_num_threads()} thread(s)"
     )
-
-    def fresh_model():
-        seed_everything(0)
-        return MeanPoolClassifier(load_encoder(model_dir), num_labels=2)
-
-    def ours() -> float:
-        setup = Setup(
-            model=fresh_model(),
-            train_items=features,
-            collate=collate,
-            loss=lambda m, b: m(**b).loss,
-            evaluate=lambda m, s: {},
-        )
-        t = time.perf_counter()
-        train(setup, cfg, torch.device("cpu"))
-        return time.perf_counter() - t
 
     class DictOut(torch.nn.Module):  # Trainer reads outputs["loss"]
         def __init__(self, inner):
@@ -119,7 +180,8 @@ def main() -> None:
             save_strategy="no",
             eval_strategy="no",
             report_to=[],
-            use_cpu=True,
+            use_cpu=args.device == "cpu",
+            bf16=args.precision == "bf16",
             dataloader_num_workers=0,
             disable_tqdm=True,
             seed=0,
@@ -130,15 +192,26 @@ def main() -> None:
         )
         t = time.perf_counter()
         trainer.train()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    ours_s = min(ours() for _ in range(args.repeats))
-    base_s = min(baseline() for _ in range(args.repeats))
+    times = []  # the two sides alternate, so that a change of load touches both alike
+    for _ in range(args.repeats):
+        times.append((run_ours(features, cfg, collate, fresh_model), baseline()))
+    ours_s, base_s = (min(side) for side in zip(*times))
     seen = args.steps * args.batch_size
     print(f"ours:    {ours_s:.2f} s  {seen / ours_s:.1f} examples/s")
     print(f"Trainer: {base_s:.2f} s  {seen / base_s:.1f} examples/s")
+    extra = ""
+    if args.workers:
+        rates = {n: shared(args, model_dir, n) for n in args.workers}
+        for n, eps in rates.items():
+            print(f"{n} run(s) at once: {eps:.1f} examples/s in all")
+        extra = " workers_eps=" + ",".join(f"{n}:{eps:.1f}" for n, eps in rates.items())
     print(
-        f"RESULT finetune ratio={ours_s / base_s:.3f} ours_s={ours_s:.2f} baseline_s={base_s:.2f}"
+        f"RESULT finetune ratio={ours_s / base_s:.3f} ours_s={ours_s:.2f} baseline_s={base_s:.2f} "
+        f"ours_eps={seen / ours_s:.1f} baseline_eps={seen / base_s:.1f}{extra}"
     )
 
 

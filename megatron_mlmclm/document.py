@@ -1,5 +1,6 @@
 """What a pretraining document is, token by token: the one rule that `mlmclm preprocess` writes
-the shards by and that every fine-tuning input (eval/) is encoded by.
+the shards by, that `mlmclm convert to-hf` saves in an export's tokenizer, and that fine-tuning
+inputs (eval/input_form.py) are encoded by where an input rule asks for it.
 
 A document is its text's tokens, encoded without the tokenizer's own template (no BOS: a Llama-3
 tokenizer would add one that no shard holds, a BERT-style one [CLS]/[SEP]), followed by EOS when
@@ -13,8 +14,8 @@ special tokens.
 
 The rule is expressed as a `tokenizers` post-processor that replaces the tokenizer's own: with it,
 ``tokenizer(text)`` (special tokens on) *is* the document, and truncation keeps the EOS. The shard
-writer, the fine-tuning families and a saved sentence-transformers folder all encode through it,
-so none can drift from the others.
+writer, an export's tokenizer and the fine-tuning inputs all encode through it, so none can drift
+from the others.
 """
 
 from __future__ import annotations

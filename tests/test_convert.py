@@ -206,6 +206,13 @@ def test_export_loads_in_plain_transformers_and_matches_megatron(ws, exported):
     assert "auto_map" not in cfg
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tok.mask_token_id is not None and tok.mask_token_id == cfg["mask_token_id"]
+    # the tokenizer encodes a text as the shards hold it: its tokens, then EOS; nothing else
+    text = "alpha beta gamma"
+    words = transformers.AutoTokenizer.from_pretrained(str(ws["tok"]))(
+        text, add_special_tokens=False
+    )
+    assert tok(text)["input_ids"] == words["input_ids"] + [tok.eos_token_id]
+    assert json.loads((out / "mlmclm_export.json").read_text())["tokenizer_rule"] == "document"
 
     tokens = torch.randint(0, VOCAB_TOKENIZER, (2, 48), generator=torch.Generator().manual_seed(7))
     ref_bi = megatron_reference(ws, ws["ckpt"]["tp1"], tokens, causal=False)
@@ -267,6 +274,10 @@ def test_causal_lm_export(ws):
     assert (got - ref).abs().max().item() < 1e-4
     out = model.generate(tokens[:, :4], max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 7)
+    # for generation, a prompt is not ended by EOS: the tokenizer keeps its own template
+    tok = transformers.AutoTokenizer.from_pretrained(str(res.path))
+    assert tok.eos_token_id not in tok("alpha beta")["input_ids"]
+    assert json.loads((res.path / "mlmclm_export.json").read_text())["tokenizer_rule"] == "template"
 
 
 def test_sentence_transformers_mean_pooling(exported):

@@ -29,6 +29,7 @@ from megatron_mlmclm.eval.grid import (
     result_paths,
     run_grid,
 )
+from megatron_mlmclm.eval.input_form import INPUT_RULES
 from megatron_mlmclm.eval.protocols import PROTOCOLS
 from megatron_mlmclm.eval.tasks import get_task, load_registry, suite
 from megatron_mlmclm.paths import data_dir
@@ -42,12 +43,14 @@ RUN_FLAGS = (
     "warmup_ratio",
     "weight_decay",
     "eval_every",
+    "curve_examples",
     "max_length",
     "max_train_examples",
     "max_eval_examples",
     "ir_mini_batch_size",
     "device",
     "precision",
+    "inputs",
     "threads",
 )
 
@@ -109,6 +112,12 @@ def add_arguments(p) -> None:
     g.add_argument("--warmup-ratio", type=float, help=f"default {d.warmup_ratio}")
     g.add_argument("--weight-decay", type=float, help=f"default {d.weight_decay}")
     g.add_argument("--eval-every", type=int, help=f"default {d.eval_every}")
+    g.add_argument(
+        "--curve-examples",
+        type=int,
+        help=f"validation examples the curve's intermediate points score (a fixed sample; the "
+        f"last point scores all); default {d.curve_examples}",
+    )
     g.add_argument("--max-length", type=int, help="cap on 0.99 x max positions")
     g.add_argument("--max-train-examples", type=int)
     g.add_argument("--max-eval-examples", type=int)
@@ -119,6 +128,13 @@ def add_arguments(p) -> None:
         choices=PRECISIONS,
         help="auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32 | bf16-pure (bf16 "
         "weights, no fp32 copy); default: the protocol's, else auto",
+    )
+    g.add_argument(
+        "--inputs",
+        choices=INPUT_RULES,
+        help="the input form: folder (the folder's tokenizer as saved, template included; "
+        "protocol default), document (the pretraining document rule: text, EOS, no template) "
+        "or eos (EncodEval's: text and eos_token; protocol encodeval)",
     )
     g.add_argument("--threads", type=int, help="torch CPU threads per run")
     g.add_argument("--no-progress", action="store_true")
@@ -161,6 +177,7 @@ def run(args) -> int:
         "batch_size",
         "max_steps",
         "eval_every",
+        "curve_examples",
         "workers",
         "epochs",
         "max_length",

@@ -2,7 +2,8 @@
 
 `to_hf(CKPT, OUT)` reads the checkpoint's global tensors (layout-independent), maps them with the
 family table of `mapping.py`, writes ``model.safetensors`` + ``config.json`` + the tokenizer (with
-its mask token) into a temporary sibling of OUT, reloads that folder with plain transformers (no
+its mask token, and the pretraining document rule as its post-processor: `save_document_rule`)
+into a temporary sibling of OUT, reloads that folder with plain transformers (no
 remote code) and compares its logits with the trainer's EncoderLM loaded from the checkpoint at TP1.
 Only then is the folder renamed to OUT.
 
@@ -58,6 +59,7 @@ from megatron_mlmclm.data.tokenizer import (
     token_spec_and_vocab,
     tokenizer_fingerprint,
 )
+from megatron_mlmclm.document import make_document_tokenizer
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import padded_vocab_size
 from megatron_mlmclm.paths import EXPORT_FILE
@@ -287,30 +289,29 @@ def to_hf(
         if not causal_lm and cfg.phases and cfg.phases[-1].objective == "clm":
             print("note: the last phase of this run was CLM; --causal-lm exports it for generation")
 
+    record = {
+        "checkpoint": str(ckpt),
+        "iteration": trainer.get("iteration"),
+        **pretraining_record(cfg, trainer.get("iteration")),
+        "arch": arch,
+        "causal_lm": causal_lm,
+        "saved_layout": trainer.get("layout"),
+        "source": source,
+        **({"shards": trainer["shards"]} if trainer.get("shards") else {}),
+        # how the saved tokenizer encodes a text: the pretraining document rule, or (a causal LM,
+        # for generation, whose prompts must not end with EOS) the tokenizer's own template
+        "tokenizer_rule": "template" if causal_lm else "document",
+    }
+    if not causal_lm:
+        save_document_rule(tok, record.get("shards", {}).get("append_eod", True))
     with common.staged_output(out, force) as tmp:
         hf_cfg.save_pretrained(str(tmp))
         add_legacy_rope_keys(tmp / "config.json")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(str(tmp))
         ver = _verify(ckpt, cfg, vocab, tmp, arch, causal_lm)
-        (tmp / EXPORT_FILE).write_text(
-            json.dumps(
-                {
-                    "checkpoint": str(ckpt),
-                    "iteration": trainer.get("iteration"),
-                    **pretraining_record(cfg, trainer.get("iteration")),
-                    "arch": arch,
-                    "causal_lm": causal_lm,
-                    "saved_layout": trainer.get("layout"),
-                    "source": source,
-                    **({"shards": trainer["shards"]} if trainer.get("shards") else {}),
-                    "verification": ver.__dict__,
-                },
-                indent=2,
-                default=str,
-            )
-            + "\n"
-        )
+        record["verification"] = ver.__dict__
+        (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
     result = ExportResult(out, arch, causal_lm, vocab, ckpt, ver)
     if verbose:
         kind = "causal LM" if causal_lm else "bidirectional encoder"
@@ -320,6 +321,15 @@ def to_hf(
             f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers"
         )
     return result
+
+
+def save_document_rule(tok, append_eod: bool):
+    """Make the tokenizer encode a text as the pretraining shards hold it (the text's tokens, EOS
+    where the shards end documents with one, no template: megatron_mlmclm/document.py), so that
+    any tool that loads the export (transformers pipelines, run_glue-style scripts,
+    sentence-transformers, MTEB) encodes inputs as the model was pretrained; in place."""
+    eos = (tok.eos_token, tok.eos_token_id) if append_eod else (None, None)
+    make_document_tokenizer(tok.backend_tokenizer, *eos)
 
 
 def pretraining_record(cfg, iteration: int | None) -> dict[str, Any]:

@@ -63,19 +63,31 @@ def first_existing(folder: Path, names: tuple[str, ...]) -> Path | None:
 
 def json_rows(path: Path, keyed: bool = False) -> list:
     """JSON Lines, or one JSON array of objects; `keyed`: also one JSON object of objects
-    ({"0": {...}, "1": ...}, as the GLUE subsets here are stored)."""
+    ({"0": {...}, "1": ...}, as the GLUE subsets here are stored).
+
+    JSON Lines are split on "\\n" only: U+0085, U+2028, U+2029 and the other characters
+    `str.splitlines` also breaks at may stand raw inside a string (real MS MARCO passages hold
+    U+0085), as may control characters (``strict=False``). A row that does not parse is a
+    ValueError naming its line of the file."""
     with open_text(path) as f:
         text = f.read()
     if text.lstrip().startswith("["):
-        return json.loads(text)
+        return json.loads(text, strict=False)
     if keyed:
         try:
-            doc = json.loads(text)
+            doc = json.loads(text, strict=False)
             if isinstance(doc, dict):
                 return list(doc.values())
         except json.JSONDecodeError:
             pass
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    rows = []
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line, strict=False))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {lineno}: {e.msg} at column {e.colno}") from None
+    return rows
 
 
 def read_rows(task, paths: list[Path], fmt: str, quoting: bool = True) -> list[dict]:
@@ -88,8 +100,8 @@ def read_rows(task, paths: list[Path], fmt: str, quoting: bool = True) -> list[d
                 with open_text(path) as f:
                     kw = {} if quoting else {"quoting": csv.QUOTE_NONE}
                     rows += list(csv.DictReader(f, delimiter="," if fmt == "csv" else "\t", **kw))
-            elif fmt == "jsonl":
-                rows += json_rows(path)
+            elif fmt in ("jsonl", "json"):  # json: also one object of objects (json_rows)
+                rows += json_rows(path, keyed=fmt == "json")
             else:
                 rows += pq.read_table(path).to_pylist()
         except (csv.Error, ValueError, OSError, UnicodeDecodeError) as e:  # json/arrow errors too
@@ -152,20 +164,22 @@ def class_name(value, labels: list[str] | None, where: str) -> str:
 
 
 def hub_dataset(task, name: str, config: str | None, split: str):
-    """A Hugging Face dataset split (online; `datasets` is optional)."""
+    """A Hugging Face dataset split (online; `datasets` is optional). When it cannot be read, one
+    line names the Hub dataset and, for a task with a local layout, the folder and files it
+    looked for first."""
+    hub = f"the Hub dataset {name}{f' ({config})' if config else ''} split {split}"
+    local = f"no local folder {task.local_layout()} and " if task.path else ""
     try:
         import datasets  # optional dependency: only tasks read from the Hub need it
     except ImportError:
         raise UsageError(
-            f"task '{task.name}' reads {name} from the Hugging Face Hub"
-            f"{' (its local folder ' + str(task.folder()) + ' is absent)' if task.path else ''}; "
-            "pip install datasets and be online, or put the files there"
+            f"task '{task.name}': {local}{hub} needs `pip install datasets` and a network"
         ) from None
     try:
         return datasets.load_dataset(name, config, split=split)
     except Exception as e:  # network, unknown name, unknown split
         raise UsageError(
-            f"task '{task.name}': cannot load {name} split {split}: "
+            f"task '{task.name}': {local}{hub} cannot be read: "
             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
         ) from None
 

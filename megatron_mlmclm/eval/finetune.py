@@ -40,13 +40,15 @@ from tqdm.auto import tqdm
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import families
 from megatron_mlmclm.eval.families import Setup, family_of
-from megatron_mlmclm.eval.heads import load_tokenizer, max_positions
+from megatron_mlmclm.eval.heads import max_positions
+from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.tasks import get_task
 
 # 2: protocol and grid fields, protocol id in the file name; 3: inputs encoded as pretraining
-# documents, the protocol's name
-RESULT_SCHEMA = 3
+# documents, the protocol's name; 4: inputs in the folder's own form (`inputs`), special-token
+# strings encoded as text, the curve's intermediate points on a validation sample
+RESULT_SCHEMA = 4
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-pure")
 
 
@@ -60,6 +62,7 @@ class FinetuneConfig:
     seed: int = 0
     model_name: str | None = None  # label in results/report; default: the folder name
     protocol: str = "default"  # evaluation protocol (eval/protocols.py)
+    inputs: str = "folder"  # the input form: folder | document | eos (eval/input_form.py)
     batch_size: int = 32
     eval_batch_size: int = 64
     # training stops at max_steps or after this many epochs, whichever is first (None: no cap)
@@ -72,6 +75,9 @@ class FinetuneConfig:
     adam_eps: float = 1e-5
     grad_clip: float = 1.0  # 0 disables
     eval_every: int = 100
+    # the validation curve's intermediate points score this many validation examples (a fixed
+    # sample); its last point, which picks the LR, the whole split
+    curve_examples: int = 2000
     max_length: int | None = None  # cap on the sequence length
     max_length_ratio: float = 0.99  # of the model's max positions
     max_train_examples: int | None = None
@@ -98,11 +104,13 @@ class FinetuneConfig:
 # FinetuneConfig fields that change a run's score (with precision resolved, see `protocol`). The
 # others do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe
 # the sweep, and eval_batch_size, eval_every (evaluation never touches the RNG or the weights),
-# ir_mini_batch_size (CachedMNRL: same loss), device, threads, task_files (the entry itself is
+# curve_examples (the curve's intermediate points only), ir_mini_batch_size (CachedMNRL: same
+# loss), device, threads, task_files (the entry itself is
 # hashed), progress and save_model are execution knobs. tests/eval/test_protocol.py checks every
 # field is in exactly one of the two sets.
 PROTOCOL_FIELDS = (
     "protocol",
+    "inputs",
     "batch_size",
     "max_steps",
     "epochs",
@@ -126,6 +134,7 @@ NOT_PROTOCOL_FIELDS = (
     "model_name",
     "eval_batch_size",
     "eval_every",
+    "curve_examples",
     "ir_mini_batch_size",
     "device",
     "threads",
@@ -308,7 +317,10 @@ def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) ->
     optimizer = make_optimizer(model, cfg)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup_ratio * steps), steps)
     autocast = autocast_for(cfg, device)
-    curve, losses, seen = [], [], 0
+    curve, seen = [], 0
+    # the losses since the curve's last point, summed on the device: the host reads them only at
+    # the curve's points, so a step never waits for the device to finish the one before
+    loss_sum, window = torch.zeros((), device=device), 0
     t0 = time.perf_counter()
     eval_time = 0.0
     bar = tqdm(
@@ -327,19 +339,22 @@ def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) ->
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        loss_sum += loss.detach().float()
+        window += 1
         seen += len(idx)
         bar.update(1)
         if step % cfg.eval_every == 0 or step == steps:
+            train_loss = (loss_sum / window).item()
+            loss_sum.zero_()
+            window = 0
             te = time.perf_counter()
             model.eval()
-            with torch.no_grad(), autocast():
-                metrics = setup.evaluate(model, "validation")
+            with torch.no_grad(), autocast():  # the last point, which picks the LR: all of it
+                metrics = setup.evaluate(model, "validation" if step == steps else "curve")
             model.train()
             eval_time += time.perf_counter() - te
-            window = losses[-cfg.eval_every :]
-            curve.append({"step": step, "train_loss": sum(window) / len(window), **metrics})
-            bar.set_postfix(loss=f"{curve[-1]['train_loss']:.3f}")
+            curve.append({"step": step, "train_loss": train_loss, **metrics})
+            bar.set_postfix(loss=f"{train_loss:.3f}")
     bar.close()
     total = time.perf_counter() - t0
     return {
@@ -359,7 +374,7 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = resolve(get_task(cfg.task, cfg.task_files), cfg.protocol)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, cfg.inputs)
     device = resolve_device(cfg)
     seed_everything(cfg.seed)
     setup = build_setup(cfg, task, tokenizer, device)
@@ -369,11 +384,13 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
     validation = {
         k: v for k, v in out["validation_curve"][-1].items() if k not in ("step", "train_loss")
     }
+    t_test = time.perf_counter()
     with (
         torch.no_grad(),
         autocast_for(cfg, device)(),
     ):  # the registry keeps test apart from validation
         test = setup.evaluate(model, "test")
+    test_time = time.perf_counter() - t_test
     if save_to is not None:
         setup.save(str(save_to))
     return {
@@ -401,10 +418,11 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
         "train_examples_per_s": out["train_examples_per_s"],
         "train_time_s": out["train_time_s"],
         "eval_time_s": out["eval_time_s"],
+        "test_time_s": test_time,
         "wall_time_s": time.perf_counter() - t_start,
         "device": str(device),
         "precision": resolved_precision(cfg, device),
-        "info": setup.info,
+        "info": {**setup.info, "inputs": tokenizer.input_form.describe()},
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -419,14 +437,16 @@ def show_inputs(cfg: FinetuneConfig, n: int) -> str:
     """The first `n` training inputs of the run's task, as the model sees them: tokens with their
     labels (no model is built)."""
     task = resolve(get_task(cfg.task, cfg.task_files), cfg.protocol)
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, cfg.inputs)
     family = family_of(task)
     cfg = dataclasses.replace(cfg, max_eval_examples=1)  # evaluation data is not shown
     data = family.inputs(task, tokenizer, cfg, max_length_for(cfg))
-    lines = [
-        f"== {cfg.name} / {task.name} (protocol {cfg.protocol}): the first "
-        f"{min(n, len(data.train))} of {len(data.train)} training inputs =="
-    ]
+    form = tokenizer.input_form
+    lines = [form.note] if form.note else []
+    lines.append(
+        f"== {cfg.name} / {task.name} (protocol {cfg.protocol}; inputs: {form.describe()}): "
+        f"the first {min(n, len(data.train))} of {len(data.train)} training inputs =="
+    )
     for i, item in enumerate(data.train[:n]):
         lines.append(f"#{i} {family.show(item, tokenizer, data)}")
     return "\n".join(lines)

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.families import load_split
 from megatron_mlmclm.eval.finetune import FinetuneConfig, protocol, run_finetune, write_result
-from megatron_mlmclm.eval.heads import load_tokenizer
+from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve, run_settings
 from megatron_mlmclm.eval.tasks import get_task, load_registry
 
@@ -86,9 +86,10 @@ def is_done(path: Path) -> bool:
         return False
 
 
-def preflight(cfgs: list[FinetuneConfig]) -> None:
+def preflight(cfgs: list[FinetuneConfig], log=print) -> None:
     """Every check that can fail on bad input, before the first run: task names, model folders,
-    tokenizers (present, with a pad token), data files, columns, non-empty splits."""
+    tokenizers (present, with a pad token, an EOS where the input rule appends one), data files,
+    columns, non-empty splits. A note on a folder's input form is logged once."""
     names = {}
     for c in cfgs:
         if names.setdefault(c.name, c.model) != c.model:
@@ -97,8 +98,10 @@ def preflight(cfgs: list[FinetuneConfig]) -> None:
                 f"({names[c.name]}, {c.model}); rename one folder"
             )
     registry = load_registry(cfgs[0].task_files if cfgs else [])
-    for model in dict.fromkeys(c.model for c in cfgs):
-        load_tokenizer(model)
+    for model, inputs in dict.fromkeys((c.model, c.inputs) for c in cfgs):
+        note = load_tokenizer(model, inputs).input_form.note
+        if note:
+            log(note)
     for name, proto in dict.fromkeys((c.task, c.protocol) for c in cfgs):
         task = resolve(get_task(name, registry=registry), proto)
         if task.train_only:
@@ -163,7 +166,7 @@ def run_grid(
                 f"(0..{len(cfgs) - 1})"
             )
         cfgs = [cfgs[array_index]]
-    preflight(cfgs)
+    preflight(cfgs, log)
     todo = [(c, p) for c, p in zip(cfgs, result_paths(cfgs, out_dir)) if not is_done(p)]
     summary = {"total": len(cfgs), "skipped": len(cfgs) - len(todo), "ran": 0, "failed": 0}
     log(

@@ -1,9 +1,5 @@
-"""Loading an encoder folder (its tokenizer encoding inputs as pretraining documents) and the task
-heads the families put on it.
-
-`load_tokenizer` returns the folder's fast tokenizer with the document rule of
-megatron_mlmclm/document.py in place of its own template: ``tokenizer(text)`` gives the text's
-tokens then EOS, no BOS, exactly what `mlmclm preprocess` wrote for that text.
+"""Loading an encoder folder's model and the task heads the families put on it (its tokenizer and
+the form it encodes inputs in: eval/input_form.py).
 
 Every model runs with bidirectional attention: `make_bidirectional` sets `config.is_causal=False`
 (the transformers masking utilities then build a bidirectional mask for Llama/Qwen3-style models)
@@ -38,48 +34,9 @@ from transformers import (
     AutoModel,
     AutoModelForQuestionAnswering,
     AutoModelForTokenClassification,
-    AutoTokenizer,
 )
 
-from megatron_mlmclm.document import make_document_tokenizer
 from megatron_mlmclm.errors import UsageError
-
-
-def load_tokenizer(model_dir: str):
-    folder = Path(model_dir)
-    if not folder.is_dir():
-        raise UsageError(f"model folder {model_dir} not found")
-    if not (folder / "config.json").is_file():
-        raise UsageError(f"model folder {model_dir} has no config.json; pass an exported HF folder")
-    if not any(
-        (folder / n).is_file()
-        for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")
-    ):
-        raise UsageError(
-            f"model folder {model_dir} has no tokenizer; save one there "
-            f"(tokenizer.save_pretrained) or run `mlmclm tokenize`"
-        )
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder))
-    except Exception as e:
-        raise UsageError(f"cannot load the tokenizer of {model_dir}: {e}") from None
-    if tok.pad_token_id is None:
-        raise UsageError(
-            f"the tokenizer in {model_dir} has no pad token; add one "
-            f"(e.g. `mlmclm tokenize` adds bos/eos/pad/mask)"
-        )
-    if not getattr(tok, "is_fast", False):
-        raise UsageError(
-            f"the tokenizer in {model_dir} is not a fast tokenizer; inputs are "
-            f"encoded through its tokenizer.json (save one)"
-        )
-    return document_tokenizer(tok)
-
-
-def document_tokenizer(tok):
-    """`tok` (a fast tokenizer), made to encode a text as a pretraining document; in place."""
-    make_document_tokenizer(tok.backend_tokenizer, tok.eos_token, tok.eos_token_id)
-    return tok
 
 
 def make_bidirectional(model: nn.Module) -> nn.Module:
@@ -129,8 +86,11 @@ class _HeadModel(nn.Module):
         self.head_config = dict(head_config)
         self.config = encoder.config
 
-    def _encode(self, input_ids, attention_mask):
-        return self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def _encode(self, input_ids, attention_mask, token_type_ids=None):
+        types = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        return self.encoder(
+            input_ids=input_ids, attention_mask=attention_mask, **types
+        ).last_hidden_state
 
     def save_pretrained(self, out_dir: str) -> None:
         out = Path(out_dir)
@@ -167,8 +127,9 @@ class MeanPoolClassifier(_HeadModel):
         super().__init__(encoder, num_labels=num_labels)
         self.classifier = nn.Linear(_hidden_size(encoder), num_labels)
 
-    def forward(self, input_ids, attention_mask, labels=None, **_):
-        pooled = _masked_mean(self._encode(input_ids, attention_mask), attention_mask)
+    def forward(self, input_ids, attention_mask, labels=None, token_type_ids=None, **_):
+        hidden = self._encode(input_ids, attention_mask, token_type_ids)
+        pooled = _masked_mean(hidden, attention_mask)
         logits = self.classifier(pooled.to(self.classifier.weight.dtype))
         loss = nn.functional.cross_entropy(logits.float(), labels) if labels is not None else None
         return SimpleNamespace(loss=loss, logits=logits)
@@ -181,8 +142,8 @@ class TokenTagger(_HeadModel):
         super().__init__(encoder, num_labels=num_labels)
         self.classifier = nn.Linear(_hidden_size(encoder), num_labels)
 
-    def forward(self, input_ids, attention_mask, labels=None, **_):
-        logits = self.classifier(self._encode(input_ids, attention_mask))
+    def forward(self, input_ids, attention_mask, labels=None, token_type_ids=None, **_):
+        logits = self.classifier(self._encode(input_ids, attention_mask, token_type_ids))
         loss = None
         if labels is not None:
             loss = nn.functional.cross_entropy(
@@ -198,8 +159,16 @@ class SpanQAModel(_HeadModel):
         super().__init__(encoder)
         self.qa_outputs = nn.Linear(_hidden_size(encoder), 2)
 
-    def forward(self, input_ids, attention_mask, start_positions=None, end_positions=None, **_):
-        logits = self.qa_outputs(self._encode(input_ids, attention_mask)).float()
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        start_positions=None,
+        end_positions=None,
+        token_type_ids=None,
+        **_,
+    ):
+        logits = self.qa_outputs(self._encode(input_ids, attention_mask, token_type_ids)).float()
         start, end = logits.unbind(-1)
         mask = attention_mask == 0
         start, end = start.masked_fill(mask, -1e4), end.masked_fill(mask, -1e4)

@@ -5,13 +5,15 @@ run (`FinetuneConfig`); an entry may add its own overrides under `protocols: {NA
 and the run's `max_steps` / `epochs`), applied last. Flags given on the command line override the
 run settings of any protocol.
 
-- ``default``: the field's usual evaluation where there is one: seqeval entity F1 with the tag on a
-  word's first token, the official SQuAD F1/EM with a start/end span head over doc-stride windows,
+- ``default``: the field's usual evaluation where there is one: inputs in the folder's own form
+  (its tokenizer as saved, template included), seqeval entity F1 with the tag on a word's first
+  token, the official SQuAD F1/EM with a start/end span head over doc-stride windows,
   trec_eval NDCG@10 over the full corpus (BEIR's and MTEB's number); validation carved out of
   train by a content hash; at most 1,000 steps or one epoch; bf16 autocast on GPU, fp32 on CPU.
-- ``encodeval``: the paper's evaluation as its code (EncodEval, branch MLM_vs_CLM) runs it: the
-  validation split drawn as ``train_test_split(train_size=0.95, seed=42)``, a tag on every token of
-  a word with a majority vote and the per-sentence macro-F1, QA as 2-label token tagging with the
+- ``encodeval``: the paper's evaluation as its code (EncodEval, branch MLM_vs_CLM) runs it: every
+  input the text then the tokenizer's EOS, no template (`inputs: eos`), the validation split drawn
+  as ``train_test_split(train_size=0.95, seed=42)``, a tag on every token of a word with a
+  majority vote and the per-sentence macro-F1, QA as 2-label token tagging with the
   token-set F1, IR scored by NDCG@10 over the top 10 retrieved in one corpus of the documents judged
   for validation or test, plain shuffled IR batches, 1,000 steps (one epoch where its configs say
   so), and the weights in bf16 with no fp32 copy (`bf16-pure`).
@@ -48,12 +50,12 @@ PROTOCOLS = {
             "encodeval",
             "the paper's evaluation as EncodEval runs it",
             tasks={
-                "*": {"holdout_method": "permutation", "holdout_seed": 42},
+                "*": {"holdout_method": "permutation", "holdout_seed": 42, "pairs": "joined"},
                 "tc": {"label_subtokens": "all", "metric": "macro_f1"},
                 "qa": {"qa_head": "tagging", "metric": "token_f1"},
                 "ir": {"metric": "ndcg@10_top10", "corpus": "judged_eval", "batches": "shuffled"},
             },
-            run={"max_steps": 1000, "epochs": None, "precision": "bf16-pure"},
+            run={"max_steps": 1000, "epochs": None, "precision": "bf16-pure", "inputs": "eos"},
         ),
     )
 }

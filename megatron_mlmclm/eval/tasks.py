@@ -70,6 +70,8 @@ class Task:
     label: str = "label"
     labels: list[str] | None = None
     template: str | None = None  # sc: {text_a} {text_b}; qa: {question} {context}
+    # sc, qa: two texts as the template's one text (joined) or in the tokenizer's pair form
+    pairs: str = "joined"
     # tc
     token_column: int = 0
     tag_column: int = -1
@@ -85,6 +87,8 @@ class Task:
     null_threshold: float = 0.0
     # ir
     corpus: str = "full"  # full | judged | judged_eval (families/ir.py)
+    # corpus full: validation ranks the judged documents and this many others (seeded; 0: all)
+    validation_documents: int = 100_000
     train_task: str | None = None  # the task whose train split gives the training pairs
     query_template: str = "{text}"
     document_template: str | None = None  # {title} {text}; None: "{title} {text}" or "{text}"
@@ -121,6 +125,10 @@ class Task:
 
     def hub_split(self, split: str) -> str:
         return (self.hf_splits or self.splits)[split]
+
+    def local_layout(self) -> str:
+        """The local folder and the files read there, for messages."""
+        return f"{self.folder()} ({', '.join(FAMILIES[self.family].local_files(self))})"
 
     def holdout_source(self) -> str:
         """The split that `validation_holdout` carves validation out of: train, or test for a
@@ -193,6 +201,11 @@ def check(task: Task, where: str) -> None:
         )
     if task.format == "hf" and not task.hf_name:
         raise UsageError(f"{where}: format hf needs hf_name")
+    if task.format != "hf" and task.hf_name and set(task.hf_splits or ()) != set(splits):
+        raise UsageError(
+            f"{where}: hf_name (read where the local folder is absent) needs hf_splits, the "
+            f"Hub dataset's split for each of {', '.join(splits)}"
+        )
     if task.labels is not None:
         task.labels = [str(x) for x in task.labels]
     if task.metric is not None and task.metric not in family.metrics:

@@ -61,7 +61,7 @@ def test_training_loop_uses_the_batch_keys():
 
 def test_scifact_pairs_have_duplicates_that_the_sampler_keeps_apart(data, tiny_model):
     from megatron_mlmclm.eval.families import ir
-    from megatron_mlmclm.eval.heads import load_tokenizer
+    from megatron_mlmclm.eval.input_form import load_tokenizer
 
     task = load_registry()["scifact"]
     setup = ir.setup(

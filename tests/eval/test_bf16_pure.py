@@ -8,7 +8,7 @@ from tolerance import assert_close_at_scale
 
 from megatron_mlmclm.eval.families import sc
 from megatron_mlmclm.eval.finetune import FinetuneConfig, seed_everything, train
-from megatron_mlmclm.eval.heads import load_tokenizer
+from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.tasks import load_registry
 
 

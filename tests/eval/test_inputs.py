@@ -1,22 +1,26 @@
-"""Fine-tuning inputs are the token ids `mlmclm preprocess` writes for the same text: for every
-family (SC, TC, QA windows, IR through sentence-transformers) and for three kinds of tokenizer
-(our byte-level BPE; a Llama-3 kind whose own template adds a BOS; a Qwen3 kind with no BOS).
-The reference is the .bin shard that `preprocess` writes, read back with megatron-core."""
+"""An export's fine-tuning inputs are the token ids `mlmclm preprocess` writes for the same text:
+for every family (SC, TC, QA windows, IR through sentence-transformers) and for three kinds of
+tokenizer (our byte-level BPE; a Llama-3 kind whose own template adds a BOS; a Qwen3 kind with no
+BOS), saved as `mlmclm convert to-hf` saves an export's tokenizer. The reference is the .bin shard
+that `preprocess` writes, read back with megatron-core. A special token's string in a text is
+encoded as text, as `preprocess` encodes it."""
 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from megatron_mlmclm.cli import main
+from megatron_mlmclm.convert.hf_export import save_document_rule
 from megatron_mlmclm.data.preprocess import preprocess
+from megatron_mlmclm.data.tokenizer import load_tokenizer as load_tokenizer_folder
 from megatron_mlmclm.data.tokenizer import prepare_tokenizer, train_tokenizer
 from megatron_mlmclm.eval.families import ir, qa, sc, tc
-from megatron_mlmclm.eval.heads import load_tokenizer
+from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.tasks import load_registry
+from megatron_mlmclm.paths import EXPORT_FILE
 
 CORPUS = [
     "The war began in 1914 in Europe, and the cat sat on the mat.",
@@ -104,10 +108,11 @@ KINDS = {
 
 
 def model_folder(tok_dir, out):
-    """A tiny EuroBert on the tokenizer (enough for sentence-transformers to load it)."""
-    from transformers import AutoTokenizer, EuroBertConfig, EuroBertModel
+    """A tiny EuroBert on the tokenizer (enough for sentence-transformers to load it), saved as
+    an export: the tokenizer with the document rule, the export record beside it."""
+    from transformers import EuroBertConfig, EuroBertModel
 
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok = load_tokenizer_folder(tok_dir)
     torch.manual_seed(0)
     EuroBertModel(
         EuroBertConfig(
@@ -122,8 +127,9 @@ def model_folder(tok_dir, out):
             eos_token_id=tok.eos_token_id,
         )
     ).save_pretrained(out)
-    for f in tok_dir.iterdir():
-        shutil.copy(f, out)
+    save_document_rule(tok, append_eod=True)
+    tok.save_pretrained(out)
+    (out / EXPORT_FILE).write_text(json.dumps({"tokenizer_rule": "document"}))
     return out
 
 
@@ -163,7 +169,7 @@ def test_every_family_encodes_inputs_as_preprocess_writes_documents(kind, tmp_pa
         "first",
     )[0]
     got_qa = qa.windows(squad, [QUESTION], tok, 128, 32)
-    st = ir.build_sentence_transformer(str(folder), 128, "cpu")
+    st = ir.build_sentence_transformer(str(folder), 128, "cpu", tok.input_form)
     got_ir = [st.preprocess([t])["input_ids"][0].tolist() for t in texts[3:]]
     assert got_sc == want[0]
     assert got_tc["input_ids"] == want[1]
@@ -194,10 +200,12 @@ def test_every_family_encodes_inputs_as_preprocess_writes_documents(kind, tmp_pa
     answer = [i for i, x in zip(tagged["input_ids"], tagged["labels"]) if x == 1]
     assert tok.decode(answer).strip() == "The war"
 
-    if kind == "llama3":  # what the tokenizer does left to itself: the test can tell
-        from transformers import AutoTokenizer
+    # any tool loading the export encodes the documents: the rule is in its tokenizer.json
+    from transformers import AutoTokenizer
 
-        raw = AutoTokenizer.from_pretrained(str(folder))(texts[0])["input_ids"]
+    assert AutoTokenizer.from_pretrained(str(folder))(texts)["input_ids"] == want
+    if kind == "llama3":  # what the tokenizer does left to itself: the test can tell
+        raw = AutoTokenizer.from_pretrained(str(tok_dir))(texts[0])["input_ids"]
         assert raw[0] == tok.bos_token_id and raw[1:] == want[0][:-1]
 
 
@@ -220,7 +228,10 @@ def test_show_inputs_prints_tokens_with_labels(tmp_path, capsys, data):
         == 0
     )
     out = capsys.readouterr().out
-    assert "model / conll2003 (protocol default): the first 2 of 14041 training inputs" in out
+    assert (
+        "model / conll2003 (protocol default; inputs: the folder's tokenizer as saved): the "
+        "first 2 of 14041 training inputs" in out
+    )
     first = out.splitlines()[1]  # EU rejects German call to boycott British lamb .
     assert first.startswith("#0 ") and "/B-ORG" in first and first.endswith("</s>/-")
     assert "ĠGerman/B-MISC" in first or "ĠGer" in first

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from paper_data import CONTEXT, N_TRAIN, PARAGRAPH, PASSAGE, write_all
+from paper_data import CONTEXT, N_TRAIN, PARAGRAPH, PASSAGE, HashEncoder, write_all
 
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.eval.families import ir, load_split
@@ -127,22 +127,10 @@ def test_retrieval_layouts_and_training_on_msmarco_pairs(reg):
     assert mt.queries["q-en-5"] == "about document 5"
 
 
-class HashEncoder:
-    """A stand-in model: a fixed unit vector per text (seeded by the text), any batch size."""
-
-    def encode(self, texts, normalize_embeddings=True, **_):
-        rows = [
-            torch.randn(
-                8, generator=torch.Generator().manual_seed(sum(map(ord, t)) * 7919 + len(t))
-            )
-            for t in texts
-        ]
-        return torch.nn.functional.normalize(torch.stack(rows), dim=1)
-
-
 def test_retrieval_merges_the_corpus_chunk_by_chunk(reg, monkeypatch):
-    """A full corpus is encoded and scored a chunk at a time (ir.DOC_CHUNK documents): the top k
-    of each query are those of the whole score matrix, computed here at once."""
+    """A full corpus is encoded and scored a chunk at a time (ir.DOC_CHUNK documents), each chunk
+    longest first in batches of at most `max_tokens` padded tokens: the top k of each query are
+    those of the whole score matrix, computed here at once."""
     ms = reg["msmarco"]
     test = load_split(ms, "test")
     docs = sorted(test.corpus)
@@ -156,7 +144,12 @@ def test_retrieval_merges_the_corpus_chunk_by_chunk(reg, monkeypatch):
         for r, x in enumerate(qids)
     }
     monkeypatch.setattr(ir, "DOC_CHUNK", 5)  # 12 documents: chunks of 5, 5 and 2
-    got = ir.retrieve(model, ms, test, docs, batch_size=4, k=5)
+    model.batches.clear()
+    got = ir.retrieve(model, ms, test, docs, max_tokens=8, k=5)
+    lengths = [[len(t.split()) for t in b] for b in model.batches]
+    assert all(max(n) * len(n) <= 8 or len(n) == 1 for n in lengths)
+    assert all(n == sorted(n, reverse=True) for n in lengths)
+    assert sum(map(len, lengths)) == len(qids) + len(docs)  # each text encoded once
     assert got.keys() == want.keys()
     for x in want:
         assert got[x].keys() == want[x].keys()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from megatron_mlmclm.eval.families.qa import encode_train, postprocess, windows
-from megatron_mlmclm.eval.heads import load_tokenizer
+from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.tasks import load_registry
 
 CONTEXT = " ".join(f"w{i}" for i in range(60)) + " the answer is Paris France today ."
@@ -35,15 +35,12 @@ def test_doc_stride_windows_label_the_answer(tiny_model):
         assert len(f["input_ids"]) <= 32
 
     evals = windows(task, [RECORD], tok, 32, 8)
-    f = next(
-        i
-        for i, e in enumerate(evals)
-        if any(o and CONTEXT[o[0] : o[1]].strip() == "Paris" for o in e["offsets"])
-    )
-    s = next(
-        i
-        for i, o in enumerate(evals[f]["offsets"])
-        if o and CONTEXT[o[0] : o[1]].strip() == "Paris"
+    words = [[o and CONTEXT[o[0] : o[1]].strip() for o in e["offsets"]] for e in evals]
+    f, s = next(  # a window holding the whole answer
+        (i, j)
+        for i, w in enumerate(words)
+        for j in range(len(w) - 1)
+        if w[j : j + 2] == ["Paris", "France"]
     )
     starts = [torch.zeros(len(e["input_ids"])) for e in evals]
     ends = [torch.zeros(len(e["input_ids"])) for e in evals]
@@ -57,9 +54,11 @@ def test_doc_stride_windows_label_the_answer(tiny_model):
     assert postprocess([RECORD], evals, starts, ends, 2, 30, 5.0) == {"q1": "Paris France"}
 
 
-def test_a_question_longer_than_the_stride_room_is_cut_not_fatal(tiny_model):
+def test_a_long_question_loses_its_own_tokens_only(tiny_model):
     """max_length 32 leaves stride 8 room only if the question takes <= 8 tokens: a 40-word
-    question is cut to a quarter of max_length and the answer is still labelled in the context."""
+    question is cut to a quarter of max_length, its own last tokens only: every window keeps the
+    template's tokens around it (<s>, "Question:", the separator "Context:", </s>), and the answer
+    is still labelled in the context."""
     tok = load_tokenizer(tiny_model)
     task = load_registry()["squad"]
     long = dict(RECORD, question=" ".join(["where"] * 40) + " ?")
@@ -71,6 +70,12 @@ def test_a_question_longer_than_the_stride_room_is_cut_not_fatal(tiny_model):
             tok.decode(f["input_ids"][f["start_positions"] : f["end_positions"] + 1])
             == "Paris France"
         )
+    # the reference: the tokenizer's own encoding of the template around the first 8 words (one
+    # token each in this word-level vocabulary), less the </s> it ends with
+    head = tok(f"Question: {' '.join(['where'] * 8)}\nContext: ")["input_ids"][:-1]
+    assert (
+        head[0] == tok.bos_token_id and len(head) == 1 + 2 + 8 + 2
+    )  # <s> Question : ... Context :
     for w in windows(task, [long], tok, 32, 8):
-        question = next(i for i, o in enumerate(w["offsets"]) if o is not None)
-        assert 0 < question <= 32 // 4
+        assert w["input_ids"][: len(head)] == head and w["input_ids"][-1] == tok.eos_token_id
+        assert w["offsets"][len(head)] is not None and len(w["input_ids"]) <= 32

@@ -11,7 +11,7 @@ import torch
 
 from megatron_mlmclm.eval.families import ir
 from megatron_mlmclm.eval.finetune import FinetuneConfig, seed_everything, train
-from megatron_mlmclm.eval.heads import load_tokenizer
+from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.tasks import load_registry
 
 

@@ -38,7 +38,9 @@ class Family:
     setup(task, tokenizer, cfg, max_length, device): what the loop trains (`Setup`);
     show(item, tokenizer, inputs): one training input as tokens with labels (--show-inputs);
     default_metric(task): the main metric when the entry names none (default: the first of
-    `metrics`).
+    `metrics`);
+    layout(task): the files its local format reads in the task's folder, for messages (default:
+    the entry's split files).
     """
 
     name: str
@@ -51,6 +53,12 @@ class Family:
     setup: Callable
     show: Callable
     default_metric: Callable | None = None
+    layout: Callable | None = None
+
+    def local_files(self, task) -> list[str]:
+        if self.layout is not None:
+            return self.layout(task)
+        return list(dict.fromkeys(task.splits.values()))
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -73,6 +81,22 @@ class Inputs:
     info: dict = field(default_factory=dict)
 
 
+EVAL_SPLITS = ("validation", "test")
+
+
+def eval_inputs(task, cfg, load: Callable, encode: Callable) -> tuple[dict, dict]:
+    """({"validation", "test", "curve"}: each split's records encoded by `encode`, {split: number
+    of records}). "curve" is a fixed sample of `cfg.curve_examples` validation records, which the
+    validation curve's intermediate points score (its last point, which picks the learning rate,
+    scores the whole validation split); the validation split itself where it is no larger."""
+    records = {s: load(task, s, cfg.max_eval_examples) for s in EVAL_SPLITS}
+    evals = {s: encode(recs) for s, recs in records.items()}
+    records["curve"] = subsample(records["validation"], cfg.curve_examples)
+    same = len(records["curve"]) == len(records["validation"])
+    evals["curve"] = evals["validation"] if same else encode(records["curve"])
+    return evals, {s: len(recs) for s, recs in records.items()}
+
+
 @dataclass
 class Setup:
     """What a family hands the shared loop."""
@@ -81,7 +105,8 @@ class Setup:
     train_items: list
     collate: Callable[[list], Any]
     loss: Callable[[torch.nn.Module, Any], torch.Tensor]
-    evaluate: Callable[[torch.nn.Module, str], dict]  # split name -> {metric: value}
+    # split name (validation, test, or curve: the curve's intermediate points) -> {metric: value}
+    evaluate: Callable[[torch.nn.Module, str], dict]
     info: dict = field(default_factory=dict)
     # per train item, the values no two items of one batch may share (IR: query and positive text,
     # see no_duplicate_batches); None = plain shuffled batches
@@ -148,6 +173,16 @@ def check_template(template: str | None, allowed: set[str], where: str, what: st
         )
 
 
+PAIRS = ("joined", "tokenizer")
+
+
+def check_pairs(task, where: str) -> None:
+    """`pairs` (sc, qa): joined (the template's one text) or tokenizer (the tokenizer's pair
+    form)."""
+    if task.pairs not in PAIRS:
+        raise UsageError(f"{where}: pairs must be one of {', '.join(PAIRS)}")
+
+
 def fill(template: str, **values) -> str:
     return template.format_map(values)
 
@@ -172,20 +207,30 @@ def pad(seqs: list[list[int]], value: int):
     return out
 
 
+def ids_of(enc, i: int) -> dict:
+    """Item `i` of a batch encoding: its input ids, and its token type ids where the tokenizer
+    gives them to the model (eval/input_form.py)."""
+    out = {"input_ids": enc["input_ids"][i]}
+    if "token_type_ids" in enc:
+        out["token_type_ids"] = enc["token_type_ids"][i]
+    return out
+
+
 def collate_ids(items: list[dict], pad_id: int, extra_pad: dict | None = None) -> dict:
-    """input_ids/attention_mask padding plus any per-token field in extra_pad {name: pad value};
-    other fields become tensors of scalars."""
+    """input_ids/attention_mask padding, token_type_ids (when the items have them) and any
+    per-token field in extra_pad {name: pad value}; other fields become tensors of scalars."""
     import torch
 
     batch = {
         "input_ids": pad([x["input_ids"] for x in items], pad_id),
         "attention_mask": pad([[1] * len(x["input_ids"]) for x in items], 0),
     }
+    per_token = {"token_type_ids": 0, **(extra_pad or {})}
     for key in items[0]:
         if key in batch:
             continue
-        if extra_pad and key in extra_pad:
-            batch[key] = pad([x[key] for x in items], extra_pad[key])
+        if key in per_token:
+            batch[key] = pad([x[key] for x in items], per_token[key])
         elif isinstance(items[0][key], (int, float)):
             batch[key] = torch.tensor([x[key] for x in items])
     return batch
@@ -198,15 +243,18 @@ def length_sorted_batches(n_items: list[int], batch_size: int):
         yield order[i : i + batch_size]
 
 
+def forward_ids(model, features: list[dict], pad_id: int, device):
+    """The model's output on a batch of features (their ids, and token type ids where given)."""
+    keep = ("input_ids", "token_type_ids")
+    batch = collate_ids([{k: f[k] for k in keep if k in f} for f in features], pad_id)
+    return model(**{k: v.to(device) for k, v in batch.items()})
+
+
 def predict_tokens(model, features: list[dict], pad_id: int, batch_size: int, device) -> list:
     """Per feature, the argmax label of every token (a token-classification head)."""
     out = [None] * len(features)
     for idx in length_sorted_batches([len(f["input_ids"]) for f in features], batch_size):
-        batch = collate_ids([{"input_ids": features[i]["input_ids"]} for i in idx], pad_id)
-        logits = model(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-        ).logits
+        logits = forward_ids(model, [features[i] for i in idx], pad_id, device).logits
         best = logits.argmax(-1).tolist()
         for row, i in enumerate(idx):
             out[i] = best[row][: len(features[i]["input_ids"])]
@@ -223,7 +271,11 @@ def saver(model, tokenizer) -> Callable[[str], None]:
     return save
 
 
+# a token holding a raw newline or tab (a SentencePiece vocabulary's) is shown escaped, on one line
+VISIBLE = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
+
+
 def tokens_with(tokenizer, ids: list[int], marks: list) -> str:
     """'token/mark token/mark ...' (mark None: the token alone), for --show-inputs."""
-    toks = tokenizer.convert_ids_to_tokens(ids)
+    toks = [t.translate(VISIBLE) for t in tokenizer.convert_ids_to_tokens(ids)]
     return " ".join(t if m is None else f"{t}/{m}" for t, m in zip(toks, marks))

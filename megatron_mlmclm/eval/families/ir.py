@@ -5,15 +5,19 @@ contrastive fine-tuning on (query, relevant document) pairs with in-batch negati
 The training pairs come from the task's own train qrels, or from another task's train split
 (`train_task`: EncodEval trains on msmarco-pairs and evaluates MS MARCO, NQ and MLDR-en). Queries
 and documents are the entry's `query_template` / `document_template` filled (EncodEval: "Query: "
-and "Document: " prefixes) and encoded as pretraining documents (text, EOS): the module's tokenizer
-is made a document tokenizer, so sentence-transformers itself encodes them that way.
+and "Document: " prefixes) and encoded in the model's input form (eval/input_form.py): the
+module's tokenizer is given that form, so sentence-transformers itself encodes them that way, also
+in a saved folder.
 
 `batches: no_duplicates` (default): a training batch never holds the same query or the same
 positive twice (finetune.no_duplicate_batches): a query with two relevant documents, or a document
 relevant to two queries, would otherwise make a relevant document one of the query's in-batch
 negatives; `shuffled`: plain shuffled batches (sentence-transformers' default sampler, EncodEval).
 
-The evaluated corpus (`corpus`): `full`, the whole corpus, as BEIR and MTEB rank it (the default);
+The evaluated corpus (`corpus`): `full`, the whole corpus, as BEIR and MTEB rank it (the default;
+the test split ranks it, on the final model; validation ranks the judged documents and
+`validation_documents` others drawn once from the corpus, so a validation curve costs a bounded
+number of encodings);
 `judged`, the documents judged in the evaluated split's qrels (the mini-study's, where its small
 models score near zero on the full corpus); `judged_eval`, those judged in the validation or the
 test qrels (EncodEval: one corpus for both). Metrics: `ndcg@10` (trec_eval's), `ndcg@10_top10`
@@ -28,6 +32,7 @@ msmarco-pairs).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from megatron_mlmclm.errors import UsageError
@@ -243,9 +248,21 @@ def labels(task, train):
     return []
 
 
+def layout(task) -> list[str]:
+    """The files of the task's local format (beir, mldr; pairs: its split files)."""
+    splits = list(dict.fromkeys(task.splits.values()))
+    if task.format == "beir":
+        return ["corpus.jsonl[.gz]", "queries.jsonl[.gz]", *(f"qrels/{s}.tsv" for s in splits)]
+    if task.format == "mldr":
+        return ["corpus.jsonl[.gz]", *splits]
+    return splits
+
+
 def check(task, where):
     if task.corpus not in CORPUS:
         raise UsageError(f"{where}: corpus must be one of {', '.join(CORPUS)}")
+    if task.validation_documents < 0:
+        raise UsageError(f"{where}: validation_documents must be >= 0")
     if task.batches not in BATCHES:
         raise UsageError(f"{where}: batches must be one of {', '.join(BATCHES)}")
     if task.format == "pairs" and set(task.splits) != {"train"}:
@@ -275,59 +292,97 @@ def _st_imports():
     return SentenceTransformer, Transformer, Pooling, CachedMultipleNegativesRankingLoss
 
 
-def build_sentence_transformer(model_dir: str, max_length: int, device):
-    from megatron_mlmclm.eval.heads import document_tokenizer, make_bidirectional
+def build_sentence_transformer(model_dir: str, max_length: int, device, form):
+    """models.Transformer on the folder, its tokenizer in the run's input form (`form`, an
+    eval.input_form.InputForm), and mean pooling."""
+    from megatron_mlmclm.eval.heads import make_bidirectional
+    from megatron_mlmclm.eval.input_form import apply_input_form
 
     SentenceTransformer, Transformer, Pooling, _ = _st_imports()
 
     word = Transformer(model_dir, max_seq_length=max_length)
     make_bidirectional(word.auto_model)
-    document_tokenizer(word.tokenizer)
+    apply_input_form(word.tokenizer, form)
     dim = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension
     pooling = Pooling(dim(), pooling_mode="mean")
     return SentenceTransformer(modules=[word, pooling], device=str(device))
 
 
-def doc_ids_of(corpus_mode: str, split_data: Beir, evaluated: list[Beir]) -> list[str]:
+def doc_ids_of(
+    corpus_mode: str, split_data: Beir, evaluated: list[Beir], sample: int = 0
+) -> list[str]:
+    """The documents an evaluated split ranks. `full` with `sample` > 0: the split's judged
+    documents and `sample` others of the corpus, drawn once (seed 0, the same for every run)."""
     if corpus_mode == "full":
-        return sorted(split_data.corpus)
+        docs = sorted(split_data.corpus)
+        if sample <= 0 or len(docs) <= sample:
+            return docs
+        judged = {d for q in split_data.qrels.values() for d in q if d in split_data.corpus}
+        rest = [d for d in docs if d not in judged]
+        if len(rest) <= sample:
+            return docs
+        return sorted(judged.union(random.Random(0).sample(rest, sample)))
     qrels = [split_data.qrels] if corpus_mode == "judged" else [e.qrels for e in evaluated]
     return sorted({d for q in qrels for docs in q.values() for d in docs if d in split_data.corpus})
 
 
-# Documents encoded and scored at a time: a full corpus (MS MARCO: 8.8M passages) never sits on the
-# device whole; the top k of each query is merged chunk by chunk.
+# Documents encoded at a time (their texts built, sorted by length, batched by tokens), and scored
+# at a time against the queries: the top k of each query is merged chunk by chunk.
 DOC_CHUNK = 65536
 
 
-def retrieve(
-    model, task, split_data: Beir, doc_ids: list[str], batch_size: int, k: int = 100
-) -> dict:
-    """{qid: {doc_id: cosine}} for the top-k documents of each judged query."""
+def embed(model, texts: list[str], max_tokens: int):
+    """Unit-length embeddings of `texts`, in their order, in one tensor on the model's device (in
+    the precision the model runs in: bf16 under autocast on GPU). Encoded longest first, in
+    batches of at most `max_tokens` tokens with padding, so short texts share large batches."""
     import torch
 
-    qids = [q for q in split_data.qrels if q in split_data.queries]
-
-    def embed(texts):
-        return model.encode(
-            texts,
-            batch_size=batch_size,
+    tok = model.tokenizer
+    lengths = [
+        len(x) for x in tok(texts, truncation=True, max_length=model.max_seq_length)["input_ids"]
+    ]
+    order = sorted(range(len(texts)), key=lambda i: -lengths[i])
+    out = None
+    start = 0
+    while start < len(order):
+        idx = order[start : start + max(1, max_tokens // max(1, lengths[order[start]]))]
+        emb = model.encode(
+            [texts[i] for i in idx],
+            batch_size=len(idx),
             convert_to_tensor=True,
             normalize_embeddings=True,
             show_progress_bar=False,
         )
+        if out is None:
+            out = emb.new_empty((len(texts), emb.shape[1]))
+        out[torch.tensor(idx, device=out.device)] = emb
+        start += len(idx)
+    return out
 
+
+def retrieve(model, task, split_data: Beir, doc_ids: list[str], max_tokens: int, k: int = 100):
+    """{qid: {doc_id: cosine}} for the top-k documents of each judged query. Every document is
+    encoded once into one tensor of embeddings, chunk by chunk, then scored chunk by chunk."""
+    import torch
+
+    qids = [q for q in split_data.qrels if q in split_data.queries]
     if not qids:
         return {}
-    q_emb = embed([query_text(task, split_data.queries[q]) for q in qids])
+    q_emb = embed(model, [query_text(task, split_data.queries[q]) for q in qids], max_tokens)
+    d_emb = None
+    for first in range(0, len(doc_ids), DOC_CHUNK):
+        chunk = doc_ids[first : first + DOC_CHUNK]
+        emb = embed(model, [document_text(task, split_data.corpus[d]) for d in chunk], max_tokens)
+        if d_emb is None:
+            d_emb = emb.new_empty((len(doc_ids), emb.shape[1]))
+        d_emb[first : first + len(chunk)] = emb
     k = min(k, len(doc_ids))
     values = torch.empty(len(qids), 0)
     indices = torch.empty(len(qids), 0, dtype=torch.long)
     for first in range(0, len(doc_ids), DOC_CHUNK):
-        chunk = doc_ids[first : first + DOC_CHUNK]
-        d_emb = embed([document_text(task, split_data.corpus[d]) for d in chunk])
-        tops = [
-            torch.topk((q_emb[q : q + 256] @ d_emb.T).float(), min(k, len(chunk)), dim=1)
+        block = d_emb[first : first + DOC_CHUNK].T
+        tops = [  # 256 queries at a time: a score block stays small
+            torch.topk((q_emb[q : q + 256] @ block).float(), min(k, block.shape[1]), dim=1)
             for q in range(0, len(qids), 256)
         ]
         v = torch.cat([values, torch.cat([t.values.cpu() for t in tops])], dim=1)
@@ -349,8 +404,17 @@ def prefix(template: str, slot: str = "text") -> str | None:
 
 
 def inputs(task, tokenizer, cfg, max_length) -> Inputs:
+    """The training pairs; per evaluated split (validation, test; "curve", the curve's points, is
+    validation) its data and the documents it ranks (`doc_ids_of`: under `corpus: full`,
+    validation ranks the judged documents and `validation_documents` others, test the corpus)."""
     pairs = training_pairs(task, cfg.max_train_examples)
-    evals = {s: load_split(task, s, cfg.max_eval_examples) for s in ("validation", "test")}
+    data_ = {s: load_split(task, s, cfg.max_eval_examples) for s in ("validation", "test")}
+    sample = {"validation": task.validation_documents, "test": 0}
+    evals = {
+        s: (d, doc_ids_of(task.corpus, d, list(data_.values()), sample[s]))
+        for s, d in data_.items()
+    }
+    evals["curve"] = evals["validation"]
     source = vars(task).get("train_source") or task
     return Inputs(
         train=pairs,
@@ -361,10 +425,10 @@ def inputs(task, tokenizer, cfg, max_length) -> Inputs:
             "train_task": source.name,
             "corpus": task.corpus,
             "batches": task.batches,
-            "eval_queries": {s: len(d.qrels) for s, d in evals.items()},
-            "eval_documents": {
-                s: len(doc_ids_of(task.corpus, d, list(evals.values()))) for s, d in evals.items()
-            },
+            "eval_queries": {s: len(d.qrels) for s, d in data_.items()},
+            "eval_documents": {s: len(evals[s][1]) for s in data_},
+            # documents encoded by each evaluation, in order (the curve's points, then test)
+            "documents_encoded": {"validation": [], "test": []},
         },
     )
 
@@ -373,7 +437,7 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
     CachedMultipleNegativesRankingLoss = _st_imports()[3]
     data_ = inputs(task, tokenizer, cfg, max_length)
     pairs = data_.train
-    model = build_sentence_transformer(cfg.model, max_length, device)
+    model = build_sentence_transformer(cfg.model, max_length, device, tokenizer.input_form)
     loss_fn = CachedMultipleNegativesRankingLoss(model, mini_batch_size=cfg.ir_mini_batch_size)
     tokenize = getattr(model, "preprocess", None) or model.tokenize  # `tokenize` before ST 6
 
@@ -384,9 +448,11 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
         return loss_fn(list(batch), None)
 
     def evaluate(model_, split):
-        split_data = data_.evals[split]
-        docs = doc_ids_of(task.corpus, split_data, list(data_.evals.values()))
-        run = retrieve(model_, task, split_data, docs, cfg.eval_batch_size)
+        split_data, docs = data_.evals[split]
+        run = retrieve(model_, task, split_data, docs, cfg.eval_batch_size * max_length)
+        data_.info["documents_encoded"]["test" if split == "test" else "validation"].append(
+            len(docs)
+        )
         return {
             "ndcg@10": metrics.ndcg_at_k(run, split_data.qrels, 10),
             "ndcg@10_top10": metrics.ndcg_at_k_retrieved(run, split_data.qrels, 10),
@@ -394,8 +460,9 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
         }
 
     def save(folder: str) -> None:
-        """A sentence-transformers folder (modules.json, the pooling config, the document
-        tokenizer); the templates, where they are prefixes, as its query/document prompts."""
+        """A sentence-transformers folder (modules.json, the pooling config, the tokenizer in the
+        run's input form); the templates, where they are prefixes, as its query/document
+        prompts."""
         prompts = {
             "query": prefix(task.query_template),
             "document": prefix(task.document_template or "{text}"),
@@ -436,4 +503,5 @@ FAMILY = Family(
     inputs=inputs,
     setup=setup,
     show=show,
+    layout=layout,
 )

@@ -1,10 +1,13 @@
 """Extractive QA (SQuAD v1.1 / v2, ReCoRD, QED).
 
 An input is the entry's `template` (default ``Question: {question}\\nContext: {context}``, as
-EncodEval) filled with the example, encoded as a pretraining document (text, EOS) in one piece, so
-the tokens at the seam between question and context are those of the running text. The tokens
-before the context (the question part, cut to a quarter of the maximum length when longer) and
-after it (the template's tail and EOS) are kept in every window. Two heads (`qa_head`):
+EncodEval) filled with the example, encoded in the model's input form (eval/input_form.py) in one
+piece, so the tokens at the seam between question and context are those of the running text; with
+``pairs: tokenizer``, the question and the context as a pair in the tokenizer's pair form (BERT:
+``[CLS] question [SEP] context [SEP]``). The tokens before the context (the template's and the
+question's; a question longer than a quarter of the maximum length loses its own last tokens,
+never the template's) and after it (the template's tail, EOS or [SEP]) are kept in every window.
+Two heads (`qa_head`):
 
 - ``span`` (the field's usual choice): a long context is split into windows overlapping by
   `doc_stride` tokens; a start/end head; a training window whose context lacks the answer (and every
@@ -27,6 +30,7 @@ tables.
 from __future__ import annotations
 
 import json
+import string
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import data, metrics
@@ -34,9 +38,11 @@ from megatron_mlmclm.eval.families.base import (
     Family,
     Inputs,
     Setup,
+    check_pairs,
     check_template,
     collate_ids,
-    fill,
+    eval_inputs,
+    forward_ids,
     length_sorted_batches,
     load_records,
     predict_tokens,
@@ -228,6 +234,7 @@ def check(task, where):
         raise UsageError(
             f"{where}: qa_head {task.qa_head} scores {', '.join(want)}, not {task.metric}"
         )
+    check_pairs(task, where)
     check_template(task.template, {"question", "context"}, where)
     split_template(task.template or TEMPLATE, "context")
 
@@ -239,17 +246,37 @@ def metric_of(task) -> str:
 # ------------------------------------------------------------------------------------ windows
 
 
+def filled(template: str, question: str, context: str) -> tuple[str, list[tuple], tuple]:
+    """The template filled, the character spans of its question(s), and that of its context."""
+    text, questions, context_span = "", [], (0, 0)
+    for literal, name, _, _ in string.Formatter().parse(template):
+        text += literal
+        if name == "question":
+            questions.append((len(text), len(text) + len(question)))
+            text += question
+        elif name == "context":
+            context_span = (len(text), len(text) + len(context))
+            text += context
+    return text, questions, context_span
+
+
 def windows(task, recs: list[dict], tokenizer, max_length: int, stride: int | None) -> list[dict]:
-    """Encoded windows: per window {"example", "input_ids", "offsets"} where offsets are character
-    spans in the context for context tokens (None elsewhere). `stride` None: one window per
-    example (the context truncated)."""
-    before, after = split_template(task.template or TEMPLATE, "context")
-    texts, starts = [], []
-    for r in recs:
-        head = fill(before, question=r["question"].lstrip())
-        texts.append(head + r["context"] + fill(after, question=r["question"].lstrip()))
-        starts.append(len(head))
-    enc = tokenizer(texts, return_offsets_mapping=True, return_special_tokens_mask=True)
+    """Encoded windows: per window {"example", "input_ids", "offsets"} (and "token_type_ids" where
+    the model takes them) where offsets are character spans in the context for context tokens
+    (None elsewhere). `stride` None: one window per example (the context truncated).
+
+    Every window holds what the encoded input has around the context: the template's tokens
+    (special tokens included) and the question's, whose own tokens only are cut to a quarter of
+    `max_length` when longer."""
+    questions = [r["question"].lstrip() for r in recs]
+    contexts = [r["context"] for r in recs]
+    kw = {"return_offsets_mapping": True, "return_special_tokens_mask": True}
+    pair = task.pairs == "tokenizer"
+    if pair:  # the tokenizer's pair form: offsets are into each text
+        enc = tokenizer(questions, contexts, **kw)
+    else:
+        parts = [filled(task.template or TEMPLATE, q, c) for q, c in zip(questions, contexts)]
+        enc = tokenizer([p[0] for p in parts], **kw)
     out = []
     for i, r in enumerate(recs):
         ids, offs, special = (
@@ -257,14 +284,28 @@ def windows(task, recs: list[dict], tokenizer, max_length: int, stride: int | No
             enc["offset_mapping"][i],
             enc["special_tokens_mask"][i],
         )
-        c0, c1 = starts[i], starts[i] + len(r["context"])
-        ctx = [
-            j for j, ((s, e), sp) in enumerate(zip(offs, special)) if not sp and e > c0 and s < c1
-        ]
-        first = ctx[0] if ctx else next((j for j, sp in enumerate(special) if sp), len(ids))
+        types = enc["token_type_ids"][i] if "token_type_ids" in enc else None
+        n = len(ids)
+        if pair:
+            seq = enc.sequence_ids(i)
+            c0, c1 = 0, len(r["context"])
+            in_ctx = [x == 1 for x in seq]
+            in_q = [x == 0 for x in seq]
+        else:
+            _, q_spans, (c0, c1) = parts[i]
+            in_ctx = [not sp and e > c0 and s < c1 for (s, e), sp in zip(offs, special)]
+            in_q = [
+                not sp and not c and any(e > a and s < b for a, b in q_spans)
+                for (s, e), sp, c in zip(offs, special, in_ctx)
+            ]
+        ctx = [j for j in range(n) if in_ctx[j]]
+        first = ctx[0] if ctx else max((j + 1 for j in range(n) if in_q[j]), default=0)
         last = ctx[-1] + 1 if ctx else first
-        head, tail = ids[:first][: max(1, max_length // 4)], ids[last:]  # a long question is cut
-        ctx_ids = ids[first:last]
+        # a long question is cut, its own tokens only: the template around it stays
+        question = [j for j in range(n) if in_q[j] and not first <= j < last]
+        cut = set(question[max(1, max_length // 4) :])
+        head = [j for j in range(first) if j not in cut]
+        tail = [j for j in range(last, n) if j not in cut]
         ctx_offs = [(max(s, c0) - c0, min(e, c1) - c0) for s, e in offs[first:last]]
         room = max_length - len(head) - len(tail)
         if room < 1:
@@ -275,18 +316,25 @@ def windows(task, recs: list[dict], tokenizer, max_length: int, stride: int | No
         step = room if stride is None else room - min(stride, max_length // 2, room - 1)
         a = 0
         while True:
-            b = min(a + room, len(ctx_ids))
-            out.append(
-                {
-                    "example": i,
-                    "input_ids": head + ctx_ids[a:b] + tail,
-                    "offsets": [None] * len(head) + ctx_offs[a:b] + [None] * len(tail),
-                }
-            )
-            if stride is None or b >= len(ctx_ids):
+            b = min(a + room, last - first)
+            take = head + list(range(first + a, first + b)) + tail
+            window = {
+                "example": i,
+                "input_ids": [ids[j] for j in take],
+                "offsets": [None] * len(head) + ctx_offs[a:b] + [None] * len(tail),
+            }
+            if types is not None:
+                window["token_type_ids"] = [types[j] for j in take]
+            out.append(window)
+            if stride is None or b >= last - first:
                 break
             a += step
     return out
+
+
+def model_ids(window: dict) -> dict:
+    """What of a window goes to the model: its ids (and token type ids where given)."""
+    return {k: window[k] for k in ("input_ids", "token_type_ids") if k in window}
 
 
 def answer_tokens(offsets: list, record: dict) -> list[int]:
@@ -321,7 +369,7 @@ def encode_train(task, recs, tokenizer, max_length: int, stride: int) -> list[di
             a = rec["answers"]["answer_start"][0]
             if spans[0][0] <= a and spans[-1][1] >= a + len(rec["answers"]["text"][0]):
                 start, end = hits[0], hits[-1]
-        out.append({"input_ids": w["input_ids"], "start_positions": start, "end_positions": end})
+        out.append({**model_ids(w), "start_positions": start, "end_positions": end})
     return out
 
 
@@ -332,7 +380,7 @@ def encode_tagging(task, recs, tokenizer, max_length: int) -> list[dict]:
         hits = set(answer_tokens(w["offsets"], recs[w["example"]]))
         out.append(
             {
-                "input_ids": w["input_ids"],
+                **model_ids(w),
                 "example": w["example"],
                 "labels": [int(j in hits) for j in range(len(w["input_ids"]))],
             }
@@ -383,18 +431,16 @@ def postprocess(
 
 def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     train = load_split(task, "train", cfg.max_train_examples)
-    evals = {}
-    for s in ("validation", "test"):
-        recs = load_split(task, s, cfg.max_eval_examples)
-        evals[s] = (
-            recs,
-            encode_tagging(task, recs, tokenizer, max_length)
-            if task.qa_head == "tagging"
-            else windows(task, recs, tokenizer, max_length, task.doc_stride),
-        )
+
+    def encode(recs):
+        if task.qa_head == "tagging":
+            return recs, encode_tagging(task, recs, tokenizer, max_length)
+        return recs, windows(task, recs, tokenizer, max_length, task.doc_stride)
+
+    evals, sizes = eval_inputs(task, cfg, load_split, encode)
     if task.qa_head == "tagging":
         items = [
-            {"input_ids": f["input_ids"], "labels": f["labels"]}
+            {k: v for k, v in f.items() if k != "example"}
             for f in encode_tagging(task, train, tokenizer, max_length)
         ]
     else:
@@ -408,6 +454,7 @@ def inputs(task, tokenizer, cfg, max_length) -> Inputs:
             "doc_stride": task.doc_stride,
             "train_questions": len(train),
             "train_features": len(items),
+            "eval_examples": sizes,
         },
     )
 
@@ -422,11 +469,7 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
         recs, feats = data_.evals[split]
         starts, ends = [None] * len(feats), [None] * len(feats)
         for idx in length_sorted_batches([len(f["input_ids"]) for f in feats], cfg.eval_batch_size):
-            batch = collate_ids([{"input_ids": feats[i]["input_ids"]} for i in idx], pad_id)
-            out = model(
-                input_ids=batch["input_ids"].to(device),
-                attention_mask=batch["attention_mask"].to(device),
-            )
+            out = forward_ids(model, [feats[i] for i in idx], pad_id, device)
             for row, i in enumerate(idx):
                 n = len(feats[i]["input_ids"])
                 starts[i] = out.start_logits[row, :n].float().cpu()

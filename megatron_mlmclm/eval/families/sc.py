@@ -2,7 +2,10 @@
 
 An input is the entry's `template` filled with the example's text(s) (default ``{text_a}``, and
 ``{text_a}\\n{text_b}`` for pairs; EncodEval's MNLI template is
-``Premise: {text_a}\\nHypothesis: {text_b}``), encoded as a pretraining document (text, EOS).
+``Premise: {text_a}\\nHypothesis: {text_b}``), encoded in the model's input form
+(eval/input_form.py); with ``pairs: tokenizer`` the two texts are encoded as a pair in the
+tokenizer's pair form instead (BERT: ``[CLS] a [SEP] b [SEP]``, with token type ids), the
+template unused.
 
 Records: {"text_a", "text_b" (or None), "label": str, "id" (only when the source has an id column)}.
 Formats: glue_tsv (GLUE's unquoted TSV), glue_json (a JSON object or list of rows, or JSON Lines)
@@ -17,9 +20,13 @@ from megatron_mlmclm.eval.families.base import (
     Family,
     Inputs,
     Setup,
+    check_pairs,
     check_template,
     collate_ids,
+    eval_inputs,
     fill,
+    forward_ids,
+    ids_of,
     length_sorted_batches,
     load_records,
     saver,
@@ -62,7 +69,7 @@ def read_glue_tsv(task, split):
 
 def read_glue_json(task, split):
     paths = data.files(task, task.splits[split])
-    return records(task, [r for p in paths for r in data.json_rows(p, keyed=True)], paths[0])
+    return records(task, data.read_rows(task, paths, "json"), paths[0])
 
 
 def read_table(task, split):
@@ -109,6 +116,7 @@ def labels(task, train: list[dict]) -> list[str]:
 
 
 def check(task, where):
+    check_pairs(task, where)
     check_template(task.template, {"text_a", "text_b"}, where)
     if task.template and "{text_b}" in task.template and not task.text_b:
         raise UsageError(f"{where}: template names {{text_b}} but the task has no text_b")
@@ -120,37 +128,38 @@ def text_of(task, record: dict) -> str:
 
 
 def encode(task, recs: list[dict], tokenizer, max_length: int, label2id: dict) -> list[dict]:
-    enc = tokenizer([text_of(task, r) for r in recs], truncation=True, max_length=max_length)
-    return [
-        {"input_ids": ids, "labels": label2id.get(r["label"], -1)}
-        for ids, r in zip(enc["input_ids"], recs)
-    ]
+    if task.text_b and task.pairs == "tokenizer":
+        texts = ([r["text_a"] for r in recs], [r["text_b"] for r in recs])
+    else:
+        texts = ([text_of(task, r) for r in recs],)
+    enc = tokenizer(*texts, truncation=True, max_length=max_length)
+    return [{**ids_of(enc, i), "labels": label2id.get(r["label"], -1)} for i, r in enumerate(recs)]
 
 
 def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     train = load_split(task, "train", cfg.max_train_examples)
     names = labels(task, train)
     label2id = {name: i for i, name in enumerate(names)}
-    evals = {
-        s: encode(task, load_split(task, s, cfg.max_eval_examples), tokenizer, max_length, label2id)
-        for s in ("validation", "test")
-    }
+    evals, sizes = eval_inputs(
+        task, cfg, load_split, lambda recs: encode(task, recs, tokenizer, max_length, label2id)
+    )
     counts = {name: sum(r["label"] == name for r in train) for name in names}
     return Inputs(
         train=encode(task, train, tokenizer, max_length, label2id),
         evals=evals,
-        info={"labels": names, "train_label_counts": counts, "max_length": max_length},
+        info={
+            "labels": names,
+            "train_label_counts": counts,
+            "max_length": max_length,
+            "eval_examples": sizes,
+        },
     )
 
 
 def predict(model, features: list[dict], pad_id: int, batch_size: int, device) -> list[int]:
     preds = [0] * len(features)
     for idx in length_sorted_batches([len(f["input_ids"]) for f in features], batch_size):
-        batch = collate_ids([{"input_ids": features[i]["input_ids"]} for i in idx], pad_id)
-        logits = model(
-            input_ids=batch["input_ids"].to(device),
-            attention_mask=batch["attention_mask"].to(device),
-        ).logits
+        logits = forward_ids(model, [features[i] for i in idx], pad_id, device).logits
         for i, p in zip(idx, logits.argmax(-1).tolist()):
             preds[i] = p
     return preds

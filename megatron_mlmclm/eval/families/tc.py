@@ -1,10 +1,11 @@
 """Token classification: a tag per word (NER).
 
-An input is the sentence's words joined with single spaces, encoded as a pretraining document (the
-words in the form pretraining saw them: "Ġbegan", not the text-initial "began" that encoding each
-word alone would give), and each token is given to the word its first non-space character lies in
-(character offsets). Which tokens of a word carry its tag, and how a word is predicted, is the
-entry's `label_subtokens`:
+An input is the sentence's words joined with single spaces, encoded in the model's input form
+(eval/input_form.py; the words in the form pretraining saw them: "Ġbegan", not the text-initial
+"began" that encoding each word alone would give), and each token is given to the word its first
+non-space character lies in (character offsets; a token the template adds, such as [CLS] or EOS,
+belongs to none and carries no label). Which tokens of a word carry its tag, and how a word is
+predicted, is the entry's `label_subtokens`:
 
 - ``first`` (the field's usual choice): the first token of each word carries the tag, the others
   none (-100); a word is predicted by its first token;
@@ -33,6 +34,8 @@ from megatron_mlmclm.eval.families.base import (
     Inputs,
     Setup,
     collate_ids,
+    eval_inputs,
+    ids_of,
     load_records,
     predict_tokens,
     saver,
@@ -173,7 +176,7 @@ def encode(
                 label2id.get(r["tags"][w], IGNORE) if carries else IGNORE
             )  # unseen: no loss
             prev = w if w >= 0 else prev
-        out.append({"input_ids": enc["input_ids"][i], "labels": labels_, "words": token_words})
+        out.append({**ids_of(enc, i), "labels": labels_, "words": token_words})
     return out
 
 
@@ -198,18 +201,25 @@ def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     train = load_split(task, "train", cfg.max_train_examples)
     names = labels(task, train)
     label2id = {name: i for i, name in enumerate(names)}
-    evals = {}
-    for s in ("validation", "test"):
-        recs = load_split(task, s, cfg.max_eval_examples)
-        evals[s] = (recs, encode(recs, tokenizer, max_length, label2id, task.label_subtokens))
+    evals, sizes = eval_inputs(
+        task,
+        cfg,
+        load_split,
+        lambda recs: (recs, encode(recs, tokenizer, max_length, label2id, task.label_subtokens)),
+    )
     train_items = [
-        {"input_ids": f["input_ids"], "labels": f["labels"]}
+        {k: v for k, v in f.items() if k != "words"}
         for f in encode(train, tokenizer, max_length, label2id, task.label_subtokens)
     ]
     return Inputs(
         train=train_items,
         evals=evals,
-        info={"labels": names, "max_length": max_length, "label_subtokens": task.label_subtokens},
+        info={
+            "labels": names,
+            "max_length": max_length,
+            "label_subtokens": task.label_subtokens,
+            "eval_examples": sizes,
+        },
     )
 
 
