@@ -673,6 +673,7 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
             "train.micro_batch_size=2",
             "train.global_batch_size=4",
             "train.fp8=delayed",
+            "model.kernels=te",
             f"parallel.pipeline_model_parallel_size={pp}",
         ],
     )
@@ -787,13 +788,13 @@ def test_context_parallel_is_accepted_only_on_packed_thd_sequences(capsys, tmp_p
     from megatron_mlmclm.model.kernels import Kernels, plan_kernels
 
     base = ["data.mock=true", "model.vocab_size=256", "parallel.context_parallel_size=2"]
-    cfg = load_config(None, base)
+    cfg = load_config(None, base + ["model.kernels=te"])
     plan = plan_kernels(cfg, "cuda", Kernels(te_version=(2, 8, 0)))
     kw = plan.transformer_kwargs()
     assert (kw["context_parallel_size"], kw["cp_comm_type"]) == (2, "p2p")
     assert plan.cp_sequence_multiple == 4
     sp = plan_kernels(
-        load_config(None, base + ["parallel.tensor_model_parallel_size=2"]),
+        load_config(None, base + ["parallel.tensor_model_parallel_size=2", "model.kernels=te"]),
         "cuda",
         Kernels(te_version=(2, 8, 0)),
     )
@@ -803,6 +804,7 @@ def test_context_parallel_is_accepted_only_on_packed_thd_sequences(capsys, tmp_p
     for device, kernels, extra in [
         ("cpu", Kernels(te_version=(2, 8, 0)), []),
         ("cuda", Kernels(), []),
+        ("cuda", Kernels(te_version=(2, 8, 0)), []),  # installed, not asked for
         ("cuda", Kernels(te_version=(2, 8, 0)), ["model.attention=sdpa"]),
         ("cuda", Kernels(te_version=(2, 8, 0)), ["train.precision=fp32"]),
     ]:

@@ -7,14 +7,19 @@ that Megatron-LM turns on by default is on here too, but only where its kernel i
 plan never asks megatron-core for a kernel that would raise; where the data-parallel group has more
 than one rank the gradient reduce overlaps the backward pass (and with the distributed optimizer
 the parameter gather the forward pass). The data-parallel size is the launch's (WORLD_SIZE, as
-torchrun sets it, over TP x PP x CP). On CPU the fusions are
-off, as megatron-core's fused paths need CUDA (docs/parallelism.md); every other decision (pipeline
-communication, initialisation, the packed THD path through a pure-torch stand-in for TE's kernel)
-is the GPU's, so the CPU suite runs what a GPU runs. `model.fusions: off` is the reference path on
-any device (a debugging switch): no fusion, megatron's own layers (no plain layer, stack or
-compile), megatron's gradient hooks, torch's unfused AdamW and the host deciding before the
-update. The plan also sets what must be set in the process before CUDA
-starts (`apply_to_process`: CUDA_DEVICE_MAX_CONNECTIONS, TF32).
+torchrun sets it, over TP x PP x CP). On CPU the fusions are off, as megatron-core's fused paths
+need CUDA (docs/parallelism.md); every other decision (pipeline communication, initialisation,
+the packed THD path through a pure-torch stand-in for TE's kernel) is the GPU's, so the CPU suite
+runs what a GPU runs.
+
+Transformer Engine runs only where the config asks for it (`model.kernels: te`): by default
+(`torch`) a machine with TE installed runs the path measured on GPUs (varlen attention, the plain
+layer stack compiled, torch's fused AdamW in place of TE's FusedAdam, the queued update), as a
+machine without TE does. `model.fusions: off` is the reference path on any device (a debugging
+switch): no fusion, megatron's own layers (no plain layer, stack or compile), megatron's gradient
+hooks, torch's unfused AdamW and the host deciding before the update. The plan also sets what
+must be set in the process before CUDA starts (`apply_to_process`: CUDA_DEVICE_MAX_CONNECTIONS,
+TF32).
 
 `mlmclm pretrain CONFIG --dry-run` prints the plan, and `runtime.device=cuda` plans a GPU run on a
 machine without one (a login node) as the kernels that import there allow. A training run logs the
@@ -27,12 +32,11 @@ import importlib.metadata
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_mlmclm.config import ModelConfig, RunConfig, attention_path, resolved
-from megatron_mlmclm.config import attention as attention_rule
+from megatron_mlmclm.config import RunConfig, attention_path, resolved
 from megatron_mlmclm.config.attention import torch_has_varlen
 from megatron_mlmclm.errors import UsageError
 
@@ -103,6 +107,8 @@ class Choice:
 @dataclass(frozen=True)
 class KernelPlan:
     device: str  # "cuda" | "cpu"
+    # Transformer Engine's layers, attention and FusedAdam (model.kernels=te), or torch's.
+    transformer_engine: Choice
     fusions: dict[str, Choice]
     overlap_grad_reduce: Choice
     overlap_param_gather: Choice
@@ -174,7 +180,9 @@ class KernelPlan:
 
     def rows(self) -> list[tuple[str, bool | str, str]]:
         """(name, on or value, why) for every decision, in print order."""
-        out = [(n, c.on, c.why) for n, c in self.fusions.items()]
+        te = self.transformer_engine
+        out = [("transformer_engine", te.on, te.why)]
+        out += [(n, c.on, c.why) for n, c in self.fusions.items()]
         out += [
             ("data_parallel", str(self.data_parallel_size), self.data_parallel_why),
             ("overlap_grad_reduce", self.overlap_grad_reduce.on, self.overlap_grad_reduce.why),
@@ -283,12 +291,15 @@ def plan_kernels(
 ) -> KernelPlan:
     """The plan for `device`; `world_size` is the launch's number of ranks (None: WORLD_SIZE
     from the environment, as torchrun sets it before the process starts; 1 without it)."""
-    k = kernels if kernels is not None else probe_kernels()
+    installed = kernels if kernels is not None else probe_kernels()
+    te = _transformer_engine(cfg, device, installed)
+    # What the plan may use: Transformer Engine only where the run takes it.
+    k = installed if te.on else replace(installed, te_version=None)
     p = cfg.parallel
     attention = _attention(cfg, device, k)
-    _check_fp8(cfg, device, k, attention)
+    _check_fp8(cfg, device, installed, attention)
     if device == "cuda":
-        fusions = _cuda_fusions(cfg, k)
+        fusions = _cuda_fusions(cfg, k, te)
     else:
         off = Choice(False, "CPU: megatron-core's fused kernels need CUDA")
         fusions = {n: off for n in FUSIONS}
@@ -302,9 +313,10 @@ def plan_kernels(
     plain = _plain_layers(cfg, attention[0], sp.on)
     stack = _plain_stack(cfg, plain, attention[0])
     chunks, chunks_why = _stack_chunks(cfg, stack, grad)
-    fused_adamw = _fused_adamw(cfg, k)
+    fused_adamw = _fused_adamw(cfg, te, installed)
     return KernelPlan(
         device=device,
+        transformer_engine=te,
         fusions=fusions,
         overlap_grad_reduce=grad,
         overlap_param_gather=gather,
@@ -423,8 +435,8 @@ def _check_fp8(cfg: RunConfig, device: str, k: Kernels, attention: tuple[str, st
     if attention[0] != "te-thd":
         raise UsageError(
             f"train.fp8={fp8} needs Transformer Engine's layers, but this run's "
-            f"attention is {attention[0]} ({attention[1]}); set model.attention=auto "
-            "on a GPU or train.fp8=null"
+            f"attention is {attention[0]} ({attention[1]}); set model.kernels=te "
+            "(model.attention=auto) on a GPU or train.fp8=null"
         )
 
 
@@ -482,16 +494,19 @@ def _overlap(cfg: RunConfig, device: str, data_parallel: int) -> tuple[Choice, C
     return grad, gather
 
 
-def _cuda_fusions(cfg: RunConfig, k: Kernels) -> dict[str, Choice]:
+def _cuda_fusions(cfg: RunConfig, k: Kernels, te: Choice) -> dict[str, Choice]:
     if cfg.model.fusions == "off":
         off = Choice(False, "model.fusions=off")
         return {n: off for n in FUSIONS}
-    te = k.te_version
-    rope = (
-        Choice(True, f"Transformer Engine {'.'.join(map(str, te))} fused RoPE (THD too)")
-        if te is not None and te[:2] >= TE_MIN_FUSED_ROPE
-        else Choice(False, "needs Transformer Engine >= 1.4 (megatron-core raises without it)")
-    )
+    version = k.te_version
+    if not te.on:
+        rope = Choice(False, "model.kernels=torch: TE's fused RoPE comes with model.kernels=te")
+    elif version is not None and version[:2] >= TE_MIN_FUSED_ROPE:
+        rope = Choice(
+            True, f"Transformer Engine {'.'.join(map(str, version))} fused RoPE (THD too)"
+        )
+    else:
+        rope = Choice(False, "needs Transformer Engine >= 1.4 (megatron-core raises without it)")
     grad_accum = (
         Choice(True, "fused wgrad accumulation (Apex fused_weight_gradient_mlp_cuda)")
         if k.apex_grad_accum
@@ -552,7 +567,7 @@ def _context_parallel(cfg: RunConfig, attention: tuple[str, str], multiple: int)
     if attention[0] not in THD_PATHS:
         raise UsageError(
             f"parallel.context_parallel_size={cp} needs packed THD attention "
-            f"(model.attention=thd, or auto with Transformer Engine on a GPU), but "
+            f"(model.kernels=te on a GPU with Transformer Engine, or model.attention=thd), but "
             f"this run's attention is {attention[0]}: {attention[1]}"
         )
     return Choice(
@@ -562,9 +577,33 @@ def _context_parallel(cfg: RunConfig, attention: tuple[str, str], multiple: int)
     )
 
 
-def uses_te_layers(m: ModelConfig, precision: str, device: str, k: Kernels) -> bool:
-    """Transformer Engine's layer spec (config/attention.py decides; model/build.py asks here)."""
-    return attention_rule.uses_te_layers(m.attention, precision, device, k.te_version is not None)
+def _transformer_engine(cfg: RunConfig, device: str, k: Kernels) -> Choice:
+    """Transformer Engine's layers, THD attention and FusedAdam where the run asks for them
+    (model.kernels=te): never measured on a GPU here (docs/gpu.md), so a machine that merely has
+    it installed (the NGC image) runs what was measured."""
+    installed = (
+        f"installed ({'.'.join(map(str, k.te_version))})"
+        if k.te_version is not None
+        else "not installed"
+    )
+    if cfg.model.kernels == "torch":
+        return Choice(
+            False,
+            f"model.kernels=torch, TE {installed}: torch's kernels, the path measured on GPUs "
+            "(model.kernels=te takes TE's layers, attention and FusedAdam, not yet measured)",
+        )
+    if device != "cuda":
+        return Choice(False, "model.kernels=te; CPU: Transformer Engine needs CUDA")
+    if k.te_version is None:
+        raise UsageError(
+            "model.kernels=te needs Transformer Engine, which is not installed; use the NGC "
+            "PyTorch image or set model.kernels=torch"
+        )
+    return Choice(
+        True,
+        f"model.kernels=te, TE {installed}: its layers, THD attention and FusedAdam "
+        "(not yet measured on a GPU)",
+    )
 
 
 def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
@@ -575,18 +614,22 @@ def _attention(cfg: RunConfig, device: str, k: Kernels) -> tuple[str, str]:
         k.te_version is not None,
         cfg.parallel.pipeline_model_parallel_size,
         varlen_installed=k.torch_varlen,
+        kernels=cfg.model.kernels,
     )
 
 
-def _fused_adamw(cfg: RunConfig, k: Kernels) -> Choice:
+def _fused_adamw(cfg: RunConfig, te: Choice, k: Kernels) -> Choice:
     """megatron's optimizer takes TE's or Apex's FusedAdam when either imports; without them it
     falls back to torch's AdamW unfused. torch's own fused AdamW (CUDA and CPU) computes the same
-    update in one kernel per tensor group, its state and checkpoints unchanged."""
-    if k.apex_adam:
-        return Choice(False, "Transformer Engine or Apex installed: megatron uses their FusedAdam")
+    update in one kernel per tensor group, its state and checkpoints unchanged. Unless the run
+    takes Transformer Engine, torch's AdamW replaces an installed FusedAdam
+    (mcore_patches.optimizer.use_torch_adamw)."""
+    if te.on:
+        return Choice(False, "model.kernels=te: megatron takes Transformer Engine's FusedAdam")
     if cfg.model.fusions == "off":
         return Choice(False, "model.fusions=off: torch's AdamW unfused (megatron's fallback)")
-    return Choice(True, "no TE/Apex FusedAdam: torch's fused AdamW behind megatron's optimizer")
+    instead = " (in place of the installed TE/Apex FusedAdam)" if k.apex_adam else ""
+    return Choice(True, f"torch's fused AdamW behind megatron's optimizer{instead}")
 
 
 def _queued_update(cfg: RunConfig, fused_adamw: Choice) -> Choice:
