@@ -1,4 +1,4 @@
-"""The kernel plan (model/kernels.py): every decision for simulated machines, and that the run
+"""The kernel plan (model/kernels/): every decision for simulated machines, and that the run
 really uses it. Each test pins one decision, so reverting it fails here."""
 
 from __future__ import annotations

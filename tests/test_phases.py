@@ -181,7 +181,7 @@ def test_mask_schedules_and_the_phase_plan_streams():
 
 
 def test_budget_attention_count_follows_the_kernel_plan():
-    """causal_attention_halved (config, no torch needed) agrees with model/kernels.py's attention
+    """causal_attention_halved (config, no torch needed) agrees with model/kernels/'s attention
     path: halved exactly where the plan picks a kernel that skips masked blocks."""
     for device, attention, te, precision, which in itertools.product(
         ("cpu", "cuda"),

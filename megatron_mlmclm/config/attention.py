@@ -1,5 +1,5 @@
 """Which attention path a run takes: the one decision, asked by the kernel plan (which builds it,
-model/kernels.py) and by the budget (which counts its FLOPs, config/budget.py).
+model/kernels/) and by the budget (which counts its FLOPs, config/budget.py).
 
 Pure: the caller says what the machine has (device, Transformer Engine, torch's varlen kernel)
 and whose kernels the run asks for (`model.kernels`: Transformer Engine's only with `te`).

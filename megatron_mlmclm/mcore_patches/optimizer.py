@@ -68,7 +68,7 @@ def apply_everywhere() -> None:
 
 def use_torch_adamw() -> None:
     """torch's AdamW behind megatron's optimizer where Transformer Engine or Apex is installed and
-    the kernel plan does not take it (model.kernels=torch, model/kernels.py): megatron picks their
+    the kernel plan does not take it (model.kernels=torch, model/kernels/): megatron picks their
     FusedAdam as it is imported, and keys its distributed optimizer's handling of Adam's `step` on
     that choice. Sets the flags megatron sets itself when neither imports, before any optimizer
     is built, with the replacements that path needs (`_torch_adam_state`). A no-op where megatron

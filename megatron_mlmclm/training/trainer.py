@@ -89,7 +89,7 @@ class Trainer:
         # Everything that can fail on user input is checked before process groups and models.
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
-        # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
+        # Fusions, overlap, init and attention path (model/kernels/): refuses a runtime.device
         # this machine does not have.
         self.kernels = plan_kernels(cfg, resolve_device(cfg))
         if self.syncs is not None:
