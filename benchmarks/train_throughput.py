@@ -6,10 +6,11 @@ process:
 - ours: `Trainer.train_step(phase)` (megatron-core EncoderLM, megatron DDP + optimizer, packed mock
   samples with per-document attention), data.loader=sync: each step builds, lays out and sends
   the next step's batches while it waits for its own figures (Trainer.prefetch_next). Attention
-  core (`model.attention`, --attention): `auto` by default, what a run gets (Transformer Engine's
-  packed THD path when TE imports, else torch's varlen kernel on CUDA, else FlexAttention on
-  CUDA, else SDPA with a dense mask: the kernel plan's rule), or `varlen`, `flex` (CUDA only:
-  torch has no FlexAttention backward on CPU), `sdpa` (dense [b,1,s,s] document mask).
+  core (`model.attention`, --attention): `auto` by default, what a run gets (torch's varlen kernel
+  on CUDA, else FlexAttention on CUDA, else SDPA with a dense mask: the kernel plan's rule, with
+  Transformer Engine installed or not: --set model.kernels=te takes TE's packed THD path), or
+  `varlen`, `flex` (CUDA only: torch has no FlexAttention backward on CPU), `sdpa` (dense
+  [b,1,s,s] document mask). FP8 rows (where TE imports) run model.kernels=te.
 - hf (MLM rows): EuroBertForMaskedLM(attn_implementation="sdpa") under torch.compile (eager with
   --no-compile or --quick), fused AdamW, bf16 autocast on GPU, the same masked inputs
   (megatron_mlmclm.objectives.mlm_mask on the same samples), cross-entropy over full logits,
@@ -35,12 +36,11 @@ process:
   that one builds its batch inside the step. Each row prints the parameter counts of ours and the
   reference, which must be equal. What plain PyTorch reaches on the same work: the ceiling our
   engine is measured against.
-- distopt (--distopt): ours with the distributed optimizer's layout
-  (parallel.use_distributed_optimizer=true; its gradient reduce and parameter gather overlapped,
-  as on CUDA by default) at DP = 1, where it has nothing to shard: what the layout costs on one
-  GPU, with what the kernel plan turns off under an overlapped reduce (the layer stack and the
-  batched gradient accumulation; its kernel line says which). Same samples; its first loss
-  equals ours'.
+- distopt (--distopt): ours with the distributed optimizer (parallel.use_distributed_optimizer=
+  true) in this one process, DP = 1: nothing to shard, and the kernel plan runs no gradient reduce
+  and no parameter gather (a group of one rank), so nothing is overlapped. What the optimizer's
+  layout alone costs on one GPU; not the reduce-scatter and gather of DP > 1. Same samples; its
+  first loss equals ours'.
 Timing: by default the contenders alternate step by step (rotating order), each step timed
 between two drains of the device, and each row reports the median s/step. With --sequential
 they run one at a time, each built, warmed up, timed back to back as training runs its steps
@@ -171,13 +171,10 @@ def on_gpu() -> bool:
 
 
 def distopt_overrides() -> list[str]:
-    """Ours with the distributed optimizer's layout (at DP = 1: nothing to shard), its gradient
-    reduce and parameter gather overlapped as the kernel plan turns them on on CUDA (given
-    explicitly off CUDA, where auto leaves them off, so a CPU run takes the same path)."""
-    extra = ["parallel.use_distributed_optimizer=true"]
-    if not on_gpu():
-        extra += ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
-    return extra
+    """Ours with the distributed optimizer's layout, in this one process (DP = 1): nothing to
+    shard, and the kernel plan runs no gradient reduce and no parameter gather, on CUDA as on
+    CPU."""
+    return ["parallel.use_distributed_optimizer=true"]
 
 
 def build_ours(
@@ -227,8 +224,8 @@ def build_ours(
     ]
     if objective == "mlm":
         overrides.append(f"phases.0.mask_ratio={args.mask_ratio}")
-    if fp8:
-        overrides.append(f"train.fp8={fp8}")
+    if fp8:  # inside Transformer Engine's layers only
+        overrides += [f"train.fp8={fp8}", "model.kernels=te"]
     cfg = load_config(None, overrides + [f"model.attention={attention}", *(extra or []), *args.set])
     trainer = Trainer(cfg)
     trainer.setup()
