@@ -472,6 +472,28 @@ def test_the_data_parallel_size_is_the_launchs(monkeypatch):
     assert tp2.overlap_grad_reduce.on
 
 
+def test_the_collectives_row_follows_the_layout():
+    """What communicates each step, as the data_parallel row and the layout say: none in a world
+    of one; at DP = 8 the distributed optimizer's reduce-scatter and gather over DP = 8 (never "DP
+    = CP = 1"); with TP and PP their own; each group of one rank named as skipped."""
+    dist = "parallel.use_distributed_optimizer=true"
+    alone = plan_kernels(cfg(dist), "cuda", NOTHING, world_size=1)
+    assert alone.collectives == "none" and "no gradient reduction (DP = CP = 1)" in (
+        alone.collectives_why
+    )
+    eight = plan_kernels(cfg(dist), "cuda", NOTHING, world_size=8)
+    assert eight.data_parallel_size == 8 and eight.collectives == "per step"
+    assert "reduce-scatter during the backward and parameter all-gather" in eight.collectives_why
+    assert "over DP = 8" in eight.collectives_why and "DP = CP = 1" not in eight.collectives_why
+    assert "no loss reductions (TP = 1)" in eight.collectives_why
+    layout = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"]
+    mixed = plan_kernels(cfg(*layout), "cuda", NOTHING, world_size=8).collectives_why
+    assert "gradient all-reduce during the backward over DP = 2" in mixed
+    assert "over TP = 2" in mixed and "PP = 2 stages" in mixed and "TP = 1" not in mixed
+    cpu = plan_kernels(cfg(), "cpu", NOTHING, world_size=2).collectives_why  # no overlap on CPU
+    assert cpu.startswith("gradient all-reduce over DP = 2;")
+
+
 def test_the_studys_610m_config_takes_the_fast_path_on_eight_gpus(capsys, monkeypatch):
     """The study's 610m config (distributed optimizer) planned for a launch of 8 ranks on a GPU
     machine: the layer stack, in chunks, and the batched gradient accumulation (with torch's

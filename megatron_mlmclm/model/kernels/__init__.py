@@ -75,6 +75,7 @@ def plan_kernels(
     sp = parallel.sequence_parallel(cfg, device)
     multiple, multiple_why, cp_multiple = parallel.thd_multiples(cfg, sp.on)
     p2p, p2p_why = parallel.pipeline_p2p(cfg)
+    talk, talk_why = parallel.collectives(cfg, dp, grad, gather)
     # The layers, what compiles, the update.
     plain = compute.plain_layers(cfg, attention[0], sp.on)
     stack = compute.plain_stack(cfg, plain, attention[0])
@@ -107,6 +108,8 @@ def plan_kernels(
         data_parallel_size=dp,
         data_parallel_why=dp_why,
         context_parallel_size=cfg.parallel.context_parallel_size,
+        collectives=talk,
+        collectives_why=talk_why,
         thd_token_multiple=multiple,
         thd_multiple_why=multiple_why,
         cp_sequence_multiple=cp_multiple,

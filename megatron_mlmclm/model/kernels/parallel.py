@@ -150,3 +150,43 @@ def thd_multiples(cfg: RunConfig, sequence_parallel: bool) -> tuple[int, str, in
             f"CP={cp}: each sequence to {2 * cp * tp} (2 x CP" + (" x TP" if tp > 1 else "") + ")"
         )
     return multiple, "; ".join(why) or "no padding needed", 2 * cp * tp
+
+
+def collectives(
+    cfg: RunConfig, data_parallel: int, grad: Choice, gather: Choice
+) -> tuple[str, str]:
+    """(value, why) of what communicates each step at this layout: the collectives over each
+    group of more than one rank, and the reductions a group of one rank skips
+    (training/data_parallel.py)."""
+    p = cfg.parallel
+    tp, pp, cp = (
+        p.tensor_model_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.context_parallel_size,
+    )
+    runs, skipped = [], []
+    if data_parallel > 1:
+        group = f"DP x CP = {data_parallel}" if cp > 1 else f"DP = {data_parallel}"
+        during = " during the backward" if grad.on else ""
+        if p.use_distributed_optimizer:
+            gathered = " during the next forward" if gather.on else ""
+            runs.append(
+                f"gradient reduce-scatter{during} and parameter all-gather{gathered} over {group}"
+            )
+        else:
+            runs.append(f"gradient all-reduce{during} over {group}")
+    else:
+        skipped.append("no gradient reduction (DP = CP = 1)")
+    if tp > 1:
+        runs.append(f"the split linears' and the loss's reductions over TP = {tp}")
+    else:
+        skipped.append("no loss reductions (TP = 1)")
+    if pp > 1:
+        runs.append(f"activations and gradients between the PP = {pp} stages")
+    if cp > 1:
+        runs.append(f"K/V around the CP = {cp} ring")
+    if data_parallel * tp * pp > 1:
+        runs.append("loss totals, gradient norm and stop signals over the world")
+    else:
+        skipped.append("in a world of one no stop-signal agreement")
+    return ("per step" if runs else "none"), "; ".join(runs + skipped)

@@ -48,6 +48,9 @@ class KernelPlan:
     data_parallel_size: int = 1
     data_parallel_why: str = ""
     context_parallel_size: int = 1
+    # What communicates each step over the launch's groups ("none" in a world of one), and what.
+    collectives: str = "none"
+    collectives_why: str = ""
     # THD streams: the whole micro-batch's token count is padded to `thd_token_multiple` (FP8
     # GEMMs; TP under sequence parallelism); with CP each sequence to `cp_sequence_multiple`.
     thd_token_multiple: int = 1
@@ -115,7 +118,7 @@ class KernelPlan:
                 self.batched_grad_accumulation.on,
                 self.batched_grad_accumulation.why,
             ),
-            ("collectives", "as needed", COLLECTIVES_WHY),
+            ("collectives", self.collectives, self.collectives_why),
             ("host_syncs", "one a step", HOST_SYNCS_WHY),
         ]
         if self.thd:
@@ -167,10 +170,6 @@ THD_PATHS = ("te-thd", "thd-reference")
 INIT_WHY = (
     "every parameter drawn whole from (train.seed, its checkpoint key, its layer) and "
     "sliced: every TP/PP/VPP layout starts from the single-process model (model/init.py)"
-)
-COLLECTIVES_WHY = (
-    "none over a group of one rank: with DP = CP = 1 no gradient reduction, with TP = 1 no "
-    "loss reductions, in a world of one no stop-signal agreement (training/data_parallel.py)"
 )
 HOST_SYNCS_WHY = (
     "batches laid out and labelled positions, cu_seqlens and RoPE positions computed on the "
