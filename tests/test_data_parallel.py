@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from jobs import REPO, launch, losses
-from tolerance import assert_close_at_scale
+from tolerance import assert_close, reordered
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -113,4 +113,16 @@ def test_data_parallel_trains_as_the_single_process(runs):
     a, b = checkpoint_tensors(runs["single fp32"]), checkpoint_tensors(runs["batched fp32"])
     assert a.keys() == b.keys() and any("exp_avg_sq" in k for k in a)
     for key in a:
-        assert_close_at_scale(b[key], a[key], rel=1e-5, msg=key)
+        assert_close(b[key], a[key], **state_tolerance(key), what=key)
+
+
+def state_tolerance(key: str) -> dict:
+    """fp32 state after four steps whose gradients were summed over the ranks in another order
+    than the single process's: rounding of the sums each tensor holds, which reach at most 1e-3
+    in Adam's second moment (squared gradients), 0.1 in its first (gradients) and 2 in the
+    weights and main parameters (the norms' near 1)."""
+    if "exp_avg_sq" in key:
+        return reordered(magnitude=1e-3)
+    if "exp_avg" in key:
+        return reordered(magnitude=0.1)
+    return reordered(magnitude=2)
