@@ -61,9 +61,44 @@ def apply_everywhere() -> None:
     _megatron_copy_this_to_that = optimizer._multi_tensor_copy_this_to_that
     optimizer._multi_tensor_copy_this_to_that = _foreach_copy_this_to_that
 
-    if not importlib.import_module("megatron.core.optimizer.distrib_optimizer").HAVE_APEX_OR_TE:
+    # The distributed optimizer's fully_reshardable save (checkpoint.py) cuts each parameter's
+    # state out of world tensors that leave out the padding at the ends of the buckets, at the
+    # parameter's place in the padded buffer: past a bucket whose end is padded, every parameter
+    # was saved with a neighbour's state, shifted by the padding, and resumed from it (megatron
+    # warns only where a range runs off the end: its issue #504). Cut at the unpadded places.
+    dopt = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    original = dopt.DistributedOptimizer.sharded_param_state_fully_reshardable
+
+    @functools.wraps(original)
+    def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+        padded = [buffer.param_index_map for buffer in self.buffers]
+        for buffer in self.buffers:
+            buffer.param_index_map = _unpadded_index_map(buffer)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for buffer, index_map in zip(self.buffers, padded):
+                buffer.param_index_map = index_map
+
+    dopt.DistributedOptimizer.sharded_param_state_fully_reshardable = (
+        sharded_param_state_fully_reshardable
+    )
+    if not dopt.HAVE_APEX_OR_TE:
         _torch_adam_state()
     _applied = True
+
+
+def _unpadded_index_map(buffer) -> dict:
+    """A buffer's param_index_map with each range at its place in megatron's world tensors
+    (get_parameter_state_dp_zero), which hold each bucket's unpadded elements one after another."""
+    shift, before = {}, 0
+    for bucket in buffer.buckets:
+        shift[bucket.bucket_id] = bucket.offset - before
+        before += bucket.numel_unpadded
+    return {
+        param: (start - shift[b], end - shift[b], b)
+        for param, (start, end, b) in buffer.param_index_map.items()
+    }
 
 
 def use_torch_adamw() -> None:
