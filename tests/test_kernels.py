@@ -492,6 +492,8 @@ def test_the_collectives_row_follows_the_layout():
     assert "over TP = 2" in mixed and "PP = 2 stages" in mixed and "TP = 1" not in mixed
     cpu = plan_kernels(cfg(), "cpu", NOTHING, world_size=2).collectives_why  # no overlap on CPU
     assert cpu.startswith("gradient all-reduce over DP = 2;")
+    asked = plan_kernels(cfg("parallel.overlap_grad_reduce=true"), "cpu", NOTHING, world_size=1)
+    assert asked.collectives_why.startswith("the gradient reduce over one rank")
 
 
 def test_the_studys_610m_config_takes_the_fast_path_on_eight_gpus(capsys, monkeypatch):

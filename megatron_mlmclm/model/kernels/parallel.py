@@ -175,6 +175,8 @@ def collectives(
             )
         else:
             runs.append(f"gradient all-reduce{during} over {group}")
+    elif grad.on:  # asked for explicitly: megatron's collectives over one rank
+        runs.append("the gradient reduce over one rank (parallel.overlap_grad_reduce=true)")
     else:
         skipped.append("no gradient reduction (DP = CP = 1)")
     if tp > 1:
