@@ -1,6 +1,6 @@
 # megatron_mlmclm on NVIDIA's NGC PyTorch image, which ships CUDA, NCCL, Transformer Engine, Apex
-# and DALI: the engine picks up Transformer Engine's layer spec (bf16/FP8, fused attention) and
-# Apex/TE fused optimizers automatically.
+# and DALI. A run takes Transformer Engine's layer spec, fused attention and FusedAdam (and FP8)
+# only with `model.kernels: te`; by default it runs the path measured on GPUs (docs/gpu.md).
 #
 # Written against the nvcr.io/nvidia/pytorch:25.12-py3 release notes (Python 3.12, CUDA 13.1,
 # PyTorch 2.10). It has never been built: the project's development machines have no Docker engine

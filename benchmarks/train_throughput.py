@@ -6,10 +6,11 @@ process:
 - ours: `Trainer.train_step(phase)` (megatron-core EncoderLM, megatron DDP + optimizer, packed mock
   samples with per-document attention), data.loader=sync: each step builds, lays out and sends
   the next step's batches while it waits for its own figures (Trainer.prefetch_next). Attention
-  core (`model.attention`, --attention): `auto` by default, what a run gets (Transformer Engine's
-  packed THD path when TE imports, else torch's varlen kernel on CUDA, else FlexAttention on
-  CUDA, else SDPA with a dense mask: the kernel plan's rule), or `varlen`, `flex` (CUDA only:
-  torch has no FlexAttention backward on CPU), `sdpa` (dense [b,1,s,s] document mask).
+  core (`model.attention`, --attention): `auto` by default, what a run gets (torch's varlen kernel
+  on CUDA, else FlexAttention on CUDA, else SDPA with a dense mask: the kernel plan's rule, with
+  Transformer Engine installed or not: --set model.kernels=te takes TE's packed THD path), or
+  `varlen`, `flex` (CUDA only: torch has no FlexAttention backward on CPU), `sdpa` (dense
+  [b,1,s,s] document mask). FP8 rows (where TE imports) run model.kernels=te.
 - hf (MLM rows): EuroBertForMaskedLM(attn_implementation="sdpa") under torch.compile (eager with
   --no-compile or --quick), fused AdamW, bf16 autocast on GPU, the same masked inputs
   (megatron_mlmclm.objectives.mlm_mask on the same samples), cross-entropy over full logits,
@@ -35,12 +36,11 @@ process:
   that one builds its batch inside the step. Each row prints the parameter counts of ours and the
   reference, which must be equal. What plain PyTorch reaches on the same work: the ceiling our
   engine is measured against.
-- distopt (--distopt): ours with the distributed optimizer's layout
-  (parallel.use_distributed_optimizer=true; its gradient reduce and parameter gather overlapped,
-  as on CUDA by default) at DP = 1, where it has nothing to shard: what the layout costs on one
-  GPU, with what the kernel plan turns off under an overlapped reduce (the layer stack and the
-  batched gradient accumulation; its kernel line says which). Same samples; its first loss
-  equals ours'.
+- distopt (--distopt): ours with the distributed optimizer (parallel.use_distributed_optimizer=
+  true) in this one process, DP = 1: nothing to shard, and the kernel plan runs no gradient reduce
+  and no parameter gather (a group of one rank), so nothing is overlapped. What the optimizer's
+  layout alone costs on one GPU; not the reduce-scatter and gather of DP > 1. Same samples; its
+  first loss equals ours'.
 Timing: by default the contenders alternate step by step (rotating order), each step timed
 between two drains of the device, and each row reports the median s/step. With --sequential
 they run one at a time, each built, warmed up, timed back to back as training runs its steps
@@ -132,157 +132,89 @@ ref_host_syncs_per_step=<n or n/a> (and ref_cuda_syncs_per_step=<n> on CUDA).
 from __future__ import annotations
 
 import argparse
-import atexit
-import gc
 import itertools
 import math
-import shutil
-import statistics
-import tempfile
-import time
 import traceback
 import warnings
-from collections.abc import Callable
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from _engine import sync, time_back_to_back, time_rows
-from reference_encoder import (
-    ReferenceEncoder,
-    ReferenceLoop,
-    ReferenceStep,
-    default_attention,
-    make_batch,
+from _throughput_contenders import on_gpu
+from _throughput_profile import profile_ours
+from _throughput_rows import (
+    fmt,
+    free_memory,
+    out_of_memory,
+    params_equal,
+    print_row,
+    print_table,
+    ratio,
+    run_row,
 )
+from reference_encoder import default_attention
 
 from megatron_mlmclm.mcore_patches.jit import defer_kernel_compilation
 
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
-LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 # --size: 16k tokens a step, and the study's tokens per GPU (12 sequences of 2,048)
 SIZE_TOKENS = "16384,24576"
-GIB = 2**30
-
-
-def on_gpu() -> bool:
-    return torch.cuda.is_available()
-
-
-def distopt_overrides() -> list[str]:
-    """Ours with the distributed optimizer's layout (at DP = 1: nothing to shard), its gradient
-    reduce and parameter gather overlapped as the kernel plan turns them on on CUDA (given
-    explicitly off CUDA, where auto leaves them off, so a CPU run takes the same path)."""
-    extra = ["parallel.use_distributed_optimizer=true"]
-    if not on_gpu():
-        extra += ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
-    return extra
-
-
-def build_ours(
-    args,
-    preset: str,
-    seq: int,
-    tokens: int,
-    objective: str,
-    precision: str,
-    fp8,
-    attention: str,
-    extra: list[str] | None = None,
-):
-    from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.training.trainer import Trainer
-
-    out = tempfile.mkdtemp(prefix="bench_train_throughput_")
-    atexit.register(shutil.rmtree, out, ignore_errors=True)
-    mb = args.micro_batch or max(1, tokens // seq)
-    overrides = [
-        f"output_dir={out}",
-        f"checkpoint.dir={out}/ckpt",
-        "checkpoint.resume=false",
-        "logging.tensorboard=false",
-        "data.mock=true",
-        f"data.mock_doc_length={args.documents}",
-        f"model.preset={preset}",
-        # batches built in this process, as for hf and ref (benchmarks/data_loader.py); the
-        # trainer builds the next step's while it waits for this step's figures
-        "data.loader=sync",
-        f"model.vocab_size={args.vocab}",
-        f"model.seq_length={seq}",
-        # room for every step a row or the profile runs, and the reference's fetch ahead
-        f"train.steps={args.warmup + args.steps + 4 * args.profile_steps + 10}",
-        "train.warmup_steps=0",
-        "train.decay_steps=0",
-        f"train.lr={LR}",
-        f"train.adam_beta1={BETAS[0]}",
-        f"train.adam_beta2={BETAS[1]}",
-        f"train.adam_eps={EPS}",
-        f"train.weight_decay={WD}",
-        f"train.clip_grad={CLIP}",
-        f"train.micro_batch_size={mb}",
-        f"train.global_batch_size={mb}",
-        f"train.precision={precision}",
-        f"phases.0.objective={objective}",
-    ]
-    if objective == "mlm":
-        overrides.append(f"phases.0.mask_ratio={args.mask_ratio}")
-    if fp8:
-        overrides.append(f"train.fp8={fp8}")
-    cfg = load_config(None, overrides + [f"model.attention={attention}", *(extra or []), *args.set])
-    trainer = Trainer(cfg)
-    trainer.setup()
-    return trainer, cfg, mb
-
-
-def build_hf(cfg, bf16: bool, compile_model: bool):
-    from transformers import AutoModelForMaskedLM, EuroBertConfig
-
-    m = cfg.model
-    config = EuroBertConfig(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups,
-        head_dim=m.kv_channels,
-        max_position_embeddings=max(m.seq_length, 512),
-        hidden_act="silu",
-        rms_norm_eps=1e-5,
-        initializer_range=0.02,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        mask_token_id=3,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForMaskedLM.from_config(
-        config, attn_implementation="sdpa", dtype=torch.float32
-    )
-    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
-    device = "cuda" if on_gpu() else "cpu"
-    model.to(device).train()
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=on_gpu()
-    )
-    fwd = torch.compile(model) if compile_model else model
-    return model, fwd, opt
-
-
-def fmt(x, spec):
-    return "n/a" if x is None else format(x, spec)
-
-
-def tokens_label(tokens: int) -> str:
-    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
 def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.sequential and args.warmup < 1:
+        raise SystemExit("--sequential needs --warmup 1 or more (the timed steps' lead-in)")
+
+    from megatron_mlmclm.model.build import have_transformer_engine
+    from megatron_mlmclm.runtime.distributed import device_peak_flops
+
+    gpu = on_gpu()
+    te = have_transformer_engine() and gpu
+    precisions = [("bf16", None)] if gpu else [("fp32", None)]
+    if te:
+        precisions += [("bf16", r) for r in args.fp8.split(",") if r]
+    attention = args.attention
+    if attention == "flex" and not gpu:
+        raise SystemExit("--attention flex needs CUDA (torch has no FlexAttention backward on CPU)")
+    device = torch.device("cuda" if gpu else "cpu")
+    ref_attention = args.ref_attention or default_attention(device)
+    if ref_attention != "sdpa" and not gpu:
+        raise SystemExit(f"--ref-attention {ref_attention} needs CUDA (no backward on CPU)")
+    peak = device_peak_flops()
+    name = torch.cuda.get_device_name() if gpu else "cpu"
+    print(
+        f"torch {torch.__version__}, device {name}, threads {torch.get_num_threads()}, "
+        f"Transformer Engine {'yes' if te else 'no'}, attention core {attention}, "
+        f"reference attention {ref_attention}, peak bf16 {fmt(peak and peak / 1e12, '.0f')} "
+        "TFLOP/s"
+    )
+    print_documents(args.documents)
+    if args.profile:
+        profile_ours(args, attention, ref_attention, precisions[0][0])
+        return
+    timing = (
+        "one at a time, each timed back to back as training runs steps (median of the steps)"
+        if args.sequential
+        else "the contenders alternating, each step between two drains (median s/step)"
+    )
+    print(
+        f"vocab {args.vocab}; tokens per step {args.tokens_per_step.replace(',', ', ')} (a row "
+        f"each; one micro-batch a step); {args.warmup} warmup + {args.steps} timed steps, {timing}"
+    )
+    print(
+        "MFU: model FLOPs (attention over whole rows, half for causal: the published convention) "
+        "/ step time / peak; 'documents': the same with attention over each document, as the "
+        "document-masked kernels execute it"
+    )
+    rows, headline = run_rows(args, precisions, attention, ref_attention, peak)
+    print_table(rows)
+    print_step0_losses(rows, args.vocab)
+    print_results(rows, headline, " timing=back_to_back" if args.sequential else "")
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument(
         "--quick",
@@ -382,35 +314,12 @@ def main() -> None:
         args.warmup, args.steps = 1, 2
         args.no_compile, args.profile_steps = True, 2
         args.threads = args.threads or 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.sequential and args.warmup < 1:
-        raise SystemExit("--sequential needs --warmup 1 or more (the timed steps' lead-in)")
+    return args
 
+
+def print_documents(documents: str) -> None:
     from megatron_mlmclm.data.mock import MEDIUM_RANGE, SHORT_MEAN, WEB_MEAN
-    from megatron_mlmclm.model.build import have_transformer_engine
-    from megatron_mlmclm.runtime.distributed import device_peak_flops
 
-    gpu = on_gpu()
-    te = have_transformer_engine() and gpu
-    precisions = [("bf16", None)] if gpu else [("fp32", None)]
-    if te:
-        precisions += [("bf16", r) for r in args.fp8.split(",") if r]
-    attention = args.attention
-    if attention == "flex" and not gpu:
-        raise SystemExit("--attention flex needs CUDA (torch has no FlexAttention backward on CPU)")
-    device = torch.device("cuda" if gpu else "cpu")
-    ref_attention = args.ref_attention or default_attention(device)
-    if ref_attention != "sdpa" and not gpu:
-        raise SystemExit(f"--ref-attention {ref_attention} needs CUDA (no backward on CPU)")
-    peak = device_peak_flops()
-    name = torch.cuda.get_device_name() if gpu else "cpu"
-    print(
-        f"torch {torch.__version__}, device {name}, threads {torch.get_num_threads()}, "
-        f"Transformer Engine {'yes' if te else 'no'}, attention core {attention}, "
-        f"reference attention {ref_attention}, peak bf16 {fmt(peak and peak / 1e12, '.0f')} "
-        "TFLOP/s"
-    )
     shapes = {
         "web": f"log-normal lengths, mean {WEB_MEAN:.0f} tokens, a long tail",
         "medium": f"uniform lengths from {MEDIUM_RANGE[0]} to {MEDIUM_RANGE[1] - 1} tokens, each "
@@ -418,28 +327,16 @@ def main() -> None:
         "short": f"geometric lengths, mean {SHORT_MEAN} tokens",
     }
     print(
-        f"documents: mock samples (no shards), data.mock_doc_length={args.documents}: "
-        f"{shapes[args.documents]}, packed into rows; the same samples and masks for every "
+        f"documents: mock samples (no shards), data.mock_doc_length={documents}: "
+        f"{shapes[documents]}, packed into rows; the same samples and masks for every "
         "contender"
     )
-    if args.profile:
-        profile_ours(args, attention, ref_attention, precisions[0][0])
-        return
-    timing = (
-        "one at a time, each timed back to back as training runs steps (median of the steps)"
-        if args.sequential
-        else "the contenders alternating, each step between two drains (median s/step)"
-    )
-    print(
-        f"vocab {args.vocab}; tokens per step {args.tokens_per_step.replace(',', ', ')} (a row "
-        f"each; one micro-batch a step); {args.warmup} warmup + {args.steps} timed steps, {timing}"
-    )
-    print(
-        "MFU: model FLOPs (attention over whole rows, half for causal: the published convention) "
-        "/ step time / peak; 'documents': the same with attention over each document, as the "
-        "document-masked kernels execute it"
-    )
 
+
+def run_rows(
+    args, precisions, attention: str, ref_attention: str, peak
+) -> tuple[list, dict | None]:
+    """Every row of the grid, each printed as it ends; -> (the rows, the headline row or None)."""
     rows, headline = [], None
     grid = itertools.product(
         args.presets.split(","),
@@ -479,17 +376,23 @@ def main() -> None:
         ):
             headline = row
         free_memory(reset_compiled=True)
+    return rows, headline
 
-    print_table(rows)
-    print(
-        f"\nloss at step 0 (a sanity check, same init scale; ln(vocab) = "
-        f"{math.log(args.vocab):.3f}):"
-    )
+
+def tokens_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def print_step0_losses(rows: list[dict], vocab: int) -> None:
+    print(f"\nloss at step 0 (a sanity check, same init scale; ln(vocab) = {math.log(vocab):.3f}):")
     for r in rows:
         if not r.get("oom"):
             losses = ", ".join(f"{k} {v:.3f}" for k, v in r["step0_loss"].items())
             print(f"  {r['label']}: {losses}")
-    mode = " timing=back_to_back" if args.sequential else ""
+
+
+def print_results(rows: list[dict], headline: dict | None, mode: str) -> None:
+    """The RESULT lines: each row's ratios, then the headline's (the last line)."""
     for r in rows:
         if r.get("oom") or r["fp8"]:
             continue
@@ -528,572 +431,6 @@ def main() -> None:
             )
         else:
             print(f"RESULT {name} ratio=n/a ({key[:-2]} not run)")
-
-
-def ratio(row: dict, key: str) -> float | None:
-    return row["ours_s"] / row[key] if row.get(key) and row.get("ours_s") else None
-
-
-def params_equal(row: dict) -> str:
-    counts = set(row["params"].values())
-    return "yes" if len(counts) == 1 else "no"
-
-
-def out_of_memory(e: BaseException) -> str:
-    gpu = on_gpu()
-    return (
-        f"{str(e).splitlines()[0][:240]} (peak allocated "
-        f"{torch.cuda.max_memory_allocated() / GIB if gpu else 0:.1f} GiB, reserved "
-        f"{torch.cuda.memory_reserved() / GIB if gpu else 0:.1f} GiB)"
-    )
-
-
-def free_memory(reset_compiled: bool = False) -> None:
-    """What the contenders left: collected, the CUDA cache emptied; `reset_compiled`: torch's
-    compiled-code caches cleared too, so the next row compiles as a fresh process would (its
-    own static shapes) and no cache keeps a model alive."""
-    if reset_compiled:
-        torch.compiler.reset()
-    gc.collect()
-    if on_gpu():
-        torch.cuda.empty_cache()
-
-
-def parameters(modules) -> int:
-    return sum(p.numel() for m in modules for p in m.parameters())
-
-
-class Samples:
-    """The run's one sample stream as ours reads it, step by step: (inputs, labels, document ids),
-    numpy [mb, seq], labels IGNORE where no loss (CLM: the next token of another document), the
-    MLM masks ours draws (objectives.mlm_mask)."""
-
-    def __init__(self, trainer, phase, mb: int):
-        from megatron_mlmclm.objectives import IGNORE, mlm_mask
-
-        self.ds, self.spec, self.seed = trainer.train_ds[0], trainer.spec, trainer.cfg.data.seed
-        self.phase, self.mb, self.mlm_mask, self.ignore = phase, mb, mlm_mask, IGNORE
-
-    def rows(self, r: int) -> list[int]:
-        if (r + 1) * self.mb > len(self.ds):
-            raise IndexError(f"step {r} is past the benchmark's {len(self.ds)} samples")
-        return list(range(r * self.mb, (r + 1) * self.mb))
-
-    def document_ids(self, r: int) -> np.ndarray:
-        """[mb, seq]: the document ids of step r's input positions."""
-        return np.stack([self.ds[i]["document_ids"][:-1] for i in self.rows(r)])
-
-    def batch(self, r: int):
-        idx = self.rows(r)
-        samples = [self.ds[i] for i in idx]
-        tokens = np.stack([s["tokens"] for s in samples]).astype(np.int64)
-        docs = np.stack([s["document_ids"] for s in samples])
-        if self.phase.objective == "clm":
-            labels = tokens[:, 1:].copy()
-            labels[docs[:, :-1] != docs[:, 1:]] = self.ignore
-            return tokens[:, :-1], labels, docs[:, :-1]
-        ph = self.phase
-        pairs = [
-            self.mlm_mask(t[:-1], i, self.seed, ph.mask_ratio, self.spec, ph.mask_replace)
-            for t, i in zip(tokens, idx)
-        ]
-        return np.stack([q[0] for q in pairs]), np.stack([q[1] for q in pairs]), docs[:, :-1]
-
-    def labelled(self, r: int) -> int:
-        return int((self.batch(r)[1] != self.ignore).sum())
-
-
-def document_lengths(docs: np.ndarray) -> list[int]:
-    """The lengths of the documents as rows [mb, seq] of document ids hold them (ids rise by one
-    at each document start; a row's edge cuts a document)."""
-    out = []
-    for row in docs:
-        starts = np.flatnonzero(np.r_[True, row[1:] != row[:-1]])
-        out += np.diff(np.r_[starts, len(row)]).tolist()
-    return out
-
-
-def document_figures(source: Samples, steps: range) -> dict:
-    """The documents of the given steps' samples: count, mean and longest piece, and the share of
-    whole-row attention that attention over each document is (sum of len^2 / seq^2 per row)."""
-    per_step = [document_lengths(source.document_ids(r)) for r in steps]
-    every = [n for lengths in per_step for n in lengths]
-    rows = len(steps) * source.mb
-    seq = sum(per_step[0]) // source.mb
-    return {
-        "per_step": per_step,
-        "mean": statistics.fmean(every),
-        "per_row": len(every) / rows,
-        "longest": max(every),
-        "attention_share": sum(n * n for n in every) / (rows * seq * seq),
-    }
-
-
-def describe_documents(d: dict, seq: int) -> str:
-    return (
-        f"documents in the timed steps' samples: mean {d['mean']:.0f} tokens ({d['per_row']:.1f} "
-        f"per {seq}-token row: a document cut by a row's edge counts as its pieces), longest "
-        f"{d['longest']}; attention over documents is {d['attention_share']:.1%} of attention "
-        "over whole rows"
-    )
-
-
-class Contender:
-    """One contender of a row: `step(r)` runs step r (its loss read at its end), `close()` lets
-    its memory go, `params` counts its model's parameters."""
-
-    def __init__(self, step: Callable[[int], None], params: int, close=None):
-        self.step, self.params, self._close = step, params, close
-
-    def close(self) -> None:
-        if self._close is not None:
-            self._close()
-        self.step = self._close = None
-
-
-def ours_contender(trainer, name: str, row: dict, labelled: list[int] | None) -> Contender:
-    def step(r: int) -> None:
-        trainer.step = r
-        stats = trainer.train_step(trainer.phase_at_step(r))
-        if labelled is not None:
-            labelled.append(int(stats["tokens"]))
-        if r == 0:
-            row["step0_loss"][name] = stats["loss"]
-
-    return Contender(step, parameters(trainer.model), trainer.close)
-
-
-def hf_contender(cfg, source: Samples, bf16: bool, compile_model: bool, row: dict) -> Contender:
-    model, fwd, opt = build_hf(cfg, bf16, compile_model)
-    dev = torch.device("cuda" if on_gpu() else "cpu")
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16)
-
-    def step(r: int) -> None:
-        inputs, labels, _ = source.batch(r)
-        inputs = torch.from_numpy(inputs).to(dev, non_blocking=True)
-        labels = torch.from_numpy(labels).to(dev, non_blocking=True)
-        with amp:
-            logits = fwd(input_ids=inputs, attention_mask=torch.ones_like(inputs)).logits
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)).float(),
-                labels.view(-1),
-                ignore_index=source.ignore,
-            )
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = loss.item()  # read each step, as a training loop logs it
-        if r == 0:
-            row["step0_loss"]["hf"] = value
-
-    return Contender(step, parameters([model]))
-
-
-def build_ref(cfg, vocab: int, causal: bool, ref_attention: str, bf16: bool, compile_model: bool):
-    m = cfg.model
-    torch.manual_seed(0)
-    model = ReferenceEncoder(
-        m.shape(),
-        vocab,
-        m.seq_length,
-        m.rotary_base,
-        m.norm_epsilon,
-        m.init_method_std,
-        ref_attention,
-        causal,
-    ).to("cuda" if on_gpu() else "cpu")
-    return ReferenceStep(model, LR, BETAS, EPS, WD, CLIP, compile_model, bf16)
-
-
-def reference_loop(args, cfg, source: Samples, ref_attention: str, bf16: bool) -> ReferenceLoop:
-    """The reference fed ours' samples: step r's batch built, pinned and sent while step r - 1
-    runs (reference_encoder.ReferenceLoop)."""
-    dev = torch.device("cuda" if on_gpu() else "cpu")
-    compile_model = on_gpu() and not args.no_compile
-    causal = source.phase.objective == "clm"
-    ref = build_ref(cfg, source.spec.vocab_size, causal, ref_attention, bf16, compile_model)
-    return ReferenceLoop(ref, lambda r: make_batch(*source.batch(r), source.ignore, dev))
-
-
-def ref_contender(args, cfg, source: Samples, ref_attention: str, bf16: bool, row: dict):
-    loop = reference_loop(args, cfg, source, ref_attention, bf16)
-
-    def step(r: int) -> None:
-        loss = loop(r)
-        if r == 0:
-            row["step0_loss"]["ref"] = loss
-
-    return Contender(step, parameters([loop.step.model]))
-
-
-def run_row(
-    args, preset, seq, tokens, objective, precision, fp8, attention, ref_attention, peak
-) -> dict:
-    """One row: its contenders built and timed (alternating, or one at a time with
-    --sequential), its figures."""
-    from megatron_mlmclm.flops import document_step_flops, mfu_step_flops
-
-    gpu = on_gpu()
-    bf16 = precision == "bf16" and gpu
-    compile_hf = not args.no_compile
-    if gpu:
-        torch.cuda.reset_peak_memory_stats()
-    trainer, cfg, mb = build_ours(args, preset, seq, tokens, objective, precision, fp8, attention)
-    phase = cfg.phases[0]
-    source = Samples(trainer, phase, mb)
-    row: dict = {"mb": mb, "seq": seq, "step0_loss": {}, "params": {}, "peak_gib": {}}
-    row["failed"] = {}  # --sequential: contender -> what stopped it (the others still run)
-    labelled: list[int] = []
-    first = [trainer]  # handed to its contender, so that nothing here keeps it alive after
-    del trainer
-    builders: dict[str, Callable[[], Contender]] = {
-        "ours": lambda: ours_contender(first.pop(), "ours", row, labelled)
-    }
-    if objective == "mlm" and not args.no_hf:
-        builders["hf"] = lambda: hf_contender(cfg, source, bf16, compile_hf, row)
-    if not args.no_ref and fp8 is None:
-        builders["ref"] = lambda: ref_contender(args, cfg, source, ref_attention, bf16, row)
-    if args.distopt and fp8 is None:
-
-        def distopt() -> Contender:
-            t = build_ours(
-                args, preset, seq, tokens, objective, precision, fp8, attention, distopt_overrides()
-            )[0]
-            return ours_contender(t, "distopt", row, None)
-
-        builders["distopt"] = distopt
-
-    t0 = time.perf_counter()
-    if args.sequential:
-        times = {}
-        for name, build in builders.items():
-            if gpu:
-                torch.cuda.reset_peak_memory_stats()
-            contender = None
-            try:
-                contender = build()
-                row["params"][name] = contender.params
-                times[name] = time_back_to_back(contender.step, args.warmup, args.steps)
-                if gpu:
-                    row["peak_gib"][name] = torch.cuda.max_memory_allocated() / GIB
-            except Exception as e:  # one contender's failure leaves the row's others measured
-                if isinstance(e, torch.OutOfMemoryError):
-                    print(f"  {name}: {out_of_memory(e)}")
-                    row["failed"][name] = "out of memory"
-                else:
-                    print(f"  {name} failed:")
-                    print("".join(traceback.format_exc().splitlines(True)[-14:]))
-                    row["failed"][name] = f"failed ({type(e).__name__})"
-            finally:
-                try:
-                    if contender is not None:
-                        contender.close()
-                except Exception as e:
-                    print(f"  {name}: closing it failed: {type(e).__name__}: {e}")
-                contender = None
-                free_memory()
-                left = torch.cuda.memory_allocated() / GIB if gpu else 0.0
-                if left > 0.25:  # held by a cache of compiled code: cleared, at a recompile's cost
-                    print(
-                        f"  {name} left {left:.1f} GiB allocated: clearing torch.compile's caches"
-                    )
-                    free_memory(reset_compiled=True)
-    else:
-        contenders = {}
-        for name, build in builders.items():
-            contenders[name] = build()
-            row["params"][name] = contenders[name].params
-        times = time_rows({n: c.step for n, c in contenders.items()}, args.warmup, args.steps)
-        if gpu:
-            row["peak_gib"]["all"] = torch.cuda.max_memory_allocated() / GIB
-        for c in contenders.values():
-            c.close()
-        contenders.clear()
-    row["wall_s"] = time.perf_counter() - t0
-
-    timed = range(args.warmup, args.warmup + args.steps)
-    docs = document_figures(source, timed)
-    row["documents"] = docs
-    labels = int(
-        statistics.median(labelled)
-        if labelled
-        else statistics.median(source.labelled(r) for r in timed)
-    )
-    shape, vocab = cfg.model.shape(), source.spec.vocab_size
-    causal = objective == "clm"
-    flops = mfu_step_flops(shape, vocab, seq, mb, labels, causal=causal)
-    executed = statistics.fmean(
-        document_step_flops(shape, vocab, seq, mb, labels, causal, lengths)
-        for lengths in docs["per_step"]
-    )
-    for name, t_all in times.items():
-        t = statistics.median(t_all)
-        row.update(
-            {
-                f"{name}_s": t,
-                f"{name}_mean_s": statistics.fmean(t_all),
-                f"{name}_tok": mb * seq / t,
-                f"{name}_mfu": flops / t / peak if peak else None,
-                f"{name}_mfu_documents": executed / t / peak if peak else None,
-            }
-        )
-    return row  # what is left of the models goes with this frame; the caller frees it
-
-
-def print_row(row) -> None:
-    if row.get("oom"):
-        print(f"{row['label']}: out of memory")
-        return
-
-    def other(name):
-        if not row.get(f"{name}_s"):
-            return f"{name} {row['failed'].get(name, 'n/a')}"
-        mfu, documents = row[f"{name}_mfu"], row[f"{name}_mfu_documents"]
-        return (
-            f"{name} {row[f'{name}_s']:.4f} s ({row[f'{name}_tok']:.0f} tok/s, MFU "
-            f"{fmt(mfu, '.1%')}, documents {fmt(documents, '.1%')})"
-        )
-
-    print(f"{row['label']}: mb {row['mb']}, {other('ours')}; {other('hf')}; {other('ref')}", end="")
-    if "distopt" in row["params"] or "distopt" in row["failed"]:
-        d = ratio_of(row, "distopt_s", "ours_s")
-        print(f"; {other('distopt')}, distopt / ours {fmt(d, '.3f')}", end="")
-    print(f"; wall {row['wall_s']:.0f} s", flush=True)
-    print(f"  {describe_documents(row['documents'], row['seq'])}")
-    counts = ", ".join(f"{k} {v:,}" for k, v in row["params"].items())
-    print(f"  parameters: {counts} ({'equal' if params_equal(row) == 'yes' else 'NOT EQUAL'})")
-    if row["peak_gib"]:
-        peaks = ", ".join(f"{k} {v:.1f}" for k, v in row["peak_gib"].items())
-        print(f"  peak GPU memory allocated (GiB): {peaks}")
-
-
-def ratio_of(row: dict, a: str, b: str) -> float | None:
-    return row[a] / row[b] if row.get(a) and row.get(b) else None
-
-
-def print_table(rows: list[dict]) -> None:
-    print(
-        "\n| config | mb | ours tok/s/GPU | ours MFU | ours MFU, documents | hf tok/s | hf MFU "
-        "| ref tok/s | ref MFU | ours/hf s | ours/ref s | distopt/ours s |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r.get("oom"):
-            print(f"| {r['label']} | OOM | | | | | | | | | | |")
-            continue
-        print(
-            f"| {r['label']} | {r['mb']} | {fmt(r.get('ours_tok'), '.0f')} | "
-            f"{fmt(r.get('ours_mfu'), '.1%')} | {fmt(r.get('ours_mfu_documents'), '.1%')} | "
-            f"{fmt(r.get('hf_tok'), '.0f')} | {fmt(r.get('hf_mfu'), '.1%')} | "
-            f"{fmt(r.get('ref_tok'), '.0f')} | {fmt(r.get('ref_mfu'), '.1%')} | "
-            f"{fmt(ratio(r, 'hf_s'), '.3f')} | {fmt(ratio(r, 'ref_s'), '.3f')} | "
-            f"{fmt(ratio_of(r, 'distopt_s', 'ours_s'), '.3f')} |"
-        )
-
-
-def device_ms(prof) -> float:
-    """The device time of the profiled kernels, copies and fills, summed, in ms. Not the ranges
-    torch marks on the device around work already counted (`Optimizer.step#AdamW.step` spans
-    the fused AdamW's kernels: counted, the optimizer's time would be added twice), as torch's
-    own "Self CUDA time total" leaves them out."""
-    from torch.autograd import DeviceType
-
-    return (
-        sum(
-            getattr(e, "device_time", None) or e.cuda_time
-            for e in prof.events()
-            if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-        )
-        / 1e3
-    )
-
-
-def count_syncs(run: Callable[[int], None], n: int, who: str) -> tuple[float | None, float | None]:
-    """(CUDA's count of synchronising calls per step or None off CUDA, HostSyncCounter's or None
-    where it cannot count) over n steps of `run(n)`, printed with their commonest sites."""
-    from megatron_mlmclm.training.host_syncs import HostSyncCounter, cuda_sync_debug_count
-
-    cuda_syncs = None
-    if on_gpu():
-        count, messages = cuda_sync_debug_count(lambda: run(n))
-        cuda_syncs = count / n
-        print(f"{who}: CUDA sync debug mode: {cuda_syncs:g} synchronising calls per step")
-        for m in messages[:8]:
-            print(f"  {m.splitlines()[0][:140]}")
-    # Last: the counter is a dispatch mode, under which torch.compile does not trace and torch
-    # runs no higher-order operator without a rule for it (FlexAttention): on the flex path it
-    # stops the step, and --attention sdpa counts the rest. A diagnostic: whatever stops the
-    # counted steps is printed, and the profile goes on.
-    syncs = None
-    try:
-        with HostSyncCounter() as counter:
-            run(n)
-        syncs = counter.total / n
-        print(f"{who}: host synchronisations over {n} steps ({syncs:g} per step), commonest sites:")
-        print("\n".join(counter.report().splitlines()[:20]))
-    except Exception as e:
-        first = (str(e).splitlines() or [""])[0][:200]
-        print(f"{who}: HostSyncCounter cannot count this step: {type(e).__name__}: {first}")
-    return cuda_syncs, syncs
-
-
-def profile_reference(args, cfg, source: Samples, ref_attention: str, n: int) -> dict:
-    """The reference's steps on ours' batches, profiled as ours' are: unprofiled back to back (after
-    a lead-in step, the clock stopped by a drain), then under the profiler from a drain (its
-    device work per step: the kernels' time summed, None on CPU; its top kernels), its host time
-    by caller (a pass with stacks), its synchronisations (CUDA's count and HostSyncCounter's).
-    Step numbers run on from pass to pass, so that each step finds the batch fetched ahead."""
-    from torch.profiler import ProfilerActivity, profile
-
-    gpu = on_gpu()
-    bf16 = gpu and cfg.train.precision == "bf16"
-    loop = reference_loop(args, cfg, source, ref_attention, bf16)
-    step = iter(range(10**9))
-
-    def run(steps: int, then_sync: bool = True) -> None:
-        for _ in range(steps):
-            loop(next(step))
-        if then_sync:
-            sync()
-
-    run(args.warmup)
-    run(1, then_sync=False)
-    t0 = time.perf_counter()
-    run(n)
-    plain = (time.perf_counter() - t0) / n
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        run(n)
-        wall = (time.perf_counter() - t0) / n
-    work = device_ms(prof) / n if gpu else None
-    print(
-        f"reference, same batches: unprofiled {plain:.4f} s/step, profiled {wall:.4f} s/step; "
-        f"device work {fmt(work, '.1f')} ms/step"
-    )
-    if gpu:
-        table = prof.key_averages().table(
-            sort_by="self_device_time_total", row_limit=12, max_name_column_width=60
-        )
-        print(table)
-    with profile(activities=activities, with_stack=True) as prof:
-        run(min(n, 2))
-    print("reference:", end=" ")
-    print_host_callers(prof, min(n, 2))
-    cuda_syncs, syncs = count_syncs(run, n, "reference")
-    return {"plain": plain, "work": work, "cuda_syncs": cuda_syncs, "syncs": syncs}
-
-
-def profile_ours(args, attention: str, ref_attention: str, precision: str) -> None:
-    """Where a step of ours spends its time: see the module docstring (--profile)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    preset = args.presets.split(",")[0]
-    seq = max(int(s) for s in args.seqs.split(","))
-    tokens = int(args.tokens_per_step.split(",")[0])
-    objectives = args.objectives.split(",")
-    objective = "mlm" if "mlm" in objectives else objectives[0]
-    trainer, cfg, mb = build_ours(args, preset, seq, tokens, objective, precision, None, attention)
-    phase, n, gpu = cfg.phases[0], args.profile_steps, on_gpu()
-    source = Samples(trainer, phase, mb)
-    step = iter(range(10**9))
-
-    def run(steps: int, then_sync: bool = True) -> None:
-        for _ in range(steps):
-            trainer.step = next(step)
-            trainer.train_step(trainer.phase_at_step(trainer.step))
-        if then_sync:
-            sync()
-
-    # Steps as training runs them, back to back: the clock starts after one step's host work,
-    # while the device still runs that step, not after a drain that training never has.
-    run(args.warmup)
-    run(1, then_sync=False)
-    t0 = time.perf_counter()
-    run(n)
-    plain = (time.perf_counter() - t0) / n
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    # The lead-in step is traced, not recorded; the n steps after it are recorded as one.
-    lead_in = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
-    with profile(activities=activities, schedule=lead_in) as prof:
-        run(1, then_sync=False)
-        prof.step()
-        t0 = time.perf_counter()
-        run(n)
-        wall = time.perf_counter() - t0
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
-    table = prof.key_averages()
-    if gpu:
-        print(table.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
-    print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-    # The busy fraction is the device's time inside the timed window over the window; that time
-    # includes the lead-in step's last kernels, which run inside it. The device work of a step is
-    # taken from the next pass, which starts drained: its kernels are its own steps' alone.
-    window_work = device_ms(prof) if gpu else None
-    # Where the host's time goes, by Python caller: a second, shorter pass with stacks (they
-    # slow the host, so the timed pass above runs without them).
-    with profile(activities=activities, with_stack=True) as prof:
-        run(min(n, 2))
-    print("ours:", end=" ")
-    print_host_callers(prof, min(n, 2))
-    busy = busy_plain = work = None
-    if gpu and window_work is not None:
-        busy = window_work / 1e3 / wall
-        work = device_ms(prof) / min(n, 2)
-        # The profiler slows the host (each launch is recorded), not the kernels: a step's
-        # device work over the unprofiled step is the busy fraction of a step as it trains.
-        busy_plain = work / 1e3 / plain
-    print(
-        f"profile: {preset} s{seq} {objective} {precision}, mb {mb}, attention {attention}; "
-        f"{args.warmup} warm-up steps, then {n} steps each: unprofiled {plain:.4f} s/step, "
-        f"profiled {wall / n:.4f} s/step; GPU busy {fmt(busy, '.1%')} of the profiled wall "
-        f"time ({fmt(busy_plain, '.1%')} of the unprofiled step's), device work "
-        f"{fmt(work, '.1f')} ms/step"
-    )
-    print(describe_documents(document_figures(source, range(args.warmup, args.warmup + n)), seq))
-    ref = {}
-    back_to_back = None
-    if not args.no_ref:
-        ref = profile_reference(args, cfg, source, ref_attention, n)
-        back_to_back = plain / ref["plain"]
-        print(
-            f"back to back, unprofiled (as training runs steps): ours {plain:.4f} s/step, "
-            f"reference {ref['plain']:.4f} s/step, ours / reference {back_to_back:.3f}"
-        )
-    cuda_syncs, syncs = count_syncs(run, n, "ours")
-    trainer.close()
-    print(
-        f"RESULT train_throughput_profile host_syncs_per_step={fmt(syncs, 'g')} "
-        f"gpu_busy={fmt(busy, '.3f')} gpu_busy_unprofiled={fmt(busy_plain, '.3f')}"
-        + (f" cuda_syncs_per_step={cuda_syncs:g}" if gpu else "")
-        + f" device_ms={fmt(work, '.2f')} ref_device_ms={fmt(ref.get('work'), '.2f')}"
-        + f" back_to_back_vs_reference={fmt(back_to_back, '.3f')}"
-        + f" ref_host_syncs_per_step={fmt(ref.get('syncs'), 'g')}"
-        + (f" ref_cuda_syncs_per_step={fmt(ref.get('cuda_syncs'), 'g')}" if gpu else "")
-    )
-
-
-def print_host_callers(prof, steps: int, top: int = 14, frames: int = 4) -> None:
-    """The host's self time of torch's operators, summed by operator and its innermost Python
-    frames (the profiler's Python events are the operators' ancestors)."""
-    totals: dict[tuple, list] = {}
-    for e in prof.events():
-        if ".py(" in e.name or e.name.startswith("<built-in") or e.self_cpu_time_total <= 0:
-            continue
-        where, parent = [], e.cpu_parent
-        while parent is not None and len(where) < frames:
-            if ".py(" in parent.name and "/torch/" not in parent.name:
-                where.append(parent.name.split("/")[-1])
-            parent = parent.cpu_parent
-        entry = totals.setdefault((e.name, " < ".join(where) or "?"), [0.0, 0])
-        entry[0] += e.self_cpu_time_total
-        entry[1] += 1
-    print(f"host time by caller (self CPU per step over {steps} steps, innermost frame first):")
-    for (name, where), (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"  {us / 1e3 / steps:7.2f} ms {count / steps:6.0f}x {name[:40]:40s} {where[:220]}")
 
 
 if __name__ == "__main__":

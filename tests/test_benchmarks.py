@@ -21,7 +21,7 @@ from jobs import launch
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
-# The scripts (reference_encoder.py and _engine.py are modules they import).
+# The scripts (reference_encoder.py, _engine.py and _throughput_*.py are modules they import).
 SCRIPTS = sorted(
     p.name
     for p in BENCHMARKS.glob("*.py")
@@ -160,7 +160,7 @@ def test_document_lengths_are_the_runs_of_each_row():
     import itertools
 
     sys.path.insert(0, str(BENCHMARKS))
-    from train_throughput import document_lengths
+    from _throughput_rows import document_lengths
 
     rng = np.random.default_rng(0)
     docs = np.cumsum(rng.random((4, 50)) < 0.1, axis=1)
@@ -215,7 +215,7 @@ def test_device_work_counts_each_kernel_once():
     from torch.autograd import DeviceType
 
     sys.path.insert(0, str(BENCHMARKS))
-    from train_throughput import device_ms
+    from _throughput_profile import device_ms
 
     def event(device, us, annotation=False):
         return SimpleNamespace(device_type=device, device_time=us, is_user_annotation=annotation)

@@ -1,9 +1,10 @@
-"""The kernel plan (model/kernels.py): every decision for simulated machines, and that the run
+"""The kernel plan (model/kernels/): every decision for simulated machines, and that the run
 really uses it. Each test pins one decision, so reverting it fails here."""
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import pytest
@@ -51,7 +52,10 @@ def test_cpu_plan_is_todays_cpu_path_everything_off():
 def test_cuda_plan_is_megatron_lms_defaults_where_the_kernels_are_present():
     got = on(
         plan_kernels(
-            cfg("parallel.use_distributed_optimizer=true"), "cuda", EVERYTHING, world_size=8
+            cfg("parallel.use_distributed_optimizer=true", "model.kernels=te"),
+            "cuda",
+            EVERYTHING,
+            world_size=8,
         )
     )
     for f in (
@@ -80,12 +84,10 @@ def test_cuda_plan_never_asks_for_a_missing_kernel():
         "persist_layer_norm",
     ):
         assert got[f] is False, f
-    assert (
-        "Transformer Engine >= 1.4" in dict((n, w) for n, _, w in plan.rows())["apply_rope_fusion"]
-    )
     assert got["attention"] == "flex"  # no TE, a torch without varlen: FlexAttention
-    old_te = on(plan_kernels(cfg(), "cuda", Kernels(te_version=(1, 3, 0))))
-    assert old_te["apply_rope_fusion"] is False and old_te["attention"] == "te-thd"
+    old_te = plan_kernels(cfg("model.kernels=te"), "cuda", Kernels(te_version=(1, 3, 0)))
+    assert not old_te.fusions["apply_rope_fusion"].on and old_te.attention == "te-thd"
+    assert "Transformer Engine >= 1.4" in old_te.fusions["apply_rope_fusion"].why
 
 
 def test_fusions_off_and_overlap_rules():
@@ -124,7 +126,8 @@ def test_te_thd_at_every_pipeline_layout_and_fp32_leaves_transformer_engine():
             "parallel.virtual_pipeline_model_parallel_size=1",
         ],
     ):
-        assert on(plan_kernels(cfg(*layout), "cuda", EVERYTHING))["attention"] == "te-thd"
+        te = plan_kernels(cfg(*layout, "model.kernels=te"), "cuda", EVERYTHING)
+        assert te.attention == "te-thd"
     # TE runs fp32 GEMMs in TF32: an fp32 run takes the local layers, with TF32 off.
     fp32 = plan_kernels(cfg("train.precision=fp32"), "cuda", EVERYTHING)
     assert on(fp32)["attention"] == "sdpa" and "TF32" in fp32.attention_why
@@ -188,11 +191,12 @@ def test_process_settings_are_planned_and_applied(monkeypatch):
 
 
 def test_fp8_padding_follows_the_recipe_and_fp8_needs_te_layers():
+    te = "model.kernels=te"
     for recipe, multiple in (("delayed", 16), ("current", 16), ("mxfp8", 32)):
-        plan = plan_kernels(cfg(f"train.fp8={recipe}"), "cuda", EVERYTHING)
+        plan = plan_kernels(cfg(f"train.fp8={recipe}", te), "cuda", EVERYTHING)
         assert plan.thd_token_multiple == multiple, recipe
     sp = plan_kernels(
-        cfg("train.fp8=mxfp8", "parallel.tensor_model_parallel_size=2"), "cuda", EVERYTHING
+        cfg("train.fp8=mxfp8", "parallel.tensor_model_parallel_size=2", te), "cuda", EVERYTHING
     )
     assert sp.sequence_parallel.on and sp.thd_token_multiple == 32
     assert (
@@ -209,6 +213,7 @@ def test_fp8_padding_follows_the_recipe_and_fp8_needs_te_layers():
     )
     for extra, kernels, says in [
         ([], NOTHING, "needs Transformer Engine, which is not installed"),
+        ([], EVERYTHING, "attention is flex .*; set model.kernels=te"),  # installed, not taken
         (["model.attention=sdpa"], EVERYTHING, "attention is sdpa"),
         (["model.attention=flex"], EVERYTHING, "attention is flex"),
     ]:
@@ -284,14 +289,15 @@ def test_runtime_device_cuda_without_a_gpu_plans_but_does_not_run(tmp_path, caps
 def test_summary_line_lists_what_is_on_and_why_the_rest_is_off():
     line = plan_kernels(cfg(), "cuda", NOTHING).summary()
     assert "\n" not in line and "bias_activation_fusion" in line.split("; off:")[0]
-    assert "apply_rope_fusion (needs Transformer Engine >= 1.4" in line
+    assert "apply_rope_fusion (model.kernels=torch: TE's fused RoPE" in line
+    assert "transformer_engine (model.kernels=torch, TE not installed" in line
 
 
 def test_attention_auto_takes_the_fastest_kernel_the_machine_has():
     """TE's THD kernel, else torch's varlen kernel, else FlexAttention, on a GPU in bf16; the
     dense mask on CPU and for an fp32 run (the reference)."""
     varlen = Kernels(torch_varlen=True)
-    assert plan_kernels(cfg(), "cuda", EVERYTHING).attention == "te-thd"
+    assert plan_kernels(cfg("model.kernels=te"), "cuda", EVERYTHING).attention == "te-thd"
     assert plan_kernels(cfg(), "cuda", varlen).attention == "varlen"
     assert plan_kernels(cfg(), "cuda", NOTHING).attention == "flex"
     assert plan_kernels(cfg("train.precision=fp32"), "cuda", varlen).attention == "sdpa"
@@ -304,6 +310,78 @@ def test_attention_auto_takes_the_fastest_kernel_the_machine_has():
         plan_kernels(
             cfg("model.attention=varlen", "parallel.context_parallel_size=2"), "cuda", varlen
         )
+
+
+MEASURED = {  # the path measured on GPUs (docs/gpu.md), what a machine with TE keeps by default
+    "transformer_engine": False,
+    "attention": "varlen",
+    "plain_stack": True,
+    "compile": True,
+    "fused_adamw": True,
+    "queued_update": True,
+    "apply_rope_fusion": False,
+}
+
+
+def test_transformer_engine_runs_only_where_the_config_asks_for_it():
+    """With TE (and Apex's FusedAdam) installed, the plan keeps the measured path unless
+    model.kernels=te; te takes TE's layers, THD attention and FusedAdam (host-first update), and
+    is refused where TE is missing, with another attention or in fp32; on CPU it runs torch's."""
+    te_machine = Kernels(te_version=(2, 8, 0), apex_adam=True, torch_varlen=True)
+    kept = plan_kernels(cfg(), "cuda", te_machine, world_size=8)
+    assert {n: v for n, v in on(kept).items() if n in MEASURED} == MEASURED
+    assert "installed (2.8.0)" in kept.transformer_engine.why
+    assert "in place of the installed TE/Apex FusedAdam" in kept.fused_adamw.why
+    without_te = plan_kernels(cfg(), "cuda", Kernels(torch_varlen=True), world_size=8)
+    assert on(without_te) == on(kept)  # the values of every row; only the reasons mention TE
+    te = plan_kernels(cfg("model.kernels=te"), "cuda", te_machine, world_size=8)
+    assert te.transformer_engine.on and te.attention == "te-thd"
+    assert te.fusions["apply_rope_fusion"].on
+    assert not (te.fused_adamw.on or te.queued_update.on or te.plain_layers.on)
+    assert "stand-in" in plan_kernels(cfg("model.attention=thd"), "cuda", te_machine).attention_why
+    cpu = plan_kernels(cfg("model.kernels=te"), "cpu", te_machine)
+    assert not cpu.transformer_engine.on and cpu.attention == "sdpa" and cpu.fused_adamw.on
+    with pytest.raises(UsageError, match="model.kernels=te needs Transformer Engine, which is no"):
+        plan_kernels(cfg("model.kernels=te"), "cuda", Kernels(torch_varlen=True))
+    with pytest.raises(UsageError, match="model.kernels=te .* contradicts model.attention=varlen"):
+        cfg("model.kernels=te", "model.attention=varlen")
+    with pytest.raises(UsageError, match="model.kernels=te contradicts train.precision=fp32"):
+        cfg("model.kernels=te", "train.precision=fp32")
+
+
+def dry_run_rows(capsys, *overrides) -> dict[str, tuple[str, str]]:
+    """`mlmclm pretrain --dry-run` for a GPU: name -> (value, why) of each kernel plan row."""
+    assert main(["pretrain", *BASE, "runtime.device=cuda", *overrides, "--dry-run"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("#   "):
+            name, value, why = line[4:].split(maxsplit=2)
+            rows[name] = (value, why)
+    return rows
+
+
+def test_the_dry_run_on_a_machine_with_transformer_engine_keeps_the_measured_path(
+    tmp_path, capsys, monkeypatch
+):
+    """An installed Transformer Engine as the plan's probe finds one (a package and its
+    distribution's metadata, version 2.8.0, on the path): the dry run keeps the measured path and
+    says TE is installed but not used, unless model.kernels=te."""
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text("")
+    meta = tmp_path / "transformer_engine-2.8.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: transformer_engine\nVersion: 2.8.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = dry_run_rows(capsys)
+    assert "transformer_engine" not in sys.modules  # found, never imported
+    got = {n: rows[n][0] for n in MEASURED}
+    assert got == {n: {True: "on", False: "off"}.get(v, v) for n, v in MEASURED.items()}
+    assert "model.kernels=torch, TE installed (2.8.0)" in rows["transformer_engine"][1]
+    te = dry_run_rows(capsys, "model.kernels=te")
+    assert te["transformer_engine"][0] == "on" and te["attention"][0] == "te-thd"
+    assert te["fused_adamw"][0] == "off" and "FusedAdam" in te["fused_adamw"][1]
 
 
 def test_optimizer_layers_and_compile_decisions():
@@ -320,7 +398,9 @@ def test_optimizer_layers_and_compile_decisions():
     assert not off.fused_adamw.on and not off.compile.on
     assert not off.plain_layers.on and not off.plain_stack.on  # megatron's own layers
     assert not off.batched_grad_accumulation.on and not off.queued_update.on
-    te = plan_kernels(cfg(), "cuda", Kernels(te_version=(2, 8, 0), apex_adam=True))
+    te = plan_kernels(
+        cfg("model.kernels=te"), "cuda", Kernels(te_version=(2, 8, 0), apex_adam=True)
+    )
     assert not te.fused_adamw.on and "FusedAdam" in te.fused_adamw.why
     assert not te.plain_layers.on  # TE's layers
     tp2 = plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cuda", NOTHING)
@@ -392,6 +472,30 @@ def test_the_data_parallel_size_is_the_launchs(monkeypatch):
     assert tp2.overlap_grad_reduce.on
 
 
+def test_the_collectives_row_follows_the_layout():
+    """What communicates each step, as the data_parallel row and the layout say: none in a world
+    of one; at DP = 8 the distributed optimizer's reduce-scatter and gather over DP = 8 (never "DP
+    = CP = 1"); with TP and PP their own; each group of one rank named as skipped."""
+    dist = "parallel.use_distributed_optimizer=true"
+    alone = plan_kernels(cfg(dist), "cuda", NOTHING, world_size=1)
+    assert alone.collectives == "none" and "no gradient reduction (DP = CP = 1)" in (
+        alone.collectives_why
+    )
+    eight = plan_kernels(cfg(dist), "cuda", NOTHING, world_size=8)
+    assert eight.data_parallel_size == 8 and eight.collectives == "per step"
+    assert "reduce-scatter during the backward and parameter all-gather" in eight.collectives_why
+    assert "over DP = 8" in eight.collectives_why and "DP = CP = 1" not in eight.collectives_why
+    assert "no loss reductions (TP = 1)" in eight.collectives_why
+    layout = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"]
+    mixed = plan_kernels(cfg(*layout), "cuda", NOTHING, world_size=8).collectives_why
+    assert "gradient all-reduce during the backward over DP = 2" in mixed
+    assert "over TP = 2" in mixed and "PP = 2 stages" in mixed and "TP = 1" not in mixed
+    cpu = plan_kernels(cfg(), "cpu", NOTHING, world_size=2).collectives_why  # no overlap on CPU
+    assert cpu.startswith("gradient all-reduce over DP = 2;")
+    asked = plan_kernels(cfg("parallel.overlap_grad_reduce=true"), "cpu", NOTHING, world_size=1)
+    assert asked.collectives_why.startswith("the gradient reduce over one rank")
+
+
 def test_the_studys_610m_config_takes_the_fast_path_on_eight_gpus(placeholder_dry_run, monkeypatch):
     """The study's 610m config (distributed optimizer) planned for a launch of 8 ranks on a GPU
     machine: the layer stack, in chunks, and the batched gradient accumulation (with torch's
@@ -428,17 +532,31 @@ def test_dry_run_names_every_kernel_decision(capsys):
     assert yaml.safe_load(out)["model"]["compile"] == "auto"
 
 
-def test_the_engine_runs_the_planned_optimizer(tmp_path):
+def test_the_engine_runs_the_planned_optimizer(tmp_path, monkeypatch):
     """The built optimizer is torch's fused AdamW (its param groups say so, its step counters sit
     on the parameters' device), and with model.fusions=off the unfused one: the same losses over
-    a few bf16 steps (fused and unfused AdamW compute the same update)."""
+    a few bf16 steps (fused and unfused AdamW compute the same update). Also where megatron took
+    Transformer Engine's FusedAdam as it was imported (its flags set as TE's import sets them,
+    its Adam a class that fails if built): torch's fused AdamW all the same, the same losses."""
+    import megatron.core.optimizer as megatron_optimizer
+    from megatron.core.optimizer import distrib_optimizer
+
     from megatron_mlmclm.training.optimizer import chained
     from megatron_mlmclm.training.trainer import Trainer
 
+    class TEFusedAdam:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("megatron built Transformer Engine's FusedAdam")
+
     losses = {}
-    for fusions in ("auto", "off"):
+    for run in ("auto", "off", "TE installed"):
+        fusions = "off" if run == "off" else "auto"
+        if run == "TE installed":
+            monkeypatch.setattr(megatron_optimizer, "USING_PYTORCH_OPTIMIZER", False)
+            monkeypatch.setattr(megatron_optimizer, "Adam", TEFusedAdam)
+            monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
         c = cfg(
-            f"output_dir={tmp_path / fusions}",
+            f"output_dir={tmp_path / run}",
             "checkpoint.resume=false",
             "logging.tensorboard=false",
             "train.steps=20",
@@ -453,14 +571,17 @@ def test_the_engine_runs_the_planned_optimizer(tmp_path):
                 trainer.step = step
                 runs.append(trainer.train_step(c.phases[0])["loss"])
             inner = [o.optimizer for o in chained(trainer.optimizer)]
+            assert all(type(o) is torch.optim.AdamW for o in inner)
             groups = [g for o in inner for g in o.param_groups]
             assert all(bool(g.get("fused")) == (fusions == "auto") for g in groups)
             steps = [s["step"] for o in inner for s in o.state.values()]
             assert steps and all(int(s) == 4 for s in steps)
         finally:
             trainer.close()
-        losses[fusions] = runs
-    assert losses["auto"] == losses["off"]
+        losses[run] = runs
+    # the distributed optimizer keeps torch's Adam state too (mcore_patches.optimizer)
+    assert not distrib_optimizer.HAVE_APEX_OR_TE
+    assert losses["auto"] == losses["off"] == losses["TE installed"]
 
 
 @pytest.mark.parametrize("saved,resumed", [("off", "auto"), ("auto", "off")])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from tolerance import assert_close_at_scale
+from tolerance import assert_close, reordered
 
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.model.build import build_model, transformer_config
@@ -64,11 +64,14 @@ def assert_same(a, b, exact: bool):
         for name in grads_b:
             assert torch.equal(grads_a[name], grads_b[name]), name
         return
-    tol = dict(rel=1e-5, rtol=1e-4)
-    assert_close_at_scale(out_a, out_b, **tol)
-    assert_close_at_scale(dx_a, dx_b, **tol)
+    # The same sums in another order (a matmul in megatron's autograd function, F.linear here),
+    # over outputs and gradients below 8 (4.2, 4.0 and 5.8 at most). In bf16 the GEMMs accumulate
+    # in fp32 and round once: the fp32 bounds hold there too.
+    tol = reordered(magnitude=8)
+    assert_close(out_a, out_b, **tol, what="output")
+    assert_close(dx_a, dx_b, **tol, what="input gradient")
     for name in grads_b:
-        assert_close_at_scale(grads_a[name], grads_b[name], **tol, msg=name)
+        assert_close(grads_a[name], grads_b[name], **tol, what=name)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -330,8 +333,8 @@ def test_the_stack_computes_what_the_layers_compute_one_by_one(precision, varlen
     for name, grad in one_by_one[1].items():
         assert torch.equal(stacked[1][name], grad), name
     torch.testing.assert_close(stacked[0], megatron[0], rtol=0, atol=0)
-    for name, grad in megatron[1].items():
-        assert_close_at_scale(stacked[1][name], grad, rel=1e-5, rtol=1e-4, msg=name)
+    for name, grad in megatron[1].items():  # as in assert_same: gradients below 8
+        assert_close(stacked[1][name], grad, **reordered(magnitude=8), what=name)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -442,6 +445,6 @@ def test_the_compiled_stack_matches_eager_within_rounding():
         fused = model_step(model, "fp32", True, False, docs)
         graphs.append(counters["stats"]["unique_graphs"])
         torch.testing.assert_close(fused[0], want[0], rtol=1e-5, atol=1e-5)
-        for name, grad in want[1].items():
-            assert_close_at_scale(fused[1][name], grad, rel=1e-5, rtol=1e-4, msg=name)
+        for name, grad in want[1].items():  # fp32 in Inductor's order; gradients below 8
+            assert_close(fused[1][name], grad, **reordered(magnitude=8), what=name)
     assert graphs[0] == graphs[1] == graphs[2], graphs  # compiled once, at the first batch

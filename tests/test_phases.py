@@ -181,16 +181,25 @@ def test_mask_schedules_and_the_phase_plan_streams():
 
 
 def test_budget_attention_count_follows_the_kernel_plan():
-    """causal_attention_halved (config, no torch needed) agrees with model/kernels.py's attention
+    """causal_attention_halved (config, no torch needed) agrees with model/kernels/'s attention
     path: halved exactly where the plan picks a kernel that skips masked blocks."""
-    for device, attention, te, precision in itertools.product(
-        ("cpu", "cuda"), ("auto", "sdpa", "flex", "thd"), (None, (2, 8)), ("bf16", "fp32")
+    for device, attention, te, precision, which in itertools.product(
+        ("cpu", "cuda"),
+        ("auto", "sdpa", "flex", "thd"),
+        (None, (2, 8)),
+        ("bf16", "fp32"),
+        ("torch", "te"),
     ):
+        if which == "te" and (
+            attention in ("sdpa", "flex") or precision == "fp32" or (device, te) == ("cuda", None)
+        ):
+            continue  # refused (tests/test_kernels.py)
         c = cfg(
             [
                 f"runtime.device={device}",
                 f"model.attention={attention}",
                 f"train.precision={precision}",
+                f"model.kernels={which}",
             ]
         )
         c.train.flops_attention = "auto"
@@ -208,7 +217,7 @@ def test_budget_attention_count_follows_the_kernel_plan():
         finally:
             importlib.util.find_spec = real
         plan = plan_kernels(c, device, kernels)
-        assert halved == (plan.attention in ("te-thd", "flex")), (device, attention, te, precision)
+        assert halved == (plan.attention in ("te-thd", "flex")), (device, attention, te, which)
 
 
 def test_temperature_weights_by_hand(tmp_path):

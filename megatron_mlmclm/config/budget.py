@@ -40,7 +40,12 @@ def causal_attention_halved(cfg: RunConfig) -> bool:
     te = device == "cuda" and importlib.util.find_spec("transformer_engine") is not None
     varlen = device == "cuda" and torch_has_varlen()
     path, _ = attention_path(
-        cfg.model.attention, cfg.train.precision, device, te, varlen_installed=varlen
+        cfg.model.attention,
+        cfg.train.precision,
+        device,
+        te,
+        varlen_installed=varlen,
+        kernels=cfg.model.kernels,
     )
     return SKIPS_MASKED_BLOCKS[path]
 

@@ -115,6 +115,11 @@ def refuse_contradictions(cfg: RunConfig) -> None:
             f"train.fp8={t.fp8} contradicts train.precision=fp32: FP8 GEMMs run inside "
             "bf16 training; set train.precision=bf16 (or auto) or train.fp8=null"
         )
+    if cfg.model.kernels == "te" and t.precision == "fp32":
+        raise UsageError(
+            "model.kernels=te contradicts train.precision=fp32: Transformer Engine runs fp32 "
+            "GEMMs in TF32; set train.precision=bf16 (or auto) or model.kernels=torch"
+        )
     p = cfg.parallel
     if p.overlap_param_gather and not p.use_distributed_optimizer:
         raise UsageError(

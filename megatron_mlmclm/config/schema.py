@@ -78,7 +78,14 @@ class ModelConfig:
     # (TE's kernel on a GPU, a pure-torch stand-in elsewhere: what the CPU suite runs the GPU
     # path with).
     attention: Literal["auto", "sdpa", "flex", "varlen", "thd"] = "auto"
-    # Fused kernels (model/kernels.py): auto = Megatron-LM's defaults where the kernel is present
+    # Whose kernels the layers, attention and optimizer run (model/kernels/): torch = torch's
+    # (varlen attention, the plain layer stack compiled, torch's fused AdamW behind megatron's
+    # optimizer, the queued update), the path measured on GPUs; Transformer Engine is not used
+    # even where it is installed. te = Transformer Engine's layers, its fused attention on packed
+    # THD sequences and its FusedAdam (bf16 on a GPU with TE; needed by train.fp8), not yet
+    # measured on a GPU. On CPU both run torch's.
+    kernels: Literal["torch", "te"] = "torch"
+    # Fused kernels (model/kernels/): auto = Megatron-LM's defaults where the kernel is present
     # on CUDA, torch's fused AdamW without Apex/TE and the plain layers; off = the reference path
     # (a debugging switch): no fusion, megatron's own layers, hooks and unfused AdamW.
     fusions: Literal["auto", "off"] = "auto"
@@ -143,6 +150,12 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             self.rope_scaling.validate()
+        if self.kernels == "te" and self.attention not in ("auto", "thd"):
+            raise UsageError(
+                f"model.kernels=te runs Transformer Engine's attention, which contradicts "
+                f"model.attention={self.attention}; set model.attention=auto or "
+                "model.kernels=torch"
+            )
         if self.stack_chunks is not None and self.stack_chunks < 1:
             raise UsageError(f"model.stack_chunks must be >= 1 (or null), got {self.stack_chunks}")
 
@@ -300,9 +313,9 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     # Context parallelism: each sequence split over CP ranks; needs TE's packed THD attention.
     context_parallel_size: int = 1
-    # None = auto (model/kernels.py): on with TP > 1 on GPU; true also runs on CPU (gloo).
+    # None = auto (model/kernels/): on with TP > 1 on GPU; true also runs on CPU (gloo).
     sequence_parallel: bool | None = None
-    # None = auto (model/kernels.py): on CUDA where the data-parallel group has more than one
+    # None = auto (model/kernels/): on CUDA where the data-parallel group has more than one
     # rank, the gradient reduce overlaps the backward pass, and with the distributed optimizer
     # the parameter gather the forward pass.
     overlap_grad_reduce: bool | None = None

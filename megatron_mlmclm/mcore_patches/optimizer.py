@@ -4,7 +4,8 @@ a non-finite step decided on the device, and the main parameters read back after
 
 Each replacement is a row of registry.yaml; `apply_everywhere()` (called by apply.py in every
 process that trains or converts) installs the module-level ones, the rest are called where a
-run needs them (training/optimizer.py, training/update.py, checkpoint.py).
+run needs them (training/optimizer.py, training/update.py, checkpoint.py): `use_torch_adamw()`
+puts torch's AdamW in the place of an installed Transformer Engine's or Apex's FusedAdam.
 """
 
 from __future__ import annotations
@@ -60,62 +61,125 @@ def apply_everywhere() -> None:
     _megatron_copy_this_to_that = optimizer._multi_tensor_copy_this_to_that
     optimizer._multi_tensor_copy_this_to_that = _foreach_copy_this_to_that
 
+    # The distributed optimizer's fully_reshardable save (checkpoint.py) cuts each parameter's
+    # state out of world tensors that leave out the padding at the ends of the buckets, at the
+    # parameter's place in the padded buffer: past a bucket whose end is padded, every parameter
+    # was saved with a neighbour's state, shifted by the padding, and resumed from it (megatron
+    # warns only where a range runs off the end: its issue #504). Cut at the unpadded places.
     dopt = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    original = dopt.DistributedOptimizer.sharded_param_state_fully_reshardable
+
+    @functools.wraps(original)
+    def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+        padded = [buffer.param_index_map for buffer in self.buffers]
+        for buffer in self.buffers:
+            buffer.param_index_map = _unpadded_index_map(buffer)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for buffer, index_map in zip(self.buffers, padded):
+                buffer.param_index_map = index_map
+
+    dopt.DistributedOptimizer.sharded_param_state_fully_reshardable = (
+        sharded_param_state_fully_reshardable
+    )
     if not dopt.HAVE_APEX_OR_TE:
-        # Without Apex/TE, load_state_dict gives every parameter the *same* Adam `step` tensor;
-        # torch's AdamW then increments it once per parameter per step, so bias correction is
-        # wrong after resume and training silently diverges. Give each parameter its own copy.
-        original = dopt.DistributedOptimizer.load_state_dict
-
-        @functools.wraps(original)
-        def load_state_dict(self, state_dict):
-            result = original(self, state_dict)
-            for state in self.optimizer.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
-            return result
-
-        dopt.DistributedOptimizer.load_state_dict = load_state_dict
-
-        # Loading into a fresh optimizer calls state_dict(), which without Apex/TE asserts that
-        # the (still empty) Adam state has exactly one `step`. Create the state first with a
-        # zero-gradient step at lr = wd = 0 (parameters unchanged); loading then overwrites it.
-        original_ssd = dopt.DistributedOptimizer.sharded_state_dict
-
-        @functools.wraps(original_ssd)
-        def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *a, **k):
-            if is_loading and len(self.optimizer.state) == 0:
-                saved = [(g["lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
-                for g in self.optimizer.param_groups:
-                    g["lr"], g["weight_decay"] = 0.0, 0.0
-                self._init_optimizer_states_with_dummy_values()
-                for g, (lr, wd) in zip(self.optimizer.param_groups, saved):
-                    g["lr"], g["weight_decay"] = lr, wd
-            return original_ssd(self, model_sharded_state_dict or {}, is_loading, *a, **k)
-
-        dopt.DistributedOptimizer.sharded_state_dict = sharded_state_dict
-
-        # The fully_reshardable load path copies every Adam state tensor of a parameter from the
-        # checkpoint, `step` included, but the checkpoint (rightly) carries `step` only in the
-        # param groups: KeyError. Leave `step` out of the copy; load_state_dict has set it.
-        original_set = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
-
-        @functools.wraps(original_set)
-        def set_states(self, model_param, tensors):
-            if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-                return original_set(self, model_param, tensors)
-            group_index, group_order = self.model_param_group_index_map[model_param]
-            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-            state = self.optimizer.state[main_param]
-            step = state.pop("step", None)
-            try:
-                return original_set(self, model_param, tensors)
-            finally:
-                if step is not None:
-                    state["step"] = step
-
-        dopt.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+        _torch_adam_state()
     _applied = True
+
+
+def _unpadded_index_map(buffer) -> dict:
+    """A buffer's param_index_map with each range at its place in megatron's world tensors
+    (get_parameter_state_dp_zero), which hold each bucket's unpadded elements one after another."""
+    shift, before = {}, 0
+    for bucket in buffer.buckets:
+        shift[bucket.bucket_id] = bucket.offset - before
+        before += bucket.numel_unpadded
+    return {
+        param: (start - shift[b], end - shift[b], b)
+        for param, (start, end, b) in buffer.param_index_map.items()
+    }
+
+
+def use_torch_adamw() -> None:
+    """torch's AdamW behind megatron's optimizer where Transformer Engine or Apex is installed and
+    the kernel plan does not take it (model.kernels=torch, model/kernels/): megatron picks their
+    FusedAdam as it is imported, and keys its distributed optimizer's handling of Adam's `step` on
+    that choice. Sets the flags megatron sets itself when neither imports, before any optimizer
+    is built, with the replacements that path needs (`_torch_adam_state`). A no-op where megatron
+    already fell back."""
+    core = importlib.import_module("megatron.core.optimizer")
+    dopt = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    if core.USING_PYTORCH_OPTIMIZER and not dopt.HAVE_APEX_OR_TE:
+        return
+    core.USING_PYTORCH_OPTIMIZER = True
+    dopt.HAVE_APEX_OR_TE = dopt.USING_TE_OPTIMIZER = dopt.USING_APEX_OPTIMIZER = False
+    _torch_adam_state()
+
+
+_torch_adam_state_applied = False
+
+
+def _torch_adam_state() -> None:
+    """The distributed optimizer's state handling with torch's Adam (once per process)."""
+    global _torch_adam_state_applied
+    if _torch_adam_state_applied:
+        return
+    _torch_adam_state_applied = True
+    dopt = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    # Without Apex/TE, load_state_dict gives every parameter the *same* Adam `step` tensor;
+    # torch's AdamW then increments it once per parameter per step, so bias correction is
+    # wrong after resume and training silently diverges. Give each parameter its own copy.
+    original = dopt.DistributedOptimizer.load_state_dict
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        result = original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return result
+
+    dopt.DistributedOptimizer.load_state_dict = load_state_dict
+
+    # Loading into a fresh optimizer calls state_dict(), which without Apex/TE asserts that
+    # the (still empty) Adam state has exactly one `step`. Create the state first with a
+    # zero-gradient step at lr = wd = 0 (parameters unchanged); loading then overwrites it.
+    original_ssd = dopt.DistributedOptimizer.sharded_state_dict
+
+    @functools.wraps(original_ssd)
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *a, **k):
+        if is_loading and len(self.optimizer.state) == 0:
+            saved = [(g["lr"], g["weight_decay"]) for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"], g["weight_decay"] = 0.0, 0.0
+            self._init_optimizer_states_with_dummy_values()
+            for g, (lr, wd) in zip(self.optimizer.param_groups, saved):
+                g["lr"], g["weight_decay"] = lr, wd
+        return original_ssd(self, model_sharded_state_dict or {}, is_loading, *a, **k)
+
+    dopt.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+    # The fully_reshardable load path copies every Adam state tensor of a parameter from the
+    # checkpoint, `step` included, but the checkpoint (rightly) carries `step` only in the
+    # param groups: KeyError. Leave `step` out of the copy; load_state_dict has set it.
+    original_set = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_set)
+    def set_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original_set(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        step = state.pop("step", None)
+        try:
+            return original_set(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    dopt.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
 def use_fused_adamw(optimizers: list, fused: bool) -> None:

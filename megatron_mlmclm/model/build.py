@@ -68,7 +68,7 @@ def use_bf16(cfg: RunConfig) -> bool:
 
 def transformer_config(cfg: RunConfig, plan: KernelPlan | None = None) -> TransformerConfig:
     """megatron-core's TransformerConfig for the run; fusions, overlap-related and init fields
-    come from the kernel plan (model/kernels.py; by default planned for this machine)."""
+    come from the kernel plan (model/kernels/; by default planned for this machine)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     plan = plan if plan is not None else plan_kernels(cfg, resolve_device(cfg))
     bf16 = use_bf16(cfg)

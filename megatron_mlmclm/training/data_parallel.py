@@ -79,10 +79,14 @@ class StepGradients:
 
 
 class DataParallel(DDP):
-    """megatron's DDP, with two changes:
+    """megatron's DDP, with three changes:
     - it skips its gradient reduction when the data-parallel group (with context parallelism)
       has one rank and nothing asked for the overlap: there is nothing to reduce, and megatron
       would still run a coalesced all-reduce per step;
+    - a parameter frozen mid-run is handled: the forward pre-hook waits for its overlapped
+      parameter gather (megatron's asserts that every parameter in a bucket requires a
+      gradient), and a process whose first step it misses records its bucket as complete with
+      it (`_complete_first_counts`);
     - with `batched_accumulation` (the kernel plan's batched_grad_accumulation), gradients go
       into main_grad by foreach kernels: a copy where main_grad is still as the buffer was zeroed
       (0 + g is g: the same values, where megatron's add turns a -0.0 into +0.0), an add after
@@ -132,6 +136,26 @@ class DataParallel(DDP):
             waiting=[[] for _ in self.gradient_groups],
             unzeroed=unzeroed,
         )
+
+    def _make_forward_pre_hook(self):
+        """megatron's wait for the overlapped parameter all-gather before a module's forward, for
+        every parameter in a bucket, frozen or not: a parameter frozen mid-run keeps its place in
+        the buffers, where the distributed optimizer still updates it (from a zero gradient) and
+        the gather brings it back; megatron's hook asserts that it requires a gradient."""
+
+        def hook(module, *unused):
+            if is_graph_capturing():
+                return
+            skip_next = (
+                self.ddp_config.align_param_gather or self.overlap_param_gather_with_optimizer_step
+            )
+            for param in module.parameters(recurse=False):
+                if param in self.param_to_bucket_group:
+                    self.param_to_bucket_group[param].finish_param_sync(
+                        skip_next_bucket_dispatch=skip_next
+                    )
+
+        return hook
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
         per_parameter = super()._make_backward_post_hook(param)
@@ -211,6 +235,7 @@ class DataParallel(DDP):
         self.step_grads.moved.add(id(param))
 
     def zero_grad_buffer(self):
+        self._complete_first_counts()
         unzeroed = self.batched_accumulation and not self.config.gradient_accumulation_fusion
         self.step_grads = self._new_step(unzeroed)
         if not unzeroed:
@@ -222,6 +247,19 @@ class DataParallel(DDP):
                 param.grad_added_to_main_grad = False
         for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
             bucket_group.reset()
+
+    def _complete_first_counts(self) -> None:
+        """After a process's first step, megatron's bucket groups record how often each parameter
+        registered its gradient as what a complete bucket is, and assert that every parameter of
+        the bucket did: a parameter frozen before that step (a run that froze it, resumed) did
+        not. It is counted as the others are, so its bucket waits for it while it stays frozen
+        (and is started in finish_grad_sync) and reduces in the hooks again once it trains."""
+        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            counts = bucket_group.per_param_grad_ready_counts
+            if bucket_group.is_first_batch and 0 < len(counts) < len(bucket_group.params):
+                each = max(counts.values())
+                for param in bucket_group.params:
+                    counts.setdefault(param, each)
 
     def start_grad_sync(self, *args):
         if self.reduces:

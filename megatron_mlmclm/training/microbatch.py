@@ -54,7 +54,7 @@ def to_device(
 
 
 def layout(batch: dict[str, Any], phase: PhaseConfig, kernels: KernelPlan) -> dict[str, Any]:
-    """One host micro-batch in the form its attention path takes (model/kernels.py), with the
+    """One host micro-batch in the form its attention path takes (model/kernels/), with the
     head's labelled positions (`label_index`) and their targets (`labels`):
     - te-thd / thd-reference: packed THD rows (model/packed.py), split over the context-
       parallel ranks;

@@ -1,6 +1,7 @@
 """The optimizer and the learning-rate schedule of a run: megatron's optimizer (its mixed-precision
 or distributed one, chained per model chunk) with torch's AdamW behind it, fused where the kernel
-plan says so, and the warmup-stable-decay schedule over the whole run."""
+plan says so (Transformer Engine's FusedAdam where the plan takes TE), and the warmup-stable-decay
+schedule over the whole run."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_mlmclm.config import ParallelConfig, TrainConfig, resolved
-from megatron_mlmclm.mcore_patches.optimizer import use_fused_adamw
+from megatron_mlmclm.mcore_patches.optimizer import use_fused_adamw, use_torch_adamw
 from megatron_mlmclm.model.kernels import KernelPlan
 
 
@@ -38,6 +39,8 @@ def build_optimizer(
         use_distributed_optimizer=p.use_distributed_optimizer,
     )
     modules: list[MegatronModule] = list(model)
+    if not kernels.transformer_engine.on:
+        use_torch_adamw()  # an installed TE's or Apex's FusedAdam is not the plan's
     optimizer = get_megatron_optimizer(config, modules)
     use_plans_adamw(optimizer, kernels)
     return optimizer

@@ -93,7 +93,7 @@ class Trainer:
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
         self.shards = check_run_shards(cfg, self.spec.tokenizer)  # of data.tokenizer, or refused
-        # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
+        # Fusions, overlap, init and attention path (model/kernels/): refuses a runtime.device
         # this machine does not have.
         self.kernels = plan_kernels(cfg, resolve_device(cfg))
         if self.syncs is not None:

@@ -4,19 +4,21 @@ fp32 copy anywhere, and the step differs from the fp32 one; fp32 stays fp32."""
 from __future__ import annotations
 
 import torch
-from tolerance import assert_close_at_scale
+from tolerance import assert_close
 
 from megatron_mlmclm.eval.families import sc
 from megatron_mlmclm.eval.finetune import FinetuneConfig, seed_everything, train
 from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.tasks import load_registry
 
+LR = 1e-3
+
 
 def one_step(tiny_model, precision):
     cfg = FinetuneConfig(
         model=tiny_model,
         task="sst2",
-        lr=1e-3,
+        lr=LR,
         max_steps=1,
         batch_size=8,
         max_train_examples=8,
@@ -68,5 +70,9 @@ def test_bf16_pure_keeps_weights_and_optimizer_state_in_bf16(tiny_model):
     assert all(torch.equal(before[k], before32[k]) for k in before)  # the same start
     w = "classifier.weight"
     assert not torch.equal(pure.state_dict()[w].float(), full.state_dict()[w])
-    # bf16 holds ~3 significant digits: the two updates agree to that, not beyond
-    assert_close_at_scale(pure.state_dict()[w].float(), full.state_dict()[w], rel=1e-2)
+    # One AdamW step moves each weight by lr x g / (|g| + eps), at most lr either way, whatever
+    # the gradient: where bf16's and fp32's gradients of a weight differ in sign or one vanishes
+    # (measured: 1.02e-3 at most), the weights differ by up to 2 lr. Beyond that, the bf16
+    # weight's rounding: one ulp of it (two roundings of half an ulp).
+    a, b = pure.state_dict()[w].float(), full.state_dict()[w]
+    assert_close(a, b, atol=2 * LR, rtol=torch.finfo(torch.bfloat16).eps, what=w)

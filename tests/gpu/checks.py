@@ -102,8 +102,17 @@ def trained(root: Path, name: str, size: Size, overrides: list[str]) -> dict[int
 
 
 def thd_attention(have_te: bool) -> str:
-    """The packed path: TE's kernel where installed, else the stand-in (CPU, or CUDA without TE)."""
-    return "auto" if have_te else "thd"
+    """The packed path: TE's kernel where installed (`te`), else the stand-in (CPU, or CUDA
+    without TE)."""
+    return "te" if have_te else "thd"
+
+
+def attention_overrides(attention: str) -> list[str]:
+    """`te`: Transformer Engine's THD path, which a run takes only when asked (model.kernels=te);
+    any other: that model.attention."""
+    if attention == "te":
+        return ["model.kernels=te", "model.attention=thd"]
+    return [f"model.attention={attention}"]
 
 
 def phase_tails(
@@ -203,9 +212,9 @@ def judge_close(name: str, diff: float, noise: float, floor: float) -> Row:
 
 
 def check_learned_without_leak(root: Path, size: Size, attention: str) -> Row:
-    """`attention`: `auto` trains the path a run takes (on CUDA without TE: varlen, the plain
-    layer stack compiled, batched gradient accumulation, fused AdamW, the queued update); `thd`
-    TE's packed path or its stand-in (thd_attention); `varlen` the fast path's layout through
+    """`attention`: `auto` trains the path a run takes (on CUDA: varlen, the plain layer stack
+    compiled, batched gradient accumulation, fused AdamW, the queued update); `te` TE's packed
+    path, `thd` its stand-in (thd_attention); `varlen` the fast path's layout through
     its CPU stand-in."""
     clm, mlm = size.learned_clm_steps, size.learned_mlm_steps
     curve = train(
@@ -214,7 +223,7 @@ def check_learned_without_leak(root: Path, size: Size, attention: str) -> Row:
         size,
         [
             "train.precision=bf16",
-            f"model.attention={attention}",
+            *attention_overrides(attention),
             f"phases=[{{objective: clm, steps: {clm}}}, {{objective: mlm, mask_ratio: 0.4}}]",
             f"train.steps={clm + mlm}",
             f"train.decay_steps={max(1, (clm + mlm) // 10)}",
@@ -264,7 +273,7 @@ def packed_matches_dense(root: Path, size: Size, attention: str, name: str) -> R
     ]
     # Evaluation only in effect (lr ~ 0): every step is the trained model on a fresh batch.
     packed = train(
-        root, attention, size, start + ["train.precision=bf16", f"model.attention={attention}"]
+        root, attention, size, start + ["train.precision=bf16", *attention_overrides(attention)]
     )
     # The dense references are the same for every packed path checked in `root`: run once.
     dense, dense32 = (

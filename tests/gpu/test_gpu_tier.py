@@ -60,9 +60,9 @@ def rel(a: float, b: float) -> float:
 
 @pytest.mark.parametrize("path", ["fast", "thd"])
 def test_learned_without_a_clm_leak(record, tmp_path, path):
-    """`fast`: the path a run takes by default (attention auto: without TE, varlen, the plain
-    layer stack compiled, batched gradient accumulation, fused AdamW, the queued update); `thd`:
-    TE's packed THD path, or its stand-in without TE."""
+    """`fast`: the path a run takes by default, TE installed or not (attention auto: varlen, the
+    plain layer stack compiled, batched gradient accumulation, fused AdamW, the queued update);
+    `thd`: TE's packed THD path (model.kernels=te), or its stand-in without TE."""
     attention = "auto" if path == "fast" else checks.thd_attention(have_te())
     row = checks.check_learned_without_leak(tmp_path, GPU_SIZE, attention)
     assert record(row.check, row.result, row.expected, row.ok)
@@ -238,8 +238,9 @@ def test_settings_train_alike(record, tmp_path, name, a, b):
     reason="FP8 needs Transformer Engine and compute capability >= 8.9 (Hopper, Ada)",
 )
 def test_fp8_is_finite_and_close_to_bf16(record, tmp_path):
-    fp8 = train(tmp_path, "fp8", GPU_SIZE, ["train.precision=bf16", "train.fp8=delayed"])
-    bf16 = train(tmp_path, "bf16", GPU_SIZE, ["train.precision=bf16"])
+    te = ["train.precision=bf16", "model.kernels=te"]  # FP8 runs inside TE's layers only
+    fp8 = train(tmp_path, "fp8", GPU_SIZE, [*te, "train.fp8=delayed"])
+    bf16 = train(tmp_path, "bf16", GPU_SIZE, te)
     finite = all(math.isfinite(v) for v in fp8.values())
     d = rel(tail_mean(fp8), tail_mean(bf16))
     assert record(

@@ -1,0 +1,97 @@
+"""The machine a run is planned for: what imports there (Transformer Engine and its version, Apex's
+CUDA extensions, torch's varlen kernel), the device a run targets, and what the process must set
+before CUDA starts."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from megatron_mlmclm.config import RunConfig
+from megatron_mlmclm.config.attention import torch_has_varlen
+from megatron_mlmclm.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What imports on this machine (probed once by `probe_kernels`; tests pass their own)."""
+
+    te_version: tuple[int, ...] | None = None  # Transformer Engine
+    apex_adam: bool = False  # megatron's optimizer uses TE's or Apex's FusedAdam when present
+    torch_varlen: bool = False  # torch.nn.attention.varlen (torch >= 2.10)
+    apex_grad_accum: bool = False  # fused_weight_gradient_mlp_cuda (Apex --cuda_ext)
+    apex_masked_softmax: bool = False  # scaled_masked_softmax_cuda (Apex)
+    apex_persist_layer_norm: bool = False  # apex.contrib.layer_norm (FastLayerNormFN)
+
+
+def probe_kernels() -> Kernels:
+    te = None
+    if _importable("transformer_engine"):
+        te = _version("transformer_engine") or _version("transformer-engine") or (0,)
+    return Kernels(
+        te_version=te,
+        apex_adam=te is not None or _importable("apex.optimizers"),
+        torch_varlen=torch_has_varlen(),
+        apex_grad_accum=_importable("fused_weight_gradient_mlp_cuda"),
+        apex_masked_softmax=_importable("scaled_masked_softmax_cuda"),
+        apex_persist_layer_norm=_importable("apex.contrib.layer_norm"),
+    )
+
+
+def _version(dist: str) -> tuple[int, ...] | None:
+    try:
+        text = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails to import
+        return False
+
+
+def resolve_device(cfg: RunConfig, planning: bool = False) -> str:
+    """`runtime.device` -> cuda | cpu. A run may only target the device it has; planning
+    (--dry-run) may target either."""
+    wanted, has_cuda = cfg.runtime.device, torch.cuda.is_available()
+    if wanted == "auto":
+        return "cuda" if has_cuda else "cpu"
+    if not planning and (wanted == "cuda") != has_cuda:
+        have = "CUDA" if has_cuda else "no CUDA device"
+        raise UsageError(
+            f"runtime.device={wanted} but this machine has {have}; set "
+            "runtime.device=auto to train here, or add --dry-run to plan a run "
+            f"for {wanted}"
+        )
+    return wanted
+
+
+def max_connections(cfg: RunConfig, device: str) -> tuple[str | None, str]:
+    p = cfg.parallel
+    if device != "cuda":
+        return None, "CPU"
+    if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
+        return "1", (
+            "TP/CP: one hardware queue keeps communication kernels in issue order so "
+            "they overlap compute (Megatron-LM requires it before Blackwell; export "
+            "another value to override)"
+        )
+    return None, "TP = CP = 1: nothing needs it"
+
+
+def tf32(cfg: RunConfig, device: str) -> tuple[bool | None, str]:
+    if device != "cuda":
+        return None, "CPU"
+    if cfg.train.precision == "fp32":
+        return False, "train.precision=fp32: fp32 matmuls stay fp32 (a true fp32 reference)"
+    return None, "bf16 model: torch's default for the few fp32 matmuls outside it"
