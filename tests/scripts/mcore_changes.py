@@ -95,7 +95,9 @@ def ours(name: str, value) -> bool:
     )
     if code is None:  # C functions (typing's object.__init__) are nobody's replacement
         return not name.endswith("__slotnames__") and not isinstance(value, BUILTIN)
-    return Path(code.co_filename).resolve().is_relative_to(REPO)
+    # the package and this script (not a virtualenv that may sit inside the checkout, as .venv does)
+    where = Path(code.co_filename).resolve()
+    return any(where.is_relative_to(REPO / part) for part in ("megatron_mlmclm", "tests"))
 
 
 def torch_members() -> dict:
