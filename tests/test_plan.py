@@ -6,6 +6,7 @@ import csv
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -377,8 +378,10 @@ def test_a_malformed_measurement_exits_2(tmp_path, capsys, edit, expected):
 
 def test_evaluation_is_priced_per_task_beside_pretraining(plan_dir):
     """The default plan evaluates the paper's sets; a 210m model's array costs, by hand from the
-    figures file: SC/TC/QA 3 forwards per training input and one per scored input, IR 4 per
-    training query and document plus the corpus at every validation and the test."""
+    figures file: SC/TC/QA 3 forwards per training input and one per scored input (the curve's
+    intermediate points score 2,000 validation inputs at most), IR 4 per training query and
+    document, at every validation the judged documents (one per query) and 100,000 others, the
+    whole corpus once for the test."""
     figures = yaml.safe_load(evaluation.FIGURES.read_text())
     tasks = suite("paper", load_registry())
     cfg = flops_config(yaml.safe_load((plan_dir / "configs" / "210m-clm-42k.yaml").read_text()))
@@ -394,13 +397,14 @@ def test_evaluation_is_priced_per_task_beside_pretraining(plan_dir):
         steps = min(1000, -(-train["train_examples"] // 32))
         vals = -(-steps // 100)
         if f["family"] != "ir":
-            return (3 * 32 * steps + vals * f["validation_examples"] + f["test_examples"]) * fwd(
-                f["input_tokens"]
-            )
+            val = f["validation_examples"]
+            scored = (vals - 1) * min(2000, val) + val + f["test_examples"]
+            return (3 * 32 * steps + scored) * fwd(f["input_tokens"])
         pair = fwd(train["query_tokens"]) + fwd(train["document_tokens"])
+        per_validation = min(f["corpus_documents"], 100_000 + f["validation_examples"])
         return (
             4 * 32 * steps * pair
-            + (vals + 1) * f["corpus_documents"] * fwd(f["document_tokens"])
+            + (vals * per_validation + f["corpus_documents"]) * fwd(f["document_tokens"])
             + (vals * f["validation_examples"] + f["test_examples"]) * fwd(f["query_tokens"])
         )
 
@@ -419,7 +423,10 @@ def test_evaluation_is_priced_per_task_beside_pretraining(plan_dir):
     md = (plan_dir / "SUMMARY.md").read_text()
     pre = sum(float(x["gpu_hours"]) for x in rows.values())
     ev = sum(float(x["eval_gpu_hours"]) for x in rows.values())
-    assert f"**GPU-hours**: pretraining {pre:,.1f}, evaluation {ev:,.1f}" in md
+    line = re.search(r"\*\*GPU-hours\*\*: pretraining ([\d,.]+), evaluation ([\d,.]+)", md)
+    assert line, md
+    shown = [float(x.replace(",", "")) for x in line.groups()]
+    assert shown == pytest.approx([pre, ev], abs=0.05 + 0.005 * len(rows))  # rows rounded to 0.01
     for t in tasks:  # each task's row names where its figures come from
         assert f"| {t} | {figures[t]['family']} |" in md and figures[t]["source"] in md
 
@@ -441,6 +448,10 @@ def test_the_evaluation_figures_are_well_formed():
         evaluation.EVAL_EVERY,
         evaluation.MAX_LENGTH_RATIO,
     )
+    assert d.curve_examples == evaluation.CURVE_EXAMPLES
+    assert {registry[t].validation_documents for t in suite("paper", registry)} == {
+        evaluation.VALIDATION_DOCUMENTS
+    }
 
 
 SMALL = ["--sizes", "210m", "--budgets", "12000", "--mask-ratios", "0.4", "--clm-shares",

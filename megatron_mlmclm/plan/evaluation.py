@@ -5,11 +5,14 @@ A fine-tuning run under `mlmclm evaluate`'s default protocol (eval/finetune.py's
 batch 32, at most 1,000 steps or one epoch, validation every 100 steps and at the end, the test
 once at the end) costs, with F(L) the forward FLOPs of one input of L tokens (flops.py's trunk,
 bidirectional attention; the small task heads left out):
-- SC, TC, QA: 3 F(L) per training input (forward and backward), F(L) per validation and test
-  input;
+- SC, TC, QA: 3 F(L) per training input (forward and backward), F(L) per scored input: the
+  curve's intermediate validations score a sample of at most 2,000 validation inputs
+  (`curve_examples`), the last one the whole split, the test once;
 - IR: each training pair's query and document at 4 F (CachedMultipleNegativesRankingLoss embeds
-  the batch without gradients first, then again with them), and at every validation and at the
-  test every corpus document and the split's queries at F.
+  the batch without gradients first, then again with them); every validation encodes the judged
+  documents (counted as one per validation query, the order of MS MARCO's, NQ's and MLDR's
+  qrels) and 100,000 others (`validation_documents`), the test the whole corpus once, each
+  document at F, and the split's queries at F.
 Each task's sizes and mean input lengths come from eval_tasks.yaml (package data; each entry says
 its source). Inputs are priced at their mean length: padding to a batch's longest input is not
 counted, nor the time a run spends loading data and models.
@@ -27,6 +30,8 @@ from megatron_mlmclm.plan.compute import read_entries
 FIGURES = Path(__file__).with_name("eval_tasks.yaml")  # package data
 # mlmclm evaluate's default protocol (eval/finetune.py, FinetuneConfig; tests/test_plan.py checks)
 BATCH, MAX_STEPS, EPOCHS, EVAL_EVERY, MAX_LENGTH_RATIO = 32, 1000, 1.0, 100, 0.99
+CURVE_EXAMPLES = 2000  # FinetuneConfig.curve_examples
+VALIDATION_DOCUMENTS = 100_000  # a task entry's validation_documents (eval/tasks.py)
 
 _EXAMPLES = ("train_examples", "validation_examples", "test_examples")
 FIELDS = {  # each family's fields besides family and source (a training set: train side only)
@@ -83,13 +88,18 @@ def run_cost(task: str, figures: dict[str, dict], shape: TransformerShape, seq_l
         validations = math.ceil(steps / EVAL_EVERY)
         per_input = fwd(f["input_tokens"])
         train = 3 * steps * BATCH * per_input
-        scored = validations * f["validation_examples"] + f["test_examples"]
+        val = f["validation_examples"]
+        scored = (validations - 1) * min(CURVE_EXAMPLES, val) + val + f["test_examples"]
         return steps, validations, train + scored * per_input
     source = _figures(f["train_task"], figures) if f.get("train_task") else f
     steps = _steps(source["train_examples"])
     validations = math.ceil(steps / EVAL_EVERY)
     pair = fwd(source["query_tokens"]) + fwd(source["document_tokens"])
-    corpus = (validations + 1) * f["corpus_documents"] * fwd(f["document_tokens"])
+    validation_documents = min(
+        f["corpus_documents"], VALIDATION_DOCUMENTS + f["validation_examples"]
+    )
+    encoded = validations * validation_documents + f["corpus_documents"]
+    corpus = encoded * fwd(f["document_tokens"])
     queries = (validations * f["validation_examples"] + f["test_examples"]) * fwd(f["query_tokens"])
     return steps, validations, 4 * steps * BATCH * pair + corpus + queries
 

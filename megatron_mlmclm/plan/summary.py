@@ -96,11 +96,13 @@ def eval_md(rows: list[dict], totals: dict, tasks: list[dict], runs_per_task: in
         "protocol (batch 32, at most 1,000 steps or one epoch, validation every 100 steps and at "
         "the end, the test once), one GPU a run, at the FLOP rate its size's pretraining is "
         "priced at above (plan/evaluation.py): 3 forward passes per training input (IR: 4, "
-        "CachedMNRL embeds twice), one per validation and test input, and the whole corpus "
-        "encoded at every validation and at the test (IR). Inputs at each task's mean length "
-        "(megatron_mlmclm/plan/eval_tasks.yaml, sources below); padding to a batch's longest "
-        "input, data loading and start-up are not counted: fine-tuning's short batches run "
-        "below pretraining's FLOP rate, so these hours are a lower bound.\n\n"
+        "CachedMNRL embeds twice), one per scored input (the curve's intermediate validations "
+        "score 2,000 validation inputs at most), and (IR) at every validation the judged "
+        "documents and 100,000 others encoded, the whole corpus once for the test. Inputs at "
+        "each task's mean length (megatron_mlmclm/plan/eval_tasks.yaml, sources below); "
+        "padding to a batch's longest input, data loading and start-up are not counted: "
+        "fine-tuning's short batches run below pretraining's FLOP rate, so these hours are a "
+        "lower bound.\n\n"
     )
     w(
         "| task | family | steps | validations | "
