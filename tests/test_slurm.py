@@ -144,6 +144,7 @@ def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run
     assert "SIGUSR1: asking the trainer to save and stop" in log
     assert f"requeueing job {job}" in log and "restart 1:" in log
     assert f"resumed from {run / 'checkpoints' / f'iter_{stopped:07d}'} at step {stopped}" in log
+    assert "checksummed by 2 process(es)" in log  # each rank a share of the checkpoint
     got, expected = curve(run), curve(ref)
     assert sorted(got) == list(range(1, 17))
     assert got == expected  # bitwise, across the stop and the requeue

@@ -35,7 +35,7 @@ class Stateful(Protocol):
 
 @dataclass
 class Start:
-    """Where a run starts, decided before process groups exist."""
+    """Where a run starts, decided before the model is built."""
 
     resume_from: Path | None = None  # the run's own checkpoint, or its branch source
     branched: bool = False  # resume_from is train.branch_from's checkpoint

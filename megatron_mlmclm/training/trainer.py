@@ -86,7 +86,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
-        # Everything that can fail on user input is checked before process groups and models.
+        # Everything that can fail on user input is checked before models are built.
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
         # Fusions, overlap, init and attention path (model/kernels.py): refuses a runtime.device
@@ -97,7 +97,6 @@ class Trainer:
         self.kernels.apply_to_process()  # before CUDA starts in init_distributed
         self.fingerprint = fingerprint(cfg, self.spec)
         self.take_output_dir()  # before anything in it is read or written
-        self.start = find_start(cfg, self.fingerprint)
         rt.init_distributed(
             p.tensor_model_parallel_size,
             p.pipeline_model_parallel_size,
@@ -105,6 +104,8 @@ class Trainer:
             t.seed,
             p.context_parallel_size,
         )
+        # Where the run starts: its ranks share the checksums of the checkpoint it resumes.
+        self.start = find_start(cfg, self.fingerprint)
         rank, world = dist.get_rank(), dist.get_world_size()
         faults = self._faults = FaultMonitor(
             cfg, rank, world, Injector(rank, Path(cfg.output_dir) / "faults")
