@@ -141,6 +141,7 @@ class KernelPlan:
     connections_why: str = ""
     tf32: bool | None = None  # None: torch's default
     tf32_why: str = ""
+    compile_cache: str = ""  # TORCHINDUCTOR_CACHE_DIR (compile_cache_dir)
 
     @property
     def thd(self) -> bool:
@@ -191,6 +192,7 @@ class KernelPlan:
             ("plain_stack", self.plain_stack.on, self.plain_stack.why),
             ("stack_chunks", str(self.stack_chunks), self.stack_chunks_why),
             ("compile", self.compile.on, self.compile.why),
+            ("compile_cache", self.compile_cache, COMPILE_CACHE_WHY),
             (
                 "batched_grad_accumulation",
                 self.batched_grad_accumulation.on,
@@ -242,8 +244,14 @@ class KernelPlan:
         if self.tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
             torch.backends.cudnn.allow_tf32 = self.tf32
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", self.compile_cache)
 
 
+COMPILE_CACHE_WHY = (
+    "Inductor's caches (its graphs, kernels and Triton's under them), kept across the run's "
+    "restarts: a restart loads what the first start compiled; $MLMCLM_CACHE_DIR/inductor "
+    "shares them between runs (a TORCHINDUCTOR_CACHE_DIR of your own is kept)"
+)
 INIT_WHY = (
     "every parameter drawn whole from (train.seed, its checkpoint key, its layer) and "
     "sliced: every TP/PP/VPP layout starts from the single-process model (model/init.py)"
@@ -333,6 +341,29 @@ def plan_kernels(
         connections_why=connections_why,
         tf32=tf32,
         tf32_why=tf32_why,
+        compile_cache=compile_cache_dir(cfg.output_dir),
+    )
+
+
+def compile_cache_dir(output_dir: str) -> str:
+    """Where torch.compile's caches go: $MLMCLM_CACHE_DIR/inductor (shared by runs: the same
+    shapes compile once), else the run's output_dir/compile_cache."""
+    shared = os.environ.get("MLMCLM_CACHE_DIR")
+    folder = (
+        os.path.join(shared, "inductor") if shared else os.path.join(output_dir, "compile_cache")
+    )
+    return os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or folder)
+
+
+def compile_cache_line() -> str:
+    """What this process has compiled so far, and how much of it came from the compile cache."""
+    from torch._dynamo.utils import counters  # imported by the compiles this line reports
+
+    stats = counters["inductor"]
+    return (
+        f"torch.compile: {stats['fxgraph_cache_miss']} graph(s) compiled, "
+        f"{stats['fxgraph_cache_hit']} loaded from the compile cache "
+        f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR')}"
     )
 
 

@@ -25,7 +25,12 @@ from megatron.core import parallel_state
 
 from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved, to_dict
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
-from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
+from megatron_mlmclm.model.kernels import (
+    KernelPlan,
+    compile_cache_line,
+    plan_kernels,
+    resolve_device,
+)
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import sinks
@@ -166,8 +171,11 @@ class Trainer:
         last: dict[str, Any] = {}
         if (first := self.validator.at_start(self.step)) is not None:
             self.metrics.record(first)
+        started = self.step
         while self.step < self.end:
             phase, stats = self.timed_step()
+            if self.step == started + 1 and self.kernels.compile.on:  # its compiles are done
+                log(compile_cache_line())
             if self.metrics.should_log(self.step):
                 stats.update(self.metrics.straggler_figures(self.faults))
             if self.validator.should_validate(self.step):
