@@ -293,8 +293,12 @@ def test_a_new_measurement_is_a_data_only_change(tmp_path, capsys):
         [r] = list(csv.DictReader(f))
     assert float(r["gpu_hours"]) == pytest.approx(12000 * 1152 * 2048 / 102400 / 3600, abs=0.01)
     assert "- 610m: measured, 102,400 tokens/s per GPU" in (out / "SUMMARY.md").read_text()
-    assert main(argv + ["--force", "--throughput", "610m=50000"]) == 0
+    assert main(argv + ["--force", "--throughput", "610m=50000", "--startup", "610m=90"]) == 0
     assert "- 610m: given, 50,000 CLM tokens/s per GPU" in (out / "SUMMARY.md").read_text()
+    assert "- 610m: given, 90 s (--startup)" in (out / "SUMMARY.md").read_text()
+    with open(out / "SUMMARY.csv", newline="") as f:
+        [r] = list(csv.DictReader(f))
+    assert float(r["startup_gpu_hours"]) == pytest.approx(90 * 16 / 3600, abs=0.01)  # 1 start
 
 
 @pytest.mark.parametrize(
@@ -406,6 +410,20 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
     assert all("--gpus-per-node=8" in ln for ln in lines if "pretrain.sbatch" in ln)
     assert all("--gpus-per-node=1" in ln for ln in evals)
     assert not [ln for ln in converts + lines[-1:] if "--gpus" in ln]
+    # the summary prices one start per pretraining job (no job reaches 48 hours here)
+    with open(plan_dir / "SUMMARY.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    starts = [ln for ln in lines if "pretrain.sbatch" in ln]
+    assert sum(int(r["starts"]) for r in rows) == len(starts) == 103
+    for r in rows:
+        cfg = f"/configs/{r['name']}.yaml "
+        assert int(r["starts"]) == sum(cfg in ln for ln in starts), r["name"]
+        seconds = {"210m": 120, "610m": 240, "1b": 300}[r["size"]]  # the assumed start-ups
+        hours = int(r["starts"]) * seconds * int(r["gpus"]) / 3600
+        assert float(r["startup_gpu_hours"]) == pytest.approx(hours, abs=0.01)
+    total = sum(float(r["startup_gpu_hours"]) for r in rows)
+    assert "103 pretraining job starts (60 runs" in (plan_dir / "SUMMARY.md").read_text()
+    assert f"**{total:,.1f} GPU-hours**" in (plan_dir / "SUMMARY.md").read_text()
 
 
 def submit(script: Path, tmp_path: Path, alive=(), env=None) -> tuple[list[str], list[str], str]:
@@ -600,6 +618,7 @@ def test_subset_and_rounding(tmp_path):
         ["--objectives", "xlm"],
         ["--split-size", "7b"],
         ["--throughput", "610m=abc"],
+        ["--startup", "3b=60"],
         ["--nodes", "1b=5"],  # 40 GPUs: 1152 is not divisible by micro-batch 4 x DP 40
     ],
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_mlmclm.plan.compute import DEFAULT_THROUGHPUT
+from megatron_mlmclm.plan.compute import DEFAULT_STARTUP_S, DEFAULT_THROUGHPUT
 from megatron_mlmclm.plan.jobs import EVAL_LRS, EVAL_SEEDS
 from megatron_mlmclm.plan.layout import LAYOUTS
 from megatron_mlmclm.plan.options import PlanOptions
@@ -138,6 +138,16 @@ def add_arguments(p) -> None:
         + ", ".join(f"{k}={v['nodes']}" for k, v in LAYOUTS.items())
         + ")",
     )
+    c.add_argument(
+        "--startup",
+        nargs="*",
+        default=d.startup,
+        metavar="SIZE=S",
+        help="seconds from a pretraining job's start to its first step, per size (the "
+        "trainer's `start-up:` line; default: assumed, "
+        + ", ".join(f"{k}={v:,.0f}" for k, v in DEFAULT_STARTUP_S.items())
+        + ")",
+    )
 
 
 def run(args) -> int:
@@ -151,7 +161,8 @@ def run(args) -> int:
     print(
         f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
         f"{totals['gpu_hours']:,.0f} GPU-hours with branches "
-        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch); priced "
+        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch) and "
+        f"{totals['startup_gpu_hours']:,.0f} for job starts; priced "
         + ", ".join(f"{source}: {' '.join(sizes)}" for source, sizes in by_source.items())
         + f" -> {out}"
     )

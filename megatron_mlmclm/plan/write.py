@@ -10,12 +10,25 @@ import yaml
 
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.plan.compute import MEASURED, compute_row, pricing, read_measurements
+from megatron_mlmclm.plan.compute import (
+    MEASURED,
+    compute_row,
+    pricing,
+    read_measurements,
+    startup_cost,
+    startup_pricing,
+)
 from megatron_mlmclm.plan.grid import build_grid, run_config
 from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
 from megatron_mlmclm.plan.options import PlanOptions
-from megatron_mlmclm.plan.summary import summary_md, totals_of, write_manifest, write_summary_csv
+from megatron_mlmclm.plan.summary import (
+    startup_md,
+    summary_md,
+    totals_of,
+    write_manifest,
+    write_summary_csv,
+)
 
 SLURM_DIR = Path(__file__).resolve().parents[2] / "examples" / "slurm"  # the sbatch templates
 
@@ -32,6 +45,7 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     nodes = per_size(opts.nodes, {k: v["nodes"] for k, v in LAYOUTS.items()}, "--nodes", int)
     runs = build_grid(opts)
     prices = pricing(dict.fromkeys(r.size for r in runs), opts.throughput, measured)
+    startups = startup_pricing(dict.fromkeys(r.size for r in runs), opts.startup)
     if opts.eval_tasks is not None and not opts.eval_tasks:
         raise UsageError("--eval-tasks is empty; give at least one task, e.g. sst2")
     if not opts.data:
@@ -47,6 +61,7 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     for r in runs:
         r.config = run_config(r, opts, runs_dir, layouts[r.name])
         r.row = compute_row(r, layouts[r.name], prices[r.size])
+        r.row.update(startup_cost(r, r.row, startups[r.size][0]))
 
     tmp = root.with_name(root.name + ".tmp-plan")
     if tmp.exists():
@@ -92,7 +107,10 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
         rows = [r.row for r in runs]
         write_summary_csv(tmp / "SUMMARY.csv", rows)
         totals = totals_of(rows)
-        (tmp / "SUMMARY.md").write_text(summary_md(rows, totals, prices), encoding="utf-8")
+        (tmp / "SUMMARY.md").write_text(
+            summary_md(rows, totals, prices) + startup_md(rows, [n for _, n in startups.values()]),
+            encoding="utf-8",
+        )
         write_manifest(
             tmp / "manifest.tsv",
             runs,

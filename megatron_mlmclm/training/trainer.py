@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -174,8 +175,10 @@ class Trainer:
         started = self.step
         while self.step < self.end:
             phase, stats = self.timed_step()
-            if self.step == started + 1 and self.kernels.compile.on:  # its compiles are done
-                log(compile_cache_line())
+            if self.step == started + 1:  # what this start cost (mlmclm plan --startup)
+                up = time.time() - psutil.Process().create_time()
+                compiled = f"; {compile_cache_line()}" if self.kernels.compile.on else ""
+                log(f"start-up: {up:.1f} s from this process's start to its first step{compiled}")
             if self.metrics.should_log(self.step):
                 stats.update(self.metrics.straggler_figures(self.faults))
             if self.validator.should_validate(self.step):
