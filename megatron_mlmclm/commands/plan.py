@@ -138,15 +138,14 @@ def add_arguments(p) -> None:
         + ", ".join(f"{k}={v['nodes']}" for k, v in LAYOUTS.items())
         + ")",
     )
+    assumed = " ".join(f"{k}={v:.0f}" for k, v in DEFAULT_STARTUP_S.items())
     c.add_argument(
         "--startup",
         nargs="*",
         default=d.startup,
         metavar="SIZE=S",
-        help="seconds from a pretraining job's start to its first step, per size (the "
-        "trainer's `start-up:` line; default: assumed, "
-        + ", ".join(f"{k}={v:,.0f}" for k, v in DEFAULT_STARTUP_S.items())
-        + ")",
+        help=f"seconds from a pretraining job's start to its first step, per size (the "
+        f"trainer's `start-up:` line), priced for every job start (default: assumed, {assumed})",
     )
 
 

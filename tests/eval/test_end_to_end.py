@@ -106,25 +106,9 @@ def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys
 
     # one SLURM array element of a larger grid (lr, seed order), two runs per element: element 1
     # holds runs 2 and 3, (1e-3, seed 2), to run, and (3e-4, seed 0), done above
-    larger = [
-        "evaluate",
-        "--model",
-        tiny_model,
-        "--task",
-        "sst2",
-        "--lrs",
-        "1e-3",
-        "3e-4",
-        "--seeds",
-        "0",
-        "1",
-        "2",
-        "--out",
-        str(out),
-        "--runs-per-element",
-        "2",
-        *TINY,
-    ]
+    larger = ["evaluate", "--model", tiny_model, "--task", "sst2", "--lrs", "1e-3", "3e-4",
+              "--seeds", "0", "1", "2", "--out", str(out), "--runs-per-element", "2",
+              *TINY]  # fmt: skip
     assert main([*larger, "--array-index", "1"]) == 0
     assert "ran 1, skipped 1" in capsys.readouterr().out
     assert main([*larger, "--array-index", "3"]) == 2  # 6 runs, 2 per element: 3 elements
