@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from jobs import start
 
 from megatron_mlmclm import cli
+from megatron_mlmclm.data.dataset import build_train_dataset
 from megatron_mlmclm.data.preprocess import inspect_shard, preprocess, shard_paths
 from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
 from megatron_mlmclm.errors import UsageError
@@ -150,10 +153,6 @@ def test_shards_resume_after_a_kill_and_equal_the_single_output(tmp_path, tok_di
     Run again shard by shard: shard 0 is kept untouched, shard 1 redone (the killed writer's
     files removed), shard 2 written; the shards' documents, in order, are those of one process
     over the four files, token for token."""
-    import os
-
-    from jobs import start
-
     paras = [p for b in books[:3] for p in b["text"].split("\n\n") if p.strip()][:160]
     texts = [paras[i::4] for i in range(4)]
     files = [tmp_path / f"part{i}.jsonl" for i in range(4)]
@@ -198,6 +197,10 @@ def test_shards_resume_after_a_kill_and_equal_the_single_output(tmp_path, tok_di
     assert {inspect_shard(f"{out}-{i:05d}-of-00003_text_document")["dtype"] for i in range(3)} == {
         inspect_shard(tmp_path / "one_text_document")["dtype"]
     }
+    # a run reads the shards as one list of prefixes, mixed by their tokens
+    prefixes = [f"{out}-{i:05d}-of-00003_text_document" for i in range(3)]
+    mixed = build_train_dataset(prefixes, 64, 30, 1234, tmp_path / "cache")
+    assert len(mixed) == 30 and {int(i) for i in mixed.dataset_index} == {0, 1, 2}
 
 
 @pytest.mark.parametrize(
