@@ -187,13 +187,15 @@ def _verify(ckpt: Path, rank: int, world: int) -> tuple[str | None, int]:
     return None, read
 
 
-def latest_verified_checkpoint(ckpt_dir: str | Path) -> tuple[Path | None, list[Path]]:
-    """(The newest complete checkpoint that verifies, the newer ones that failed). Each failure
-    is reported in one line; the run sets those folders aside at its first save
-    (`save_checkpoint(set_aside=...)`), never deletes them. When checkpoints exist but none
-    verifies, UsageError. Collective once process groups exist: each rank checksums its share
-    of the files (`_share`) and the ranks agree, so a start reads the checkpoint once in all, not
-    once per process; one line says what that cost."""
+def latest_verified_checkpoint(
+    ckpt_dir: str | Path,
+) -> tuple[Path | None, list[Path], str | None]:
+    """(The newest complete checkpoint that verifies, the newer ones that failed, what checking
+    it cost: a line to log). Each failure is reported in one line; the run sets those folders
+    aside at its first save (`save_checkpoint(set_aside=...)`), never deletes them. When
+    checkpoints exist but none verifies, UsageError. Collective once process groups exist: each
+    rank checksums its share of the files (`_share`) and the ranks agree, so a start reads the
+    checkpoint once in all, not once per process."""
     ckpts = complete_checkpoints(ckpt_dir)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     damaged = []
@@ -206,14 +208,13 @@ def latest_verified_checkpoint(ckpt_dir: str | Path) -> tuple[Path | None, list[
             dist.all_gather_object(everyone, (problem, read, time.perf_counter() - start))
         problem = next((p for p, _, _ in everyone if p is not None), None)
         if problem is None:
-            if any(r for _, r, _ in everyone):  # a manifest was checked
-                _say(
-                    f"verified {ck.name}: {sum(r for _, r, _ in everyone) / 1e9:.2f} GB "
-                    f"checksummed by {world} process(es), at most "
-                    f"{max(r for _, r, _ in everyone) / 1e9:.2f} GB and "
-                    f"{max(t for _, _, t in everyone):.1f} s each"
-                )
-            return ck, damaged
+            cost = (
+                f"verified {ck.name}: {sum(r for _, r, _ in everyone) / 1e9:.2f} GB "
+                f"checksummed by {world} process(es), at most "
+                f"{max(r for _, r, _ in everyone) / 1e9:.2f} GB and "
+                f"{max(t for _, _, t in everyone):.1f} s each"
+            )
+            return ck, damaged, cost if any(r for _, r, _ in everyone) else None
         damaged.append(ck)
         _say(
             f"checkpoint {ck} fails verification ({problem}); kept for inspection (moved aside "
@@ -224,7 +225,7 @@ def latest_verified_checkpoint(ckpt_dir: str | Path) -> tuple[Path | None, list[
             f"no checkpoint in {ckpt_dir} passes verification; move the folder "
             "away to start over, or restore a good copy"
         )
-    return None, damaged
+    return None, damaged, None
 
 
 def model_keys(chunks: list[torch.nn.Module]) -> list[str]:

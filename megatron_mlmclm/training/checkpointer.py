@@ -57,11 +57,14 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any]) -> Start:
     """The run's latest complete checkpoint, checked against this run (optimizer kind, data
     fingerprint); else a branch source; else train.init_from (its checksums verified)."""
     c = cfg.checkpoint
-    latest, damaged = ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else (None, [])
+    latest, damaged, cost = (
+        ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else (None, [], None)
+    )
     if latest is not None:
         state = ckpt.read_trainer_state(latest)["trainer"]
         consumed, notes = check_resume(latest, state, cfg, fingerprint)
         offset = consumed - PhasePlan.of(cfg).position(int(state["iteration"]))
+        notes = [cost, *notes] if cost else notes
         return Start(latest, notes=notes, sample_offset=offset, damaged=damaged)
     if cfg.train.branch_from:  # a stable checkpoint of this config at another budget
         source, notes = branch_source(cfg, fingerprint)
