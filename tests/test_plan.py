@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import datetime
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -546,6 +547,12 @@ def test_submit_script_skips_what_is_done_and_keeps_what_is_queued(tmp_path):
     ]
     assert "--array=0-0%4 " in lines[0] and "--runs-per-element 2 " in lines[0]
     assert "--dependency" not in lines[0]
+    # the branch trained again (its last checkpoint gone): its export is not taken for done
+    shutil.rmtree(plan / "runs" / names[1] / "checkpoints" / "iter_0012000")
+    lines, _, _ = submit(script, work)
+    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
+        "pt-210m-mlm40-12k", "cv-210m-mlm40-12k", "ev-210m-mlm40-12k", "report"
+    ]  # fmt: skip
 
 
 def test_no_branches_trains_every_budget_from_scratch(tmp_path):

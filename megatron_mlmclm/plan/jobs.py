@@ -241,7 +241,8 @@ def submit_script(
             f"if [ -f {last} ]; then done_ {q('pt-' + run.name)}; "
             f"else {pretrain('pt-' + run.name, dep, need)}; fi",
             f"PRETRAIN[{name}]=$J P=$J",
-            f'if [ "$HF/{EXPORT_FILE}" -nt {last} ]; then done_ {q("cv-" + run.name)}; '
+            f'if [ -f {last} ] && [ "$HF/{EXPORT_FILE}" -nt {last} ]; '
+            f"then done_ {q('cv-' + run.name)}; "
             f'else job {q("cv-" + run.name)} "$P" {last} --job-name {q("cv-" + run.name)} '
             '$CONVERT_SBATCH "$SLURM_DIR/convert.sbatch" '
             f'"$CK/$(printf iter_%07d "${{FINAL[{name}]}}")" "$HF" --force; fi',
