@@ -9,7 +9,8 @@ A checkpoint is written as `iter_N.tmp`, its files and folder are fsynced, a man
 sizes and SHA-256 checksums is written last (`manifest.json`), and only then is it renamed to
 `iter_N`: a killed run never leaves a folder that looks complete, and a checkpoint damaged later
 (truncated, flipped bytes) fails `verify_checkpoint`. Resume takes the newest checkpoint that
-verifies, saying so when it skips one. The model and optimizer are stored in
+verifies, saying so when it skips one; the run's processes share its checksums, each a share of
+the files. The model and optimizer are stored in
 megatron's reshardable formats (model: sharded tensors; distributed optimizer:
 `fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout loads at another.
 
@@ -144,40 +145,76 @@ def write_manifest(folder: Path) -> None:
             _fsync_dir(d)
 
 
-def verify_checkpoint(ckpt: str | Path) -> str | None:
+def verify_checkpoint(ckpt: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """None when every file in the checkpoint's manifest has its size and checksum, else what is
-    wrong (one line). A checkpoint without a manifest predates manifests and is accepted."""
-    ckpt = Path(ckpt)
+    wrong (one line). A checkpoint without a manifest predates manifests and is accepted. With
+    `share` (rank, world): every size, but only the checksums of the rank's share of the files."""
+    return _verify(Path(ckpt), *share)[0]
+
+
+def _share(files: dict[str, dict], rank: int, world: int) -> list[str]:
+    """The files `rank` of `world` checksums: largest first, each to the rank with the fewest
+    bytes so far (every rank computes the same split from the manifest)."""
+    load, mine = [0] * world, []
+    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
+        r = load.index(min(load))
+        load[r] += files[name]["size"]
+        if r == rank:
+            mine.append(name)
+    return mine
+
+
+def _verify(ckpt: Path, rank: int, world: int) -> tuple[str | None, int]:
+    """(What is wrong or None, the bytes this rank checksummed)."""
     manifest = ckpt / MANIFEST
     if not manifest.is_file():
-        return None
+        return None, 0
     try:
         files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
     except (ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MANIFEST} ({type(e).__name__})"
+        return f"unreadable {MANIFEST} ({type(e).__name__})", 0
     for name, want in files.items():  # sizes first: cheap, and catches truncation
         f = ckpt / name
         if not f.is_file():
-            return f"{name} is missing"
+            return f"{name} is missing", 0
         if f.stat().st_size != want["size"]:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {want['size']}"
-    for name, want in files.items():
-        if _digest(ckpt / name)["sha256"] != want["sha256"]:
-            return f"{name} does not match its checksum"
-    return None
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {want['size']}", 0
+    read = 0
+    for name in _share(files, rank, world):
+        read += files[name]["size"]
+        if _digest(ckpt / name)["sha256"] != files[name]["sha256"]:
+            return f"{name} does not match its checksum", read
+    return None, read
 
 
-def latest_verified_checkpoint(ckpt_dir: str | Path) -> tuple[Path | None, list[Path]]:
-    """(The newest complete checkpoint that verifies, the newer ones that failed). Each failure
-    is reported in one line; the run sets those folders aside at its first save
-    (`save_checkpoint(set_aside=...)`), never deletes them. When checkpoints exist but none
-    verifies, UsageError."""
+def latest_verified_checkpoint(
+    ckpt_dir: str | Path,
+) -> tuple[Path | None, list[Path], str | None]:
+    """(The newest complete checkpoint that verifies, the newer ones that failed, what checking
+    it cost: a line to log). Each failure is reported in one line; the run sets those folders
+    aside at its first save (`save_checkpoint(set_aside=...)`), never deletes them. When
+    checkpoints exist but none verifies, UsageError. Collective once process groups exist: each
+    rank checksums its share of the files (`_share`) and the ranks agree, so a start reads the
+    checkpoint once in all, not once per process."""
     ckpts = complete_checkpoints(ckpt_dir)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     damaged = []
     for ck in reversed(ckpts):
-        problem = verify_checkpoint(ck)
+        start = time.perf_counter()
+        problem, read = _verify(ck, rank, world)
+        everyone = [(problem, read, time.perf_counter() - start)]
+        if world > 1:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, (problem, read, time.perf_counter() - start))
+        problem = next((p for p, _, _ in everyone if p is not None), None)
         if problem is None:
-            return ck, damaged
+            cost = (
+                f"verified {ck.name}: {sum(r for _, r, _ in everyone) / 1e9:.2f} GB "
+                f"checksummed by {world} process(es), at most "
+                f"{max(r for _, r, _ in everyone) / 1e9:.2f} GB and "
+                f"{max(t for _, _, t in everyone):.1f} s each"
+            )
+            return ck, damaged, cost if any(r for _, r, _ in everyone) else None
         damaged.append(ck)
         _say(
             f"checkpoint {ck} fails verification ({problem}); kept for inspection (moved aside "
@@ -188,7 +225,7 @@ def latest_verified_checkpoint(ckpt_dir: str | Path) -> tuple[Path | None, list[
             f"no checkpoint in {ckpt_dir} passes verification; move the folder "
             "away to start over, or restore a good copy"
         )
-    return None, damaged
+    return None, damaged, None
 
 
 def model_keys(chunks: list[torch.nn.Module]) -> list[str]:

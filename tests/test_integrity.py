@@ -18,6 +18,7 @@ from jobs import curve, run_pretrain, stop_after_step
 
 from megatron_mlmclm.checkpoint import (
     MANIFEST,
+    _share,
     complete_checkpoints,
     resolve_checkpoint,
     verify_checkpoint,
@@ -85,6 +86,29 @@ def test_verification_catches_truncation_and_flipped_bytes(reference, tmp_path):
     )
     shard.unlink()
     assert verify_checkpoint(ck) == f"{shard.name} is missing"
+
+
+def test_ranks_share_the_checksums(reference, tmp_path):
+    """On resume each of a run's ranks checksums a share of the files (largest first, each to
+    the rank with the fewest bytes so far): two ranks' shares are disjoint, cover the
+    checkpoint and differ by at most one file; a flipped byte is found by the rank whose share
+    holds the file; every rank checks every size."""
+    ck = tmp_path / "iter_0000010"
+    shutil.copytree(reference / "checkpoints" / "iter_0000010", ck)
+    files = json.loads((ck / MANIFEST).read_text())["files"]
+    shares = [_share(files, rank, 2) for rank in (0, 1)]
+    assert sorted(shares[0] + shares[1]) == sorted(files) and not set(shares[0]) & set(shares[1])
+    load = [sum(files[n]["size"] for n in share) for share in shares]
+    assert abs(load[0] - load[1]) <= max(f["size"] for f in files.values())
+    for rank in (0, 1):
+        victim = ck / shares[rank][0]
+        good = victim.read_bytes()
+        flip_byte(victim, len(good) // 2)
+        assert verify_checkpoint(ck, (rank, 2)) == f"{victim.name} does not match its checksum"
+        assert verify_checkpoint(ck, (1 - rank, 2)) is None
+        victim.write_bytes(good[:-1])
+        assert "bytes, the manifest says" in verify_checkpoint(ck, (1 - rank, 2))
+        victim.write_bytes(good)
 
 
 @pytest.mark.slow

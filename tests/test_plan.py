@@ -7,8 +7,10 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -298,8 +300,12 @@ def test_a_new_measurement_is_a_data_only_change(tmp_path, capsys):
         [r] = list(csv.DictReader(f))
     assert float(r["gpu_hours"]) == pytest.approx(12000 * 1152 * 2048 / 102400 / 3600, abs=0.01)
     assert "- 610m: measured, 102,400 tokens/s per GPU" in (out / "SUMMARY.md").read_text()
-    assert main(argv + ["--force", "--throughput", "610m=50000"]) == 0
+    assert main(argv + ["--force", "--throughput", "610m=50000", "--startup", "610m=90"]) == 0
     assert "- 610m: given, 50,000 CLM tokens/s per GPU" in (out / "SUMMARY.md").read_text()
+    assert "- 610m: given, 90 s (--startup)" in (out / "SUMMARY.md").read_text()
+    with open(out / "SUMMARY.csv", newline="") as f:
+        [r] = list(csv.DictReader(f))
+    assert float(r["startup_gpu_hours"]) == pytest.approx(90 * 16 / 3600, abs=0.01)  # 1 start
 
 
 def test_a_probe_prices_its_size_from_its_metrics(tmp_path, capsys):
@@ -417,13 +423,14 @@ def test_evaluation_is_priced_per_task_beside_pretraining(plan_dir):
     assert int(r["eval_runs"]) == 30 * len(tasks)
     for x in rows.values():  # every model of a size costs the same to evaluate
         assert float(x["total_gpu_hours"]) == pytest.approx(
-            float(x["gpu_hours"]) + float(x["eval_gpu_hours"]), abs=0.011
+            float(x["gpu_hours"]) + float(x["startup_gpu_hours"]) + float(x["eval_gpu_hours"]),
+            abs=0.011,
         )
         assert x["eval_gpu_hours"] == rows[f"{x['size']}-clm-42k"]["eval_gpu_hours"]
     md = (plan_dir / "SUMMARY.md").read_text()
     pre = sum(float(x["gpu_hours"]) for x in rows.values())
     ev = sum(float(x["eval_gpu_hours"]) for x in rows.values())
-    line = re.search(r"\*\*GPU-hours\*\*: pretraining ([\d,.]+), evaluation ([\d,.]+)", md)
+    line = re.search(r"\*\*GPU-hours\*\*: pretraining ([\d,.]+), .*, evaluation ([\d,.]+)", md)
     assert line, md
     shown = [float(x.replace(",", "")) for x in line.groups()]
     assert shown == pytest.approx([pre, ev], abs=0.05 + 0.005 * len(rows))  # rows rounded to 0.01
@@ -496,22 +503,7 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
     assert len(picked) == 4
     for s in picked + [plan_dir / "submit_slurm.sh"]:
         subprocess.run(["bash", "-n", str(s)], check=True)
-    # run submit_slurm.sh against a fake sbatch (an exported bash function: no process per job)
-    # that logs its arguments and prints the job id (= its line number in the log)
-    log = tmp_path / "sbatch.log"
-    log.touch()
-    fake = (
-        'sbatch() { echo "$*" >> "$SBATCH_LOG"; local l; mapfile -t l < "$SBATCH_LOG"; '
-        'echo "${#l[@]}"; }; export -f sbatch; bash "$1"'
-    )
-    env = dict(os.environ, SBATCH_LOG=str(log))
-    subprocess.run(
-        ["bash", "-c", fake, "_", str(plan_dir / "submit_slurm.sh")],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
-    lines = log.read_text().splitlines()
+    lines, _, _ = submit(plan_dir / "submit_slurm.sh", tmp_path)
     # pretrain, convert, evaluate per run; a pretraining segment more per kept step: 2 per
     # stable single-objective run (15), 9 more for 610m-clm-42k's switch steps, 2 per CPT source
     assert len(lines) == 3 * 60 + 2 * 15 + 9 + 2 * 2 + 1
@@ -520,7 +512,10 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
         job[str(i)] = line
 
     def dependency(line):
-        return job[line.split("--dependency=afterok:")[1].split()[0]]
+        return job[line.split("--dependency=afterany:")[1].split()[0]]
+
+    def needs(line):
+        return line.split(" NEEDS=")[1]
 
     def segments(config):
         """The pretraining jobs of a run, each by where it stops."""
@@ -530,11 +525,17 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
             for ln in jobs
         }
 
+    runs = plan_dir / "runs"
     for src in ("610m-clm-42k", "610m-mlm40-42k"):  # the longest CPT run, after its source
         tag = src.rsplit("-", 1)[0]
         cpt = segments(f"{tag}-dec42k-mlm40-64k")
         assert list(cpt) == ["200", "10000", "end"]
         assert dependency(cpt["200"]) == segments(src)["end"]  # the decayed source, whole
+        # ... and, once started, checks the source's last checkpoint is there
+        assert needs(cpt["200"]) == f"{runs}/{src}/checkpoints/iter_0042000/metadata.json"
+        assert needs(cpt["end"]).endswith(
+            "-dec42k-mlm40-64k/checkpoints/iter_0010000/metadata.json"
+        )
         assert dependency(cpt["10000"]) == cpt["200"] and dependency(cpt["end"]) == cpt["10000"]
         for total, at in ((44, "200"), (54, "10000")):
             [ln] = segments(f"{tag}-dec42k-mlm40-{total}k").values()
@@ -547,6 +548,7 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
     for budget, at in ((12, "10000"), (22, "20000")):
         [ln] = segments(f"610m-mlm40-{budget}k").values()
         assert dependency(ln) == segments("610m-mlm40-42k")[at]
+        assert needs(ln) == f"{runs}/610m-mlm40-42k/checkpoints/iter_00{at}/metadata.json"
     # the CLM stable run stops at every switch step too; each biphasic run waits for its own
     clm = segments("610m-clm-42k")
     assert list(clm) == [
@@ -558,13 +560,164 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
             assert dependency(ln) == clm[str(at)]
     evals = [ln for ln in lines if "evaluate_array.sbatch" in ln]
     n = len(suite("paper", load_registry())) * 30  # the paper's sets x 6 LRs x 5 seeds
-    assert all(f"--array=0-{n - 1}" in ln for ln in evals) and len(evals) == 60
-    for ln in evals:  # each array waits for its run's export
+    assert all(f"--array=0-{n - 1}%16 " in ln for ln in evals) and len(evals) == 60  # throttled
+    for ln in evals:  # each array waits for its run's export, and checks it is there
         assert "convert.sbatch" in dependency(ln)
-    # the report waits for every array; GPUs are asked for on the command line
+        assert needs(ln) == ln.split("--model ")[1].split()[0] + "/mlmclm_export.json"
+    converts = [ln for ln in lines if "convert.sbatch" in ln]
+    for ln in converts:  # the run's last checkpoint, given by its step
+        ckpt = ln.split("convert.sbatch ")[1].split()[0]
+        assert needs(ln) == f"{ckpt}/metadata.json" and "pretrain.sbatch" in dependency(ln)
+    assert needs(converts[0]).endswith("/210m-clm-42k/checkpoints/iter_0042000/metadata.json")
+    # the report waits for every array; GPUs are asked for on the command line, for
+    # pretraining and evaluation only (conversion and the report run on the CPU)
     deps = lines[-1].split("--dependency=afterany:")[1].split()[0].split(":")
     assert "report.sbatch" in lines[-1] and sorted(job[d] for d in deps) == sorted(evals)
     assert all("--gpus-per-node=8" in ln for ln in lines if "pretrain.sbatch" in ln)
+    assert all("--gpus-per-node=1" in ln for ln in evals)
+    assert not [ln for ln in converts + lines[-1:] if "--gpus" in ln]
+    # the summary prices one start per pretraining job (no job reaches 48 hours here)
+    with open(plan_dir / "SUMMARY.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    starts = [ln for ln in lines if "pretrain.sbatch" in ln]
+    assert sum(int(r["starts"]) for r in rows) == len(starts) == 103
+    for r in rows:
+        cfg = f"/configs/{r['name']}.yaml "
+        assert int(r["starts"]) == sum(cfg in ln for ln in starts), r["name"]
+        seconds = {"210m": 120, "610m": 240, "1b": 300}[r["size"]]  # the assumed start-ups
+        hours = int(r["starts"]) * seconds * int(r["gpus"]) / 3600
+        assert float(r["startup_gpu_hours"]) == pytest.approx(hours, abs=0.01)
+    total = sum(float(r["startup_gpu_hours"]) for r in rows)
+    assert "103 pretraining job starts (60 runs" in (plan_dir / "SUMMARY.md").read_text()
+    assert f"**{total:,.1f} GPU-hours**" in (plan_dir / "SUMMARY.md").read_text()
+
+
+def submit(script: Path, tmp_path: Path, alive=(), env=None) -> tuple[list[str], list[str], str]:
+    """Run a copy of a plan's submit_slurm.sh (its .submitted/ record beside the copy) against a
+    fake sbatch (exported bash functions: no process per job) that logs its arguments and the
+    job's MLMCLM_NEEDS and prints the job id (its line number in the log), a fake squeue that
+    calls the jobs in `alive` PENDING, and a fake scancel that logs -> (sbatch lines, scancel
+    lines, output) of this run."""
+    copy = tmp_path / "submit_slurm.sh"
+    if not copy.exists():
+        copy.write_text(script.read_text())
+    log, cancelled, queued = (tmp_path / n for n in ("sbatch.log", "scancel.log", "alive"))
+    before = [len(p.read_text().splitlines()) if p.exists() else 0 for p in (log, cancelled)]
+    queued.write_text("".join(f"{j}\n" for j in alive))
+    fakes = (
+        'sbatch() { echo "$* NEEDS=$MLMCLM_NEEDS" >> "$SBATCH_LOG"; local l; '
+        'mapfile -t l < "$SBATCH_LOG"; echo "${#l[@]}"; }; '
+        'squeue() { if grep -qx "$3" "$ALIVE"; then echo PENDING; fi; }; '
+        'scancel() { echo "$1" >> "$SCANCEL_LOG"; }; '
+        'export -f sbatch squeue scancel; bash "$1"'
+    )
+    env = dict(
+        os.environ,
+        SBATCH_LOG=str(log),
+        SCANCEL_LOG=str(cancelled),
+        ALIVE=str(queued),
+        **(env or {}),
+    )
+    out = subprocess.run(
+        ["bash", "-c", fakes, "_", str(copy)], check=True, env=env, capture_output=True, text=True
+    ).stdout
+    logs = [
+        p.read_text().splitlines()[n:] if p.exists() else []
+        for p, n in zip((log, cancelled), before)
+    ]
+    return logs[0], logs[1], out
+
+
+def test_submit_script_skips_what_is_done_and_keeps_what_is_queued(tmp_path):
+    """Run again, submit_slurm.sh submits only what is neither done nor queued: a stable run (22K,
+    its segment to 10K), its decay branch (12K) and a CPT run (+2K) of it. The checks are the
+    files on disk (a checkpoint's metadata.json, the export record, the results, the report);
+    a queued job is kept unless a job it waits on was submitted again."""
+    plan = tmp_path / "plan"
+    argv = ["plan", "--out", str(plan), "--sizes", "210m", "--budgets", "12000", "22000"]
+    argv += ["--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps", "2000"]
+    argv += ["--cpt-from", "mlm", "--cpt-size", "210m", "--cpt-budget", "22000"]
+    argv += ["--eval-tasks", "sst2", "--eval-lrs", "1e-3", "--eval-seeds", "0", "1"]
+    assert main(argv) == 0
+    script, work = plan / "submit_slurm.sh", tmp_path / "work"
+    work.mkdir()
+    first, _, _ = submit(script, work)
+    names = ["210m-mlm40-22k", "210m-mlm40-12k", "210m-mlm40-dec22k-mlm40-24k"]
+    keys = ["pt-210m-mlm40-22k@10000"]  # in the order the script submits them
+    keys += [f"{k}-{n}" for n in names for k in ("pt", "cv", "ev")] + ["report"]
+    record = {k: (work / ".submitted" / k).read_text().strip() for k in keys}
+    assert len(first) == len(keys) == 11 and sorted(record.values(), key=int) == [
+        str(i) for i in range(1, 12)
+    ]
+
+    # everything still queued: nothing submitted, nothing cancelled
+    again, cancelled, out = submit(script, work, alive=record.values())
+    assert (again, cancelled) == ([], []) and "nothing submitted" in out, out
+
+    # the stable run reached 10K and failed; its branch's jobs are still queued, the rest ended:
+    # the stable run's last segment again (no dependency: what it needs is on disk), its
+    # convert and evaluation again; the branch's jobs kept; the CPT run's jobs again, and the
+    # report, now after the new arrays
+    ck = plan / "runs" / "210m-mlm40-22k" / "checkpoints"
+    (ck / "iter_0010000").mkdir(parents=True)
+    (ck / "iter_0010000" / "metadata.json").write_text("{}")
+    branch = [record[f"{k}-210m-mlm40-12k"] for k in ("pt", "cv", "ev")]
+    lines, cancelled, out = submit(script, work, alive=branch + [record["report"]])
+    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
+        "pt-210m-mlm40-22k", "cv-210m-mlm40-22k", "ev-210m-mlm40-22k",
+        "pt-210m-mlm40-dec22k-mlm40-24k", "cv-210m-mlm40-dec22k-mlm40-24k",
+        "ev-210m-mlm40-dec22k-mlm40-24k", "report",
+    ]  # fmt: skip
+    assert "--dependency" not in lines[0] and lines[0].endswith(
+        f"NEEDS={ck}/iter_0010000/metadata.json"
+    )
+    assert "pt-210m-mlm40-22k@10000: done" in out
+    assert f"pt-210m-mlm40-12k: queued or running as job {branch[0]}" in out
+    assert cancelled == [record["report"]]  # it waited on arrays now submitted again
+    report_deps = lines[-1].split("--dependency=afterany:")[1].split()[0].split(":")
+    new = {ln.split("--job-name ")[1].split()[0]: str(12 + i) for i, ln in enumerate(lines)}
+    assert report_deps == [
+        new["ev-210m-mlm40-22k"],
+        branch[2],
+        new["ev-210m-mlm40-dec22k-mlm40-24k"],
+    ]
+
+    # every run finished, exported and evaluated, the report written after the results:
+    # nothing to submit
+    for name, steps in zip(names, (22000, 12000, 2000)):
+        last = plan / "runs" / name / "checkpoints" / f"iter_{steps:07d}"
+        last.mkdir(parents=True, exist_ok=True)
+        (last / "metadata.json").write_text("{}")
+    time.sleep(0.01)
+    for name in names:
+        (plan / "hf" / name).mkdir(parents=True)
+        (plan / "hf" / name / "mlmclm_export.json").write_text("{}")
+    time.sleep(0.01)
+    for name in names:
+        for seed in (0, 1):
+            result = plan / "results" / "eval" / name / "sst2" / f"lr0.001_seed{seed}_abc.json"
+            result.parent.mkdir(parents=True, exist_ok=True)
+            result.write_text("{}")
+    time.sleep(0.01)
+    (plan / "results" / "report").mkdir()
+    (plan / "results" / "report" / "report.md").write_text("")
+    lines, cancelled, out = submit(script, work)
+    assert (lines, cancelled) == ([], []) and "nothing submitted" in out, out
+    # a failed evaluation run (one result short): its array and the report again
+    next(iter((plan / "results" / "eval" / names[1]).rglob("*seed1*"))).unlink()
+    lines, _, _ = submit(script, work, env={"EVAL_RUNS_PER_JOB": "2", "EVAL_MAX_RUNNING": "4"})
+    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
+        "ev-210m-mlm40-12k",
+        "report",
+    ]
+    assert "--array=0-0%4 " in lines[0] and "--runs-per-element 2 " in lines[0]
+    assert "--dependency" not in lines[0]
+    # the branch trained again (its last checkpoint gone): its export is not taken for done
+    shutil.rmtree(plan / "runs" / names[1] / "checkpoints" / "iter_0012000")
+    lines, _, _ = submit(script, work)
+    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
+        "pt-210m-mlm40-12k", "cv-210m-mlm40-12k", "ev-210m-mlm40-12k", "report"
+    ]  # fmt: skip
 
 
 def test_no_branches_trains_every_budget_from_scratch(tmp_path):
@@ -637,6 +790,7 @@ def test_subset_and_rounding(tmp_path):
         ["--objectives", "xlm"],
         ["--split-size", "7b"],
         ["--throughput", "610m=abc"],
+        ["--startup", "3b=60"],
         ["--nodes", "1b=5"],  # 40 GPUs: 1152 is not divisible by micro-batch 4 x DP 40
     ],
 )

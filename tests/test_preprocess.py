@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from jobs import start
 
 from megatron_mlmclm import cli
+from megatron_mlmclm.data.dataset import build_train_dataset
 from megatron_mlmclm.data.preprocess import inspect_shard, preprocess, shard_paths
 from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
 from megatron_mlmclm.errors import UsageError
@@ -141,6 +145,80 @@ def test_output_identical_for_one_and_two_workers(tmp_path, tok_dir, docs):
             {k: [shard_paths(prefix, k)[i].read_bytes() for i in (0, 1)] for k in ("text", "title")}
         )
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_shards_resume_after_a_kill_and_equal_the_single_output(tmp_path, tok_dir, books, capsys):
+    """Four input files in three shards (files 0 | 1 | 2-3). Shard 1's writer is killed mid-shard
+    (SIGKILL while it waits on its input, a FIFO nobody writes yet, its temporary outputs open).
+    Run again shard by shard: shard 0 is kept untouched, shard 1 redone (the killed writer's
+    files removed), shard 2 written; the shards' documents, in order, are those of one process
+    over the four files, token for token."""
+    paras = [p for b in books[:3] for p in b["text"].split("\n\n") if p.strip()][:160]
+    texts = [paras[i::4] for i in range(4)]
+    files = [tmp_path / f"part{i}.jsonl" for i in range(4)]
+
+    def write(i: int) -> None:
+        files[i].write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[i]))
+
+    for i in (0, 2, 3):
+        write(i)
+    os.mkfifo(files[1])  # shard 1 blocks reading it
+    common = ["--input", *map(str, files), "--tokenizer", str(tok_dir), "--log-interval", "0"]
+    out = tmp_path / "shards" / "c"
+
+    def shard(i: int) -> list[str]:
+        return ["preprocess", *common, "--output-prefix", str(out), "--shard", f"{i}/3"]
+
+    assert cli.main(shard(0)) == 0
+    first = shard_paths(f"{out}-00000-of-00003", "text")
+    before = [(p.stat().st_ino, p.stat().st_mtime_ns) for p in first]
+    job = start(("mlmclm", shard(1)))
+    pending = lambda: list(out.parent.glob("c-00001-of-00003_text_document.bin.tmp-*"))  # noqa: E731
+    deadline = time.monotonic() + 120
+    while not pending() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    job.kill_tree()
+    job.wait()
+    assert pending() and not shard_paths(f"{out}-00001-of-00003", "text")[0].exists()
+    files[1].unlink()
+    write(1)
+
+    capsys.readouterr()
+    for i in range(3):
+        assert cli.main(shard(i)) == 0
+    said = capsys.readouterr().out
+    assert "shard 0/3 is already written" in said and said.count("already written") == 1, said
+    assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in first] == before
+    assert not pending() and len(list(out.parent.iterdir())) == 6  # three shards' .bin/.idx
+    preprocess(list(map(str, files)), tmp_path / "one", tok_dir, progress=False)
+    single = _read_docs(tmp_path / "one_text_document")
+    sharded = [d for i in range(3) for d in _read_docs(f"{out}-{i:05d}-of-00003_text_document")]
+    assert sharded == single and len(single) == sum(map(len, texts))
+    assert {inspect_shard(f"{out}-{i:05d}-of-00003_text_document")["dtype"] for i in range(3)} == {
+        inspect_shard(tmp_path / "one_text_document")["dtype"]
+    }
+    # a run reads the shards as one list of prefixes, mixed by their tokens
+    prefixes = [f"{out}-{i:05d}-of-00003_text_document" for i in range(3)]
+    mixed = build_train_dataset(prefixes, 64, 30, 1234, tmp_path / "cache")
+    assert len(mixed) == 30 and {int(i) for i in mixed.dataset_index} == {0, 1, 2}
+
+
+@pytest.mark.parametrize(
+    "spec, files, message",
+    [
+        ("3/3", 4, "give i/N with 0 <= i < N"),
+        ("a/b", 4, "give i/N with 0 <= i < N"),
+        ("0/5", 4, "5 shards need at least 5 input files, got 4"),
+    ],
+)
+def test_bad_shards_are_refused(spec, files, message, tmp_path, tok_dir, capsys):
+    inputs = []
+    for i in range(files):
+        inputs.append(str(tmp_path / f"{i}.jsonl"))
+        Path(inputs[-1]).write_text(json.dumps({"text": "some words"}) + "\n")
+    argv = ["preprocess", "--input", *inputs, "--tokenizer", str(tok_dir), "--shard", spec]
+    assert cli.main([*argv, "--output-prefix", str(tmp_path / "o" / "x")]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "o").exists()
 
 
 def test_gpt_dataset_reads_our_shards(tmp_path, tok_dir, books):

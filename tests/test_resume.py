@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from jobs import curve, kill_after_checkpoint, line_tokenizer, run_pretrain
+from jobs import curve, job_env, kill_after_checkpoint, launch, line_tokenizer, run_pretrain
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_mlmclm.checkpoint import read_trainer_state
@@ -124,6 +124,40 @@ def test_resume_across_sequence_parallelism(config, tmp_path, saved="true", resu
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
         assert got[step] == pytest.approx(expected[step], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_compiled_runs_second_start_loads_its_graphs_from_the_compile_cache(tmp_path):
+    """model.compile=on, on CPU (Inductor's C++ kernels): the first start compiles into the run's
+    compile_cache and stops at step 1; the second start, a resume as after a requeue, loads
+    every graph it needs from there and compiles none."""
+    config = tmp_path / "run.yaml"
+    model = {"preset": "tiny", "num_layers": 1, "seq_length": 32, "compile": "on"}
+    train = {"steps": 2, "micro_batch_size": 1, "global_batch_size": 1}
+    phases = [{"objective": "mlm"}]
+    config.write_text(
+        yaml.safe_dump({"data": {"mock": True}, "model": model, "phases": phases, "train": train})
+    )
+    run = tmp_path / "run"
+    env = job_env()
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set by a compile earlier in this process
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile workers to start
+    overrides = [f"output_dir={run}", "train.warmup_steps=0", "train.decay_steps=1"]
+    overrides += ["logging.eval_interval=0", "logging.tensorboard=false"]
+    lines = []
+    for argv in (["--stop-at", "1"], []):
+        proc = launch(("mlmclm", ["pretrain", str(config), *overrides, *argv]), env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        [line] = [ln for ln in proc.stderr.splitlines() if "torch.compile:" in ln]
+        lines.append(line)
+    cache = run / "compile_cache"
+    compiled, loaded = (
+        [int(line.split(word)[0].split()[-1]) for line in lines]
+        for word in (" graph(s) compiled", " loaded from")
+    )
+    assert compiled[0] > 0 and str(cache) in lines[0], lines
+    assert compiled[1] == 0 and loaded[1] > 0, lines  # every graph from the cache
+    assert "resumed from" in proc.stderr and any(cache.iterdir())
 
 
 def test_resume_with_the_other_optimizer_kind_is_refused(config, tmp_path):

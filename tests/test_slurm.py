@@ -6,10 +6,13 @@
   equals that of an uninterrupted run, bitwise.
 * pretrain.sbatch with rank 1 hung at step 5 (fault injection): the watchdog's exit 76 requeues
   the job, which resumes and completes.
-* the submit script `mlmclm plan` writes, on a one-run grid: pretrain -> convert -> an
-  evaluate_array.sbatch array -> report, in that order (dependencies), every job completed.
+* the submit script `mlmclm plan` writes, on a one-run grid whose pretraining job fails once:
+  every job ends (none pending on the failure); run again, it completes pretrain -> convert -> an
+  evaluate_array.sbatch array -> report in that order, the run bitwise an uninterrupted one; run
+  once more, it submits nothing.
 Only documented variables change the scripts (NPROC_PER_NODE, MLMCLM_PYTHON, MASTER_PORT,
-GPUS_PER_NODE, *_SBATCH, PRETRAIN_ARGS, EVAL_ARGS) and sbatch command-line options.
+GPUS_PER_NODE, *_SBATCH, PRETRAIN_ARGS, EVAL_ARGS, EVAL_RUNS_PER_JOB, EVAL_MAX_RUNNING,
+MLMCLM_INJECT_FAULTS, MLMCLM_MAX_RESTARTS) and sbatch command-line options.
 """
 
 from __future__ import annotations
@@ -141,49 +144,34 @@ def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run
     assert "SIGUSR1: asking the trainer to save and stop" in log
     assert f"requeueing job {job}" in log and "restart 1:" in log
     assert f"resumed from {run / 'checkpoints' / f'iter_{stopped:07d}'} at step {stopped}" in log
+    assert "checksummed by 2 process(es)" in log  # each rank a share of the checkpoint
     got, expected = curve(run), curve(ref)
     assert sorted(got) == list(range(1, 17))
     assert got == expected  # bitwise, across the stop and the requeue
 
 
-def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(
+def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
     slurm, shards, tmp_path, data_dir
 ):
+    """The submit script `mlmclm plan` writes, on a one-run grid, run four times.
+    1. Pretraining fails at step 3 (a NaN injected once, no requeue allowed): conversion,
+       the evaluation array and the report, waiting with `afterany`, end at once (exit 3: what
+       they need is missing): no job is left pending.
+    2. Run again at once, while the first submission is queued: it submits nothing.
+    3. Run again after the failure: pretraining resumes from step 2 and completes, bitwise the
+       uninterrupted run; conversion, a throttled array (one element, both fine-tuning runs in
+       one process) and the report follow in order.
+    4. Run again: everything is done, nothing submitted."""
     plan = tmp_path / "plan"
-    assert (
-        main(
-            [
-                "plan",
-                "--out",
-                str(plan),
-                "--sizes",
-                "tiny",
-                "--budgets",
-                "4000",
-                "--objectives",
-                "mlm",
-                "--mask-ratios",
-                "0.4",
-                "--clm-shares",
-                "--cpt-steps",
-                "--nodes",
-                "1",
-                "--gpus-per-node",
-                "2",
-                "--data",
-                shards["train"],
-                "--tokenizer",
-                shards["tokenizer"],
-                "--eval-tasks",
-                "sst2",
-                "--eval-lrs",
-                "1e-3",
-                "--eval-seeds",
-                "0",
-                "1",
-            ]
-        )
-        == 0
+    argv = ["plan", "--out", str(plan), "--sizes", "tiny", "--budgets", "4000"]
+    argv += ["--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps"]
+    argv += ["--nodes", "1", "--gpus-per-node", "2", "--data", shards["train"]]
+    argv += ["--tokenizer", shards["tokenizer"], "--eval-tasks", "sst2", "--eval-lrs", "1e-3"]
+    assert main([*argv, "--eval-seeds", "0", "1"]) == 0
+    overrides = (
+        "train.steps=4 train.global_batch_size=4 train.micro_batch_size=2 "
+        "train.warmup_steps=1 train.decay_steps=1 model.seq_length=64 "
+        f"data.cache_dir={shards['cache']} logging.tensorboard=false checkpoint.save_interval=2"
     )
     env = job_environment(
         GPUS_PER_NODE="0",
@@ -193,46 +181,72 @@ def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(
         CONVERT_SBATCH="--cpus-per-task=1 --mem=1G",
         EVAL_SBATCH="--cpus-per-task=1",
         REPORT_SBATCH="--cpus-per-task=1",
-        PRETRAIN_ARGS=(
-            "train.steps=4 train.global_batch_size=4 train.micro_batch_size=2 "
-            "train.warmup_steps=1 train.decay_steps=1 model.seq_length=64 "
-            f"data.cache_dir={shards['cache']} logging.tensorboard=false"
-        ),
+        PRETRAIN_ARGS=overrides,
         EVAL_ARGS=(
             "--max-steps 3 --eval-every 3 --batch-size 8 --eval-batch-size 16 "
             "--max-length 64 --max-train-examples 48 --max-eval-examples 32 --threads 1 "
             "--no-progress"
         ),
+        EVAL_RUNS_PER_JOB="2",
+        EVAL_MAX_RUNNING="1",
+        # the first pretraining job fails at step 3 (once per run folder), and is not requeued
+        MLMCLM_INJECT_FAULTS="nan rank=0 step=3 mode=transient",
+        MLMCLM_MAX_RESTARTS="0",
     )
-    out = slurm.run(["bash", str(plan / "submit_slurm.sh")], env=env, cwd=tmp_path).stdout
-    m = re.search(
-        r"pretrain (\d+), convert (\d+), evaluate array (\d+) of 2\n"
-        r"submitted the report (\d+):",
-        out,
-    )
-    assert m, out
-    ids = list(m.groups())
-    slurm.wait(ids, timeout=400)
-    logs = "\n".join(p.read_text()[-1500:] for p in sorted((tmp_path / "logs").iterdir()))
-    jobs = {
-        name: slurm.jobs(j) for name, j in zip(("pretrain", "convert", "evaluate", "report"), ids)
-    }
-    for name, records in jobs.items():
-        assert [r["JobState"] for r in records] == ["COMPLETED"] * len(records), (
+
+    def submit() -> tuple[list[str] | None, str]:
+        """-> the jobs (ids, or "done") of pretraining, conversion, evaluation and the report"""
+        out = slurm.run(["bash", str(plan / "submit_slurm.sh")], env=env, cwd=tmp_path).stdout
+        run = re.search(r"pretrain (\w+), convert (\w+), evaluate array (\w+) of 1 \(2 runs\)", out)
+        report = re.search(r"the report (\w+):", out)
+        return ([*run.groups(), report.group(1)] if run and report else None), out
+
+    def records(ids: list[str]) -> dict[str, list[dict]]:
+        return {
+            k: slurm.jobs(j) for k, j in zip(("pretrain", "convert", "evaluate", "report"), ids)
+        }
+
+    def logs() -> str:
+        return "\n".join(p.read_text()[-1500:] for p in sorted((tmp_path / "logs").iterdir()))
+
+    first, out = submit()
+    assert first, out
+    again, out = submit()
+    assert again == first and "nothing submitted" in out, out
+    assert f"pt-tiny-mlm40-4k: queued or running as job {first[0]}" in out
+    slurm.wait(first, timeout=400)  # every job ends: none waits forever on the failed one
+    jobs = records(first)
+    assert [r["JobState"] for r in jobs["pretrain"]] == ["FAILED"], (logs(), slurm.daemon_logs())
+    for kind in ("convert", "evaluate", "report"):  # what they need is missing: exit 3, at once
+        assert [(r["JobState"], r["ExitCode"]) for r in jobs[kind]] == [("FAILED", "3:0")], kind
+    assert "needs " in logs() and "which is missing" in logs()
+
+    second, out = submit()
+    assert second and not set(second) & set(first), out
+    slurm.wait(second, timeout=400)
+    jobs = records(second)
+    for name, recs in jobs.items():
+        assert [r["JobState"] for r in recs] == ["COMPLETED"] * len(recs), (
             name,
-            logs,
+            logs(),
             slurm.daemon_logs(),
         )
-    assert len(jobs["evaluate"]) == 2  # sst2 x 1 LR x 2 seeds
+    # one array element running both fine-tuning runs, at most one element at a time
+    assert len(jobs["evaluate"]) == 1 and jobs["evaluate"][0]["ArrayTaskThrottle"] == "1"
     # Each stage started only after the one it depends on had ended.
     assert when(jobs["convert"][0]["StartTime"]) >= when(jobs["pretrain"][0]["EndTime"])
     for element in jobs["evaluate"]:
         assert when(element["StartTime"]) >= when(jobs["convert"][0]["EndTime"])
         assert when(jobs["report"][0]["StartTime"]) >= when(element["EndTime"])
-    assert when(jobs["pretrain"][0]["EndTime"]) > when(jobs["pretrain"][0]["StartTime"])
 
     run, hf = plan / "runs" / "tiny-mlm40-4k", plan / "hf" / "tiny-mlm40-4k"
-    assert max(curve(run)) == 4 and (hf / "config.json").is_file()
+    resumed = (tmp_path / "logs" / f"pt-tiny-mlm40-4k-{second[0]}.out").read_text()
+    assert f"resumed from {run / 'checkpoints' / 'iter_0000002'} at step 2" in resumed
+    ref = tmp_path / "ref"
+    config = plan / "configs" / "tiny-mlm40-4k.yaml"
+    run_pretrain(config, [*overrides.split(), f"output_dir={ref}"], nproc=2)
+    assert sorted(curve(run)) == [1, 2, 3, 4] and curve(run) == curve(ref)  # bitwise
+    assert (hf / "config.json").is_file()
     results = sorted(p.name for p in (plan / "results" / "eval").rglob("*.json"))
     # one result per seed, named lr<lr>_seed<seed>_<protocol id>.json (eval/grid.py), one protocol
     assert [re.sub(r"_[0-9a-f]{10}\.json$", "", r) for r in results] == [
@@ -241,6 +255,9 @@ def test_plan_submit_script_runs_pretrain_convert_evaluate_report_in_order(
     ], results
     assert len({r.rsplit("_", 1)[1] for r in results}) == 1, results
     assert (plan / "results" / "report" / "report.md").is_file()
+
+    last, out = submit()
+    assert last == ["done"] * 4 and "nothing submitted" in out, out
 
 
 def test_pretrain_sbatch_requeues_a_hung_rank_and_the_job_completes(slurm, tmp_path):

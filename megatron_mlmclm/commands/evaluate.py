@@ -7,6 +7,7 @@
     mlmclm evaluate ... --show-inputs 3         # the first training inputs as tokens with labels
     mlmclm evaluate ... --list                  # print the grid (size it for a SLURM array)
     mlmclm evaluate ... --array-index 17        # run grid element 17 only ($SLURM_ARRAY_TASK_ID)
+    mlmclm evaluate ... --array-index 2 --runs-per-element 4 --workers 2   # runs 8-11, 2 at once
     mlmclm evaluate --list-tasks
     mlmclm evaluate --suite paper --fetch       # its data from the Hub into $MLMCLM_DATA_DIR
 
@@ -80,6 +81,14 @@ def add_arguments(p) -> None:
         type=int,
         default=None,
         help="run one grid element (default: $SLURM_ARRAY_TASK_ID when set)",
+    )
+    p.add_argument(
+        "--runs-per-element",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --array-index I: runs I*K .. I*K+K-1 of the grid, in this process (or "
+        "--workers processes sharing its GPU); the array then has ceil(runs / K) elements",
     )
     p.add_argument("--list", action="store_true", help="print the grid with indices and exit")
     p.add_argument("--list-tasks", action="store_true", help="print the known tasks and exit")
@@ -185,6 +194,7 @@ def run(args) -> int:
         "max_eval_examples",
         "threads",
         "show_inputs",
+        "runs_per_element",
     ):
         _positive(name, getattr(args, name))
     if not args.lrs or any(lr <= 0 for lr in args.lrs):
@@ -221,7 +231,13 @@ def run(args) -> int:
             index = int(os.environ["SLURM_ARRAY_TASK_ID"])
         except ValueError:
             raise UsageError("SLURM_ARRAY_TASK_ID is not an integer") from None
-    summary = run_grid(cfgs, args.out, workers=args.workers, array_index=index)
+    summary = run_grid(
+        cfgs,
+        args.out,
+        workers=args.workers,
+        array_index=index,
+        runs_per_element=args.runs_per_element,
+    )
     print(
         f"evaluate: ran {summary['ran']}, skipped {summary['skipped']}, "
         f"failed {summary['failed']} -> {args.out}"

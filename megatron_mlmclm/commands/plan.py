@@ -14,7 +14,7 @@ from pathlib import Path
 from megatron_mlmclm.eval.fetch import check_data
 from megatron_mlmclm.eval.tasks import get_task, load_registry, suite
 from megatron_mlmclm.paths import data_dir
-from megatron_mlmclm.plan.compute import DEFAULT_THROUGHPUT
+from megatron_mlmclm.plan.compute import DEFAULT_STARTUP_S, DEFAULT_THROUGHPUT
 from megatron_mlmclm.plan.jobs import EVAL_LRS, EVAL_SEEDS
 from megatron_mlmclm.plan.layout import LAYOUTS
 from megatron_mlmclm.plan.options import PlanOptions
@@ -169,6 +169,15 @@ def add_arguments(p) -> None:
         + ", ".join(f"{k}={v['nodes']}" for k, v in LAYOUTS.items())
         + ")",
     )
+    assumed = " ".join(f"{k}={v:.0f}" for k, v in DEFAULT_STARTUP_S.items())
+    c.add_argument(
+        "--startup",
+        nargs="*",
+        default=d.startup,
+        metavar="SIZE=S",
+        help=f"seconds from a pretraining job's start to its first step, per size (the "
+        f"trainer's `start-up:` line), priced for every job start (default: assumed, {assumed})",
+    )
 
 
 def evaluation(options: PlanOptions) -> tuple[PlanOptions, list[str]]:
@@ -202,7 +211,8 @@ def run(args) -> int:
     print(
         f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
         f"{totals['gpu_hours']:,.0f} GPU-hours of pretraining with branches "
-        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch), "
+        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch) and "
+        f"{totals['startup_gpu_hours']:,.0f} for job starts, "
         f"{totals['eval_gpu_hours']:,.0f} of evaluation ({len(options.eval_tasks)} tasks), "
         f"{totals['total_gpu_hours']:,.0f} in total; priced "
         + ", ".join(f"{source}: {' '.join(sizes)}" for source, sizes in by_source.items())

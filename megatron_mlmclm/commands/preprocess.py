@@ -57,6 +57,13 @@ def add_arguments(parser) -> None:
         default=10000,
         help="documents between log lines when stderr is not a terminal",
     )
+    parser.add_argument(
+        "--shard",
+        metavar="i/N",
+        help="tokenize only the i-th of N runs of consecutive input files into "
+        "PREFIX-i-of-N (5 digits each); kept when already written, so a killed job run "
+        "again redoes only unfinished shards",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite existing shards")
 
 
@@ -65,7 +72,7 @@ def run(args) -> int:
     # which dominates a small input.
     started = psutil.Process().create_time()
     # Imported here: megatron-core and transformers would slow `mlmclm preprocess --help`.
-    from megatron_mlmclm.data.preprocess import preprocess, summary_line
+    from megatron_mlmclm.data.preprocess import parse_shard, preprocess, summary_line
 
     s = preprocess(
         args.input,
@@ -79,6 +86,7 @@ def run(args) -> int:
         backend=args.backend,
         log_interval=args.log_interval,
         started=started,
+        shard=parse_shard(args.shard) if args.shard else None,
     )
     print(summary_line(s))
     return 0

@@ -21,6 +21,14 @@ Parallelism (``--workers N``), identical output for any N:
 
 Outputs are written under temporary names and renamed only when every input was read and
 validated, so a bad input (see text_sources.py) leaves nothing behind.
+
+Shards (``--shard i/N``), for many processes and nodes: the input files, in the order they are
+read, are cut into N runs of consecutive files (a file is never split); shard i tokenizes the i-th
+run into its own prefix ``{output_prefix}-{i:05d}-of-{N:05d}`` (``shard_prefix``). The N shards'
+documents, in shard order, are the single output's, token for token. A shard whose outputs are
+already written and pass ``inspect_shard`` is kept and skipped, so a killed job run again redoes
+only its unfinished shards (and removes the temporary files a killed writer left). A training run
+reads the N prefixes as one list (``data.train``, ``mlmclm plan --data``).
 """
 
 from __future__ import annotations
@@ -41,7 +49,12 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from megatron_mlmclm.data.encode import encode_texts, pack, worker_encode, worker_init
-from megatron_mlmclm.data.shards import shard_fingerprint, write_fingerprint
+from megatron_mlmclm.data.shards import (
+    fingerprint_path,
+    read_fingerprint,
+    shard_fingerprint,
+    write_fingerprint,
+)
 from megatron_mlmclm.data.text_sources import expand_inputs, iter_documents
 from megatron_mlmclm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from megatron_mlmclm.document import make_document_tokenizer
@@ -64,6 +77,46 @@ BATCH_CHARS = 1 << 20  # ~1 MB of text per tokenizer batch
 def shard_paths(output_prefix: str | os.PathLike, key: str) -> tuple[Path, Path]:
     base = f"{output_prefix}_{key}_document"
     return Path(base + ".bin"), Path(base + ".idx")
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """`--shard i/N` -> (i, N), 0 <= i < N."""
+    try:
+        index, count = (int(x) for x in spec.split("/"))
+    except ValueError:
+        index = count = -1
+    if not 0 <= index < count:
+        raise UsageError(f"--shard {spec}: give i/N with 0 <= i < N, e.g. 0/64")
+    return index, count
+
+
+def shard_prefix(output_prefix: str | os.PathLike, index: int, count: int) -> str:
+    return f"{output_prefix}-{index:05d}-of-{count:05d}"
+
+
+def shard_inputs(inputs: Sequence[str | os.PathLike], index: int, count: int) -> list[Path]:
+    """The consecutive input files of shard `index` of `count` (directories expanded)."""
+    files = expand_inputs(inputs)
+    names = [f for f in files if not isinstance(f, Path)]
+    if names:
+        raise UsageError(
+            f"--shard splits input files; {names[0]} is a Hugging Face dataset name: "
+            "download its files and pass them (or their folder) as --input"
+        )
+    if len(files) < count:
+        raise UsageError(
+            f"--shard {index}/{count}: {count} shards need at least {count} input files, "
+            f"got {len(files)}; use fewer shards"
+        )
+    return files[index * len(files) // count : (index + 1) * len(files) // count]
+
+
+def _written(outs: dict[str, tuple[Path, Path]]) -> dict | None:
+    """Each key's shard stats when every output is written and passes inspect_shard, else None."""
+    try:
+        return {k: inspect_shard(str(b)[: -len(".bin")]) for k, (b, _) in outs.items()}
+    except UsageError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,10 +280,12 @@ def preprocess(
     log_interval: int = 10000,
     progress: bool = True,
     started: float | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> dict:
     """Tokenize ``inputs`` into Megatron shards; returns the summary (also printed as one line).
     `started` (a time.time()): when the command started, for the summary's figures with its
-    start-up (imports, the tokenizer); default: now."""
+    start-up (imports, the tokenizer); default: now. `shard` (i, N): only shard i of N, into its
+    own prefix, kept if already written."""
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
     if backend not in ("threads", "processes"):
@@ -241,7 +296,23 @@ def preprocess(
     started = time.time() if started is None else started
     tok = load_tokenizer(tokenizer_path)
     expand_inputs(inputs)  # missing inputs fail before anything is created
+    if shard is not None:
+        inputs = shard_inputs(inputs, *shard)
+        output_prefix = shard_prefix(output_prefix, *shard)
     outs = {k: shard_paths(output_prefix, k) for k in keys}
+    fingerprint = shard_fingerprint(tokenizer_fingerprint(tok), append_eod)
+    if shard is not None and not force:
+        # kept: written whole by this tokenizer and rule (its fingerprint comes last)
+        kept = _written(outs)
+        if kept is not None and all(
+            read_fingerprint(str(b)[: -len(".bin")]) == fingerprint for b, _ in outs.values()
+        ):
+            return _kept_summary(kept, keys, outs, shard)
+        for b, i in outs.values():  # an earlier, killed writer of this shard
+            for p in (b, i, fingerprint_path(str(b)[: -len(".bin")])):
+                p.unlink(missing_ok=True)
+                for left in p.parent.glob(p.name + ".tmp-*"):
+                    left.unlink()
     if not force:
         for b, i in outs.values():
             for p in (b, i):
@@ -260,7 +331,6 @@ def preprocess(
     eos = tok.eos_token_id if append_eod else None
     make_document_tokenizer(backend_tok, tok.eos_token if append_eod else None, eos)
 
-    fingerprint = shard_fingerprint(tokenizer_fingerprint(tok), append_eod)
     dtype = DType.optimal_dtype(len(tok))
     parent = Path(str(output_prefix)).parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -381,11 +451,32 @@ def preprocess(
         "backend": backend,
         "outputs": {k: str(outs[k][0])[:-4] for k in keys},
         "keys": stats,
+        "shard": shard,
+        "kept": False,
     }
     return summary
 
 
+def _kept_summary(kept: dict, keys: list[str], outs: dict, shard: tuple[int, int]) -> dict:
+    first = kept[keys[0]]
+    return {
+        "documents": first["documents"],
+        "tokens": first["tokens"],
+        "dtype": first["dtype"],
+        "outputs": {k: str(outs[k][0])[:-4] for k in keys},
+        "keys": kept,
+        "shard": shard,
+        "kept": True,
+    }
+
+
 def summary_line(s: dict) -> str:
+    if s["kept"]:
+        i, n = s["shard"]
+        return (
+            f"preprocess: shard {i}/{n} is already written (documents={s['documents']} "
+            f"tokens={s['tokens']}), kept -> {', '.join(s['outputs'].values())}"
+        )
     special = (
         f"; {s['special_rows']} rows held a special token's string, encoded as text"
         if s["special_rows"]

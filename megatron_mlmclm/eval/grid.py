@@ -155,17 +155,21 @@ def run_grid(
     array_index: int | None = None,
     log=print,
     pool: cf.Executor | None = None,
+    runs_per_element: int = 1,
 ) -> dict:
     """Run the pending runs of the grid; returns {"ran", "skipped", "failed"} counts. `pool`:
     a `worker_pool(workers)` to run them in (else the grid starts its own, or runs them here
-    with one worker)."""
+    with one worker). `array_index` I: only runs I*K .. I*K+K-1 (K = `runs_per_element`), one
+    element of an array of ceil(runs / K)."""
     if array_index is not None:
-        if not 0 <= array_index < len(cfgs):
+        k = runs_per_element
+        elements = -(-len(cfgs) // k)
+        if not 0 <= array_index < elements:
             raise UsageError(
-                f"array index {array_index} outside the grid of {len(cfgs)} runs "
-                f"(0..{len(cfgs) - 1})"
+                f"array index {array_index} outside the array of {elements} elements "
+                f"(0..{elements - 1}) for a grid of {len(cfgs)} runs, {k} per element"
             )
-        cfgs = [cfgs[array_index]]
+        cfgs = cfgs[array_index * k : (array_index + 1) * k]
     preflight(cfgs, log)
     todo = [(c, p) for c, p in zip(cfgs, result_paths(cfgs, out_dir)) if not is_done(p)]
     summary = {"total": len(cfgs), "skipped": len(cfgs) - len(todo), "ran": 0, "failed": 0}

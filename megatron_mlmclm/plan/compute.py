@@ -258,3 +258,36 @@ def compute_row(run: Run, lay: dict, price: Pricing) -> dict:
         "branch_at": run.branch_at if run.branch_at is not None else "",
         "keep_steps": " ".join(map(str, run.keep_steps)),
     }
+
+
+# Seconds from a pretraining job's start to the end of its first step (processes, model build and
+# initialisation, checkpoint load and verification, compile, the step), assumed per size: never
+# measured on a GPU. The 610m and 1B benchmarks on an H100 had not finished building,
+# initialising and compiling within 150 and 175 s (BENCHMARKS.md); a restart that loads its
+# graphs from the compile cache starts faster. The trainer logs the figure ("start-up: ...").
+DEFAULT_STARTUP_S = {"tiny": 30.0, "210m": 120.0, "610m": 240.0, "1b": 300.0}
+JOB_HOURS = 48.0  # pretrain.sbatch's --time: a job that runs longer restarts once per limit
+
+
+def startup_pricing(sizes, given: list[str]) -> dict[str, tuple[float, str]]:
+    """Per size: (seconds a job start costs, how the summary says where that comes from)."""
+    flags = per_size(given, dict.fromkeys(LAYOUTS), "--startup", float)
+    out = {}
+    for size in sizes:
+        if flags[size] is not None:
+            out[size] = (flags[size], f"{size}: given, {flags[size]:,.0f} s (--startup)")
+        else:
+            t = DEFAULT_STARTUP_S[size]
+            out[size] = (t, f"{size}: assumed, {t:,.0f} s (never measured on a GPU)")
+    return out
+
+
+def startup_cost(run: Run, row: dict, seconds: float) -> dict:
+    """A run's job starts (one per segment: each kept step, and the last; one more each time a
+    job reaches the time limit) and the GPU-hours they cost, every GPU of the run waiting."""
+    starts = len(run.keep_steps) + 1 + int(row["wall_hours"] // JOB_HOURS)
+    return {
+        "starts": starts,
+        "startup_s": seconds,
+        "startup_gpu_hours": round(starts * seconds * row["gpus"] / 3600.0, 2),
+    }

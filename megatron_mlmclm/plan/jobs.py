@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from megatron_mlmclm.paths import EXPORT_FILE
 from megatron_mlmclm.plan.grid import Run
 from megatron_mlmclm.plan.options import PlanOptions
 
@@ -87,6 +88,51 @@ def eval_array_size(opts: PlanOptions) -> int:
     )
 
 
+# The submit script's helpers (bash): what is done, which recorded job is still queued or running,
+# and the submission of the rest (see submit_script).
+SUBMIT_FUNCTIONS = r"""STATE="$(dirname "$0")/.submitted"  # KEY -> the job id last submitted for it
+mkdir -p "$STATE"
+LIVE='^(PENDING|RUNNING|CONFIGURING|COMPLETING|SUSPENDED|REQUEUED|REQUEUE_HOLD|REQUEUE_FED|RESIZING|SIGNALING|STAGE_OUT)$'
+NEW=" "  # the jobs this run submitted
+J=  # the job of the latest `job` or `done` call; empty: its work is done
+# The step a run ends at: its plan's, unless PRETRAIN_ARGS overrides train.steps.
+final_step() {
+  local s=$1 a
+  for a in $PRETRAIN_ARGS; do case $a in train.steps=*) s=${a#train.steps=} ;; esac; done
+  echo "$s"
+}
+# The last file of the complete checkpoint of run folder $1 at step $2.
+ckpt() { printf '%s/iter_%07d/metadata.json' "$1" "$2"; }
+# The evaluation results of model $1 in $RESULTS written after its export record $2.
+results() {
+  find "$RESULTS/$1" -name '*.json' ! -name '*.failed.json' -newer "$2" 2>/dev/null | wc -l
+}
+done_() { J=; echo "  $1: done"; }
+# job KEY "DEPS" NEED SBATCH_ARGS...: J = the job doing KEY. The one submitted for KEY before, while
+# it is queued or running and waits on no job this run submitted; else a new one, after any of
+# DEPS ends (afterany), told (MLMCLM_NEEDS) the file it needs, which the job checks first.
+job() {
+  local key=$1 deps=$2 need=$3 id d fresh=
+  shift 3
+  for d in $deps; do case $NEW in *" $d "*) fresh=1 ;; esac; done
+  id=$(cat "$STATE/$key" 2>/dev/null || true)
+  if [ -n "$id" ] && squeue -h -j "$id" -o %T 2>/dev/null | grep -qE "$LIVE"; then
+    if [ -z "$fresh" ]; then
+      J=$id
+      echo "  $key: queued or running as job $id"
+      return
+    fi
+    scancel "$id"
+    echo "  $key: job $id waited on a job submitted again: cancelled"
+  fi
+  deps=$(echo $deps | tr ' ' ':')
+  J=$(MLMCLM_NEEDS=$need sbatch --parsable $SBATCH_EXTRA ${deps:+--dependency=afterany:$deps} "$@")
+  echo "$J" >"$STATE/$key"
+  NEW="$NEW$J "
+  echo "  $key: submitted job $J"
+}"""
+
+
 def submit_script(
     runs: list[Run],
     cfg_paths: dict,
@@ -107,14 +153,26 @@ def submit_script(
         "# run with branches (decay or biphasic) is submitted in segments that end at its branch",
         "# points (`pretrain --stop-at STEP`): each branch waits for the segment that saves its",
         "# checkpoint, the next segment for the one before.",
+        "# Run it again at any time (after a failed or cancelled job): what has finished is",
+        "# skipped (the checkpoint a pretraining job ends at, an export newer than its run's last",
+        "# checkpoint, an evaluation result per run newer than the export, a report newer than",
+        "# every result), a job of an earlier submission still queued or running is kept and",
+        "# waited on, and the rest is submitted. Every job waits for the jobs it needs with",
+        "# `afterany` and first checks that their output is there (MLMCLM_NEEDS, read by the",
+        "# sbatch templates): a failure stops only what needs its output (those jobs end at once,",
+        "# exit 3) and no job waits forever. The last submission's job ids: .submitted/ here.",
         "# Written by `mlmclm plan`. Variables (all optional):",
         f"#   GPUS_PER_NODE   GPUs requested per node for pretraining ({gpn}); 0 on CPU-only nodes",
-        "#                   (convert and evaluate jobs then ask for no GPU, else for one)",
+        "#                   (evaluation elements then ask for no GPU, else for one; conversion",
+        "#                   and the report never do: they run on the CPU)",
         '#   SBATCH_EXTRA    sbatch options for every job, e.g. "--account X --partition Y"',
         "#   PRETRAIN_SBATCH, CONVERT_SBATCH, EVAL_SBATCH, REPORT_SBATCH  sbatch options per kind",
         "#   PRETRAIN_ARGS   config overrides appended to every pretraining run"
         " (key.sub=value ...)",
         "#   EVAL_ARGS       options appended to every `mlmclm evaluate` (e.g. --max-steps 500)",
+        "#   EVAL_MAX_RUNNING   elements of one evaluation array running at once (16)",
+        "#   EVAL_RUNS_PER_JOB  fine-tuning runs per array element, in one process (1)",
+        "#   EVAL_WORKERS    processes sharing an element's GPU (`evaluate --workers`, 1)",
         "#   SLURM_DIR       the sbatch templates (default: this checkout's examples/slurm)",
         "# The jobs read MLMCLM_PYTHON, CONTAINER_ARGS, MASTER_PORT, MLMCLM_DATA_DIR from this",
         "# environment (sbatch exports it); see docs/cluster.md.",
@@ -126,10 +184,16 @@ def submit_script(
         "PRETRAIN_SBATCH=${PRETRAIN_SBATCH:-} CONVERT_SBATCH=${CONVERT_SBATCH:-}",
         "EVAL_SBATCH=${EVAL_SBATCH:-} REPORT_SBATCH=${REPORT_SBATCH:-}",
         "PRETRAIN_ARGS=${PRETRAIN_ARGS:-} EVAL_ARGS=${EVAL_ARGS:-}",
-        'sub() { sbatch --parsable $SBATCH_EXTRA "$@"; }',
+        "EVAL_MAX_RUNNING=${EVAL_MAX_RUNNING:-16} EVAL_RUNS_PER_JOB=${EVAL_RUNS_PER_JOB:-1}",
+        "EVAL_WORKERS=${EVAL_WORKERS:-1}",
+        f"RESULTS={q(str(results / 'eval'))} REPORT={q(str(results / 'report'))}",
+        f"EVAL_RUNS={n_eval}  # fine-tuning runs per model: tasks x learning rates x seeds",
+        "EVAL_ELEMENTS=$(((EVAL_RUNS + EVAL_RUNS_PER_JOB - 1) / EVAL_RUNS_PER_JOB))",
         'gpus() { if [ "$GPUS_PER_NODE" -gt 0 ]; then echo "--gpus-per-node=$1"; fi; }',
+        SUBMIT_FUNCTIONS,
         "declare -A PRETRAIN  # run -> its last pretraining job",
         "declare -A SEGMENT  # stable run@step -> the job that ends there",
+        "declare -A FINAL  # run -> the step it ends at",
         "EVALS=",
         "",
     ]
@@ -137,55 +201,76 @@ def submit_script(
         lines[-1:-1] = [f"export MLMCLM_DATA_DIR=${{MLMCLM_DATA_DIR:-{q(opts.eval_data_dir)}}}"]
     task_args = " ".join(q(t) for t in opts.eval_tasks)
     grid = "".join(" " + q(a) for a in eval_grid_args(opts))
-    for i, run in enumerate(runs):
+    for run in runs:
         lay = layouts[run.name]
-        var = f"j{i}"
+        name = q(run.name)
         if run.branch_at is not None:  # waits for the segment that saves its branch point
-            dep = f" --dependency=afterok:${{SEGMENT[{q(f'{run.depends_on}@{run.branch_at}')}]}}"
-        else:
-            dep = (
-                f" --dependency=afterok:${{PRETRAIN[{q(run.depends_on)}]}}"
-                if run.depends_on
-                else ""
+            src = q(f"{run.depends_on}@{run.branch_at}")
+            dep = f'"${{SEGMENT[{src}]}}"'
+            need = f'"$(ckpt {q(str(runs_dir / run.depends_on / "checkpoints"))} {run.branch_at})"'
+        elif run.depends_on:  # a continued run: from its source's last checkpoint
+            src = q(run.depends_on)
+            dep = f'"${{PRETRAIN[{src}]}}"'
+            need = (
+                f'"$(ckpt {q(str(runs_dir / run.depends_on / "checkpoints"))} "${{FINAL[{src}]}}")"'
             )
-        ckpt, export = runs_dir / run.name / "checkpoints", hf_dir / run.name
+        else:
+            dep = need = '""'
 
-        def pretrain(job: str, dependency: str, stop: str = "", run=run, lay=lay) -> str:
+        def pretrain(key: str, dep: str, need: str, stop: str = "", run=run, lay=lay) -> str:
             return (
-                f"{job}=$(sub{dependency} --job-name {q('pt-' + run.name)} --nodes "
+                f"job {q(key)} {dep} {need} --job-name {q('pt-' + run.name)} --nodes "
                 f'{lay["nodes"]} $(gpus "$GPUS_PER_NODE") --export=ALL,NPROC_PER_NODE={gpn} '
                 f'$PRETRAIN_SBATCH "$SLURM_DIR/pretrain.sbatch" '
-                f"{q(str(cfg_paths[run.name]))}{stop} $PRETRAIN_ARGS)"
+                f"{q(str(cfg_paths[run.name]))}{stop} $PRETRAIN_ARGS"
             )
 
-        lines.append(f"# {run.name}")
-        for k, step in enumerate(run.keep_steps):  # segments ending at the branch points
-            seg = f"s{i}_{k}"
-            lines += [
-                pretrain(seg, dep, f" --stop-at {step}"),
-                f"SEGMENT[{q(f'{run.name}@{step}')}]=${seg}",
-            ]
-            dep = f" --dependency=afterok:${seg}"
         lines += [
-            pretrain(var, dep),
-            f"PRETRAIN[{q(run.name)}]=${var}",
-            f"c{i}=$(sub --dependency=afterok:${var} --job-name {q('cv-' + run.name)} $(gpus 1) "
-            f'$CONVERT_SBATCH "$SLURM_DIR/convert.sbatch" {q(str(ckpt))} {q(str(export))} '
-            "--force)",
-            f"e{i}=$(sub --dependency=afterok:$c{i} --job-name {q('ev-' + run.name)} $(gpus 1) "
-            f'--array=0-{n_eval - 1} $EVAL_SBATCH "$SLURM_DIR/evaluate_array.sbatch" '
-            f"--model {q(str(export))} --task {task_args}{grid} "
-            f"--out {q(str(results / 'eval'))} $EVAL_ARGS)",
-            f"EVALS=$EVALS:$e{i}",
-            f'echo "submitted {run.name}: pretrain ${var}, convert $c{i}, evaluate array $e{i} '
-            f'of {n_eval}"',
+            f"echo {name}",
+            f"CK={q(str(runs_dir / run.name / 'checkpoints'))} HF={q(str(hf_dir / run.name))}",
+            f"FINAL[{name}]=$(final_step {run.steps})",
+        ]
+        for step in run.keep_steps:  # segments ending at the branch points
+            key = f"{run.name}@{step}"
+            lines += [
+                f'if [ -f "$(ckpt "$CK" {step})" ]; then done_ {q("pt-" + key)}; '
+                f"else {pretrain('pt-' + key, dep, need, f' --stop-at {step}')}; fi",
+                f"SEGMENT[{q(key)}]=$J",
+            ]
+            dep, need = '"$J"', f'"$(ckpt "$CK" {step})"'
+        last = f'"$(ckpt "$CK" "${{FINAL[{name}]}}")"'
+        lines += [
+            f"if [ -f {last} ]; then done_ {q('pt-' + run.name)}; "
+            f"else {pretrain('pt-' + run.name, dep, need)}; fi",
+            f"PRETRAIN[{name}]=$J P=$J",
+            f'if [ -f {last} ] && [ "$HF/{EXPORT_FILE}" -nt {last} ]; '
+            f"then done_ {q('cv-' + run.name)}; "
+            f'else job {q("cv-" + run.name)} "$P" {last} --job-name {q("cv-" + run.name)} '
+            '$CONVERT_SBATCH "$SLURM_DIR/convert.sbatch" '
+            f'"$CK/$(printf iter_%07d "${{FINAL[{name}]}}")" "$HF" --force; fi',
+            "C=$J",
+            f'if [ -z "$C" ] && [ "$(results {name} "$HF/{EXPORT_FILE}")" -ge "$EVAL_RUNS" ]; '
+            f"then done_ {q('ev-' + run.name)}; "
+            f'else job {q("ev-" + run.name)} "$C" "$HF/{EXPORT_FILE}" --job-name '
+            f"{q('ev-' + run.name)} $(gpus 1) "
+            "--array=0-$((EVAL_ELEMENTS - 1))%$EVAL_MAX_RUNNING $EVAL_SBATCH "
+            '"$SLURM_DIR/evaluate_array.sbatch" --runs-per-element "$EVAL_RUNS_PER_JOB" '
+            f'--workers "$EVAL_WORKERS" --model "$HF" --task {task_args}{grid} --out "$RESULTS" '
+            "$EVAL_ARGS; fi",
+            'EVALS="$EVALS $J"',
+            f'echo "{run.name}: pretrain ${{P:-done}}, convert ${{C:-done}}, '
+            f'evaluate array ${{J:-done}} of $EVAL_ELEMENTS ($EVAL_RUNS runs)"',
             "",
         ]
     lines += [
-        "# the report over whatever finished (afterany: a failed element does not block it)",
-        "r=$(sub --dependency=afterany$EVALS --job-name report $REPORT_SBATCH "
-        f'"$SLURM_DIR/report.sbatch" {q(str(results / "eval"))} '
-        f"--out {q(str(results / 'report'))})",
-        f'echo "submitted the report $r: {q(str(results / "report"))}"',
+        "# the report over whatever finished (afterany: a failed element does not block it), again",
+        "# once anything was evaluated since the last one",
+        'if [ -z "$(echo $EVALS)" ] && [ -f "$REPORT/report.md" ] && '
+        '[ -z "$(find "$RESULTS" -name \'*.json\' -newer "$REPORT/report.md" | head -n 1)" ]; '
+        'then done_ report; else job report "$EVALS" "$RESULTS" --job-name report $REPORT_SBATCH '
+        '"$SLURM_DIR/report.sbatch" "$RESULTS" --out "$REPORT"; fi',
+        'echo "the report ${J:-done}: $REPORT"',
+        'if [ "$NEW" = " " ]; then echo "nothing submitted: every job is done, queued or running";'
+        ' else echo "submitted$NEW"; fi',
     ]
     return "\n".join(lines) + "\n"

@@ -47,3 +47,4 @@ class PlanOptions:
     step_times: str | None = None  # measured steps (default: plan/measured_step_times.yaml)
     gpus_per_node: int = 8
     nodes: list[str] = field(default_factory=list)  # N or SIZE=N overrides of LAYOUTS' nodes
+    startup: list[str] = field(default_factory=list)  # SIZE=S: seconds a pretraining job starts

@@ -118,9 +118,10 @@ def eval_md(rows: list[dict], totals: dict, tasks: list[dict], runs_per_task: in
             + f" | {t['source']} |\n"
         )
     w(
-        f"\n**GPU-hours**: pretraining {totals['gpu_hours']:,.1f}, evaluation "
-        f"{totals['eval_gpu_hours']:,.1f} ({len(rows)} models x {len(tasks) * runs_per_task} "
-        f"runs), total {totals['total_gpu_hours']:,.1f}.\n"
+        f"\n**GPU-hours**: pretraining {totals['gpu_hours']:,.1f}, job starts "
+        f"{totals['startup_gpu_hours']:,.1f} (below), evaluation {totals['eval_gpu_hours']:,.1f} "
+        f"({len(rows)} models x {len(tasks) * runs_per_task} runs), total "
+        f"{totals['total_gpu_hours']:,.1f}.\n"
     )
     return out.getvalue()
 
@@ -133,7 +134,26 @@ def totals_of(rows: list[dict]) -> dict:
         "total_gpu_hours": round(sum(r["total_gpu_hours"] for r in rows), 2),
         "gpu_hours_from_scratch": round(sum(r["gpu_hours_from_scratch"] for r in rows), 2),
         "model_pflop": round(sum(r["model_pflop"] for r in rows), 1),
+        "startup_gpu_hours": round(sum(r["startup_gpu_hours"] for r in rows), 2),
     }
+
+
+def startup_md(rows: list[dict], notes: list[str]) -> str:
+    """SUMMARY.md's section on what the jobs' starts cost (compute.startup_cost)."""
+    starts = sum(r["starts"] for r in rows)
+    hours = sum(r["startup_gpu_hours"] for r in rows)
+    out = (
+        f"\n## Job starts\n\n{starts} pretraining job starts ({len(rows)} runs: one per "
+        "segment, and one more each 48 hours a job runs), each holding the run's GPUs from the "
+        f"job's start to its first step: **{hours:,.1f} GPU-hours**, in the total above. "
+        "Seconds per start:\n\n"
+    )
+    out += "".join(f"- {note}\n" for note in notes)
+    return out + (
+        "\nThe trainer logs a start's figure after its first step (`start-up: ...`); give yours "
+        "with `--startup SIZE=S`. A restart loads its compiled graphs from the compile cache "
+        "(docs/cluster.md).\n"
+    )
 
 
 def write_summary_csv(path: Path, rows: list[dict]) -> None:

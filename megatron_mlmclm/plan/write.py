@@ -16,13 +16,21 @@ from megatron_mlmclm.plan.compute import (
     flops_config,
     pricing,
     read_measurements,
+    startup_cost,
+    startup_pricing,
 )
 from megatron_mlmclm.plan.evaluation import FIGURES, eval_columns, read_eval_figures, task_table
 from megatron_mlmclm.plan.grid import build_grid, probe_config, run_config
 from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
 from megatron_mlmclm.plan.options import PlanOptions
-from megatron_mlmclm.plan.summary import summary_md, totals_of, write_manifest, write_summary_csv
+from megatron_mlmclm.plan.summary import (
+    startup_md,
+    summary_md,
+    totals_of,
+    write_manifest,
+    write_summary_csv,
+)
 
 SLURM_DIR = Path(__file__).resolve().parents[2] / "examples" / "slurm"  # the sbatch templates
 
@@ -40,6 +48,7 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     nodes = per_size(opts.nodes, {k: v["nodes"] for k, v in LAYOUTS.items()}, "--nodes", int)
     runs = build_grid(opts)
     prices = pricing(dict.fromkeys(r.size for r in runs), opts.throughput, measured)
+    startups = startup_pricing(dict.fromkeys(r.size for r in runs), opts.startup)
     if opts.eval_tasks is not None and not opts.eval_tasks:
         raise UsageError(
             "no evaluation task: --eval-suite and --eval-tasks are empty; give a suite "
@@ -60,12 +69,15 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     for r in runs:
         r.config = run_config(r, opts, runs_dir, layouts[r.name])
         r.row = compute_row(r, layouts[r.name], prices[r.size])
+        r.row.update(startup_cost(r, r.row, startups[r.size][0]))
         cfg = flops_config(r.config)
         sizes.setdefault(
             r.size, (cfg.model.shape(), cfg.model.seq_length, prices[r.size].flop_rate(cfg))
         )
         r.row.update(eval_columns(opts.eval_tasks, per_task, figures, *sizes[r.size]))
-        r.row["total_gpu_hours"] = round(r.row["gpu_hours"] + r.row["eval_gpu_hours"], 2)
+        r.row["total_gpu_hours"] = round(
+            r.row["gpu_hours"] + r.row["startup_gpu_hours"] + r.row["eval_gpu_hours"], 2
+        )
     eval_tasks = task_table(opts.eval_tasks, figures, sizes)
 
     tmp = root.with_name(root.name + ".tmp-plan")
@@ -124,7 +136,9 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
         write_summary_csv(tmp / "SUMMARY.csv", rows)
         totals = totals_of(rows)
         (tmp / "SUMMARY.md").write_text(
-            summary_md(rows, totals, prices, eval_tasks, per_task), encoding="utf-8"
+            summary_md(rows, totals, prices, eval_tasks, per_task)
+            + startup_md(rows, [n for _, n in startups.values()]),
+            encoding="utf-8",
         )
         write_manifest(
             tmp / "manifest.tsv",

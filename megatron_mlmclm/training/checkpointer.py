@@ -40,7 +40,7 @@ class Stateful(Protocol):
 
 @dataclass
 class Start:
-    """Where a run starts, decided before process groups exist."""
+    """Where a run starts, decided before the model is built."""
 
     resume_from: Path | None = None  # the run's own checkpoint, or its branch source
     branched: bool = False  # resume_from is train.branch_from's checkpoint
@@ -65,7 +65,9 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> 
     fingerprint; a branch's folder: its history); else a branch source; else train.init_from (its
     checksums verified, its model and tokenizer those of this run)."""
     c = cfg.checkpoint
-    latest, damaged = ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else (None, [])
+    latest, damaged, cost = (
+        ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else (None, [], None)
+    )
     if latest is not None:
         state = ckpt.read_trainer_state(latest)["trainer"]
         consumed, notes = check_resume(latest, state, cfg, fingerprint)
@@ -73,6 +75,7 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> 
             check_branch_folder(latest, state, cfg, fingerprint)
         step = int(state["iteration"])
         offset = consumed - PhasePlan.of(cfg).position(step)
+        notes = [cost, *notes] if cost else notes
         before = history.of_checkpoint(state)
         now = history.event("resume", step, consumed, cfg, fingerprint, before)
         return Start(

@@ -20,13 +20,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved, to_dict
 from megatron_mlmclm.data.shards import check_run_shards
 from megatron_mlmclm.data.tokenizer import TokenSpec, token_spec_and_vocab
-from megatron_mlmclm.model.kernels import KernelPlan, plan_kernels, resolve_device
+from megatron_mlmclm.model.kernels import (
+    KernelPlan,
+    compile_cache_line,
+    plan_kernels,
+    resolve_device,
+)
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import history, sinks
@@ -88,7 +94,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
-        # Everything that can fail on user input is checked before process groups and models.
+        # Everything that can fail on user input is checked before models are built.
         rt.verify_megatron_core()  # the megatron-core source the patches were written against
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
@@ -101,7 +107,6 @@ class Trainer:
         self.kernels.apply_to_process()  # before CUDA starts in init_distributed
         self.fingerprint = fingerprint(cfg, self.spec)
         self.take_output_dir()  # before anything in it is read or written
-        self.start = find_start(cfg, self.fingerprint, self.spec)
         rt.init_distributed(
             p.tensor_model_parallel_size,
             p.pipeline_model_parallel_size,
@@ -109,6 +114,8 @@ class Trainer:
             t.seed,
             p.context_parallel_size,
         )
+        # Where the run starts: its ranks share the checksums of the checkpoint it resumes.
+        self.start = find_start(cfg, self.fingerprint, self.spec)
         rank, world = dist.get_rank(), dist.get_world_size()
         faults = self._faults = FaultMonitor(
             cfg, rank, world, Injector(rank, Path(cfg.output_dir) / "faults")
@@ -169,8 +176,13 @@ class Trainer:
         last: dict[str, Any] = {}
         if (first := self.validator.at_start(self.step)) is not None:
             self.metrics.record(first)
+        started = self.step
         while self.step < self.end:
             phase, stats = self.timed_step()
+            if self.step == started + 1:  # what this start cost (mlmclm plan --startup)
+                up = time.time() - psutil.Process().create_time()
+                compiled = f"; {compile_cache_line()}" if self.kernels.compile.on else ""
+                log(f"start-up: {up:.1f} s from this process's start to its first step{compiled}")
             if self.metrics.should_log(self.step):
                 stats.update(self.metrics.straggler_figures(self.faults))
             if self.validator.should_validate(self.step):

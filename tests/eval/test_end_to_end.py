@@ -104,32 +104,15 @@ def test_grid_runs_every_family_resumes_and_reports(tiny_model, tmp_path, capsys
     assert main(args) == 0  # resume: nothing left to run
     assert "ran 0, skipped 24" in capsys.readouterr().out
 
-    # one SLURM array element of a larger grid
-    assert (
-        main(
-            [
-                "evaluate",
-                "--model",
-                tiny_model,
-                "--task",
-                "sst2",
-                "--lrs",
-                "1e-3",
-                "3e-4",
-                "--seeds",
-                "0",
-                "1",
-                "2",
-                "--out",
-                str(out),
-                "--array-index",
-                "2",
-                *TINY,
-            ]
-        )
-        == 0
-    )
-    assert "ran 1, skipped 0" in capsys.readouterr().out
+    # one SLURM array element of a larger grid (lr, seed order), two runs per element: element 1
+    # holds runs 2 and 3, (1e-3, seed 2), to run, and (3e-4, seed 0), done above
+    larger = ["evaluate", "--model", tiny_model, "--task", "sst2", "--lrs", "1e-3", "3e-4",
+              "--seeds", "0", "1", "2", "--out", str(out), "--runs-per-element", "2",
+              *TINY]  # fmt: skip
+    assert main([*larger, "--array-index", "1"]) == 0
+    assert "ran 1, skipped 1" in capsys.readouterr().out
+    assert main([*larger, "--array-index", "3"]) == 2  # 6 runs, 2 per element: 3 elements
+    assert "outside the array of 3 elements (0..2)" in capsys.readouterr().err
     assert len(list((out / "tiny-eurobert" / "sst2").glob("lr0.001_seed2_*.json"))) == 1
 
     rep = tmp_path / "report"

@@ -19,14 +19,15 @@ machine without TE does. `model.fusions: off` is the reference path on any devic
 switch): no fusion, megatron's own layers (no plain layer, stack or compile), megatron's gradient
 hooks, torch's unfused AdamW and the host deciding before the update. The plan also sets what
 must be set in the process before CUDA starts (`apply_to_process`: CUDA_DEVICE_MAX_CONNECTIONS,
-TF32).
+TF32, the compile cache's folder).
 
 `mlmclm pretrain CONFIG --dry-run` prints the plan, and `runtime.device=cuda` plans a GPU run on a
 machine without one (a login node) as the kernels that import there allow. A training run logs the
 plan's one-line summary at setup. docs/gpu.md says which of this has run on a GPU.
 
     machine.py   what imports on the machine (`Kernels`, `probe_kernels`), the device a run
-                 targets (`resolve_device`), the process settings before CUDA starts
+                 targets (`resolve_device`), the process settings before CUDA starts, where
+                 torch.compile keeps its caches (`compile_cache_dir`)
     plan.py      the plan as a record (`KernelPlan`, each `Choice` with why): the
                  TransformerConfig fields it sets, the dry run's rows, the log's line
     compute.py   Transformer Engine, the attention path, the fusions, the layers and what
@@ -42,7 +43,13 @@ from dataclasses import replace
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.model.kernels import compute, machine, parallel
 from megatron_mlmclm.model.kernels.compute import FUSIONS
-from megatron_mlmclm.model.kernels.machine import Kernels, probe_kernels, resolve_device
+from megatron_mlmclm.model.kernels.machine import (
+    Kernels,
+    compile_cache_dir,
+    compile_cache_line,
+    probe_kernels,
+    resolve_device,
+)
 from megatron_mlmclm.model.kernels.plan import Choice, KernelPlan
 
 __all__ = [
@@ -50,6 +57,7 @@ __all__ = [
     "Choice",
     "KernelPlan",
     "Kernels",
+    "compile_cache_line",
     "plan_kernels",
     "probe_kernels",
     "resolve_device",
@@ -117,4 +125,5 @@ def plan_kernels(
         connections_why=connections_why,
         tf32=tf32,
         tf32_why=tf32_why,
+        compile_cache=compile_cache_dir(cfg.output_dir),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -95,3 +96,25 @@ def tf32(cfg: RunConfig, device: str) -> tuple[bool | None, str]:
     if cfg.train.precision == "fp32":
         return False, "train.precision=fp32: fp32 matmuls stay fp32 (a true fp32 reference)"
     return None, "bf16 model: torch's default for the few fp32 matmuls outside it"
+
+
+def compile_cache_dir(output_dir: str) -> str:
+    """Where torch.compile's caches go: $MLMCLM_CACHE_DIR/inductor (shared by runs: the same
+    shapes compile once), else the run's output_dir/compile_cache."""
+    shared = os.environ.get("MLMCLM_CACHE_DIR")
+    folder = (
+        os.path.join(shared, "inductor") if shared else os.path.join(output_dir, "compile_cache")
+    )
+    return os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or folder)
+
+
+def compile_cache_line() -> str:
+    """What this process has compiled so far, and how much of it came from the compile cache."""
+    from torch._dynamo.utils import counters  # imported by the compiles this line reports
+
+    stats = counters["inductor"]
+    return (
+        f"torch.compile: {stats['fxgraph_cache_miss']} graph(s) compiled, "
+        f"{stats['fxgraph_cache_hit']} loaded from the compile cache "
+        f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR')}"
+    )

@@ -61,6 +61,7 @@ class KernelPlan:
     connections_why: str = ""
     tf32: bool | None = None  # None: torch's default
     tf32_why: str = ""
+    compile_cache: str = ""  # TORCHINDUCTOR_CACHE_DIR (machine.compile_cache_dir)
 
     @property
     def thd(self) -> bool:
@@ -113,6 +114,7 @@ class KernelPlan:
             ("plain_stack", self.plain_stack.on, self.plain_stack.why),
             ("stack_chunks", str(self.stack_chunks), self.stack_chunks_why),
             ("compile", self.compile.on, self.compile.why),
+            ("compile_cache", self.compile_cache, COMPILE_CACHE_WHY),
             (
                 "batched_grad_accumulation",
                 self.batched_grad_accumulation.on,
@@ -164,9 +166,15 @@ class KernelPlan:
         if self.tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
             torch.backends.cudnn.allow_tf32 = self.tf32
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", self.compile_cache)
 
 
 THD_PATHS = ("te-thd", "thd-reference")
+COMPILE_CACHE_WHY = (
+    "Inductor's caches (its graphs, kernels and Triton's under them), kept across the run's "
+    "restarts: a restart loads what the first start compiled; $MLMCLM_CACHE_DIR/inductor "
+    "shares them between runs (a TORCHINDUCTOR_CACHE_DIR of your own is kept)"
+)
 INIT_WHY = (
     "every parameter drawn whole from (train.seed, its checkpoint key, its layer) and "
     "sliced: every TP/PP/VPP layout starts from the single-process model (model/init.py)"
