@@ -521,7 +521,8 @@ def test_a_branch_folder_is_checked_before_it_resumes(base, source, tmp_path, ca
     p = f"phases={json.dumps(CLM_THEN_MLM)}"
     train(path, [p, *argv], stop_at=4)
     cfg = load_config(path, [p, *argv])
-    start = find_start(cfg, fingerprint(cfg, token_spec_and_vocab(cfg)))
+    spec = token_spec_and_vocab(cfg)
+    start = find_start(cfg, fingerprint(cfg, spec), spec)
     assert start.resume_from == out / "checkpoints" / "iter_0000004"
     assert [(e["event"], e["step"], e["position"]) for e in start.history] == [
         ("start", 0, 0),

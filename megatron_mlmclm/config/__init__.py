@@ -81,8 +81,9 @@ def load_config(
     `checkpoint_model(init_from)`: the model section of a checkpoint's run config; given, a run
     with train.init_from takes its architecture from there (continued.py)."""
     raw = read_raw(path, overrides)
-    init_from = (raw.get("train") or {}).get("init_from")
-    if init_from and checkpoint_model is not None:
+    train = raw.get("train")
+    init_from = train.get("init_from") if isinstance(train, dict) else None  # else refused below
+    if init_from and checkpoint_model is not None and isinstance(raw.get("model"), dict | None):
         raw["model"] = inherit_model(raw.get("model"), checkpoint_model(str(init_from)), init_from)
     return finalize_run_config(from_dict(RunConfig, raw, prefix=""))
 

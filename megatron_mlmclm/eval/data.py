@@ -163,12 +163,18 @@ def class_name(value, labels: list[str] | None, where: str) -> str:
 # ------------------------------------------------------------------------------------- the Hub
 
 
+# the folder of a task read from the Hub only (`evaluate --fetch`, eval/fetch.py): none looked for
+HUB_ONLY = "/nonexistent/mlmclm-fetch-from-the-hub"
+
+
 def hub_dataset(task, name: str, config: str | None, split: str):
     """A Hugging Face dataset split (online; `datasets` is optional). When it cannot be read, one
     line names the Hub dataset and, for a task with a local layout, the folder and files it
     looked for first."""
     hub = f"the Hub dataset {name}{f' ({config})' if config else ''} split {split}"
-    local = f"no local folder {task.local_layout()} and " if task.path else ""
+    local = (
+        f"no local folder {task.local_layout()} and " if task.path not in (None, HUB_ONLY) else ""
+    )
     try:
         import datasets  # optional dependency: only tasks read from the Hub need it
     except ImportError:

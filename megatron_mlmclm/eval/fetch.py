@@ -77,7 +77,7 @@ def hub_task(task: Task) -> Task:
         raise UsageError(
             f"task '{task.name}': hf_splits does not name the Hub split of {', '.join(missing)}"
         )
-    return _moved(task, "/nonexistent/mlmclm-fetch-from-the-hub", hf_splits=dict(splits))
+    return _moved(task, data.HUB_ONLY, hf_splits=dict(splits))
 
 
 def _moved(task: Task, path: str, **changes) -> Task:
