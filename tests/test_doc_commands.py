@@ -368,6 +368,14 @@ def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
     assert "evaluation data to fetch" in ran[0] and "--fetch" in ran[0]
     assert "pretrain 610m-clm-42k" in ran
     # the evaluation array is sized for the suite it runs: 6 learning rates x 5 seeds a task
-    [array] = [w for w, a in steps if a[0] == "evaluate" and "--array=0-" in w]
-    last = int(re.search(r"--array=0-(\d+)", array).group(1))
-    assert last + 1 == 30 * len(suite("paper", load_registry()))
+    arrays = {
+        "--runs-per-element" in w: (w, a)
+        for w, a in steps
+        if a[0] == "evaluate" and "--array=0-" in w
+    }
+    runs = 30 * len(suite("paper", load_registry()))
+    last = int(re.search(r"--array=0-(\d+)", arrays[False][0]).group(1))
+    assert last + 1 == runs
+    words, args = arrays[True]  # K runs an element: ceil(runs / K) elements
+    k = int(args[args.index("--runs-per-element") + 1])
+    assert int(re.search(r"--array=0-(\d+)", words).group(1)) + 1 == -(-runs // k)

@@ -473,7 +473,7 @@ def test_eval_tasks_by_name_and_their_data_checked(tmp_path, capsys, data_dir):
     assert main([*argv, "--eval-data-dir", str(data_dir)]) == 0
     assert "to fetch" not in capsys.readouterr().out
     script = (out / "submit_slurm.sh").read_text()
-    assert "--array=0-89 " in script and "--task sst2 mnli scifact " in script
+    assert "EVAL_RUNS=90 " in script and "--task sst2 mnli scifact " in script  # 3 tasks x 30
     assert f"export MLMCLM_DATA_DIR=${{MLMCLM_DATA_DIR:-{data_dir.resolve()}}}" in script
     # an empty data folder: mnli (the mini-study's subset) has no source to fetch from
     empty = tmp_path / "empty"

@@ -189,7 +189,8 @@ def test_shards_resume_after_a_kill_and_equal_the_single_output(tmp_path, tok_di
     said = capsys.readouterr().out
     assert "shard 0/3 is already written" in said and said.count("already written") == 1, said
     assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in first] == before
-    assert not pending() and len(list(out.parent.iterdir())) == 6  # three shards' .bin/.idx
+    # three shards' .bin, .idx and .fingerprint.json
+    assert not pending() and len(list(out.parent.iterdir())) == 9
     preprocess(list(map(str, files)), tmp_path / "one", tok_dir, progress=False)
     single = _read_docs(tmp_path / "one_text_document")
     sharded = [d for i in range(3) for d in _read_docs(f"{out}-{i:05d}-of-00003_text_document")]
