@@ -2,8 +2,8 @@
 validations, inputs scored, documents and queries encoded). Here tiny real runs of an SC and an IR
 task, at sizes and settings where every term of the counts matters (the epochs or the step cap
 ending the run, a last step on and off the validation interval, a curve sample smaller than the
-split, a validation sample smaller than the corpus), count what their loop did, and the plan's function,
-given the same sizes and settings, must say the same."""
+split, a validation sample smaller than the corpus), count what their loop did, and the plan's
+function, given the same sizes and settings, must say the same."""
 
 from __future__ import annotations
 
