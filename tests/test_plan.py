@@ -384,10 +384,9 @@ def test_a_malformed_measurement_exits_2(tmp_path, capsys, edit, expected):
 
 def test_evaluation_is_priced_per_task_beside_pretraining(plan_dir):
     """The default plan evaluates the paper's sets; a 210m model's array costs, by hand from the
-    figures file: SC/TC/QA 3 forwards per training input and one per scored input (the curve's
-    intermediate points score 2,000 validation inputs at most), IR 4 per training query and
-    document, at every validation the judged documents (one per query) and 100,000 others, the
-    whole corpus once for the test."""
+    figures file and the run's counts (`run_counts`, held against real runs in
+    tests/eval/test_plan_counts.py): SC/TC/QA 3 forwards per training input and one per scored
+    input, IR 4 per training query and document and one per document and query encoded."""
     figures = yaml.safe_load(evaluation.FIGURES.read_text())
     tasks = suite("paper", load_registry())
     cfg = flops_config(yaml.safe_load((plan_dir / "configs" / "210m-clm-42k.yaml").read_text()))
@@ -400,18 +399,20 @@ def test_evaluation_is_priced_per_task_beside_pretraining(plan_dir):
     def run(task):
         f = figures[task]
         train = figures[f["train_task"]] if "train_task" in f else f
-        steps = min(1000, -(-train["train_examples"] // 32))
-        vals = -(-steps // 100)
+        n = evaluation.run_counts(
+            f["family"],
+            train["train_examples"],
+            f["validation_examples"],
+            f["test_examples"],
+            f.get("corpus_documents", 0),
+        )
         if f["family"] != "ir":
-            val = f["validation_examples"]
-            scored = (vals - 1) * min(2000, val) + val + f["test_examples"]
-            return (3 * 32 * steps + scored) * fwd(f["input_tokens"])
+            return (3 * 32 * n.steps + n.scored) * fwd(f["input_tokens"])
         pair = fwd(train["query_tokens"]) + fwd(train["document_tokens"])
-        per_validation = min(f["corpus_documents"], 100_000 + f["validation_examples"])
         return (
-            4 * 32 * steps * pair
-            + (vals * per_validation + f["corpus_documents"]) * fwd(f["document_tokens"])
-            + (vals * f["validation_examples"] + f["test_examples"]) * fwd(f["query_tokens"])
+            4 * 32 * n.steps * pair
+            + n.documents * fwd(f["document_tokens"])
+            + n.queries * fwd(f["query_tokens"])
         )
 
     with open(plan_dir / "SUMMARY.csv", newline="") as f:

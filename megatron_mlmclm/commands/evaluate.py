@@ -62,7 +62,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--suite",
         default=None,
-        help="every task of a suite (e.g. paper: the paper's twelve evaluation sets)",
+        help="every task of a suite (e.g. paper: the paper's 13 evaluation sets)",
     )
     p.add_argument(
         "--protocol",

@@ -13,6 +13,10 @@ bidirectional attention; the small task heads left out):
   documents (counted as one per validation query, the order of MS MARCO's, NQ's and MLDR's
   qrels) and 100,000 others (`validation_documents`), the test the whole corpus once, each
   document at F, and the split's queries at F.
+The counts (steps, validations, inputs scored, documents and queries encoded) are `run_counts`'s,
+which tests/eval/test_plan_counts.py holds against the records of real runs; the steps of an epoch
+are ceil(examples / batch) (an IR epoch without duplicate pairs in a batch may take a few more;
+1,000 steps end the paper's IR runs first).
 Each task's sizes and mean input lengths come from eval_tasks.yaml (package data; each entry says
 its source). Inputs are priced at their mean length: padding to a batch's longest input is not
 counted, nor the time a run spends loading data and models.
@@ -21,6 +25,7 @@ counted, nor the time a run spends loading data and models.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_mlmclm.errors import UsageError
@@ -74,8 +79,48 @@ def _forward(shape: TransformerShape, tokens: float, max_length: int) -> float:
     return n * trunk_flops_per_token(shape, round(n), causal_half=False)
 
 
-def _steps(examples: int) -> int:
-    return min(MAX_STEPS, math.ceil(EPOCHS * math.ceil(examples / BATCH)))
+@dataclass(frozen=True)
+class RunCounts:
+    """What one fine-tuning run does, as eval/finetune.py's loop does it (tests/eval checks a
+    run's records against these)."""
+
+    steps: int
+    validations: int  # the curve's points: every `eval_every` steps and the last step
+    scored: int  # SC, TC, QA: inputs scored (the curve's sample, the last point's split, the test)
+    documents: int  # IR: documents encoded (each validation's, then the whole corpus for the test)
+    queries: int  # IR: queries encoded
+
+
+def run_counts(
+    family: str,
+    train_examples: int,
+    validation_examples: int,
+    test_examples: int,
+    corpus_documents: int = 0,
+    *,
+    batch: int = BATCH,
+    max_steps: int = MAX_STEPS,
+    epochs: float = EPOCHS,
+    eval_every: int = EVAL_EVERY,
+    curve_examples: int = CURVE_EXAMPLES,
+    validation_documents: int = VALIDATION_DOCUMENTS,
+) -> RunCounts:
+    """The counts of a run on a task of these sizes (IR: `validation_examples` queries, each
+    judging one document), under these settings (default: the default protocol's)."""
+    steps = max(1, min(max_steps, math.ceil(epochs * math.ceil(train_examples / batch))))
+    validations = math.ceil(steps / eval_every)
+    if family != "ir":
+        curve = min(curve_examples, validation_examples)
+        scored = (validations - 1) * curve + validation_examples + test_examples
+        return RunCounts(steps, validations, scored, 0, 0)
+    per_validation = min(corpus_documents, validation_documents + validation_examples)
+    return RunCounts(
+        steps,
+        validations,
+        0,
+        validations * per_validation + corpus_documents,
+        validations * validation_examples + test_examples,
+    )
 
 
 def run_cost(task: str, figures: dict[str, dict], shape: TransformerShape, seq_length: int):
@@ -83,25 +128,25 @@ def run_cost(task: str, figures: dict[str, dict], shape: TransformerShape, seq_l
     f = _figures(task, figures)
     max_length = int(MAX_LENGTH_RATIO * seq_length)
     fwd = lambda tokens: _forward(shape, tokens, max_length)  # noqa: E731
-    if f["family"] != "ir":
-        steps = _steps(f["train_examples"])
-        validations = math.ceil(steps / EVAL_EVERY)
-        per_input = fwd(f["input_tokens"])
-        train = 3 * steps * BATCH * per_input
-        val = f["validation_examples"]
-        scored = (validations - 1) * min(CURVE_EXAMPLES, val) + val + f["test_examples"]
-        return steps, validations, train + scored * per_input
     source = _figures(f["train_task"], figures) if f.get("train_task") else f
-    steps = _steps(source["train_examples"])
-    validations = math.ceil(steps / EVAL_EVERY)
-    pair = fwd(source["query_tokens"]) + fwd(source["document_tokens"])
-    validation_documents = min(
-        f["corpus_documents"], VALIDATION_DOCUMENTS + f["validation_examples"]
+    n = run_counts(
+        f["family"],
+        source["train_examples"],
+        f["validation_examples"],
+        f["test_examples"],
+        f.get("corpus_documents", 0),
     )
-    encoded = validations * validation_documents + f["corpus_documents"]
-    corpus = encoded * fwd(f["document_tokens"])
-    queries = (validations * f["validation_examples"] + f["test_examples"]) * fwd(f["query_tokens"])
-    return steps, validations, 4 * steps * BATCH * pair + corpus + queries
+    train = n.steps * BATCH
+    if f["family"] != "ir":
+        flops = (3 * train + n.scored) * fwd(f["input_tokens"])
+    else:
+        pair = fwd(source["query_tokens"]) + fwd(source["document_tokens"])
+        flops = (
+            4 * train * pair
+            + n.documents * fwd(f["document_tokens"])
+            + n.queries * fwd(f["query_tokens"])
+        )
+    return n.steps, n.validations, flops
 
 
 def _figures(task: str, figures: dict[str, dict]) -> dict:

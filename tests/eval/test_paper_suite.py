@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,6 +50,16 @@ def reg(paper_dir, monkeypatch):
 
 def test_the_suite_names_the_papers_sets(reg):
     assert suite("paper", reg) == PAPER
+    # where the docs and the help count the sets (and their 30 runs each), they count these
+    repo = Path(__file__).resolve().parents[2]
+    texts = [p.read_text() for p in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]]
+    texts.append((repo / "megatron_mlmclm/commands/evaluate.py").read_text())
+    count = r"\d+|ten|eleven|twelve|thirteen|fourteen|fifteen"
+    counted = re.compile(rf"(?:paper's|its) ({count}) (?:evaluation )?sets")
+    said = [m for t in texts for m in counted.findall(t)]
+    assert said and set(said) == {str(len(PAPER))}, said
+    runs = [int(m) for t in texts for m in re.findall(r"(\d+) \w+ for the paper's \d+ sets", t)]
+    assert runs and set(runs) == {30 * len(PAPER)}, runs
     assert reg["msmarco"].train_task == reg["nq"].train_task == "msmarco_pairs"
     assert reg["msmarco_pairs"].train_only
 
@@ -127,25 +140,71 @@ def test_retrieval_layouts_and_training_on_msmarco_pairs(reg):
     assert mt.queries["q-en-5"] == "about document 5"
 
 
+class Traced(torch.Tensor):
+    """A tensor whose results (views, copies, new_empty, products) are Traced too, each kept in
+    `made` by a weak reference: what retrieval builds from the embeddings it is given."""
+
+    made: dict[int, weakref.ref] = {}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, Traced):
+                cls.made[id(t)] = weakref.ref(t)
+        return out
+
+
+def embedding_rows() -> int:
+    """Rows of embeddings (HashEncoder's width, 8) alive in Traced tensors, each storage once."""
+    alive = [t for t in (r() for r in Traced.made.values()) if t is not None]
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in alive
+        if t.dim() == 2 and 8 in t.shape
+    }
+    return sum(storages.values()) // (8 * 4)
+
+
+class WatchedEncoder(HashEncoder):
+    """HashEncoder whose embeddings are Traced, counting the embedding rows alive when it is asked
+    to encode."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = []
+
+    def encode(self, texts, **kw):
+        self.live.append(embedding_rows())
+        emb = super().encode(texts, **kw).as_subclass(Traced)
+        Traced.made[id(emb)] = weakref.ref(emb)
+        return emb
+
+
 def test_retrieval_merges_the_corpus_chunk_by_chunk(reg, monkeypatch):
     """A full corpus is encoded and scored a chunk at a time (ir.DOC_CHUNK documents), each chunk
-    longest first in batches of at most `max_tokens` padded tokens: the top k of each query are
+    longest first in batches of at most `max_tokens` padded tokens, and scored before the next is
+    encoded (the device never holds more than one chunk's embeddings): the top k of each query are
     those of the whole score matrix, computed here at once."""
     ms = reg["msmarco"]
     test = load_split(ms, "test")
     docs = sorted(test.corpus)
-    model = HashEncoder()
     qids = [q for q in test.qrels if q in test.queries]
-    q = model.encode([ir.query_text(ms, test.queries[x]) for x in qids])
-    d = model.encode([ir.document_text(ms, test.corpus[x]) for x in docs])
+    q = HashEncoder().encode([ir.query_text(ms, test.queries[x]) for x in qids])
+    d = HashEncoder().encode([ir.document_text(ms, test.corpus[x]) for x in docs])
     top = torch.topk(q @ d.T, 5, dim=1)
     want = {
         x: {docs[j]: v for v, j in zip(top.values[r].tolist(), top.indices[r].tolist())}
         for r, x in enumerate(qids)
     }
     monkeypatch.setattr(ir, "DOC_CHUNK", 5)  # 12 documents: chunks of 5, 5 and 2
-    model.batches.clear()
+    model = WatchedEncoder()
     got = ir.retrieve(model, ms, test, docs, max_tokens=8, k=5)
+    # the embeddings alive at each encoding: the queries', one chunk's in the making and the batch
+    # just encoded into it
+    assert len(model.live) == len(model.batches)
+    # (the corpus's 12 embeddings kept whole until scoring: 29 rows at the peak)
+    assert max(model.live) <= len(qids) + 5 + 5, model.live
     lengths = [[len(t.split()) for t in b] for b in model.batches]
     assert all(max(n) * len(n) <= 8 or len(n) == 1 for n in lengths)
     assert all(n == sorted(n, reverse=True) for n in lengths)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.eval.finetune import (
@@ -14,6 +16,7 @@ from megatron_mlmclm.eval.finetune import (
     protocol,
 )
 from megatron_mlmclm.eval.grid import expand, result_path
+from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.tasks import load_registry
 
 
@@ -94,3 +97,21 @@ def test_evaluate_does_not_reuse_a_result_of_another_protocol(tmp_path, capsys):
     assert state("--max-steps", "4") == "todo"
     assert state("--max-steps", "3", "--batch-size", "16") == "todo"
     assert state("--max-steps", "3", "--max-length", "64") == "todo"
+
+
+def test_the_documented_pair_form_entry(tmp_path):
+    """docs/evaluate.md's task file for the pair form: the shipped entry, replaced under its name,
+    in the pair form under default only, and a protocol id of its own."""
+    doc = (Path(__file__).resolve().parents[2] / "docs/evaluate.md").read_text()
+    [block] = re.findall(r"```yaml\n(# pairs.yaml.*?)```", doc, re.S)
+    (tmp_path / "pairs.yaml").write_text(block)
+    shipped, ours = load_registry()["mnli_m"], load_registry([str(tmp_path / "pairs.yaml")])
+    assert resolve(ours["mnli_m"], "default").pairs == "tokenizer"
+    assert resolve(ours["mnli_m"], "encodeval").pairs == "joined"
+    assert resolve(shipped, "default").pairs == "joined"
+    assert dataclasses.replace(ours["mnli_m"], pairs="joined") == shipped
+    cfg = FinetuneConfig(model="m", task="mnli_m")
+    pair_form, joined = (
+        protocol(cfg, resolve(t, "default"))["id"] for t in (ours["mnli_m"], shipped)
+    )
+    assert pair_form != joined
