@@ -17,7 +17,9 @@ runs:
   megatron's hook as much as for ours, which the first comparison shows to be bit for bit the
   same;
 - at DP = 4 the buffers' padding, which the batched accumulation never zeroes, stays zero in
-  every reduced gradient on every rank, and the weight frozen mid-run gets no gradient.
+  every reduced gradient on every rank, and the weight frozen mid-run gets no gradient; there and
+  in the single process it keeps its value from the freeze on, as torch's AdamW keeps a parameter
+  without a gradient.
 """
 
 from __future__ import annotations
@@ -171,8 +173,8 @@ def state_tolerance(key: str) -> dict:
 def test_four_ranks_leave_the_padding_zero_and_the_frozen_weight_without_gradient(runs):
     """At DP = 4 the buffers have padding (bucket ends and the gaps between parameters), which
     every rank's reduced gradients keep at zero in every step, though the batched accumulation
-    never zeroes the buffers; the weight frozen from step 3 on gets a gradient in steps 1-2 and
-    none after, with the parameter gather on (megatron's pre-hook asserted on it)."""
+    never zeroes the buffers; the weight frozen from step 3 on, with the parameter gather on,
+    gets a gradient in steps 1-2 and none after."""
     for rank in range(4):
         layout = torch.load(runs["dp4 fp32"] / f"layout_rank{rank}.pt")
         padding, frozen = layout["padding"], layout["frozen"]
@@ -182,3 +184,19 @@ def test_four_ranks_leave_the_padding_zero_and_the_frozen_weight_without_gradien
         for step, g in enumerate(grads, start=1):
             assert g.shape == padding.shape and not g[padding].any(), (rank, step)
             assert g[frozen].any() == (step < FREEZE_AT), (rank, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, ranks", [("single fp32", 1), ("dp4 fp32", 4)])
+def test_the_weight_frozen_mid_run_keeps_its_value(runs, name, ranks):
+    """The weight frozen from step 3 on moves in steps 1-2 and keeps its value, bit for bit, from
+    then on (after the updates of steps 3 and 4), on every rank, with the distributed optimizer in
+    one process and at DP = 4: AdamW's momentum and weight decay do not move it."""
+    for rank in range(ranks):
+        # its value before each step's update, then after the last
+        values = torch.load(runs[name] / f"frozen_rank{rank}.pt")
+        assert len(values) == STEPS + 1
+        trained = values[:FREEZE_AT]
+        assert all(not torch.equal(a, b) for a, b in zip(trained, trained[1:])), (name, rank)
+        for step in range(FREEZE_AT, STEPS + 1):
+            assert torch.equal(values[step], values[FREEZE_AT - 1]), (name, rank, step)

@@ -25,7 +25,8 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import to_local_if_dtensor
 
-from megatron_mlmclm.mcore_patches.optimizer import skip_step_where
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.mcore_patches.optimizer import model_and_updated_params, skip_step_where
 from megatron_mlmclm.training.faults import SpikePolicy
 from megatron_mlmclm.training.metrics import log
 from megatron_mlmclm.training.optimizer import chained
@@ -53,6 +54,46 @@ class OnTheWayToHost:
         return self._host.tolist()
 
 
+def leave_frozen_alone(optimizer: MegatronOptimizer) -> list[tuple[dict, dict]]:
+    """A parameter frozen after the optimizer was built (requires_grad set false mid-run) keeps
+    its value from then on, as torch's AdamW keeps a parameter without a gradient: megatron's
+    optimizer still hands AdamW the gradient of the parameter's place in the buffers (zero,
+    training/data_parallel.py), from which AdamW's momentum and weight decay would move it. That
+    gradient is taken away after prepare_grads. Returns, for each frozen parameter, its Adam state
+    and a trained parameter's of the same optimizer, for `keep_pace` after the update. A parameter
+    frozen before its first update has no optimizer state for a checkpoint to hold: refused."""
+    pairs = []
+    for opt in chained(optimizer):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        frozen, trained = [], None
+        for param, updated in model_and_updated_params(opt):
+            state = opt.optimizer.state.get(updated)
+            if param.requires_grad:
+                trained = trained or state
+                continue
+            if not state:
+                raise UsageError(
+                    f"a parameter of shape {tuple(param.shape)} was frozen (requires_grad=False) "
+                    "before the optimizer's first update of it: freeze it before the trainer "
+                    "builds the model's optimizer (Trainer.setup), which then leaves it out"
+                )
+            updated.grad = None
+            frozen.append(state)
+        pairs += [(state, trained) for state in frozen if trained]
+    return pairs
+
+
+def keep_pace(frozen: list[tuple[dict, dict]]) -> None:
+    """Adam's step count of each frozen parameter (torch's AdamW keeps one per parameter) set to a
+    trained one's after an update: megatron's distributed optimizer saves one count for all of
+    them and refuses counts that differ; the frozen parameter's moments and value stay."""
+    for state, trained in frozen:
+        step, now = state.get("step"), trained.get("step")
+        if isinstance(step, torch.Tensor) and isinstance(now, torch.Tensor):
+            step.copy_(now)
+
+
 class Update:
     """The optimizer step of each training step, in the order `queued` names (see above)."""
 
@@ -60,6 +101,7 @@ class Update:
         self, optimizer: MegatronOptimizer, scheduler: OptimizerParamScheduler, queued: bool
     ):
         self.optimizer, self.scheduler, self.queued = optimizer, scheduler, queued
+        self.frozen: list[tuple[dict, dict]] = []  # this step's frozen parameters (figures)
 
     @torch.no_grad()
     def figures(self, totals: torch.Tensor) -> torch.Tensor:
@@ -75,6 +117,7 @@ class Update:
         over them (torch's isfinite is an abs, two comparisons and a product; 2.3 ms of a
         16k-token step of 210m on an H100)."""
         found_inf = self.optimizer.prepare_grads()  # a grad scaler's verdict: fp16 only
+        self.frozen = leave_frozen_alone(self.optimizer)
         grads = [g for opt in chained(self.optimizer) for g in opt.get_main_grads_for_grad_norm()]
         if grads:
             norms = torch._foreach_norm(grads)  # pyright: ignore[reportPrivateImportUsage]
@@ -134,8 +177,13 @@ class Update:
                     total_norm=grad_norm,
                     use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                 )
-        ok = self.optimizer.step_with_ready_grads()
+        ok = self._step()
         return {"grad_norm": grad_norm, "skipped": not ok}
+
+    def _step(self) -> bool:
+        ok = self.optimizer.step_with_ready_grads()
+        keep_pace(self.frozen)
+        return ok
 
     @torch.no_grad()
     def _queue(self, figures: torch.Tensor) -> dict[str, Any]:
@@ -169,5 +217,5 @@ class Update:
                     coeff = torch.full_like(norm, opt.config.clip_grad) / (norm + 1.0e-6)
                     scale = torch.where(coeff < 1.0, coeff, 1.0).to(torch.float32)
                     torch._foreach_mul_(grads, scale)  # pyright: ignore[reportPrivateImportUsage]
-            self.optimizer.step_with_ready_grads()
+            self._step()
         return {"skipped": False}
