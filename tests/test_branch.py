@@ -488,7 +488,7 @@ def test_a_trunk_resumed_onto_other_data_at_the_same_batch_is_no_source(
         "resume",
     )
     assert resume["data_changed"] == ["data.train"] and resume["position"] == 3 * GBS
-    assert state["consumed_samples"] == 4 * GBS  # as from scratch: the old guard let it through
+    assert state["consumed_samples"] == 4 * GBS  # as from scratch: the position shows no change
     out = tmp_path / "b"
     err = refused_in_one_line(
         base, [other, f"output_dir={out}", f"train.branch_from={ckpt}"], capsys
