@@ -31,8 +31,8 @@ from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training import history
+from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.branch import check_branch, check_trajectory
 from megatron_mlmclm.training.checkpointer import find_start
 from megatron_mlmclm.training.history import flat
@@ -512,7 +512,7 @@ def test_a_trunk_resumed_with_another_learning_rate_is_no_source(base, source, t
     assert not out.exists()
 
 
-@pytest.mark.parametrize("scaled_first", [False, True], ids=["null-then-mapping", "mapping-then-null"])
+@pytest.mark.parametrize("scaled_first", [False, True], ids=["null-mapping", "mapping-null"])
 def test_a_history_gives_each_segment_its_own_settings(base, scaled_first):
     """Three segments whose model.rope_scaling goes from null to a mapping and back (or the
     reverse), and whose fingerprint loses a key and gets it back: each segment's settings and data

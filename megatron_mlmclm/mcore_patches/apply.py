@@ -13,7 +13,6 @@ import torch
 from megatron_mlmclm.mcore_patches import cpu, optimizer
 from megatron_mlmclm.mcore_patches.registry import verify_installed
 
-
 _applied = False
 
 

@@ -211,11 +211,11 @@ class SourceChanged(Exception):
 
 def verify_installed() -> None:
     """Raise SourceChanged, naming the changed targets and the package whose source changed,
-    unless every pin of the registry holds in the installed packages, or $MLMCLM_ACCEPT_MEGATRON_CORE
-    is the installed megatron-core version (then a warning, on stderr). Called once per process,
-    by apply.apply_patches; the pins of source text are computed once per install (about 1 CPU-s:
-    every pinned file parsed) and remembered by the size and modification time of each file in
-    the user's cache folder."""
+    unless every pin of the registry holds in the installed packages, or
+    $MLMCLM_ACCEPT_MEGATRON_CORE is the installed megatron-core version (then a warning, on
+    stderr). Called once per process, by apply.apply_patches; the pins of source text are
+    computed once per install (about 1 CPU-s: every pinned file parsed) and remembered by the
+    size and modification time of each file in the user's cache folder."""
     failed = failed_pins()
     if not failed:
         return
@@ -231,7 +231,7 @@ def verify_installed() -> None:
     )
     remedy = f"install {PINNED} (as pyproject.toml pins it)"
     if "torch" in by_package:
-        remedy = f"install a torch with the source those rows pin (see their `checked`) and {PINNED}"
+        remedy = f"install a torch with the source those rows pin (their `checked`) and {PINNED}"
     if os.environ.get(ACCEPT_ENV) != installed:
         raise SourceChanged(
             f"{message}; {remedy}, or, having read the new source of those targets, set "
