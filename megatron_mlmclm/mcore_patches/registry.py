@@ -10,9 +10,8 @@ any run trains with a replacement that no longer fits. Every process that applie
 checks the same pins first (`verify_installed`, apply.py): a run on a megatron-core (or torch)
 whose pinned source changed is refused, naming the changed targets and the package, unless
 $MLMCLM_ACCEPT_MEGATRON_CORE names the installed megatron-core version (the user has read the new
-source). Updating a row is reading the new
-source, checking the replacement still does what `why` says, and then writing the new hash and
-version.
+source). Updating a row is reading the new source, checking the replacement still does what `why`
+says, and then writing the new hash and version.
 
 Two kinds of rows:
 - `patch`: the attribute is replaced at run time, by code in this package (jit.py, cpu.py,

@@ -10,9 +10,9 @@ there: the run's config, flattened (`settings`), and its data fingerprint (`data
 training/resume.py), each given only where it changed since the event before (the first event
 gives all of them; a phase event none: the config decides the phases), with the keys that are gone
 since (`settings_removed`, `data_removed`: a section set to null, or a fingerprint key no longer
-made). A resume that changed the
-data by checkpoint.allow_data_change names the keys it changed (`data_changed`). A checkpoint
-saved before histories were kept reads as one `start` event with its own config (`unrecorded`).
+made). A resume that changed the data by checkpoint.allow_data_change names the keys it changed
+(`data_changed`). A checkpoint saved before histories were kept reads as one `start` event with its
+own config (`unrecorded`).
 
 training/branch.py compares a branch source's history, segment by segment, with the run the
 branch would be from scratch.

@@ -25,7 +25,6 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import to_local_if_dtensor
 
-from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.mcore_patches.optimizer import model_and_updated_params, skip_step_where
 from megatron_mlmclm.training.faults import SpikePolicy
 from megatron_mlmclm.training.metrics import log
@@ -54,44 +53,42 @@ class OnTheWayToHost:
         return self._host.tolist()
 
 
-def leave_frozen_alone(optimizer: MegatronOptimizer) -> list[tuple[dict, dict]]:
+def leave_frozen_alone(optimizer: MegatronOptimizer) -> list[tuple[Any, torch.Tensor, Any]]:
     """A parameter frozen after the optimizer was built (requires_grad set false mid-run) keeps
     its value from then on, as torch's AdamW keeps a parameter without a gradient: megatron's
     optimizer still hands AdamW the gradient of the parameter's place in the buffers (zero,
     training/data_parallel.py), from which AdamW's momentum and weight decay would move it. That
-    gradient is taken away after prepare_grads. Returns, for each frozen parameter, its Adam state
-    and a trained parameter's of the same optimizer, for `keep_pace` after the update. A parameter
-    frozen before its first update has no optimizer state for a checkpoint to hold: refused."""
-    pairs = []
+    gradient is taken away after prepare_grads. Returns (AdamW, what it updates for a frozen
+    parameter, for a trained one) for `keep_pace` after the update."""
+    frozen = []
     for opt in chained(optimizer):
         if getattr(opt, "is_stub_optimizer", False):
             continue
-        frozen, trained = [], None
-        for param, updated in model_and_updated_params(opt):
-            state = opt.optimizer.state.get(updated)
-            if param.requires_grad:
-                trained = trained or state
-                continue
-            if not state:
-                raise UsageError(
-                    f"a parameter of shape {tuple(param.shape)} was frozen (requires_grad=False) "
-                    "before the optimizer's first update of it: freeze it before the trainer "
-                    "builds the model's optimizer (Trainer.setup), which then leaves it out"
-                )
-            updated.grad = None
-            frozen.append(state)
-        pairs += [(state, trained) for state in frozen if trained]
-    return pairs
+        pairs = model_and_updated_params(opt)
+        trained = next((updated for param, updated in pairs if param.requires_grad), None)
+        for param, updated in pairs:
+            if not param.requires_grad:
+                updated.grad = None
+                frozen.append((opt.optimizer, updated, trained))
+    return frozen
 
 
-def keep_pace(frozen: list[tuple[dict, dict]]) -> None:
-    """Adam's step count of each frozen parameter (torch's AdamW keeps one per parameter) set to a
-    trained one's after an update: megatron's distributed optimizer saves one count for all of
-    them and refuses counts that differ; the frozen parameter's moments and value stay."""
-    for state, trained in frozen:
-        step, now = state.get("step"), trained.get("step")
-        if isinstance(step, torch.Tensor) and isinstance(now, torch.Tensor):
-            step.copy_(now)
+def keep_pace(frozen: list[tuple[Any, torch.Tensor, Any]]) -> None:
+    """After an update, each frozen parameter's AdamW state beside a trained one's: the same step
+    count (torch's AdamW keeps one per parameter; megatron's distributed optimizer saves one for
+    all and refuses counts that differ), its moments as they were, zero where it was frozen
+    before its first update (a checkpoint holds every parameter's)."""
+    for adamw, updated, trained in frozen:
+        if trained is None:  # every parameter of this optimizer frozen: no count goes on
+            continue
+        state = adamw.state[updated]
+        for key, value in adamw.state[trained].items():
+            if not isinstance(value, torch.Tensor):
+                state.setdefault(key, value)
+            elif value.dim() == 0:  # the step count
+                state[key] = value.clone()
+            elif key not in state:
+                state[key] = torch.zeros_like(updated, dtype=value.dtype)
 
 
 class Update:
@@ -101,7 +98,7 @@ class Update:
         self, optimizer: MegatronOptimizer, scheduler: OptimizerParamScheduler, queued: bool
     ):
         self.optimizer, self.scheduler, self.queued = optimizer, scheduler, queued
-        self.frozen: list[tuple[dict, dict]] = []  # this step's frozen parameters (figures)
+        self.frozen: list = []  # this step's frozen parameters (leave_frozen_alone)
 
     @torch.no_grad()
     def figures(self, totals: torch.Tensor) -> torch.Tensor:
