@@ -37,12 +37,17 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.mcore_patches.optimizer import model_and_main_params
 
-FORMAT_VERSION = 1
+# What the trainer state's `format_version` says of a checkpoint. 2: the distributed optimizer's
+# state saved at each parameter's own place (mcore_patches/optimizer.py); 1 (or none) cut it, past
+# a gradient bucket that ends in padding, at a neighbour's (training/resume.py refuses to load it).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -352,6 +357,16 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     if "trainer" not in common:
         raise UsageError(f"{ckpt} is not a megatron_mlmclm checkpoint (no trainer state)")
     return common
+
+
+def tensor_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    """The global shape of every tensor of a checkpoint, from its metadata (no tensor read)."""
+    meta = FileSystemReader(str(ckpt)).read_metadata()
+    return {
+        k: tuple(v.size)
+        for k, v in meta.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
 
 
 def load_weights(ckpt: Path, chunks, optimizer) -> dict[str, Any]:

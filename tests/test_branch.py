@@ -26,16 +26,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.config import PhasePlan, load_config, resolved_phases
+from megatron_mlmclm.config import PhasePlan, load_config, resolved_phases, to_dict
 from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
+from megatron_mlmclm.training import history
 from megatron_mlmclm.training.batch_plan import Plan
-from megatron_mlmclm.training.branch import check_branch
+from megatron_mlmclm.training.branch import check_branch, check_trajectory
 from megatron_mlmclm.training.checkpointer import find_start
 from megatron_mlmclm.training.history import flat
-from megatron_mlmclm.training.resume import fingerprint
+from megatron_mlmclm.training.resume import ORDER_KEY, fingerprint
 from megatron_mlmclm.training.trainer import build_datasets
 
 GBS = 4
@@ -487,7 +488,7 @@ def test_a_trunk_resumed_onto_other_data_at_the_same_batch_is_no_source(
         "resume",
     )
     assert resume["data_changed"] == ["data.train"] and resume["position"] == 3 * GBS
-    assert state["consumed_samples"] == 4 * GBS  # as from scratch: the old guard let it through
+    assert state["consumed_samples"] == 4 * GBS  # as from scratch: the position shows no change
     out = tmp_path / "b"
     err = refused_in_one_line(
         base, [other, f"output_dir={out}", f"train.branch_from={ckpt}"], capsys
@@ -509,6 +510,29 @@ def test_a_trunk_resumed_with_another_learning_rate_is_no_source(base, source, t
     err = refused_in_one_line(base, argv, capsys)
     assert "in its steps 1-3 (from its start at 0), was trained with train.lr = 0.0005 but" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("scaled_first", [False, True], ids=["null-mapping", "mapping-null"])
+def test_a_history_gives_each_segment_its_own_settings(base, scaled_first):
+    """Three segments whose model.rope_scaling goes from null to a mapping and back (or the
+    reverse), and whose fingerprint loses a key and gets it back: each segment's settings and data
+    are rebuilt from the history as that segment's config and fingerprint, with no stale sub-key
+    and no key of another segment, and the guard names the setting that differs."""
+    path, _ = base
+    plain, scaled = load_config(path, []), load_config(path, ["model.rope_scaling.factor=8"])
+    runs = [scaled, plain, scaled] if scaled_first else [plain, scaled, plain]
+    real, mock = {"data.seed": 1, ORDER_KEY: "v2"}, {"data.seed": 1}
+    data = [real, mock, real]
+    events: list[dict] = []
+    for i, (cfg, fp) in enumerate(zip(runs, data)):
+        events.append(history.event("start" if i == 0 else "resume", 2 * i, 0, cfg, fp, events))
+    assert events[1]["data_removed"] == [ORDER_KEY]
+    segments = history.segments(events, 6)
+    assert [(s.start, s.end) for s in segments] == [(0, 2), (2, 4), (4, 6)]
+    assert [s.config() for s in segments] == [to_dict(cfg) for cfg in runs]
+    assert [s.data for s in segments] == data
+    with pytest.raises(UsageError, match=r"in its steps 3-4 .* model\.rope_scaling"):
+        check_trajectory("trunk", events, runs[0], mock, 6)
 
 
 def test_a_branch_folder_is_checked_before_it_resumes(base, source, tmp_path, capsys):

@@ -123,6 +123,12 @@ def test_bad_values_name_the_key(overrides, needle):
             "checkpoint.resume=false",
         ),
         (
+            ["checkpoint.accept_shifted_optimizer_state=true", "checkpoint.resume=false"],
+            ["checkpoint.accept_shifted_optimizer_state=true"],
+            "checkpoint.accept_shifted_optimizer_state=true",
+            "checkpoint.resume=false",
+        ),
+        (
             ["parallel.overlap_param_gather=true"],
             [],
             "parallel.overlap_param_gather=true",

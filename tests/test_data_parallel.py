@@ -17,11 +17,15 @@ runs:
   megatron's hook as much as for ours, which the first comparison shows to be bit for bit the
   same;
 - at DP = 4 the buffers' padding, which the batched accumulation never zeroes, stays zero in
-  every reduced gradient on every rank, and the weight frozen mid-run gets no gradient.
+  every reduced gradient on every rank, and the weight frozen mid-run gets no gradient; there and
+  in the single process it keeps its value from the freeze on, as torch's AdamW keeps a parameter
+  without a gradient.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -29,10 +33,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from jobs import REPO, curve, launch
+from jobs import REPO, curve, launch, run_pretrain
 from tolerance import assert_close, reordered
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megatron_mlmclm.checkpoint import MANIFEST, read_trainer_state
+from megatron_mlmclm.config import load_config
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.runtime.lifetime import LOCK_NAME
+from megatron_mlmclm.training.resume import check_optimizer_state
 
 SCRIPT = Path(__file__).parent / "scripts" / "dp_steps.py"
 STEPS = 4
@@ -171,8 +181,8 @@ def state_tolerance(key: str) -> dict:
 def test_four_ranks_leave_the_padding_zero_and_the_frozen_weight_without_gradient(runs):
     """At DP = 4 the buffers have padding (bucket ends and the gaps between parameters), which
     every rank's reduced gradients keep at zero in every step, though the batched accumulation
-    never zeroes the buffers; the weight frozen from step 3 on gets a gradient in steps 1-2 and
-    none after, with the parameter gather on (megatron's pre-hook asserted on it)."""
+    never zeroes the buffers; the weight frozen from step 3 on, with the parameter gather on,
+    gets a gradient in steps 1-2 and none after."""
     for rank in range(4):
         layout = torch.load(runs["dp4 fp32"] / f"layout_rank{rank}.pt")
         padding, frozen = layout["padding"], layout["frozen"]
@@ -182,3 +192,79 @@ def test_four_ranks_leave_the_padding_zero_and_the_frozen_weight_without_gradien
         for step, g in enumerate(grads, start=1):
             assert g.shape == padding.shape and not g[padding].any(), (rank, step)
             assert g[frozen].any() == (step < FREEZE_AT), (rank, step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, ranks", [("single fp32", 1), ("dp4 fp32", 4)])
+def test_the_weight_frozen_mid_run_keeps_its_value(runs, name, ranks):
+    """The weight frozen from step 3 on moves in steps 1-2 and keeps its value, bit for bit, from
+    then on (after the updates of steps 3 and 4), on every rank, with the distributed optimizer in
+    one process and at DP = 4: AdamW's momentum and weight decay do not move it."""
+    for rank in range(ranks):
+        # its value before each step's update, then after the last
+        values = torch.load(runs[name] / f"frozen_rank{rank}.pt")
+        assert len(values) == STEPS + 1
+        trained = values[:FREEZE_AT]
+        assert all(not torch.equal(a, b) for a, b in zip(trained, trained[1:])), (name, rank)
+        for step in range(FREEZE_AT, STEPS + 1):
+            assert torch.equal(values[step], values[FREEZE_AT - 1]), (name, rank, step)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_before_the_state_offsets_fix_is_refused(runs, tmp_path):
+    """The DP = 4 run's checkpoints carry the format marker. The same checkpoint without it, as
+    the version that saved each parameter's Adam state past a padded bucket end at a neighbour's
+    place wrote it (the run's buckets end in padding), is refused in one line, exit status 2,
+    nothing written, resumed or branched from; checkpoint.accept_shifted_optimizer_state loads it
+    with a warning. Without the overlapped reduce (one bucket per buffer) or with a model within
+    one bucket nothing was shifted and it loads; at PP > 1 (the tied embeddings' own bucket) it
+    is refused."""
+    saved = runs["dp4 fp32"] / "checkpoints" / "iter_0000002"
+    assert read_trainer_state(saved)["trainer"]["format_version"] == 2
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / saved.name
+    shutil.copytree(saved, ckpt)
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    common["trainer"]["format_version"] = 1
+    torch.save(common, ckpt / "common.pt")
+    manifest = json.loads((ckpt / MANIFEST).read_text())  # a checkpoint that verifies
+    data = (ckpt / "common.pt").read_bytes()
+    manifest["files"]["common.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    (run / "checkpoints" / "latest").write_text(saved.name + "\n")
+    before = sorted(p.name for p in run.rglob("*"))  # rank 0 locks the folder, then refuses
+    argv = [f"output_dir={run}", f"checkpoint.dir={run / 'checkpoints'}"]
+    proc = run_pretrain(runs["dp4 fp32"] / "config.yaml", argv, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(err) == 1 and "stored each parameter's Adam state at a neighbour's" in err[0], err
+    assert f"train.init_from={ckpt}" in err[0] and "accept_shifted_optimizer_state=true" in err[0]
+    assert sorted(p.name for p in run.rglob("*") if p.name != LOCK_NAME) == before
+    branch = tmp_path / "branch"
+    argv = [f"output_dir={branch}", f"checkpoint.dir={branch}", f"train.branch_from={ckpt}"]
+    proc = run_pretrain(runs["dp4 fp32"] / "config.yaml", argv, check=False)
+    assert proc.returncode == 2 and "at a neighbour's place" in proc.stderr, proc.stderr[-2000:]
+    assert not branch.exists()
+
+    state = read_trainer_state(ckpt)["trainer"]
+    cfg = load_config(runs["dp4 fp32"] / "config.yaml", [f"output_dir={run}"])
+    with pytest.raises(UsageError, match="at a neighbour's place"):
+        check_optimizer_state(ckpt, state, cfg)
+    cfg.checkpoint.accept_shifted_optimizer_state = True
+    (note,) = check_optimizer_state(ckpt, state, cfg)
+    assert note.startswith("warning: ") and "loading its state as saved" in note
+    cfg.checkpoint.accept_shifted_optimizer_state = False
+    for parallel, pp, refused in (
+        ({"overlap_grad_reduce": False}, 1, False),
+        ({"ddp_bucket_size": 10**9}, 1, False),
+        ({}, 2, True),
+    ):
+        edited = dict(state, layout=dict(state["layout"], pp=pp))
+        edited["config"] = dict(
+            state["config"], parallel={**state["config"]["parallel"], **parallel}
+        )
+        if refused:
+            with pytest.raises(UsageError):
+                check_optimizer_state(ckpt, edited, cfg)
+        else:
+            assert check_optimizer_state(ckpt, edited, cfg) == [], parallel

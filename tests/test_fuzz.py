@@ -1,12 +1,14 @@
-"""Bad input, fuzzed: random `key=value` overrides and random YAML thrown at the run config (and
-the dry run's report of what it accepts), random entries thrown at the evaluation's task registry
-(and each protocol's reading of them). Each is accepted or refused with a UsageError (one line,
-exit status 2 from the CLI); anything else (a traceback) fails, with the input hypothesis found.
+"""Bad input, fuzzed: random `key=value` overrides and random YAML thrown at the run config (a
+continued run's included: train.init_from, its model read from a checkpoint of the tiny model)
+and at what the dry run reports and opens for a config it accepts (its report, its preflight),
+random entries thrown at the evaluation's task registry (and each protocol's reading of them).
+Each is accepted or refused with a UsageError (one line, exit status 2 from the CLI); anything
+else (a traceback) fails, with the input hypothesis found.
 
 The inputs come from the schemas themselves (every dotted key of RunConfig, every field of a task
-entry, the shipped entries as seeds) and from the values that broke them before (0, -1, .nan,
-'', [], {}, true, a section set to a scalar and then a key under it). Derandomized: the suite
-runs the same examples every time, a few seconds in all.
+entry, the shipped entries as seeds) and from values at and past the bounds and of the wrong
+shape (0, -1, .nan, '', [], {}, true, a section set to a scalar and then a key under it).
+Derandomized: the suite runs the same examples every time, a few seconds in all.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_mlmclm.config import RunConfig, load_config
+from megatron_mlmclm.config import RunConfig, load_config, to_dict
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.protocols import PROTOCOLS, resolve, run_settings
 from megatron_mlmclm.eval.tasks import FIELDS, RUN_OVERRIDES, _builtin_files, load_registry
 from megatron_mlmclm.training.dry_run import dry_run_report
+from megatron_mlmclm.training.preflight import preflight
 
 REPO = Path(__file__).resolve().parent.parent
 FUZZ = settings(
@@ -64,16 +67,24 @@ VALUES = [
 ]  # fmt: skip
 
 
+# The model section of a checkpoint's run config, as `checkpoint_model` reads it for a run with
+# train.init_from (training/continued.py): the tiny model's.
+SAVED_MODEL = to_dict(load_config(None, ["data.mock=true", "model.vocab_size=512"]).model)
+CONTINUED = "train.init_from=runs/a/checkpoints/iter_0000010"
+
+
 def load_and_report(path, overrides) -> None:
-    """The run config, and for one it accepts, what `pretrain --dry-run` prints."""
+    """The run config, and for one it accepts, what `pretrain --dry-run` prints and opens (its
+    preflight: one line per problem, raising nothing)."""
     try:
-        cfg = load_config(path, overrides)
+        cfg = load_config(path, overrides, checkpoint_model=lambda init_from: SAVED_MODEL)
     except UsageError:
         return
     try:
         dry_run_report(cfg)
     except UsageError:
-        pass
+        return
+    preflight(cfg)
 
 
 overrides = st.lists(
@@ -91,16 +102,18 @@ overrides = st.lists(
 @given(
     base=st.sampled_from([None, "examples/configs/tiny.yaml"]),
     mock=st.booleans(),
+    continued=st.booleans(),
     overrides=overrides,
 )
-def test_random_overrides_are_accepted_or_refused_in_one_line(base, mock, overrides):
+def test_random_overrides_are_accepted_or_refused_in_one_line(base, mock, continued, overrides):
     path = None if base is None else REPO / base
-    load_and_report(path, (["data.mock=true"] if mock else []) + overrides)
+    first = (["data.mock=true"] if mock else []) + ([CONTINUED] if continued else [])
+    load_and_report(path, first + overrides)
 
 
-def test_the_overrides_that_crashed_are_refused():
-    """What the fuzzing found: a section set to a value and then a key under it, a budget of
-    zero or infinity, a phase length that is not a number, keys YAML reads as numbers."""
+def test_overrides_of_the_wrong_shape_are_refused():
+    """A section set to a value and then a key under it, a budget of zero or infinity, a phase
+    length or learning rate that is not a number: each refused with a line naming the key."""
     for overrides, message in [
         (["train=full", "train.hang_timeout_s=0"], "train is 'full', not a section"),
         (["phases=0", "phases.mask_ratio.shape=x"], "phases is 0, not a section"),
@@ -190,7 +203,9 @@ def test_random_task_entries_are_accepted_or_refused_in_one_line(tmp_path, task_
         pass
 
 
-def test_the_task_entries_that_crashed_are_refused(tmp_path):
+def test_task_entries_of_the_wrong_shape_are_refused(tmp_path):
+    """An empty entry, protocols that are not a mapping, protocol overrides of the wrong type:
+    each refused with a line naming what is wrong."""
     path = tmp_path / "tasks.yaml"
     sst2 = {"family": "sc", "format": "jsonl", "splits": SHIPPED["sst2"]["splits"]}
     for entry, message in [

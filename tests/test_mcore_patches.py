@@ -19,7 +19,7 @@ import pytest
 from jobs import REPO, job_env
 
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.mcore_patches import registry
+from megatron_mlmclm.mcore_patches import apply, registry
 from megatron_mlmclm.mcore_patches.registry import (
     MEGATRON_CORE,
     REPLACEMENTS,
@@ -126,7 +126,7 @@ def with_a_changed_pin(monkeypatch, tmp_path):
     holds = next(r for r in REPLACEMENTS if r.target.endswith(":_initialize_affine_weight_gpu"))
     changed = dataclasses.replace(row, pins=(Pin(row.pins[0].source, "sha256:0123456789abcdef"),))
     monkeypatch.setattr(registry, "REPLACEMENTS", (holds, changed))
-    monkeypatch.setattr(registry, "_verified", False)
+    monkeypatch.setattr(apply, "_applied", False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(registry.ACCEPT_ENV, raising=False)
     return row.target
@@ -143,6 +143,8 @@ def test_a_changed_pin_refuses_the_run_at_start_and_the_override_runs_it(
     err = capsys.readouterr().err.strip()
     installed = importlib.metadata.version("megatron-core")
     assert err.count("\n") == 0 and target in err, err
+    assert f"changed in the installed megatron-core {installed} for {target};" in err, err
+    assert "install megatron-core==0.16.1 (as pyproject.toml pins it)" in err, err
     assert f"set MLMCLM_ACCEPT_MEGATRON_CORE={installed}" in err, err
     assert ":_initialize_affine_weight_gpu" not in err  # its pin holds
     assert not out.exists()  # refused before the run's folder, lock or log
@@ -154,6 +156,21 @@ def test_a_changed_pin_refuses_the_run_at_start_and_the_override_runs_it(
     registry.verify_installed()
     warning = capsys.readouterr().err
     assert warning.startswith("warning: ") and target in warning, warning
+
+
+def test_a_changed_torch_pin_names_torch(tmp_path, monkeypatch):
+    """A row of torch whose pin no longer holds: the refusal says torch's source changed, not
+    megatron-core's."""
+    with_a_changed_pin(monkeypatch, tmp_path)
+    row = next(r for r in REPLACEMENTS if r.target == "torch:Tensor.type")
+    gone = dataclasses.replace(row, pins=(Pin("torch:Tensor.no_such_method", "exists"),))
+    monkeypatch.setattr(registry, "REPLACEMENTS", (gone,))
+    with pytest.raises(registry.SourceChanged) as refused:
+        registry.verify_installed()
+    torch_version = importlib.metadata.version("torch")
+    assert f"changed in the installed torch {torch_version} for torch:Tensor.type;" in str(
+        refused.value
+    )
 
 
 def test_the_pins_are_computed_once_per_install(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_mlmclm.config import load_config
+from megatron_mlmclm.mcore_patches.optimizer import model_and_updated_params
 from megatron_mlmclm.training.faults import NonFinite
 from megatron_mlmclm.training.optimizer import chained
 from megatron_mlmclm.training.trainer import Trainer
@@ -143,3 +144,65 @@ def test_a_non_finite_step_reaches_no_weight_and_no_optimizer_state(tmp_path, ex
     changed = [k for k in after if not torch.equal(after[k], before[k])]
     assert not changed, changed[:5]
     assert any(k.endswith(".step") for k in after)  # the step counts are among those compared
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def updated_by(trainer: Trainer, weight: torch.nn.Parameter) -> list[str]:
+    """The keys in `state` of what AdamW updates for `weight` (its main copy, or its shard)."""
+    return [
+        f"{i}.{j}.{k}"
+        for i, opt in enumerate(chained(trainer.optimizer))
+        for model, updated in model_and_updated_params(opt)
+        if model is weight
+        for j, group in enumerate(opt.optimizer.param_groups)
+        for k, param in enumerate(group["params"])
+        if param is updated
+    ]
+
+
+def stack_weight(trainer: Trainer) -> torch.nn.Parameter:
+    return next(
+        p
+        for n, p in trainer.model_chunks[0].named_parameters()
+        if "layers.1." in n and n.endswith("fc1.weight")
+    )
+
+
+def test_a_weight_frozen_mid_run_keeps_its_value(tmp_path):
+    """A weight of the stack frozen (requires_grad false, as code that freezes part of a model
+    mid-run does) keeps its value and Adam moments, bit for bit, through the updates while it is
+    frozen (queued and host-first), as torch's AdamW keeps a parameter without a gradient, and
+    trains again once unfrozen: frozen before its first update (its moments then zero), trained
+    one step, frozen again for two. Its Adam step count keeps pace with the others' (megatron's
+    distributed optimizer saves one count for all). With megatron's mixed-precision optimizer in
+    bf16; tests/test_data_parallel.py freezes a weight under the distributed optimizer."""
+    trainer = trainer_for(tmp_path, "run", "train.precision=bf16")
+    try:
+        weight = stack_weight(trainer)
+        moments = {f"adam.{key}.{m}" for key in updated_by(trainer, weight) for m in MOMENTS}
+        initial = weight.detach().clone()
+        weight.requires_grad_(False)
+        train(trainer, 1)
+        assert torch.equal(weight, initial)
+        first = state(trainer)
+        assert moments and all(not first[k].any() for k in moments), moments
+        weight.requires_grad_(True)
+        trainer.step = 1
+        trainer.train_step(trainer.cfg.phases[0])
+        assert not torch.equal(weight, initial)
+        weight.requires_grad_(False)
+        value, before = weight.detach().clone(), state(trainer)
+        for step, host_first in ((2, False), (3, True)):
+            trainer.step = step
+            trainer.engine.update.queued &= not host_first
+            trainer.train_step(trainer.cfg.phases[0])
+        after = state(trainer)
+    finally:
+        trainer.close()
+    assert torch.equal(weight, value)
+    assert all(before[k].any() and torch.equal(after[k], before[k]) for k in moments), moments
+    trained = [k for k in before if k.startswith("model.") and "fc1.weight" in k]
+    assert any(not torch.equal(after[k], before[k]) for k in trained)
+    assert {after[k].item() for k in after if k.endswith(".step")} == {4.0}

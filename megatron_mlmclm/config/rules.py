@@ -144,3 +144,8 @@ def refuse_contradictions(cfg: RunConfig) -> None:
             "checkpoint.allow_data_change=true contradicts checkpoint.resume=false: "
             "it only applies when resuming; drop one of them"
         )
+    if c.accept_shifted_optimizer_state and not (c.resume or t.branch_from):
+        raise UsageError(
+            "checkpoint.accept_shifted_optimizer_state=true contradicts checkpoint.resume=false: "
+            "it only applies when resuming or branching; drop one of them"
+        )

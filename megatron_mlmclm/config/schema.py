@@ -436,6 +436,9 @@ class CheckpointConfig:
     # Resume even though the data stream or masks changed (batch size, data, seed, phases): the
     # run continues from the checkpoint's consumed_samples in the new stream (docs/pretrain.md).
     allow_data_change: bool = False
+    # Resume (or branch) with the distributed optimizer's state of a checkpoint saved before it
+    # was stored at each parameter's own place, as it was saved (training/resume.py).
+    accept_shifted_optimizer_state: bool = False
 
     def validate(self) -> None:
         if self.save_interval < 0 or self.keep_last < 1:

@@ -34,7 +34,7 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model_chunk, transformer_config
 from megatron_mlmclm.model.kernels import plan_kernels
 from megatron_mlmclm.objectives import document_attention_mask
-from megatron_mlmclm.runtime.distributed import init_distributed, verify_megatron_core
+from megatron_mlmclm.runtime.distributed import init_distributed, patch_megatron_core
 from megatron_mlmclm.runtime.lifetime import checkpoint_helper_dies_with_us
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -254,7 +254,7 @@ def check_output(out: Path, force: bool) -> None:
 def staged_output(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces `out` (atomically renamed)."""
     check_output(out, force)
-    verify_megatron_core()  # every conversion builds megatron's model: refused before it writes
+    patch_megatron_core()  # every conversion builds megatron's model: refused before it writes
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     try:

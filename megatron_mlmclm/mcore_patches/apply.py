@@ -13,12 +13,18 @@ import torch
 from megatron_mlmclm.mcore_patches import cpu, optimizer
 from megatron_mlmclm.mcore_patches.registry import verify_installed
 
+_applied = False
+
 
 def apply_patches() -> None:
-    """Install the run-time replacements of registry.yaml for this machine (once per process);
-    raises SourceChanged, naming them, where the installed megatron-core changed a pinned
-    target (registry.verify_installed)."""
+    """Install the run-time replacements of registry.yaml for this machine, once per process,
+    after checking the registry's pins: raises SourceChanged, naming them, where the installed
+    megatron-core (or torch) changed a pinned target (registry.verify_installed)."""
+    global _applied
+    if _applied:
+        return
     verify_installed()
     optimizer.apply_everywhere()
     if not torch.cuda.is_available():
         cpu.apply_without_cuda()
+    _applied = True

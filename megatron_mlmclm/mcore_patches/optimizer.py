@@ -242,3 +242,29 @@ def model_and_main_params(optimizer) -> list[tuple[torch.Tensor, torch.Tensor | 
         return []
     model, main = optimizer._get_model_and_main_params_data_float16()
     return list(zip(model, main))
+
+
+def model_and_updated_params(optimizer) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(model parameter, the tensor the optimizer's AdamW updates for it: its fp32 main copy,
+    under the distributed optimizer this rank's shard of it, in fp32 the parameter itself) for
+    each parameter of one of megatron's optimizers, paired as its prepare_grads pairs them to hand
+    AdamW their gradients, through the private groups it pairs (registry.yaml)."""
+    if hasattr(optimizer, "shard_fp32_from_float16_groups"):  # DistributedOptimizer
+        groups = [
+            (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
+            (optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
+        ]
+    elif hasattr(optimizer, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+        groups = [
+            (optimizer.float16_groups, optimizer.fp32_from_float16_groups),
+            (optimizer.fp32_from_fp32_groups, optimizer.fp32_from_fp32_groups),
+        ]
+    else:  # FP32Optimizer: AdamW updates the model's own parameters
+        params = [group["params"] for group in optimizer.optimizer.param_groups]
+        groups = [(params, params)]
+    return [
+        pair
+        for models, updated in groups
+        for model_group, updated_group in zip(models, updated)
+        for pair in zip(model_group, updated_group)
+    ]

@@ -7,11 +7,11 @@ of the source of each definition it replaces or re-implements, in the version it
 against (`checked`). `tests/test_mcore_patches.py` recomputes every pin from the installed
 packages: when megatron-core changes one of them, the test of that row fails, naming it, before
 any run trains with a replacement that no longer fits. Every process that applies the patches
-checks the same pins first (`verify_installed`, apply.py): a run on a megatron-core whose pinned
-source changed is refused, naming the changed targets, unless $MLMCLM_ACCEPT_MEGATRON_CORE names
-the installed version (the user has read the new source). Updating a row is reading the new
-source, checking the replacement still does what `why` says, and then writing the new hash and
-version.
+checks the same pins first (`verify_installed`, apply.py): a run on a megatron-core (or torch)
+whose pinned source changed is refused, naming the changed targets and the package, unless
+$MLMCLM_ACCEPT_MEGATRON_CORE names the installed megatron-core version (the user has read the new
+source). Updating a row is reading the new source, checking the replacement still does what `why`
+says, and then writing the new hash and version.
 
 Two kinds of rows:
 - `patch`: the attribute is replaced at run time, by code in this package (jit.py, cpu.py,
@@ -87,6 +87,7 @@ def _load() -> tuple[str, tuple[Replacement, ...]]:
 
 
 MEGATRON_CORE, REPLACEMENTS = _load()
+PINNED = MEGATRON_CORE.replace(" ", "==")  # as pip installs it: megatron-core==0.16.1
 
 
 # ------------------------------------------------------------------------ the pins, computed
@@ -207,43 +208,59 @@ class SourceChanged(Exception):
     targets (runtime/distributed.py turns it into the run's usage error, exit status 2)."""
 
 
-_verified = False
-
-
 def verify_installed() -> None:
-    """Raise SourceChanged, naming the changed targets, unless every pin of the registry holds in
-    the installed packages, or $MLMCLM_ACCEPT_MEGATRON_CORE is the installed megatron-core version
-    (then a warning, on stderr). Once per process; the pins of source text are computed once per
-    install (about 1 CPU-s: every pinned file parsed) and remembered by the size and
-    modification time of each file in the user's cache folder."""
-    global _verified
-    if _verified:
+    """Raise SourceChanged, naming the changed targets and the package whose source changed,
+    unless every pin of the registry holds in the installed packages, or
+    $MLMCLM_ACCEPT_MEGATRON_CORE is the installed megatron-core version (then a warning, on
+    stderr). Called once per process, by apply.apply_patches; the pins of source text are
+    computed once per install (about 1 CPU-s: every pinned file parsed) and remembered by the
+    size and modification time of each file in the user's cache folder."""
+    failed = failed_pins()
+    if not failed:
         return
-    changed = changed_targets()
-    if changed:
-        installed = _version("megatron-core")
-        message = (
-            f"megatron-core {installed} is installed, and the source of {len(changed)} "
-            f"target(s) that mcore_patches/registry.yaml pins changed since {MEGATRON_CORE}: "
-            f"{', '.join(changed)}"
+    by_package = {
+        dist: _targets_of({pin for pin in failed if _distribution(pin.source) == dist})
+        for dist in sorted({_distribution(pin.source) for pin in failed})
+    }
+    installed = _version("megatron-core")
+    message = (
+        f"the source that mcore_patches/registry.yaml pins (checked against {MEGATRON_CORE}) "
+        "changed in the installed "
+        + " and ".join(f"{d} {_version(d)} for {', '.join(t)}" for d, t in by_package.items())
+    )
+    remedy = f"install {PINNED} (as pyproject.toml pins it)"
+    if "torch" in by_package:
+        remedy = f"install a torch with the source those rows pin (their `checked`) and {PINNED}"
+    if os.environ.get(ACCEPT_ENV) != installed:
+        raise SourceChanged(
+            f"{message}; {remedy}, or, having read the new source of those targets, set "
+            f"{ACCEPT_ENV}={installed} (the installed megatron-core's version)"
         )
-        if os.environ.get(ACCEPT_ENV) != installed:
-            raise SourceChanged(
-                f"{message}; install megatron-core==0.16.1 (as pyproject.toml pins it), or, "
-                f"having read the new source of those targets, set {ACCEPT_ENV}={installed}"
-            )
-        missing = missing_targets()
-        if missing:
-            raise SourceChanged(
-                f"megatron-core {installed} no longer has {', '.join(missing)}, which "
-                f"mcore_patches replaces or relies on; install megatron-core==0.16.1"
-            )
-        print(f"warning: {message} (run anyway: {ACCEPT_ENV}={installed})", file=sys.stderr)
-    _verified = True
+    missing = missing_targets()
+    if missing:
+        raise SourceChanged(
+            f"the installed {' and '.join(sorted({_distribution(m) for m in missing}))} no "
+            f"longer has {', '.join(missing)}, which mcore_patches replaces or relies on; {remedy}"
+        )
+    print(f"warning: {message} (run anyway: {ACCEPT_ENV}={installed})", file=sys.stderr)
 
 
 def changed_targets() -> list[str]:
     """The targets of the rows of which some pin no longer holds, in registry order."""
+    return _targets_of(failed_pins())
+
+
+def _targets_of(failed: set[Pin]) -> list[str]:
+    return list(dict.fromkeys(r.target for r in REPLACEMENTS if failed & set(r.pins)))
+
+
+def _distribution(source: str) -> str:
+    """The installed package that holds a pin's source: torch or megatron-core."""
+    return "torch" if source.split(".")[0].split(":")[0] == "torch" else "megatron-core"
+
+
+def failed_pins() -> set[Pin]:
+    """The registry's pins that no longer hold in the installed packages."""
     source_pins = {p for r in REPLACEMENTS for p in r.pins if _is_source_pin(p)}
     cached = _cache_marker(source_pins)
     known_good = cached is not None and cached.exists()
@@ -259,7 +276,7 @@ def changed_targets() -> list[str]:
             cached.touch()
         except OSError:
             pass  # no cache: the pins are computed again by the next process
-    return list(dict.fromkeys(r.target for r in REPLACEMENTS if failed & set(r.pins)))
+    return failed
 
 
 def _is_source_pin(pin: Pin) -> bool:

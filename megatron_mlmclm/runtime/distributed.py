@@ -15,22 +15,24 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.mcore_patches.apply import apply_patches
-from megatron_mlmclm.mcore_patches.registry import SourceChanged, verify_installed
+from megatron_mlmclm.mcore_patches.registry import SourceChanged
 
 
-def verify_megatron_core() -> None:
-    """UsageError (one line, naming them) where the installed megatron-core changed what
-    mcore_patches/registry.yaml pins; cheap after the first call (registry.verify_installed)."""
+def patch_megatron_core() -> None:
+    """megatron-core's changes for this machine (mcore_patches/), once per process, after checking
+    the source they were written against: a UsageError (one line, naming the changed targets)
+    where the installed megatron-core or torch changed what mcore_patches/registry.yaml pins.
+    init_distributed calls it; a command that reads or writes files first (pretrain, convert)
+    calls it before it does, to be refused with nothing written."""
     try:
-        verify_installed()
+        apply_patches()
     except SourceChanged as e:
         raise UsageError(str(e)) from None
 
 
 def init_distributed(tp: int, pp: int, vpp: int | None, seed: int, cp: int = 1) -> None:
     """Create the default group and megatron's TP/PP/CP/DP groups; seed megatron's RNG tracker."""
-    verify_megatron_core()
-    apply_patches()  # megatron-core's changes for this machine (mcore_patches/)
+    patch_megatron_core()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         timeout = datetime.timedelta(minutes=30)

@@ -29,7 +29,7 @@ from megatron_mlmclm.training.continued import check_init_from
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor
 from megatron_mlmclm.training.metrics import log
-from megatron_mlmclm.training.resume import check_resume
+from megatron_mlmclm.training.resume import check_optimizer_state, check_resume
 
 
 class Stateful(Protocol):
@@ -71,6 +71,7 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> 
     if latest is not None:
         state = ckpt.read_trainer_state(latest)["trainer"]
         consumed, notes = check_resume(latest, state, cfg, fingerprint)
+        notes += check_optimizer_state(latest, state, cfg)
         if cfg.train.branch_from:
             check_branch_folder(latest, state, cfg, fingerprint)
         step = int(state["iteration"])
@@ -83,6 +84,7 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> 
         )
     if cfg.train.branch_from:  # a stable checkpoint of this config at another budget
         source, state, notes = branch_source(cfg, fingerprint)
+        notes = notes + check_optimizer_state(source, state, cfg)
         step, before = int(state["iteration"]), history.of_checkpoint(state)
         # read as a fresh run reads
         position = PhasePlan.of(cfg).position(step)

@@ -8,9 +8,11 @@ another run's checkpoint, whose own history comes before it; `phase N`: the phas
 entering phase N), the sample position its first step reads, and the settings in force from
 there: the run's config, flattened (`settings`), and its data fingerprint (`data`, from
 training/resume.py), each given only where it changed since the event before (the first event
-gives all of them; a phase event none: the config decides the phases). A resume that changed the
-data by checkpoint.allow_data_change names the keys it changed (`data_changed`). A checkpoint
-saved before histories were kept reads as one `start` event with its own config (`unrecorded`).
+gives all of them; a phase event none: the config decides the phases), with the keys that are gone
+since (`settings_removed`, `data_removed`: a section set to null, or a fingerprint key no longer
+made). A resume that changed the data by checkpoint.allow_data_change names the keys it changed
+(`data_changed`). A checkpoint saved before histories were kept reads as one `start` event with its
+own config (`unrecorded`).
 
 training/branch.py compares a branch source's history, segment by segment, with the run the
 branch would be from scratch.
@@ -37,7 +39,7 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def unflat(settings: dict[str, Any]) -> dict[str, Any]:
-    """flat's inverse."""
+    """flat's inverse (of keys that flat can have made together: no key is a section of another)."""
     tree: dict[str, Any] = {}
     for key, value in settings.items():
         *sections, name = key.split(".")
@@ -46,6 +48,17 @@ def unflat(settings: dict[str, Any]) -> dict[str, Any]:
             node = node.setdefault(section, {})
         node[name] = value
     return tree
+
+
+def _apply(before: dict[str, Any], changed: dict[str, Any], removed: list[str]) -> dict[str, Any]:
+    """The settings `before` updated by an event's: its removed keys dropped, its changed keys set,
+    and any key that is a section of a changed key, or under one, dropped too (a null section that
+    became a mapping, or the reverse, in a history saved before removals were recorded)."""
+    out = {k: v for k, v in before.items() if k not in removed}
+    for key in changed:
+        for old in [k for k in out if key.startswith(k + ".") or k.startswith(key + ".")]:
+            del out[old]
+    return {**out, **changed}
 
 
 @dataclass
@@ -81,6 +94,10 @@ def event(
         "settings": _changed(last.settings if last else {}, settings),
         "data": _changed(last.data if last else {}, data),
     }
+    for what, now in (("settings", settings), ("data", data)):
+        gone = sorted(set(getattr(last, what)) - set(now)) if last else []
+        if gone:
+            out[f"{what}_removed"] = gone
     changed = [k for k in data if last is not None and not same_value(last.data.get(k), data[k])]
     if kind == "resume" and changed:
         out["data_changed"] = changed  # checkpoint.allow_data_change let it through
@@ -132,8 +149,8 @@ def segments(history: list[dict[str, Any]], end: int) -> list[Segment]:
             break
         if "settings" not in e:  # a phase change
             continue
-        settings = {**settings, **e["settings"]}
-        data = {**data, **e["data"]}
+        settings = _apply(settings, e["settings"], e.get("settings_removed", []))
+        data = _apply(data, e["data"], e.get("data_removed", []))
         if out:
             out[-1].end = e["step"]
         out.append(Segment(e["step"], end, e["event"], settings, data, bool(e.get("unrecorded"))))

@@ -6,17 +6,20 @@ phase that trains on it. Step k of a run reads the global batch at samples
 `consumed + (k - resume_step) x GBS`, where `consumed` is the checkpoint's consumed_samples (0 for
 a fresh run): `k x GBS` for a run whose batch size never changed. Every checkpoint stores a
 fingerprint of all of this; a resume that would change it stops with one line, unless
-checkpoint.allow_data_change=true says the change is on purpose.
+checkpoint.allow_data_change=true says the change is on purpose. A distributed optimizer's state
+saved before it was stored at each parameter's own place is refused too (check_optimizer_state).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from pathlib import Path
 from typing import Any
 
+from megatron_mlmclm import checkpoint as ckpt_io
 from megatron_mlmclm.config import (
     PhaseConfig,
     RunConfig,
@@ -141,6 +144,59 @@ def show_value(value) -> str:
             + "]"
         )
     return str(value)
+
+
+def check_optimizer_state(ckpt: Path, state: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """UsageError (one line) for a distributed-optimizer checkpoint (resumed or branched from)
+    saved before the fully_reshardable save stored each parameter's state at its own place
+    (format_version < 2, checkpoint.py) whose gradient buckets may have ended in padding: past
+    such a bucket each parameter was saved with a neighbour's Adam state and main copy, which
+    loading now gives it. Notes to log: a warning where checkpoint.accept_shifted_optimizer_state
+    takes the state as saved."""
+    saved = state.get("config") or {}
+    if state.get("format_version", 1) >= 2 or not saved.get("parallel", {}).get(
+        "use_distributed_optimizer"
+    ):
+        return []
+    if not may_have_padded_buckets(ckpt, state):
+        return []
+    what = (
+        f"{ckpt} was saved with the distributed optimizer by a version that, past a gradient "
+        "bucket ending in padding (as its run's may have), stored each parameter's Adam state at "
+        "a neighbour's place"
+    )
+    if cfg.checkpoint.accept_shifted_optimizer_state:
+        return [f"warning: {what}; loading its state as saved (accept_shifted_optimizer_state)"]
+    raise UsageError(
+        f"{what}; loading it could train those parameters from other parameters' state: start "
+        f"a run in a new output_dir from its weights alone with train.init_from={ckpt} (a fresh "
+        "optimizer and schedule), or set checkpoint.accept_shifted_optimizer_state=true to load "
+        "its state as saved"
+    )
+
+
+def may_have_padded_buckets(ckpt: Path, state: dict[str, Any]) -> bool:
+    """Whether a gradient buffer of the run that saved `ckpt` could have held a bucket after one
+    that ends in padding (megatron pads each bucket's end under the distributed optimizer). A
+    buffer has one bucket unless the gradient reduce overlapped (a bucket per bucket_size
+    elements: ddp_bucket_size, else megatron's max(4e7, 1e6 x DP)), or the pipeline has more than
+    one stage (the tied word embeddings then get a bucket of their own)."""
+    p = state["config"].get("parallel", {})
+    layout = state.get("layout") or {}
+    dp, cp, pp = (layout.get(k, 1) for k in ("dp", "cp", "pp"))
+    if pp > 1:
+        return True
+    overlap = p.get("overlap_grad_reduce")
+    if overlap is False or (overlap is None and dp * cp == 1):  # as the kernel plan decides
+        return False
+    bucket = p.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
+    params = {k: s for k, s in ckpt_io.tensor_shapes(ckpt).items() if k.startswith(PARAM_STATE)}
+    # each parameter's elements, and the alignment of its start (< 64 elements) in the buffer
+    stacked = sum(s[0] if ".layers." in k else 1 for k, s in params.items())
+    return sum(math.prod(s) for s in params.values()) + 64 * stacked >= bucket
+
+
+PARAM_STATE = "optimizer.state.param."  # the distributed optimizer's main copy of each parameter
 
 
 def check_resume(

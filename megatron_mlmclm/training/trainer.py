@@ -95,7 +95,7 @@ class Trainer:
     def setup(self) -> None:
         cfg, p, t = self.cfg, self.cfg.parallel, self.cfg.train
         # Everything that can fail on user input is checked before models are built.
-        rt.verify_megatron_core()  # the megatron-core source the patches were written against
+        rt.patch_megatron_core()  # refused where megatron-core is not what the patches fit
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
         self.shards = check_run_shards(cfg, self.spec.tokenizer)  # of data.tokenizer, or refused

@@ -8,7 +8,9 @@ model is built, before megatron's DDP wraps it (as a run that freezes part of a 
 FROZEN_LATER is frozen from step FREEZE_AT on (`none`: never), inside megatron's gradient and
 parameter buffers, as a run that freezes a parameter mid-run does. Each rank adds to
 OUT/grads_rank<r>.pt (a resumed run continues the list): its gradient buffers as the optimizer is
-about to read them, after the reduce and the per-token scaling, one flat fp32 tensor per step; and
+about to read them, after the reduce and the per-token scaling, one flat fp32 tensor per step;
+adds FROZEN_LATER's value at that point (after the previous step's update, gathered: the whole
+weight) to OUT/frozen_rank<r>.pt the same way, and its final value after the run's last step; and
 writes OUT/layout_rank<r>.pt: where in that tensor no parameter lies (`padding`: the distributed
 optimizer's alignment of each parameter and of each bucket's end), where FROZEN_LATER lies
 (`frozen`), and each bucket's padded and unpadded sizes. The run's own metrics.jsonl and
@@ -75,22 +77,29 @@ if __name__ == "__main__":
         torch.save(layout(trainer), Path(out) / f"layout_rank{rank}.pt")
         saved = Path(out) / f"grads_rank{rank}.pt"
         grads: list[torch.Tensor] = torch.load(saved) if saved.exists() else []
+        saved_weights = Path(out) / f"frozen_rank{rank}.pt"
+        weights: list[torch.Tensor] = torch.load(saved_weights) if saved_weights.exists() else []
+        later = dict(trainer.model_chunks[0].named_parameters())[FROZEN_LATER]
         figures, train_step = trainer.engine.step_figures, trainer.train_step
 
         def recorded(totals):
             buffers = [b.grad_data for ddp in trainer.model for b in ddp.buffers]
             grads.append(torch.cat([b.detach().float().reshape(-1) for b in buffers]).clone())
+            weights.append(later.detach().float().clone())
             return figures(totals)
 
         def freezing(phase):
             if freeze_at != "none" and trainer.step + 1 == int(freeze_at):  # 1-based steps
-                dict(trainer.model_chunks[0].named_parameters())[FROZEN_LATER].requires_grad_(False)
+                later.requires_grad_(False)
             return train_step(phase)
 
         trainer.engine.step_figures = recorded
         trainer.train_step = freezing
         trainer.train()
+        if trainer.step == trainer.steps:  # the last update, gathered by the final save
+            weights.append(later.detach().float().clone())
         torch.save(grads, saved)
+        torch.save(weights, saved_weights)
     finally:
         trainer.close()
         rt.destroy_distributed()
