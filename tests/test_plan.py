@@ -308,6 +308,51 @@ def test_a_new_measurement_is_a_data_only_change(tmp_path, capsys):
     assert float(r["startup_gpu_hours"]) == pytest.approx(90 * 16 / 3600, abs=0.01)  # 1 start
 
 
+@pytest.mark.parametrize("throughput,starts", [(20000, 2), (10000, 4)])
+def test_each_segment_is_a_job_with_its_own_time_limit(tmp_path, throughput, starts):
+    """A stable run with a branch trains in two jobs (steps 0-10K, then 10K-22K), each with its
+    own 48-hour limit: a segment restarts once per 48 hours it trains, not the run's total.
+    At 20,000 tokens/s per GPU the run takes 74 hours, each segment less than 48 (2 starts); at
+    10,000 each segment takes more than 48 and less than 96 (4)."""
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), "--sizes", "210m", "--budgets", "12000", "22000",
+            "--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps",
+            "--eval-tasks", "sst2", "--throughput", f"210m={throughput}"]  # fmt: skip
+    assert main(argv) == 0
+    with open(out / "SUMMARY.csv", newline="") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    stable = rows["210m-mlm40-22k"]
+    wall = float(stable["wall_hours"])  # one objective: every step costs the same
+    segments = [wall * 10 / 22, wall * 12 / 22]
+    assert wall > 48 and sum(1 + int(h // 48) for h in segments) == starts
+    assert int(stable["starts"]) == starts and int(rows["210m-mlm40-12k"]["starts"]) == 1
+    assert float(stable["startup_gpu_hours"]) == pytest.approx(starts * 120 * 8 / 3600, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "record,expected",
+    [
+        ({"step": 10, "tokens_per_s": 9.0, "tokens_per_s_per_device": 9.0}, "has no phase"),
+        ({"step": 10, "tokens_per_s": 9.0, "phase": 0}, "or tokens_per_s_per_device"),
+        ({"step": 10, "tokens_per_s": 9.0, "phase": 3, "tokens_per_s_per_device": 9.0},
+         "logs phase 3, but the config.yaml beside it has 1 phase(s)"),
+    ],
+    ids=["no-phase", "no-per-device", "phase-beyond-the-config"],
+)  # fmt: skip
+def test_a_probe_that_is_not_of_one_run_exits_2(tmp_path, capsys, record, expected):
+    run = tmp_path / "probe"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"mock": True}}))
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), "--sizes", "210m", "--budgets", "12000", "--objectives",
+            "clm", "--clm-shares", "--cpt-steps", "--throughput", f"210m={run}"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not out.exists()
+
+
 def test_a_probe_prices_its_size_from_its_metrics(tmp_path, capsys):
     """The plan writes a short CLM probe per size whose schedule fits; `--throughput
     SIZE=METRICS` prices the size from a run's logged tokens/s (the later half of its steps),

@@ -69,7 +69,7 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     for r in runs:
         r.config = run_config(r, opts, runs_dir, layouts[r.name])
         r.row = compute_row(r, layouts[r.name], prices[r.size])
-        r.row.update(startup_cost(r, r.row, startups[r.size][0]))
+        r.row.update(startup_cost(r, layouts[r.name], prices[r.size], startups[r.size][0]))
         cfg = flops_config(r.config)
         sizes.setdefault(
             r.size, (cfg.model.shape(), cfg.model.seq_length, prices[r.size].flop_rate(cfg))
