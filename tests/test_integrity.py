@@ -118,8 +118,9 @@ def fake_checkpoint(folder, seed: int) -> dict:
     -> the manifest's files."""
     rng = random.Random(seed)
     folder.mkdir(parents=True)
-    for name, size in (("metadata.json", 40), ("common.pt", 300), ("__0_0.distcp", 5000),
-                       ("__1_0.distcp", 3000), ("__0_1.distcp", 2000), ("__1_1.distcp", 1000)):  # fmt: skip
+    sizes = {"metadata.json": 40, "common.pt": 300, "__0_0.distcp": 5000, "__1_0.distcp": 3000,
+             "__0_1.distcp": 2000, "__1_1.distcp": 1000}  # fmt: skip
+    for name, size in sizes.items():
         (folder / name).write_bytes(rng.randbytes(size))
     files = {
         p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
@@ -135,7 +136,7 @@ def test_the_ranks_verify_the_checkpoint_rank_0_lists_each_reading_its_share(tmp
     both still resume from the newest, checked once in all; train.init_from's checkpoint (a run's
     checkpoints folder) likewise: each rank checksums only its share, and a byte flipped in a
     file of rank 1's share refuses it on both ranks; a manifest is written from shares too."""
-    files = fake_checkpoint(tmp_path / "run" / "iter_0000002", 0)
+    fake_checkpoint(tmp_path / "run" / "iter_0000002", 0)
     files = fake_checkpoint(tmp_path / "run" / "iter_0000004", 1)
     bad = fake_checkpoint(tmp_path / "bad" / "iter_0000002", 2)
     victim = tmp_path / "bad" / "iter_0000002" / _share(bad, 1, 2)[0]
@@ -152,8 +153,9 @@ def test_the_ranks_verify_the_checkpoint_rank_0_lists_each_reading_its_share(tmp
         assert o["resume"]["latest"] == "iter_0000004" and o["resume"]["damaged"] == []
         assert o["init_from"]["found"] == "iter_0000004"
         assert o["init_from"]["read"] == sorted(_share(files, rank, 2))  # its share only
-        assert f"verified iter_0000004: {total / 1e9:.2f} GB checksummed by 2 process(es)" in (
-            o["init_from"]["cost"]
+        assert (
+            f"verified iter_0000004: {total / 1e9:.2f} GB checksummed by 2 process(es)"
+            in o["init_from"]["cost"]
         )
         assert o["bad"] == (
             f"checkpoint {victim.parent} fails verification: {victim.name} does not match its "
