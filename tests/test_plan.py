@@ -64,6 +64,24 @@ def test_grid_names_and_count(plan_dir):
     assert {p.stem for p in (plan_dir / "jobs").glob("*.sh")} == names
 
 
+def test_the_docs_give_the_default_plans_figures(plan_dir):
+    """docs/plan.md's totals for the default grid are those `mlmclm plan` writes: pretraining,
+    job starts, the paper suite's evaluation and their sum."""
+    summary = (plan_dir / "SUMMARY.md").read_text()
+    figures = re.search(
+        r"\*\*GPU-hours\*\*: pretraining ([\d,.]+), job starts ([\d,.]+) \(below\), "
+        r"evaluation ([\d,.]+) .*, total ([\d,.]+)\.",
+        summary,
+    )
+    pre, starts, evaluation, total = (round(float(f.replace(",", ""))) for f in figures.groups())
+    doc = (REPO / "docs" / "plan.md").read_text()
+    assert f"{pre:,} GPU-hours of pretraining with branches" in doc
+    printed = f"and {starts:,} for job starts, {evaluation:,} of evaluation (13 tasks), {total:,}"
+    assert printed in doc  # the command's last line, as the page shows it
+    assert f"total with pretraining and job starts ({pre:,} + {starts:,})" in doc
+    assert f"| `--eval-suite paper` (default) | 13 | {evaluation:,} | {total:,} |" in doc
+
+
 def test_configs_load_and_phases_fill_the_budget(plan_dir):
     for path in sorted((plan_dir / "configs").glob("*.yaml")):
         cfg = load_config(path)
