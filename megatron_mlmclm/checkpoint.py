@@ -9,9 +9,10 @@ A checkpoint is written as `iter_N.tmp`, its files and folder are fsynced, a man
 sizes and SHA-256 checksums is written last (`manifest.json`), and only then is it renamed to
 `iter_N`: a killed run never leaves a folder that looks complete, and a checkpoint damaged later
 (truncated, flipped bytes) fails `verify_checkpoint`. Resume takes the newest checkpoint that
-verifies, saying so when it skips one; the run's processes share its checksums, each a share of
-the files. The model and optimizer are stored in
-megatron's reshardable formats (model: sharded tensors; distributed optimizer:
+verifies, saying so when it skips one; a run's processes share the checksums of the checkpoint it
+starts from (its own, train.branch_from's or train.init_from's), each a share of the files, and
+act on rank 0's view of the folders (`verify_shared`, `_from_rank0`). The model and optimizer are
+stored in megatron's reshardable formats (model: sharded tensors; distributed optimizer:
 `fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout loads at another.
 
 The trainer writes and resumes checkpoints; the converters read them (to-hf) and write them
@@ -28,7 +29,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,25 +77,38 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def _pick(path: Path) -> Path:
+    """The checkpoint folder `path` names: itself, or a run's checkpoints folder's latest complete
+    checkpoint."""
+    if (path / "metadata.json").is_file() and (path / "common.pt").is_file():
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise UsageError(
+            f"{path} holds no complete checkpoint (expected iter_NNNNNNN/ folders "
+            "with metadata.json); check the path or let the run finish a save"
+        )
+    return ckpt
+
+
 def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
     """A checkpoint folder, or a run's checkpoints folder (-> its latest complete checkpoint),
-    refused (UsageError) when it fails verification."""
-    p = Path(path)
-    if (p / "metadata.json").is_file() and (p / "common.pt").is_file():
-        ckpt = p
-    else:
-        ckpt = latest_checkpoint(p)
-        if ckpt is None:
-            raise UsageError(
-                f"{p} holds no complete checkpoint (expected iter_NNNNNNN/ folders "
-                "with metadata.json); check the path or let the run finish a save"
-            )
-    problem = verify_checkpoint(ckpt) if verify else None
+    refused (UsageError) when it fails verification. Collective once process groups exist, as
+    `verified_checkpoint`."""
+    return verified_checkpoint(path)[0] if verify else _from_rank0(lambda: _pick(Path(path)))
+
+
+def verified_checkpoint(path: str | Path) -> tuple[Path, str | None]:
+    """(`resolve_checkpoint`'s checkpoint, what verifying it cost: a line to log). Collective once
+    process groups exist: rank 0 picks the folder for every rank, and the ranks share its
+    checksums (`verify_shared`)."""
+    ckpt = _from_rank0(lambda: _pick(Path(path)))
+    problem, cost = verify_shared(ckpt)
     if problem is not None:
         raise UsageError(
             f"checkpoint {ckpt} fails verification: {problem}; give an earlier iter_NNNNNNN folder"
         )
-    return ckpt
+    return ckpt, cost
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,17 +140,17 @@ def _digest(path: Path, sync: bool = False) -> dict[str, Any]:
 
 
 def write_manifest(folder: Path) -> None:
-    """Collective: fsync and checksum every file of `folder` (each rank a share), then rank 0
-    writes manifest.json last and fsyncs it and the folders."""
-    names = [
-        sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
-        if dist.get_rank() == 0
-        else None
-    ]
-    dist.broadcast_object_list(names, src=0)  # rank 0's listing is the one the manifest lists
-    names = names[0]
+    """Collective: fsync and checksum every file of `folder` (each rank its share: `_share`), then
+    rank 0 writes manifest.json last and fsyncs it and the folders."""
+    sizes = _from_rank0(  # rank 0's listing is the one the manifest lists
+        lambda: {
+            str(f.relative_to(folder)): {"size": f.stat().st_size}
+            for f in sorted(folder.rglob("*"))
+            if f.is_file()
+        }
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {n: _digest(folder / n, sync=True) for n in names[rank::world]}
+    mine = {n: _digest(folder / n, sync=True) for n in _share(sizes, rank, world)}
     shares = [None] * world
     dist.all_gather_object(shares, mine)
     if rank == 0:
@@ -146,7 +160,7 @@ def write_manifest(folder: Path) -> None:
             json.dump({"algorithm": "sha256", "files": dict(sorted(files.items()))}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        for d in {(folder / n).parent for n in names} | {folder}:
+        for d in {(folder / n).parent for n in files} | {folder}:
             _fsync_dir(d)
 
 
@@ -192,34 +206,68 @@ def _verify(ckpt: Path, rank: int, world: int) -> tuple[str | None, int]:
     return None, read
 
 
+def _world() -> tuple[int, int]:
+    """(rank, world size): (0, 1) before process groups exist."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _from_rank0(make: Callable[[], Any]) -> Any:
+    """What `make()` returns on rank 0, on every rank (its UsageError raised on every rank).
+    Collective once process groups of more than one rank exist: ranks may see a shared folder
+    differently (a network file system caching a listing, a folder renamed meanwhile), so what
+    they act on together is read once, by rank 0."""
+    rank, world = _world()
+    if world == 1:
+        return make()
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = make()
+        except UsageError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UsageError):
+        raise box[0]
+    return box[0]
+
+
+def verify_shared(ckpt: Path) -> tuple[str | None, str | None]:
+    """(What is wrong with `ckpt` or None, what checking it cost: a line to log, None when there
+    were no checksums). Collective once process groups exist: every rank checks every size and
+    checksums its share of the files (`_share`), and the ranks agree on the verdict, so the
+    checkpoint is read once in all, not once per process."""
+    rank, world = _world()
+    start = time.perf_counter()
+    problem, read = _verify(ckpt, rank, world)
+    everyone = [(problem, read, time.perf_counter() - start)]
+    if world > 1:
+        mine, everyone = everyone[0], [None] * world
+        dist.all_gather_object(everyone, mine)
+    problem = next((p for p, _, _ in everyone if p is not None), None)
+    if problem is not None or not any(r for _, r, _ in everyone):
+        return problem, None
+    return None, (
+        f"verified {ckpt.name}: {sum(r for _, r, _ in everyone) / 1e9:.2f} GB "
+        f"checksummed by {world} process(es), at most "
+        f"{max(r for _, r, _ in everyone) / 1e9:.2f} GB and "
+        f"{max(t for _, _, t in everyone):.1f} s each"
+    )
+
+
 def latest_verified_checkpoint(
     ckpt_dir: str | Path,
 ) -> tuple[Path | None, list[Path], str | None]:
     """(The newest complete checkpoint that verifies, the newer ones that failed, what checking
     it cost: a line to log). Each failure is reported in one line; the run sets those folders
     aside at its first save (`save_checkpoint(set_aside=...)`), never deletes them. When
-    checkpoints exist but none verifies, UsageError. Collective once process groups exist: each
-    rank checksums its share of the files (`_share`) and the ranks agree, so a start reads the
-    checkpoint once in all, not once per process."""
-    ckpts = complete_checkpoints(ckpt_dir)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    checkpoints exist but none verifies, UsageError. Collective once process groups exist: the
+    ranks try the checkpoints rank 0 lists, one `verify_shared` each."""
+    ckpts = _from_rank0(lambda: complete_checkpoints(ckpt_dir))
     damaged = []
     for ck in reversed(ckpts):
-        start = time.perf_counter()
-        problem, read = _verify(ck, rank, world)
-        everyone = [(problem, read, time.perf_counter() - start)]
-        if world > 1:
-            everyone = [None] * world
-            dist.all_gather_object(everyone, (problem, read, time.perf_counter() - start))
-        problem = next((p for p, _, _ in everyone if p is not None), None)
+        problem, cost = verify_shared(ck)
         if problem is None:
-            cost = (
-                f"verified {ck.name}: {sum(r for _, r, _ in everyone) / 1e9:.2f} GB "
-                f"checksummed by {world} process(es), at most "
-                f"{max(r for _, r, _ in everyone) / 1e9:.2f} GB and "
-                f"{max(t for _, _, t in everyone):.1f} s each"
-            )
-            return ck, damaged, cost if any(r for _, r, _ in everyone) else None
+            return ck, damaged, cost
         damaged.append(ck)
         _say(
             f"checkpoint {ck} fails verification ({problem}); kept for inspection (moved aside "

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import shutil
 
 import pytest
 import yaml
-from jobs import curve, run_pretrain, stop_after_step
+from jobs import REPO, curve, launch, run_pretrain, stop_after_step
 
 from megatron_mlmclm.checkpoint import (
     MANIFEST,
@@ -109,6 +110,66 @@ def test_ranks_share_the_checksums(reference, tmp_path):
         victim.write_bytes(good[:-1])
         assert "bytes, the manifest says" in verify_checkpoint(ck, (1 - rank, 2))
         victim.write_bytes(good)
+
+
+def fake_checkpoint(folder, seed: int) -> dict:
+    """A complete checkpoint folder of random files (as a save leaves it: metadata.json, common.pt,
+    shards of several sizes, and a manifest of their sizes and SHA-256 made here with hashlib);
+    -> the manifest's files."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True)
+    sizes = {"metadata.json": 40, "common.pt": 300, "__0_0.distcp": 5000, "__1_0.distcp": 3000,
+             "__0_1.distcp": 2000, "__1_1.distcp": 1000}  # fmt: skip
+    for name, size in sizes.items():
+        (folder / name).write_bytes(rng.randbytes(size))
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in folder.iterdir()
+    }
+    (folder / MANIFEST).write_text(json.dumps({"algorithm": "sha256", "files": files}))
+    return files
+
+
+@pytest.mark.slow
+def test_the_ranks_verify_the_checkpoint_rank_0_lists_each_reading_its_share(tmp_path):
+    """Two ranks: rank 1 sees a stale listing of the run's checkpoints (without the newest), and
+    both still resume from the newest, checked once in all; train.init_from's checkpoint (a run's
+    checkpoints folder) likewise: each rank checksums only its share, and a byte flipped in a
+    file of rank 1's share refuses it on both ranks; a manifest is written from shares too."""
+    fake_checkpoint(tmp_path / "run" / "iter_0000002", 0)
+    files = fake_checkpoint(tmp_path / "run" / "iter_0000004", 1)
+    bad = fake_checkpoint(tmp_path / "bad" / "iter_0000002", 2)
+    victim = tmp_path / "bad" / "iter_0000002" / _share(bad, 1, 2)[0]
+    flip_byte(victim, 7)
+    fresh = tmp_path / "fresh"
+    fake_checkpoint(fresh, 3)
+    (fresh / MANIFEST).unlink()
+    script = REPO / "tests" / "scripts" / "shared_verification.py"
+    proc = launch(("script", [str(script), str(tmp_path)]), nproc=2, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    total = sum(f["size"] for f in files.values())
+    for rank, o in enumerate(out):
+        assert o["resume"]["latest"] == "iter_0000004" and o["resume"]["damaged"] == []
+        assert o["init_from"]["found"] == "iter_0000004"
+        assert o["init_from"]["read"] == sorted(_share(files, rank, 2))  # its share only
+        assert (
+            f"verified iter_0000004: {total / 1e9:.2f} GB checksummed by 2 process(es)"
+            in o["init_from"]["cost"]
+        )
+        assert o["bad"] == (
+            f"checkpoint {victim.parent} fails verification: {victim.name} does not match its "
+            "checksum; give an earlier iter_NNNNNNN folder"
+        )
+    assert out[0]["resume"]["cost"] == out[1]["resume"]["cost"]  # the ranks agree
+    assert "verified iter_0000004: " in out[0]["resume"]["cost"]
+    written = sorted(p.name for p in fresh.iterdir() if p.name != MANIFEST)
+    assert sorted(out[0]["manifest"] + out[1]["manifest"]) == written  # disjoint shares
+    assert json.loads((fresh / MANIFEST).read_text())["files"] == {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in fresh.iterdir()
+        if p.name != MANIFEST
+    }
 
 
 @pytest.mark.slow

@@ -190,6 +190,33 @@ def test_process_settings_are_planned_and_applied(monkeypatch):
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def test_each_run_of_a_process_compiles_into_its_own_cache(monkeypatch, tmp_path):
+    """The compile cache is set for every run, not once per process: a second run (tests, the
+    study's runs, a notebook) uses its own output_dir's, as does a process a run started (it
+    inherits the variable and the record that a run set it), and a run after Inductor put its
+    default there; a TORCHINDUCTOR_CACHE_DIR the user exported is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from megatron_mlmclm.model.kernels.machine import INDUCTOR_CACHE, RUN_SET_CACHE
+
+    def run(name: str) -> str:
+        plan_kernels(cfg(f"output_dir={tmp_path / name}"), "cpu", EVERYTHING).apply_to_process()
+        return os.environ[INDUCTOR_CACHE]
+
+    monkeypatch.delenv(INDUCTOR_CACHE, raising=False)
+    monkeypatch.delenv(RUN_SET_CACHE, raising=False)
+    monkeypatch.delenv("MLMCLM_CACHE_DIR", raising=False)
+    assert run("a") == str(tmp_path / "a" / "compile_cache")
+    assert run("b") == str(tmp_path / "b" / "compile_cache")
+    child = {k: os.environ[k] for k in (INDUCTOR_CACHE, RUN_SET_CACHE)}  # what it inherits
+    assert child == {INDUCTOR_CACHE: run("b"), RUN_SET_CACHE: run("b")}
+    assert run("c") == str(tmp_path / "c" / "compile_cache")
+    monkeypatch.setenv(INDUCTOR_CACHE, default_cache_dir())  # what a compile without one sets
+    assert run("d") == str(tmp_path / "d" / "compile_cache")
+    monkeypatch.setenv(INDUCTOR_CACHE, str(tmp_path / "mine"))  # the user's
+    assert run("e") == run("f") == str(tmp_path / "mine")
+
+
 def test_fp8_padding_follows_the_recipe_and_fp8_needs_te_layers():
     te = "model.kernels=te"
     for recipe, multiple in (("delayed", 16), ("current", 16), ("mxfp8", 32)):

@@ -64,6 +64,24 @@ def test_grid_names_and_count(plan_dir):
     assert {p.stem for p in (plan_dir / "jobs").glob("*.sh")} == names
 
 
+def test_the_docs_give_the_default_plans_figures(plan_dir):
+    """docs/plan.md's totals for the default grid are those `mlmclm plan` writes: pretraining,
+    job starts, the paper suite's evaluation and their sum."""
+    summary = (plan_dir / "SUMMARY.md").read_text()
+    figures = re.search(
+        r"\*\*GPU-hours\*\*: pretraining ([\d,.]+), job starts ([\d,.]+) \(below\), "
+        r"evaluation ([\d,.]+) .*, total ([\d,.]+)\.",
+        summary,
+    )
+    pre, starts, evaluation, total = (round(float(f.replace(",", ""))) for f in figures.groups())
+    doc = (REPO / "docs" / "plan.md").read_text()
+    assert f"{pre:,} GPU-hours of pretraining with branches" in doc
+    printed = f"and {starts:,} for job starts, {evaluation:,} of evaluation (13 tasks), {total:,}"
+    assert printed in doc  # the command's last line, as the page shows it
+    assert f"total with pretraining and job starts ({pre:,} + {starts:,})" in doc
+    assert f"| `--eval-suite paper` (default) | 13 | {evaluation:,} | {total:,} |" in doc
+
+
 def test_configs_load_and_phases_fill_the_budget(plan_dir):
     for path in sorted((plan_dir / "configs").glob("*.yaml")):
         cfg = load_config(path)
@@ -308,6 +326,51 @@ def test_a_new_measurement_is_a_data_only_change(tmp_path, capsys):
     assert float(r["startup_gpu_hours"]) == pytest.approx(90 * 16 / 3600, abs=0.01)  # 1 start
 
 
+@pytest.mark.parametrize("throughput,starts", [(20000, 2), (10000, 4)])
+def test_each_segment_is_a_job_with_its_own_time_limit(tmp_path, throughput, starts):
+    """A stable run with a branch trains in two jobs (steps 0-10K, then 10K-22K), each with its
+    own 48-hour limit: a segment restarts once per 48 hours it trains, not the run's total.
+    At 20,000 tokens/s per GPU the run takes 74 hours, each segment less than 48 (2 starts); at
+    10,000 each segment takes more than 48 and less than 96 (4)."""
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), "--sizes", "210m", "--budgets", "12000", "22000",
+            "--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps",
+            "--eval-tasks", "sst2", "--throughput", f"210m={throughput}"]  # fmt: skip
+    assert main(argv) == 0
+    with open(out / "SUMMARY.csv", newline="") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    stable = rows["210m-mlm40-22k"]
+    wall = float(stable["wall_hours"])  # one objective: every step costs the same
+    segments = [wall * 10 / 22, wall * 12 / 22]
+    assert wall > 48 and sum(1 + int(h // 48) for h in segments) == starts
+    assert int(stable["starts"]) == starts and int(rows["210m-mlm40-12k"]["starts"]) == 1
+    assert float(stable["startup_gpu_hours"]) == pytest.approx(starts * 120 * 8 / 3600, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "record,expected",
+    [
+        ({"step": 10, "tokens_per_s": 9.0, "tokens_per_s_per_device": 9.0}, "has no phase"),
+        ({"step": 10, "tokens_per_s": 9.0, "phase": 0}, "or tokens_per_s_per_device"),
+        ({"step": 10, "tokens_per_s": 9.0, "phase": 3, "tokens_per_s_per_device": 9.0},
+         "logs phase 3, but the config.yaml beside it has 1 phase(s)"),
+    ],
+    ids=["no-phase", "no-per-device", "phase-beyond-the-config"],
+)  # fmt: skip
+def test_a_probe_that_is_not_of_one_run_exits_2(tmp_path, capsys, record, expected):
+    run = tmp_path / "probe"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"mock": True}}))
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), "--sizes", "210m", "--budgets", "12000", "--objectives",
+            "clm", "--clm-shares", "--cpt-steps", "--throughput", f"210m={run}"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not out.exists()
+
+
 def test_a_probe_prices_its_size_from_its_metrics(tmp_path, capsys):
     """The plan writes a short CLM probe per size whose schedule fits; `--throughput
     SIZE=METRICS` prices the size from a run's logged tokens/s (the later half of its steps),
@@ -516,7 +579,7 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
         return job[line.split("--dependency=afterany:")[1].split()[0]]
 
     def needs(line):
-        return line.split(" NEEDS=")[1]
+        return line.split(" NEEDS=")[1].split(" NEWER_THAN=")[0]
 
     def segments(config):
         """The pretraining jobs of a run, each by where it stops."""
@@ -593,22 +656,28 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
     assert f"**{total:,.1f} GPU-hours**" in (plan_dir / "SUMMARY.md").read_text()
 
 
-def submit(script: Path, tmp_path: Path, alive=(), env=None) -> tuple[list[str], list[str], str]:
-    """Run a copy of a plan's submit_slurm.sh (its .submitted/ record beside the copy) against a
-    fake sbatch (exported bash functions: no process per job) that logs its arguments and the
-    job's MLMCLM_NEEDS and prints the job id (its line number in the log), a fake squeue that
-    calls the jobs in `alive` PENDING, and a fake scancel that logs -> (sbatch lines, scancel
-    lines, output) of this run."""
-    copy = tmp_path / "submit_slurm.sh"
-    if not copy.exists():
-        copy.write_text(script.read_text())
+def submit(
+    script: Path, tmp_path: Path, alive=(), env=None, copy: bool = True
+) -> tuple[list[str], list[str], str]:
+    """Run a copy of a plan's submit_slurm.sh (its .submitted/ record beside the copy; with
+    copy=False the script itself) against a fake sbatch (exported bash functions: no process per
+    job) that logs its arguments and the job's MLMCLM_NEEDS (and MLMCLM_NEEDS_NEWER_THAN) and
+    prints the job id (its line number in the log), a fake squeue that calls the jobs in `alive`
+    PENDING (one line, or $SQUEUE_LINES as an array's elements are listed), and a fake scancel
+    that logs -> (sbatch lines, scancel lines, output) of this run."""
+    if copy:
+        script, source = tmp_path / "submit_slurm.sh", script
+        if not script.exists():
+            script.write_text(source.read_text())
     log, cancelled, queued = (tmp_path / n for n in ("sbatch.log", "scancel.log", "alive"))
     before = [len(p.read_text().splitlines()) if p.exists() else 0 for p in (log, cancelled)]
     queued.write_text("".join(f"{j}\n" for j in alive))
     fakes = (
-        'sbatch() { echo "$* NEEDS=$MLMCLM_NEEDS" >> "$SBATCH_LOG"; local l; '
+        'sbatch() { echo "$* NEEDS=$MLMCLM_NEEDS${MLMCLM_NEEDS_NEWER_THAN:+ NEWER_THAN='
+        '$MLMCLM_NEEDS_NEWER_THAN}" >> "$SBATCH_LOG"; local l; '
         'mapfile -t l < "$SBATCH_LOG"; echo "${#l[@]}"; }; '
-        'squeue() { if grep -qx "$3" "$ALIVE"; then echo PENDING; fi; }; '
+        'squeue() { if grep -qx "$3" "$ALIVE"; then '
+        "printf 'PENDING\\n%.0s' $(seq ${SQUEUE_LINES:-1}); fi; }; "
         'scancel() { echo "$1" >> "$SCANCEL_LOG"; }; '
         'export -f sbatch squeue scancel; bash "$1"'
     )
@@ -620,7 +689,7 @@ def submit(script: Path, tmp_path: Path, alive=(), env=None) -> tuple[list[str],
         **(env or {}),
     )
     out = subprocess.run(
-        ["bash", "-c", fakes, "_", str(copy)], check=True, env=env, capture_output=True, text=True
+        ["bash", "-c", fakes, "_", str(script)], check=True, env=env, capture_output=True, text=True
     ).stdout
     logs = [
         p.read_text().splitlines()[n:] if p.exists() else []
@@ -632,8 +701,9 @@ def submit(script: Path, tmp_path: Path, alive=(), env=None) -> tuple[list[str],
 def test_submit_script_skips_what_is_done_and_keeps_what_is_queued(tmp_path):
     """Run again, submit_slurm.sh submits only what is neither done nor queued: a stable run (22K,
     its segment to 10K), its decay branch (12K) and a CPT run (+2K) of it. The checks are the
-    files on disk (a checkpoint's metadata.json, the export record, the results, the report);
-    a queued job is kept unless a job it waits on was submitted again."""
+    files on disk (a checkpoint's metadata.json, the export record, the done file an evaluation
+    array writes when its grid is done, the report); a queued job is kept unless a job it waits
+    on was submitted again."""
     plan = tmp_path / "plan"
     argv = ["plan", "--out", str(plan), "--sizes", "210m", "--budgets", "12000", "22000"]
     argv += ["--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps", "2000"]
@@ -650,9 +720,21 @@ def test_submit_script_skips_what_is_done_and_keeps_what_is_queued(tmp_path):
     assert len(first) == len(keys) == 11 and sorted(record.values(), key=int) == [
         str(i) for i in range(1, 12)
     ]
+    # each array is told where to write its done file, and needs an export newer than its
+    # run's last checkpoint
+    evaluated = {}
+    for ln, name, steps in zip(first[3::3], names, (22000, 12000, 2000)):
+        assert ln.split("--job-name ")[1].split()[0] == f"ev-{name}"
+        evaluated[name] = Path(ln.split("--done-file ")[1].split()[0])
+        last = plan / "runs" / name / "checkpoints" / f"iter_{steps:07d}" / "metadata.json"
+        assert ln.endswith(f"NEEDS={plan / 'hf' / name}/mlmclm_export.json NEWER_THAN={last}")
+    assert {p.parent for p in evaluated.values()} == {plan / "results" / "eval" / n for n in names}
 
-    # everything still queued: nothing submitted, nothing cancelled
-    again, cancelled, out = submit(script, work, alive=record.values())
+    # everything still queued (squeue lists each of an array's elements): nothing submitted,
+    # nothing cancelled
+    again, cancelled, out = submit(
+        script, work, alive=record.values(), env={"SQUEUE_LINES": "50000"}
+    )
     assert (again, cancelled) == ([], []) and "nothing submitted" in out, out
 
     # the stable run reached 10K and failed; its branch's jobs are still queued, the rest ended:
@@ -683,8 +765,8 @@ def test_submit_script_skips_what_is_done_and_keeps_what_is_queued(tmp_path):
         new["ev-210m-mlm40-dec22k-mlm40-24k"],
     ]
 
-    # every run finished, exported and evaluated, the report written after the results:
-    # nothing to submit
+    # every run finished, exported and evaluated (each array's done file written after its
+    # export), the report written after the results: nothing to submit
     for name, steps in zip(names, (22000, 12000, 2000)):
         last = plan / "runs" / name / "checkpoints" / f"iter_{steps:07d}"
         last.mkdir(parents=True, exist_ok=True)
@@ -695,17 +777,17 @@ def test_submit_script_skips_what_is_done_and_keeps_what_is_queued(tmp_path):
         (plan / "hf" / name / "mlmclm_export.json").write_text("{}")
     time.sleep(0.01)
     for name in names:
-        for seed in (0, 1):
-            result = plan / "results" / "eval" / name / "sst2" / f"lr0.001_seed{seed}_abc.json"
-            result.parent.mkdir(parents=True, exist_ok=True)
-            result.write_text("{}")
+        result = plan / "results" / "eval" / name / "sst2" / "lr0.001_seed0_abc.json"
+        result.parent.mkdir(parents=True, exist_ok=True)
+        result.write_text("{}")
+        evaluated[name].write_text("2 runs done\n")
     time.sleep(0.01)
     (plan / "results" / "report").mkdir()
     (plan / "results" / "report" / "report.md").write_text("")
     lines, cancelled, out = submit(script, work)
     assert (lines, cancelled) == ([], []) and "nothing submitted" in out, out
-    # a failed evaluation run (one result short): its array and the report again
-    next(iter((plan / "results" / "eval" / names[1]).rglob("*seed1*"))).unlink()
+    # a failed evaluation run: its array wrote no done file; its array and the report again
+    evaluated[names[1]].unlink()
     lines, _, _ = submit(script, work, env={"EVAL_RUNS_PER_JOB": "2", "EVAL_MAX_RUNNING": "4"})
     assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
         "ev-210m-mlm40-12k",
@@ -713,12 +795,53 @@ def test_submit_script_skips_what_is_done_and_keeps_what_is_queued(tmp_path):
     ]
     assert "--array=0-0%4 " in lines[0] and "--runs-per-element 2 " in lines[0]
     assert "--dependency" not in lines[0]
+    evaluated[names[1]].write_text("2 runs done\n")
+    # other evaluation settings (EVAL_ARGS) are another grid, with a done file of its own
+    lines, _, _ = submit(script, work, env={"EVAL_ARGS": "--max-steps 500"})
+    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
+        *(f"ev-{name}" for name in names),
+        "report",
+    ]
+    assert all(Path(ln.split("--done-file ")[1].split()[0]) not in evaluated.values()
+               for ln in lines[:-1])  # fmt: skip
+    # the CPT run re-exported (trained again, converted again): its results are of the model
+    # before, so its array again
+    time.sleep(0.01)
+    (plan / "hf" / names[2] / "mlmclm_export.json").write_text("{}")
+    lines, _, _ = submit(script, work)
+    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [f"ev-{names[2]}", "report"]
+    time.sleep(0.01)
+    evaluated[names[2]].write_text("2 runs done\n")  # that array done
     # the branch trained again (its last checkpoint gone): its export is not taken for done
     shutil.rmtree(plan / "runs" / names[1] / "checkpoints" / "iter_0012000")
     lines, _, _ = submit(script, work)
     assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
         "pt-210m-mlm40-12k", "cv-210m-mlm40-12k", "ev-210m-mlm40-12k", "report"
     ]  # fmt: skip
+
+
+def test_replanning_keeps_the_submitted_jobs_and_the_runs(tmp_path):
+    """`mlmclm plan --force` (as after the throughput probe) rewrites the plan's files and keeps
+    what else the folder holds: the submit script's record of its jobs, so running it again
+    submits none of the jobs still queued, and the runs under the default --runs-dir."""
+    plan = tmp_path / "plan"
+    argv = ["plan", "--out", str(plan), "--sizes", "210m", "--budgets", "12000", "22000"]
+    argv += ["--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps"]
+    argv += ["--eval-tasks", "sst2", "--eval-lrs", "1e-3", "--eval-seeds", "0"]
+    assert main(argv) == 0
+    first, _, _ = submit(plan / "submit_slurm.sh", tmp_path, copy=False)
+    ids = {p.name: p.read_text().strip() for p in (plan / ".submitted").iterdir()}
+    assert len(first) == len(ids) == 8
+    kept = plan / "runs" / "210m-mlm40-22k" / "metrics.jsonl"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}\n")
+    assert main([*argv, "--force", "--throughput", "210m=20000", "--budgets", "22000"]) == 0
+    assert sorted(p.name for p in (plan / "configs").iterdir()) == ["210m-mlm40-22k.yaml"]
+    assert "given, 20,000" in (plan / "SUMMARY.md").read_text() and kept.read_text() == "{}\n"
+    lines, cancelled, out = submit(plan / "submit_slurm.sh", tmp_path, alive=ids.values(),
+                                   copy=False)  # fmt: skip
+    assert (lines, cancelled) == ([], []) and "nothing submitted" in out, out
+    assert f"pt-210m-mlm40-22k: queued or running as job {ids['pt-210m-mlm40-22k']}" in out
 
 
 def test_no_branches_trains_every_budget_from_scratch(tmp_path):
@@ -821,7 +944,8 @@ def test_existing_out_needs_force(tmp_path):
     assert main(args) == 2
     assert (out / "keep.txt").exists()
     assert main(args + ["--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "SUMMARY.md").is_file()
+    # the plan's files written, what else the folder held kept (runs, results, .submitted/)
+    assert (out / "keep.txt").read_text() == "x" and (out / "SUMMARY.md").is_file()
 
 
 def test_cli_subprocess_exit_code(tmp_path):

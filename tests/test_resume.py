@@ -140,7 +140,6 @@ def test_a_compiled_runs_second_start_loads_its_graphs_from_the_compile_cache(tm
     )
     run = tmp_path / "run"
     env = job_env()
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set by a compile earlier in this process
     env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile workers to start
     overrides = [f"output_dir={run}", "train.warmup_steps=0", "train.decay_steps=1"]
     overrides += ["logging.eval_interval=0", "logging.tensorboard=false"]

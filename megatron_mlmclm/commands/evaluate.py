@@ -26,8 +26,7 @@ from megatron_mlmclm.eval.grid import (
     DEFAULT_LRS,
     DEFAULT_SEEDS,
     expand,
-    is_done,
-    result_paths,
+    grid_state,
     run_grid,
 )
 from megatron_mlmclm.eval.input_form import INPUT_RULES
@@ -89,6 +88,14 @@ def add_arguments(p) -> None:
         metavar="K",
         help="with --array-index I: runs I*K .. I*K+K-1 of the grid, in this process (or "
         "--workers processes sharing its GPU); the array then has ceil(runs / K) elements",
+    )
+    p.add_argument(
+        "--done-file",
+        default=None,
+        metavar="PATH",
+        help="write PATH once every run of the grid (every array element's) is done for the "
+        "model folders as they are now (the plan's submit_slurm.sh skips an array whose file "
+        "is newer than its export)",
     )
     p.add_argument("--list", action="store_true", help="print the grid with indices and exit")
     p.add_argument("--list-tasks", action="store_true", help="print the known tasks and exit")
@@ -221,8 +228,8 @@ def run(args) -> int:
             print(show_inputs(cfg, args.show_inputs))
         return 0
     if args.list:
-        for i, (c, path) in enumerate(zip(cfgs, result_paths(cfgs, args.out))):
-            state = "done" if is_done(path) else "todo"
+        for i, (c, (_, done)) in enumerate(zip(cfgs, grid_state(cfgs, args.out))):
+            state = "done" if done else "todo"
             print(f"{i}\t{state}\t{c.name}\t{c.task}\tlr={c.lr:g}\tseed={c.seed}")
         return 0
     index = args.array_index
@@ -237,6 +244,7 @@ def run(args) -> int:
         workers=args.workers,
         array_index=index,
         runs_per_element=args.runs_per_element,
+        done_file=args.done_file,
     )
     print(
         f"evaluate: ran {summary['ran']}, skipped {summary['skipped']}, "

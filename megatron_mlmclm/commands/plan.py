@@ -24,7 +24,12 @@ from megatron_mlmclm.plan.write import write_plan
 def add_arguments(p) -> None:
     d = PlanOptions()  # the study's defaults
     p.add_argument("--out", required=True, help="plan folder (must be empty or absent, or --force)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="rewrite the plan in a non-empty --out, keeping what else it holds (runs, exports, "
+        "results, the submit script's .submitted/)",
+    )
     g = p.add_argument_group("grid (defaults: the study, docs/study.md)")
     g.add_argument("--sizes", nargs="*", default=d.sizes)
     g.add_argument(

@@ -193,10 +193,11 @@ def resolve_decay(cfg: RunConfig) -> None:
     t.decay_steps = steps
 
 
-def run_flops(cfg: RunConfig, first_step: int = 0) -> float:
-    """Training FLOPs of the run as its phases spend them (step_flops), from step `first_step`
-    on (a branch trains only the steps after its branch point)."""
-    return sum(n * step_flops(cfg, ph) for ph, n in steps_per_phase(cfg, first_step))
+def run_flops(cfg: RunConfig, first_step: int = 0, end_step: int | None = None) -> float:
+    """Training FLOPs of the run as its phases spend them (step_flops), over its steps
+    [first_step, end_step) (a branch trains only the steps after its branch point; None: to the
+    run's end)."""
+    return sum(n * step_flops(cfg, ph) for ph, n in steps_per_phase(cfg, first_step, end_step))
 
 
 def tokens_at_step(cfg: RunConfig, step: int) -> int:

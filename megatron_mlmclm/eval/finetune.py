@@ -44,11 +44,22 @@ from megatron_mlmclm.eval.heads import max_positions
 from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.tasks import get_task
+from megatron_mlmclm.paths import EXPORT_FILE
 
 # 2: protocol and grid fields, protocol id in the file name; 3: inputs encoded as pretraining
 # documents, the protocol's name; 4: inputs in the folder's own form (`inputs`), special-token
-# strings encoded as text, the curve's intermediate points on a validation sample
-RESULT_SCHEMA = 4
+# strings encoded as text, the curve's intermediate points on a validation sample; 5: the model
+# folder's identity (`model_identity`)
+RESULT_SCHEMA = 5
+# What identifies a model folder (model_identity): these files by content, its weight files by
+# name, size and modification time (a re-export or a new model writes them anew).
+IDENTITY_FILES = (
+    "config.json",
+    EXPORT_FILE,
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-pure")
 
 
@@ -165,6 +176,22 @@ def protocol(cfg: FinetuneConfig, task) -> dict:
     body = {"run": run, "task": task.to_dict()}
     recipe = {k: v for k, v in run.items() if k not in STEP_FIELDS}
     return {"name": cfg.protocol, "id": _short_hash(body), "run_id": _short_hash(recipe), **body}
+
+
+def model_identity(folder: str | Path) -> str:
+    """A short hash of the model folder as it is now (IDENTITY_FILES, WEIGHT_FILES): every result
+    records the identity of the folder it fine-tuned, so that a result of the folder before it
+    was re-trained and re-exported, or replaced, is not taken for one of the folder now
+    (eval/grid.py, is_done). Cheap: no weight is read."""
+    root = Path(folder)
+    h = hashlib.sha256()
+    for name in IDENTITY_FILES:
+        if (root / name).is_file():
+            h.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
+    for f in sorted({f for pattern in WEIGHT_FILES for f in root.glob(pattern)}):
+        st = f.stat()
+        h.update(f"{f.name} {st.st_size} {st.st_mtime_ns}\0".encode())
+    return h.hexdigest()[:16]
 
 
 def seed_everything(seed: int) -> None:
@@ -371,6 +398,7 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
     """Fine-tune once and return the result dict (see docs/evaluate.md for its schema); with
     `save_to`, the fine-tuned model is written there (IR: a sentence-transformers folder)."""
     t_start = time.perf_counter()
+    identity = model_identity(cfg.model)  # of the folder about to be read
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = resolve(get_task(cfg.task, cfg.task_files), cfg.protocol)
@@ -398,6 +426,7 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
         "status": "done",
         "model": cfg.name,
         "model_path": str(Path(cfg.model).resolve()),
+        "model_identity": identity,
         "task": task.name,
         "family": task.family,
         "metric": task.metric_name,
@@ -454,7 +483,11 @@ def show_inputs(cfg: FinetuneConfig, n: int) -> str:
 
 def write_result(result: dict, path: Path) -> None:
     """Atomic write: a crash never leaves a half-written result that would be skipped."""
+    write_text_atomic(path, json.dumps(result, indent=1))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=1))
+    tmp.write_text(text)
     os.replace(tmp, path)

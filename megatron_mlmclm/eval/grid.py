@@ -4,8 +4,11 @@ one SLURM array element), one result JSON per run.
 Layout: <out>/<model name>/<task>/lr<lr>_seed<seed>_<protocol id>.json, written atomically when a
 run finishes, so an interrupted sweep resumes where it stopped. The protocol id (finetune.protocol)
 hashes the fine-tuning settings and the task entry as the evaluation protocol resolves it: a run
-with other settings never counts as done. A run that raised leaves <...>.failed.json (traceback) and
-is retried next time. With `save_model`, the fine-tuned model goes to <...>.model/ beside its JSON.
+with other settings never counts as done; nor does a result of another model in the folder (its
+identity, finetune.model_identity: a re-trained and re-exported model is evaluated again, its
+results overwritten). A run that raised leaves <...>.failed.json (traceback) and is retried next
+time. With `save_model`, the fine-tuned model goes to <...>.model/ beside its JSON. With
+`done_file`, a grid that has every run done writes that file (the plan's submit script reads it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from tqdm.auto import tqdm
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.families import load_split
-from megatron_mlmclm.eval.finetune import FinetuneConfig, protocol, run_finetune, write_result
+from megatron_mlmclm.eval.finetune import (
+    FinetuneConfig,
+    model_identity,
+    protocol,
+    run_finetune,
+    write_result,
+    write_text_atomic,
+)
 from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve, run_settings
 from megatron_mlmclm.eval.tasks import get_task, load_registry
@@ -77,13 +87,27 @@ def model_folder(result: Path) -> Path:
     return result.with_suffix(".model")
 
 
-def is_done(path: Path) -> bool:
+def is_done(path: Path, identity: str) -> bool:
+    """A finished result at `path` of the model folder whose model_identity is `identity`."""
     if not path.is_file():
         return False
     try:
-        return json.loads(path.read_text()).get("status") == "done"
+        result = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return False
+    return result.get("status") == "done" and result.get("model_identity") == identity
+
+
+def grid_state(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[tuple[Path, bool]]:
+    """(result path, whether it is done) of each run of the grid, for its model folder as it is
+    now."""
+    identity = {m: model_identity(m) for m in dict.fromkeys(c.model for c in cfgs)}
+    return [(p, is_done(p, identity[c.model])) for c, p in zip(cfgs, result_paths(cfgs, out_dir))]
+
+
+def done_results(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[dict]:
+    """The finished results of the grid's runs."""
+    return [json.loads(p.read_text()) for p, done in grid_state(cfgs, out_dir) if done]
 
 
 def preflight(cfgs: list[FinetuneConfig], log=print) -> None:
@@ -156,11 +180,14 @@ def run_grid(
     log=print,
     pool: cf.Executor | None = None,
     runs_per_element: int = 1,
+    done_file: str | Path | None = None,
 ) -> dict:
     """Run the pending runs of the grid; returns {"ran", "skipped", "failed"} counts. `pool`:
     a `worker_pool(workers)` to run them in (else the grid starts its own, or runs them here
     with one worker). `array_index` I: only runs I*K .. I*K+K-1 (K = `runs_per_element`), one
-    element of an array of ceil(runs / K)."""
+    element of an array of ceil(runs / K). `done_file`: written when every run of the whole grid
+    (every element's) is done, for the model folders as they are now."""
+    grid = cfgs
     if array_index is not None:
         k = runs_per_element
         elements = -(-len(cfgs) // k)
@@ -171,14 +198,21 @@ def run_grid(
             )
         cfgs = cfgs[array_index * k : (array_index + 1) * k]
     preflight(cfgs, log)
-    todo = [(c, p) for c, p in zip(cfgs, result_paths(cfgs, out_dir)) if not is_done(p)]
+    todo = [(c, p) for c, (p, done) in zip(cfgs, grid_state(cfgs, out_dir)) if not done]
     summary = {"total": len(cfgs), "skipped": len(cfgs) - len(todo), "ran": 0, "failed": 0}
     log(
         f"evaluate: {len(cfgs)} runs, {summary['skipped']} already done, {len(todo)} to run "
         f"with {workers} worker(s) -> {out_dir}"
     )
-    if not todo:
-        return summary
+    if todo:
+        _run_pending(todo, summary, workers, log, pool)
+    if done_file is not None and all(done for _, done in grid_state(grid, out_dir)):
+        write_text_atomic(Path(done_file), f"{len(grid)} runs done\n")
+    return summary
+
+
+def _run_pending(todo, summary: dict, workers: int, log, pool: cf.Executor | None) -> None:
+    """Run `todo` [(config, result path)], counting into `summary`."""
     if pool is None:
         workers = max(1, min(workers, len(todo)))
     if workers > 1:
@@ -211,4 +245,3 @@ def run_grid(
             if own:
                 pool.shutdown()
     bar.close()
-    return summary

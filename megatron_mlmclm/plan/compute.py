@@ -154,15 +154,33 @@ def probed_pricing(size: str, path: str) -> Pricing:
     config = metrics.with_name("config.yaml")
     try:
         lines = metrics.read_text(encoding="utf-8").splitlines()
-        records = [r for r in map(json.loads, filter(str.strip, lines)) if "tokens_per_s" in r]
+        records = [
+            r
+            for r in map(json.loads, filter(str.strip, lines))
+            if isinstance(r, dict) and "tokens_per_s" in r
+        ]
     except (OSError, ValueError) as e:
         raise UsageError(f"{where}: cannot read {metrics}: {e}") from None
     if not records:
         raise UsageError(f"{where}: {metrics} holds no logged training step")
+    for r in records:
+        if type(r.get("phase")) is not int or type(r.get("tokens_per_s_per_device")) not in (
+            int,
+            float,
+        ):
+            raise UsageError(
+                f"{where}: the record of step {r.get('step', '?')} in {metrics} has no phase "
+                "or tokens_per_s_per_device: give the metrics.jsonl of an `mlmclm pretrain` run"
+            )
     if not config.is_file():
         raise UsageError(f"{where}: the run's config.yaml is not beside {metrics}")
     run = load_config(config)
     phase = records[-1]["phase"]
+    if not 0 <= phase < len(run.phases):
+        raise UsageError(
+            f"{where}: {metrics} logs phase {phase}, but the config.yaml beside it has "
+            f"{len(run.phases)} phase(s): the two are not of one run"
+        )
     steps = [r for r in records if r["phase"] == phase]
     kept = steps[len(steps) // 2 :]
     tokens_per_s = statistics.median(r["tokens_per_s_per_device"] for r in kept)
@@ -282,12 +300,21 @@ def startup_pricing(sizes, given: list[str]) -> dict[str, tuple[float, str]]:
     return out
 
 
-def startup_cost(run: Run, row: dict, seconds: float) -> dict:
-    """A run's job starts (one per segment: each kept step, and the last; one more each time a
-    job reaches the time limit) and the GPU-hours they cost, every GPU of the run waiting."""
-    starts = len(run.keep_steps) + 1 + int(row["wall_hours"] // JOB_HOURS)
+def segment_wall_hours(run: Run, lay: dict, price: Pricing) -> list[float]:
+    """The hours each of a run's pretraining jobs trains: the submit script runs it in segments
+    that end at its kept steps (its branches' points) and at its last step."""
+    cfg = flops_config(run.config)
+    rate = price.flop_rate(cfg) * lay["gpus"]
+    ends = [run.branch_at or 0, *run.keep_steps, run.steps]
+    return [run_flops(cfg, a, b) / rate / 3600.0 for a, b in zip(ends, ends[1:])]
+
+
+def startup_cost(run: Run, lay: dict, price: Pricing, seconds: float) -> dict:
+    """A run's job starts (one per segment; one more each time a segment's job reaches the time
+    limit, each job having its own) and the GPU-hours they cost, every GPU of the run waiting."""
+    starts = sum(1 + int(hours // JOB_HOURS) for hours in segment_wall_hours(run, lay, price))
     return {
         "starts": starts,
         "startup_s": seconds,
-        "startup_gpu_hours": round(starts * seconds * row["gpus"] / 3600.0, 2),
+        "startup_gpu_hours": round(starts * seconds * lay["gpus"] / 3600.0, 2),
     }

@@ -103,20 +103,20 @@ final_step() {
 }
 # The last file of the complete checkpoint of run folder $1 at step $2.
 ckpt() { printf '%s/iter_%07d/metadata.json' "$1" "$2"; }
-# The evaluation results of model $1 in $RESULTS written after its export record $2.
-results() {
-  find "$RESULTS/$1" -name '*.json' ! -name '*.failed.json' -newer "$2" 2>/dev/null | wc -l
-}
 done_() { J=; echo "  $1: done"; }
-# job KEY "DEPS" NEED SBATCH_ARGS...: J = the job doing KEY. The one submitted for KEY before, while
-# it is queued or running and waits on no job this run submitted; else a new one, after any of
-# DEPS ends (afterany), told (MLMCLM_NEEDS) the file it needs, which the job checks first.
+# job KEY "DEPS" NEED AFTER SBATCH_ARGS...: J = the job doing KEY. The one submitted for KEY before,
+# while it is queued or running and waits on no job this run submitted; else a new one, after any
+# of DEPS ends (afterany), told the file it needs (MLMCLM_NEEDS) and, if AFTER is given, a file
+# that one must be newer than (MLMCLM_NEEDS_NEWER_THAN), which the job checks first.
 job() {
-  local key=$1 deps=$2 need=$3 id d fresh=
-  shift 3
+  local key=$1 deps=$2 need=$3 after=$4 id d states fresh=
+  shift 4
   for d in $deps; do case $NEW in *" $d "*) fresh=1 ;; esac; done
   id=$(cat "$STATE/$key" 2>/dev/null || true)
-  if [ -n "$id" ] && squeue -h -j "$id" -o %T 2>/dev/null | grep -qE "$LIVE"; then
+  # squeue's whole answer first (an array lists every element): `squeue | grep -q` under
+  # pipefail fails when grep, done at the first line, leaves squeue writing into a closed pipe
+  states=$([ -z "$id" ] || squeue -h -j "$id" -o %T 2>/dev/null || true)
+  if grep -qE "$LIVE" <<<"$states"; then
     if [ -z "$fresh" ]; then
       J=$id
       echo "  $key: queued or running as job $id"
@@ -126,7 +126,8 @@ job() {
     echo "  $key: job $id waited on a job submitted again: cancelled"
   fi
   deps=$(echo $deps | tr ' ' ':')
-  J=$(MLMCLM_NEEDS=$need sbatch --parsable $SBATCH_EXTRA ${deps:+--dependency=afterany:$deps} "$@")
+  J=$(MLMCLM_NEEDS=$need MLMCLM_NEEDS_NEWER_THAN=$after sbatch --parsable $SBATCH_EXTRA \
+    ${deps:+--dependency=afterany:$deps} "$@")
   echo "$J" >"$STATE/$key"
   NEW="$NEW$J "
   echo "  $key: submitted job $J"
@@ -146,6 +147,8 @@ def submit_script(
     q = shlex.quote
     n_eval = eval_array_size(opts)
     gpn = opts.gpus_per_node
+    task_args = " ".join(q(t) for t in opts.eval_tasks)
+    grid = "".join(" " + q(a) for a in eval_grid_args(opts))
     lines = [
         "#!/usr/bin/env bash",
         "# Submit every run of the plan to SLURM: pretrain -> convert -> evaluation array, and",
@@ -155,12 +158,14 @@ def submit_script(
         "# checkpoint, the next segment for the one before.",
         "# Run it again at any time (after a failed or cancelled job): what has finished is",
         "# skipped (the checkpoint a pretraining job ends at, an export newer than its run's last",
-        "# checkpoint, an evaluation result per run newer than the export, a report newer than",
-        "# every result), a job of an earlier submission still queued or running is kept and",
-        "# waited on, and the rest is submitted. Every job waits for the jobs it needs with",
-        "# `afterany` and first checks that their output is there (MLMCLM_NEEDS, read by the",
-        "# sbatch templates): a failure stops only what needs its output (those jobs end at once,",
-        "# exit 3) and no job waits forever. The last submission's job ids: .submitted/ here.",
+        "# checkpoint, an evaluation whose array wrote its done file after the export: every run",
+        "# of its grid done for that export, a report newer than every result), a job of an",
+        "# earlier submission still queued or running is kept and waited on, and the rest is",
+        "# submitted. Every job waits for the jobs it needs with `afterany` and first checks that",
+        "# their output is there (MLMCLM_NEEDS, read by the sbatch templates; an evaluation also",
+        "# that its export is newer than the run's last checkpoint): a failure stops only what",
+        "# needs its output (those jobs end at once, exit 3) and no job waits forever. The last",
+        "# submission's job ids: .submitted/ here (kept by `mlmclm plan --force`).",
         "# Written by `mlmclm plan`. Variables (all optional):",
         f"#   GPUS_PER_NODE   GPUs requested per node for pretraining ({gpn}); 0 on CPU-only nodes",
         "#                   (evaluation elements then ask for no GPU, else for one; conversion",
@@ -188,6 +193,8 @@ def submit_script(
         "EVAL_WORKERS=${EVAL_WORKERS:-1}",
         f"RESULTS={q(str(results / 'eval'))} REPORT={q(str(results / 'report'))}",
         f"EVAL_RUNS={n_eval}  # fine-tuning runs per model: tasks x learning rates x seeds",
+        "# an array's done file (evaluate --done-file) names its grid: tasks, grid and EVAL_ARGS",
+        f'EVAL_KEY=$(printf %s {q(task_args + grid)}" $EVAL_ARGS" | cksum | cut -d" " -f1)',
         "EVAL_ELEMENTS=$(((EVAL_RUNS + EVAL_RUNS_PER_JOB - 1) / EVAL_RUNS_PER_JOB))",
         'gpus() { if [ "$GPUS_PER_NODE" -gt 0 ]; then echo "--gpus-per-node=$1"; fi; }',
         SUBMIT_FUNCTIONS,
@@ -199,8 +206,6 @@ def submit_script(
     ]
     if opts.eval_data_dir:  # the folder whose evaluation data `mlmclm plan` checked
         lines[-1:-1] = [f"export MLMCLM_DATA_DIR=${{MLMCLM_DATA_DIR:-{q(opts.eval_data_dir)}}}"]
-    task_args = " ".join(q(t) for t in opts.eval_tasks)
-    grid = "".join(" " + q(a) for a in eval_grid_args(opts))
     for run in runs:
         lay = layouts[run.name]
         name = q(run.name)
@@ -219,7 +224,7 @@ def submit_script(
 
         def pretrain(key: str, dep: str, need: str, stop: str = "", run=run, lay=lay) -> str:
             return (
-                f"job {q(key)} {dep} {need} --job-name {q('pt-' + run.name)} --nodes "
+                f"job {q(key)} {dep} {need} '' --job-name {q('pt-' + run.name)} --nodes "
                 f'{lay["nodes"]} $(gpus "$GPUS_PER_NODE") --export=ALL,NPROC_PER_NODE={gpn} '
                 f'$PRETRAIN_SBATCH "$SLURM_DIR/pretrain.sbatch" '
                 f"{q(str(cfg_paths[run.name]))}{stop} $PRETRAIN_ARGS"
@@ -245,18 +250,18 @@ def submit_script(
             f"PRETRAIN[{name}]=$J P=$J",
             f'if [ -f {last} ] && [ "$HF/{EXPORT_FILE}" -nt {last} ]; '
             f"then done_ {q('cv-' + run.name)}; "
-            f'else job {q("cv-" + run.name)} "$P" {last} --job-name {q("cv-" + run.name)} '
+            f"else job {q('cv-' + run.name)} \"$P\" {last} '' --job-name {q('cv-' + run.name)} "
             '$CONVERT_SBATCH "$SLURM_DIR/convert.sbatch" '
             f'"$CK/$(printf iter_%07d "${{FINAL[{name}]}}")" "$HF" --force; fi',
-            "C=$J",
-            f'if [ -z "$C" ] && [ "$(results {name} "$HF/{EXPORT_FILE}")" -ge "$EVAL_RUNS" ]; '
+            f'C=$J EVALUATED="$RESULTS"/{name}/.done-$EVAL_KEY',
+            f'if [ -z "$C" ] && [ "$EVALUATED" -nt "$HF/{EXPORT_FILE}" ]; '
             f"then done_ {q('ev-' + run.name)}; "
-            f'else job {q("ev-" + run.name)} "$C" "$HF/{EXPORT_FILE}" --job-name '
+            f'else job {q("ev-" + run.name)} "$C" "$HF/{EXPORT_FILE}" {last} --job-name '
             f"{q('ev-' + run.name)} $(gpus 1) "
             "--array=0-$((EVAL_ELEMENTS - 1))%$EVAL_MAX_RUNNING $EVAL_SBATCH "
             '"$SLURM_DIR/evaluate_array.sbatch" --runs-per-element "$EVAL_RUNS_PER_JOB" '
             f'--workers "$EVAL_WORKERS" --model "$HF" --task {task_args}{grid} --out "$RESULTS" '
-            "$EVAL_ARGS; fi",
+            '--done-file "$EVALUATED" $EVAL_ARGS; fi',
             'EVALS="$EVALS $J"',
             f'echo "{run.name}: pretrain ${{P:-done}}, convert ${{C:-done}}, '
             f'evaluate array ${{J:-done}} of $EVAL_ELEMENTS ($EVAL_RUNS runs)"',
@@ -267,8 +272,8 @@ def submit_script(
         "# once anything was evaluated since the last one",
         'if [ -z "$(echo $EVALS)" ] && [ -f "$REPORT/report.md" ] && '
         '[ -z "$(find "$RESULTS" -name \'*.json\' -newer "$REPORT/report.md" | head -n 1)" ]; '
-        'then done_ report; else job report "$EVALS" "$RESULTS" --job-name report $REPORT_SBATCH '
-        '"$SLURM_DIR/report.sbatch" "$RESULTS" --out "$REPORT"; fi',
+        'then done_ report; else job report "$EVALS" "$RESULTS" \'\' --job-name report '
+        '$REPORT_SBATCH "$SLURM_DIR/report.sbatch" "$RESULTS" --out "$REPORT"; fi',
         'echo "the report ${J:-done}: $REPORT"',
         'if [ "$NEW" = " " ]; then echo "nothing submitted: every job is done, queued or running";'
         ' else echo "submitted$NEW"; fi',

@@ -3,6 +3,7 @@ and checked in memory first, then written under a temporary name and renamed."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -36,7 +37,11 @@ SLURM_DIR = Path(__file__).resolve().parents[2] / "examples" / "slurm"  # the sb
 
 
 def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
-    """Write the plan folder `out` (atomically: bad input leaves nothing). Returns the totals."""
+    """Write the plan folder `out` (built whole first: bad input leaves nothing). Returns the
+    totals. With `force`, the plan's files in an existing `out` are replaced and whatever else
+    it holds stays: the runs, exports and results when they live there (the defaults), the
+    submit script's record of its jobs (.submitted/), so re-planning mid-study submits nothing
+    twice."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not force:
@@ -69,7 +74,7 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     for r in runs:
         r.config = run_config(r, opts, runs_dir, layouts[r.name])
         r.row = compute_row(r, layouts[r.name], prices[r.size])
-        r.row.update(startup_cost(r, r.row, startups[r.size][0]))
+        r.row.update(startup_cost(r, layouts[r.name], prices[r.size], startups[r.size][0]))
         cfg = flops_config(r.config)
         sizes.setdefault(
             r.size, (cfg.model.shape(), cfg.model.seq_length, prices[r.size].flop_rate(cfg))
@@ -153,7 +158,17 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if root.exists():
-        shutil.rmtree(root) if root.is_dir() else root.unlink()
-    tmp.rename(root)
+    if root.is_dir():  # --force: the plan's own files are replaced, nothing else
+        for new in tmp.iterdir():
+            old = root / new.name
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old)
+            elif old.exists() or old.is_symlink():
+                old.unlink()
+            os.replace(new, old)
+        tmp.rmdir()
+    else:
+        if root.exists():
+            root.unlink()
+        tmp.rename(root)
     return dict(totals, runs=len(runs), prices=prices)

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 from tqdm.auto import tqdm
 
-from megatron_mlmclm.eval.grid import expand, is_done, result_paths, run_grid, worker_pool
+from megatron_mlmclm.eval.grid import done_results, expand, run_grid, worker_pool
 from megatron_mlmclm.eval.report import summarize
 from megatron_mlmclm.eval.tasks import load_registry
 from megatron_mlmclm.quickstart import build_corpus, cli, resolve_sources, small_run_config
@@ -393,9 +393,7 @@ def _finetune_grids(out, design, tasks, exports, pool) -> dict[str, dict]:
                     f"{summary['failed']} fine-tuning run(s) failed; their "
                     f"tracebacks are in {out / 'eval'}/**/*.failed.json"
                 )
-            results = [
-                json.loads(p.read_text()) for p in result_paths(cfgs, out / "eval") if is_done(p)
-            ]
+            results = done_results(cfgs, out / "eval")
             chosen = {r["model"]: r["best_lr"] for r in summarize(results)["per_task"]}
             low, high, wider = next_grid(lrs, chosen)
             if not (low or high) or wider == lrs or len(widened) >= design.max_widen:
@@ -451,7 +449,5 @@ def finetune_curve(
                 f"fine-tuning run(s) of the learning curve failed; their tracebacks "
                 f"are in {out / 'eval'}/**/*.failed.json"
             )
-        results += [
-            json.loads(p.read_text()) for p in result_paths(cfgs, out / "eval") if is_done(p)
-        ]
+        results += done_results(cfgs, out / "eval")
     return results

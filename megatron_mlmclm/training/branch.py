@@ -89,9 +89,9 @@ def branch_source(
 ) -> tuple[Path, dict[str, Any], list[str]]:
     """The verified checkpoint of train.branch_from, checked against this run (check_branch);
     -> (checkpoint, its trainer state, notes to log)."""
-    source = ckpt_io.resolve_checkpoint(resolved(cfg.train.branch_from))
+    source, cost = ckpt_io.verified_checkpoint(resolved(cfg.train.branch_from))  # collective
     state = ckpt_io.read_trainer_state(source)["trainer"]
-    return source, state, check_branch(source, state, cfg, fingerprint)
+    return source, state, ([cost] if cost else []) + check_branch(source, state, cfg, fingerprint)
 
 
 def check_branch(

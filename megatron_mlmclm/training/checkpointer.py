@@ -63,7 +63,8 @@ class Start:
 def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> Start:
     """The run's latest complete checkpoint, checked against this run (optimizer kind, data
     fingerprint; a branch's folder: its history); else a branch source; else train.init_from (its
-    checksums verified, its model and tokenizer those of this run)."""
+    checksums verified, its model and tokenizer those of this run). Collective: the ranks share
+    the checksums of the checkpoint they start from (checkpoint.verify_shared)."""
     c = cfg.checkpoint
     latest, damaged, cost = (
         ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else (None, [], None)
@@ -93,8 +94,9 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> 
     started = [history.event("start", 0, 0, cfg, fingerprint, [])]
     if not cfg.train.init_from:
         return Start(history=started)
-    init = ckpt.resolve_checkpoint(cfg.train.init_from)
-    return Start(init_from=init, notes=check_init_from(init, cfg, spec), history=started)
+    init, cost = ckpt.verified_checkpoint(cfg.train.init_from)  # the ranks share its checksums
+    notes = [cost] if cost else []
+    return Start(init_from=init, notes=notes + check_init_from(init, cfg, spec), history=started)
 
 
 class Checkpointer:

@@ -114,7 +114,7 @@ class Trainer:
             t.seed,
             p.context_parallel_size,
         )
-        # Where the run starts: its ranks share the checksums of the checkpoint it resumes.
+        # Where the run starts: its ranks share the checksums of the checkpoint it starts from.
         self.start = find_start(cfg, self.fingerprint, self.spec)
         rank, world = dist.get_rank(), dist.get_world_size()
         faults = self._faults = FaultMonitor(

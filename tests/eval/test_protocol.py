@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 from megatron_mlmclm.cli import main
@@ -13,9 +15,11 @@ from megatron_mlmclm.eval.finetune import (
     NOT_PROTOCOL_FIELDS,
     PROTOCOL_FIELDS,
     FinetuneConfig,
+    model_identity,
     protocol,
+    write_result,
 )
-from megatron_mlmclm.eval.grid import expand, result_path
+from megatron_mlmclm.eval.grid import expand, result_path, result_paths
 from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.tasks import load_registry
 
@@ -66,7 +70,7 @@ def test_evaluate_does_not_reuse_a_result_of_another_protocol(tmp_path, capsys):
     [cfg] = expand(["models/tiny"], ["sst2"], [1e-3], [0], max_steps=3)
     path = result_path(out, cfg, load_registry()["sst2"])
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps({"status": "done"}))
+    path.write_text(json.dumps({"status": "done", "model_identity": model_identity("models/tiny")}))
 
     def state(*flags):
         capsys.readouterr()
@@ -115,3 +119,44 @@ def test_the_documented_pair_form_entry(tmp_path):
         protocol(cfg, resolve(t, "default"))["id"] for t in (ours["mnli_m"], shipped)
     )
     assert pair_form != joined
+
+
+def test_a_result_counts_only_for_the_model_folder_it_evaluated(tiny_model, tmp_path, capsys):
+    """Each result records the identity of the model folder it fine-tuned: after the folder is
+    re-exported (its weights written again, its record changed) every run of it is to do again.
+    An array element whose grid is done (every element's runs) writes its --done-file; one
+    whose grid lacks a run does not."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_model, model)
+    out, done_file = tmp_path / "res", tmp_path / "res" / "tiny" / ".done"
+    cfgs = expand([str(model)], ["sst2"], [1e-3], [0, 1], max_steps=3)
+    for path in result_paths(cfgs, out):
+        write_result({"status": "done", "model_identity": model_identity(model)}, path)
+    args = ["evaluate", "--model", str(model), "--task", "sst2", "--lrs", "1e-3", "--seeds",
+            "0", "1", "--out", str(out), "--max-steps", "3"]  # fmt: skip
+
+    def states():
+        capsys.readouterr()
+        assert main([*args, "--list"]) == 0
+        return [line.split("\t")[1] for line in capsys.readouterr().out.splitlines()]
+
+    assert states() == ["done", "done"]
+    first = result_paths(cfgs, out)[0]
+    kept = first.read_text()
+    first.unlink()  # element 0's run failed: element 1 (done) does not call the grid done
+    assert main([*args, "--array-index", "1", "--done-file", str(done_file)]) == 0
+    assert "ran 0, skipped 1" in capsys.readouterr().out and not done_file.exists()
+    first.write_text(kept)
+    assert main([*args, "--array-index", "1", "--done-file", str(done_file)]) == 0
+    assert "ran 0, skipped 1" in capsys.readouterr().out and done_file.is_file()
+
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    weights.write_bytes(weights.read_bytes())  # a re-export of the same weights: new files
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert states() == ["todo", "todo"]
+    for path in result_paths(cfgs, out):
+        write_result({"status": "done", "model_identity": model_identity(model)}, path)
+    assert states() == ["done", "done"]
+    (model / "mlmclm_export.json").write_text(json.dumps({"checkpoint": "iter_0000200"}))
+    assert states() == ["todo", "todo"]  # another export record: another model

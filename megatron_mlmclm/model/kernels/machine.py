@@ -98,14 +98,40 @@ def tf32(cfg: RunConfig, device: str) -> tuple[bool | None, str]:
     return None, "bf16 model: torch's default for the few fp32 matmuls outside it"
 
 
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+# The TORCHINDUCTOR_CACHE_DIR a run last set (`use_compile_cache`), in the environment so that the
+# processes a run starts know it too: a value set by a run is not the user's.
+RUN_SET_CACHE = "MLMCLM_RUN_INDUCTOR_CACHE_DIR"
+
+
+def users_compile_cache() -> str | None:
+    """A TORCHINDUCTOR_CACHE_DIR the user chose: set, and neither the one a run set (in this
+    process or the one that started it) nor Inductor's default, which Inductor sets itself in
+    a process that compiled without one."""
+    value = os.environ.get(INDUCTOR_CACHE)
+    if not value or value == os.environ.get(RUN_SET_CACHE):
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return None if os.path.abspath(value) == os.path.abspath(default_cache_dir()) else value
+
+
 def compile_cache_dir(output_dir: str) -> str:
-    """Where torch.compile's caches go: $MLMCLM_CACHE_DIR/inductor (shared by runs: the same
-    shapes compile once), else the run's output_dir/compile_cache."""
+    """Where torch.compile's caches go: the user's TORCHINDUCTOR_CACHE_DIR, else
+    $MLMCLM_CACHE_DIR/inductor (shared by runs: the same shapes compile once), else the run's
+    output_dir/compile_cache."""
     shared = os.environ.get("MLMCLM_CACHE_DIR")
     folder = (
         os.path.join(shared, "inductor") if shared else os.path.join(output_dir, "compile_cache")
     )
-    return os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or folder)
+    return os.path.abspath(users_compile_cache() or folder)
+
+
+def use_compile_cache(folder: str) -> None:
+    """Inductor's caches in `folder` (compile_cache_dir) for this run: set for every run, since a
+    process may run several (tests, the study, a notebook), unless the user chose a folder."""
+    if users_compile_cache() is None:
+        os.environ[INDUCTOR_CACHE] = os.environ[RUN_SET_CACHE] = folder
 
 
 def compile_cache_line() -> str:
@@ -116,5 +142,5 @@ def compile_cache_line() -> str:
     return (
         f"torch.compile: {stats['fxgraph_cache_miss']} graph(s) compiled, "
         f"{stats['fxgraph_cache_hit']} loaded from the compile cache "
-        f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR')}"
+        f"{os.environ.get(INDUCTOR_CACHE)}"
     )

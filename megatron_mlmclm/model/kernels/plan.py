@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_mlmclm.model.kernels.machine import use_compile_cache
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -166,14 +168,14 @@ class KernelPlan:
         if self.tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = self.tf32
             torch.backends.cudnn.allow_tf32 = self.tf32
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", self.compile_cache)
+        use_compile_cache(self.compile_cache)  # this run's, not the first run's of the process
 
 
 THD_PATHS = ("te-thd", "thd-reference")
 COMPILE_CACHE_WHY = (
     "Inductor's caches (its graphs, kernels and Triton's under them), kept across the run's "
     "restarts: a restart loads what the first start compiled; $MLMCLM_CACHE_DIR/inductor "
-    "shares them between runs (a TORCHINDUCTOR_CACHE_DIR of your own is kept)"
+    "shares them between runs (a TORCHINDUCTOR_CACHE_DIR you exported is kept)"
 )
 INIT_WHY = (
     "every parameter drawn whole from (train.seed, its checkpoint key, its layer) and "
