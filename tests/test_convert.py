@@ -212,6 +212,10 @@ def test_export_loads_in_plain_transformers_and_matches_megatron(ws, exported):
         text, add_special_tokens=False
     )
     assert tok(text)["input_ids"] == words["input_ids"] + [tok.eos_token_id]
+    # and a special token's string in the text as the text it is, as the shards hold it
+    ids = tok(f"{text} {tok.mask_token}")["input_ids"]
+    assert tok.mask_token_id not in ids and ids[-1] == tok.eos_token_id
+    assert tok.decode(ids[:-1]) == f"{text} {tok.mask_token}"
     assert json.loads((out / "mlmclm_export.json").read_text())["tokenizer_rule"] == "document"
 
     tokens = torch.randint(0, VOCAB_TOKENIZER, (2, 48), generator=torch.Generator().manual_seed(7))

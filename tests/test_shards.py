@@ -1,11 +1,12 @@
 """Raw text stays text, and shards know what wrote them (document.py, data/shards.py).
 
 A special token's string in a text (`<mask>`, `</s>`, `<|begin_of_text|>`, `[SEP]`: web text about
-NLP holds them) is encoded as that string's ordinary tokens, for our byte-level BPE, a Llama-3-style
-and a BERT-style tokenizer, compared with the tokenizer's own encoding with special-token parsing
-off; `mlmclm preprocess` writes no special id inside a document, counts the rows, and records its
-tokenizer and rule beside each shard. A run's shards are checked against its tokenizer: by the
-fingerprint, else by a scan cached once.
+NLP holds them) is encoded as that string's ordinary tokens, for our byte-level BPE, a
+Llama-3-style, a BERT-style and a DeBERTa-v3-style (SentencePiece Unigram) tokenizer, compared
+with the tokenizer's own encoding with special-token parsing off (for the Unigram, with its special
+pieces renamed out of the text's reach); `mlmclm preprocess` writes no special id inside a
+document, counts the rows, and records its tokenizer and rule beside each shard. A run's shards
+are checked against its tokenizer: by the fingerprint, else by a scan cached once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from eval.kinds import deberta_tokenizer
 from jobs import word_tokenizer
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
 
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.data.preprocess import preprocess, summary_line
@@ -27,7 +31,7 @@ from megatron_mlmclm.data.shards import (
     shard_fingerprint,
 )
 from megatron_mlmclm.data.tokenizer import load_tokenizer, prepare_tokenizer, tokenizer_fingerprint
-from megatron_mlmclm.document import make_document_tokenizer
+from megatron_mlmclm.document import backend_text_as_text, document_tokenizer
 from megatron_mlmclm.errors import UsageError
 
 SPECIAL_STRINGS = [
@@ -97,6 +101,13 @@ def _bert_like(root: Path) -> Path:
     return prepare_tokenizer(root / "bert-src", root / "bert", verbose=False)
 
 
+def _deberta_like(root: Path) -> Path:
+    """DeBERTa-v3's kind (tests/eval/kinds.py): a Unigram whose special tokens are also pieces of
+    its vocabulary, completed with bos/eos."""
+    deberta_tokenizer(ROWS * 20).save_pretrained(str(root / "deberta-src"))
+    return prepare_tokenizer(root / "deberta-src", root / "deberta", verbose=False)
+
+
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("toks")
@@ -104,6 +115,7 @@ def tokenizers(tmp_path_factory) -> dict[str, Path]:
         "ours": word_tokenizer(root, 300),
         "llama3": _llama3_like(root),
         "bert": _bert_like(root),
+        "deberta": _deberta_like(root),
     }
 
 
@@ -112,21 +124,39 @@ def _special_ids(tok) -> set[int]:
 
 
 def _reference(tok, text: str) -> list[int]:
-    """Hugging Face's own encoding with special-token parsing off, then EOS."""
-    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [
-        tok.eos_token_id
+    """The tokenizer's own encoding with special-token parsing off, then EOS. A Unigram model
+    holds its special tokens as pieces too: those are renamed to strings no text holds."""
+    from tokenizers import Tokenizer, models
+
+    state = json.loads(tok.backend_tokenizer.to_str())
+    if state["model"]["type"] != "Unigram":
+        ids = tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids + [tok.eos_token_id]
+    specials = {tok.convert_ids_to_tokens(i) for i in _special_ids(tok)}
+    vocab = [
+        (f"\ue000{i}" if piece in specials else piece, score)
+        for i, (piece, score) in enumerate(state["model"]["vocab"])
     ]
+    plain = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    plain.model = models.Unigram(vocab, state["model"]["unk_id"], False)
+    plain.encode_special_tokens = True
+    return plain.encode(text, add_special_tokens=False).ids + [tok.eos_token_id]
 
 
-@pytest.mark.parametrize("kind", ["ours", "llama3", "bert"])
-def test_special_token_strings_are_encoded_as_text(tokenizers, kind):
-    tok = load_tokenizer(tokenizers[kind])  # the reference (Hugging Face sets its backend's flag)
-    mine = load_tokenizer(tokenizers[kind])
-    backend = make_document_tokenizer(mine.backend_tokenizer, tok.eos_token, tok.eos_token_id)
+@pytest.mark.parametrize("kind", ["ours", "llama3", "bert", "deberta"])
+def test_special_token_strings_are_encoded_as_text(tokenizers, kind, tmp_path):
+    tok = load_tokenizer(tokenizers[kind])  # the reference
+    mine = document_tokenizer(load_tokenizer(tokenizers[kind]))
     specials = _special_ids(tok)
+    # as the shard writer, a worker process and an export reloaded with plain transformers do
+    backend = mine.backend_tokenizer
+    worker = backend_text_as_text(Tokenizer.from_str(backend.to_str()))
+    mine.save_pretrained(str(tmp_path / "saved"))
+    saved = AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
     for text in ROWS:
         ids = backend.encode(text).ids
         assert ids == _reference(tok, text), text
+        assert worker.encode(text).ids == ids and saved(text)["input_ids"] == ids, text
         assert ids[-1] == tok.eos_token_id and not specials & set(ids[:-1]), text
         decoded = tok.decode(ids[:-1])
         if kind == "bert":  # WordPiece decodes with spaces between word pieces
@@ -151,7 +181,9 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind,backend", [("ours", "processes"), ("llama3", "threads")])
+@pytest.mark.parametrize(
+    "kind,backend", [("ours", "processes"), ("llama3", "threads"), ("deberta", "processes")]
+)
 def test_preprocess_writes_no_special_id_but_the_final_eos(
     tokenizers, corpus, tmp_path, kind, backend
 ):
@@ -250,3 +282,4 @@ def test_a_run_records_its_shards_rule_and_refuses_a_mix(tokenizers, corpus, tmp
     assert run(eod) == shard_fingerprint(fp, append_eod=True)
     with pytest.raises(UsageError, match="disagree on append_eod"):
         run(eod, noeod)
+
