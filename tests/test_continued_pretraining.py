@@ -230,9 +230,9 @@ SHARDS = "data.train=[shards/decoder_text_document]"
 
 @pytest.mark.slow
 def test_a_continued_run_refuses_another_architecture(pages, capsys):
-    """What a new user tried, through the command: qk-norm dropped from a Qwen3, the llama3 RoPE
-    scaling from a Llama 3.2: one line naming the key and both values. The rest of the keys go
-    through the same rule below, without a command each."""
+    """Through the command: qk-norm dropped from a Qwen3, the llama3 RoPE scaling from a Llama
+    3.2: one line naming the key and both values. The rest of the keys go through the same rule
+    below, without a command each."""
     cases = {
         "qwen3": ("model.qk_layernorm=false", "model.qk_layernorm=false differs", "(true)"),
         "llama32": ("model.rope_scaling=null", "model.rope_scaling=null differs", "factor: 32.0"),
@@ -281,6 +281,15 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)
     rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
     assert rc == 2 and len(err) == 1 and "fails verification" in err[0], err
+    # the file the config's model is read from, damaged: one line, no traceback
+    common = next(damaged.rglob("common.pt"))
+    common.write_bytes(common.read_bytes()[:-8] + b"\0" * 8)
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
+    assert rc == 2 and len(err) == 1 and "common.pt does not match its checksum" in err[0], err
+    # a missing train.init_from is one problem among the others, after the resolved run
+    rc, out, err = _dry_run(capsys, qwen3, "data.train=[shards/nope]", "train.init_from=nope")
+    assert rc == 2 and len(err) == 2 and "init_from: nope" in out, (out, err)
+    assert "shards/nope.idx" in err[0] and "train.init_from nope does not exist" in err[1], err
     # Without train.init_from: a model.vocab_size below the tokenizer's, as the run refuses it.
     cwd = os.getcwd()
     os.chdir(qwen3)
@@ -293,6 +302,48 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
         os.chdir(cwd)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "model.vocab_size (500) is smaller" in err[0], err
+
+
+@pytest.mark.slow
+def test_a_library_caller_gets_the_checkpoints_model(pages):
+    """examples/configs/cpt-llama-mlm.yaml has no model section: loaded for a Trainer as a library
+    caller loads it (`Trainer(load_config(path))`, no reader passed), it is the model of the
+    checkpoint it continues, as under `mlmclm pretrain`; here the Llama 3.2 stand-in's, compared
+    with the source's config.json."""
+    from megatron_mlmclm.training.trainer import Trainer
+
+    decoder = pages["llama32"]["folder"] / "ckpt" / "decoder"
+    overrides = [
+        f"train.init_from={decoder / 'checkpoints'}",
+        f"data.tokenizer={decoder / 'tokenizer'}",
+        "parallel.tensor_model_parallel_size=1",  # 8 ways for the 8B; the stand-in has 4 heads
+    ]
+    cfg = load_config(REPO / "examples" / "configs" / "cpt-llama-mlm.yaml", overrides)
+    model = Trainer(cfg).cfg.model
+    hf = json.loads((pages["llama32"]["hf"] / "config.json").read_text())
+    assert (
+        model.num_layers,
+        model.hidden_size,
+        model.ffn_hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.kv_channels,
+        model.norm_epsilon,
+        model.tie_embeddings,
+        model.rotary_base,
+    ) == (
+        hf["num_hidden_layers"],
+        hf["hidden_size"],
+        hf["intermediate_size"],
+        hf["num_attention_heads"],
+        hf["num_key_value_heads"],
+        hf["head_dim"],
+        hf["rms_norm_eps"],
+        hf["tie_word_embeddings"],
+        hf["rope_parameters"]["rope_theta"],
+    )
+    assert model.rope_scaling is not None
+    assert model.rope_scaling.factor == hf["rope_parameters"]["factor"]
 
 
 @pytest.mark.slow

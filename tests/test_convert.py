@@ -640,8 +640,8 @@ def test_wrong_arch_for_qk_norm_is_refused(ws, capsys, tmp_path):
         capsys, out, "to-hf", imp / "checkpoints", out, "--arch", "eurobert", match="qk-norm"
     )
     assert_refused(capsys, out, "to-hf", ws["ckpt"]["tp1"], out, "--arch", "qwen3", match="qk-norm")
-    # The default follows the source family where the model still is it: a Qwen3 trained without
-    # its qk-norm (an older run) is a Llama.
+    # The default follows the source family where the model still is it: a checkpoint recorded as
+    # a Qwen3 import whose model has no qk-norm is exported as a Llama.
     assert resolve_arch(None, False, True, {"family": "qwen3"}) == "qwen3"
     assert resolve_arch(None, False, False, {"family": "qwen3"}) == "llama"
     assert resolve_arch(None, False, False, {"family": "mistral"}) == "llama"

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from eval.kinds import deberta_tokenizer
-from jobs import word_tokenizer
+from jobs import REPO, launch, word_tokenizer
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
@@ -283,3 +283,57 @@ def test_a_run_records_its_shards_rule_and_refuses_a_mix(tokenizers, corpus, tmp
     with pytest.raises(UsageError, match="disagree on append_eod"):
         run(eod, noeod)
 
+
+@pytest.mark.slow
+def test_rank_zero_alone_scans_a_runs_shards_and_every_rank_refuses(tokenizers, corpus, tmp_path):
+    """A run of two ranks on shards without a fingerprint (Megatron-LM's) holding ids of a larger
+    vocabulary: rank 0 scans them once, after the process group exists, and both ranks refuse
+    with its one line, before any model is built."""
+    preprocess([corpus], tmp_path / "rows", tokenizers["llama3"], progress=False)
+    prefix = tmp_path / "rows_text_document"
+    fingerprint_path(prefix).unlink()
+    log = tmp_path / "log"
+    overrides = [
+        f"data.tokenizer={tokenizers['ours']}",
+        f"data.train=[{prefix}]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"output_dir={tmp_path / 'run'}",
+        "model.preset=tiny",
+        "logging.eval_interval=0",
+    ]
+    script = str(REPO / "tests" / "scripts" / "shard_check_ranks.py")
+    proc = launch(("script", [script, str(log), *overrides]), nproc=2, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = log.read_text().splitlines()
+    assert [x for x in lines if x.startswith("scan")] == ["scan 0"], lines
+    refused = sorted(x for x in lines if x.startswith("refused"))
+    assert [x.split(":", 1)[0] for x in refused] == ["refused 0", "refused 1"], lines
+    assert refused[0].split(":", 1)[1] == refused[1].split(":", 1)[1]
+    assert "outside data.tokenizer" in refused[0]
+
+
+def test_damaged_fingerprints_and_empty_shards_are_one_line(tokenizers, corpus, tmp_path):
+    """A fingerprint that is JSON but not a mapping, and a shard without tokens (scanned or not):
+    one line each, naming the file."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_mlmclm.data.shards import scan_shard
+
+    fp = tokenizer_fingerprint(load_tokenizer(tokenizers["ours"]))
+    preprocess([corpus], tmp_path / "rows", tokenizers["ours"], progress=False)
+    prefix = str(tmp_path / "rows_text_document")
+    fingerprint_path(prefix).write_text("[1, 2]\n")
+    with pytest.raises(UsageError, match="holds a list, not a shard's fingerprint") as e:
+        check_shard(prefix, fp, "ours", None)
+    assert "\n" not in str(e.value)
+    empty = str(tmp_path / "empty")
+    builder = IndexedDatasetBuilder(empty + ".bin", dtype=np.uint16)
+    builder.add_document(np.zeros(0, dtype=np.int64), [0])
+    builder.finalize(empty + ".idx")
+    for check in (
+        lambda: check_shard(empty, fp, "ours", None),
+        lambda: scan_shard(empty, fp["bos_id"], fp["eos_id"], None),
+    ):
+        with pytest.raises(UsageError, match=r"empty\.bin .*no tokens") as e:
+            check()
+        assert "\n" not in str(e.value)
