@@ -440,6 +440,21 @@ def test_every_architecture_key_comes_from_the_checkpoint():
     assert (model["seq_length"], model["attention"], model["preset"]) == (64, "sdpa", None)
 
 
+def test_load_config_reads_the_checkpoint_where_the_config_leaves_its_model_to_it():
+    """Without a reader passed: a config that states every architecture key is not read against
+    the checkpoint (the trainer checks it); one that leaves keys to it reads it with the
+    registered reader (training/continued.py), which names a checkpoint that does not exist only
+    where the config holds no model to build without it."""
+    # registers the reader, as importing the Trainer does
+    import megatron_mlmclm.training.continued  # noqa: F401
+
+    stated = [f"model.{k}={json.dumps(v)}" for k, v in SAVED.items()] + ["data.mock=true"]
+    cfg = load_config(None, [*stated, "train.init_from=nope"])  # a plan's run to come
+    assert cfg.model.num_layers == SAVED["num_layers"]
+    with pytest.raises(UsageError, match=r"^train\.init_from nope does not exist"):
+        load_config(None, ["data.mock=true", "train.init_from=nope"])
+
+
 def test_the_trainer_checks_a_finished_config_against_the_checkpoint():
     """The trainer's own check (training/continued.py), for configs built without the
     checkpoint's model: each key refused; seq_length and a phase's RoPE base reported."""

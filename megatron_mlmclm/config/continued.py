@@ -56,20 +56,26 @@ def missing_init_from(init_from) -> UsageError:
 
 def take_checkpoint_model(raw: dict[str, Any], reader: CheckpointReader | None) -> None:
     """A continued run's raw config (YAML and overrides) takes the model of train.init_from's
-    checkpoint, in place (`inherit_model`), read by `reader` (default: the registered one). A
-    checkpoint that does not exist (yet: a plan's configs name checkpoints of runs to come) is
-    left to the run and its dry run, which refuse it, unless the config holds no model to build
-    without it: then one line here."""
+    checkpoint, in place (`inherit_model`), read by `reader`. Without one, a config that states
+    every architecture key keeps its own (the trainer checks it against the checkpoint); one that
+    leaves any to the checkpoint has it read by the registered reader, present wherever
+    megatron_mlmclm.training is imported (a Trainer's caller). A checkpoint that does not exist
+    (yet: a plan's configs name checkpoints of runs to come) is left to the run and its dry run,
+    which refuse it, unless the config holds no model to build without it: then one line here."""
     train = raw.get("train")
     init_from = train.get("init_from") if isinstance(train, dict) else None
     model = raw.get("model")
     if not init_from or not isinstance(model, dict | None):
         return  # nothing to take, or a section the schema refuses
-    reader = reader or (_registered[0] if _registered else None)
+    model = model or {}
+    preset = MODEL_PRESETS.get(model.get("preset") or "", {})
+    given = (set(model) | set(preset)) & set(ARCHITECTURE)
+    if reader is None and given != set(ARCHITECTURE):
+        reader = _registered[0] if _registered else None
     saved = reader(str(init_from)) if reader is not None else None
     if saved is not None:
         raw["model"] = inherit_model(model, saved, str(init_from))
-    elif not (model or {}).get("preset") and not set(model or {}) & set(ARCHITECTURE):
+    elif not given:
         if reader is None:
             raise UsageError(
                 f"train.init_from {init_from}: the run's model is that checkpoint's, which "
