@@ -50,6 +50,7 @@ from megatron_mlmclm.mcore_patches.optimizer import model_and_main_params
 # a gradient bucket that ends in padding, at a neighbour's (training/resume.py refuses to load it).
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+COMMON = "common.pt"  # the non-sharded state: the trainer's record, its run config
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 EXTRA_STATE = "_extra_state"  # a module's non-tensor state (TE: FP8 metadata) in a checkpoint
@@ -169,6 +170,22 @@ def verify_checkpoint(ckpt: str | Path, share: tuple[int, int] = (0, 1)) -> str 
     wrong (one line). A checkpoint without a manifest predates manifests and is accepted. With
     `share` (rank, world): every size, but only the checksums of the rank's share of the files."""
     return _verify(Path(ckpt), *share)[0]
+
+
+def verify_file(ckpt: Path, name: str) -> str | None:
+    """`verify_checkpoint` for one file of the checkpoint (read before the rest is verified)."""
+    manifest = ckpt / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        want = json.loads(manifest.read_text(encoding="utf-8"))["files"][name]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST} ({type(e).__name__})"
+    if not (ckpt / name).is_file():
+        return f"{name} is missing"
+    if _digest(ckpt / name) != {"size": want["size"], "sha256": want["sha256"]}:
+        return f"{name} does not match its checksum"
+    return None
 
 
 def _share(files: dict[str, dict], rank: int, world: int) -> list[str]:

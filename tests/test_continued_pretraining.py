@@ -231,9 +231,9 @@ SHARDS = "data.train=[shards/decoder_text_document]"
 
 @pytest.mark.slow
 def test_a_continued_run_refuses_another_architecture(pages, capsys):
-    """What a new user tried, through the command: qk-norm dropped from a Qwen3, the llama3 RoPE
-    scaling from a Llama 3.2: one line naming the key and both values. The rest of the keys go
-    through the same rule below, without a command each."""
+    """Through the command: qk-norm dropped from a Qwen3, the llama3 RoPE scaling from a Llama
+    3.2: one line naming the key and both values. The rest of the keys go through the same rule
+    below, without a command each."""
     cases = {
         "qwen3": ("model.qk_layernorm=false", "model.qk_layernorm=false differs", "(true)"),
         "llama32": ("model.rope_scaling=null", "model.rope_scaling=null differs", "factor: 32.0"),
@@ -282,6 +282,15 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)
     rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
     assert rc == 2 and len(err) == 1 and "fails verification" in err[0], err
+    # the file the config's model is read from, damaged: one line, no traceback
+    common = next(damaged.rglob("common.pt"))
+    common.write_bytes(common.read_bytes()[:-8] + b"\0" * 8)
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
+    assert rc == 2 and len(err) == 1 and "common.pt does not match its checksum" in err[0], err
+    # a missing train.init_from is one problem among the others, after the resolved run
+    rc, out, err = _dry_run(capsys, qwen3, "data.train=[shards/nope]", "train.init_from=nope")
+    assert rc == 2 and len(err) == 2 and "init_from: nope" in out, (out, err)
+    assert "shards/nope.idx" in err[0] and "train.init_from nope does not exist" in err[1], err
     # Without train.init_from: a model.vocab_size below the tokenizer's, as the run refuses it.
     cwd = os.getcwd()
     os.chdir(qwen3)
@@ -294,6 +303,48 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
         os.chdir(cwd)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "model.vocab_size (500) is smaller" in err[0], err
+
+
+@pytest.mark.slow
+def test_a_library_caller_gets_the_checkpoints_model(pages):
+    """examples/configs/cpt-llama-mlm.yaml has no model section: loaded for a Trainer as a library
+    caller loads it (`Trainer(load_config(path))`, no reader passed), it is the model of the
+    checkpoint it continues, as under `mlmclm pretrain`; here the Llama 3.2 stand-in's, compared
+    with the source's config.json."""
+    from megatron_mlmclm.training.trainer import Trainer
+
+    decoder = pages["llama32"]["folder"] / "ckpt" / "decoder"
+    overrides = [
+        f"train.init_from={decoder / 'checkpoints'}",
+        f"data.tokenizer={decoder / 'tokenizer'}",
+        "parallel.tensor_model_parallel_size=1",  # 8 ways for the 8B; the stand-in has 4 heads
+    ]
+    cfg = load_config(REPO / "examples" / "configs" / "cpt-llama-mlm.yaml", overrides)
+    model = Trainer(cfg).cfg.model
+    hf = json.loads((pages["llama32"]["hf"] / "config.json").read_text())
+    assert (
+        model.num_layers,
+        model.hidden_size,
+        model.ffn_hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.kv_channels,
+        model.norm_epsilon,
+        model.tie_embeddings,
+        model.rotary_base,
+    ) == (
+        hf["num_hidden_layers"],
+        hf["hidden_size"],
+        hf["intermediate_size"],
+        hf["num_attention_heads"],
+        hf["num_key_value_heads"],
+        hf["head_dim"],
+        hf["rms_norm_eps"],
+        hf["tie_word_embeddings"],
+        hf["rope_parameters"]["rope_theta"],
+    )
+    assert model.rope_scaling is not None
+    assert model.rope_scaling.factor == hf["rope_parameters"]["factor"]
 
 
 @pytest.mark.slow
@@ -388,6 +439,21 @@ def test_every_architecture_key_comes_from_the_checkpoint():
     # A recipe's own sequence length and running settings stay the run's.
     model = inherit_model({"seq_length": 64, "attention": "sdpa"}, SAVED, "ckpt")
     assert (model["seq_length"], model["attention"], model["preset"]) == (64, "sdpa", None)
+
+
+def test_load_config_reads_the_checkpoint_where_the_config_leaves_its_model_to_it():
+    """Without a reader passed: a config that states every architecture key is not read against
+    the checkpoint (the trainer checks it); one that leaves keys to it reads it with the
+    registered reader (training/continued.py), which names a checkpoint that does not exist only
+    where the config holds no model to build without it."""
+    # registers the reader, as importing the Trainer does
+    import megatron_mlmclm.training.continued  # noqa: F401
+
+    stated = [f"model.{k}={json.dumps(v)}" for k, v in SAVED.items()] + ["data.mock=true"]
+    cfg = load_config(None, [*stated, "train.init_from=nope"])  # a plan's run to come
+    assert cfg.model.num_layers == SAVED["num_layers"]
+    with pytest.raises(UsageError, match=r"^train\.init_from nope does not exist"):
+        load_config(None, ["data.mock=true", "train.init_from=nope"])
 
 
 def test_the_trainer_checks_a_finished_config_against_the_checkpoint():

@@ -212,6 +212,10 @@ def test_export_loads_in_plain_transformers_and_matches_megatron(ws, exported):
         text, add_special_tokens=False
     )
     assert tok(text)["input_ids"] == words["input_ids"] + [tok.eos_token_id]
+    # and a special token's string in the text as the text it is, as the shards hold it
+    ids = tok(f"{text} {tok.mask_token}")["input_ids"]
+    assert tok.mask_token_id not in ids and ids[-1] == tok.eos_token_id
+    assert tok.decode(ids[:-1]) == f"{text} {tok.mask_token}"
     assert json.loads((out / "mlmclm_export.json").read_text())["tokenizer_rule"] == "document"
 
     tokens = torch.randint(0, VOCAB_TOKENIZER, (2, 48), generator=torch.Generator().manual_seed(7))
@@ -636,8 +640,8 @@ def test_wrong_arch_for_qk_norm_is_refused(ws, capsys, tmp_path):
         capsys, out, "to-hf", imp / "checkpoints", out, "--arch", "eurobert", match="qk-norm"
     )
     assert_refused(capsys, out, "to-hf", ws["ckpt"]["tp1"], out, "--arch", "qwen3", match="qk-norm")
-    # The default follows the source family where the model still is it: a Qwen3 trained without
-    # its qk-norm (an older run) is a Llama.
+    # The default follows the source family where the model still is it: a checkpoint recorded as
+    # a Qwen3 import whose model has no qk-norm is exported as a Llama.
     assert resolve_arch(None, False, True, {"family": "qwen3"}) == "qwen3"
     assert resolve_arch(None, False, False, {"family": "qwen3"}) == "llama"
     assert resolve_arch(None, False, False, {"family": "mistral"}) == "llama"

@@ -191,7 +191,13 @@ def test_shards_resume_after_a_kill_and_equal_the_single_output(tmp_path, tok_di
     assert [(p.stat().st_ino, p.stat().st_mtime_ns) for p in first] == before
     # three shards' .bin, .idx and .fingerprint.json
     assert not pending() and len(list(out.parent.iterdir())) == 9
-    preprocess(list(map(str, files)), tmp_path / "one", tok_dir, progress=False)
+    # --force writes a shard again, also removing what a killed writer left
+    left = out.parent / "c-00002-of-00003_text_document.idx.tmp-99999"
+    left.write_bytes(b"half an index")
+    assert cli.main([*shard(2), "--force"]) == 0 and not left.exists()
+    written = preprocess(list(map(str, files)), tmp_path / "one", tok_dir, progress=False)
+    kept = preprocess(list(map(str, files)), out, tok_dir, progress=False, shard=(0, 3))
+    assert kept["kept"] and set(kept) == set(written)  # a kept shard's summary: the same keys
     single = _read_docs(tmp_path / "one_text_document")
     sharded = [d for i in range(3) for d in _read_docs(f"{out}-{i:05d}-of-00003_text_document")]
     assert sharded == single and len(single) == sum(map(len, texts))

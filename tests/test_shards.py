@@ -1,11 +1,12 @@
 """Raw text stays text, and shards know what wrote them (document.py, data/shards.py).
 
 A special token's string in a text (`<mask>`, `</s>`, `<|begin_of_text|>`, `[SEP]`: web text about
-NLP holds them) is encoded as that string's ordinary tokens, for our byte-level BPE, a Llama-3-style
-and a BERT-style tokenizer, compared with the tokenizer's own encoding with special-token parsing
-off; `mlmclm preprocess` writes no special id inside a document, counts the rows, and records its
-tokenizer and rule beside each shard. A run's shards are checked against its tokenizer: by the
-fingerprint, else by a scan cached once.
+NLP holds them) is encoded as that string's ordinary tokens, for our byte-level BPE, a
+Llama-3-style, a BERT-style and a DeBERTa-v3-style (SentencePiece Unigram) tokenizer, compared
+with the tokenizer's own encoding with special-token parsing off (for the Unigram, with its special
+pieces renamed out of the text's reach); `mlmclm preprocess` writes no special id inside a
+document, counts the rows, and records its tokenizer and rule beside each shard. A run's shards
+are checked against its tokenizer: by the fingerprint, else by a scan cached once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from jobs import word_tokenizer
+from eval.kinds import deberta_tokenizer
+from jobs import REPO, launch, word_tokenizer
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
 
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.data.preprocess import preprocess, summary_line
@@ -27,7 +31,7 @@ from megatron_mlmclm.data.shards import (
     shard_fingerprint,
 )
 from megatron_mlmclm.data.tokenizer import load_tokenizer, prepare_tokenizer, tokenizer_fingerprint
-from megatron_mlmclm.document import make_document_tokenizer
+from megatron_mlmclm.document import backend_text_as_text, document_tokenizer
 from megatron_mlmclm.errors import UsageError
 
 SPECIAL_STRINGS = [
@@ -97,6 +101,13 @@ def _bert_like(root: Path) -> Path:
     return prepare_tokenizer(root / "bert-src", root / "bert", verbose=False)
 
 
+def _deberta_like(root: Path) -> Path:
+    """DeBERTa-v3's kind (tests/eval/kinds.py): a Unigram whose special tokens are also pieces of
+    its vocabulary, completed with bos/eos."""
+    deberta_tokenizer(ROWS * 20).save_pretrained(str(root / "deberta-src"))
+    return prepare_tokenizer(root / "deberta-src", root / "deberta", verbose=False)
+
+
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("toks")
@@ -104,6 +115,7 @@ def tokenizers(tmp_path_factory) -> dict[str, Path]:
         "ours": word_tokenizer(root, 300),
         "llama3": _llama3_like(root),
         "bert": _bert_like(root),
+        "deberta": _deberta_like(root),
     }
 
 
@@ -112,21 +124,39 @@ def _special_ids(tok) -> set[int]:
 
 
 def _reference(tok, text: str) -> list[int]:
-    """Hugging Face's own encoding with special-token parsing off, then EOS."""
-    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [
-        tok.eos_token_id
+    """The tokenizer's own encoding with special-token parsing off, then EOS. A Unigram model
+    holds its special tokens as pieces too: those are renamed to strings no text holds."""
+    from tokenizers import Tokenizer, models
+
+    state = json.loads(tok.backend_tokenizer.to_str())
+    if state["model"]["type"] != "Unigram":
+        ids = tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids + [tok.eos_token_id]
+    specials = {tok.convert_ids_to_tokens(i) for i in _special_ids(tok)}
+    vocab = [
+        (f"\ue000{i}" if piece in specials else piece, score)
+        for i, (piece, score) in enumerate(state["model"]["vocab"])
     ]
+    plain = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    plain.model = models.Unigram(vocab, state["model"]["unk_id"], False)
+    plain.encode_special_tokens = True
+    return plain.encode(text, add_special_tokens=False).ids + [tok.eos_token_id]
 
 
-@pytest.mark.parametrize("kind", ["ours", "llama3", "bert"])
-def test_special_token_strings_are_encoded_as_text(tokenizers, kind):
-    tok = load_tokenizer(tokenizers[kind])  # the reference (Hugging Face sets its backend's flag)
-    mine = load_tokenizer(tokenizers[kind])
-    backend = make_document_tokenizer(mine.backend_tokenizer, tok.eos_token, tok.eos_token_id)
+@pytest.mark.parametrize("kind", ["ours", "llama3", "bert", "deberta"])
+def test_special_token_strings_are_encoded_as_text(tokenizers, kind, tmp_path):
+    tok = load_tokenizer(tokenizers[kind])  # the reference
+    mine = document_tokenizer(load_tokenizer(tokenizers[kind]))
     specials = _special_ids(tok)
+    # as the shard writer, a worker process and an export reloaded with plain transformers do
+    backend = mine.backend_tokenizer
+    worker = backend_text_as_text(Tokenizer.from_str(backend.to_str()))
+    mine.save_pretrained(str(tmp_path / "saved"))
+    saved = AutoTokenizer.from_pretrained(str(tmp_path / "saved"))
     for text in ROWS:
         ids = backend.encode(text).ids
         assert ids == _reference(tok, text), text
+        assert worker.encode(text).ids == ids and saved(text)["input_ids"] == ids, text
         assert ids[-1] == tok.eos_token_id and not specials & set(ids[:-1]), text
         decoded = tok.decode(ids[:-1])
         if kind == "bert":  # WordPiece decodes with spaces between word pieces
@@ -151,7 +181,9 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind,backend", [("ours", "processes"), ("llama3", "threads")])
+@pytest.mark.parametrize(
+    "kind,backend", [("ours", "processes"), ("llama3", "threads"), ("deberta", "processes")]
+)
 def test_preprocess_writes_no_special_id_but_the_final_eos(
     tokenizers, corpus, tmp_path, kind, backend
 ):
@@ -250,3 +282,58 @@ def test_a_run_records_its_shards_rule_and_refuses_a_mix(tokenizers, corpus, tmp
     assert run(eod) == shard_fingerprint(fp, append_eod=True)
     with pytest.raises(UsageError, match="disagree on append_eod"):
         run(eod, noeod)
+
+
+@pytest.mark.slow
+def test_rank_zero_alone_scans_a_runs_shards_and_every_rank_refuses(tokenizers, corpus, tmp_path):
+    """A run of two ranks on shards without a fingerprint (Megatron-LM's) holding ids of a larger
+    vocabulary: rank 0 scans them once, after the process group exists, and both ranks refuse
+    with its one line, before any model is built."""
+    preprocess([corpus], tmp_path / "rows", tokenizers["llama3"], progress=False)
+    prefix = tmp_path / "rows_text_document"
+    fingerprint_path(prefix).unlink()
+    log = tmp_path / "log"
+    overrides = [
+        f"data.tokenizer={tokenizers['ours']}",
+        f"data.train=[{prefix}]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"output_dir={tmp_path / 'run'}",
+        "model.preset=tiny",
+        "logging.eval_interval=0",
+    ]
+    script = str(REPO / "tests" / "scripts" / "shard_check_ranks.py")
+    proc = launch(("script", [script, str(log), *overrides]), nproc=2, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = log.read_text().splitlines()
+    assert [x for x in lines if x.startswith("scan")] == ["scan 0"], lines
+    refused = sorted(x for x in lines if x.startswith("refused"))
+    assert [x.split(":", 1)[0] for x in refused] == ["refused 0", "refused 1"], lines
+    assert refused[0].split(":", 1)[1] == refused[1].split(":", 1)[1]
+    assert "outside data.tokenizer" in refused[0]
+
+
+def test_damaged_fingerprints_and_empty_shards_are_one_line(tokenizers, corpus, tmp_path):
+    """A fingerprint that is JSON but not a mapping, and a shard without tokens (scanned or not):
+    one line each, naming the file."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_mlmclm.data.shards import scan_shard
+
+    fp = tokenizer_fingerprint(load_tokenizer(tokenizers["ours"]))
+    preprocess([corpus], tmp_path / "rows", tokenizers["ours"], progress=False)
+    prefix = str(tmp_path / "rows_text_document")
+    fingerprint_path(prefix).write_text("[1, 2]\n")
+    with pytest.raises(UsageError, match="holds a list, not a shard's fingerprint") as e:
+        check_shard(prefix, fp, "ours", None)
+    assert "\n" not in str(e.value)
+    empty = str(tmp_path / "empty")
+    builder = IndexedDatasetBuilder(empty + ".bin", dtype=np.uint16)
+    builder.add_document(np.zeros(0, dtype=np.int64), [0])
+    builder.finalize(empty + ".idx")
+    for check in (
+        lambda: check_shard(empty, fp, "ours", None),
+        lambda: scan_shard(empty, fp["bos_id"], fp["eos_id"], None),
+    ):
+        with pytest.raises(UsageError, match=r"empty\.bin .*no tokens") as e:
+            check()
+        assert "\n" not in str(e.value)

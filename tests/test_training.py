@@ -1,7 +1,9 @@
-"""Training behaviour on real data and on failure: learning curves drop; NaN stops cleanly."""
+"""Training behaviour on real data and on failure: learning curves drop; NaN stops cleanly; the
+export of a run on `--no-append-eod` shards is evaluated on inputs without EOS."""
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -13,7 +15,8 @@ from megatron_mlmclm.plan.compute import probed_pricing
 
 @pytest.fixture(scope="module")
 def gutenberg_shards(tmp_path_factory, data_dir):
-    """A small BPE and shards of the Gutenberg valid (train here) and test (held out) splits."""
+    """A small BPE and shards of the Gutenberg valid (train here) and test (held out) splits,
+    written as `mlmclm preprocess --no-append-eod` writes them (documents without EOS)."""
     from megatron_mlmclm.data.preprocess import preprocess
     from megatron_mlmclm.data.tokenizer import train_tokenizer
 
@@ -23,7 +26,14 @@ def gutenberg_shards(tmp_path_factory, data_dir):
         [str(books / "valid.jsonl.gz")], root / "tok", vocab_size=2048, progress=False
     )
     for split in ("valid", "test"):
-        preprocess([str(books / f"{split}.jsonl.gz")], root / split, tok, workers=2, progress=False)
+        preprocess(
+            [str(books / f"{split}.jsonl.gz")],
+            root / split,
+            tok,
+            workers=2,
+            append_eod=False,
+            progress=False,
+        )
     return root, tok
 
 
@@ -76,6 +86,33 @@ def test_validation_loss_drops_on_gutenberg(gutenberg_shards, tmp_path, name):
     assert price.tokens_per_s == statistics.median(later) and price.source == "probed"
     assert price.phase.objective == OBJECTIVES[name][-1]["objective"]
     assert price.phase.seq_length == 64
+    if name == "mlm":
+        exported_without_eos(tmp_path / name / "checkpoints", tmp_path / "hf", tok)
+
+
+def exported_without_eos(checkpoints, out, tok_dir) -> None:
+    """Evaluation follows the shards' rule: the export of a run on --no-append-eod shards records
+    it, its tokenizer.json's post-processor adds nothing, and evaluation's input for a text (the
+    folder's tokenizer as saved, or the document rule of an export that lacks it) has no EOS."""
+    from transformers import AutoTokenizer
+
+    from megatron_mlmclm.convert.hf_export import to_hf
+    from megatron_mlmclm.eval.input_form import load_tokenizer
+
+    export = to_hf(checkpoints, out, verbose=False).path
+    record = json.loads((export / "mlmclm_export.json").read_text())
+    assert record["shards"]["append_eod"] is False and record["shards"]["bos"] is False
+    processor = json.loads((export / "tokenizer.json").read_text())["post_processor"]
+    assert processor["single"] == [{"Sequence": {"id": "A", "type_id": 0}}], processor
+    text = "It was the best of times, it was the worst of times."
+    words = AutoTokenizer.from_pretrained(str(tok_dir))(text, add_special_tokens=False)
+    assert load_tokenizer(str(export))(text)["input_ids"] == words["input_ids"]
+    # an export written before exports held the rule: the record's rule, no EOS either
+    del record["tokenizer_rule"]
+    (export / "mlmclm_export.json").write_text(json.dumps(record))
+    legacy = load_tokenizer(str(export))
+    assert legacy.input_form.rule == "document" and not legacy.input_form.eos
+    assert legacy(text)["input_ids"] == words["input_ids"]
 
 
 def test_non_finite_gradients_stop_the_run_and_keep_the_last_checkpoint(tmp_path):

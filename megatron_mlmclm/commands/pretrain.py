@@ -8,9 +8,10 @@ torchrun --nproc_per_node 4 -m megatron_mlmclm pretrain cfg.yaml \
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
-from megatron_mlmclm.config import RunConfig, load_config
+from megatron_mlmclm.config import RunConfig, load_config, missing_init_from
 from megatron_mlmclm.errors import EXIT_USAGE, UsageError
 
 
@@ -47,7 +48,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def checkpoint_model(init_from: str) -> dict[str, Any]:
+def read_checkpoint_model(init_from: str) -> dict[str, Any] | None:
     """The model of train.init_from's checkpoint, which a continued run takes
     (config/continued.py)."""
     # Imported here: reading a checkpoint imports megatron-core, which only continued runs need.
@@ -62,7 +63,9 @@ def resolve(args) -> RunConfig:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # no file, only overrides
         config, overrides = None, [config] + overrides
-    cfg = load_config(config, overrides, checkpoint_model=checkpoint_model)
+    cfg = load_config(config, overrides, checkpoint_model=read_checkpoint_model)
+    if cfg.train.init_from and not Path(cfg.train.init_from).exists() and not args.dry_run:
+        raise missing_init_from(cfg.train.init_from)  # the dry run reports it beside the rest
     if args.stop_at is not None and not 1 <= args.stop_at <= cfg.train.steps:
         raise UsageError(
             f"--stop-at {args.stop_at} is outside this run's steps 1-{cfg.train.steps}"
@@ -87,7 +90,7 @@ def run(args) -> int:
         for line in problems:
             print(f"mlmclm pretrain: error: {line}", file=sys.stderr)
         return EXIT_USAGE if problems else 0
-    # Imported here: numpy and megatron-core would slow `--help` and `--dry-run`.
+    # Imported here: numpy would slow `--help`.
     from megatron_mlmclm.data.sample_index import require_extension
 
     if not cfg.data.mock:  # the sample index's builder: a missing build is one line, at once

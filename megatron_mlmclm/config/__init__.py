@@ -15,8 +15,7 @@ FLOP count itself is `megatron_mlmclm/flops.py`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from megatron_mlmclm.config.attention import attention_path, uses_te_layers
 from megatron_mlmclm.config.budget import (
@@ -29,7 +28,15 @@ from megatron_mlmclm.config.budget import (
     step_tokens,
     tokens_at_step,
 )
-from megatron_mlmclm.config.continued import ARCHITECTURE, compare_with_checkpoint, inherit_model
+from megatron_mlmclm.config.continued import (
+    ARCHITECTURE,
+    CheckpointReader,
+    compare_with_checkpoint,
+    inherit_model,
+    missing_init_from,
+    register_checkpoint_reader,
+    take_checkpoint_model,
+)
 from megatron_mlmclm.config.loader import (
     apply_override,
     dump_yaml,
@@ -74,22 +81,22 @@ from megatron_mlmclm.config.schema import (
 def load_config(
     path: str | os.PathLike | None,
     overrides: Sequence[str] = (),
-    checkpoint_model: Callable[[str], dict[str, Any]] | None = None,
+    checkpoint_model: CheckpointReader | None = None,
 ) -> RunConfig:
     """YAML file (or None for the defaults) + `a.b=value` overrides -> a checked RunConfig.
 
-    `checkpoint_model(init_from)`: the model section of a checkpoint's run config; given, a run
-    with train.init_from takes its architecture from there (continued.py)."""
+    A run with train.init_from takes its architecture from that checkpoint, read by
+    `checkpoint_model(init_from)` (the model section of its run config; None where it does not
+    exist); without one, where the config leaves architecture keys to the checkpoint, by the
+    reader training/continued.py registers (`continued.take_checkpoint_model`)."""
     raw = read_raw(path, overrides)
-    train = raw.get("train")
-    init_from = train.get("init_from") if isinstance(train, dict) else None  # else refused below
-    if init_from and checkpoint_model is not None and isinstance(raw.get("model"), dict | None):
-        raw["model"] = inherit_model(raw.get("model"), checkpoint_model(str(init_from)), init_from)
+    take_checkpoint_model(raw, checkpoint_model)
     return finalize_run_config(from_dict(RunConfig, raw, prefix=""))
 
 
 __all__ = [
     "ARCHITECTURE",
+    "CheckpointReader",
     "MODEL_PRESETS",
     "CheckpointConfig",
     "DataConfig",
@@ -116,6 +123,8 @@ __all__ = [
     "finalize_run_config",
     "from_dict",
     "inherit_model",
+    "missing_init_from",
+    "register_checkpoint_reader",
     "kept_steps",
     "load",
     "load_config",

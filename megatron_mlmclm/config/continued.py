@@ -9,12 +9,15 @@ reported instead: `model.seq_length` (the weights do not depend on it) and a pha
 (attention path, fusions, compile) and stays the run's own.
 
 Reading the checkpoint is not done here (config/ reads no checkpoints): `load_config` takes a
-function that returns the checkpoint's model section (training/continued.py), and the trainer
-checks the finished config against the checkpoint again before it loads a weight.
+function that returns the checkpoint's model section, by default the one training/continued.py
+registers when it is imported (`register_checkpoint_reader`), so that a library caller who builds
+a Trainer from `load_config(path)` gets what `mlmclm pretrain` gets; the trainer checks the
+finished config against the checkpoint again before it loads a weight.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from megatron_mlmclm.config.loader import from_dict
@@ -31,6 +34,55 @@ ARCHITECTURE = (
     "qk_layernorm",
     "tie_embeddings",
 )
+
+
+# A checkpoint's model section for train.init_from (None where it does not exist), as the package
+# that reads checkpoints registered it: config/ imports nothing above it.
+CheckpointReader = Callable[[str], dict[str, Any] | None]
+_registered: list[CheckpointReader] = []
+
+
+def register_checkpoint_reader(reader: CheckpointReader) -> None:
+    """Make `reader` the one `load_config` uses when its caller passes none."""
+    _registered[:] = [reader]
+
+
+def missing_init_from(init_from) -> UsageError:
+    return UsageError(
+        f"train.init_from {init_from} does not exist; give a checkpoint folder or a run's "
+        "checkpoints folder"
+    )
+
+
+def take_checkpoint_model(raw: dict[str, Any], reader: CheckpointReader | None) -> None:
+    """A continued run's raw config (YAML and overrides) takes the model of train.init_from's
+    checkpoint, in place (`inherit_model`), read by `reader`. Without one, a config that states
+    every architecture key keeps its own (the trainer checks it against the checkpoint); one that
+    leaves any to the checkpoint has it read by the registered reader, present wherever
+    megatron_mlmclm.training is imported (a Trainer's caller). A checkpoint that does not exist
+    (yet: a plan's configs name checkpoints of runs to come) is left to the run and its dry run,
+    which refuse it, unless the config holds no model to build without it: then one line here."""
+    train = raw.get("train")
+    init_from = train.get("init_from") if isinstance(train, dict) else None
+    model = raw.get("model")
+    if not init_from or not isinstance(model, dict | None):
+        return  # nothing to take, or a section the schema refuses
+    model = model or {}
+    preset = MODEL_PRESETS.get(model.get("preset") or "", {})
+    given = (set(model) | set(preset)) & set(ARCHITECTURE)
+    if reader is None and given != set(ARCHITECTURE):
+        reader = _registered[0] if _registered else None
+    saved = reader(str(init_from)) if reader is not None else None
+    if saved is not None:
+        raw["model"] = inherit_model(model, saved, str(init_from))
+    elif not given:
+        if reader is None:
+            raise UsageError(
+                f"train.init_from {init_from}: the run's model is that checkpoint's, which "
+                "load_config reads once megatron_mlmclm.training is imported (or given "
+                "checkpoint_model=)"
+            )
+        raise missing_init_from(init_from)
 
 
 def _show(value) -> str:

@@ -2,10 +2,10 @@
 
 `to_hf(CKPT, OUT)` reads the checkpoint's global tensors (layout-independent), maps them with the
 family table of `mapping.py`, writes ``model.safetensors`` + ``config.json`` + the tokenizer (with
-its mask token, and the pretraining document rule as its post-processor: `save_document_rule`)
-into a temporary sibling of OUT, reloads that folder with plain transformers (no
-remote code) and compares its logits with the trainer's EncoderLM loaded from the checkpoint at TP1.
-Only then is the folder renamed to OUT.
+its mask token, and the pretraining document rule of the run's shards saved in it: BOS and EOS as
+the shards had them, special-token strings as text; document.py) into a temporary sibling of OUT,
+reloads that folder with plain transformers (no remote code) and compares its logits with the
+trainer's EncoderLM loaded from the checkpoint at TP1. Only then is the folder renamed to OUT.
 
 Architectures (``arch``):
   eurobert  EuroBertForMaskedLM (native in transformers 5): AutoModel, AutoModelForMaskedLM,
@@ -59,7 +59,7 @@ from megatron_mlmclm.data.tokenizer import (
     token_spec_and_vocab,
     tokenizer_fingerprint,
 )
-from megatron_mlmclm.document import make_document_tokenizer
+from megatron_mlmclm.document import document_tokenizer, shards_rule
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import padded_vocab_size
 from megatron_mlmclm.paths import EXPORT_FILE
@@ -302,8 +302,8 @@ def to_hf(
         # for generation, whose prompts must not end with EOS) the tokenizer's own template
         "tokenizer_rule": "template" if causal_lm else "document",
     }
-    if not causal_lm:
-        save_document_rule(tok, record.get("shards", {}).get("append_eod", True))
+    if not causal_lm:  # any tool that loads the export encodes inputs as the model was pretrained
+        document_tokenizer(tok, **shards_rule(record.get("shards")))
     with common.staged_output(out, force) as tmp:
         hf_cfg.save_pretrained(str(tmp))
         add_legacy_rope_keys(tmp / "config.json")
@@ -321,15 +321,6 @@ def to_hf(
             f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers"
         )
     return result
-
-
-def save_document_rule(tok, append_eod: bool):
-    """Make the tokenizer encode a text as the pretraining shards hold it (the text's tokens, EOS
-    where the shards end documents with one, no template: megatron_mlmclm/document.py), so that
-    any tool that loads the export (transformers pipelines, run_glue-style scripts,
-    sentence-transformers, MTEB) encodes inputs as the model was pretrained; in place."""
-    eos = (tok.eos_token, tok.eos_token_id) if append_eod else (None, None)
-    make_document_tokenizer(tok.backend_tokenizer, *eos)
 
 
 def pretraining_record(cfg, iteration: int | None) -> dict[str, Any]:

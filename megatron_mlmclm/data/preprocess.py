@@ -36,7 +36,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import re
 import struct
 import sys
 import threading
@@ -48,7 +47,13 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from megatron_mlmclm.data.encode import encode_texts, pack, worker_encode, worker_init
+from megatron_mlmclm.data.encode import (
+    encode_batch,
+    special_pattern,
+    special_rows,
+    worker_encode,
+    worker_init,
+)
 from megatron_mlmclm.data.shards import (
     fingerprint_path,
     read_fingerprint,
@@ -57,7 +62,7 @@ from megatron_mlmclm.data.shards import (
 )
 from megatron_mlmclm.data.text_sources import expand_inputs, iter_documents
 from megatron_mlmclm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-from megatron_mlmclm.document import make_document_tokenizer
+from megatron_mlmclm.document import document_tokenizer, special_tokens
 from megatron_mlmclm.errors import UsageError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -94,9 +99,9 @@ def shard_prefix(output_prefix: str | os.PathLike, index: int, count: int) -> st
     return f"{output_prefix}-{index:05d}-of-{count:05d}"
 
 
-def shard_inputs(inputs: Sequence[str | os.PathLike], index: int, count: int) -> list[Path]:
-    """The consecutive input files of shard `index` of `count` (directories expanded)."""
-    files = expand_inputs(inputs)
+def shard_inputs(files: Sequence[str | Path], index: int, count: int) -> list[Path]:
+    """The consecutive input files of shard `index` of `count` (`files`: the inputs as
+    `expand_inputs` lists them)."""
     names = [f for f in files if not isinstance(f, Path)]
     if names:
         raise UsageError(
@@ -229,32 +234,6 @@ def _prefetch(it: Iterator, depth: int = 4) -> Iterator:
         stop.set()
 
 
-def special_strings(tok) -> re.Pattern | None:
-    """A pattern matching the strings of the tokenizer's special tokens (None if it has none)."""
-    found = {t.content for t in tok.added_tokens_decoder.values() if t.special}
-    found |= set(tok.all_special_tokens)
-    if not found:
-        return None
-    return re.compile("|".join(re.escape(t) for t in sorted(found, key=len, reverse=True)))
-
-
-def _count_special(batches, pattern: re.Pattern | None, counter: dict[str, int]):
-    """Pass batches through, counting the rows whose text holds a special token's string."""
-    for batch in batches:
-        if pattern is not None:
-            counter["rows"] += sum(any(pattern.search(t) for t in doc.values()) for doc in batch)
-        yield batch
-
-
-def _split_batch(batch, keys):
-    """Per key: the non-empty texts of the batch and the number of dropped empty ones."""
-    out = {}
-    for k in keys:
-        texts = [d[k] for d in batch if d[k].strip()]
-        out[k] = (texts, len(batch) - len(texts))
-    return out
-
-
 # --------------------------------------------------------------------------------------------------
 # Writing
 
@@ -295,24 +274,26 @@ def preprocess(
         raise UsageError(f"--json-keys {' '.join(keys)} must name distinct keys")
     started = time.time() if started is None else started
     tok = load_tokenizer(tokenizer_path)
-    expand_inputs(inputs)  # missing inputs fail before anything is created
+    files = expand_inputs(inputs)  # missing inputs fail before anything is created
     if shard is not None:
-        inputs = shard_inputs(inputs, *shard)
+        inputs = shard_inputs(files, *shard)
         output_prefix = shard_prefix(output_prefix, *shard)
     outs = {k: shard_paths(output_prefix, k) for k in keys}
     fingerprint = shard_fingerprint(tokenizer_fingerprint(tok), append_eod)
-    if shard is not None and not force:
+    if shard is not None:
         # kept: written whole by this tokenizer and rule (its fingerprint comes last)
-        kept = _written(outs)
+        kept = None if force else _written(outs)
         if kept is not None and all(
             read_fingerprint(str(b)[: -len(".bin")]) == fingerprint for b, _ in outs.values()
         ):
-            return _kept_summary(kept, keys, outs, shard)
-        for b, i in outs.values():  # an earlier, killed writer of this shard
+            run = dict(vocab_size=len(tok), workers=workers, backend=backend)
+            return _kept_summary(kept, keys, outs, shard, time.time() - started, **run)
+        for b, i in outs.values():  # what an earlier, killed writer of this shard left
             for p in (b, i, fingerprint_path(str(b)[: -len(".bin")])):
-                p.unlink(missing_ok=True)
+                if not force:  # unfinished, or of another tokenizer or rule: written again
+                    p.unlink(missing_ok=True)
                 for left in p.parent.glob(p.name + ".tmp-*"):
-                    left.unlink()
+                    left.unlink(missing_ok=True)
     if not force:
         for b, i in outs.values():
             for p in (b, i):
@@ -329,7 +310,8 @@ def preprocess(
             "tokenizer.json (`mlmclm tokenize --from` does)"
         )
     eos = tok.eos_token_id if append_eod else None
-    make_document_tokenizer(backend_tok, tok.eos_token if append_eod else None, eos)
+    specials = special_tokens(tok)  # before the rule: its tokens are the tokenizer's specials
+    document_tokenizer(tok, bos=False, eos=append_eod)
 
     dtype = DType.optimal_dtype(len(tok))
     parent = Path(str(output_prefix)).parent
@@ -339,7 +321,7 @@ def preprocess(
     stats = {k: {"documents": 0, "tokens": 0, "empty_dropped": 0} for k in keys}
     builders = {}
     pool = None
-    specials = {"rows": 0}
+    rows_with_specials = 0
     t0 = time.perf_counter()
     # The bar shows on a terminal only; elsewhere a line every `log_interval` documents.
     bar = tqdm(desc="preprocess", unit="doc", disable=None if progress else True, mininterval=1.0)
@@ -348,64 +330,50 @@ def preprocess(
     try:
         for k in keys:
             builders[k] = IndexedDatasetBuilder(str(tmp[k][0]), dtype=dtype)
-        batches = _count_special(
-            _batches(inputs, keys, txt_split_lines), special_strings(tok), specials
-        )
+        batches = _batches(inputs, keys, txt_split_lines)
         if backend == "processes":
-            pool = mp.get_context("spawn").Pool(workers, worker_init, (backend_tok.to_str(),))
-
-            def jobs():
-                for batch in batches:
-                    split = _split_batch(batch, keys)
-                    for k in keys:
-                        yield k, len(batch), split[k][1], split[k][0]
-
-            job_iter = jobs()
-            # imap keeps order; key/len/dropped travel alongside through a side queue.
-            side: queue.Queue = queue.Queue()
-
-            def texts_only():
-                for k, n, dropped, texts in job_iter:
-                    side.put((k, n, dropped))
-                    yield texts, dtype
-
-            def results():
-                for packed in pool.imap(worker_encode, texts_only(), chunksize=1):
-                    k, n, dropped = side.get()
-                    yield k, n, dropped, packed
+            # a job is a batch of rows: encoded and its special-token strings counted in a worker
+            pool = mp.get_context("spawn").Pool(
+                workers, worker_init, (backend_tok.to_str(), specials)
+            )
+            results = pool.imap(worker_encode, ((b, keys, dtype) for b in batches), chunksize=1)
         else:
+            pattern = special_pattern(specials)
 
-            def results():
-                for batch in _prefetch(batches):
-                    for k, (texts, dropped) in _split_batch(batch, keys).items():
-                        yield k, len(batch), dropped, pack(encode_texts(backend_tok, texts), dtype)
+            def encoded():  # strings counted by the reader thread, text encoded by Rust's threads
+                for batch, rows in _prefetch((b, special_rows(pattern, b, keys)) for b in batches):
+                    yield len(batch), rows, encode_batch(backend_tok, batch, keys, dtype)
 
-        for k, n, dropped, (flat, lengths) in results():
-            keep = lengths > (0 if eos is None else 1)  # no token besides eos: empty
-            if not keep.all():
-                dropped += int((~keep).sum())
-                cuts = np.cumsum(lengths)
-                flat = np.concatenate(
-                    [flat[end - size : end] for end, size, kept in zip(cuts, lengths, keep) if kept]
-                    or [flat[:0]]
-                )
-                lengths = lengths[keep]
-            _add_documents(builders[k], flat, lengths)
-            s = stats[k]
-            s["documents"] += len(lengths)
-            s["tokens"] += int(flat.size)
-            s["empty_dropped"] += dropped
-            if k == keys[0]:
-                bar.update(n)
-                el = time.perf_counter() - t0
-                bar.set_postfix_str(f"{s['tokens'] / max(el, 1e-9):,.0f} tok/s", refresh=False)
-                done = s["documents"] + s["empty_dropped"]
-                if not log_tty and progress and log_interval and done >= next_log:
-                    print(
-                        f"processed {done} documents ({s['tokens'] / max(el, 1e-9):,.0f} tokens/s)",
-                        file=sys.stderr,
+            results = encoded()
+
+        for n, rows, by_key in results:
+            rows_with_specials += rows
+            for k, (dropped, flat, lengths) in by_key.items():
+                keep = lengths > (0 if eos is None else 1)  # no token besides eos: empty
+                if not keep.all():
+                    dropped += int((~keep).sum())
+                    cuts = np.cumsum(lengths)
+                    docs = zip(cuts, lengths, keep)
+                    flat = np.concatenate(
+                        [flat[end - size : end] for end, size, kept in docs if kept] or [flat[:0]]
                     )
-                    next_log = (done // log_interval + 1) * log_interval
+                    lengths = lengths[keep]
+                _add_documents(builders[k], flat, lengths)
+                s = stats[k]
+                s["documents"] += len(lengths)
+                s["tokens"] += int(flat.size)
+                s["empty_dropped"] += dropped
+            first = stats[keys[0]]
+            bar.update(n)
+            el = time.perf_counter() - t0
+            bar.set_postfix_str(f"{first['tokens'] / max(el, 1e-9):,.0f} tok/s", refresh=False)
+            done = first["documents"] + first["empty_dropped"]
+            if not log_tty and progress and log_interval and done >= next_log:
+                print(
+                    f"processed {done} documents ({first['tokens'] / max(el, 1e-9):,.0f} tokens/s)",
+                    file=sys.stderr,
+                )
+                next_log = (done // log_interval + 1) * log_interval
         for k in keys:
             if stats[k]["documents"] == 0:
                 raise UsageError(
@@ -440,7 +408,7 @@ def preprocess(
         "documents": first["documents"],
         "tokens": first["tokens"],
         "empty_dropped": first["empty_dropped"],
-        "special_rows": specials["rows"],
+        "special_rows": rows_with_specials,
         "seconds": seconds,
         "tokens_per_s": first["tokens"] / max(seconds, 1e-9),
         "seconds_with_startup": total,
@@ -457,12 +425,23 @@ def preprocess(
     return summary
 
 
-def _kept_summary(kept: dict, keys: list[str], outs: dict, shard: tuple[int, int]) -> dict:
+def _kept_summary(
+    kept: dict, keys: list[str], outs: dict, shard: tuple[int, int], total: float, **run
+) -> dict:
+    """The summary of a shard already written (its keys those of a written one): its documents
+    and tokens; this call read no text (empty_dropped, special_rows, seconds and rates 0)."""
     first = kept[keys[0]]
     return {
         "documents": first["documents"],
         "tokens": first["tokens"],
+        "empty_dropped": 0,
+        "special_rows": 0,
+        "seconds": 0.0,
+        "tokens_per_s": 0.0,
+        "seconds_with_startup": total,
+        "tokens_per_s_with_startup": 0.0,
         "dtype": first["dtype"],
+        **run,  # vocab_size, workers, backend
         "outputs": {k: str(outs[k][0])[:-4] for k in keys},
         "keys": kept,
         "shard": shard,

@@ -59,12 +59,14 @@ def read_fingerprint(prefix: str | os.PathLike) -> dict[str, Any] | None:
     path = fingerprint_path(prefix)
     if not path.is_file():
         return None
+    fix = "rewrite the shard with `mlmclm preprocess`"
     try:
-        return json.loads(path.read_text())
+        fp = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise UsageError(
-            f"{path} is not readable JSON ({e}); rewrite the shard with `mlmclm preprocess`"
-        ) from None
+        raise UsageError(f"{path} is not readable JSON ({e}); {fix}") from None
+    if not isinstance(fp, dict):
+        raise UsageError(f"{path} holds a {type(fp).__name__}, not a shard's fingerprint; {fix}")
+    return fp
 
 
 # --------------------------------------------------------------------------------------------------
@@ -81,6 +83,11 @@ def scan_shard(
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     size = os.path.getsize(prefix + ".bin")
+    if size == 0:  # numpy maps no empty file
+        raise UsageError(
+            f"{prefix}.bin is empty (no tokens); preprocess a non-empty corpus or drop the prefix "
+            "from the data list"
+        )
     folder = Path(cache_dir) if cache_dir is not None else Path(prefix).parent / "cache"
     key = f"{digest.hexdigest()[:24]}-{size}-{bos_id}-{eos_id}-v{SCAN_VERSION}"
     cached = folder / f"shard_scan-{key}.json"
@@ -150,16 +157,21 @@ def run_prefixes(cfg: RunConfig) -> tuple[list[str], list[str]]:
 
 def check_run_shards(cfg: RunConfig, tokenizer: dict[str, Any] | None) -> dict[str, Any] | None:
     """Every shard a run reads checked against data.tokenizer (one line for the first that does
-    not fit); -> the run's shards record: the tokenizer's fingerprint and the rule its training
-    shards were written by, which they must share (evaluation follows one rule). None for mock
-    data."""
+    not fit); -> the run's shards record (`shards_record`). None for mock data."""
     if cfg.data.mock or tokenizer is None:
         return None
     path, cache = str(cfg.data.tokenizer), cfg.data.cache_dir
     train, valid = run_prefixes(cfg)
-    rules = {p: check_shard(p, tokenizer, path, cache) for p in train}
-    for p in valid:
-        check_shard(p, tokenizer, path, cache)
+    rules = {p: check_shard(p, tokenizer, path, cache) for p in dict.fromkeys(train + valid)}
+    return shards_record(train, rules, tokenizer)
+
+
+def shards_record(
+    train: list[str], rules: dict[str, dict[str, Any]], tokenizer: dict[str, Any]
+) -> dict[str, Any]:
+    """The record of a run's shards: the tokenizer's fingerprint and the rule its training shards
+    (`train`, each with its rule in `rules`, from `check_shard`) were written by, which they must
+    share (evaluation follows one rule); one line otherwise."""
     for key in ("append_eod", "bos"):
         seen = {rules[p][key] for p in train}
         if len(seen) > 1:

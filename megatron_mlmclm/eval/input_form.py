@@ -9,17 +9,16 @@ An encoder is fine-tuned on inputs of the form it was pretrained on. Three rules
   ``<|begin_of_text|> text``, an export of `mlmclm convert to-hf` the pretraining document (its
   tokenizer.json holds the document rule). An export written before exports held the rule (its
   ``mlmclm_export.json`` names no ``tokenizer_rule``) gets the document rule, with a note.
-- ``document``: the pretraining document rule (megatron_mlmclm/document.py): the text's tokens,
-  then EOS (none where the export's shards ended documents without one), no template. For a
-  folder whose tokenizer lost the rule.
+- ``document``: the pretraining document rule (megatron_mlmclm/document.py): BOS where the
+  export's shards started documents with one, the text's tokens, then EOS (none where the shards
+  ended documents without one), no template. For a folder whose tokenizer lost the rule.
 - ``eos`` (protocol ``encodeval``): EncodEval's rule for every folder: the text's tokens, then
   the tokenizer's ``eos_token``, no template.
 
 Under every rule text is text: a special token's string inside a text (``<mask>``, ``</s>``,
-``[SEP]``, ``<|begin_of_text|>``) is encoded as its ordinary tokens (`split_special_tokens`, also
-saved with a fine-tuned model's tokenizer; a Unigram model's special pieces scored out of reach),
-so the only special tokens of an input are those its rule adds, as in the shards `mlmclm
-preprocess` writes.
+``[SEP]``, ``<|begin_of_text|>``) is encoded as its ordinary tokens (document.py `text_as_text`,
+also saved with a fine-tuned model's tokenizer), so the only special tokens of an input are those
+its rule adds, as in the shards `mlmclm preprocess` writes.
 
 Token type ids go to the model only where its embeddings tell two apart (``type_vocab_size`` >= 2:
 BERT); they mark the two texts of a pair (a task's ``pairs: tokenizer``).
@@ -27,13 +26,12 @@ BERT); they mark the two texts of a pair (a task's ``pairs: tokenizer``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import models
-
-from megatron_mlmclm.document import make_document_tokenizer
+from megatron_mlmclm.document import document_tokenizer, shards_rule, text_as_text
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.paths import EXPORT_FILE
 
@@ -46,13 +44,17 @@ class InputForm:
 
     rule: str  # folder (the tokenizer as saved) | document | eos (text, EOS, no template)
     eos: bool = False  # document / eos: EOS appended
+    bos: bool = False  # document: BOS first (the shards started documents with one)
     type_ids: bool = False  # token type ids go to the model
     note: str | None = None  # one line for the user, when the rule is not the one asked for
 
     def describe(self) -> str:
         if self.rule == "folder":
             return "the folder's tokenizer as saved"
-        return f"text{', EOS' if self.eos else ''}, no template ({self.rule} rule)"
+        return f"{self.tokens()}, no template ({self.rule} rule)"
+
+    def tokens(self) -> str:
+        return f"{'BOS, ' if self.bos else ''}text{', EOS' if self.eos else ''}"
 
 
 def export_record(folder: Path) -> dict | None:
@@ -66,11 +68,6 @@ def export_record(folder: Path) -> dict | None:
         return None
 
 
-def shards_end_with_eos(record: dict | None) -> bool:
-    """Whether the pretraining shards ended each document with EOS (recorded by the export)."""
-    return bool((record or {}).get("shards", {}).get("append_eod", True))
-
-
 def input_form(model_dir: str, tok, inputs: str = "folder", type_ids: bool = False) -> InputForm:
     """The form `tok` (the folder's tokenizer, as loaded) encodes inputs in under rule `inputs`;
     `type_ids`: the model takes token type ids."""
@@ -78,52 +75,36 @@ def input_form(model_dir: str, tok, inputs: str = "folder", type_ids: bool = Fal
         raise UsageError(f"--inputs {inputs} must be one of {', '.join(INPUT_RULES)}")
     folder = Path(model_dir)
     record = export_record(folder)
-    shards_eos = shards_end_with_eos(record)
-    form = InputForm(
-        inputs, eos=inputs == "eos" or (inputs == "document" and shards_eos), type_ids=type_ids
-    )
-    if inputs == "folder" and record is not None and "tokenizer_rule" not in record:
-        form = InputForm(
-            "document",
-            eos=shards_eos,
-            type_ids=type_ids,
-            note=f"note: {model_dir} is an export of an earlier mlmclm whose tokenizer lacks the "
-            f"document rule; its inputs are encoded as pretraining documents "
-            f"(text{', EOS' if shards_eos else ''}, no template)",
-        )
-    if form.eos and tok.eos_token_id is None:
-        raise UsageError(
-            f"the tokenizer in {model_dir} has no eos token, which the {inputs} input rule "
-            "appends; use --inputs folder"
-        )
+    if inputs == "eos":
+        form = InputForm(inputs, eos=True, type_ids=type_ids)
+    elif inputs == "document" or (record is not None and "tokenizer_rule" not in record):
+        # the rule of the export's shards (BOS, EOS as they had them)
+        form = InputForm("document", **shards_rule((record or {}).get("shards")), type_ids=type_ids)
+        if inputs == "folder":  # an export written before exports held the rule
+            form = dataclasses.replace(
+                form,
+                note=f"note: {model_dir} is an export of an earlier mlmclm whose tokenizer lacks "
+                f"the document rule; its inputs are encoded as pretraining documents "
+                f"({form.tokens()}, no template)",
+            )
+    else:
+        form = InputForm(inputs, type_ids=type_ids)
+    for added, name, verb in ((form.bos, "bos", "puts first"), (form.eos, "eos", "appends")):
+        if added and getattr(tok, f"{name}_token_id") is None:
+            raise UsageError(
+                f"the tokenizer in {model_dir} has no {name} token, which the {form.rule} input "
+                f"rule {verb}; use --inputs folder"
+            )
     return form
-
-
-def _specials_out_of_reach(tok) -> None:
-    """A Unigram (SentencePiece) model holds the special tokens as pieces of its vocabulary, which
-    `split_special_tokens` leaves reachable from text ("[SEP]" in a text would still be the [SEP]
-    piece): score them lowest, so that text is encoded by its other pieces."""
-    backend = tok.backend_tokenizer
-    if not isinstance(backend.model, models.Unigram):
-        return
-    state = json.loads(backend.to_str())["model"]
-    specials = set(tok.all_special_tokens)
-    vocab = [(p, UNREACHABLE if p in specials else s) for p, s in state["vocab"]]
-    backend.model = models.Unigram(vocab, state.get("unk_id"), state.get("byte_fallback", False))
-
-
-UNREACHABLE = -1e9  # a Unigram score no segmentation of text picks while another exists
 
 
 def apply_input_form(tok, form: InputForm):
     """Make `tok` (a fast tokenizer) encode inputs in `form` (kept as ``tok.input_form``); in
     place, returned."""
-    if form.rule != "folder":
-        eos = (tok.eos_token, tok.eos_token_id) if form.eos else (None, None)
-        make_document_tokenizer(tok.backend_tokenizer, *eos)
-    tok.split_special_tokens = True
-    tok.init_kwargs["split_special_tokens"] = True  # saved with the tokenizer
-    _specials_out_of_reach(tok)
+    if form.rule == "folder":
+        text_as_text(tok)  # saved with the tokenizer (a fine-tuned model's), as the rule is
+    else:
+        document_tokenizer(tok, bos=form.bos, eos=form.eos)
     names = ["input_ids", "attention_mask"] + (["token_type_ids"] if form.type_ids else [])
     tok.model_input_names = names
     tok.init_kwargs["model_input_names"] = names

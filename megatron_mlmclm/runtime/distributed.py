@@ -88,6 +88,30 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def on_main(fn, *args):
+    """`fn(*args)` run by rank 0 alone (reading files every rank would read alike: once, not once
+    per rank), its result every rank's; a UsageError it raises is raised by every rank, the same
+    line (the launcher prints rank 0's)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn(*args)
+    outcome: list = [None]
+    if is_main():
+        try:
+            outcome = [("done", fn(*args))]
+        except UsageError as e:
+            outcome = [("refused", str(e))]
+        except BaseException as e:
+            dist.broadcast_object_list([("failed", f"{type(e).__name__}: {e}")], src=0)
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "refused":
+        raise UsageError(value)
+    if kind == "failed":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
+
+
 def device() -> torch.device:
     return (
         torch.device("cuda", torch.cuda.current_device())

@@ -4,6 +4,10 @@ The checkpoint's run config gives the model (config/continued.py: every architec
 config that sets one differently is refused), and the tokenizer recorded with its weights must be
 the run's `data.tokenizer` (the shards are checked against that one, data/shards.py): ids of
 another vocabulary would train rows that meant other tokens.
+
+Importing this module registers `checkpoint_model` as the reader `load_config` uses by default
+(config/continued.py), so that `Trainer(load_config(path))` takes the checkpoint's model as
+`mlmclm pretrain` does.
 """
 
 from __future__ import annotations
@@ -12,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import RunConfig, compare_with_checkpoint
+from megatron_mlmclm.config import (
+    RunConfig,
+    compare_with_checkpoint,
+    missing_init_from,
+    register_checkpoint_reader,
+)
 from megatron_mlmclm.data.tokenizer import TokenSpec, describe_tokenizer, same_tokenizer
 from megatron_mlmclm.errors import UsageError
 
@@ -31,17 +40,31 @@ def trained_model(state: dict[str, Any], where: Path) -> dict[str, Any]:
     return model
 
 
-def checkpoint_model(init_from: str) -> dict[str, Any]:
-    """For `load_config`: the model of the checkpoint that train.init_from names (unverified: the
-    run verifies it before loading a weight)."""
-    path = Path(init_from)
-    if not path.exists():
+def init_from_checkpoint(init_from: str, verify: bool = True) -> Path:
+    """The checkpoint train.init_from names (a checkpoint folder, or a run's checkpoints folder:
+    its latest), verified against its manifest unless `verify` is off; one line otherwise."""
+    if not Path(init_from).exists():
+        raise missing_init_from(init_from)
+    return ckpt.resolve_checkpoint(init_from, verify=verify)
+
+
+def checkpoint_model(init_from: str) -> dict[str, Any] | None:
+    """For `load_config`: the model of the checkpoint that train.init_from names, None where it
+    does not exist (the run refuses it; its dry run reports it with every other problem). Only the
+    file read is verified here, its checksum against the manifest (a damaged one is one line); the
+    run verifies the whole checkpoint before it loads a weight."""
+    if not Path(init_from).exists():
+        return None
+    found = init_from_checkpoint(init_from, verify=False)
+    problem = ckpt.verify_file(found, ckpt.COMMON)
+    if problem is not None:
         raise UsageError(
-            f"train.init_from {path} does not exist; give a checkpoint folder or a run's "
-            "checkpoints folder"
+            f"checkpoint {found} fails verification: {problem}; give an earlier iter_NNNNNNN folder"
         )
-    found = ckpt.resolve_checkpoint(path, verify=False)
     return trained_model(ckpt.read_trainer_state(found)["trainer"], found)
+
+
+register_checkpoint_reader(checkpoint_model)
 
 
 def check_init_from(found: Path, cfg: RunConfig, spec: TokenSpec) -> list[str]:

@@ -8,13 +8,12 @@ manifest, and is the model and tokenizer of the run (training/continued.py).
 
 from __future__ import annotations
 
-from megatron_mlmclm.checkpoint import resolve_checkpoint
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.data.dataset import open_indexed_dataset
-from megatron_mlmclm.data.shards import check_run_shards, check_shard, run_prefixes
+from megatron_mlmclm.data.shards import check_shard, run_prefixes, shards_record
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.training.continued import check_init_from
+from megatron_mlmclm.training.continued import check_init_from, init_from_checkpoint
 
 
 def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
@@ -34,15 +33,17 @@ def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
     tokenizer = spec.tokenizer if spec is not None else None
     if not cfg.data.mock:
         train, valid = run_prefixes(cfg)
+        rules = {}
         for prefix in dict.fromkeys(train + valid):
             if tokenizer is None:
                 check(open_indexed_dataset, prefix)
             else:
-                check(check_shard, prefix, tokenizer, str(cfg.data.tokenizer), cfg.data.cache_dir)
-        if not problems:
-            check(check_run_shards, cfg, tokenizer)  # the training shards share one rule
+                path, cache = str(cfg.data.tokenizer), cfg.data.cache_dir
+                rules[prefix] = check(check_shard, prefix, tokenizer, path, cache)
+        if tokenizer is not None and not problems:
+            check(shards_record, train, rules, tokenizer)  # the training shards share one rule
     if cfg.train.init_from:
-        found = check(resolve_checkpoint, cfg.train.init_from)
+        found = check(init_from_checkpoint, cfg.train.init_from)
         if found is not None and spec is not None:
             notes = check(check_init_from, found, cfg, spec) or []
     return problems, notes

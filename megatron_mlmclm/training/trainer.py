@@ -98,7 +98,6 @@ class Trainer:
         rt.patch_megatron_core()  # refused where megatron-core is not what the patches fit
         sinks.check_available(cfg.logging)
         self.spec = token_spec_and_vocab(cfg)
-        self.shards = check_run_shards(cfg, self.spec.tokenizer)  # of data.tokenizer, or refused
         # Fusions, overlap, init and attention path (model/kernels/): refuses a runtime.device
         # this machine does not have.
         self.kernels = plan_kernels(cfg, resolve_device(cfg))
@@ -114,6 +113,9 @@ class Trainer:
             t.seed,
             p.context_parallel_size,
         )
+        # The shards hold ids of data.tokenizer, or the run is refused (before any model is
+        # built): checked by rank 0 alone, which scans shards without a fingerprint once.
+        self.shards = rt.on_main(check_run_shards, cfg, self.spec.tokenizer)
         # Where the run starts: its ranks share the checksums of the checkpoint it starts from.
         self.start = find_start(cfg, self.fingerprint, self.spec)
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -144,14 +144,14 @@ def llama3_tokenizer(corpus, eos_in_template: bool):
 
 
 def export_tokenizer(corpus, folder: Path):
-    from megatron_mlmclm.convert.hf_export import save_document_rule
     from megatron_mlmclm.data.tokenizer import load_tokenizer, train_tokenizer
+    from megatron_mlmclm.document import document_tokenizer
 
     folder.mkdir()
     text = folder / "corpus.txt"
     text.write_text("\n".join(corpus))
     tok = load_tokenizer(train_tokenizer([str(text)], folder / "tok", 600, progress=False))
-    save_document_rule(tok, append_eod=True)
+    document_tokenizer(tok)  # as `mlmclm convert to-hf` saves it
     return tok
 
 

@@ -288,6 +288,14 @@ def test_an_earlier_export_gets_the_document_rule_and_encodeval_its_own(tasks, t
     tok = load_tokenizer(str(legacy))
     assert tok.input_form.rule == "document"
     assert tok("a b")["input_ids"] == load_tokenizer(str(folder))("a b")["input_ids"]
+    # the rule of the export's shards, as its record has it: documents that began with BOS and
+    # ended without EOS (Megatron-LM's shards may) are encoded so
+    record = {"arch": "eurobert", "shards": {"bos": True, "append_eod": False}}
+    (legacy / EXPORT_FILE).write_text(json.dumps(record))
+    words = reference(folder)("a b")[:-1]  # the folder's document rule: text, EOS
+    tok = load_tokenizer(str(legacy))
+    assert tok("a b")["input_ids"] == [tok.bos_token_id, *words], tok.input_form
+    assert tok.input_form.describe() == "BOS, text, no template (document rule)"
 
     # encodeval: text and eos_token for every folder, no template; no EOS token: refused
     roberta = build("roberta", tasks["corpus"], tmp_path / "roberta")

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.convert.hf_export import save_document_rule
 from megatron_mlmclm.data.preprocess import preprocess
 from megatron_mlmclm.data.tokenizer import load_tokenizer as load_tokenizer_folder
 from megatron_mlmclm.data.tokenizer import prepare_tokenizer, train_tokenizer
+from megatron_mlmclm.document import document_tokenizer
 from megatron_mlmclm.eval.families import ir, qa, sc, tc
 from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.tasks import load_registry
@@ -127,7 +127,7 @@ def model_folder(tok_dir, out):
             eos_token_id=tok.eos_token_id,
         )
     ).save_pretrained(out)
-    save_document_rule(tok, append_eod=True)
+    document_tokenizer(tok)
     tok.save_pretrained(out)
     (out / EXPORT_FILE).write_text(json.dumps({"tokenizer_rule": "document"}))
     return out
