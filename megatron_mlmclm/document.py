@@ -15,9 +15,11 @@ tokens, never the special token; only the rule adds special tokens (`text_as_tex
 The rule is expressed as a `tokenizers` post-processor that replaces the tokenizer's own: with it,
 ``tokenizer(text)`` (special tokens on) *is* the document, and truncation keeps the EOS. The shard
 writer, an export's tokenizer and the fine-tuning inputs all encode through it, so none can drift
-from the others. Both the post-processor and the text-as-text setting are saved with the
-tokenizer (``save_pretrained``), so any tool that loads an export encodes as the model was
-pretrained.
+from the others. The post-processor is saved with the tokenizer (``save_pretrained``), so any tool
+that loads an export gives the model its documents' form. An export leaves special-token strings
+parsed as every Hugging Face tokenizer does by default (a fill-mask pipeline writes ``<mask>`` into
+its text); ``split_special_tokens=True`` encodes them as text, as the shards do, and the
+fine-tuning inputs and the models `mlmclm evaluate` saves do so.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ def document_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None)
     )
 
 
-def document_tokenizer(tok, bos: bool = False, eos: bool = True):
+def document_tokenizer(tok, bos: bool = False, eos: bool = True, save_text_rule: bool = True):
     """Make `tok` (a Hugging Face fast tokenizer) encode a text as a pretraining document when
     special tokens are on: BOS first if `bos`, the text's tokens (special-token strings as text),
     EOS last if `eos`; in place, returned. Token ids of the text itself are unchanged; offsets
     lose the trimming a ByteLevel post-processor did (a token's span may include the space before
-    it)."""
+    it). `save_text_rule`: whether ``save_pretrained`` keeps the text-as-text setting
+    (`text_as_text`)."""
     for wanted, name in ((bos, "bos"), (eos, "eos")):
         if wanted and getattr(tok, f"{name}_token_id") is None:
             raise ValueError(f"the document rule adds {name.upper()}, which the tokenizer lacks")
@@ -58,7 +61,7 @@ def document_tokenizer(tok, bos: bool = False, eos: bool = True):
         (tok.bos_token, tok.bos_token_id) if bos else None,
         (tok.eos_token, tok.eos_token_id) if eos else None,
     )
-    return text_as_text(tok)
+    return text_as_text(tok, saved=save_text_rule)
 
 
 def shards_rule(shards: dict | None) -> dict[str, bool]:
@@ -77,15 +80,17 @@ def special_tokens(tok) -> list[str]:
     return sorted(found | set(tok.all_special_tokens), key=lambda t: (-len(t), t))
 
 
-def text_as_text(tok):
+def text_as_text(tok, saved: bool = True):
     """Make `tok` (a Hugging Face fast tokenizer) encode special-token strings in a text as
-    ordinary text; in place, returned, and saved with it: transformers' ``split_special_tokens``
-    (kept in ``init_kwargs``, so ``save_pretrained`` writes it to tokenizer_config.json and any
+    ordinary text; in place, returned: transformers' ``split_special_tokens`` (with `saved`, also
+    kept in ``init_kwargs``, so ``save_pretrained`` writes it to tokenizer_config.json and any
     tool that loads the folder gets it), the backend's own flag (for `tokenizers` calls that
     bypass transformers) and, for a SentencePiece Unigram model, its special pieces scored out of
-    reach (saved in tokenizer.json)."""
+    reach (saved in tokenizer.json: harmless where special-token strings are parsed, which
+    matches them before the model)."""
     tok.split_special_tokens = True
-    tok.init_kwargs["split_special_tokens"] = True
+    if saved:
+        tok.init_kwargs["split_special_tokens"] = True
     _specials_out_of_reach(tok.backend_tokenizer, special_tokens(tok))
     backend_text_as_text(tok.backend_tokenizer)
     return tok

@@ -212,10 +212,14 @@ def test_export_loads_in_plain_transformers_and_matches_megatron(ws, exported):
         text, add_special_tokens=False
     )
     assert tok(text)["input_ids"] == words["input_ids"] + [tok.eos_token_id]
-    # and a special token's string in the text as the text it is, as the shards hold it
-    ids = tok(f"{text} {tok.mask_token}")["input_ids"]
+    # a special token's string in the text: the token, as any HF tokenizer parses it (a fill-mask
+    # pipeline's input), and with split_special_tokens the text it is, as the shards hold it
+    assert tok(f"{text} {tok.mask_token}")["input_ids"][-2] == tok.mask_token_id
+    ids = tok(f"{text} {tok.mask_token}", split_special_tokens=True)["input_ids"]
     assert tok.mask_token_id not in ids and ids[-1] == tok.eos_token_id
     assert tok.decode(ids[:-1]) == f"{text} {tok.mask_token}"
+    fill = transformers.pipeline("fill-mask", model=str(out), tokenizer=tok, top_k=1)
+    assert len(fill(f"{text} {tok.mask_token}")) == 1  # one prediction for the one mask
     assert json.loads((out / "mlmclm_export.json").read_text())["tokenizer_rule"] == "document"
 
     tokens = torch.randint(0, VOCAB_TOKENIZER, (2, 48), generator=torch.Generator().manual_seed(7))

@@ -303,7 +303,8 @@ def to_hf(
         "tokenizer_rule": "template" if causal_lm else "document",
     }
     if not causal_lm:  # any tool that loads the export encodes inputs as the model was pretrained
-        document_tokenizer(tok, **shards_rule(record.get("shards")))
+        # special-token strings parsed as by any HF tokenizer: a fill-mask pipeline's <mask> works
+        document_tokenizer(tok, **shards_rule(record.get("shards")), save_text_rule=False)
     with common.staged_output(out, force) as tmp:
         hf_cfg.save_pretrained(str(tmp))
         add_legacy_rope_keys(tmp / "config.json")
