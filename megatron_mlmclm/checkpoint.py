@@ -11,9 +11,9 @@ sizes and SHA-256 checksums is written last (`manifest.json`), and only then is 
 (truncated, flipped bytes) fails `verify_checkpoint`. Resume takes the newest checkpoint that
 verifies, saying so when it skips one; a run's processes share the checksums of the checkpoint it
 starts from (its own, train.branch_from's or train.init_from's), each a share of the files, and
-act on rank 0's view of the folders (`verify_shared`, `_from_rank0`). The model and optimizer are
-stored in megatron's reshardable formats (model: sharded tensors; distributed optimizer:
-`fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout loads at another.
+act on rank 0's view of the folders (`verify_shared`, runtime's `on_main`). The model and
+optimizer are stored in megatron's reshardable formats (model: sharded tensors; distributed
+optimizer: `fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout loads at another.
 
 The trainer writes and resumes checkpoints; the converters read them (to-hf) and write them
 (from-hf, from-megatron-lm). This module is their shared home, below both, so that convert/ never
@@ -29,7 +29,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.mcore_patches.optimizer import model_and_main_params
+from megatron_mlmclm.runtime.distributed import on_main
 
 # What the trainer state's `format_version` says of a checkpoint. 2: the distributed optimizer's
 # state saved at each parameter's own place (mcore_patches/optimizer.py); 1 (or none) cut it, past
@@ -96,14 +97,14 @@ def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
     """A checkpoint folder, or a run's checkpoints folder (-> its latest complete checkpoint),
     refused (UsageError) when it fails verification. Collective once process groups exist, as
     `verified_checkpoint`."""
-    return verified_checkpoint(path)[0] if verify else _from_rank0(lambda: _pick(Path(path)))
+    return verified_checkpoint(path)[0] if verify else on_main(lambda: _pick(Path(path)))
 
 
 def verified_checkpoint(path: str | Path) -> tuple[Path, str | None]:
     """(`resolve_checkpoint`'s checkpoint, what verifying it cost: a line to log). Collective once
     process groups exist: rank 0 picks the folder for every rank, and the ranks share its
     checksums (`verify_shared`)."""
-    ckpt = _from_rank0(lambda: _pick(Path(path)))
+    ckpt = on_main(lambda: _pick(Path(path)))
     problem, cost = verify_shared(ckpt)
     if problem is not None:
         raise UsageError(
@@ -143,7 +144,7 @@ def _digest(path: Path, sync: bool = False) -> dict[str, Any]:
 def write_manifest(folder: Path) -> None:
     """Collective: fsync and checksum every file of `folder` (each rank its share: `_share`), then
     rank 0 writes manifest.json last and fsyncs it and the folders."""
-    sizes = _from_rank0(  # rank 0's listing is the one the manifest lists
+    sizes = on_main(  # rank 0's listing is the one the manifest lists
         lambda: {
             str(f.relative_to(folder)): {"size": f.stat().st_size}
             for f in sorted(folder.rglob("*"))
@@ -228,26 +229,6 @@ def _world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _from_rank0(make: Callable[[], Any]) -> Any:
-    """What `make()` returns on rank 0, on every rank (its UsageError raised on every rank).
-    Collective once process groups of more than one rank exist: ranks may see a shared folder
-    differently (a network file system caching a listing, a folder renamed meanwhile), so what
-    they act on together is read once, by rank 0."""
-    rank, world = _world()
-    if world == 1:
-        return make()
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box[0] = make()
-        except UsageError as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], UsageError):
-        raise box[0]
-    return box[0]
-
-
 def verify_shared(ckpt: Path) -> tuple[str | None, str | None]:
     """(What is wrong with `ckpt` or None, what checking it cost: a line to log, None when there
     were no checksums). Collective once process groups exist: every rank checks every size and
@@ -279,7 +260,7 @@ def latest_verified_checkpoint(
     aside at its first save (`save_checkpoint(set_aside=...)`), never deletes them. When
     checkpoints exist but none verifies, UsageError. Collective once process groups exist: the
     ranks try the checkpoints rank 0 lists, one `verify_shared` each."""
-    ckpts = _from_rank0(lambda: complete_checkpoints(ckpt_dir))
+    ckpts = on_main(lambda: complete_checkpoints(ckpt_dir))
     damaged = []
     for ck in reversed(ckpts):
         problem, cost = verify_shared(ck)

@@ -91,7 +91,9 @@ def is_main() -> bool:
 def on_main(fn, *args):
     """`fn(*args)` run by rank 0 alone (reading files every rank would read alike: once, not once
     per rank), its result every rank's; a UsageError it raises is raised by every rank, the same
-    line (the launcher prints rank 0's)."""
+    line (the launcher prints rank 0's). Also what ranks act on together must be read once: they
+    may see a shared folder differently (a network file system caching a listing, a folder
+    renamed meanwhile). Collective once a process group of more than one rank exists."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn(*args)
     outcome: list = [None]
