@@ -271,7 +271,9 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     rc, _, err = _dry_run(capsys, qwen3, other, theirs)
     assert rc == 2 and len(err) == 1, err
     assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
-    rc, _, err = _dry_run(capsys, qwen3, SHARDS, "train.init_from=nope")
+    # (a run folder without checkpoints: one with them resumes, and never reads init_from)
+    fresh = "output_dir=fresh"
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, "train.init_from=nope", fresh)
     assert rc == 2 and err == [
         "mlmclm pretrain: error: train.init_from nope does not exist; give a checkpoint folder or "
         "a run's checkpoints folder"
@@ -288,7 +290,9 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
     assert rc == 2 and len(err) == 1 and "common.pt does not match its checksum" in err[0], err
     # a missing train.init_from is one problem among the others, after the resolved run
-    rc, out, err = _dry_run(capsys, qwen3, "data.train=[shards/nope]", "train.init_from=nope")
+    rc, out, err = _dry_run(
+        capsys, qwen3, "data.train=[shards/nope]", "train.init_from=nope", fresh
+    )
     assert rc == 2 and len(err) == 2 and "init_from: nope" in out, (out, err)
     assert "shards/nope.idx" in err[0] and "train.init_from nope does not exist" in err[1], err
     # Without train.init_from: a model.vocab_size below the tokenizer's, as the run refuses it.
@@ -303,6 +307,64 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
         os.chdir(cwd)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "model.vocab_size (500) is smaller" in err[0], err
+
+
+@pytest.mark.slow
+def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, data_dir):
+    """A config that leaves its model to train.init_from (as examples/configs/cpt-llama-mlm.yaml
+    does), stopped at step 2; then its init_from checkpoint deleted (moved, purged from scratch).
+    The run's own checkpoints hold the same model and a resume reads nothing else: the dry run
+    says so, the run resumes at step 2 and finishes, and its export is of the source's family
+    (the source record travels in the run's checkpoints)."""
+    import yaml
+
+    from megatron_mlmclm.training.continued import checkpoint_model
+
+    folder = pages["llama32"]["folder"]
+    decoder = folder / "ckpt" / "decoder"
+    source = tmp_path / "decoder" / "checkpoints"
+    shutil.copytree(decoder / "checkpoints", source)
+    raw = yaml.safe_load((decoder / "config.yaml").read_text())
+    raw.pop("model")
+    raw["output_dir"] = str(tmp_path / "run")
+    raw["data"].update(
+        train=[str(folder / "shards" / "decoder_text_document")],
+        tokenizer=str(decoder / "tokenizer"),
+    )
+    raw["train"].update(
+        init_from=str(source), steps=4, global_batch_size=4, warmup_steps=1, decay_steps=1
+    )
+    raw["checkpoint"] = {"save_interval": 2}
+    config = tmp_path / "cpt.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    env = dict(MLMCLM_DATA_DIR=str(data_dir), PYTHONPATH=str(REPO))
+    first = run_forked(f"mlmclm pretrain {config} --stop-at 2", tmp_path, env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(source)
+    with pytest.raises(UsageError, match="does not exist"):  # no checkpoint of its own: refused
+        load_config(config, [f"output_dir={tmp_path / 'other'}"], checkpoint_model)
+    dry = run_forked(f"mlmclm pretrain {config} --dry-run", tmp_path, env)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert f"train.init_from {source} does not exist; the run resumes from its own" in dry.stdout
+    second = run_forked(f"mlmclm pretrain {config}", tmp_path, env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'iter_0000002'} at step 2" in (
+        second.stderr
+    )
+    steps = [
+        json.loads(line).get("step")
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps.count(4) >= 1 and (tmp_path / "run" / "checkpoints" / "iter_0000004").is_dir()
+    # The export is still of the source's family (carried in the run's checkpoints), not the
+    # default for a model without a source (EuroBERT)
+    hf = tmp_path / "hf"
+    export = run_forked(
+        f"mlmclm convert to-hf {tmp_path / 'run' / 'checkpoints'} {hf}", tmp_path, env
+    )
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((hf / "mlmclm_export.json").read_text())["source"]["family"] == "llama"
 
 
 @pytest.mark.slow

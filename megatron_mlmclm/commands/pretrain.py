@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megatron_mlmclm.config import RunConfig, load_config, missing_init_from
+from megatron_mlmclm.config import (
+    RunConfig,
+    load_config,
+    missing_init_from,
+    own_checkpoints,
+    to_dict,
+)
 from megatron_mlmclm.errors import EXIT_USAGE, UsageError
 
 
@@ -64,8 +70,11 @@ def resolve(args) -> RunConfig:
     if config is not None and "=" in config:  # no file, only overrides
         config, overrides = None, [config] + overrides
     cfg = load_config(config, overrides, checkpoint_model=read_checkpoint_model)
-    if cfg.train.init_from and not Path(cfg.train.init_from).exists() and not args.dry_run:
-        raise missing_init_from(cfg.train.init_from)  # the dry run reports it beside the rest
+    init_from = cfg.train.init_from
+    if init_from and not Path(init_from).exists() and not args.dry_run:
+        # a run that resumes from its own checkpoint does not read it; the dry run reports it
+        if own_checkpoints(to_dict(cfg)) is None:
+            raise missing_init_from(init_from)
     if args.stop_at is not None and not 1 <= args.stop_at <= cfg.train.steps:
         raise UsageError(
             f"--stop-at {args.stop_at} is outside this run's steps 1-{cfg.train.steps}"

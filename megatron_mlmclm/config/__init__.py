@@ -34,6 +34,7 @@ from megatron_mlmclm.config.continued import (
     compare_with_checkpoint,
     inherit_model,
     missing_init_from,
+    own_checkpoints,
     register_checkpoint_reader,
     take_checkpoint_model,
 )
@@ -124,6 +125,7 @@ __all__ = [
     "from_dict",
     "inherit_model",
     "missing_init_from",
+    "own_checkpoints",
     "register_checkpoint_reader",
     "kept_steps",
     "load",

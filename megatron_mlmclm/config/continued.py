@@ -18,6 +18,7 @@ finished config against the checkpoint again before it loads a weight.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from megatron_mlmclm.config.loader import from_dict
@@ -73,8 +74,13 @@ def take_checkpoint_model(raw: dict[str, Any], reader: CheckpointReader | None) 
     if reader is None and given != set(ARCHITECTURE):
         reader = _registered[0] if _registered else None
     saved = reader(str(init_from)) if reader is not None else None
+    where = str(init_from)
+    if saved is None and reader is not None and (own := own_checkpoints(raw)) is not None:
+        # init_from gone (moved, purged) after the run saved: its own checkpoints hold the same
+        # model, and the resume reads those, never init_from
+        saved, where = reader(own), f"{own}, this run's own; train.init_from is gone"
     if saved is not None:
-        raw["model"] = inherit_model(model, saved, str(init_from))
+        raw["model"] = inherit_model(model, saved, where)
     elif not given:
         if reader is None:
             raise UsageError(
@@ -83,6 +89,23 @@ def take_checkpoint_model(raw: dict[str, Any], reader: CheckpointReader | None) 
                 "checkpoint_model=)"
             )
         raise missing_init_from(init_from)
+
+
+def own_checkpoints(raw: dict[str, Any]) -> str | None:
+    """The checkpoints folder a run (its raw or finished config as a dict) resumes from, where
+    resuming is on and the folder holds a complete checkpoint (`checkpoint.dir`, else
+    OUTPUT_DIR/checkpoints; an `iter_NNNNNNN` folder with its metadata.json, as checkpoint.py
+    writes it); else None. Such a run never reads train.init_from, which may then be gone."""
+    section = raw.get("checkpoint")
+    section = section if isinstance(section, dict) else {}
+    if section.get("resume") is False:
+        return None
+    output_dir = raw.get("output_dir") or RunConfig.__dataclass_fields__["output_dir"].default
+    folder = Path(section.get("dir") or Path(str(output_dir)) / "checkpoints")
+    if not folder.is_dir():
+        return None
+    saved = [p for p in folder.glob("iter_*") if (p / "metadata.json").is_file()]
+    return str(folder) if saved else None
 
 
 def _show(value) -> str:

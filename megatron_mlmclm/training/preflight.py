@@ -3,12 +3,16 @@ the run checks it, every problem found (not only the first), one line each.
 
 The tokenizer loads and fits model.vocab_size; every data prefix exists, is a readable shard and
 holds ids of that tokenizer (data/shards.py); train.init_from exists, verifies against its
-manifest, and is the model and tokenizer of the run (training/continued.py).
+manifest, and is the model and tokenizer of the run (training/continued.py), unless it is gone
+and the run resumes from its own checkpoint (which is all the run then reads).
 """
 
 from __future__ import annotations
 
-from megatron_mlmclm.config import RunConfig
+from pathlib import Path
+
+from megatron_mlmclm import checkpoint as ckpt
+from megatron_mlmclm.config import RunConfig, own_checkpoints, to_dict
 from megatron_mlmclm.data.dataset import open_indexed_dataset
 from megatron_mlmclm.data.shards import check_shard, run_prefixes, shards_record
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
@@ -42,7 +46,14 @@ def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
                 rules[prefix] = check(check_shard, prefix, tokenizer, path, cache)
         if tokenizer is not None and not problems:
             check(shards_record, train, rules, tokenizer)  # the training shards share one rule
-    if cfg.train.init_from:
+    own = own_checkpoints(to_dict(cfg)) if cfg.train.init_from else None
+    if own is not None and not Path(cfg.train.init_from).exists():
+        # the run resumes from its own checkpoint, which holds the model; init_from is not read
+        notes.append(
+            f"train.init_from {cfg.train.init_from} does not exist; the run resumes from its own "
+            f"checkpoint {ckpt.latest_checkpoint(own)}"
+        )
+    elif cfg.train.init_from:
         found = check(init_from_checkpoint, cfg.train.init_from)
         if found is not None and spec is not None:
             notes = check(check_init_from, found, cfg, spec) or []
