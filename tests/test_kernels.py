@@ -166,6 +166,7 @@ def test_process_settings_are_planned_and_applied(monkeypatch):
     CUDA starts and never over a value the user exported; TF32 off for fp32."""
     import torch
 
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     tp2 = plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cuda", EVERYTHING)
     assert tp2.cuda_device_max_connections == "1"
     assert plan_kernels(cfg(), "cuda", EVERYTHING).cuda_device_max_connections is None
@@ -175,12 +176,15 @@ def test_process_settings_are_planned_and_applied(monkeypatch):
         ).cuda_device_max_connections
         is None
     )
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     tp2.apply_to_process()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     tp2.apply_to_process()
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"  # the user's choice stays
+    # and the plan (the dry run's row) says what the run will have, and that it was exported
+    exported = plan_kernels(cfg("parallel.tensor_model_parallel_size=2"), "cuda", EVERYTHING)
+    assert exported.cuda_device_max_connections == "32"
+    assert exported.connections_why.startswith("exported, kept over the plan's 1")
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:

@@ -82,6 +82,13 @@ def max_connections(cfg: RunConfig, device: str) -> tuple[str | None, str]:
     if device != "cuda":
         return None, "CPU"
     if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
+        exported = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+        if exported is not None and exported != "1":  # the run keeps it: say what it runs with
+            return exported, (
+                "exported, kept over the plan's 1 for TP/CP (more queues may reorder the "
+                "communication kernels and overlap compute less; Megatron-LM requires 1 before "
+                "Blackwell)"
+            )
         return "1", (
             "TP/CP: one hardware queue keeps communication kernels in issue order so "
             "they overlap compute (Megatron-LM requires it before Blackwell; export "
