@@ -17,9 +17,9 @@ runs:
   megatron's hook as much as for ours, which the first comparison shows to be bit for bit the
   same;
 - at DP = 4 the buffers' padding, which the batched accumulation never zeroes, stays zero in
-  every reduced gradient on every rank, and the weight frozen mid-run gets no gradient; there and
-  in the single process it keeps its value from the freeze on, as torch's AdamW keeps a parameter
-  without a gradient.
+  every reduced gradient on every rank, and the weight frozen mid-run gets no gradient; there, in
+  the single process, and with megatron's plain bf16 optimizer (no distributed optimizer) it keeps
+  its value from the freeze on, as torch's AdamW keeps a parameter without a gradient.
 """
 
 from __future__ import annotations
@@ -73,10 +73,15 @@ RUN = [
 
 
 def run(
-    out: Path, nproc: int, hook: str = "batched", stop_at: str = "none", precision: str = "bf16"
+    out: Path,
+    nproc: int,
+    hook: str = "batched",
+    stop_at: str = "none",
+    precision: str = "bf16",
+    extra: tuple[str, ...] = (),
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    args = [str(SCRIPT), str(out), hook, stop_at, str(FREEZE_AT), *RUN]
+    args = [str(SCRIPT), str(out), hook, stop_at, str(FREEZE_AT), *RUN, *extra]
     args += [f"train.precision={precision}", f"output_dir={out}"]
     proc = launch(("script", args), nproc, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -113,6 +118,15 @@ def runs(tmp_path_factory):
         "single fp32": run(root / "single", 1, precision="fp32"),
         "dp4 fp32": dp4,
         "dp2 fp32 from dp4": run(resumed, 2, precision="fp32"),
+        # megatron's plain mixed-precision optimizer (bf16 weights, fp32 main copies)
+        "single bf16 plain optimizer": run(
+            root / "plain",
+            1,
+            extra=(
+                "parallel.use_distributed_optimizer=false",
+                "parallel.overlap_param_gather=false",
+            ),
+        ),
     }
 
 
@@ -195,11 +209,15 @@ def test_four_ranks_leave_the_padding_zero_and_the_frozen_weight_without_gradien
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, ranks", [("single fp32", 1), ("dp4 fp32", 4)])
+@pytest.mark.parametrize(
+    "name, ranks",
+    [("single fp32", 1), ("dp4 fp32", 4), ("single bf16 plain optimizer", 1)],
+)
 def test_the_weight_frozen_mid_run_keeps_its_value(runs, name, ranks):
     """The weight frozen from step 3 on moves in steps 1-2 and keeps its value, bit for bit, from
     then on (after the updates of steps 3 and 4), on every rank, with the distributed optimizer in
-    one process and at DP = 4: AdamW's momentum and weight decay do not move it."""
+    one process and at DP = 4, and with megatron's plain bf16 optimizer (whose fp32 main copy
+    would otherwise be written back): AdamW's momentum and weight decay do not move it."""
     for rank in range(ranks):
         # its value before each step's update, then after the last
         values = torch.load(runs[name] / f"frozen_rank{rank}.pt")
