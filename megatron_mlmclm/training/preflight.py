@@ -46,15 +46,16 @@ def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
                 rules[prefix] = check(check_shard, prefix, tokenizer, path, cache)
         if tokenizer is not None and not problems:
             check(shards_record, train, rules, tokenizer)  # the training shards share one rule
-    own = own_checkpoints(to_dict(cfg)) if cfg.train.init_from else None
-    if own is not None and not Path(cfg.train.init_from).exists():
+    init_from = cfg.train.init_from
+    own = own_checkpoints(to_dict(cfg)) if init_from and not Path(init_from).exists() else None
+    if own is not None:
         # the run resumes from its own checkpoint, which holds the model; init_from is not read
         notes.append(
-            f"train.init_from {cfg.train.init_from} does not exist; the run resumes from its own "
+            f"train.init_from {init_from} does not exist; the run resumes from its own "
             f"checkpoint {ckpt.latest_checkpoint(own)}"
         )
-    elif cfg.train.init_from:
-        found = check(init_from_checkpoint, cfg.train.init_from)
+    elif init_from:
+        found = check(init_from_checkpoint, init_from)
         if found is not None and spec is not None:
             notes = check(check_init_from, found, cfg, spec) or []
     return problems, notes
