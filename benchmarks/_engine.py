@@ -75,6 +75,52 @@ def build_trainer(args, extra_overrides: list[str], prefix: str):
     return trainer, cfg
 
 
+def hf_eurobert(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    num_layers: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    kv_channels: int,
+    seq_length: int,
+    seed: int = 0,
+):
+    """The Hugging Face baseline of the step benchmarks: EuroBERT's MLM model of these shapes
+    (ours' architecture: SiLU, RMSNorm, no biases, untied), sdpa attention, fp32, ids 0-3 for
+    pad, BOS, EOS and mask, initialised from `seed`; on the CPU."""
+    from transformers import AutoModelForMaskedLM, EuroBertConfig
+
+    config = EuroBertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=ffn_hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_query_groups,
+        head_dim=kv_channels,
+        max_position_embeddings=max(seq_length, 512),
+        hidden_act="silu",
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        mask_token_id=3,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForMaskedLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    return model
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

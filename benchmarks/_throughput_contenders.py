@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _engine import hf_eurobert
 from reference_encoder import ReferenceEncoder, ReferenceLoop, ReferenceStep, make_batch
 
 LR, BETAS, EPS, WD, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -153,35 +154,17 @@ def ours_contender(trainer, name: str, row: dict, labelled: list[int] | None) ->
 
 
 def build_hf(cfg, bf16: bool, compile_model: bool):
-    from transformers import AutoModelForMaskedLM, EuroBertConfig
-
     m = cfg.model
-    config = EuroBertConfig(
+    model = hf_eurobert(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
-        intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups,
-        head_dim=m.kv_channels,
-        max_position_embeddings=max(m.seq_length, 512),
-        hidden_act="silu",
-        rms_norm_eps=1e-5,
-        initializer_range=0.02,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        mask_token_id=3,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        seq_length=m.seq_length,
     )
-    torch.manual_seed(0)
-    model = AutoModelForMaskedLM.from_config(
-        config, attn_implementation="sdpa", dtype=torch.float32
-    )
-    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
     device = "cuda" if on_gpu() else "cpu"
     model.to(device).train()
     opt = torch.optim.AdamW(

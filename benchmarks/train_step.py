@@ -36,7 +36,7 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _engine import add_shape_arguments, apply_quick, build_trainer
+from _engine import add_shape_arguments, apply_quick, build_trainer, hf_eurobert
 
 warnings.filterwarnings("ignore", category=UserWarning)  # megatron's no-Apex/TE notices
 
@@ -63,34 +63,17 @@ def build_ours(args):
 
 
 def build_hf(args, seed: int):
-    from transformers import AutoModelForMaskedLM, EuroBertConfig
-
-    config = EuroBertConfig(
+    model = hf_eurobert(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
-        intermediate_size=args.ffn,
-        num_hidden_layers=args.layers,
+        ffn_hidden_size=args.ffn,
+        num_layers=args.layers,
         num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        max_position_embeddings=max(args.seq, 512),
-        hidden_act="silu",
-        rms_norm_eps=1e-5,
-        initializer_range=0.02,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-        attention_dropout=0.0,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        mask_token_id=3,
+        num_query_groups=args.kv_heads,
+        kv_channels=args.hidden // args.heads,
+        seq_length=args.seq,
+        seed=seed,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForMaskedLM.from_config(
-        config, attn_implementation="sdpa", dtype=torch.float32
-    )
-    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     return model, opt
