@@ -13,6 +13,32 @@ from _throughput_contenders import Samples, build_ours, on_gpu, reference_loop
 from _throughput_rows import describe_documents, document_figures, fmt
 
 
+def stepper(one_step: Callable[[int], None]) -> Callable[..., None]:
+    """run(steps, then_sync=True): `steps` more steps of `one_step`, numbered on from call to
+    call (so that each step finds the batch fetched ahead), then a drain unless `then_sync` is
+    off."""
+    numbers = iter(range(10**9))
+
+    def run(steps: int, then_sync: bool = True) -> None:
+        for _ in range(steps):
+            one_step(next(numbers))
+        if then_sync:
+            sync()
+
+    return run
+
+
+def unprofiled_step_time(run: Callable[..., None], warmup: int, n: int) -> float:
+    """Seconds a step, `n` steps back to back as training runs them after `warmup`: the clock
+    starts after one step's host work, while the device still runs that step, not after a drain
+    that training never has."""
+    run(warmup)
+    run(1, then_sync=False)
+    t0 = time.perf_counter()
+    run(n)
+    return (time.perf_counter() - t0) / n
+
+
 def profile_ours(args, attention: str, ref_attention: str, precision: str) -> None:
     """Where a step of ours spends its time: see the module docstring (--profile)."""
     from torch.profiler import ProfilerActivity, profile
@@ -25,22 +51,13 @@ def profile_ours(args, attention: str, ref_attention: str, precision: str) -> No
     trainer, cfg, mb = build_ours(args, preset, seq, tokens, objective, precision, None, attention)
     phase, n, gpu = cfg.phases[0], args.profile_steps, on_gpu()
     source = Samples(trainer, phase, mb)
-    step = iter(range(10**9))
 
-    def run(steps: int, then_sync: bool = True) -> None:
-        for _ in range(steps):
-            trainer.step = next(step)
-            trainer.train_step(trainer.phase_at_step(trainer.step))
-        if then_sync:
-            sync()
+    def one_step(k: int) -> None:
+        trainer.step = k
+        trainer.train_step(trainer.phase_at_step(k))
 
-    # Steps as training runs them, back to back: the clock starts after one step's host work,
-    # while the device still runs that step, not after a drain that training never has.
-    run(args.warmup)
-    run(1, then_sync=False)
-    t0 = time.perf_counter()
-    run(n)
-    plain = (time.perf_counter() - t0) / n
+    run = stepper(one_step)
+    plain = unprofiled_step_time(run, args.warmup, n)
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     # The lead-in step is traced, not recorded; the n steps after it are recorded as one.
@@ -114,20 +131,8 @@ def profile_reference(args, cfg, source: Samples, ref_attention: str, n: int) ->
 
     gpu = on_gpu()
     bf16 = gpu and cfg.train.precision == "bf16"
-    loop = reference_loop(args, cfg, source, ref_attention, bf16)
-    step = iter(range(10**9))
-
-    def run(steps: int, then_sync: bool = True) -> None:
-        for _ in range(steps):
-            loop(next(step))
-        if then_sync:
-            sync()
-
-    run(args.warmup)
-    run(1, then_sync=False)
-    t0 = time.perf_counter()
-    run(n)
-    plain = (time.perf_counter() - t0) / n
+    run = stepper(reference_loop(args, cfg, source, ref_attention, bf16))
+    plain = unprofiled_step_time(run, args.warmup, n)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
