@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # pytest workers for `make test`: 2 fills CI's two cores (tests/conftest.py orders the modules).
 TEST_WORKERS ?= 2
 
-.PHONY: install quickstart study lint test test-gpu slurm-deps clean
+.PHONY: install quickstart study lint test test-gpu slurm-deps shellcheck-deps clean
 
 install: $(STAMP)
 
@@ -56,7 +56,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
-test: install $(WANDB_STAMP) slurm-deps lint
+test: install $(WANDB_STAMP) slurm-deps shellcheck-deps lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The GPU tier (docs/gpu.md), run with the Python that has megatron_mlmclm installed: inside the
@@ -73,6 +73,12 @@ slurm-deps:
 	  command -v sbatch >/dev/null && command -v munged >/dev/null || { \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 	    --no-install-recommends $(SLURM_PKGS); }
+
+# tests/test_submit.py runs shellcheck on the plan's submit_slurm.sh and examples/slurm/*.sbatch.
+shellcheck-deps:
+	@command -v shellcheck >/dev/null || { $(SUDO) apt-get update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	  shellcheck; }
 
 clean:
 	rm -rf $(VENV) $(WANDB_VENV) build *.egg-info megatron_mlmclm/*.so
