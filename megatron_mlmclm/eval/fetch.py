@@ -47,20 +47,31 @@ def _split_files(task: Task) -> dict[str, str]:
     return dict(task.splits)
 
 
-def missing_files(task: Task) -> list[str]:
-    """The files (or globs) of `task` that are absent under its folder; [] when all are there.
-    A task read from the Hub as a whole (format hf) has no local files."""
+def required_files(task: Task) -> list[tuple[str, ...]]:
+    """The files (or globs) `task` reads, relative to its folder, each as its alternatives (a
+    corpus may be gzipped); [] for a task read from the Hub as a whole (format hf). `mlmclm plan`
+    records them so that `mlmclm submit` can check a data folder with the standard library."""
     if task.format == "hf":
         return []
-    folder = task.folder()
     need = sorted(set(_split_files(task).values()))
     if task.format == "tner":
         need += sorted({str(Path(f).parent / "label.json") for f in task.splits.values()})
-    missing = [str(folder / n) for n in need if not any(folder.glob(n))]
-    for kind in {"beir": ("corpus", "queries"), "mldr": ("corpus",)}.get(task.format, ()):
-        if data.first_existing(folder, EITHER[kind]) is None:
-            missing.append(str(folder / f"{EITHER[kind][0]}[.gz]"))
-    return missing
+    either = {"beir": ("corpus", "queries"), "mldr": ("corpus",)}.get(task.format, ())
+    return [(n,) for n in need] + [EITHER[kind] for kind in either]
+
+
+def missing_files(task: Task) -> list[str]:
+    """The files (or globs) of `task` that are absent under its folder; [] when all are there.
+    A task read from the Hub as a whole (format hf) has no local files."""
+    required = required_files(task)
+    if not required:
+        return []
+    folder = task.folder()
+    return [
+        str(folder / (names[0] if len(names) == 1 else f"{names[0]}[.gz]"))
+        for names in required
+        if not any(any(folder.glob(n)) for n in names)
+    ]
 
 
 def fetchable(task: Task) -> bool:

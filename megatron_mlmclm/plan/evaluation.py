@@ -149,6 +149,17 @@ def run_cost(task: str, figures: dict[str, dict], shape: TransformerShape, seq_l
     return n.steps, n.validations, flops
 
 
+def eval_run_seconds(
+    task: str, size: str, sizes: dict[str, tuple], figures: dict[str, dict]
+) -> float:
+    """Seconds one fine-tuning run of `task` takes on one GPU for a model of `size` (`sizes`:
+    size -> (shape, seq_length, FLOP rate), as write_plan gathers them): what the evaluation
+    arrays' time limits and runs per element are sized from (plan/jobs.py, `array_shape`).
+    Today: the run's FLOPs (`run_cost`) at the size's pretraining FLOP rate."""
+    shape, seq_length, flop_rate = sizes[size]
+    return run_cost(task, figures, shape, seq_length)[2] / flop_rate
+
+
 def _figures(task: str, figures: dict[str, dict]) -> dict:
     if task not in figures:
         raise UsageError(
