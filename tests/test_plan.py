@@ -7,10 +7,8 @@ import datetime
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -536,9 +534,15 @@ def test_eval_tasks_by_name_and_their_data_checked(tmp_path, capsys, data_dir):
     argv = ["plan", "--out", str(out), *SMALL, "--eval-tasks", "sst2", "mnli", "scifact"]
     assert main([*argv, "--eval-data-dir", str(data_dir)]) == 0
     assert "to fetch" not in capsys.readouterr().out
-    script = (out / "submit_slurm.sh").read_text()
-    assert "EVAL_RUNS=90 " in script and "--task sst2 mnli scifact " in script  # 3 tasks x 30
-    assert f"export MLMCLM_DATA_DIR=${{MLMCLM_DATA_DIR:-{data_dir.resolve()}}}" in script
+    table = json.loads((out / "jobs.json").read_text())
+    arrays = [r for r in table["jobs"] if r["kind"] == "evaluate"]
+    assert [r["task"] for r in arrays] == ["sst2", "mnli", "scifact"]  # one array per task
+    assert table["data_dir"] == str(data_dir.resolve())  # `mlmclm submit` exports it
+    # the files each array's task reads, for `mlmclm submit` to check there (SciFact's corpus
+    # and queries may be gzipped)
+    scifact = {tuple(g) for g in arrays[2]["data"]}
+    assert ("scifact/beir_format/corpus.jsonl", "scifact/beir_format/corpus.jsonl.gz") in scifact
+    assert all(any((data_dir / n).exists() for n in g) for r in arrays for g in r["data"])
     # an empty data folder: mnli (the mini-study's subset) has no source to fetch from
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -554,100 +558,25 @@ def test_eval_tasks_by_name_and_their_data_checked(tmp_path, capsys, data_dir):
     assert "no evaluation task" in capsys.readouterr().err
 
 
-def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
-    jobs = sorted((plan_dir / "jobs").glob("*.sh"))
-    # one template: check a single-objective, a biphasic, a CPT and a branch job (`bash -n a b`
-    # checks a only)
-    picked = [
-        p
-        for p in jobs
-        if p.stem
-        in ("210m-clm-42k", "610m-clm-10k-mlm40-42k", "610m-clm-dec42k-mlm40-64k", "210m-clm-12k")
-    ]
-    assert len(picked) == 4
-    for s in picked + [plan_dir / "submit_slurm.sh"]:
-        subprocess.run(["bash", "-n", str(s)], check=True)
-    lines, _, _ = submit(plan_dir / "submit_slurm.sh", tmp_path)
-    # pretrain, convert, evaluate per run; a pretraining segment more per kept step: 2 per
-    # stable single-objective run (15), 9 more for 610m-clm-42k's switch steps, 2 per CPT source
-    assert len(lines) == 3 * 60 + 2 * 15 + 9 + 2 * 2 + 1
-    job = {}  # job id (line number) -> sbatch line
-    for i, line in enumerate(lines, 1):
-        job[str(i)] = line
+def test_job_scripts_are_valid_bash(plan_dir):
+    """One template: a single-objective, a biphasic, a CPT and a branch job (`bash -n a b`
+    checks a only). The submission's order and dependencies: tests/test_submit.py."""
+    names = ("210m-clm-42k", "610m-clm-10k-mlm40-42k", "610m-clm-dec42k-mlm40-64k", "210m-clm-12k")
+    for name in names:
+        subprocess.run(["bash", "-n", str(plan_dir / "jobs" / f"{name}.sh")], check=True)
+    subprocess.run(["bash", "-n", str(plan_dir / "submit_slurm.sh")], check=True)
 
-    def dependency(line):
-        return job[line.split("--dependency=afterany:")[1].split()[0]]
 
-    def needs(line):
-        return line.split(" NEEDS=")[1].split(" NEWER_THAN=")[0]
-
-    def segments(config):
-        """The pretraining jobs of a run, each by where it stops."""
-        jobs = [ln for ln in lines if "pretrain.sbatch" in ln and f"/configs/{config}.yaml" in ln]
-        return {
-            (ln.split("--stop-at ")[1].split()[0] if "--stop-at" in ln else "end"): ln
-            for ln in jobs
-        }
-
-    runs = plan_dir / "runs"
-    for src in ("610m-clm-42k", "610m-mlm40-42k"):  # the longest CPT run, after its source
-        tag = src.rsplit("-", 1)[0]
-        cpt = segments(f"{tag}-dec42k-mlm40-64k")
-        assert list(cpt) == ["200", "10000", "end"]
-        assert dependency(cpt["200"]) == segments(src)["end"]  # the decayed source, whole
-        # ... and, once started, checks the source's last checkpoint is there
-        assert needs(cpt["200"]) == f"{runs}/{src}/checkpoints/iter_0042000/metadata.json"
-        assert needs(cpt["end"]).endswith(
-            "-dec42k-mlm40-64k/checkpoints/iter_0010000/metadata.json"
-        )
-        assert dependency(cpt["10000"]) == cpt["200"] and dependency(cpt["end"]) == cpt["10000"]
-        for total, at in ((44, "200"), (54, "10000")):
-            [ln] = segments(f"{tag}-dec42k-mlm40-{total}k").values()
-            assert dependency(ln) == cpt[at]
-    # a stable run: segments ending at 10K and 20K, each after the one before, then the rest
-    stable = list(segments("610m-mlm40-42k").values())
-    assert list(segments("610m-mlm40-42k")) == ["10000", "20000", "end"]
-    assert dependency(stable[1]) == stable[0] and dependency(stable[2]) == stable[1]
-    # a branch waits for the segment that saves its branch point
-    for budget, at in ((12, "10000"), (22, "20000")):
-        [ln] = segments(f"610m-mlm40-{budget}k").values()
-        assert dependency(ln) == segments("610m-mlm40-42k")[at]
-        assert needs(ln) == f"{runs}/610m-mlm40-42k/checkpoints/iter_00{at}/metadata.json"
-    # the CLM stable run stops at every switch step too; each biphasic run waits for its own
-    clm = segments("610m-clm-42k")
-    assert list(clm) == [
-        str(s) for s in sorted({10000, 20000} | {s for ss in SWITCHES.values() for s in ss})
-    ] + ["end"]
-    for budget, switches in SWITCHES.items():
-        for at in switches:
-            [ln] = segments(f"610m-clm-{at // 1000}k-mlm40-{budget}k").values()
-            assert dependency(ln) == clm[str(at)]
-    evals = [ln for ln in lines if "evaluate_array.sbatch" in ln]
-    n = len(suite("paper", load_registry())) * 30  # the paper's sets x 6 LRs x 5 seeds
-    assert all(f"--array=0-{n - 1}%16 " in ln for ln in evals) and len(evals) == 60  # throttled
-    for ln in evals:  # each array waits for its run's export, and checks it is there
-        assert "convert.sbatch" in dependency(ln)
-        assert needs(ln) == ln.split("--model ")[1].split()[0] + "/mlmclm_export.json"
-    converts = [ln for ln in lines if "convert.sbatch" in ln]
-    for ln in converts:  # the run's last checkpoint, given by its step
-        ckpt = ln.split("convert.sbatch ")[1].split()[0]
-        assert needs(ln) == f"{ckpt}/metadata.json" and "pretrain.sbatch" in dependency(ln)
-    assert needs(converts[0]).endswith("/210m-clm-42k/checkpoints/iter_0042000/metadata.json")
-    # the report waits for every array; GPUs are asked for on the command line, for
-    # pretraining and evaluation only (conversion and the report run on the CPU)
-    deps = lines[-1].split("--dependency=afterany:")[1].split()[0].split(":")
-    assert "report.sbatch" in lines[-1] and sorted(job[d] for d in deps) == sorted(evals)
-    assert all("--gpus-per-node=8" in ln for ln in lines if "pretrain.sbatch" in ln)
-    assert all("--gpus-per-node=1" in ln for ln in evals)
-    assert not [ln for ln in converts + lines[-1:] if "--gpus" in ln]
-    # the summary prices one start per pretraining job (no job reaches 48 hours here)
+def test_every_pretraining_job_start_is_priced(plan_dir):
+    """The summary prices one start per pretraining job of the job table (no job reaches 48
+    hours here)."""
+    table = json.loads((plan_dir / "jobs.json").read_text())
+    starts = [r for r in table["jobs"] if r["kind"] == "pretrain"]
     with open(plan_dir / "SUMMARY.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    starts = [ln for ln in lines if "pretrain.sbatch" in ln]
     assert sum(int(r["starts"]) for r in rows) == len(starts) == 103
     for r in rows:
-        cfg = f"/configs/{r['name']}.yaml "
-        assert int(r["starts"]) == sum(cfg in ln for ln in starts), r["name"]
+        assert int(r["starts"]) == sum(j["run"] == r["name"] for j in starts), r["name"]
         seconds = {"210m": 120, "610m": 240, "1b": 300}[r["size"]]  # the assumed start-ups
         hours = int(r["starts"]) * seconds * int(r["gpus"]) / 3600
         assert float(r["startup_gpu_hours"]) == pytest.approx(hours, abs=0.01)
@@ -656,195 +585,7 @@ def test_jobs_are_valid_bash_and_submit_in_order(plan_dir, tmp_path):
     assert f"**{total:,.1f} GPU-hours**" in (plan_dir / "SUMMARY.md").read_text()
 
 
-def submit(
-    script: Path, tmp_path: Path, alive=(), env=None, copy: bool = True
-) -> tuple[list[str], list[str], str]:
-    """Run a copy of a plan's submit_slurm.sh (its .submitted/ record beside the copy; with
-    copy=False the script itself) against a fake sbatch (exported bash functions: no process per
-    job) that logs its arguments and the job's MLMCLM_NEEDS (and MLMCLM_NEEDS_NEWER_THAN) and
-    prints the job id (its line number in the log), a fake squeue that calls the jobs in `alive`
-    PENDING (one line, or $SQUEUE_LINES as an array's elements are listed), and a fake scancel
-    that logs -> (sbatch lines, scancel lines, output) of this run."""
-    if copy:
-        script, source = tmp_path / "submit_slurm.sh", script
-        if not script.exists():
-            script.write_text(source.read_text())
-    log, cancelled, queued = (tmp_path / n for n in ("sbatch.log", "scancel.log", "alive"))
-    before = [len(p.read_text().splitlines()) if p.exists() else 0 for p in (log, cancelled)]
-    queued.write_text("".join(f"{j}\n" for j in alive))
-    fakes = (
-        'sbatch() { echo "$* NEEDS=$MLMCLM_NEEDS${MLMCLM_NEEDS_NEWER_THAN:+ NEWER_THAN='
-        '$MLMCLM_NEEDS_NEWER_THAN}" >> "$SBATCH_LOG"; local l; '
-        'mapfile -t l < "$SBATCH_LOG"; echo "${#l[@]}"; }; '
-        'squeue() { if grep -qx "$3" "$ALIVE"; then '
-        "printf 'PENDING\\n%.0s' $(seq ${SQUEUE_LINES:-1}); fi; }; "
-        'scancel() { echo "$1" >> "$SCANCEL_LOG"; }; '
-        'export -f sbatch squeue scancel; bash "$1"'
-    )
-    env = dict(
-        os.environ,
-        SBATCH_LOG=str(log),
-        SCANCEL_LOG=str(cancelled),
-        ALIVE=str(queued),
-        **(env or {}),
-    )
-    out = subprocess.run(
-        ["bash", "-c", fakes, "_", str(script)], check=True, env=env, capture_output=True, text=True
-    ).stdout
-    logs = [
-        p.read_text().splitlines()[n:] if p.exists() else []
-        for p, n in zip((log, cancelled), before)
-    ]
-    return logs[0], logs[1], out
-
-
-def test_submit_script_skips_what_is_done_and_keeps_what_is_queued(tmp_path):
-    """Run again, submit_slurm.sh submits only what is neither done nor queued: a stable run (22K,
-    its segment to 10K), its decay branch (12K) and a CPT run (+2K) of it. The checks are the
-    files on disk (a checkpoint's metadata.json, the export record, the done file an evaluation
-    array writes when its grid is done, the report); a queued job is kept unless a job it waits
-    on was submitted again."""
-    plan = tmp_path / "plan"
-    argv = ["plan", "--out", str(plan), "--sizes", "210m", "--budgets", "12000", "22000"]
-    argv += ["--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps", "2000"]
-    argv += ["--cpt-from", "mlm", "--cpt-size", "210m", "--cpt-budget", "22000"]
-    argv += ["--eval-tasks", "sst2", "--eval-lrs", "1e-3", "--eval-seeds", "0", "1"]
-    assert main(argv) == 0
-    script, work = plan / "submit_slurm.sh", tmp_path / "work"
-    work.mkdir()
-    first, _, _ = submit(script, work)
-    names = ["210m-mlm40-22k", "210m-mlm40-12k", "210m-mlm40-dec22k-mlm40-24k"]
-    keys = ["pt-210m-mlm40-22k@10000"]  # in the order the script submits them
-    keys += [f"{k}-{n}" for n in names for k in ("pt", "cv", "ev")] + ["report"]
-    record = {k: (work / ".submitted" / k).read_text().strip() for k in keys}
-    assert len(first) == len(keys) == 11 and sorted(record.values(), key=int) == [
-        str(i) for i in range(1, 12)
-    ]
-    # each array is told where to write its done file, and needs an export newer than its
-    # run's last checkpoint
-    evaluated = {}
-    for ln, name, steps in zip(first[3::3], names, (22000, 12000, 2000)):
-        assert ln.split("--job-name ")[1].split()[0] == f"ev-{name}"
-        evaluated[name] = Path(ln.split("--done-file ")[1].split()[0])
-        last = plan / "runs" / name / "checkpoints" / f"iter_{steps:07d}" / "metadata.json"
-        assert ln.endswith(f"NEEDS={plan / 'hf' / name}/mlmclm_export.json NEWER_THAN={last}")
-    assert {p.parent for p in evaluated.values()} == {plan / "results" / "eval" / n for n in names}
-
-    # everything still queued (squeue lists each of an array's elements): nothing submitted,
-    # nothing cancelled
-    again, cancelled, out = submit(
-        script, work, alive=record.values(), env={"SQUEUE_LINES": "50000"}
-    )
-    assert (again, cancelled) == ([], []) and "nothing submitted" in out, out
-
-    # the stable run reached 10K and failed; its branch's jobs are still queued, the rest ended:
-    # the stable run's last segment again (no dependency: what it needs is on disk), its
-    # convert and evaluation again; the branch's jobs kept; the CPT run's jobs again, and the
-    # report, now after the new arrays
-    ck = plan / "runs" / "210m-mlm40-22k" / "checkpoints"
-    (ck / "iter_0010000").mkdir(parents=True)
-    (ck / "iter_0010000" / "metadata.json").write_text("{}")
-    branch = [record[f"{k}-210m-mlm40-12k"] for k in ("pt", "cv", "ev")]
-    lines, cancelled, out = submit(script, work, alive=branch + [record["report"]])
-    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
-        "pt-210m-mlm40-22k", "cv-210m-mlm40-22k", "ev-210m-mlm40-22k",
-        "pt-210m-mlm40-dec22k-mlm40-24k", "cv-210m-mlm40-dec22k-mlm40-24k",
-        "ev-210m-mlm40-dec22k-mlm40-24k", "report",
-    ]  # fmt: skip
-    assert "--dependency" not in lines[0] and lines[0].endswith(
-        f"NEEDS={ck}/iter_0010000/metadata.json"
-    )
-    assert "pt-210m-mlm40-22k@10000: done" in out
-    assert f"pt-210m-mlm40-12k: queued or running as job {branch[0]}" in out
-    assert cancelled == [record["report"]]  # it waited on arrays now submitted again
-    report_deps = lines[-1].split("--dependency=afterany:")[1].split()[0].split(":")
-    new = {ln.split("--job-name ")[1].split()[0]: str(12 + i) for i, ln in enumerate(lines)}
-    assert report_deps == [
-        new["ev-210m-mlm40-22k"],
-        branch[2],
-        new["ev-210m-mlm40-dec22k-mlm40-24k"],
-    ]
-
-    # every run finished, exported and evaluated (each array's done file written after its
-    # export), the report written after the results: nothing to submit
-    for name, steps in zip(names, (22000, 12000, 2000)):
-        last = plan / "runs" / name / "checkpoints" / f"iter_{steps:07d}"
-        last.mkdir(parents=True, exist_ok=True)
-        (last / "metadata.json").write_text("{}")
-    time.sleep(0.01)
-    for name in names:
-        (plan / "hf" / name).mkdir(parents=True)
-        (plan / "hf" / name / "mlmclm_export.json").write_text("{}")
-    time.sleep(0.01)
-    for name in names:
-        result = plan / "results" / "eval" / name / "sst2" / "lr0.001_seed0_abc.json"
-        result.parent.mkdir(parents=True, exist_ok=True)
-        result.write_text("{}")
-        evaluated[name].write_text("2 runs done\n")
-    time.sleep(0.01)
-    (plan / "results" / "report").mkdir()
-    (plan / "results" / "report" / "report.md").write_text("")
-    lines, cancelled, out = submit(script, work)
-    assert (lines, cancelled) == ([], []) and "nothing submitted" in out, out
-    # a failed evaluation run: its array wrote no done file; its array and the report again
-    evaluated[names[1]].unlink()
-    lines, _, _ = submit(script, work, env={"EVAL_RUNS_PER_JOB": "2", "EVAL_MAX_RUNNING": "4"})
-    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
-        "ev-210m-mlm40-12k",
-        "report",
-    ]
-    assert "--array=0-0%4 " in lines[0] and "--runs-per-element 2 " in lines[0]
-    assert "--dependency" not in lines[0]
-    evaluated[names[1]].write_text("2 runs done\n")
-    # other evaluation settings (EVAL_ARGS) are another grid, with a done file of its own
-    lines, _, _ = submit(script, work, env={"EVAL_ARGS": "--max-steps 500"})
-    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
-        *(f"ev-{name}" for name in names),
-        "report",
-    ]
-    assert all(Path(ln.split("--done-file ")[1].split()[0]) not in evaluated.values()
-               for ln in lines[:-1])  # fmt: skip
-    # the CPT run re-exported (trained again, converted again): its results are of the model
-    # before, so its array again
-    time.sleep(0.01)
-    (plan / "hf" / names[2] / "mlmclm_export.json").write_text("{}")
-    lines, _, _ = submit(script, work)
-    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [f"ev-{names[2]}", "report"]
-    time.sleep(0.01)
-    evaluated[names[2]].write_text("2 runs done\n")  # that array done
-    # the branch trained again (its last checkpoint gone): its export is not taken for done
-    shutil.rmtree(plan / "runs" / names[1] / "checkpoints" / "iter_0012000")
-    lines, _, _ = submit(script, work)
-    assert [ln.split("--job-name ")[1].split()[0] for ln in lines] == [
-        "pt-210m-mlm40-12k", "cv-210m-mlm40-12k", "ev-210m-mlm40-12k", "report"
-    ]  # fmt: skip
-
-
-def test_replanning_keeps_the_submitted_jobs_and_the_runs(tmp_path):
-    """`mlmclm plan --force` (as after the throughput probe) rewrites the plan's files and keeps
-    what else the folder holds: the submit script's record of its jobs, so running it again
-    submits none of the jobs still queued, and the runs under the default --runs-dir."""
-    plan = tmp_path / "plan"
-    argv = ["plan", "--out", str(plan), "--sizes", "210m", "--budgets", "12000", "22000"]
-    argv += ["--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps"]
-    argv += ["--eval-tasks", "sst2", "--eval-lrs", "1e-3", "--eval-seeds", "0"]
-    assert main(argv) == 0
-    first, _, _ = submit(plan / "submit_slurm.sh", tmp_path, copy=False)
-    ids = {p.name: p.read_text().strip() for p in (plan / ".submitted").iterdir()}
-    assert len(first) == len(ids) == 8
-    kept = plan / "runs" / "210m-mlm40-22k" / "metrics.jsonl"
-    kept.parent.mkdir(parents=True)
-    kept.write_text("{}\n")
-    assert main([*argv, "--force", "--throughput", "210m=20000", "--budgets", "22000"]) == 0
-    assert sorted(p.name for p in (plan / "configs").iterdir()) == ["210m-mlm40-22k.yaml"]
-    assert "given, 20,000" in (plan / "SUMMARY.md").read_text() and kept.read_text() == "{}\n"
-    lines, cancelled, out = submit(plan / "submit_slurm.sh", tmp_path, alive=ids.values(),
-                                   copy=False)  # fmt: skip
-    assert (lines, cancelled) == ([], []) and "nothing submitted" in out, out
-    assert f"pt-210m-mlm40-22k: queued or running as job {ids['pt-210m-mlm40-22k']}" in out
-
-
-def test_no_branches_trains_every_budget_from_scratch(tmp_path):
+def test_no_branches_trains_every_budget_from_scratch(tmp_path, capsys):
     out = tmp_path / "p"
     assert (
         main(
@@ -866,8 +607,12 @@ def test_no_branches_trains_every_budget_from_scratch(tmp_path):
     for path in (out / "configs").glob("*.yaml"):
         cfg = load_config(path)
         assert cfg.train.branch_from is None and not cfg.checkpoint.keep_steps
-    script = (out / "submit_slurm.sh").read_text().splitlines()
-    assert not [line for line in script if "--stop-at" in line and not line.startswith("#")]
+    table = json.loads((out / "jobs.json").read_text())
+    assert not [r for r in table["jobs"] if "--stop-at" in r["args"]]  # no segments
+    said = capsys.readouterr().out
+    assert "with branches" not in said and "every run from scratch (--no-branches)" in said
+    summary = (out / "SUMMARY.md").read_text()
+    assert "with branches" not in summary and "every run from scratch (--no-branches)" in summary
 
 
 def test_subset_and_rounding(tmp_path):

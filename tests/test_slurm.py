@@ -6,13 +6,13 @@
   equals that of an uninterrupted run, bitwise.
 * pretrain.sbatch with rank 1 hung at step 5 (fault injection): the watchdog's exit 76 requeues
   the job, which resumes and completes.
-* the submit script `mlmclm plan` writes, on a one-run grid whose pretraining job fails once:
-  every job ends (none pending on the failure); run again, it completes pretrain -> convert -> an
-  evaluate_array.sbatch array -> report in that order, the run bitwise an uninterrupted one; run
-  once more, it submits nothing.
+* the submit script `mlmclm plan` writes (`mlmclm submit` on its job table), on a one-run grid
+  whose pretraining job fails once: every job ends (none pending on the failure); run again, it
+  completes pretrain -> convert -> an evaluate_array.sbatch array (its time limit the plan's) ->
+  report in that order, the run bitwise an uninterrupted one; run once more, it submits nothing.
 Only documented variables change the scripts (NPROC_PER_NODE, MLMCLM_PYTHON, MASTER_PORT,
-GPUS_PER_NODE, *_SBATCH, PRETRAIN_ARGS, EVAL_ARGS, EVAL_RUNS_PER_JOB, EVAL_MAX_RUNNING,
-MLMCLM_INJECT_FAULTS, MLMCLM_MAX_RESTARTS) and sbatch command-line options.
+GPUS_PER_NODE, *_SBATCH, PRETRAIN_ARGS, EVAL_ARGS, EVAL_MAX_RUNNING, MLMCLM_INJECT_FAULTS,
+MLMCLM_MAX_RESTARTS) and sbatch command-line options.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def test_pretrain_sbatch_stops_on_usr1_requeues_and_matches_an_uninterrupted_run
 def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
     slurm, shards, tmp_path, data_dir
 ):
-    """The submit script `mlmclm plan` writes, on a one-run grid, run four times.
+    """The submit script `mlmclm plan` writes (`mlmclm submit`), on a one-run grid, run four
+    times.
     1. Pretraining fails at step 3 (a NaN injected once, no requeue allowed): conversion,
        the evaluation array and the report, waiting with `afterany`, end at once (exit 3: what
        they need is missing): no job is left pending.
@@ -167,7 +168,7 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
     argv += ["--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps"]
     argv += ["--nodes", "1", "--gpus-per-node", "2", "--data", shards["train"]]
     argv += ["--tokenizer", shards["tokenizer"], "--eval-tasks", "sst2", "--eval-lrs", "1e-3"]
-    assert main([*argv, "--eval-seeds", "0", "1"]) == 0
+    assert main([*argv, "--eval-seeds", "0", "1", "--eval-runs-per-job", "2"]) == 0
     overrides = (
         "train.steps=4 train.global_batch_size=4 train.micro_batch_size=2 "
         "train.warmup_steps=1 train.decay_steps=1 model.seq_length=64 "
@@ -187,7 +188,6 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
             "--max-length 64 --max-train-examples 48 --max-eval-examples 32 --threads 1 "
             "--no-progress"
         ),
-        EVAL_RUNS_PER_JOB="2",
         EVAL_MAX_RUNNING="1",
         # the first pretraining job fails at step 3 (once per run folder), and is not requeued
         MLMCLM_INJECT_FAULTS="nan rank=0 step=3 mode=transient",
@@ -197,7 +197,7 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
     def submit() -> tuple[list[str] | None, str]:
         """-> the jobs (ids, or "done") of pretraining, conversion, evaluation and the report"""
         out = slurm.run(["bash", str(plan / "submit_slurm.sh")], env=env, cwd=tmp_path).stdout
-        run = re.search(r"pretrain (\w+), convert (\w+), evaluate array (\w+) of 1 \(2 runs\)", out)
+        run = re.search(r"pretrain (\w+), convert (\w+), evaluate sst2 (\w+)$", out, re.M)
         report = re.search(r"the report (\w+):", out)
         return ([*run.groups(), report.group(1)] if run and report else None), out
 
@@ -233,6 +233,9 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
         )
     # one array element running both fine-tuning runs, at most one element at a time
     assert len(jobs["evaluate"]) == 1 and jobs["evaluate"][0]["ArrayTaskThrottle"] == "1"
+    table = json.loads((plan / "jobs.json").read_text())
+    [array] = [r for r in table["jobs"] if r["kind"] == "evaluate"]
+    assert jobs["evaluate"][0]["TimeLimit"] == array["sbatch"]["time"]  # the plan's
     # Each stage started only after the one it depends on had ended.
     assert when(jobs["convert"][0]["StartTime"]) >= when(jobs["pretrain"][0]["EndTime"])
     for element in jobs["evaluate"]:

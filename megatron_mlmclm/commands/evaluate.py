@@ -94,8 +94,8 @@ def add_arguments(p) -> None:
         default=None,
         metavar="PATH",
         help="write PATH once every run of the grid (every array element's) is done for the "
-        "model folders as they are now (the plan's submit_slurm.sh skips an array whose file "
-        "is newer than its export)",
+        "model folders as they are now (`mlmclm submit` skips an array whose file is newer "
+        "than its export)",
     )
     p.add_argument("--list", action="store_true", help="print the grid with indices and exit")
     p.add_argument("--list-tasks", action="store_true", help="print the known tasks and exit")

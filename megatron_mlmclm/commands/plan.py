@@ -11,11 +11,13 @@ import dataclasses
 import os
 from pathlib import Path
 
-from megatron_mlmclm.eval.fetch import check_data
-from megatron_mlmclm.eval.tasks import get_task, load_registry, suite
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.eval.fetch import check_data, required_files
+from megatron_mlmclm.eval.protocols import PROTOCOLS
+from megatron_mlmclm.eval.tasks import Task, get_task, load_registry, suite
 from megatron_mlmclm.paths import data_dir
 from megatron_mlmclm.plan.compute import DEFAULT_STARTUP_S, DEFAULT_THROUGHPUT
-from megatron_mlmclm.plan.jobs import EVAL_LRS, EVAL_SEEDS
+from megatron_mlmclm.plan.jobs import EVAL_LRS, EVAL_MARGIN, EVAL_SEEDS, EVAL_TARGET_HOURS
 from megatron_mlmclm.plan.layout import LAYOUTS
 from megatron_mlmclm.plan.options import PlanOptions
 from megatron_mlmclm.plan.write import write_plan
@@ -142,6 +144,13 @@ def add_arguments(p) -> None:
         help=f"fine-tuning seeds (default: evaluate's {EVAL_SEEDS})",
     )
     r.add_argument(
+        "--eval-protocol",
+        choices=tuple(PROTOCOLS),
+        default=d.eval_protocol,
+        help="the protocol every evaluation array runs (`mlmclm evaluate --protocol`): default "
+        "(the field's metrics) or encodeval (the paper's tables)",
+    )
+    r.add_argument(
         "--save-interval", type=int, default=d.save_interval, help="checkpoint.save_interval"
     )
     c = p.add_argument_group("cluster and compute estimate")
@@ -174,6 +183,24 @@ def add_arguments(p) -> None:
         + ", ".join(f"{k}={v['nodes']}" for k, v in LAYOUTS.items())
         + ")",
     )
+    c.add_argument(
+        "--max-job-hours",
+        type=float,
+        default=d.max_job_hours,
+        metavar="H",
+        help="the longest time limit an evaluation array asks for, the cluster's (default "
+        f"{d.max_job_hours:g}); an element whose runs need more stops there and resumes when "
+        "`mlmclm submit` runs again",
+    )
+    c.add_argument(
+        "--eval-runs-per-job",
+        type=runs_per_job,
+        default=d.eval_runs_per_job,
+        metavar="N|auto",
+        help="fine-tuning runs per evaluation array element (default auto: as many as fit in "
+        f"{EVAL_TARGET_HOURS:g} hours, or --max-job-hours if less, at their price x "
+        f"{EVAL_MARGIN:g}; at least 1)",
+    )
     assumed = " ".join(f"{k}={v:.0f}" for k, v in DEFAULT_STARTUP_S.items())
     c.add_argument(
         "--startup",
@@ -183,6 +210,32 @@ def add_arguments(p) -> None:
         help=f"seconds from a pretraining job's start to its first step, per size (the "
         f"trainer's `start-up:` line), priced for every job start (default: assumed, {assumed})",
     )
+
+
+def runs_per_job(value: str) -> int | None:
+    """--eval-runs-per-job: N, or auto (None)."""
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"--eval-runs-per-job takes a number >= 1 or auto, got '{value}'")
+    return int(value)
+
+
+def task_files(names: list[str]) -> dict[str, list[list[str]]]:
+    """Each task's data files (and its training set's), relative to the data folder (an absolute
+    path stays), each a list of alternatives: what `mlmclm submit` checks before it submits the
+    task's arrays."""
+    registry = load_registry()
+    out = {}
+    for name in names:
+        task = get_task(name, registry=registry)
+        source: Task | None = vars(task).get("train_source")
+        out[name] = [
+            [str(Path(t.path or "") / f) for f in alternatives]
+            for t in (task, *([source] if source else []))
+            for alternatives in required_files(t)
+        ]
+    return out
 
 
 def evaluation(options: PlanOptions) -> tuple[PlanOptions, list[str]]:
@@ -208,22 +261,40 @@ def run(args) -> int:
     fields = dataclasses.fields(PlanOptions)
     options = PlanOptions(**{f.name: getattr(args, f.name) for f in fields})
     options, to_fetch = evaluation(options)
-    totals = write_plan(args.out, options, force=args.force)
+    totals = write_plan(
+        args.out, options, force=args.force, task_files=task_files(options.eval_tasks)
+    )
     out = args.out
     by_source: dict[str, list[str]] = {}
     for size, price in totals["prices"].items():
         by_source.setdefault(price.source, []).append(size)
+    if options.branches:
+        how = f"with branches ({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch)"
+    else:
+        how = "with every run from scratch (--no-branches)"
     print(
         f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
-        f"{totals['gpu_hours']:,.0f} GPU-hours of pretraining with branches "
-        f"({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch) and "
+        f"{totals['gpu_hours']:,.0f} GPU-hours of pretraining {how} and "
         f"{totals['startup_gpu_hours']:,.0f} for job starts, "
         f"{totals['eval_gpu_hours']:,.0f} of evaluation ({len(options.eval_tasks)} tasks), "
         f"{totals['total_gpu_hours']:,.0f} in total; priced "
         + ", ".join(f"{source}: {' '.join(sizes)}" for source, sizes in by_source.items())
         + f" -> {out}"
     )
-    print(f"  {out}/SUMMARY.md, {out}/submit_slurm.sh, {out}/jobs/<run>.sh, {out}/configs/")
+    print(
+        f"  {out}/SUMMARY.md, {out}/jobs.json (submit: mlmclm submit {out}, or "
+        f"{out}/submit_slurm.sh), {out}/jobs/<run>.sh, {out}/configs/"
+    )
+    capped: dict[str, list[str]] = {}
+    for (size, task), shape in totals["arrays"].items():
+        if shape.capped:
+            capped.setdefault(task, []).append(size)
+    for task, sizes in capped.items():
+        print(
+            f"  {task}: an element's runs at {', '.join(sizes)} need more than --max-job-hours "
+            f"{options.max_job_hours:g} with the margin: its elements stop at that limit and its "
+            "runs resume across submissions (run `mlmclm submit` again until it is done)"
+        )
     if to_fetch:
         where = options.eval_data_dir or "DIR"  # no data folder yet: the user names one
         print(

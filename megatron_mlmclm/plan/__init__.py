@@ -8,12 +8,16 @@
                 step (measured_step_times.yaml, package data) or an assumed throughput
     evaluation.py  the GPU-hours of each model's evaluation array (eval_tasks.yaml: each task's
                 sizes and input lengths, with their sources)
-    jobs.py     the per-run job script and the SLURM submit script
+    jobs.py     the per-run job script, the job table (jobs.json: every SLURM job with its options,
+                dependencies and done rule; evaluation arrays sized to finish) and submit_slurm.sh
+    submit.py   `mlmclm submit`: the job table submitted with sbatch, what is neither done nor
+                queued (the standard library only: it runs on a login node)
     summary.py  SUMMARY.md, SUMMARY.csv, manifest.tsv
     write.py    write_plan: everything built and checked in memory, then one folder renamed into
                 place
 
 A plan folder holds OUT/configs/NAME.yaml (each reloaded with load_config before the plan is kept),
-OUT/jobs/NAME.sh (pretrain | convert | evaluate), OUT/submit_slurm.sh (every job with its
-dependencies), OUT/manifest.tsv, OUT/SUMMARY.csv and OUT/SUMMARY.md (docs/plan.md).
+OUT/jobs/NAME.sh (pretrain | convert | evaluate), OUT/jobs.json (every job with its dependencies)
+and OUT/submit_slurm.sh (`mlmclm submit OUT`), OUT/manifest.tsv, OUT/SUMMARY.csv and
+OUT/SUMMARY.md (docs/plan.md).
 """

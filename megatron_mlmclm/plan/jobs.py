@@ -1,14 +1,39 @@
-"""The job scripts of a plan: one bash script per run (pretrain | convert | evaluate) and the SLURM
-submit script that chains every job with its dependencies (examples/slurm/*.sbatch)."""
+"""The jobs of a plan: one bash script per run (pretrain | convert | evaluate), and the job table
+(jobs.json) that `mlmclm submit` (plan/submit.py) reads to submit every job to SLURM with its
+dependencies (examples/slurm/*.sbatch), with the short script that runs it (submit_slurm.sh).
+
+The job table: one row per job, in the order they are submitted (what a job waits on comes before
+it); every value specific to the plan is in the table, none in plan/submit.py:
+  key        pt-RUN@STEP (a segment of a stable run, ending at a branch point), pt-RUN, cv-RUN,
+             ev-RUN-TASK (one evaluation array per model and task), report
+  kind       pretrain | convert | evaluate | report; run: its run (null for the report);
+             task: an array's task
+  template   the sbatch template (examples/slurm/); sbatch: its options (job-name, nodes,
+             gpus-per-node, time, array, export), given as --OPTION=VALUE
+  args       the template's arguments; runs_per_element: an array's runs per element
+  after      the keys of the jobs it waits on (afterany)
+  needs      the file it needs (MLMCLM_NEEDS); needs_newer_than: the one that file must be newer
+             than (MLMCLM_NEEDS_NEWER_THAN)
+  done       when it is done, read from the files: {"exists": F}, {"newer": F, "than": G},
+             {"evaluated": DONE_FILE, "export": RECORD} or {"reported": REPORT, "results": DIR}
+  data       an array's task data, relative to the data folder: each a list of alternatives
+A path is a string, or a checkpoint of a run, {"checkpoint": RUN, "step": N or "final"} (its
+folder; with "file": a file in it): the run's final step is known at submit time only
+(PRETRAIN_ARGS may set train.steps).
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_mlmclm.paths import EXPORT_FILE
 from megatron_mlmclm.plan.grid import Run
 from megatron_mlmclm.plan.options import PlanOptions
+from megatron_mlmclm.plan.submit import COLUMNS, FORMAT
 
 EVAL_LRS, EVAL_SEEDS = 6, 5  # mlmclm evaluate's default grid: 6 learning rates x 5 seeds
 
@@ -71,8 +96,9 @@ def _relation(run: Run) -> str:
 
 
 def eval_grid_args(opts: PlanOptions) -> list[str]:
-    """--lrs/--seeds for `mlmclm evaluate` when the plan narrows its default grid."""
-    out = []
+    """What `mlmclm evaluate` is told besides the model and the task: the protocol, and
+    --lrs/--seeds when the plan narrows its default grid."""
+    out = ["--protocol", opts.eval_protocol]
     if opts.eval_lrs:
         out += ["--lrs", *[f"{lr:g}" for lr in opts.eval_lrs]]
     if opts.eval_seeds:
@@ -81,6 +107,7 @@ def eval_grid_args(opts: PlanOptions) -> list[str]:
 
 
 def eval_array_size(opts: PlanOptions) -> int:
+    """A model's fine-tuning runs: tasks x learning rates x seeds."""
     return (
         len(opts.eval_tasks)
         * (len(opts.eval_lrs) if opts.eval_lrs else EVAL_LRS)
@@ -88,194 +115,197 @@ def eval_array_size(opts: PlanOptions) -> int:
     )
 
 
-# The submit script's helpers (bash): what is done, which recorded job is still queued or running,
-# and the submission of the rest (see submit_script).
-SUBMIT_FUNCTIONS = r"""STATE="$(dirname "$0")/.submitted"  # KEY -> the job id last submitted for it
-mkdir -p "$STATE"
-LIVE='^(PENDING|RUNNING|CONFIGURING|COMPLETING|SUSPENDED|REQUEUED|REQUEUE_HOLD|REQUEUE_FED|RESIZING|SIGNALING|STAGE_OUT)$'
-NEW=" "  # the jobs this run submitted
-J=  # the job of the latest `job` or `done` call; empty: its work is done
-# The step a run ends at: its plan's, unless PRETRAIN_ARGS overrides train.steps.
-final_step() {
-  local s=$1 a
-  for a in $PRETRAIN_ARGS; do case $a in train.steps=*) s=${a#train.steps=} ;; esac; done
-  echo "$s"
-}
-# The last file of the complete checkpoint of run folder $1 at step $2.
-ckpt() { printf '%s/iter_%07d/metadata.json' "$1" "$2"; }
-done_() { J=; echo "  $1: done"; }
-# job KEY "DEPS" NEED AFTER SBATCH_ARGS...: J = the job doing KEY. The one submitted for KEY before,
-# while it is queued or running and waits on no job this run submitted; else a new one, after any
-# of DEPS ends (afterany), told the file it needs (MLMCLM_NEEDS) and, if AFTER is given, a file
-# that one must be newer than (MLMCLM_NEEDS_NEWER_THAN), which the job checks first.
-job() {
-  local key=$1 deps=$2 need=$3 after=$4 id d states fresh=
-  shift 4
-  for d in $deps; do case $NEW in *" $d "*) fresh=1 ;; esac; done
-  id=$(cat "$STATE/$key" 2>/dev/null || true)
-  # squeue's whole answer first (an array lists every element): `squeue | grep -q` under
-  # pipefail fails when grep, done at the first line, leaves squeue writing into a closed pipe
-  states=$([ -z "$id" ] || squeue -h -j "$id" -o %T 2>/dev/null || true)
-  if grep -qE "$LIVE" <<<"$states"; then
-    if [ -z "$fresh" ]; then
-      J=$id
-      echo "  $key: queued or running as job $id"
-      return
-    fi
-    scancel "$id"
-    echo "  $key: job $id waited on a job submitted again: cancelled"
-  fi
-  deps=$(echo $deps | tr ' ' ':')
-  J=$(MLMCLM_NEEDS=$need MLMCLM_NEEDS_NEWER_THAN=$after sbatch --parsable $SBATCH_EXTRA \
-    ${deps:+--dependency=afterany:$deps} "$@")
-  echo "$J" >"$STATE/$key"
-  NEW="$NEW$J "
-  echo "  $key: submitted job $J"
-}"""
+# ------------------------------------------------------------ evaluation arrays sized to finish
+
+EVAL_MARGIN = 1.5  # an element's time limit: its runs' priced time x this, plus the start-up
+EVAL_STARTUP_S = 600.0  # an element's start-up allowance: imports, the model, the task's splits
+EVAL_TARGET_HOURS = 4.0  # auto runs per element: as many as fit in this (or the cap, if less)
 
 
-def submit_script(
+@dataclass(frozen=True)
+class ArrayShape:
+    """One evaluation array: its runs per element, elements and time limit (minutes)."""
+
+    runs_per_element: int
+    elements: int
+    minutes: int
+    capped: bool  # its element's runs need more than the cap: they resume across submissions
+
+    @property
+    def time(self) -> str:  # sbatch --time
+        return f"{self.minutes // 60:02d}:{self.minutes % 60:02d}:00"
+
+
+def array_shape(
+    seconds_per_run: float, runs: int, max_job_hours: float, runs_per_job: int | None = None
+) -> ArrayShape:
+    """The array of `runs` fine-tuning runs of `seconds_per_run` each: `runs_per_job` runs an
+    element (None: as many as fit in min(EVAL_TARGET_HOURS, the cap) with the margin, at least
+    one), and a time limit of EVAL_STARTUP_S + those runs x EVAL_MARGIN, at most the cap."""
+    cap = math.floor(max_job_hours * 60)  # minutes
+    per_run = EVAL_MARGIN * max(seconds_per_run, 1e-9)
+    if runs_per_job is None:
+        fit = (min(60 * cap, EVAL_TARGET_HOURS * 3600) - EVAL_STARTUP_S) // per_run
+        runs_per_job = int(max(1, fit))
+    k = min(runs_per_job, runs)
+    needed = EVAL_STARTUP_S + k * per_run
+    minutes = min(math.ceil(needed / 60), cap)
+    return ArrayShape(k, math.ceil(runs / k), minutes, needed > 60 * cap)
+
+
+# ------------------------------------------------------------------------------------- job table
+
+META = "metadata.json"  # a checkpoint's last file: there once the checkpoint is complete
+
+
+@dataclass(frozen=True)
+class Folders:
+    """Where a plan's jobs read and write, absolute."""
+
+    plan: Path
+    runs: Path
+    hf: Path
+    results: Path
+    checkout: Path  # the folder holding the megatron_mlmclm that wrote the plan
+
+    @property
+    def slurm(self) -> Path:
+        return self.checkout / "examples" / "slurm"
+
+
+def checkpoint(run: str, step: int | str, file: str | None = None) -> dict:
+    """A checkpoint of `run` at `step` ("final": where the run ends): its folder, or `file`
+    in it."""
+    return {"checkpoint": run, "step": step, **({"file": file} if file else {})}
+
+
+def _row(key: str, kind: str, run: str | None, template: str, sbatch: dict, args: list, **cols):
+    """A row with every column (COLUMNS, what plan/submit.py reads); null where it has none."""
+    row = dict.fromkeys(COLUMNS)
+    row.update(key=key, kind=kind, run=run, template=template, sbatch=sbatch, args=args, after=[])
+    row.update(cols)
+    return row
+
+
+def run_rows(
+    run: Run,
+    opts: PlanOptions,
+    nodes: int,
+    arrays: dict[str, ArrayShape],
+    task_files: dict[str, list[list[str]]],
+    at: Folders,
+) -> list[dict]:
+    """A run's jobs: its pretraining (in segments ending at its branch points), its conversion,
+    one evaluation array per task."""
+    gpn, name = opts.gpus_per_node, run.name
+    sbatch = {"job-name": f"pt-{name}", "nodes": nodes, "gpus-per-node": gpn}
+    sbatch["export"] = f"ALL,NPROC_PER_NODE={gpn}"
+    config = str(at.plan / "configs" / f"{name}.yaml")
+    if run.branch_at is not None:  # waits for the segment that saves its branch point
+        after = [f"pt-{run.depends_on}@{run.branch_at}"]
+        needs = checkpoint(run.depends_on, run.branch_at, META)
+    elif run.depends_on:  # a continued run: from its source's last checkpoint
+        after, needs = [f"pt-{run.depends_on}"], checkpoint(run.depends_on, "final", META)
+    else:
+        after, needs = [], None
+    rows = []
+    for step in (*run.keep_steps, "final"):  # segments ending at the branch points, then the rest
+        key = f"pt-{name}" if step == "final" else f"pt-{name}@{step}"
+        stop = [] if step == "final" else ["--stop-at", str(step)]
+        done = {"exists": checkpoint(name, step, META)}
+        rows.append(_row(key, "pretrain", name, "pretrain.sbatch", sbatch, [config, *stop],
+                         after=after, needs=needs, done=done))  # fmt: skip
+        after, needs = [key], checkpoint(name, step, META)
+    last, hf = checkpoint(name, "final", META), at.hf / name
+    record = str(hf / EXPORT_FILE)
+    rows.append(
+        _row(f"cv-{name}", "convert", name, "convert.sbatch", {"job-name": f"cv-{name}"},
+             [checkpoint(name, "final"), str(hf), "--force"], after=[f"pt-{name}"],
+             needs=last, done={"newer": record, "than": last})
+    )  # fmt: skip
+    for task in opts.eval_tasks:
+        shape, key = arrays[task], f"ev-{name}-{task}"
+        sbatch = {"job-name": key, "gpus-per-node": 1, "time": shape.time}
+        sbatch["array"] = f"0-{shape.elements - 1}"
+        args = ["--model", str(hf), "--task", task, *eval_grid_args(opts)]
+        args += ["--out", str(at.results / "eval")]
+        done = {"evaluated": str(at.results / "eval" / name / f".done-{task}"), "export": record}
+        rows.append(
+            _row(key, "evaluate", name, "evaluate_array.sbatch", sbatch, args, task=task,
+                 runs_per_element=shape.runs_per_element, after=[f"cv-{name}"], needs=record,
+                 needs_newer_than=last, done=done, data=task_files.get(task, []))
+        )  # fmt: skip
+    return rows
+
+
+def job_table(
     runs: list[Run],
-    cfg_paths: dict,
-    runs_dir: Path,
-    hf_dir: Path,
-    results: Path,
     opts: PlanOptions,
     layouts: dict,
-    slurm_dir: Path,
-) -> str:
-    q = shlex.quote
-    n_eval = eval_array_size(opts)
-    gpn = opts.gpus_per_node
-    task_args = " ".join(q(t) for t in opts.eval_tasks)
-    grid = "".join(" " + q(a) for a in eval_grid_args(opts))
-    lines = [
-        "#!/usr/bin/env bash",
-        "# Submit every run of the plan to SLURM: pretrain -> convert -> evaluation array, and",
-        "# continued-pretraining runs after their source; the report after every array. A stable",
-        "# run with branches (decay or biphasic) is submitted in segments that end at its branch",
-        "# points (`pretrain --stop-at STEP`): each branch waits for the segment that saves its",
-        "# checkpoint, the next segment for the one before.",
-        "# Run it again at any time (after a failed or cancelled job): what has finished is",
-        "# skipped (the checkpoint a pretraining job ends at, an export newer than its run's last",
-        "# checkpoint, an evaluation whose array wrote its done file after the export: every run",
-        "# of its grid done for that export, a report newer than every result), a job of an",
-        "# earlier submission still queued or running is kept and waited on, and the rest is",
-        "# submitted. Every job waits for the jobs it needs with `afterany` and first checks that",
-        "# their output is there (MLMCLM_NEEDS, read by the sbatch templates; an evaluation also",
-        "# that its export is newer than the run's last checkpoint): a failure stops only what",
-        "# needs its output (those jobs end at once, exit 3) and no job waits forever. The last",
-        "# submission's job ids: .submitted/ here (kept by `mlmclm plan --force`).",
-        "# Written by `mlmclm plan`. Variables (all optional):",
-        f"#   GPUS_PER_NODE   GPUs requested per node for pretraining ({gpn}); 0 on CPU-only nodes",
-        "#                   (evaluation elements then ask for no GPU, else for one; conversion",
-        "#                   and the report never do: they run on the CPU)",
-        '#   SBATCH_EXTRA    sbatch options for every job, e.g. "--account X --partition Y"',
-        "#   PRETRAIN_SBATCH, CONVERT_SBATCH, EVAL_SBATCH, REPORT_SBATCH  sbatch options per kind",
-        "#   PRETRAIN_ARGS   config overrides appended to every pretraining run"
-        " (key.sub=value ...)",
-        "#   EVAL_ARGS       options appended to every `mlmclm evaluate` (e.g. --max-steps 500)",
-        "#   EVAL_MAX_RUNNING   elements of one evaluation array running at once (16)",
-        "#   EVAL_RUNS_PER_JOB  fine-tuning runs per array element, in one process (1)",
-        "#   EVAL_WORKERS    processes sharing an element's GPU (`evaluate --workers`, 1)",
-        "#   SLURM_DIR       the sbatch templates (default: this checkout's examples/slurm)",
-        "# The jobs read MLMCLM_PYTHON, CONTAINER_ARGS, MASTER_PORT, MLMCLM_DATA_DIR from this",
-        "# environment (sbatch exports it); see docs/cluster.md.",
-        "set -euo pipefail",
-        "mkdir -p logs  # every job's #SBATCH --output=logs/... (relative to where this runs)",
-        f"SLURM_DIR=${{SLURM_DIR:-{q(str(slurm_dir))}}}",
-        f"GPUS_PER_NODE=${{GPUS_PER_NODE-{gpn}}}",
-        "SBATCH_EXTRA=${SBATCH_EXTRA:-}",
-        "PRETRAIN_SBATCH=${PRETRAIN_SBATCH:-} CONVERT_SBATCH=${CONVERT_SBATCH:-}",
-        "EVAL_SBATCH=${EVAL_SBATCH:-} REPORT_SBATCH=${REPORT_SBATCH:-}",
-        "PRETRAIN_ARGS=${PRETRAIN_ARGS:-} EVAL_ARGS=${EVAL_ARGS:-}",
-        "EVAL_MAX_RUNNING=${EVAL_MAX_RUNNING:-16} EVAL_RUNS_PER_JOB=${EVAL_RUNS_PER_JOB:-1}",
-        "EVAL_WORKERS=${EVAL_WORKERS:-1}",
-        f"RESULTS={q(str(results / 'eval'))} REPORT={q(str(results / 'report'))}",
-        f"EVAL_RUNS={n_eval}  # fine-tuning runs per model: tasks x learning rates x seeds",
-        "# an array's done file (evaluate --done-file) names its grid: tasks, grid and EVAL_ARGS",
-        f'EVAL_KEY=$(printf %s {q(task_args + grid)}" $EVAL_ARGS" | cksum | cut -d" " -f1)',
-        "EVAL_ELEMENTS=$(((EVAL_RUNS + EVAL_RUNS_PER_JOB - 1) / EVAL_RUNS_PER_JOB))",
-        'gpus() { if [ "$GPUS_PER_NODE" -gt 0 ]; then echo "--gpus-per-node=$1"; fi; }',
-        SUBMIT_FUNCTIONS,
-        "declare -A PRETRAIN  # run -> its last pretraining job",
-        "declare -A SEGMENT  # stable run@step -> the job that ends there",
-        "declare -A FINAL  # run -> the step it ends at",
-        "EVALS=",
-        "",
-    ]
-    if opts.eval_data_dir:  # the folder whose evaluation data `mlmclm plan` checked
-        lines[-1:-1] = [f"export MLMCLM_DATA_DIR=${{MLMCLM_DATA_DIR:-{q(opts.eval_data_dir)}}}"]
-    for run in runs:
-        lay = layouts[run.name]
-        name = q(run.name)
-        if run.branch_at is not None:  # waits for the segment that saves its branch point
-            src = q(f"{run.depends_on}@{run.branch_at}")
-            dep = f'"${{SEGMENT[{src}]}}"'
-            need = f'"$(ckpt {q(str(runs_dir / run.depends_on / "checkpoints"))} {run.branch_at})"'
-        elif run.depends_on:  # a continued run: from its source's last checkpoint
-            src = q(run.depends_on)
-            dep = f'"${{PRETRAIN[{src}]}}"'
-            need = (
-                f'"$(ckpt {q(str(runs_dir / run.depends_on / "checkpoints"))} "${{FINAL[{src}]}}")"'
-            )
-        else:
-            dep = need = '""'
+    arrays: dict[tuple[str, str], ArrayShape],
+    task_files: dict[str, list[list[str]]],
+    at: Folders,
+) -> dict:
+    """The plan's job table (the module's head): every run's jobs, then the report over every
+    array."""
+    jobs = []
+    for r in runs:
+        shapes = {t: arrays[r.size, t] for t in opts.eval_tasks}
+        jobs += run_rows(r, opts, layouts[r.name]["nodes"], shapes, task_files, at)
+    results, report = at.results / "eval", at.results / "report"
+    jobs.append(
+        _row("report", "report", None, "report.sbatch", {"job-name": "report"},
+             [str(results), "--out", str(report)],
+             after=[j["key"] for j in jobs if j["kind"] == "evaluate"], needs=str(results),
+             done={"reported": str(report / "report.md"), "results": str(results)})
+    )  # fmt: skip
+    return {
+        "format": FORMAT,
+        "plan": str(at.plan),
+        "checkout": str(at.checkout),
+        "slurm_dir": str(at.slurm),
+        "gpus_per_node": opts.gpus_per_node,
+        "data_dir": opts.eval_data_dir,
+        "eval_protocol": opts.eval_protocol,
+        "eval_runs_per_job": opts.eval_runs_per_job or "auto",
+        "max_job_hours": opts.max_job_hours,
+        "runs": {
+            r.name: {"checkpoints": str(at.runs / r.name / "checkpoints"), "steps": r.steps}
+            for r in runs
+        },
+        "jobs": jobs,
+    }
 
-        def pretrain(key: str, dep: str, need: str, stop: str = "", run=run, lay=lay) -> str:
-            return (
-                f"job {q(key)} {dep} {need} '' --job-name {q('pt-' + run.name)} --nodes "
-                f'{lay["nodes"]} $(gpus "$GPUS_PER_NODE") --export=ALL,NPROC_PER_NODE={gpn} '
-                f'$PRETRAIN_SBATCH "$SLURM_DIR/pretrain.sbatch" '
-                f"{q(str(cfg_paths[run.name]))}{stop} $PRETRAIN_ARGS"
-            )
 
-        lines += [
-            f"echo {name}",
-            f"CK={q(str(runs_dir / run.name / 'checkpoints'))} HF={q(str(hf_dir / run.name))}",
-            f"FINAL[{name}]=$(final_step {run.steps})",
-        ]
-        for step in run.keep_steps:  # segments ending at the branch points
-            key = f"{run.name}@{step}"
-            lines += [
-                f'if [ -f "$(ckpt "$CK" {step})" ]; then done_ {q("pt-" + key)}; '
-                f"else {pretrain('pt-' + key, dep, need, f' --stop-at {step}')}; fi",
-                f"SEGMENT[{q(key)}]=$J",
-            ]
-            dep, need = '"$J"', f'"$(ckpt "$CK" {step})"'
-        last = f'"$(ckpt "$CK" "${{FINAL[{name}]}}")"'
-        lines += [
-            f"if [ -f {last} ]; then done_ {q('pt-' + run.name)}; "
-            f"else {pretrain('pt-' + run.name, dep, need)}; fi",
-            f"PRETRAIN[{name}]=$J P=$J",
-            f'if [ -f {last} ] && [ "$HF/{EXPORT_FILE}" -nt {last} ]; '
-            f"then done_ {q('cv-' + run.name)}; "
-            f"else job {q('cv-' + run.name)} \"$P\" {last} '' --job-name {q('cv-' + run.name)} "
-            '$CONVERT_SBATCH "$SLURM_DIR/convert.sbatch" '
-            f'"$CK/$(printf iter_%07d "${{FINAL[{name}]}}")" "$HF" --force; fi',
-            f'C=$J EVALUATED="$RESULTS"/{name}/.done-$EVAL_KEY',
-            f'if [ -z "$C" ] && [ "$EVALUATED" -nt "$HF/{EXPORT_FILE}" ]; '
-            f"then done_ {q('ev-' + run.name)}; "
-            f'else job {q("ev-" + run.name)} "$C" "$HF/{EXPORT_FILE}" {last} --job-name '
-            f"{q('ev-' + run.name)} $(gpus 1) "
-            "--array=0-$((EVAL_ELEMENTS - 1))%$EVAL_MAX_RUNNING $EVAL_SBATCH "
-            '"$SLURM_DIR/evaluate_array.sbatch" --runs-per-element "$EVAL_RUNS_PER_JOB" '
-            f'--workers "$EVAL_WORKERS" --model "$HF" --task {task_args}{grid} --out "$RESULTS" '
-            '--done-file "$EVALUATED" $EVAL_ARGS; fi',
-            'EVALS="$EVALS $J"',
-            f'echo "{run.name}: pretrain ${{P:-done}}, convert ${{C:-done}}, '
-            f'evaluate array ${{J:-done}} of $EVAL_ELEMENTS ($EVAL_RUNS runs)"',
-            "",
-        ]
-    lines += [
-        "# the report over whatever finished (afterany: a failed element does not block it), again",
-        "# once anything was evaluated since the last one",
-        'if [ -z "$(echo $EVALS)" ] && [ -f "$REPORT/report.md" ] && '
-        '[ -z "$(find "$RESULTS" -name \'*.json\' -newer "$REPORT/report.md" | head -n 1)" ]; '
-        'then done_ report; else job report "$EVALS" "$RESULTS" \'\' --job-name report '
-        '$REPORT_SBATCH "$SLURM_DIR/report.sbatch" "$RESULTS" --out "$REPORT"; fi',
-        'echo "the report ${J:-done}: $REPORT"',
-        'if [ "$NEW" = " " ]; then echo "nothing submitted: every job is done, queued or running";'
-        ' else echo "submitted$NEW"; fi',
-    ]
-    return "\n".join(lines) + "\n"
+def table_text(table: dict) -> str:
+    """jobs.json: JSON, one run and one job a line (a reviewer greps a key)."""
+    head = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in table.items() if k not in RAGGED]
+    runs = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in table["runs"].items())
+    jobs = ",\n".join(f"    {json.dumps(row)}" for row in table["jobs"])
+    return (
+        "{\n" + "\n".join(head) + f'\n  "runs": {{\n{runs}\n  }},\n  "jobs": [\n{jobs}\n  ]\n}}\n'
+    )
+
+
+RAGGED = ("runs", "jobs")  # written one entry a line
+
+
+def submit_wrapper(checkout: Path) -> str:
+    """submit_slurm.sh: `mlmclm submit` on the plan folder it lies in, run from `checkout` (or
+    $REPO)."""
+    return f"""#!/usr/bin/env bash
+# Submit this plan's jobs to SLURM: `mlmclm submit` on this folder reads its job table (jobs.json)
+# and submits what is neither done nor queued, each after the jobs it waits on. Run it again at
+# any time (after a failed or cancelled job). Its variables: `mlmclm submit --help`.
+# It needs the standard library only (a login node's python3 will do); MLMCLM_PYTHON picks another
+# Python, REPO the checkout whose megatron_mlmclm runs (default: the one that wrote this plan).
+# Written by `mlmclm plan`.
+set -euo pipefail
+REPO=${{REPO:-{shlex.quote(str(checkout))}}}
+if [ ! -d "$REPO/megatron_mlmclm" ]; then
+  echo "$0: no megatron_mlmclm in $REPO: set REPO to this repository's checkout" >&2
+  exit 2
+fi
+export PYTHONPATH="$REPO${{PYTHONPATH:+:$PYTHONPATH}}"
+exec "${{MLMCLM_PYTHON:-python3}}" -m megatron_mlmclm submit "$(dirname "$0")"
+"""

@@ -41,6 +41,9 @@ class PlanOptions:
     eval_data_dir: str | None = None  # the jobs' MLMCLM_DATA_DIR (default: the plan's)
     eval_lrs: list[float] = field(default_factory=list)  # empty: evaluate's default grid
     eval_seeds: list[int] = field(default_factory=list)
+    eval_protocol: str = "default"  # `mlmclm evaluate --protocol` of every array
+    eval_runs_per_job: int | None = None  # fine-tuning runs per array element; None: auto
+    max_job_hours: float = 24.0  # the longest time limit an evaluation array asks for
     save_interval: int = 1000
     # cluster and compute estimate
     throughput: list[str] = field(default_factory=list)  # SIZE=N: CLM tokens/s per GPU

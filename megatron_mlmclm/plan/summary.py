@@ -7,11 +7,18 @@ import io
 from pathlib import Path
 
 from megatron_mlmclm.plan.grid import Run
+from megatron_mlmclm.plan.jobs import EVAL_MARGIN, EVAL_STARTUP_S, EVAL_TARGET_HOURS, ArrayShape
 from megatron_mlmclm.plan.layout import GLOBAL_BATCH
+from megatron_mlmclm.plan.options import PlanOptions
 
 
 def summary_md(
-    rows: list[dict], totals: dict, prices: dict, eval_tasks: list[dict], runs_per_task: int
+    rows: list[dict],
+    totals: dict,
+    prices: dict,
+    eval_tasks: list[dict],
+    runs_per_task: int,
+    branches: bool = True,
 ) -> str:
     out = io.StringIO()
     w = out.write
@@ -65,11 +72,17 @@ def summary_md(
             f"{r['wall_hours']:,.1f} | {r['depends_on'] or '-'} | {r['branch_at'] or '-'} |\n"
         )
     saved = totals["gpu_hours_from_scratch"] - totals["gpu_hours"]
+    if branches:
+        hours = (
+            f"{totals['gpu_hours']:,.1f} GPU-hours with branches, "
+            f"{totals['gpu_hours_from_scratch']:,.1f} GPU-hours with every run from scratch "
+            f"({saved:,.1f} saved, "
+            f"{100 * saved / max(totals['gpu_hours_from_scratch'], 1e-9):.0f}%)"
+        )
+    else:
+        hours = f"{totals['gpu_hours']:,.1f} GPU-hours, every run from scratch (--no-branches)"
     w(
-        f"\n**Total**: {totals['tokens'] / 1e12:.2f}T tokens, {totals['gpu_hours']:,.1f} GPU-hours "
-        f"with branches, {totals['gpu_hours_from_scratch']:,.1f} GPU-hours with every run "
-        f"from scratch ({saved:,.1f} saved, "
-        f"{100 * saved / max(totals['gpu_hours_from_scratch'], 1e-9):.0f}%), "
+        f"\n**Total**: {totals['tokens'] / 1e12:.2f}T tokens, {hours}, "
         f"{totals['model_pflop']:,.0f} PFLOP of models.\n\n"
     )
     by_kind: dict[str, list] = {}
@@ -79,7 +92,8 @@ def summary_md(
         w(f"- {kind}: {len(rs)} runs, {sum(x['gpu_hours'] for x in rs):,.1f} GPU-hours\n")
     w(eval_md(rows, totals, eval_tasks, runs_per_task))
     w(
-        "\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `submit_slurm.sh`, `manifest.tsv`, "
+        "\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `jobs.json` (the job table) and "
+        "`submit_slurm.sh` (`mlmclm submit` on it), `manifest.tsv`, "
         "`SUMMARY.csv`. See docs/plan.md.\n"
     )
     return out.getvalue()
@@ -124,6 +138,33 @@ def eval_md(rows: list[dict], totals: dict, tasks: list[dict], runs_per_task: in
         f"{totals['total_gpu_hours']:,.1f}.\n"
     )
     return out.getvalue()
+
+
+def arrays_md(arrays: dict[tuple[str, str], ArrayShape], opts: PlanOptions) -> str:
+    """SUMMARY.md's section on the evaluation arrays: the protocol they run, and per task and
+    size the runs of an element, the elements and the time limit."""
+    auto = opts.eval_runs_per_job is None
+    out = (
+        f"\n## Evaluation arrays\n\nOne array per model and task, under `mlmclm evaluate "
+        f"--protocol {opts.eval_protocol}` (`--eval-protocol`). An element runs "
+        + (
+            f"as many fine-tuning runs as fit in {EVAL_TARGET_HOURS:g} hours (or "
+            "`--max-job-hours`, if less) at their price above x the margin, at least one "
+            "(`--eval-runs-per-job auto`)"
+            if auto
+            else f"{opts.eval_runs_per_job} fine-tuning runs (`--eval-runs-per-job`)"
+        )
+        + f"; its time limit is their price x {EVAL_MARGIN:g} plus {EVAL_STARTUP_S / 60:.0f} "
+        f"minutes of start-up, at most `--max-job-hours` ({opts.max_job_hours:g}). An element "
+        "whose runs need more stops at that limit: its runs resume when `mlmclm submit` runs "
+        "again.\n\n| task | size | runs an element | elements | time limit |\n"
+        "|---|---|---:|---:|---|\n"
+    )
+    for task in opts.eval_tasks:
+        for size, a in ((size, a) for (size, t), a in arrays.items() if t == task):
+            cap = " (the cap: resumes)" if a.capped else ""
+            out += f"| {task} | {size} | {a.runs_per_element} | {a.elements} | {a.time}{cap} |\n"
+    return out
 
 
 def totals_of(rows: list[dict]) -> dict:
@@ -176,7 +217,7 @@ def write_manifest(
     with open(path, "w", encoding="utf-8") as f:
         f.write(
             "index\tname\tkind\tnodes\tgpus_per_node\tconfig\tcheckpoints\thf_dir\t"
-            "depends_on\teval_array_size\tbranch_at\n"
+            "depends_on\teval_runs\tbranch_at\n"
         )
         for i, r in enumerate(runs):
             f.write(

@@ -1,5 +1,6 @@
-"""Writing a plan folder: every run's config, job script, the submit script and the summaries, built
-and checked in memory first, then written under a temporary name and renamed."""
+"""Writing a plan folder: every run's config and job script, the job table with its submit script,
+the summaries; built and checked in memory first, then written under a temporary name and
+renamed."""
 
 from __future__ import annotations
 
@@ -20,12 +21,30 @@ from megatron_mlmclm.plan.compute import (
     startup_cost,
     startup_pricing,
 )
-from megatron_mlmclm.plan.evaluation import FIGURES, eval_columns, read_eval_figures, task_table
+from megatron_mlmclm.plan.evaluation import (
+    FIGURES,
+    eval_columns,
+    eval_run_seconds,
+    read_eval_figures,
+    task_table,
+)
 from megatron_mlmclm.plan.grid import build_grid, probe_config, run_config
-from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
+from megatron_mlmclm.plan.jobs import (
+    EVAL_STARTUP_S,
+    ArrayShape,
+    Folders,
+    array_shape,
+    eval_array_size,
+    eval_grid_args,
+    job_script,
+    job_table,
+    submit_wrapper,
+    table_text,
+)
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
 from megatron_mlmclm.plan.options import PlanOptions
 from megatron_mlmclm.plan.summary import (
+    arrays_md,
     startup_md,
     summary_md,
     totals_of,
@@ -33,10 +52,15 @@ from megatron_mlmclm.plan.summary import (
     write_summary_csv,
 )
 
-SLURM_DIR = Path(__file__).resolve().parents[2] / "examples" / "slurm"  # the sbatch templates
+CHECKOUT = Path(__file__).resolve().parents[2]  # the folder holding megatron_mlmclm (and examples/)
 
 
-def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
+def write_plan(
+    out: str | Path,
+    opts: PlanOptions,
+    force: bool = False,
+    task_files: dict[str, list[list[str]]] | None = None,  # task -> its data (for submit)
+) -> dict:
     """Write the plan folder `out` (built whole first: bad input leaves nothing). Returns the
     totals. With `force`, the plan's files in an existing `out` are replaced and whatever else
     it holds stays: the runs, exports and results when they live there (the defaults), the
@@ -48,6 +72,13 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
             raise UsageError(f"--out {out} exists and is not empty; pass --force to replace it")
     if opts.gpus_per_node < 1:
         raise UsageError("--gpus-per-node must be >= 1")
+    if not opts.max_job_hours * 3600 > EVAL_STARTUP_S:
+        raise UsageError(
+            f"--max-job-hours must be more than an evaluation element's start-up allowance "
+            f"({EVAL_STARTUP_S / 3600:g} h), got {opts.max_job_hours:g}"
+        )
+    if opts.eval_runs_per_job is not None and opts.eval_runs_per_job < 1:
+        raise UsageError(f"--eval-runs-per-job must be >= 1 or auto, got {opts.eval_runs_per_job}")
     measured = read_measurements(opts.step_times or MEASURED)
     figures = read_eval_figures(opts.eval_figures or FIGURES)
     nodes = per_size(opts.nodes, {k: v["nodes"] for k, v in LAYOUTS.items()}, "--nodes", int)
@@ -84,6 +115,9 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
             r.row["gpu_hours"] + r.row["startup_gpu_hours"] + r.row["eval_gpu_hours"], 2
         )
     eval_tasks = task_table(opts.eval_tasks, figures, sizes)
+    arrays = eval_arrays(opts, sizes, figures, per_task)
+    at = Folders(root, runs_dir, hf_dir, results, CHECKOUT)
+    table = job_table(runs, opts, layouts, arrays, task_files or {}, at)
 
     tmp = root.with_name(root.name + ".tmp-plan")
     if tmp.exists():
@@ -131,17 +165,17 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
                 encoding="utf-8",
             )
             load_config(p)  # its schedule fits its steps
+        (tmp / "jobs.json").write_text(table_text(table), encoding="utf-8")
         sub = tmp / "submit_slurm.sh"
-        sub.write_text(
-            submit_script(runs, cfg_paths, runs_dir, hf_dir, results, opts, layouts, SLURM_DIR)
-        )
+        sub.write_text(submit_wrapper(CHECKOUT))
         sub.chmod(0o755)
 
         rows = [r.row for r in runs]
         write_summary_csv(tmp / "SUMMARY.csv", rows)
         totals = totals_of(rows)
         (tmp / "SUMMARY.md").write_text(
-            summary_md(rows, totals, prices, eval_tasks, per_task)
+            summary_md(rows, totals, prices, eval_tasks, per_task, opts.branches)
+            + arrays_md(arrays, opts)
             + startup_md(rows, [n for _, n in startups.values()]),
             encoding="utf-8",
         )
@@ -171,4 +205,21 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
         if root.exists():
             root.unlink()
         tmp.rename(root)
-    return dict(totals, runs=len(runs), prices=prices)
+    return dict(totals, runs=len(runs), prices=prices, arrays=arrays)
+
+
+def eval_arrays(
+    opts: PlanOptions, sizes: dict[str, tuple], figures: dict, runs_per_task: int
+) -> dict[tuple[str, str], ArrayShape]:
+    """(size, task) -> its evaluation arrays' runs per element, elements and time limit, from a
+    run's priced seconds (`eval_run_seconds`)."""
+    return {
+        (size, t): array_shape(
+            eval_run_seconds(t, size, sizes, figures),
+            runs_per_task,
+            opts.max_job_hours,
+            opts.eval_runs_per_job,
+        )
+        for size in sizes
+        for t in opts.eval_tasks
+    }

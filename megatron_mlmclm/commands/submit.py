@@ -1,0 +1,34 @@
+"""`mlmclm submit PLAN`: submit a plan's jobs to SLURM from its job table (plan/submit.py), what is
+neither done nor queued, each after the jobs it waits on. Safe to run again at any time; the
+plan's submit_slurm.sh runs it. Needs the standard library only (a login node's python3).
+
+    mlmclm submit plans/study
+    SBATCH_EXTRA="--account X --partition Y" mlmclm submit plans/study
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from megatron_mlmclm.plan.submit import PLANNED, VARIABLES, submit
+
+
+def add_arguments(p) -> None:
+    p.add_argument("plan", metavar="PLAN", help="the folder `mlmclm plan --out` wrote")
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    rows = []
+    for name, what in VARIABLES.items():
+        first, *rest = textwrap.wrap(what, 60, break_on_hyphens=False)
+        rows += [f"  {name:<18}{first}", *(" " * 20 + line for line in rest)]
+    refused = ", ".join(f"{name} ({flag})" for name, flag in PLANNED.items())
+    p.epilog = (
+        "environment variables (all optional; docs/cluster.md#5-submit):\n"
+        + "\n".join(rows)
+        + f"\nset by the plan, refused here: {refused}"
+    )
+
+
+def run(args) -> int:
+    submit(args.plan)
+    return 0
