@@ -17,13 +17,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from megatron_mlmclm.cli import command_parser, main, parse_command_args
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.tasks import load_registry, suite
 from megatron_mlmclm.plan.compute import flops_config, pricing, read_measurements
 from megatron_mlmclm.plan.evaluation import eval_run_seconds, read_eval_figures
-from megatron_mlmclm.plan.jobs import EVAL_MARGIN, EVAL_STARTUP_S
-from megatron_mlmclm.plan.submit import VARIABLES, submit
+from megatron_mlmclm.plan.jobs import EVAL_MARGIN, EVAL_STARTUP_S, array_shape
+from megatron_mlmclm.plan.submit import PLANNED, VARIABLES, read_settings, submit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -578,3 +581,53 @@ def test_the_docs_list_every_variable_submit_reads():
     section = section.split("\n## ", 1)[0]
     listed = re.findall(r"^\| `(\w+)` \|", section, re.M)
     assert listed == list(VARIABLES)
+
+
+# ------------------------------------------------------------------------------------ fuzzed
+
+FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=100)
+VALUES = st.one_of(
+    st.sampled_from(["", "0", "1", "8", "-1", "16", "x", "'", '"a b"', "train.steps=0",
+                     "train.steps=12 a.b=2", "--account a --partition 'b c'", "1.5", " 3 ",
+                     "00", "\u00b2", "\u0663"]),
+    st.text(max_size=12),
+)  # fmt: skip
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from([*VARIABLES, *PLANNED]), VALUES, max_size=6))
+@example({"EVAL_MAX_RUNNING": "\u00b2"})  # a digit int() does not read
+@example({"GPUS_PER_NODE": "00", "PRETRAIN_ARGS": "train.steps=\u0663"})
+def test_any_environment_is_read_or_refused_in_one_line(env):
+    """Whatever the variables hold, `read_settings` returns settings or one UsageError line."""
+    table = {"gpus_per_node": 8, "data_dir": None, "slurm_dir": "/templates"}
+    try:
+        s = read_settings(env, table)
+    except UsageError as e:
+        assert "\n" not in str(e) and str(e)
+        return
+    assert s.max_running >= 1 and s.workers >= 1 and (s.steps is None or s.steps >= 1)
+    gpus = env.get("GPUS_PER_NODE", "").strip()
+    assert s.gpus == (not gpus or int(gpus) != 0)
+
+
+@FUZZ
+@given(
+    st.floats(0.01, 1e6, allow_nan=False),
+    st.integers(1, 500),
+    st.floats(0.17, 200, allow_nan=False),
+    st.one_of(st.none(), st.integers(1, 600)),
+)
+def test_an_array_covers_its_runs_within_the_cap(seconds, runs, hours, per_job):
+    """Every run in an element; a time limit that covers the element's runs at the margin plus
+    the start-up unless that is over the cap, and never over the cap."""
+    a = array_shape(seconds, runs, hours, per_job)
+    assert 1 <= a.runs_per_element <= runs and a.elements * a.runs_per_element >= runs
+    assert (a.elements - 1) * a.runs_per_element < runs
+    assert a.minutes <= hours * 60
+    need = EVAL_STARTUP_S + a.runs_per_element * EVAL_MARGIN * seconds
+    assert a.capped == (need > math.floor(hours * 60) * 60)
+    if not a.capped:
+        assert need <= a.minutes * 60 < need + 60
+    if per_job is not None:
+        assert a.runs_per_element == min(per_job, runs)

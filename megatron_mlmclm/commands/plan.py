@@ -216,7 +216,7 @@ def runs_per_job(value: str) -> int | None:
     """--eval-runs-per-job: N, or auto (None)."""
     if value == "auto":
         return None
-    if not value.isdigit() or int(value) < 1:
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
         raise UsageError(f"--eval-runs-per-job takes a number >= 1 or auto, got '{value}'")
     return int(value)
 

@@ -100,7 +100,7 @@ def read_settings(env: dict[str, str], table: dict) -> Settings:
             raise UsageError(f"{name}: {e}") from None
 
     def count(name: str, value: str, least: int) -> int:
-        if not value.isdigit() or int(value) < least:
+        if not (value.isascii() and value.isdigit()) or int(value) < least:
             raise UsageError(f"{name} must be a whole number >= {least}, got '{value}'")
         return int(value)
 
