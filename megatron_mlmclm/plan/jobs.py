@@ -106,7 +106,7 @@ def eval_grid_args(opts: PlanOptions) -> list[str]:
     return out
 
 
-def eval_array_size(opts: PlanOptions) -> int:
+def eval_runs_per_model(opts: PlanOptions) -> int:
     """A model's fine-tuning runs: tasks x learning rates x seeds."""
     return (
         len(opts.eval_tasks)
@@ -118,7 +118,7 @@ def eval_array_size(opts: PlanOptions) -> int:
 # ------------------------------------------------------------ evaluation arrays sized to finish
 
 EVAL_MARGIN = 1.5  # an element's time limit: its runs' priced time x this, plus the start-up
-EVAL_STARTUP_S = 600.0  # an element's start-up allowance: imports, the model, the task's splits
+EVAL_STARTUP_S = 600.0  # an element's start-up allowance (assumed): imports, model, task's splits
 EVAL_TARGET_HOURS = 4.0  # auto runs per element: as many as fit in this (or the cap, if less)
 
 

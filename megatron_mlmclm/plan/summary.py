@@ -155,9 +155,9 @@ def arrays_md(arrays: dict[tuple[str, str], ArrayShape], opts: PlanOptions) -> s
             else f"{opts.eval_runs_per_job} fine-tuning runs (`--eval-runs-per-job`)"
         )
         + f"; its time limit is their price x {EVAL_MARGIN:g} plus {EVAL_STARTUP_S / 60:.0f} "
-        f"minutes of start-up, at most `--max-job-hours` ({opts.max_job_hours:g}). An element "
-        "whose runs need more stops at that limit: its runs resume when `mlmclm submit` runs "
-        "again.\n\n| task | size | runs an element | elements | time limit |\n"
+        f"minutes of start-up (assumed), at most `--max-job-hours` ({opts.max_job_hours:g}). "
+        "An element whose runs need more stops at that limit: its runs resume when `mlmclm "
+        "submit` runs again.\n\n| task | size | runs an element | elements | time limit |\n"
         "|---|---|---:|---:|---|\n"
     )
     for task in opts.eval_tasks:

@@ -34,8 +34,8 @@ from megatron_mlmclm.plan.jobs import (
     ArrayShape,
     Folders,
     array_shape,
-    eval_array_size,
     eval_grid_args,
+    eval_runs_per_model,
     job_script,
     job_table,
     submit_wrapper,
@@ -100,7 +100,7 @@ def write_plan(
 
     # Build and validate everything in memory first: bad input leaves no files behind.
     layouts = {r.name: layout_for(r.size, nodes[r.size], opts.gpus_per_node) for r in runs}
-    per_task = eval_array_size(opts) // len(opts.eval_tasks)  # learning rates x seeds
+    per_task = eval_runs_per_model(opts) // len(opts.eval_tasks)  # learning rates x seeds
     sizes = {}  # size -> (shape, seq_length, FLOP rate): what its fine-tuning runs are priced at
     for r in runs:
         r.config = run_config(r, opts, runs_dir, layouts[r.name])
@@ -187,7 +187,7 @@ def write_plan(
             cfg_paths,
             runs_dir,
             hf_dir,
-            eval_array_size(opts),
+            eval_runs_per_model(opts),
         )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
