@@ -147,6 +147,9 @@ def test_the_default_plan_submits_every_job_after_what_it_needs(study):
         assert needs(cpt["200"]) == f"{runs}/{src}/checkpoints/iter_0042000/metadata.json"
         assert dependency(cpt["10000"]) == [cpt["200"]]
         assert dependency(cpt["end"]) == [cpt["10000"]]
+        assert needs(cpt["end"]).endswith(
+            "-dec42k-mlm40-64k/checkpoints/iter_0010000/metadata.json"
+        )
         for total, at in ((44, "200"), (54, "10000")):
             [ln] = segments(f"{tag}-dec42k-mlm40-{total}k").values()
             assert dependency(ln) == [cpt[at]]
@@ -158,11 +161,17 @@ def test_the_default_plan_submits_every_job_after_what_it_needs(study):
         assert dependency(ln) == [stable[at]]
         assert needs(ln) == f"{runs}/610m-mlm40-42k/checkpoints/iter_00{at}/metadata.json"
     clm = segments("610m-clm-42k")  # the CLM stable run stops at every switch step too
-    switches = {3000, 6000, 9000, 5500, 11000, 16500, 10500, 21000, 31500, 10000, 20000}
-    assert list(clm) == [str(s) for s in sorted(switches)] + ["end"]
+    switches = {12: (3000, 6000, 9000), 22: (5500, 11000, 16500), 42: (10500, 21000, 31500)}
+    kept = {10000, 20000} | {at for ats in switches.values() for at in ats}
+    assert list(clm) == [str(s) for s in sorted(kept)] + ["end"]
+    for budget, ats in switches.items():  # each biphasic run waits for its own switch step
+        for at in ats:
+            [ln] = segments(f"610m-clm-{at // 1000}k-mlm40-{budget}k").values()
+            assert dependency(ln) == [clm[str(at)]]
     for ln in converts:  # the run's last checkpoint, given by its step
         ckpt = ln.split("convert.sbatch ")[1].split()[0]
         assert needs(ln) == f"{ckpt}/metadata.json" and "pretrain.sbatch" in dependency(ln)[0]
+    assert needs(converts[0]).endswith("/210m-clm-42k/checkpoints/iter_0042000/metadata.json")
     # one array per model and task, after the model's export, checking it is there and newer
     # than the run's last checkpoint
     by_model: dict[str, list[str]] = {}
