@@ -41,6 +41,10 @@ class PlanOptions:
     eval_data_dir: str | None = None  # the jobs' MLMCLM_DATA_DIR (default: the plan's)
     eval_lrs: list[float] = field(default_factory=list)  # empty: evaluate's default grid
     eval_seeds: list[int] = field(default_factory=list)
+    eval_protocol: str = "default"  # mlmclm evaluate --protocol: default | encodeval
+    eval_probe: list[str] = field(default_factory=list)  # `mlmclm evaluate --probe` files
+    # resolved by commands/plan.py from eval/ (never flags): task -> how evaluate runs it
+    eval_runs: dict = field(default_factory=dict)
     save_interval: int = 1000
     # cluster and compute estimate
     throughput: list[str] = field(default_factory=list)  # SIZE=N: CLM tokens/s per GPU

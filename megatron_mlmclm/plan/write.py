@@ -20,7 +20,14 @@ from megatron_mlmclm.plan.compute import (
     startup_cost,
     startup_pricing,
 )
-from megatron_mlmclm.plan.evaluation import FIGURES, eval_columns, read_eval_figures, task_table
+from megatron_mlmclm.plan.evaluation import (
+    FIGURES,
+    Size,
+    eval_columns,
+    price_runs,
+    read_eval_figures,
+    read_probes,
+)
 from megatron_mlmclm.plan.grid import build_grid, probe_config, run_config
 from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
@@ -29,6 +36,7 @@ from megatron_mlmclm.plan.summary import (
     startup_md,
     summary_md,
     totals_of,
+    write_eval_csv,
     write_manifest,
     write_summary_csv,
 )
@@ -70,20 +78,20 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     # Build and validate everything in memory first: bad input leaves no files behind.
     layouts = {r.name: layout_for(r.size, nodes[r.size], opts.gpus_per_node) for r in runs}
     per_task = eval_array_size(opts) // len(opts.eval_tasks)  # learning rates x seeds
-    sizes = {}  # size -> (shape, seq_length, FLOP rate): what its fine-tuning runs are priced at
+    sizes: dict[str, Size] = {}  # what each size's fine-tuning runs are priced at
     for r in runs:
         r.config = run_config(r, opts, runs_dir, layouts[r.name])
         r.row = compute_row(r, layouts[r.name], prices[r.size])
         r.row.update(startup_cost(r, layouts[r.name], prices[r.size], startups[r.size][0]))
         cfg = flops_config(r.config)
-        sizes.setdefault(
-            r.size, (cfg.model.shape(), cfg.model.seq_length, prices[r.size].flop_rate(cfg))
-        )
-        r.row.update(eval_columns(opts.eval_tasks, per_task, figures, *sizes[r.size]))
+        rate = prices[r.size].flop_rate(cfg)
+        sizes.setdefault(r.size, Size(r.size, cfg.model.shape(), cfg.model.seq_length, rate))
+    eval_prices = price_runs(opts.eval_runs, figures, sizes, read_probes(opts.eval_probe))
+    for r in runs:
+        r.row.update(eval_columns(eval_prices, opts.eval_tasks, r.size, per_task))
         r.row["total_gpu_hours"] = round(
             r.row["gpu_hours"] + r.row["startup_gpu_hours"] + r.row["eval_gpu_hours"], 2
         )
-    eval_tasks = task_table(opts.eval_tasks, figures, sizes)
 
     tmp = root.with_name(root.name + ".tmp-plan")
     if tmp.exists():
@@ -141,10 +149,11 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
         write_summary_csv(tmp / "SUMMARY.csv", rows)
         totals = totals_of(rows)
         (tmp / "SUMMARY.md").write_text(
-            summary_md(rows, totals, prices, eval_tasks, per_task)
+            summary_md(rows, totals, prices, eval_prices, opts, per_task)
             + startup_md(rows, [n for _, n in startups.values()]),
             encoding="utf-8",
         )
+        write_eval_csv(tmp / "SUMMARY_EVAL.csv", eval_prices, rows, per_task)
         write_manifest(
             tmp / "manifest.tsv",
             runs,
