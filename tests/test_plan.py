@@ -573,8 +573,16 @@ def test_the_protocol_is_priced_and_named(tmp_path, capsys, data_dir):
     )  # fmt: skip
     assert counts.documents == 11 * 344
     assert "under `mlmclm evaluate --protocol encodeval`" in (out / "SUMMARY.md").read_text()
+    with open(out / "SUMMARY.csv", newline="") as f:
+        encodeval_hours = sum(float(r["eval_gpu_hours"]) for r in csv.DictReader(f))
     assert main([*argv, "--force"]) == 0
     default = eval_rows(out)
+    said = re.search(
+        r"Under `--eval-protocol encodeval` \(the paper's own evaluation code, which reproduces "
+        r"its tables: .*\) the same evaluation would cost ([\d,.]+) GPU-hours",
+        (out / "SUMMARY.md").read_text(),
+    )
+    assert said and float(said.group(1)) == pytest.approx(encodeval_hours, abs=0.05)
     assert float(default[("scifact", "210m")]["evaluation_s"]) > float(
         enc[("scifact", "210m")]["evaluation_s"]
     )

@@ -220,7 +220,7 @@ def evaluation(options: PlanOptions) -> tuple[PlanOptions, list[str]]:
         options,
         eval_tasks=[t.name for t in tasks],
         eval_data_dir=str(root) if root else None,
-        eval_runs={t.name: task_run(t, options.eval_protocol) for t in tasks},
+        eval_runs={p: {t.name: task_run(t, p) for t in tasks} for p in PROTOCOLS},
     )
     return resolved, to_fetch
 

@@ -43,7 +43,8 @@ class PlanOptions:
     eval_seeds: list[int] = field(default_factory=list)
     eval_protocol: str = "default"  # mlmclm evaluate --protocol: default | encodeval
     eval_probe: list[str] = field(default_factory=list)  # `mlmclm evaluate --probe` files
-    # resolved by commands/plan.py from eval/ (never flags): task -> how evaluate runs it
+    # resolved by commands/plan.py from eval/ (never flags): protocol -> task -> how `mlmclm
+    # evaluate` runs it (every protocol: the summary prices the others beside the plan's)
     eval_runs: dict = field(default_factory=dict)
     save_interval: int = 1000
     # cluster and compute estimate

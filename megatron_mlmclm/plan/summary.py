@@ -26,6 +26,7 @@ def summary_md(
     eval_prices: dict,
     opts: PlanOptions,
     runs_per_task: int,
+    other_protocols: dict,
 ) -> str:
     out = io.StringIO()
     w = out.write
@@ -91,7 +92,7 @@ def summary_md(
         by_kind.setdefault(r["kind"], []).append(r)
     for kind, rs in by_kind.items():
         w(f"- {kind}: {len(rs)} runs, {sum(x['gpu_hours'] for x in rs):,.1f} GPU-hours\n")
-    w(eval_md(rows, totals, eval_prices, opts, runs_per_task))
+    w(eval_md(rows, totals, eval_prices, opts, runs_per_task, other_protocols))
     w(
         "\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `submit_slurm.sh`, `manifest.tsv`, "
         "`SUMMARY.csv`. See docs/plan.md.\n"
@@ -99,9 +100,24 @@ def summary_md(
     return out.getvalue()
 
 
-def eval_md(rows: list[dict], totals: dict, prices: dict, opts: PlanOptions, per_task: int) -> str:
+# What each protocol is for (eval/protocols.py; docs/evaluate.md)
+PROTOCOL_USE = {
+    "default": "the field's metrics, retrieval ranked over the whole corpus as BEIR and MTEB do",
+    "encodeval": "the paper's own evaluation code, which reproduces its tables: retrieval ranked "
+    "over the judged documents only",
+}
+
+
+def eval_md(
+    rows: list[dict],
+    totals: dict,
+    prices: dict,
+    opts: PlanOptions,
+    per_task: int,
+    other_protocols: dict,
+) -> str:
     """The evaluation's price: per task and size, a run's seconds and where they come from, the
-    runs and GPU-hours; the totals; the assumptions."""
+    runs and GPU-hours; the totals; the other protocols' price; the assumptions."""
     models = {}  # size -> models of that size
     for r in rows:
         models[r["size"]] = models.get(r["size"], 0) + 1
@@ -110,7 +126,8 @@ def eval_md(rows: list[dict], totals: dict, prices: dict, opts: PlanOptions, per
     tasks = opts.eval_tasks
     w(
         f"\n## Evaluation\n\nEvery model fine-tunes {len(tasks)} task(s) x {per_task} runs "
-        f"(learning rates x seeds) under `mlmclm evaluate --protocol {opts.eval_protocol}`, one "
+        f"(learning rates x seeds) under `mlmclm evaluate --protocol {opts.eval_protocol}` "
+        f"({PROTOCOL_USE.get(opts.eval_protocol, 'a protocol of eval/protocols.py')}), one "
         "GPU a run (plan/evaluation.py). A run's seconds: its start-up (process, model, the "
         "task's data read and tokenized), its training steps and its evaluations (every "
         "validation of the curve, the test). Where `figures` says measured, the evaluation "
@@ -127,7 +144,8 @@ def eval_md(rows: list[dict], totals: dict, prices: dict, opts: PlanOptions, per
             b = p.seconds
             runs = per_task * n_models
             w(
-                f"| {t} | {opts.eval_runs[t].family} | {size} | {p.steps} | {p.validations} | "
+                f"| {t} | {opts.eval_runs[opts.eval_protocol][t].family} | {size} | {p.steps} | "
+                f"{p.validations} | "
                 f"{b.total:,.0f} ({b.startup:,.0f} + {b.train:,.0f} + {b.evaluation:,.0f}) | "
                 f"{runs:,} | {b.total * runs / 3600:,.1f} | {p.source} |\n"
             )
@@ -137,6 +155,14 @@ def eval_md(rows: list[dict], totals: dict, prices: dict, opts: PlanOptions, per
         f"({len(rows)} models x {len(tasks) * per_task} runs), total "
         f"{totals['total_gpu_hours']:,.1f}.\n"
     )
+    for name, other in other_protocols.items():
+        hours = sum(
+            other[(t, r["size"])].seconds.total * per_task / 3600 for r in rows for t in tasks
+        )
+        w(
+            f"\nUnder `--eval-protocol {name}` ({PROTOCOL_USE.get(name, name)}) the same "
+            f"evaluation would cost {hours:,.1f} GPU-hours by the cost model.\n"
+        )
     if any(p.source != "measured" for p in prices.values()):
         w(
             "\nThe cost model, where no probe measured a task (assumed figures are named so; "

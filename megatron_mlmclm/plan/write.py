@@ -86,7 +86,13 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
         cfg = flops_config(r.config)
         rate = prices[r.size].flop_rate(cfg)
         sizes.setdefault(r.size, Size(r.size, cfg.model.shape(), cfg.model.seq_length, rate))
-    eval_prices = price_runs(opts.eval_runs, figures, sizes, read_probes(opts.eval_probe))
+    probes = read_probes(opts.eval_probe)
+    eval_prices = price_runs(opts.eval_runs[opts.eval_protocol], figures, sizes, probes)
+    other_protocols = {  # what the same evaluation costs under each other protocol (assumed)
+        name: price_runs(runs, figures, sizes, {})
+        for name, runs in opts.eval_runs.items()
+        if name != opts.eval_protocol
+    }
     for r in runs:
         r.row.update(eval_columns(eval_prices, opts.eval_tasks, r.size, per_task))
         r.row["total_gpu_hours"] = round(
@@ -149,7 +155,7 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
         write_summary_csv(tmp / "SUMMARY.csv", rows)
         totals = totals_of(rows)
         (tmp / "SUMMARY.md").write_text(
-            summary_md(rows, totals, prices, eval_prices, opts, per_task)
+            summary_md(rows, totals, prices, eval_prices, opts, per_task, other_protocols)
             + startup_md(rows, [n for _, n in startups.values()]),
             encoding="utf-8",
         )
