@@ -351,6 +351,8 @@ def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, da
     assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'iter_0000002'} at step 2" in (
         second.stderr
     )
+    # the second start reads its sample index from the cache the first one wrote
+    assert "sample indexes: 1 of 1 loaded from the cache, 0 built" in second.stderr
     steps = [
         json.loads(line).get("step")
         for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -251,3 +251,26 @@ def test_index_cli(shards, tmp_path, capsys):
         )
         == 2
     )
+
+
+def test_what_mlmclm_index_builds_every_run_reads(tmp_path, capsys):
+    """`mlmclm index` without --cache-dir writes where a run without data.cache_dir reads (cache/
+    beside the first prefix), and the index built for the longest run serves a shorter one:
+    the run's datasets (build_train_dataset, as training/datasets.py calls it) load every prefix
+    from that cache, and its start line says so."""
+    from megatron_mlmclm.training.datasets import index_summary
+
+    a = write_shard(tmp_path / "a", LENGTHS_A, 1)
+    b = write_shard(tmp_path / "b", LENGTHS_B, 2)
+    argv = ["index", "--data-prefix", a, b, "--seq-length", str(S), "--seed", "3"]
+    assert cli_main([*argv, "--num-samples", "40"]) == 0
+    assert capsys.readouterr().out.count("built") == 2
+    assert sorted(os.listdir(tmp_path / "cache")) and not (tmp_path / "a" / "cache").exists()
+    shorter = build_train_dataset([a, b], S, 16, 3)  # a 16-sample run, data.cache_dir unset
+    assert [ds.index.from_cache for ds in shorter.datasets] == [True, True]
+    line = index_summary([shorter])
+    assert line.startswith("sample indexes: 2 of 2 loaded from the cache, 0 built"), line
+    assert str(tmp_path / "cache") in line
+    fresh = build_train_dataset([a, b], S, 16, 3, cache_dir=tmp_path / "elsewhere")
+    for k in range(16):
+        assert shorter[k]["tokens"].tolist() == fresh[k]["tokens"].tolist()

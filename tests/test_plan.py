@@ -16,7 +16,6 @@ import yaml
 
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config, run_flops
-from megatron_mlmclm.eval.finetune import FinetuneConfig
 from megatron_mlmclm.eval.tasks import load_registry, suite
 from megatron_mlmclm.flops import trunk_flops_per_token
 from megatron_mlmclm.plan import evaluation
@@ -25,6 +24,7 @@ from megatron_mlmclm.training.branch import check_history
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
+SIZES = ("210m", "610m", "1b")
 
 
 def expected_names() -> set[str]:
@@ -74,10 +74,30 @@ def test_the_docs_give_the_default_plans_figures(plan_dir):
     pre, starts, evaluation, total = (round(float(f.replace(",", ""))) for f in figures.groups())
     doc = (REPO / "docs" / "plan.md").read_text()
     assert f"{pre:,} GPU-hours of pretraining with branches" in doc
-    printed = f"and {starts:,} for job starts, {evaluation:,} of evaluation (13 tasks), {total:,}"
+    printed = (
+        f"and {starts:,} for job starts, {evaluation:,} of evaluation (13 tasks, protocol "
+        f"default), {total:,}\n# in total"
+    )
     assert printed in doc  # the command's last line, as the page shows it
     assert f"total with pretraining and job starts ({pre:,} + {starts:,})" in doc
-    assert f"| `--eval-suite paper` (default) | 13 | {evaluation:,} | {total:,} |" in doc
+    row = f"| `--eval-suite paper` (default) | `default` | 13 | {evaluation:,} | {total:,} |"
+    assert row in doc
+    sst2 = [round(float(eval_rows(plan_dir)[("sst2", s)]["seconds_per_run"])) for s in SIZES]
+    assert "a 1,000-step SST-2 run takes {} s at 210m, {} s at 610m and {} s at 1B".format(
+        *sst2
+    ) in " ".join(doc.split())
+
+
+def test_the_docs_give_the_encodeval_plans_figures(tmp_path):
+    out = tmp_path / "enc"
+    assert main(["plan", "--out", str(out), "--eval-protocol", "encodeval"]) == 0
+    with open(out / "SUMMARY.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    evaluation = round(sum(float(r["eval_gpu_hours"]) for r in rows))
+    total = round(sum(float(r["total_gpu_hours"]) for r in rows))
+    doc = (REPO / "docs" / "plan.md").read_text()
+    row = f"| `encodeval` | 13 | {evaluation:,} | {total:,} |"
+    assert f"| `--eval-suite paper --eval-protocol encodeval` {row}" in doc
 
 
 def test_configs_load_and_phases_fill_the_budget(plan_dir):
@@ -443,84 +463,208 @@ def test_a_malformed_measurement_exits_2(tmp_path, capsys, edit, expected):
 # ------------------------------------------------------------------------------ evaluation
 
 
-def test_evaluation_is_priced_per_task_beside_pretraining(plan_dir):
-    """The default plan evaluates the paper's sets; a 210m model's array costs, by hand from the
-    figures file and the run's counts (`run_counts`, held against real runs in
-    tests/eval/test_plan_counts.py): SC/TC/QA 3 forwards per training input and one per scored
-    input, IR 4 per training query and document and one per document and query encoded."""
-    figures = yaml.safe_load(evaluation.FIGURES.read_text())
-    tasks = suite("paper", load_registry())
-    cfg = flops_config(yaml.safe_load((plan_dir / "configs" / "210m-clm-42k.yaml").read_text()))
-    shape = cfg.model.shape()
+def eval_rows(plan: Path) -> dict[tuple[str, str], dict]:
+    with open(plan / "SUMMARY_EVAL.csv", newline="") as f:
+        return {(r["task"], r["size"]): r for r in csv.DictReader(f)}
+
+
+def sst2_run_by_hand(plan: Path, size: str) -> float:
+    """One SST-2 run's seconds at `size`, written out from docs/plan.md's cost model and the
+    figures file (no code of plan/evaluation.py): start-up, 1,000 steps each the larger of the
+    GPU's work and its launches, ten validations (nine of the 2,000-example curve sample, the
+    whole split) and the test, in length-sorted batches of 64."""
+    f = yaml.safe_load(evaluation.FIGURES.read_text())["sst2"]
+    config = next((plan / "configs").glob(f"{size}-*.yaml"))
+    cfg = flops_config(yaml.safe_load(config.read_text()))
+    shape, layers = cfg.model.shape(), cfg.model.num_layers
+    with open(plan / "SUMMARY.csv", newline="") as csv_file:
+        rate = next(
+            float(r["tflop_per_gpu_s"]) * 1e12
+            for r in csv.DictReader(csv_file)
+            if r["size"] == size
+        )
 
     def fwd(tokens):
-        n = min(tokens, 2027)  # 0.99 x 2048 positions
-        return n * trunk_flops_per_token(shape, round(n), causal_half=False)
+        return tokens * trunk_flops_per_token(shape, round(tokens), causal_half=False)
 
-    def run(task):
-        f = figures[task]
-        train = figures[f["train_task"]] if "train_task" in f else f
-        n = evaluation.run_counts(
-            f["family"],
-            train["train_examples"],
-            f["validation_examples"],
-            f["test_examples"],
-            f.get("corpus_documents", 0),
-        )
-        if f["family"] != "ir":
-            return (3 * 32 * n.steps + n.scored) * fwd(f["input_tokens"])
-        pair = fwd(train["query_tokens"]) + fwd(train["document_tokens"])
-        return (
-            4 * 32 * n.steps * pair
-            + n.documents * fwd(f["document_tokens"])
-            + n.queries * fwd(f["query_tokens"])
-        )
+    params = trunk_flops_per_token(shape, 0, causal_half=False) / 2 + 128256 * shape.hidden_size
+    update = params * 44 / 2.5e12  # bf16 autocast: 44 bytes a parameter at 2.5 TB/s
+    step = max(3 * 32 * fwd(f["padded_tokens"]) / rate + update, layers * 206 * 5e-6)
+    scored = 9 * 2000 + f["validation_examples"] + f["test_examples"]
+    batches = 9 * 32 + -(-f["validation_examples"] // 64) + -(-f["test_examples"] // 64)
+    evaluation_s = max(scored * fwd(f["input_tokens"]) / rate, batches * layers * 53 * 5e-6)
+    examples = f["train_examples"] + f["validation_examples"] + f["test_examples"]
+    startup = {"210m": 30, "610m": 45, "1b": 60}[size] + examples * f["input_tokens"] / 1e6
+    return startup + 1000 * step + evaluation_s
 
+
+def test_evaluation_is_priced_per_task_beside_pretraining(plan_dir):
+    """The default plan prices each task's run at each size by the cost model (no probe), its
+    assumptions named in SUMMARY.md; an SST-2 run written out by hand agrees, and is a minute or
+    more, not the 4 s that FLOPs alone at the pretraining rate once gave; each model's
+    evaluation GPU-hours are its tasks' runs summed."""
+    tasks = suite("paper", load_registry())
+    rows = eval_rows(plan_dir)
+    assert {t for t, _ in rows} == set(tasks) and {s for _, s in rows} == {"210m", "610m", "1b"}
+    for size in ("210m", "610m", "1b"):
+        got = float(rows[("sst2", size)]["seconds_per_run"])
+        assert got == pytest.approx(sst2_run_by_hand(plan_dir, size), rel=1e-3), size
+        assert got > 40
+    assert {r["priced_from"] for r in rows.values()} == {"assumed"}
     with open(plan_dir / "SUMMARY.csv", newline="") as f:
-        rows = {r["name"]: r for r in csv.DictReader(f)}
-    r = rows["210m-clm-42k"]
-    rate = float(r["tflop_per_gpu_s"]) * 1e12  # the size's pretraining FLOP rate
-    expected = 30 * sum(run(t) for t in tasks) / rate / 3600
-    assert float(r["eval_gpu_hours"]) == pytest.approx(expected, rel=1e-3)
-    assert int(r["eval_runs"]) == 30 * len(tasks)
-    for x in rows.values():  # every model of a size costs the same to evaluate
-        assert float(x["total_gpu_hours"]) == pytest.approx(
-            float(x["gpu_hours"]) + float(x["startup_gpu_hours"]) + float(x["eval_gpu_hours"]),
+        runs = {r["name"]: r for r in csv.DictReader(f)}
+    for r in runs.values():
+        per_model = sum(float(rows[(t, r["size"])]["seconds_per_run"]) for t in tasks) * 30 / 3600
+        assert float(r["eval_gpu_hours"]) == pytest.approx(per_model, abs=0.01)
+        assert int(r["eval_runs"]) == 30 * len(tasks)
+        assert float(r["total_gpu_hours"]) == pytest.approx(
+            float(r["gpu_hours"]) + float(r["startup_gpu_hours"]) + float(r["eval_gpu_hours"]),
             abs=0.011,
         )
-        assert x["eval_gpu_hours"] == rows[f"{x['size']}-clm-42k"]["eval_gpu_hours"]
     md = (plan_dir / "SUMMARY.md").read_text()
-    pre = sum(float(x["gpu_hours"]) for x in rows.values())
-    ev = sum(float(x["eval_gpu_hours"]) for x in rows.values())
-    line = re.search(r"\*\*GPU-hours\*\*: pretraining ([\d,.]+), .*, evaluation ([\d,.]+)", md)
-    assert line, md
-    shown = [float(x.replace(",", "")) for x in line.groups()]
-    assert shown == pytest.approx([pre, ev], abs=0.05 + 0.005 * len(rows))  # rows rounded to 0.01
-    for t in tasks:  # each task's row names where its figures come from
-        assert f"| {t} | {figures[t]['family']} |" in md and figures[t]["source"] in md
+    assert "under `mlmclm evaluate --protocol default`" in md
+    for assumed in ("5 us each", "2.5 TB/s", "206 operations a layer", "1,000,000 tokens/s"):
+        assert assumed in md, assumed
+    figures = yaml.safe_load(evaluation.FIGURES.read_text())
+    for t in tasks:  # each task's figures name their source
+        assert f"| {t} | {figures[t]['family']} | 610m |" in md and figures[t]["source"] in md
 
 
 def test_the_evaluation_figures_are_well_formed():
-    """Every task the plan may price by default has figures with a source; the protocol the
-    plan assumes is evaluate's default."""
+    """Every task the plan may price by default has figures with a source; a padded length is
+    at least the mean, judged documents at most the corpus."""
     figures = evaluation.read_eval_figures()
     registry = load_registry()
     mini = ["sst2", "mnli", "qqp", "conll2003", "squad", "scifact"]
     for name in [*suite("paper", registry), *mini, "msmarco_pairs"]:
-        assert name in figures and figures[name]["family"] == registry[name].family, name
-        assert figures[name].get("train_task") == registry[name].train_task, name
-    d = FinetuneConfig(model="", task="")
-    assert (d.batch_size, d.max_steps, d.epochs, d.eval_every, d.max_length_ratio) == (
-        evaluation.BATCH,
-        evaluation.MAX_STEPS,
-        evaluation.EPOCHS,
-        evaluation.EVAL_EVERY,
-        evaluation.MAX_LENGTH_RATIO,
+        f = figures[name]
+        assert f["family"] == registry[name].family, name
+        assert f.get("train_task") == registry[name].train_task, name
+        if "padded_tokens" in f:
+            assert f["input_tokens"] <= f["padded_tokens"] <= 2027, name
+        if "judged_documents" in f:
+            assert f["judged_documents"] <= f["corpus_documents"], name
+        if "padded_query_tokens" in f:
+            assert f["query_tokens"] <= f["padded_query_tokens"], name
+            assert f["document_tokens"] <= f["padded_document_tokens"], name
+
+
+def test_the_protocol_is_priced_and_named(tmp_path, capsys, data_dir):
+    """`--eval-protocol encodeval` prices what that protocol runs, read from eval/'s protocols
+    (no copy in the plan): CoNLL-2003 for one epoch (its entry's EncodEval setting: 439 steps of
+    32), SST-2 and SciFact for 1,000, retrieval over the judged documents only (SciFact: 344, at
+    each of 10 validations and the test)."""
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), *SMALL, "--eval-tasks", "sst2", "conll2003", "scifact"]
+    argv += ["--eval-data-dir", str(data_dir)]
+    assert main([*argv, "--eval-protocol", "encodeval"]) == 0
+    assert "(3 tasks, protocol encodeval)" in capsys.readouterr().out
+    enc = eval_rows(out)
+    assert [enc[(t, "210m")]["steps"] for t in ("sst2", "conll2003", "scifact")] == [
+        "1000",
+        "439",
+        "1000",  # 811 pairs: 1,000 steps is 39 epochs
+    ]
+    counts = evaluation.run_counts(
+        "ir", 811, 94, 300, 5183, batch=32, max_steps=1000, epochs=None, eval_every=100,
+        corpus="judged_eval", judged_documents=344,
+    )  # fmt: skip
+    assert counts.documents == 11 * 344
+    assert "under `mlmclm evaluate --protocol encodeval`" in (out / "SUMMARY.md").read_text()
+    with open(out / "SUMMARY.csv", newline="") as f:
+        encodeval_hours = sum(float(r["eval_gpu_hours"]) for r in csv.DictReader(f))
+    assert main([*argv, "--force"]) == 0
+    default = eval_rows(out)
+    said = re.search(
+        r"Under `--eval-protocol encodeval` \(the paper's own evaluation code, which reproduces "
+        r"its tables: .*\) the same evaluation would cost ([\d,.]+) GPU-hours",
+        (out / "SUMMARY.md").read_text(),
     )
-    assert d.curve_examples == evaluation.CURVE_EXAMPLES
-    assert {registry[t].validation_documents for t in suite("paper", registry)} == {
-        evaluation.VALIDATION_DOCUMENTS
-    }
+    assert said and float(said.group(1)) == pytest.approx(encodeval_hours, abs=0.05)
+    assert float(default[("scifact", "210m")]["evaluation_s"]) > float(
+        enc[("scifact", "210m")]["evaluation_s"]
+    )
+
+
+def probe_file(path: Path, size: str, tasks: dict, protocol: str = "default") -> str:
+    path.write_text(
+        json.dumps(
+            {
+                "kind": "mlmclm-eval-probe",
+                "schema": 1,
+                "size": size,
+                "protocol": protocol,
+                "device": "NVIDIA H100 80GB HBM3",
+                "precision": "bf16",
+                "date": "2026-12-07",
+                "versions": {},
+                "tasks": tasks,
+            }
+        )
+    )
+    return str(path)
+
+
+SST2_PROBE = {"family": "sc", "batch": 32, "steps": 200, "startup_s": 20.0, "step_s": 0.05,
+              "first_steps_s": 3.0, "mean_tokens": 13.2, "padded_tokens": 39.0,
+              "scored_per_s": 4000.0}  # fmt: skip
+
+
+def test_a_probe_prices_what_it_measured_and_calibrates_its_family(tmp_path, capsys, data_dir):
+    """With `--eval-probe`, a task the probe ran is priced from its measurement (start-up plus
+    the warm-up steps' excess, steps x the step's seconds, the inputs scored at its rate); another
+    task of the same family is the cost model scaled part by part by the probed task's
+    measured / modelled ratio; a family the probe did not run stays assumed."""
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), *SMALL, "--eval-tasks", "sst2", "mnli", "conll2003"]
+    argv += ["--eval-data-dir", str(data_dir)]
+    assert main(argv) == 0
+    model = eval_rows(out)
+    probe = probe_file(tmp_path / "probe.json", "210m", {"sst2": SST2_PROBE})
+    assert main([*argv, "--force", "--eval-probe", probe]) == 0
+    capsys.readouterr()
+    got = eval_rows(out)
+    sst2 = got[("sst2", "210m")]
+    scored = 9 * 2000 + 3377 + 872
+    assert sst2["priced_from"] == "measured"
+    assert float(sst2["startup_s"]) == pytest.approx(20.0 + 3.0 - 10 * 0.05, abs=0.1)
+    assert float(sst2["train_s"]) == pytest.approx(1000 * 0.05, abs=0.1)
+    assert float(sst2["evaluation_s"]) == pytest.approx(scored / 4000.0, abs=0.1)
+    mnli, base = got[("mnli", "210m")], model[("mnli", "210m")]
+    assert mnli["priced_from"] == "calibrated" and "sst2" in mnli["note"]
+    for part in ("startup_s", "train_s", "evaluation_s"):
+        ratio = float(sst2[part]) / float(model[("sst2", "210m")][part])
+        assert float(mnli[part]) == pytest.approx(float(base[part]) * ratio, rel=0.01, abs=0.2), (
+            part
+        )
+    assert got[("conll2003", "210m")] == model[("conll2003", "210m")]  # no TC probe: assumed
+    md = (out / "SUMMARY.md").read_text()
+    assert "| sst2 | sc | 210m |" in md and "| measured |" in md and "| calibrated |" in md
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda p: p.update(kind="other"), "not an `mlmclm evaluate --probe` file"),
+        (lambda p: p.update(protocol="encodeval"), "measured under protocol 'encodeval'"),
+        (lambda p: p["tasks"]["sst2"].update(batch=16), "probed at batch 16"),
+        (lambda p: p["tasks"]["sst2"].update(step_s=float("nan")), "step_s must be a positive"),
+        (lambda p: p["tasks"]["sst2"].update(scored_per_s=-1), "scored_per_s must be a positive"),
+        (lambda p: p["tasks"]["sst2"].pop("startup_s"), "startup_s must be a positive"),
+    ],
+)
+def test_a_bad_probe_exits_2(tmp_path, capsys, data_dir, edit, expected):
+    ok = probe_file(tmp_path / "ok.json", "210m", {"sst2": dict(SST2_PROBE)})
+    raw = json.loads(Path(ok).read_text())
+    edit(raw)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(raw))
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), *SMALL, "--eval-tasks", "sst2"]
+    assert main([*argv, "--eval-data-dir", str(data_dir), "--eval-probe", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not out.exists()
 
 
 SMALL = ["--sizes", "210m", "--budgets", "12000", "--mask-ratios", "0.4", "--clm-shares",

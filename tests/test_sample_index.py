@@ -304,22 +304,21 @@ def test_cache_hit_key_and_atomic_files(tmp_path):
     )
     assert b.num_packed == a.num_packed
 
-    key = si.cache_key(lengths, 32, 3, 200, None)
+    key = si.cache_key(lengths, 32, 3, a.num_epochs)
     changed = lengths.copy()
     changed[17] += 1
     variants = [
-        si.cache_key(changed, 32, 3, 200, None),
-        si.cache_key(lengths, 33, 3, 200, None),
-        si.cache_key(lengths, 32, 4, 200, None),
-        si.cache_key(lengths, 32, 3, 201, None),
-        si.cache_key(lengths, 32, 3, None, 200),
-        si.cache_key(lengths[:-1], 32, 3, 200, None),
+        si.cache_key(changed, 32, 3, a.num_epochs),
+        si.cache_key(lengths, 33, 3, a.num_epochs),
+        si.cache_key(lengths, 32, 4, a.num_epochs),
+        si.cache_key(lengths, 32, 3, a.num_epochs + 1),
+        si.cache_key(lengths[:-1], 32, 3, a.num_epochs),
     ]
     assert len({key, *variants}) == len(variants) + 1
     old = si.FORMAT_VERSION
     try:
         si.FORMAT_VERSION = old + 1
-        assert si.cache_key(lengths, 32, 3, 200, None) != key
+        assert si.cache_key(lengths, 32, 3, a.num_epochs) != key
     finally:
         si.FORMAT_VERSION = old
 
@@ -405,3 +404,36 @@ def test_a_missing_extension_is_one_line_at_the_start(monkeypatch, tmp_path, cap
     argv = ["index", "--data-prefix", str(tmp_path / "x"), "--seq-length", "8", "--epochs", "1"]
     assert main(argv) == 2
     assert "is not built" in capsys.readouterr().err
+
+
+def test_one_cached_index_serves_every_shorter_request(tmp_path):
+    """An entry holds whole epochs, so the index built for the longest run (`mlmclm index`) serves
+    every run of the same data, seq_length and seed that asks for fewer samples: loaded from the
+    cache, its stream positions read the samples a fresh, uncached build for that request reads;
+    a request past its epochs builds a new entry."""
+    lengths = np.random.default_rng(5).integers(1, 60, size=200).astype(np.int32)
+    seq = 16
+    one_epoch = build_sample_index(lengths, seq, 7, num_epochs=1).num_packed
+    big = build_sample_index(lengths, seq, 7, num_samples=one_epoch + 5, cache_dir=tmp_path)
+    assert not big.from_cache and big.num_epochs >= 2
+
+    def stream(ix, n):  # (document, first token, last token) of every sample of the first n
+        out = []
+        for k in range(n):
+            (d0, o0), (d1, o1) = (
+                ix.sample_idx[ix.shuffle_idx[k]],
+                ix.sample_idx[ix.shuffle_idx[k] + 1],
+            )
+            out.append((int(ix.doc_idx[d0]), int(o0), int(ix.doc_idx[d1]), int(o1)))
+        return out
+
+    for n in (1, one_epoch // 2, one_epoch, big.num_packed):
+        hit = build_sample_index(lengths, seq, 7, num_samples=n, cache_dir=tmp_path)
+        fresh = build_sample_index(lengths, seq, 7, num_samples=n)
+        assert hit.from_cache and len(hit) == n == len(fresh)
+        assert stream(hit, n) == stream(fresh, n)
+    files = len(os.listdir(tmp_path))
+    more = build_sample_index(lengths, seq, 7, num_samples=big.num_packed + 1, cache_dir=tmp_path)
+    assert not more.from_cache and len(os.listdir(tmp_path)) == files + len(si.ARRAYS) + 1
+    again = build_sample_index(lengths, seq, 7, num_epochs=big.num_epochs, cache_dir=tmp_path)
+    assert again.from_cache and len(again) == big.num_packed

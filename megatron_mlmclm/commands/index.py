@@ -24,13 +24,14 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--cache-dir",
         default=None,
-        help="index cache directory (default: <first prefix dir>/cache)",
+        help="index cache directory (default: <first prefix dir>/cache, where a run without "
+        "data.cache_dir reads)",
     )
 
 
 def run(args) -> int:
     # Imported here: megatron-core would slow `mlmclm index --help`.
-    from megatron_mlmclm.data.dataset import index_shards, parse_prefixes
+    from megatron_mlmclm.data.dataset import default_cache_dir, index_shards, parse_prefixes
     from megatron_mlmclm.data.sample_index import require_extension
 
     require_extension()  # a missing build is one line, before any shard is read
@@ -43,7 +44,12 @@ def run(args) -> int:
         raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
-    cache_dir = args.cache_dir or str(Path(prefixes[0]).resolve().parent / "cache")
+    cache_dir = args.cache_dir or default_cache_dir(prefixes)
+    if cache_dir is None:
+        raise UsageError(
+            f"cannot write the default cache {Path(prefixes[0]).resolve().parent / 'cache'}; "
+            "give --cache-dir (and the same data.cache_dir to the runs)"
+        )
     for prefix, w, index, seconds in index_shards(
         prefixes,
         weights,

@@ -13,10 +13,11 @@ from pathlib import Path
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.fetch import check_data, required_files
-from megatron_mlmclm.eval.protocols import PROTOCOLS
+from megatron_mlmclm.eval.protocols import PROTOCOLS, resolve, run_settings
 from megatron_mlmclm.eval.tasks import Task, get_task, load_registry, suite
 from megatron_mlmclm.paths import data_dir
 from megatron_mlmclm.plan.compute import DEFAULT_STARTUP_S, DEFAULT_THROUGHPUT
+from megatron_mlmclm.plan.evaluation import TaskRun
 from megatron_mlmclm.plan.jobs import EVAL_LRS, EVAL_MARGIN, EVAL_SEEDS, EVAL_TARGET_HOURS
 from megatron_mlmclm.plan.layout import LAYOUTS
 from megatron_mlmclm.plan.options import PlanOptions
@@ -130,6 +131,22 @@ def add_arguments(p) -> None:
         "megatron_mlmclm/plan/eval_tasks.yaml)",
     )
     r.add_argument(
+        "--eval-protocol",
+        choices=list(PROTOCOLS),
+        default=d.eval_protocol,
+        help="the evaluation protocol the arrays run and the plan prices (`mlmclm evaluate "
+        "--protocol`): default (the field's metrics, full-corpus retrieval) or encodeval (the "
+        "paper's tables)",
+    )
+    r.add_argument(
+        "--eval-probe",
+        nargs="*",
+        default=d.eval_probe,
+        metavar="JSON",
+        help="files of `mlmclm evaluate --probe SIZE` (one per size): fine-tuning runs priced "
+        "from their measurement (default: the cost model, assumed figures named)",
+    )
+    r.add_argument(
         "--eval-lrs",
         nargs="*",
         type=float,
@@ -142,13 +159,6 @@ def add_arguments(p) -> None:
         type=int,
         default=d.eval_seeds,
         help=f"fine-tuning seeds (default: evaluate's {EVAL_SEEDS})",
-    )
-    r.add_argument(
-        "--eval-protocol",
-        choices=tuple(PROTOCOLS),
-        default=d.eval_protocol,
-        help="the protocol every evaluation array runs (`mlmclm evaluate --protocol`): default "
-        "(the field's metrics) or encodeval (the paper's tables)",
     )
     r.add_argument(
         "--save-interval", type=int, default=d.save_interval, help="checkpoint.save_interval"
@@ -252,14 +262,45 @@ def evaluation(options: PlanOptions) -> tuple[PlanOptions, list[str]]:
     root = Path(root).resolve() if root else data_dir()
     to_fetch = check_data(tasks, root)
     resolved = dataclasses.replace(
-        options, eval_tasks=[t.name for t in tasks], eval_data_dir=str(root) if root else None
+        options,
+        eval_tasks=[t.name for t in tasks],
+        eval_data_dir=str(root) if root else None,
+        eval_runs={p: {t.name: task_run(t, p) for t in tasks} for p in PROTOCOLS},
     )
     return resolved, to_fetch
 
 
+def task_run(task, protocol: str) -> TaskRun:
+    """How `mlmclm evaluate --protocol PROTOCOL` runs `task` on a GPU: FinetuneConfig's defaults,
+    then the protocol's and the entry's run settings (eval/protocols.py), the entry as the
+    protocol resolves it. The plan prices exactly these, with no copy of its own."""
+    from megatron_mlmclm.eval.finetune import FinetuneConfig  # imports torch: only when planning
+
+    run = {**FinetuneConfig(model="", task=task.name).to_dict(), **run_settings(task, protocol)}
+    entry = resolve(task, protocol)
+    return TaskRun(
+        task=task.name,
+        family=task.family,
+        protocol=protocol,
+        batch=run["batch_size"],
+        eval_batch=run["eval_batch_size"],
+        max_steps=run["max_steps"],
+        epochs=run["epochs"],
+        eval_every=run["eval_every"],
+        curve_examples=run["curve_examples"],
+        max_length_ratio=run["max_length_ratio"],
+        precision="bf16" if run["precision"] == "auto" else run["precision"],  # auto, on a GPU
+        corpus=getattr(entry, "corpus", "full"),
+        validation_documents=getattr(entry, "validation_documents", 0),
+        ir_mini_batch=run["ir_mini_batch_size"],
+    )
+
+
 def run(args) -> int:
     fields = dataclasses.fields(PlanOptions)
-    options = PlanOptions(**{f.name: getattr(args, f.name) for f in fields})
+    options = PlanOptions(
+        **{f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)}
+    )
     options, to_fetch = evaluation(options)
     totals = write_plan(
         args.out, options, force=args.force, task_files=task_files(options.eval_tasks)
@@ -276,7 +317,8 @@ def run(args) -> int:
         f"plan: {totals['runs']} runs, {totals['tokens'] / 1e12:.2f}T tokens, "
         f"{totals['gpu_hours']:,.0f} GPU-hours of pretraining {how} and "
         f"{totals['startup_gpu_hours']:,.0f} for job starts, "
-        f"{totals['eval_gpu_hours']:,.0f} of evaluation ({len(options.eval_tasks)} tasks), "
+        f"{totals['eval_gpu_hours']:,.0f} of evaluation ({len(options.eval_tasks)} tasks, "
+        f"protocol {options.eval_protocol}), "
         f"{totals['total_gpu_hours']:,.0f} in total; priced "
         + ", ".join(f"{source}: {' '.join(sizes)}" for source, sizes in by_source.items())
         + f" -> {out}"

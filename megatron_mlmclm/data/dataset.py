@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -247,6 +248,17 @@ def temperature_blend(items: Sequence[str], temperature: float) -> list[str]:
     return [x for w, p in zip(weights, prefixes) for x in (repr(float(w)), p)]
 
 
+def default_cache_dir(prefixes: Sequence[str]) -> str | None:
+    """Where the sample indexes of a data list are cached when `data.cache_dir` (or `mlmclm index
+    --cache-dir`) is not given: `cache/` beside the first prefix, so that what `mlmclm index`
+    built is what every run reads. None where that folder cannot be written (a read-only data
+    folder: the index is built in memory at each start)."""
+    folder = Path(prefixes[0]).resolve().parent
+    cache = folder / "cache"
+    writable = os.access(cache, os.W_OK) if cache.is_dir() else os.access(folder, os.W_OK)
+    return str(cache) if writable else None
+
+
 def build_train_dataset(
     prefixes_with_optional_weights: Sequence[str],
     seq_length: int,
@@ -254,13 +266,16 @@ def build_train_dataset(
     seed: int,
     cache_dir: str | os.PathLike | None = None,
 ):
-    """One PackedDataset, or a BlendedPackedDataset when several prefixes are given.
+    """One PackedDataset, or a BlendedPackedDataset when several prefixes are given; indexes
+    cached in `cache_dir` (default: `default_cache_dir`).
 
     Unweighted lists of several prefixes are blended in proportion to their token counts.
     """
     prefixes, weights = parse_prefixes(prefixes_with_optional_weights)
     if int(num_samples) < 1:
         raise UsageError(f"num_samples must be >= 1, got {num_samples}")
+    if cache_dir is None:
+        cache_dir = default_cache_dir(prefixes)
     if len(prefixes) == 1:
         return PackedDataset(prefixes[0], seq_length, num_samples, seed, cache_dir)
     weights = _resolve_weights(prefixes, weights)

@@ -31,7 +31,10 @@ Arrays (see `SampleIndex`; M packed samples, N = num_samples stream positions, N
                                         packed sample shuffle_idx[k]; positions >= N are unused
 
 Cache layout (when `cache_dir` is given), key = sha256 over FORMAT_VERSION, seq_length, seed,
-num_samples / num_epochs and the bytes of the lengths array (first 16 hex digits):
+the number of epochs packed and the bytes of the lengths array (first 16 hex digits). Since the
+arrays of E epochs do not depend on how many samples are asked for, an entry serves every request
+it holds enough packed samples for: one index built for the longest run (`mlmclm index`) serves
+every shorter run of the same data, seq_length and seed.
     <cache_dir>/sample_index-<key>.doc_idx.npy
     <cache_dir>/sample_index-<key>.sample_idx.npy
     <cache_dir>/sample_index-<key>.boundary_ptr.npy
@@ -41,8 +44,9 @@ num_samples / num_epochs and the bytes of the lengths array (first 16 hex digits
 Every file is written to a temporary name in the same directory, then os.replace'd into place, so
 concurrent builders (one per rank) never read a partial file. Hits are loaded with mmap.
 FORMAT_VERSION 2 added the sample shuffle; 3 made the order independent of num_samples (an
-epoch's last sample, which ends in the next epoch, is packed and shuffled with its epoch). Entries
-of older versions have other keys and are rebuilt.
+epoch's last sample, which ends in the next epoch, is packed and shuffled with its epoch); 4 keys
+an entry by its epochs, not by the samples asked for. Entries of older versions have other keys
+and are rebuilt.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ import numpy as np
 
 from megatron_mlmclm.errors import UsageError
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # The rule that orders a stream, recorded in every checkpoint's data fingerprint
 # (training/resume.py) so that a run is never resumed in another order. 1: before FORMAT_VERSION 3,
 # when the last epoch's sample shuffle depended on num_samples (the run's length).
@@ -133,27 +137,39 @@ def _check_inputs(lengths, seq_length, seed, num_samples, num_epochs) -> np.ndar
     return lengths
 
 
-def cache_key(
-    lengths: np.ndarray,
-    seq_length: int,
-    seed: int,
-    num_samples: int | None,
-    num_epochs: int | None,
-) -> str:
-    """Hash of every input that changes the index (and of the format version)."""
+def cache_key(lengths: np.ndarray, seq_length: int, seed: int, num_epochs: int) -> str:
+    """Hash of every input that changes the arrays of `num_epochs` epochs (and of the format
+    version)."""
     lengths = np.ascontiguousarray(lengths, dtype=np.int32)
     h = hashlib.sha256()
     head = dict(
         v=FORMAT_VERSION,
         seq_length=int(seq_length),
         seed=int(seed),
-        num_samples=None if num_samples is None else int(num_samples),
-        num_epochs=None if num_epochs is None else int(num_epochs),
+        num_epochs=int(num_epochs),
         n=int(lengths.size),
     )
     h.update(json.dumps(head, sort_keys=True).encode())
     h.update(memoryview(lengths).cast("B"))
     return h.hexdigest()[:16]
+
+
+def _cached(cache_dir: Path, lengths, seq_length, seed, num_samples, num_epochs):
+    """The cache entry that serves this request: `num_epochs`'s own, or for `num_samples` the
+    first entry of 1, 2, ... epochs that packs enough samples (at most one epoch more than the
+    tokens ask for); None when there is none."""
+    if num_epochs is not None:
+        return _load(*_paths(cache_dir, cache_key(lengths, seq_length, seed, num_epochs)), None)
+    tokens = max(int(lengths.sum(dtype=np.int64)), 1)
+    most = int(num_samples) * int(seq_length) // tokens + 2
+    for epochs in range(1, most + 1):
+        marker, files = _paths(cache_dir, cache_key(lengths, seq_length, seed, epochs))
+        if not marker.is_file():
+            continue
+        hit = _load(marker, files, int(num_samples))
+        if hit is not None and hit.num_packed >= int(num_samples):
+            return hit
+    return None
 
 
 def _paths(cache_dir: Path, key: str) -> tuple[Path, dict[str, Path]]:
@@ -172,7 +188,8 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def _load(marker: Path, files: dict[str, Path], seq_length: int) -> SampleIndex | None:
+def _load(marker: Path, files: dict[str, Path], num_samples: int | None) -> SampleIndex | None:
+    """The entry of `marker`, its stream `num_samples` long (None: every sample of its epochs)."""
     if not marker.is_file() or not all(p.is_file() for p in files.values()):
         return None
     try:
@@ -184,8 +201,8 @@ def _load(marker: Path, files: dict[str, Path], seq_length: int) -> SampleIndex 
         return None
     return SampleIndex(
         **arrays,
-        seq_length=seq_length,
-        num_samples=meta["num_samples"],
+        seq_length=meta["seq_length"],
+        num_samples=meta["num_packed"] if num_samples is None else int(num_samples),
         num_epochs=meta["num_epochs"],
         num_documents=meta["num_documents"],
         tokens_per_epoch=meta["tokens_per_epoch"],
@@ -212,12 +229,9 @@ def build_sample_index(
     lengths = _check_inputs(lengths, seq_length, seed, num_samples, num_epochs)
     if int(lengths.sum(dtype=np.int64)) == 0:
         raise ValueError("the corpus has no tokens")
-    marker = files = None
     if cache_dir is not None:
         cache_dir = Path(cache_dir)
-        key = cache_key(lengths, seq_length, seed, num_samples, num_epochs)
-        marker, files = _paths(cache_dir, key)
-        hit = _load(marker, files, int(seq_length))
+        hit = _cached(cache_dir, lengths, seq_length, seed, num_samples, num_epochs)
         if hit is not None:
             return hit
 
@@ -240,7 +254,9 @@ def build_sample_index(
         num_documents=int(lengths.size),
         tokens_per_epoch=int(r["tokens_per_epoch"]),
     )
-    if marker is not None:
+    if cache_dir is not None:
+        key = cache_key(lengths, seq_length, seed, index.num_epochs)
+        marker, files = _paths(cache_dir, key)
         cache_dir.mkdir(parents=True, exist_ok=True)
         for a, p in files.items():
             arr = getattr(index, a)

@@ -42,8 +42,12 @@ class PlanOptions:
     eval_lrs: list[float] = field(default_factory=list)  # empty: evaluate's default grid
     eval_seeds: list[int] = field(default_factory=list)
     eval_protocol: str = "default"  # `mlmclm evaluate --protocol` of every array
+    eval_probe: list[str] = field(default_factory=list)  # `mlmclm evaluate --probe` files
     eval_runs_per_job: int | None = None  # fine-tuning runs per array element; None: auto
     max_job_hours: float = 24.0  # the longest time limit an evaluation array asks for
+    # resolved by commands/plan.py from eval/ (never flags): protocol -> task -> how `mlmclm
+    # evaluate` runs it (every protocol: the summary prices the others beside the plan's)
+    eval_runs: dict = field(default_factory=dict)
     save_interval: int = 1000
     # cluster and compute estimate
     throughput: list[str] = field(default_factory=list)  # SIZE=N: CLM tokens/s per GPU

@@ -6,6 +6,14 @@ import csv
 import io
 from pathlib import Path
 
+from megatron_mlmclm.plan.evaluation import (
+    HBM_BYTES_PER_S,
+    OPS_PER_LAYER,
+    SECONDS_PER_OP,
+    STARTUP_S,
+    TOKENIZE_PER_S,
+    UPDATE_BYTES_PER_PARAM,
+)
 from megatron_mlmclm.plan.grid import Run
 from megatron_mlmclm.plan.jobs import EVAL_MARGIN, EVAL_STARTUP_S, EVAL_TARGET_HOURS, ArrayShape
 from megatron_mlmclm.plan.layout import GLOBAL_BATCH
@@ -16,9 +24,10 @@ def summary_md(
     rows: list[dict],
     totals: dict,
     prices: dict,
-    eval_tasks: list[dict],
+    eval_prices: dict,
+    opts: PlanOptions,
     runs_per_task: int,
-    branches: bool = True,
+    other_protocols: dict,
 ) -> str:
     out = io.StringIO()
     w = out.write
@@ -72,7 +81,7 @@ def summary_md(
             f"{r['wall_hours']:,.1f} | {r['depends_on'] or '-'} | {r['branch_at'] or '-'} |\n"
         )
     saved = totals["gpu_hours_from_scratch"] - totals["gpu_hours"]
-    if branches:
+    if opts.branches:
         hours = (
             f"{totals['gpu_hours']:,.1f} GPU-hours with branches, "
             f"{totals['gpu_hours_from_scratch']:,.1f} GPU-hours with every run from scratch "
@@ -90,7 +99,7 @@ def summary_md(
         by_kind.setdefault(r["kind"], []).append(r)
     for kind, rs in by_kind.items():
         w(f"- {kind}: {len(rs)} runs, {sum(x['gpu_hours'] for x in rs):,.1f} GPU-hours\n")
-    w(eval_md(rows, totals, eval_tasks, runs_per_task))
+    w(eval_md(rows, totals, eval_prices, opts, runs_per_task, other_protocols))
     w(
         "\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `jobs.json` (the job table) and "
         "`submit_slurm.sh` (`mlmclm submit` on it), `manifest.tsv`, "
@@ -99,44 +108,90 @@ def summary_md(
     return out.getvalue()
 
 
-def eval_md(rows: list[dict], totals: dict, tasks: list[dict], runs_per_task: int) -> str:
-    """The evaluation's price: per task, a run's steps and GPU-hours at each size; the totals."""
-    sizes = list(dict.fromkeys(r["size"] for r in rows))
+# What each protocol is for (eval/protocols.py; docs/evaluate.md)
+PROTOCOL_USE = {
+    "default": "the field's metrics, retrieval ranked over the whole corpus as BEIR and MTEB do",
+    "encodeval": "the paper's own evaluation code, which reproduces its tables: retrieval ranked "
+    "over the judged documents only",
+}
+
+
+def eval_md(
+    rows: list[dict],
+    totals: dict,
+    prices: dict,
+    opts: PlanOptions,
+    per_task: int,
+    other_protocols: dict,
+) -> str:
+    """The evaluation's price: per task and size, a run's seconds and where they come from, the
+    runs and GPU-hours; the totals; the other protocols' price; the assumptions."""
+    models = {}  # size -> models of that size
+    for r in rows:
+        models[r["size"]] = models.get(r["size"], 0) + 1
     out = io.StringIO()
     w = out.write
+    tasks = opts.eval_tasks
     w(
-        f"\n## Evaluation\n\nEvery model's evaluation array fine-tunes {len(tasks)} task(s) x "
-        f"{runs_per_task} runs (learning rates x seeds) under `mlmclm evaluate`'s default "
-        "protocol (batch 32, at most 1,000 steps or one epoch, validation every 100 steps and at "
-        "the end, the test once), one GPU a run, at the FLOP rate its size's pretraining is "
-        "priced at above (plan/evaluation.py): 3 forward passes per training input (IR: 4, "
-        "CachedMNRL embeds twice), one per scored input (the curve's intermediate validations "
-        "score 2,000 validation inputs at most), and (IR) at every validation the judged "
-        "documents and 100,000 others encoded, the whole corpus once for the test. Inputs at "
-        "each task's mean length (megatron_mlmclm/plan/eval_tasks.yaml, sources below); "
-        "padding to a batch's longest input, data loading and start-up are not counted: "
-        "fine-tuning's short batches run below pretraining's FLOP rate, so these hours are a "
-        "lower bound.\n\n"
+        f"\n## Evaluation\n\nEvery model fine-tunes {len(tasks)} task(s) x {per_task} runs "
+        f"(learning rates x seeds) under `mlmclm evaluate --protocol {opts.eval_protocol}` "
+        f"({PROTOCOL_USE.get(opts.eval_protocol, 'a protocol of eval/protocols.py')}), one "
+        "GPU a run (plan/evaluation.py). A run's seconds: its start-up (process, model, the "
+        "task's data read and tokenized), its training steps and its evaluations (every "
+        "validation of the curve, the test). Where `figures` says measured, the evaluation "
+        "probe ran that task at that size (`--eval-probe`); calibrated, the cost model scaled by "
+        "the probe of another task of the family; assumed, the cost model alone (below).\n\n"
     )
     w(
-        "| task | family | steps | validations | "
-        + " | ".join(f"GPU-h a model, {s}" for s in sizes)
-        + " | figures |\n|---|---|---:|---:|"
-        + "---:|" * len(sizes)
-        + "---|\n"
+        "| task | family | size | steps | validations | s a run (start + train + eval) | "
+        "runs | GPU-h | figures |\n|---|---|---|---:|---:|---|---:|---:|---|\n"
     )
     for t in tasks:
-        w(
-            f"| {t['task']} | {t['family']} | {t['steps']} | {t['validations']} | "
-            + " | ".join(f"{t[s] * runs_per_task:,.2f}" for s in sizes)
-            + f" | {t['source']} |\n"
-        )
+        for size, n_models in models.items():
+            p = prices[(t, size)]
+            b = p.seconds
+            runs = per_task * n_models
+            w(
+                f"| {t} | {opts.eval_runs[opts.eval_protocol][t].family} | {size} | {p.steps} | "
+                f"{p.validations} | "
+                f"{b.total:,.0f} ({b.startup:,.0f} + {b.train:,.0f} + {b.evaluation:,.0f}) | "
+                f"{runs:,} | {b.total * runs / 3600:,.1f} | {p.source} |\n"
+            )
     w(
         f"\n**GPU-hours**: pretraining {totals['gpu_hours']:,.1f}, job starts "
         f"{totals['startup_gpu_hours']:,.1f} (below), evaluation {totals['eval_gpu_hours']:,.1f} "
-        f"({len(rows)} models x {len(tasks) * runs_per_task} runs), total "
+        f"({len(rows)} models x {len(tasks) * per_task} runs), total "
         f"{totals['total_gpu_hours']:,.1f}.\n"
     )
+    for name, other in other_protocols.items():
+        hours = sum(
+            other[(t, r["size"])].seconds.total * per_task / 3600 for r in rows for t in tasks
+        )
+        w(
+            f"\nUnder `--eval-protocol {name}` ({PROTOCOL_USE.get(name, name)}) the same "
+            f"evaluation would cost {hours:,.1f} GPU-hours by the cost model.\n"
+        )
+    if any(p.source != "measured" for p in prices.values()):
+        w(
+            "\nThe cost model, where no probe measured a task (assumed figures are named so; "
+            "`mlmclm evaluate --probe SIZE` measures them, docs/cluster.md): a training step is "
+            "the larger of the GPU's work (3 forward passes of FLOPs per input, at the batch's "
+            "padded length, at the size's pretraining FLOP rate above; IR's CachedMNRL embeds "
+            "queries and documents twice; plus the optimizer update's memory traffic, "
+            f"{UPDATE_BYTES_PER_PARAM['bf16']:g} bytes a parameter in bf16 autocast and "
+            f"{UPDATE_BYTES_PER_PARAM['bf16-pure']:g} in bf16-pure, at an assumed "
+            f"{HBM_BYTES_PER_S / 1e12:g} TB/s) and the host's launches (eager PyTorch: "
+            f"{OPS_PER_LAYER['train']} operations a layer a step and {OPS_PER_LAYER['forward']} "
+            "a forward pass, measured by tools/count_finetune_ops.py, at an assumed "
+            f"{SECONDS_PER_OP * 1e6:g} us each); an evaluation batch likewise; start-up "
+            + ", ".join(f"{s} {v:g} s" for s, v in STARTUP_S.items() if s in models)
+            + f" (assumed) plus the run's texts tokenized at an assumed {TOKENIZE_PER_S:,.0f} "
+            "tokens/s (IR documents at every encoding). Task sizes, mean and padded lengths: "
+            "megatron_mlmclm/plan/eval_tasks.yaml, each entry with its source:\n\n"
+        )
+        size = next(iter(models))
+        for t in tasks:
+            w(f"- {t}: {prices[(t, size)].figures}\n")
     return out.getvalue()
 
 
@@ -195,6 +250,27 @@ def startup_md(rows: list[dict], notes: list[str]) -> str:
         "with `--startup SIZE=S`. A restart loads its compiled graphs from the compile cache "
         "(docs/cluster.md).\n"
     )
+
+
+def write_eval_csv(path: Path, prices: dict, rows: list[dict], per_task: int) -> None:
+    """SUMMARY_EVAL.csv: per task and size, one run's seconds (start-up, training, evaluation),
+    the runs of all models of that size, their GPU-hours and where the figures come from."""
+    models: dict[str, int] = {}
+    for r in rows:
+        models[r["size"]] = models.get(r["size"], 0) + 1
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        wr = csv.writer(f)
+        wr.writerow(
+            ["task", "size", "steps", "validations", "startup_s", "train_s", "evaluation_s",
+             "seconds_per_run", "runs", "gpu_hours", "priced_from", "note"]
+        )  # fmt: skip
+        for (task, size), p in prices.items():
+            b, runs = p.seconds, per_task * models[size]
+            wr.writerow(
+                [task, size, p.steps, p.validations, round(b.startup, 1), round(b.train, 1),
+                 round(b.evaluation, 1), round(b.total, 1), runs,
+                 round(b.total * runs / 3600, 2), p.source, p.note]
+            )  # fmt: skip
 
 
 def write_summary_csv(path: Path, rows: list[dict]) -> None:

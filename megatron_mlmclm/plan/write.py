@@ -23,10 +23,12 @@ from megatron_mlmclm.plan.compute import (
 )
 from megatron_mlmclm.plan.evaluation import (
     FIGURES,
+    Size,
     eval_columns,
     eval_run_seconds,
+    price_runs,
     read_eval_figures,
-    task_table,
+    read_probes,
 )
 from megatron_mlmclm.plan.grid import build_grid, probe_config, run_config
 from megatron_mlmclm.plan.jobs import (
@@ -48,6 +50,7 @@ from megatron_mlmclm.plan.summary import (
     startup_md,
     summary_md,
     totals_of,
+    write_eval_csv,
     write_manifest,
     write_summary_csv,
 )
@@ -101,21 +104,27 @@ def write_plan(
     # Build and validate everything in memory first: bad input leaves no files behind.
     layouts = {r.name: layout_for(r.size, nodes[r.size], opts.gpus_per_node) for r in runs}
     per_task = eval_runs_per_model(opts) // len(opts.eval_tasks)  # learning rates x seeds
-    sizes = {}  # size -> (shape, seq_length, FLOP rate): what its fine-tuning runs are priced at
+    sizes: dict[str, Size] = {}  # what each size's fine-tuning runs are priced at
     for r in runs:
         r.config = run_config(r, opts, runs_dir, layouts[r.name])
         r.row = compute_row(r, layouts[r.name], prices[r.size])
         r.row.update(startup_cost(r, layouts[r.name], prices[r.size], startups[r.size][0]))
         cfg = flops_config(r.config)
-        sizes.setdefault(
-            r.size, (cfg.model.shape(), cfg.model.seq_length, prices[r.size].flop_rate(cfg))
-        )
-        r.row.update(eval_columns(opts.eval_tasks, per_task, figures, *sizes[r.size]))
+        rate = prices[r.size].flop_rate(cfg)
+        sizes.setdefault(r.size, Size(r.size, cfg.model.shape(), cfg.model.seq_length, rate))
+    probes = read_probes(opts.eval_probe)
+    eval_prices = price_runs(opts.eval_runs[opts.eval_protocol], figures, sizes, probes)
+    other_protocols = {  # what the same evaluation costs under each other protocol (assumed)
+        name: price_runs(task_runs, figures, sizes, {})
+        for name, task_runs in opts.eval_runs.items()
+        if name != opts.eval_protocol
+    }
+    for r in runs:
+        r.row.update(eval_columns(eval_prices, opts.eval_tasks, r.size, per_task))
         r.row["total_gpu_hours"] = round(
             r.row["gpu_hours"] + r.row["startup_gpu_hours"] + r.row["eval_gpu_hours"], 2
         )
-    eval_tasks = task_table(opts.eval_tasks, figures, sizes)
-    arrays = eval_arrays(opts, sizes, figures, per_task)
+    arrays = eval_arrays(opts, eval_prices, sizes, per_task)
     at = Folders(root, runs_dir, hf_dir, results, CHECKOUT)
     table = job_table(runs, opts, layouts, arrays, task_files or {}, at)
 
@@ -174,11 +183,12 @@ def write_plan(
         write_summary_csv(tmp / "SUMMARY.csv", rows)
         totals = totals_of(rows)
         (tmp / "SUMMARY.md").write_text(
-            summary_md(rows, totals, prices, eval_tasks, per_task, opts.branches)
+            summary_md(rows, totals, prices, eval_prices, opts, per_task, other_protocols)
             + arrays_md(arrays, opts)
             + startup_md(rows, [n for _, n in startups.values()]),
             encoding="utf-8",
         )
+        write_eval_csv(tmp / "SUMMARY_EVAL.csv", eval_prices, rows, per_task)
         write_manifest(
             tmp / "manifest.tsv",
             runs,
@@ -209,13 +219,13 @@ def write_plan(
 
 
 def eval_arrays(
-    opts: PlanOptions, sizes: dict[str, tuple], figures: dict, runs_per_task: int
+    opts: PlanOptions, eval_prices: dict, sizes: dict, runs_per_task: int
 ) -> dict[tuple[str, str], ArrayShape]:
     """(size, task) -> its evaluation arrays' runs per element, elements and time limit, from a
     run's priced seconds (`eval_run_seconds`)."""
     return {
         (size, t): array_shape(
-            eval_run_seconds(t, size, sizes, figures),
+            eval_run_seconds(eval_prices, t, size),
             runs_per_task,
             opts.max_job_hours,
             opts.eval_runs_per_job,

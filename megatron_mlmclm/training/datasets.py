@@ -3,6 +3,8 @@ validation datasets, one per sequence length a phase trains at."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch.distributed as dist
 
 from megatron_mlmclm.config import PhasePlan, RunConfig, Stream, resolved
@@ -78,3 +80,21 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
             out = build()
         return out
     return build()
+
+
+def index_summary(datasets) -> str:
+    """The start's line on the training streams' sample indexes: how many came from the cache
+    (data.cache_dir, default `cache/` beside the first prefix), how many were built."""
+    indexes = [
+        ds.index
+        for stream in datasets
+        for ds in getattr(stream, "datasets", [stream])
+        if hasattr(ds, "index")
+    ]
+    if not indexes:
+        return ""
+    hits = sum(ix.from_cache for ix in indexes)
+    where = sorted({str(Path(ix.cache_path).parent) for ix in indexes if ix.cache_path})
+    cached = f" (cache {', '.join(where)})" if where else " (not cached: no writable cache folder)"
+    built = len(indexes) - hits
+    return f"sample indexes: {hits} of {len(indexes)} loaded from the cache, {built} built{cached}"

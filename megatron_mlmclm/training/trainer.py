@@ -38,7 +38,7 @@ from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import history, sinks
 from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.checkpointer import Checkpointer, Start, find_start
-from megatron_mlmclm.training.datasets import build_datasets
+from megatron_mlmclm.training.datasets import build_datasets, index_summary
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
 from megatron_mlmclm.training.host_syncs import RunSyncs, refuse_uncountable
@@ -135,6 +135,8 @@ class Trainer:
         self.train_ds, valid_ds = build_datasets(
             cfg, self.spec, self.plan.phase_plan, self.start.sample_offset
         )
+        if summary := index_summary(self.train_ds):
+            log(summary)
         log(self.kernels.summary())
         engine = self.engine = Engine.build(
             cfg, self.kernels, self.spec.vocab_size, faults.stragglers.gradients_ready

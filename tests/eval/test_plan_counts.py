@@ -53,6 +53,9 @@ def setup(tmp_path_factory):
         f"c_ir:\n  family: ir\n  format: beir\n  path: {root / 'ir'}\n"
         "  splits: {train: train, validation: dev, test: test}\n  validation_documents: 4\n"
         '  query_template: "Query: {text}"\n  document_template: "Document: {text}"\n'
+        f"c_ir_judged:\n  family: ir\n  format: beir\n  path: {root / 'ir'}\n"
+        "  splits: {train: train, validation: dev, test: test}\n  corpus: judged_eval\n"
+        '  query_template: "Query: {text}"\n  document_template: "Document: {text}"\n'
     )
     corpus = [f"the {w} number {i} which is a passage about" for w in words for i in range(12)]
     return {"model": build("bert", corpus * 4, root / "bert"), "tasks": str(tasks)}
@@ -107,3 +110,17 @@ def test_a_retrieval_run_encodes_what_the_plan_counts(setup, monkeypatch):
     assert sum(t.startswith("Document: ") for t in texts) == want.documents
     assert sum(t.startswith("Query: ") for t in texts) == want.queries
     assert want.scored == 0 and encoded["test"] == [DOCS]
+
+
+def test_a_judged_corpus_encodes_what_the_plan_counts(setup):
+    """EncodEval's corpus (`judged_eval`, the encodeval protocol's): every validation and the test
+    rank the documents judged for validation or test (here d6-d10), not the corpus's 12."""
+    settings = dict(max_steps=3, epochs=2.0, eval_every=2)
+    result = run_finetune(config(setup, "c_ir_judged", **settings), log=lambda *_: None)
+    sizes = [len(IR_SPLITS[s]) for s in ("train", "dev", "test")]
+    judged = len(IR_SPLITS["dev"]) + len(IR_SPLITS["test"])
+    want = run_counts(
+        "ir", *sizes, DOCS, batch=4, corpus="judged_eval", judged_documents=judged, **settings
+    )
+    encoded = result["info"]["documents_encoded"]
+    assert sum(encoded["validation"]) + sum(encoded["test"]) == want.documents == 3 * judged
