@@ -367,15 +367,25 @@ def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
     assert ran[1] == "pretrain probe-610m" and "probed: 610m" in ran[2], ran
     assert "evaluation data to fetch" in ran[0] and "--fetch" in ran[0]
     assert "pretrain 610m-clm-42k" in ran
-    # the evaluation array is sized for the suite it runs: 6 learning rates x 5 seeds a task
+    # the by-hand evaluation arrays: one task each, one GPU an element, the protocol named, sized
+    # for the task's 6 learning rates x 5 seeds
     arrays = {
         "--runs-per-element" in w: (w, a)
         for w, a in steps
         if a[0] == "evaluate" and "--array=0-" in w
     }
-    runs = 30 * len(suite("paper", load_registry()))
+    for words, args in arrays.values():
+        assert "--gpus-per-node 1" in words and "--time " in words, words
+        assert args[args.index("--protocol") + 1] == "encodeval" and len(args_tasks(args)) == 1
+    runs = 30
     last = int(re.search(r"--array=0-(\d+)", arrays[False][0]).group(1))
     assert last + 1 == runs
     words, args = arrays[True]  # K runs an element: ceil(runs / K) elements
     k = int(args[args.index("--runs-per-element") + 1])
     assert int(re.search(r"--array=0-(\d+)", words).group(1)) + 1 == -(-runs // k)
+
+
+def args_tasks(args: list[str]) -> list[str]:
+    """The task names after `--task` in an `mlmclm evaluate` argv."""
+    at = args.index("--task") + 1
+    return list(itertools.takewhile(lambda a: not a.startswith("--"), args[at:]))

@@ -900,3 +900,14 @@ def test_example_configs_load():
         assert cfg.model.preset == size and cfg.train.steps == 42000
         assert cfg.train.global_batch_size == 1152 and cfg.phases[0].mask_ratio == 0.4
         assert (cfg.train.warmup_steps, cfg.train.decay_steps, cfg.train.lr) == (2000, 2000, 5e-4)
+
+
+def test_the_documented_pretrain_args_suit_every_run(plan_dir):
+    """docs/cluster.md's PRETRAIN_ARGS example is accepted by every run of the default grid, as
+    `mlmclm submit` appends it to each pretraining job's command line."""
+    doc = (REPO / "docs" / "cluster.md").read_text()
+    example = re.search(r'`PRETRAIN_ARGS="([^"]+)"`', doc)
+    assert example, "docs/cluster.md shows no PRETRAIN_ARGS example"
+    overrides = example.group(1).split()
+    for config in sorted((plan_dir / "configs").glob("*.yaml")):
+        load_config(config, overrides)
