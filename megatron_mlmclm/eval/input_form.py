@@ -21,7 +21,11 @@ also saved with a fine-tuned model's tokenizer), so the only special tokens of a
 its rule adds, as in the shards `mlmclm preprocess` writes.
 
 Token type ids go to the model only where its embeddings tell two apart (``type_vocab_size`` >= 2:
-BERT); they mark the two texts of a pair (a task's ``pairs: tokenizer``).
+BERT); they mark the two texts of a pair (a task's ``pairs: tokenizer``, the default protocol's).
+
+`inputs_record` is what a result records of the form it used: the templates as the tokenizer
+applied them (``[CLS] $A [SEP]``, ``[CLS] $A [SEP] $B:1 [SEP]:1``, ``$A </s>``), and a warning
+where nothing the model reads separates a task's two texts.
 """
 
 from __future__ import annotations
