@@ -110,8 +110,8 @@ def exported_without_eos(checkpoints, out, tok_dir) -> None:
     # two texts: two documents without EOS, so nothing between them; evaluation says so
     pair = AutoTokenizer.from_pretrained(str(export))(text, text)["input_ids"]
     assert pair == words["input_ids"] * 2
-    record = inputs_record(load_tokenizer(str(export)), ("{a}\n{b}", "a", "b"), "tokenizer")
-    assert record["pair"] == "$A $B" and "nothing separates" in record["warning"]
+    inputs = inputs_record(load_tokenizer(str(export)), ("{a}\n{b}", "a", "b"), "tokenizer")
+    assert inputs["pair"] == "$A $B" and "nothing separates" in inputs["warning"]
     # an export written before exports held the rule: the record's rule, no EOS either
     del record["tokenizer_rule"]
     (export / "mlmclm_export.json").write_text(json.dumps(record))
