@@ -212,6 +212,14 @@ def test_export_loads_in_plain_transformers_and_matches_megatron(ws, exported):
         text, add_special_tokens=False
     )
     assert tok(text)["input_ids"] == words["input_ids"] + [tok.eos_token_id]
+    # two texts (a sentence pair, as run_glue gives them): two documents, each ending with EOS,
+    # as the shards hold them
+    second = transformers.AutoTokenizer.from_pretrained(str(ws["tok"]))(
+        "delta epsilon", add_special_tokens=False
+    )
+    assert tok(text, "delta epsilon")["input_ids"] == (
+        words["input_ids"] + [tok.eos_token_id] + second["input_ids"] + [tok.eos_token_id]
+    )
     # a special token's string in the text: the token, as any HF tokenizer parses it (a fill-mask
     # pipeline's input), and with split_special_tokens the text it is, as the shards hold it
     assert tok(f"{text} {tok.mask_token}")["input_ids"][-2] == tok.mask_token_id

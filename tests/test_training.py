@@ -97,7 +97,7 @@ def exported_without_eos(checkpoints, out, tok_dir) -> None:
     from transformers import AutoTokenizer
 
     from megatron_mlmclm.convert.hf_export import to_hf
-    from megatron_mlmclm.eval.input_form import load_tokenizer
+    from megatron_mlmclm.eval.input_form import inputs_record, load_tokenizer
 
     export = to_hf(checkpoints, out, verbose=False).path
     record = json.loads((export / "mlmclm_export.json").read_text())
@@ -107,6 +107,11 @@ def exported_without_eos(checkpoints, out, tok_dir) -> None:
     text = "It was the best of times, it was the worst of times."
     words = AutoTokenizer.from_pretrained(str(tok_dir))(text, add_special_tokens=False)
     assert load_tokenizer(str(export))(text)["input_ids"] == words["input_ids"]
+    # two texts: two documents without EOS, so nothing between them; evaluation says so
+    pair = AutoTokenizer.from_pretrained(str(export))(text, text)["input_ids"]
+    assert pair == words["input_ids"] * 2
+    inputs = inputs_record(load_tokenizer(str(export)), ("{a}\n{b}", "a", "b"), "tokenizer")
+    assert inputs["pair"] == "$A $B" and "nothing separates" in inputs["warning"]
     # an export written before exports held the rule: the record's rule, no EOS either
     del record["tokenizer_rule"]
     (export / "mlmclm_export.json").write_text(json.dumps(record))

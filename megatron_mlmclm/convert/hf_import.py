@@ -47,6 +47,7 @@ from megatron_mlmclm.convert.verify import (
 )
 from megatron_mlmclm.data.tokenizer import prepare_tokenizer, tokenizer_fingerprint
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.hf_folder import NO_CODE, refuse_code
 from megatron_mlmclm.model.build import padded_vocab_size
 
 FAMILIES = ("llama", "mistral", "qwen3", "eurobert")
@@ -80,10 +81,11 @@ def read_hf_config(hf_dir: Path):
         raise UsageError(
             f"unknown architecture '{model_type}' in {hf_dir}; supported: {', '.join(FAMILIES)}"
         )
+    refuse_code(hf_dir)  # a tokenizer only its own code loads: one line, the code never run
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+            cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True, **NO_CODE)
     except Exception as e:
         raise UsageError(f"cannot read the config of {hf_dir}: {common._first_line(e)}") from None
     return cfg
@@ -225,7 +227,7 @@ def from_hf(
     family = hf_cfg.model_type
     hf_vocab = int(hf_cfg.vocab_size)
     try:
-        src_tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+        src_tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True, **NO_CODE)
     except Exception as e:
         raise UsageError(
             f"cannot load the tokenizer of {hf_dir}: {common._first_line(e)}"
@@ -246,7 +248,7 @@ def from_hf(
 
     with common.staged_output(out, force) as tmp:
         tok_dir = prepare_tokenizer(hf_dir, tmp / "tokenizer", verbose=verbose)
-        tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True, **NO_CODE)
         n_src, n_tok = len(src_tok), len(tok)
         vocab = max(hf_vocab, n_tok)
         grew = vocab > hf_vocab

@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 from megatron_mlmclm.checkpoint import load_checkpoint
 from megatron_mlmclm.convert.common import build_encoder, megatron_logits
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.hf_folder import NO_CODE
 
 TOLERANCE = 1e-4
 BATCH = 2
@@ -86,7 +87,11 @@ def load_hf(path: Path, auto_class: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = cls.from_pretrained(
-            str(path), dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+            str(path),
+            dtype=torch.float32,
+            attn_implementation="sdpa",
+            local_files_only=True,
+            **NO_CODE,
         )
     return model.eval()
 

@@ -43,6 +43,7 @@ from typing import Any
 from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.data.text_sources import expand_inputs, iter_texts
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.hf_folder import NO_CODE, refuse_code
 
 METADATA_FILE = "mlmclm_tokenizer.json"
 REQUIRED = ("bos", "eos", "pad", "mask")
@@ -140,8 +141,9 @@ def _load_hf(path: str | os.PathLike):
             f"tokenizer folder {p} does not exist; give a local Hugging Face "
             "tokenizer folder (downloads are not done here)"
         )
+    refuse_code(p, tokenizer_only=True)  # one line for a tokenizer only its own code loads
     try:
-        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True, **NO_CODE)
     except UsageError:
         raise
     except Exception as e:  # OSError / ValueError from transformers for bad folders

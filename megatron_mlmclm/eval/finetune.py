@@ -41,7 +41,7 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import families
 from megatron_mlmclm.eval.families import Setup, family_of
 from megatron_mlmclm.eval.heads import max_positions
-from megatron_mlmclm.eval.input_form import load_tokenizer
+from megatron_mlmclm.eval.input_form import describe_record, load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.tasks import get_task
 from megatron_mlmclm.paths import EXPORT_FILE
@@ -49,8 +49,9 @@ from megatron_mlmclm.paths import EXPORT_FILE
 # 2: protocol and grid fields, protocol id in the file name; 3: inputs encoded as pretraining
 # documents, the protocol's name; 4: inputs in the folder's own form (`inputs`), special-token
 # strings encoded as text, the curve's intermediate points on a validation sample; 5: the model
-# folder's identity (`model_identity`)
-RESULT_SCHEMA = 5
+# folder's identity (`model_identity`); 6: two texts in the tokenizer's pair form under default,
+# `info.inputs` the record of the input form (rule, templates as applied, a warning)
+RESULT_SCHEMA = 6
 # What identifies a model folder (model_identity): these files by content, its weight files by
 # name, size and modification time (a re-export or a new model writes them anew).
 IDENTITY_FILES = (
@@ -451,7 +452,7 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
         "wall_time_s": time.perf_counter() - t_start,
         "device": str(device),
         "precision": resolved_precision(cfg, device),
-        "info": {**setup.info, "inputs": tokenizer.input_form.describe()},
+        "info": {**setup.info, "inputs": families.inputs_record(task, tokenizer)},
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -470,12 +471,15 @@ def show_inputs(cfg: FinetuneConfig, n: int) -> str:
     family = family_of(task)
     cfg = dataclasses.replace(cfg, max_eval_examples=1)  # evaluation data is not shown
     data = family.inputs(task, tokenizer, cfg, max_length_for(cfg))
-    form = tokenizer.input_form
+    form, record = tokenizer.input_form, families.inputs_record(task, tokenizer)
     lines = [form.note] if form.note else []
+    if record.get("warning"):
+        lines.append(f"warning: {cfg.name} / {task.name}: {record['warning']}")
     lines.append(
         f"== {cfg.name} / {task.name} (protocol {cfg.protocol}; inputs: {form.describe()}): "
         f"the first {min(n, len(data.train))} of {len(data.train)} training inputs =="
     )
+    lines.append(f"form: {describe_record(record)}")
     for i, item in enumerate(data.train[:n]):
         lines.append(f"#{i} {family.show(item, tokenizer, data)}")
     return "\n".join(lines)

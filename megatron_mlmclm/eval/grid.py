@@ -25,7 +25,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.families import load_split
+from megatron_mlmclm.eval.families import check_labels, inputs_record, load_split
 from megatron_mlmclm.eval.finetune import (
     FinetuneConfig,
     model_identity,
@@ -113,7 +113,8 @@ def done_results(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[dict]:
 def preflight(cfgs: list[FinetuneConfig], log=print) -> None:
     """Every check that can fail on bad input, before the first run: task names, model folders,
     tokenizers (present, with a pad token, an EOS where the input rule appends one), data files,
-    columns, non-empty splits. A note on a folder's input form is logged once."""
+    columns, non-empty splits, evaluated labels the model can predict. A note on a folder's input
+    form is logged once, and a warning where nothing separates a task's two texts."""
     names = {}
     for c in cfgs:
         if names.setdefault(c.name, c.model) != c.model:
@@ -122,10 +123,13 @@ def preflight(cfgs: list[FinetuneConfig], log=print) -> None:
                 f"({names[c.name]}, {c.model}); rename one folder"
             )
     registry = load_registry(cfgs[0].task_files if cfgs else [])
+    tokenizers = {}
     for model, inputs in dict.fromkeys((c.model, c.inputs) for c in cfgs):
-        note = load_tokenizer(model, inputs).input_form.note
+        tokenizers[(model, inputs)] = load_tokenizer(model, inputs)
+        note = tokenizers[(model, inputs)].input_form.note
         if note:
             log(note)
+    resolved = {}
     for name, proto in dict.fromkeys((c.task, c.protocol) for c in cfgs):
         task = resolve(get_task(name, registry=registry), proto)
         if task.train_only:
@@ -139,8 +143,13 @@ def preflight(cfgs: list[FinetuneConfig], log=print) -> None:
             )
         source = vars(task).get("train_source") or task
         load_split(source, "train", cfgs[0].max_train_examples)
-        for split in ("validation", "test"):
-            load_split(task, split, cfgs[0].max_eval_examples)
+        evals = {s: load_split(task, s, cfgs[0].max_eval_examples) for s in ("validation", "test")}
+        check_labels(task, load_split(source, "train"), evals)
+        resolved[(name, proto)] = task
+    for c in {(c.model, c.inputs, c.task, c.protocol): c for c in cfgs}.values():
+        record = inputs_record(resolved[(c.task, c.protocol)], tokenizers[(c.model, c.inputs)])
+        if record.get("warning"):
+            log(f"warning: {c.name} / {c.task}: {record['warning']}")
 
 
 def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:

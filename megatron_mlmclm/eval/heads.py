@@ -37,6 +37,7 @@ from transformers import (
 )
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.hf_folder import NO_CODE
 
 
 def make_bidirectional(model: nn.Module) -> nn.Module:
@@ -53,7 +54,7 @@ def make_bidirectional(model: nn.Module) -> nn.Module:
 
 
 def max_positions(model_dir: str) -> int:
-    cfg = AutoConfig.from_pretrained(model_dir)
+    cfg = AutoConfig.from_pretrained(model_dir, **NO_CODE)
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         v = getattr(cfg, key, None)
         if isinstance(v, int) and v > 0:
@@ -62,7 +63,7 @@ def max_positions(model_dir: str) -> int:
 
 
 def load_encoder(model_dir: str) -> nn.Module:
-    return make_bidirectional(AutoModel.from_pretrained(model_dir))
+    return make_bidirectional(AutoModel.from_pretrained(model_dir, **NO_CODE))
 
 
 def _hidden_size(encoder: nn.Module) -> int:
@@ -183,10 +184,10 @@ class SpanQAModel(_HeadModel):
 
 def _auto_head(auto_cls, model_dir: str, **kwargs):
     """transformers' own head for this architecture, or None when it has none."""
-    cfg = AutoConfig.from_pretrained(model_dir, **kwargs)
+    cfg = AutoConfig.from_pretrained(model_dir, **kwargs, **NO_CODE)
     if type(cfg) not in auto_cls._model_mapping:
         return None
-    return make_bidirectional(auto_cls.from_pretrained(model_dir, **kwargs))
+    return make_bidirectional(auto_cls.from_pretrained(model_dir, **kwargs, **NO_CODE))
 
 
 def token_classifier(model_dir: str, labels: list[str]) -> nn.Module:

@@ -6,12 +6,14 @@ and the run's `max_steps` / `epochs`), applied last. Flags given on the command 
 run settings of any protocol.
 
 - ``default``: the field's usual evaluation where there is one: inputs in the folder's own form
-  (its tokenizer as saved, template included), seqeval entity F1 with the tag on a word's first
+  (its tokenizer as saved, template included; two texts in its pair form, ``tokenizer(a, b)``,
+  the entries' ``pairs: tokenizer``), seqeval entity F1 with the tag on a word's first
   token, the official SQuAD F1/EM with a start/end span head over doc-stride windows,
   trec_eval NDCG@10 over the full corpus (BEIR's and MTEB's number); validation carved out of
   train by a content hash; at most 1,000 steps or one epoch; bf16 autocast on GPU, fp32 on CPU.
 - ``encodeval``: the paper's evaluation as its code (EncodEval, branch MLM_vs_CLM) runs it: every
-  input the text then the tokenizer's EOS, no template (`inputs: eos`), the validation split drawn
+  input the text then the tokenizer's EOS, no template (`inputs: eos`), two texts joined by the
+  task's template into one (`pairs: joined`), the validation split drawn
   as ``train_test_split(train_size=0.95, seed=42)``, a tag on every token of a word with a
   majority vote and the per-sentence macro-F1, QA as 2-label token tagging with the
   token-set F1, IR scored by NDCG@10 over the top 10 retrieved in one corpus of the documents judged

@@ -70,8 +70,9 @@ class Task:
     label: str = "label"
     labels: list[str] | None = None
     template: str | None = None  # sc: {text_a} {text_b}; qa: {question} {context}
-    # sc, qa: two texts as the template's one text (joined) or in the tokenizer's pair form
-    pairs: str = "joined"
+    # sc, qa: two texts in the tokenizer's pair form (tokenizer(a, b)), or joined by the template
+    # into one text (joined: EncodEval's, which protocol encodeval sets)
+    pairs: str = "tokenizer"
     # tc
     token_column: int = 0
     tag_column: int = -1

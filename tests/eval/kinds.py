@@ -3,10 +3,12 @@ its real kind built here (no Hub): the model class from a config, the tokenizer'
 pre-tokenizer and its template as the released folders have them.
 
 bert        WordPiece (``##``), ``[CLS] $A [SEP]`` (pairs ``[CLS] $A [SEP] $B [SEP]``, type ids
-            0/1), BertModel
-roberta     byte-level BPE (``Ġ``), ``<s> $A </s>`` (RobertaProcessing), RobertaModel
-modernbert  byte-level BPE, ``[CLS] $A [SEP]``, ModernBertModel
-deberta     Unigram with Metaspace (``▁``), ``[CLS] $A [SEP]``, DebertaV2Model
+            0/1), BERT's tokenizer class (it returns token type ids), BertModel (it takes them)
+roberta     byte-level BPE (``Ġ``), ``<s> $A </s>`` (RobertaProcessing: pairs
+            ``<s> $A </s></s> $B </s>``), RobertaModel
+modernbert  byte-level BPE, ``[CLS] $A [SEP]`` (pairs as BERT's), ModernBertModel (no token types)
+deberta     Unigram with Metaspace (``▁``), ``[CLS] $A [SEP]`` (pairs as BERT's), DebertaV2Model
+            (no token types: ``type_vocab_size`` 0, as DeBERTa-v3's)
 eurobert    byte-level BPE with Llama-3's split, ``<|begin_of_text|> $A <|end_of_text|>``,
             EuroBertModel
 llama       byte-level BPE with Llama-3's split, ``<|begin_of_text|> $A`` (a raw decoder's BOS),
@@ -89,7 +91,10 @@ def bert_tokenizer(corpus):
         tk_trainers.WordPieceTrainer(vocab_size=600, special_tokens=specials, show_progress=False),
     )
     _template(tok, "[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1", ["[CLS]", "[SEP]"])
-    return _fast(tok, **BERT_TOKENS)
+    from transformers import BertTokenizer
+
+    # BERT's own class, as bert-base-cased's folder loads: it returns token type ids
+    return BertTokenizer(tokenizer_object=tok, do_lower_case=False, **BERT_TOKENS)
 
 
 def roberta_tokenizer(corpus):
@@ -111,13 +116,17 @@ def roberta_tokenizer(corpus):
 
 def modernbert_tokenizer(corpus):
     tok = _bpe(corpus, ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-    _template(tok, "[CLS] $A [SEP]", "[CLS] $A [SEP] $B [SEP]", ["[CLS]", "[SEP]"])
+    _template(tok, "[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1", ["[CLS]", "[SEP]"])
     return _fast(tok, **BERT_TOKENS)
 
 
 def deberta_tokenizer(corpus):
     tok = Tokenizer(models.Unigram())
-    tok.normalizer = normalizers.NFKC()
+    # SentencePiece's nmt_nfkc, as DeBERTa-v3's precompiled charsmap: NFKC, and every tab and
+    # newline a space
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Replace(Regex(r"[\t\n\r]"), " "), normalizers.NFKC()]
+    )
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
@@ -175,8 +184,8 @@ def build(kind: str, corpus: list[str], out: Path) -> Path:
     torch.manual_seed(0)
     model = {
         "bert": lambda: tf.BertModel(tf.BertConfig(max_position_embeddings=POSITIONS, **common)),
-        "roberta": lambda: tf.RobertaModel(
-            tf.RobertaConfig(max_position_embeddings=POSITIONS + 2, **common)
+        "roberta": lambda: tf.RobertaModel(  # one token type, as roberta-base's
+            tf.RobertaConfig(max_position_embeddings=POSITIONS + 2, type_vocab_size=1, **common)
         ),
         "modernbert": lambda: tf.ModernBertModel(
             tf.ModernBertConfig(

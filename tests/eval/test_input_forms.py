@@ -18,6 +18,7 @@ from megatron_mlmclm.cli import main
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.families import ir, qa, sc, tc
 from megatron_mlmclm.eval.finetune import FinetuneConfig, run_finetune, show_inputs
+from megatron_mlmclm.eval.grid import preflight
 from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.tasks import get_task
@@ -32,6 +33,17 @@ TEMPLATE = {
     "eurobert": ("<|begin_of_text|>", "<|end_of_text|>"),
     "llama": ("<|begin_of_text|>", None),
     "export": (None, "</s>"),
+}
+# the pair form each kind's tokenizer gives two texts, in the notation of `tokenizers` ($B:1: token
+# type 1, shown where the model takes token types)
+PAIR_TEMPLATE = {
+    "bert": "[CLS] $A [SEP] $B:1 [SEP]:1",
+    "roberta": "<s> $A </s> </s> $B </s>",
+    "modernbert": "[CLS] $A [SEP] $B [SEP]",
+    "deberta": "[CLS] $A [SEP] $B [SEP]",
+    "eurobert": "<|begin_of_text|> $A <|end_of_text|> $B <|end_of_text|>",
+    "llama": "<|begin_of_text|> $A <|begin_of_text|> $B",
+    "export": "$A </s> $B </s>",
 }
 # strings of special tokens, met in web text about NLP
 SPECIAL_TEXT = (
@@ -100,8 +112,7 @@ def tasks(tmp_path_factory):
         "  splits: {train: train, validation: train, test: test}\n  validation_holdout: 0.5\n"
         '  query_template: "Query: {text}"\n  document_template: "Document: {text}"',
     }
-    entries["f_sc_pairs"] = entries["f_sc"] + "\n  pairs: tokenizer"
-    entries["f_qa_pairs"] = entries["f_qa"] + "\n  pairs: tokenizer"
+    entries["f_sc_joined"] = entries["f_sc"] + "\n  pairs: joined"
     entries["f_ir_bounded"] = entries["f_ir"] + "\n  validation_documents: 2"
     yaml = root / "tasks.yaml"
     yaml.write_text("".join(f"{name}:\n  {body}\n" for name, body in entries.items()))
@@ -135,12 +146,19 @@ def entry(name, tasks, protocol="default"):
     return resolve(get_task(name, [tasks["file"]]), protocol)
 
 
-def reference(folder):
+def reference(folder, key="input_ids", **kw):
     """The folder's tokenizer as a user's script loads it (special-token strings as text)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(folder))
-    return lambda *texts: tok(*texts, split_special_tokens=True)["input_ids"]
+    kw = {"split_special_tokens": True, "return_token_type_ids": True, **kw}
+    return lambda *texts: tok(*texts, **kw)[key]
+
+
+def takes_token_types(folder) -> bool:
+    """Whether the folder's model has a token type embedding that tells two texts apart."""
+    config = json.loads((folder / "config.json").read_text())
+    return (config.get("type_vocab_size") or 0) > 1
 
 
 def check_template(ids, tok, kind):
@@ -160,16 +178,34 @@ def test_every_family_fine_tunes_each_kind_in_its_own_form(kind, tasks, tmp_path
     ref = reference(folder)
     cfg = config(folder, "f_sc", tasks)
 
-    # SC: the template of a single text, with a special token's string in it
+    # SC: two texts in the tokenizer's pair form, token types where the model takes them
     sc_task = entry("f_sc", tasks)
     data = sc.inputs(sc_task, tok, cfg, 128)
+    types = reference(folder, "token_type_ids")
     for item, (a, b, _) in zip(data.train, PAIRS * 2):
         if a != SPECIAL_TEXT:  # (a Unigram model reaches its special pieces from text: below)
+            assert item["input_ids"] == ref(a, b) != ref(f"{a}\n{b}")
+        assert item.get("token_type_ids") == (types(a, b) if takes_token_types(folder) else None)
+    if kind == "bert":  # [CLS] a [SEP] then b [SEP] of type 1
+        assert set(data.train[0]["token_type_ids"]) == {0, 1}
+    # the join (an entry's `pairs: joined`): the template, one text, in the one-text form
+    joined = sc.inputs(dataclasses.replace(sc_task, pairs="joined"), tok, cfg, 128)
+    for item, (a, b, _) in zip(joined.train, PAIRS * 2):
+        if a != SPECIAL_TEXT:
             assert item["input_ids"] == ref(f"{a}\n{b}")
         check_template(item["input_ids"], tok, kind)
-    row, (first, last) = data.train[2]["input_ids"], TEMPLATE[kind]
+    row, (first, last) = joined.train[2]["input_ids"], TEMPLATE[kind]
     text = tok.decode(row[first is not None : len(row) - (last is not None)])
     assert "".join(text.split()) == "".join(f"{PAIRS[2][0]}{PAIRS[2][1]}".split())  # decodes back
+    # encodeval (a tokenizer with an EOS): EncodEval's join, the text's tokens then EOS
+    if tok.eos_token_id is not None:
+        eos = load_tokenizer(str(folder), "eos")
+        plain = reference(folder, add_special_tokens=False)
+        for item, (a, b, _) in zip(
+            sc.inputs(entry("f_sc", tasks, "encodeval"), eos, cfg, 128).train, PAIRS
+        ):
+            if a != SPECIAL_TEXT:
+                assert item["input_ids"] == plain(f"{a}\n{b}") + [tok.eos_token_id]
 
     # TC: template tokens carry no label; each word's first token carries its tag
     words, tags = SENTENCES[1]
@@ -183,12 +219,20 @@ def test_every_family_fine_tunes_each_kind_in_its_own_form(kind, tasks, tmp_path
         pieces = [i for i, o in zip(feat["input_ids"], owners) if o == w]
         assert tok.decode(pieces).replace(" ", "").replace("▁", "") == word
 
-    # QA: one window holds the whole input; the answer's tokens decode to it
+    # QA: one window holds the whole input, question and context in the pair form (joined by
+    # the template where the entry asks); the answer's tokens decode to it
     qa_task = entry("f_qa", tasks)
     q, answer, start = QUESTIONS[1]
     record = {"id": "1", "question": q, "context": CONTEXT}
     record["answers"] = {"text": [answer], "answer_start": [start]}
     [window] = qa.windows(qa_task, [record], tok, 128, 16)
+    assert window["input_ids"] == ref(q, CONTEXT)
+    assert window.get("token_type_ids") == (
+        types(q, CONTEXT) if takes_token_types(folder) else None
+    )
+    hits = qa.answer_tokens(window["offsets"], record)
+    assert tok.decode([window["input_ids"][j] for j in hits]).strip() == answer
+    [window] = qa.windows(dataclasses.replace(qa_task, pairs="joined"), [record], tok, 128, 16)
     assert window["input_ids"] == ref(f"Question: {q}\nContext: {CONTEXT}")
     check_template(window["input_ids"], tok, kind)
     hits = qa.answer_tokens(window["offsets"], record)
@@ -199,33 +243,40 @@ def test_every_family_fine_tunes_each_kind_in_its_own_form(kind, tasks, tmp_path
     query = "Query: which cat is number 3"
     assert st.preprocess([query])["input_ids"][0].tolist() == ref(query)
 
-    # --show-inputs shows the form: the kind's template tokens around the text
+    # --show-inputs shows the form: the kind's pair template, each input's tokens
     shown = show_inputs(cfg, 3).splitlines()
     first, last = TEMPLATE[kind]
-    row = shown[-1].split(": ", 1)[1].split()
-    assert (row[0] == first if first else row[0] not in tok.all_special_tokens) and (
-        row[-1] == last if last else row[-1] not in tok.all_special_tokens
+    single = " ".join(t for t in (first, "$A", last) if t)
+    assert shown[1] == f"form: one text `{single}`; two texts `{PAIR_TEMPLATE[kind]}` (the " + (
+        "tokenizer's pair form)"
     ), shown
-    assert "<mask>" not in row and "[SEP]" not in row[:-1]  # the row's strings are text
+    a, b, _ = PAIRS[1]
+    assert shown[3].split(": ", 1)[1].split() == tok.convert_ids_to_tokens(ref(a, b)), shown
+    row = shown[4].split(": ", 1)[1].split()  # special-token strings in the text are text
+    assert "<mask>" not in row and row.count("[SEP]") == 2 * (TEMPLATE[kind][1] == "[SEP]")
 
     # a few steps of each family; the curve's first point scores a sample of validation
     for name in ("f_sc", "f_tc", "f_qa", "f_ir"):
         result = run_finetune(config(folder, name, tasks), log=lambda *_: None)
         assert result["status"] == "done" and result["steps"] == 2, name
         assert result["metric"] in result["metrics"]["test"], name
-        assert result["info"]["inputs"] == "the folder's tokenizer as saved"
+        inputs = result["info"]["inputs"]
+        assert inputs["rule"] == "folder" and inputs["single"] == single, name
+        assert inputs.get("pair") == (PAIR_TEMPLATE[kind] if name in ("f_sc", "f_qa") else None)
         if name != "f_ir":
             assert result["info"]["eval_examples"]["curve"] == 2, name
 
 
-def test_the_pair_form_gives_bert_its_segments(tasks, tmp_path):
-    """`pairs: tokenizer`: SC's two texts and QA's question and context in BERT's pair form, with
-    token type ids, fine-tuned; a saved IR model keeps the form and the MTEB prompt keys."""
+def test_the_pair_form_gives_bert_its_segments(tasks, tmp_path, capsys):
+    """SC's two texts and QA's question and context in BERT's pair form, with token type ids; the
+    join an entry may ask for (`pairs: joined`, its newline lost to BERT's normalizer) warned of
+    by --show-inputs, evaluate and the result; a saved IR model keeps the form and the MTEB
+    prompt keys."""
     folder = build("bert", tasks["corpus"], tmp_path / "bert")
     tok = load_tokenizer(str(folder))
     ref = reference(folder)
-    cfg = config(folder, "f_sc_pairs", tasks)
-    data = sc.inputs(entry("f_sc_pairs", tasks), tok, cfg, 64)
+    cfg = config(folder, "f_sc", tasks)
+    data = sc.inputs(entry("f_sc", tasks), tok, cfg, 64)
     a, b, _ = PAIRS[0]
     assert data.train[0]["input_ids"] == ref(a, b)
     types = data.train[0]["token_type_ids"]
@@ -236,19 +287,31 @@ def test_the_pair_form_gives_bert_its_segments(tasks, tmp_path):
     q, answer, start = QUESTIONS[2]
     record = {"id": "2", "question": q, "context": CONTEXT}
     record["answers"] = {"text": [answer], "answer_start": [start]}
-    [window] = qa.windows(entry("f_qa_pairs", tasks), [record], tok, 64, 16)
+    [window] = qa.windows(entry("f_qa", tasks), [record], tok, 64, 16)
     assert window["input_ids"] == ref(q, CONTEXT) and window["token_type_ids"][-1] == 1
     hits = qa.answer_tokens(window["offsets"], record)
     assert tok.decode([window["input_ids"][j] for j in hits]) == answer
     # a long question at a small length: its own tokens are cut to 24 // 4, [CLS] and [SEP] stay
     long = dict(record, question=" ".join(["which cat"] * 20) + "?")
     head = [tok.cls_token_id, *ref(long["question"])[1:7], sep]
-    for w in qa.windows(entry("f_qa_pairs", tasks), [long], tok, 24, 4):
+    for w in qa.windows(entry("f_qa", tasks), [long], tok, 24, 4):
         assert w["input_ids"][:8] == head and w["input_ids"][-1] == sep
 
-    for name in ("f_sc_pairs", "f_qa_pairs"):
-        result = run_finetune(config(folder, name, tasks), log=lambda *_: None)
-        assert result["status"] == "done", name
+    # the join: "a\nb" reads as "a b" to BERT, which --show-inputs, evaluate and the result say
+    joined = sc.inputs(entry("f_sc_joined", tasks), tok, cfg, 64).train[0]["input_ids"]
+    assert joined == ref(f"{a}\n{b}") == ref(f"{a} {b}")
+    shown = show_inputs(config(folder, "f_sc_joined", tasks), 1).splitlines()
+    warning = "nothing the tokenizer keeps separates the two texts: the template's '\\n'"
+    assert shown[0].startswith(f"warning: bert / f_sc_joined: {warning}"), shown
+    assert shown[2] == "form: one text `[CLS] $A [SEP]`; two texts `[CLS] $A\\n$B [SEP]` (joined)"
+    logged = []
+    preflight([config(folder, t, tasks) for t in ("f_sc", "f_sc_joined")], log=logged.append)
+    assert [line.split(": ")[1] for line in logged] == ["bert / f_sc_joined"], logged
+    result = run_finetune(config(folder, "f_sc_joined", tasks), log=lambda *_: None)
+    assert result["info"]["inputs"]["warning"].startswith(warning)
+    assert result["info"]["inputs"]["template"] == "{text_a}\n{text_b}"
+    for name in ("f_sc", "f_qa"):  # BERT's pair form: no warning
+        assert "warning" not in show_inputs(config(folder, name, tasks), 1), name
 
     from sentence_transformers import SentenceTransformer
 
@@ -278,11 +341,17 @@ def test_an_earlier_export_gets_the_document_rule_and_encodeval_its_own(tasks, t
         == 0
     )
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"note: {legacy} is an export of an earlier mlmclm") and len(out) == 5
-    # the row holding special-token strings is shown as its text: no special token but the EOS
-    row = out[4].split(": ", 1)[1].split()
-    assert row[-1] == "</s>" and not {"<mask>", "</s>", "<s>", "<pad>"} & set(row[:-1]), row
-    assert "".join(row[:-1]).replace("Ġ", "").replace("Ċ", "") == "".join(
+    assert out[0].startswith(f"note: {legacy} is an export of an earlier mlmclm") and len(out) == 6
+    # the document rule's pair form: two documents, each text then its EOS
+    assert (
+        out[2]
+        == "form: one text `$A </s>`; two texts `$A </s> $B </s>` (the tokenizer's pair form)"
+    )
+    # the row holding special-token strings is shown as its text: no special token but the EOSs
+    row = out[5].split(": ", 1)[1].split()
+    assert row[-1] == "</s>" and row.count("</s>") == 2, row
+    assert not {"<mask>", "<s>", "<pad>"} & set(row), row
+    assert "".join(t for t in row if t != "</s>").replace("Ġ", "") == "".join(
         f"{PAIRS[2][0]}{PAIRS[2][1]}".split()
     )
     tok = load_tokenizer(str(legacy))

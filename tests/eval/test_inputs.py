@@ -1,5 +1,7 @@
 """An export's fine-tuning inputs are the token ids `mlmclm preprocess` writes for the same text:
-for every family (SC, TC, QA windows, IR through sentence-transformers) and for three kinds of
+for every family (SC, TC, QA windows, IR through sentence-transformers; two texts in the pair form
+are the two texts' documents one after the other, joined by a template one document) and for
+three kinds of
 tokenizer (our byte-level BPE; a Llama-3 kind whose own template adds a BOS; a Qwen3 kind with no
 BOS), saved as `mlmclm convert to-hf` saves an export's tokenizer. The reference is the .bin shard
 that `preprocess` writes, read back with megatron-core. A special token's string in a text is
@@ -7,6 +9,7 @@ encoded as text, as `preprocess` encodes it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -148,7 +151,8 @@ def test_every_family_encodes_inputs_as_preprocess_writes_documents(kind, tmp_pa
     tok_dir = KINDS[kind](tmp_path)
     folder = model_folder(tok_dir, tmp_path / "model")
     reg = load_registry()
-    mnli, squad = reg["mnli"], reg["squad"]
+    # the join (EncodEval's, and an entry's `pairs: joined`): the template's one text
+    mnli, squad = (dataclasses.replace(reg[t], pairs="joined") for t in ("mnli", "squad"))
     ir_task = reg["msmarco"]
     texts = [
         sc.text_of(mnli, PAIR),
@@ -157,8 +161,16 @@ def test_every_family_encodes_inputs_as_preprocess_writes_documents(kind, tmp_pa
         ir.query_text(ir_task, QUERY),
         ir.document_text(ir_task, DOC),
     ]
-    want = shard_ids(texts, tok_dir, tmp_path)
+    pairs = [PAIR["text_a"], PAIR["text_b"], QUESTION["question"], QUESTION["context"]]
+    want, as_pairs = (lambda ids: (ids[:5], ids[5:]))(shard_ids(texts + pairs, tok_dir, tmp_path))
     tok = load_tokenizer(str(folder))
+
+    # the pair form (the default protocol's): the first text's document, then the second's
+    got = sc.encode(reg["mnli"], [PAIR], tok, 128, {"entailment": 0})[0]["input_ids"]
+    assert got == as_pairs[0] + as_pairs[1]
+    assert qa.windows(reg["squad"], [QUESTION], tok, 128, 32)[0]["input_ids"] == (
+        as_pairs[2] + as_pairs[3]
+    )
 
     got_sc = sc.encode(mnli, [PAIR], tok, 128, {"entailment": 0})[0]["input_ids"]
     got_tc = tc.encode(
@@ -232,8 +244,10 @@ def test_show_inputs_prints_tokens_with_labels(tmp_path, capsys, data):
         "model / conll2003 (protocol default; inputs: the folder's tokenizer as saved): the "
         "first 2 of 14041 training inputs" in out
     )
-    first = out.splitlines()[1]  # EU rejects German call to boycott British lamb .
+    first = out.splitlines()[2]  # EU rejects German call to boycott British lamb .
     assert first.startswith("#0 ") and "/B-ORG" in first and first.endswith("</s>/-")
     assert "ĠGerman/B-MISC" in first or "ĠGer" in first
-    assert "label=entailment: P" in out and "Ċ" in out  # the template's newline, then EOS
+    # MNLI's premise and hypothesis as two documents, each ending with EOS
+    pair = next(line for line in out.splitlines() if "label=entailment: " in line)
+    assert pair.count(" </s>") == 2 and pair.endswith(" </s>") and "Premise" not in pair
     assert not (tmp_path / "results").exists()

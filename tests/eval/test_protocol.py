@@ -103,19 +103,20 @@ def test_evaluate_does_not_reuse_a_result_of_another_protocol(tmp_path, capsys):
     assert state("--max-steps", "3", "--max-length", "64") == "todo"
 
 
-def test_the_documented_pair_form_entry(tmp_path):
-    """docs/evaluate.md's task file for the pair form: the shipped entry, replaced under its name,
-    in the pair form under default only, and a protocol id of its own."""
+def test_the_documented_joined_entry(tmp_path):
+    """docs/evaluate.md's task file for the join: the shipped entry, replaced under its name, joined
+    under default too (the shipped one: the tokenizer's pair form), and a protocol id of its own."""
     doc = (Path(__file__).resolve().parents[2] / "docs/evaluate.md").read_text()
-    [block] = re.findall(r"```yaml\n(# pairs.yaml.*?)```", doc, re.S)
-    (tmp_path / "pairs.yaml").write_text(block)
-    shipped, ours = load_registry()["mnli_m"], load_registry([str(tmp_path / "pairs.yaml")])
-    assert resolve(ours["mnli_m"], "default").pairs == "tokenizer"
-    assert resolve(ours["mnli_m"], "encodeval").pairs == "joined"
-    assert resolve(shipped, "default").pairs == "joined"
-    assert dataclasses.replace(ours["mnli_m"], pairs="joined") == shipped
+    [block] = re.findall(r"```yaml\n(# joined.yaml.*?)```", doc, re.S)
+    (tmp_path / "joined.yaml").write_text(block)
+    shipped, ours = load_registry()["mnli_m"], load_registry([str(tmp_path / "joined.yaml")])
+    assert resolve(ours["mnli_m"], "default").pairs == "joined"
+    assert resolve(shipped, "default").pairs == "tokenizer"
+    assert resolve(shipped, "encodeval").pairs == resolve(ours["mnli_m"], "encodeval").pairs
+    assert resolve(shipped, "encodeval").pairs == "joined"
+    assert dataclasses.replace(ours["mnli_m"], pairs="tokenizer") == shipped
     cfg = FinetuneConfig(model="m", task="mnli_m")
-    pair_form, joined = (
+    joined, pair_form = (
         protocol(cfg, resolve(t, "default"))["id"] for t in (ours["mnli_m"], shipped)
     )
     assert pair_form != joined

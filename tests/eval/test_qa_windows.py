@@ -1,7 +1,10 @@
 """QA windows (doc stride) put the answer where it is, keep the question part and EOS in every
-window, and v2 null-score handling."""
+window, and v2 null-score handling; for the template's join (EncodEval's), whose tokens around
+the context every window keeps."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -20,7 +23,7 @@ RECORD = {
 
 def test_doc_stride_windows_label_the_answer(tiny_model):
     tok = load_tokenizer(tiny_model)
-    task = load_registry()["squad"]
+    task = dataclasses.replace(load_registry()["squad"], pairs="joined")
     full = tok(f"Question: {RECORD['question']}\nContext: {CONTEXT}")["input_ids"]
     feats = encode_train(task, [RECORD], tok, max_length=32, stride=8)
     assert len(feats) > 2  # long context -> several windows
@@ -60,7 +63,7 @@ def test_a_long_question_loses_its_own_tokens_only(tiny_model):
     template's tokens around it (<s>, "Question:", the separator "Context:", </s>), and the answer
     is still labelled in the context."""
     tok = load_tokenizer(tiny_model)
-    task = load_registry()["squad"]
+    task = dataclasses.replace(load_registry()["squad"], pairs="joined")
     long = dict(RECORD, question=" ".join(["where"] * 40) + " ?")
     feats = encode_train(task, [long], tok, max_length=32, stride=8)
     hits = [f for f in feats if f["start_positions"] > 0]

@@ -170,6 +170,46 @@ def test_no_complete_lr_is_named_not_scored(tmp_path):
     assert "D" not in {r["model"] for r in rows(out / "ties.csv")}
 
 
+def test_the_report_names_each_models_inputs_and_flags_mixed_forms(tmp_path):
+    """Per model, the form its runs read (from each result's `info.inputs`); a table whose rows
+    read different forms is flagged, and so is a join that runs two texts together; results
+    written before results recorded their form are still read, marked as not recorded."""
+    forms = {
+        "A": {"single": "[CLS] $A [SEP]", "pair": "[CLS] $A [SEP] $B:1 [SEP]:1"},
+        "B": {"single": "$A </s>", "pair": "$A </s> $B </s>"},
+    }
+    res = grid_results()
+    for r in res:
+        if r["model"] in forms:
+            record = {"rule": "folder", "pairs": "tokenizer", **forms[r["model"]]}
+            if r["task"] == "t2":  # one text
+                record = {k: v for k, v in record.items() if k not in ("pair", "pairs")}
+            r.update(schema=6, info={"inputs": record})
+        else:  # C: written by an earlier version
+            r.update(schema=5, info={"inputs": "the folder's tokenizer as saved"})
+    warn = "nothing separates the two texts"
+    for r in res:
+        if (r["model"], r["task"]) == ("B", "t1"):
+            r["info"]["inputs"]["warning"] = warn
+    out = make_report(
+        write(tmp_path / "res", res), tmp_path / "rep", plots=False, log=lambda *_: None
+    )
+    md = (out / "report.md").read_text()
+    assert "| A | `[CLS] $A [SEP]` | `[CLS] $A [SEP] $B:1 [SEP]:1` (pair form) | t1 |" in md
+    assert "| A | `[CLS] $A [SEP]` | - | t2 |" in md
+    assert "| C | not recorded (schema 5: the folder's tokenizer as saved) | - | t1 t2 |" in md
+    assert "**Rows read in different input forms**" in md
+    assert "- t1: A `[CLS] $A [SEP] $B:1 [SEP]:1`; B `$A </s> $B </s>`" in md
+    assert "- t2: A `[CLS] $A [SEP]`; B `$A </s>`" in md
+    assert f"- B / t1: {warn}" in md and "**Inputs not recorded** for 2 (model, task)" in md
+    table = {(r["model"], r["task"]): r for r in rows(out / "inputs.csv")}
+    assert table[("B", "t1")]["pair"] == "$A </s> $B </s>" and table[("C", "t2")]["form"] == ""
+    # rows of one form: nothing flagged
+    same = [r for r in res if r["model"] == "A"]
+    md = make_report(write(tmp_path / "a", same), tmp_path / "r2", plots=False) / "report.md"
+    assert "different input forms" not in md.read_text()
+
+
 def test_mixed_protocols_are_refused_unless_one_is_picked(tmp_path, capsys):
     res = grid_results() + [result("A", "t1", 1e-4, s, 0.5, 0.5, run_id="r2") for s in SEEDS]
     folder = write(tmp_path / "res", res)

@@ -9,6 +9,7 @@ the rest of eval/ looks the family up here.
 
 from __future__ import annotations
 
+from megatron_mlmclm.eval import input_form
 from megatron_mlmclm.eval.families import ir, qa, sc, tc
 from megatron_mlmclm.eval.families.base import Family, Inputs, Setup
 
@@ -34,3 +35,18 @@ def setup(task, tokenizer, cfg, max_length, device) -> Setup:
 
 def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     return family_of(task).inputs(task, tokenizer, cfg, max_length)
+
+
+def check_labels(task, train: list, evals: dict[str, list]) -> None:
+    """One line for a validation or test label outside the task's label vocabulary (`evals`:
+    split -> records); nothing for a family without labels."""
+    family = family_of(task)
+    if family.label_check is not None:
+        family.label_check(task, train, evals)
+
+
+def inputs_record(task, tokenizer) -> dict:
+    """The input form a run of `task` feeds the model (eval/input_form.py, `inputs_record`)."""
+    family = family_of(task)
+    pair = family.pair_texts(task) if family.pair_texts is not None else None
+    return input_form.inputs_record(tokenizer, pair, task.pairs)

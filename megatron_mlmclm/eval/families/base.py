@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import string
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +40,11 @@ class Family:
     default_metric(task): the main metric when the entry names none (default: the first of
     `metrics`);
     layout(task): the files its local format reads in the task's folder, for messages (default:
-    the entry's split files).
+    the entry's split files);
+    pair_texts(task): for a task whose inputs hold two texts, (the template that joins them,
+    the name of its first text's slot, the second's); None for one text (default: none has two);
+    label_check(task, train, evals): one line (UsageError) for a validation or test label outside
+    the label vocabulary (default: no labels to check).
     """
 
     name: str
@@ -54,6 +58,8 @@ class Family:
     show: Callable
     default_metric: Callable | None = None
     layout: Callable | None = None
+    pair_texts: Callable | None = None
+    label_check: Callable | None = None
 
     def local_files(self, task) -> list[str]:
         if self.layout is not None:
@@ -71,6 +77,34 @@ class Family:
         return self.default_metric(task) if self.default_metric else self.metrics[0]
 
 
+def unseen_labels(task, known: list[str], evals: dict[str, list], labels_of, unit: str) -> None:
+    """One line (UsageError) naming the labels of the evaluated splits (`evals`: split ->
+    records) outside `known` (the entry's `labels`, else train's), and how many of the split's
+    records (`unit`: rows, sentences) carry each: a model never gets them right, so they would
+    be scored as errors without a word. `labels_of(record)`: the record's labels."""
+    allowed = set(known)
+    for split, records in evals.items():
+        counts = Counter(x for r in records for x in set(labels_of(r)) if x not in allowed)
+        if not counts:
+            continue
+        found = ", ".join(
+            f"{x!r} ({n} of {len(records)} {unit})" for x, n in sorted(counts.items())
+        )
+        where = "the declared `labels`" if task.labels else "train's labels"
+        fix = "add them to `labels`" if task.labels else "declare every label under `labels`"
+        raise UsageError(
+            f"task '{task.name}': {split} labels outside {where} ({_some(known)}): "
+            f"{found}; no model can predict them, so they would all be scored wrong: {fix} "
+            f"or leave those {unit} out"
+        )
+
+
+def _some(names: list[str], n: int = 10) -> str:
+    return ", ".join(map(str, names[:n])) + (
+        f", ... ({len(names)} in all)" if len(names) > n else ""
+    )
+
+
 @dataclass
 class Inputs:
     """A task's data encoded for the model: training items, what evaluation needs per split, and
@@ -84,12 +118,17 @@ class Inputs:
 EVAL_SPLITS = ("validation", "test")
 
 
-def eval_inputs(task, cfg, load: Callable, encode: Callable) -> tuple[dict, dict]:
+def eval_inputs(
+    task, cfg, load: Callable, encode: Callable, check: Callable | None = None
+) -> tuple[dict, dict]:
     """({"validation", "test", "curve"}: each split's records encoded by `encode`, {split: number
     of records}). "curve" is a fixed sample of `cfg.curve_examples` validation records, which the
     validation curve's intermediate points score (its last point, which picks the learning rate,
-    scores the whole validation split); the validation split itself where it is no larger."""
+    scores the whole validation split); the validation split itself where it is no larger.
+    `check({split: records})` runs before anything is encoded (the family's label check)."""
     records = {s: load(task, s, cfg.max_eval_examples) for s in EVAL_SPLITS}
+    if check is not None:
+        check(records)
     evals = {s: encode(recs) for s, recs in records.items()}
     records["curve"] = subsample(records["validation"], cfg.curve_examples)
     same = len(records["curve"]) == len(records["validation"])

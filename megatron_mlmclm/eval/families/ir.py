@@ -32,6 +32,7 @@ msmarco-pairs).
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ from megatron_mlmclm.eval.families.base import (
     tokens_with,
 )
 from megatron_mlmclm.eval.splits import holdout, subsample
+from megatron_mlmclm.hf_folder import NO_CODE
 
 CORPUS = ("judged", "judged_eval", "full")
 BATCHES = ("no_duplicates", "shuffled")
@@ -300,7 +302,12 @@ def build_sentence_transformer(model_dir: str, max_length: int, device, form):
 
     SentenceTransformer, Transformer, Pooling, _ = _st_imports()
 
-    word = Transformer(model_dir, max_seq_length=max_length)
+    # the folder's own code never runs (megatron_mlmclm/hf_folder.py); the loaders' keywords are
+    # *_kwargs in sentence-transformers 6, *_args in 5
+    names = ("model_kwargs", "processor_kwargs", "config_kwargs")
+    if names[0] not in inspect.signature(Transformer.__init__).parameters:
+        names = ("model_args", "tokenizer_args", "config_args")
+    word = Transformer(model_dir, max_seq_length=max_length, **{n: dict(NO_CODE) for n in names})
     make_bidirectional(word.auto_model)
     apply_input_form(word.tokenizer, form)
     dim = getattr(word, "get_embedding_dimension", None) or word.get_word_embedding_dimension

@@ -1,12 +1,14 @@
 """Extractive QA (SQuAD v1.1 / v2, ReCoRD, QED).
 
-An input is the entry's `template` (default ``Question: {question}\\nContext: {context}``, as
-EncodEval) filled with the example, encoded in the model's input form (eval/input_form.py) in one
-piece, so the tokens at the seam between question and context are those of the running text; with
-``pairs: tokenizer``, the question and the context as a pair in the tokenizer's pair form (BERT:
-``[CLS] question [SEP] context [SEP]``). The tokens before the context (the template's and the
-question's; a question longer than a quarter of the maximum length loses its own last tokens,
-never the template's) and after it (the template's tail, EOS or [SEP]) are kept in every window.
+An input is the question and the context as a pair in the tokenizer's pair form (``pairs:
+tokenizer``, the default, as run_qa: BERT ``[CLS] question [SEP] context [SEP]``, our exports
+``question EOS context EOS``), encoded in the model's input form (eval/input_form.py); or, with
+``pairs: joined`` (protocol encodeval), the entry's `template` (default
+``Question: {question}\\nContext: {context}``, as EncodEval) filled with the example, in one piece,
+so the tokens at the seam between question and context are those of the running text. The
+tokens before the context (the template's or the pair form's, and the question's; a question
+longer than a quarter of the maximum length loses its own last tokens, never the template's) and
+after it (the template's tail, EOS or [SEP]) are kept in every window.
 Two heads (`qa_head`):
 
 - ``span`` (the field's usual choice): a long context is split into windows overlapping by
@@ -237,6 +239,10 @@ def check(task, where):
     check_pairs(task, where)
     check_template(task.template, {"question", "context"}, where)
     split_template(task.template or TEMPLATE, "context")
+
+
+def pair_texts(task):
+    return (task.template or TEMPLATE, "question", "context")
 
 
 def metric_of(task) -> str:
@@ -528,4 +534,5 @@ FAMILY = Family(
     setup=setup,
     show=show,
     default_metric=metric_of,
+    pair_texts=pair_texts,
 )

@@ -1,11 +1,16 @@
 """Sequence classification: single sentences or pairs, accuracy, mean-pooling head.
 
-An input is the entry's `template` filled with the example's text(s) (default ``{text_a}``, and
-``{text_a}\\n{text_b}`` for pairs; EncodEval's MNLI template is
-``Premise: {text_a}\\nHypothesis: {text_b}``), encoded in the model's input form
-(eval/input_form.py); with ``pairs: tokenizer`` the two texts are encoded as a pair in the
-tokenizer's pair form instead (BERT: ``[CLS] a [SEP] b [SEP]``, with token type ids), the
-template unused.
+A single text is the entry's `template` (default ``{text_a}``) filled with it, encoded in the
+model's input form (eval/input_form.py). Two texts are encoded as a pair in the tokenizer's pair
+form (``pairs: tokenizer``, the default: ``tokenizer(a, b)``; BERT ``[CLS] a [SEP] b [SEP]`` with
+token type ids, RoBERTa ``<s> a </s></s> b </s>``, our exports ``a EOS b EOS``), the template
+unused; or, with ``pairs: joined`` (protocol encodeval), as the template filled with both
+(default ``{text_a}\\n{text_b}``; EncodEval's MNLI template is
+``Premise: {text_a}\\nHypothesis: {text_b}``), one text.
+
+Validation and test labels must be among the entry's `labels`, else among those of the whole
+train split (not only the examples a run trains on): a label no model can predict is refused
+with one line instead of being scored wrong.
 
 Records: {"text_a", "text_b" (or None), "label": str, "id" (only when the source has an id column)}.
 Formats: glue_tsv (GLUE's unquoted TSV), glue_json (a JSON object or list of rows, or JSON Lines)
@@ -31,9 +36,11 @@ from megatron_mlmclm.eval.families.base import (
     load_records,
     saver,
     tokens_with,
+    unseen_labels,
 )
 
 ID_COLUMNS = ("idx", "id", "guid")  # an example's id, when the source has one
+JOIN = "{text_a}\n{text_b}"  # two texts joined, where the entry gives no template
 
 
 def records(
@@ -123,8 +130,16 @@ def check(task, where):
 
 
 def text_of(task, record: dict) -> str:
-    template = task.template or ("{text_a}" if record["text_b"] is None else "{text_a}\n{text_b}")
+    template = task.template or ("{text_a}" if record["text_b"] is None else JOIN)
     return fill(template, text_a=record["text_a"], text_b=record["text_b"])
+
+
+def pair_texts(task):
+    return (task.template or JOIN, "text_a", "text_b") if task.text_b else None
+
+
+def label_check(task, train: list[dict], evals: dict[str, list]) -> None:
+    unseen_labels(task, labels(task, train), evals, lambda r: [r["label"]], "rows")
 
 
 def encode(task, recs: list[dict], tokenizer, max_length: int, label2id: dict) -> list[dict]:
@@ -138,10 +153,14 @@ def encode(task, recs: list[dict], tokenizer, max_length: int, label2id: dict) -
 
 def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     train = load_split(task, "train", cfg.max_train_examples)
-    names = labels(task, train)
+    names = labels(task, load_split(task, "train"))  # the split's, not only the examples used
     label2id = {name: i for i, name in enumerate(names)}
     evals, sizes = eval_inputs(
-        task, cfg, load_split, lambda recs: encode(task, recs, tokenizer, max_length, label2id)
+        task,
+        cfg,
+        load_split,
+        lambda recs: encode(task, recs, tokenizer, max_length, label2id),
+        lambda records: label_check(task, load_split(task, "train"), records),
     )
     counts = {name: sum(r["label"] == name for r in train) for name in names}
     return Inputs(
@@ -205,4 +224,6 @@ FAMILY = Family(
     inputs=inputs,
     setup=setup,
     show=show,
+    pair_texts=pair_texts,
+    label_check=label_check,
 )

@@ -15,9 +15,15 @@ predicted, is the entry's `label_subtokens`:
 Words cut by truncation are predicted "O". Metrics: seqeval entity F1 (`f1`, with precision and
 recall) and EncodEval's per-sentence macro-F1 over tags (`macro_f1`); `metric` names the main one.
 
-Records: {"tokens": [str], "tags": [str]}. Formats: conll (whitespace-separated columns, a blank
-line between sentences, -DOCSTART- skipped, lines starting with `comment_prefix` skipped: CoNLL-U
-comments as in UNER's .iob2 files), tner (a folder holding train/valid/test.json JSON Lines
+The tags are the entry's `labels` where it declares them, else those of the whole train split
+(not only the sentences a run trains on); a validation or test tag outside them is refused with one
+line naming it and how many sentences carry it (seqeval would count each as a missed entity).
+
+Records: {"tokens": [str], "tags": [str]}. Formats: conll (columns split on the file's delimiter:
+tabs where the file holds one, as UNER's .iob2 files, else single spaces, as CoNLL-2003's, so a
+token holding a no-break space, U+0085 or U+2028 stays one token; a blank line between sentences,
+-DOCSTART- skipped, lines starting with `comment_prefix` skipped: CoNLL-U comments as in UNER's
+.iob2 files), tner (a folder holding train/valid/test.json JSON Lines
 {"tokens", "tags": [ids]} and label.json {tag: id}, the layout of tner's OntoNotes 5) and the
 tables.
 """
@@ -40,6 +46,7 @@ from megatron_mlmclm.eval.families.base import (
     predict_tokens,
     saver,
     tokens_with,
+    unseen_labels,
 )
 
 IGNORE = -100
@@ -50,24 +57,31 @@ def read_conll(task, split):
     sentences, tokens, tags = [], [], []
     for path in data.files(task, task.splits[split]):
         with data.open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if task.comment_prefix and line.startswith(task.comment_prefix):
-                    continue
-                parts = line.split()
-                if not parts or parts[0] == "-DOCSTART-":
-                    if tokens:
-                        sentences.append({"tokens": tokens, "tags": tags})
-                    tokens, tags = [], []
-                    continue
-                try:
-                    tokens.append(parts[task.token_column])
-                    tags.append(parts[task.tag_column])
-                except IndexError:
-                    raise UsageError(
-                        f"task '{task.name}': {path}:{lineno} has {len(parts)} "
-                        f"columns; token_column={task.token_column}, "
-                        f"tag_column={task.tag_column}"
-                    ) from None
+            text = f.read()
+        # split on "\n" (and the file's delimiter) only: U+0085, U+2028 and no-break spaces, which
+        # `str.split()` and `str.splitlines()` break at, stand raw inside tokens of real files
+        delimiter = "\t" if "\t" in text else " "
+        for lineno, line in enumerate(text.split("\n"), 1):
+            line = line.rstrip("\r")
+            if task.comment_prefix and line.startswith(task.comment_prefix):
+                continue
+            parts = [p.strip(" ") for p in line.split(delimiter)]
+            if delimiter == " ":
+                parts = [p for p in parts if p]
+            if not line.strip(" \t") or parts[0] == "-DOCSTART-":
+                if tokens:
+                    sentences.append({"tokens": tokens, "tags": tags})
+                tokens, tags = [], []
+                continue
+            try:
+                tokens.append(parts[task.token_column])
+                tags.append(parts[task.tag_column])
+            except IndexError:
+                raise UsageError(
+                    f"task '{task.name}': {path}:{lineno} has {len(parts)} "
+                    f"{'tab-' if delimiter == chr(9) else 'space-'}separated columns; "
+                    f"token_column={task.token_column}, tag_column={task.tag_column}"
+                ) from None
         if tokens:
             sentences.append({"tokens": tokens, "tags": tags})
             tokens, tags = [], []
@@ -127,9 +141,19 @@ def load_split(task, split, max_examples=None):
 
 
 def labels(task, train: list[dict]) -> list[str]:
-    """Sorted tags seen in train, "O" first (index 0 is the outside tag)."""
-    tags = sorted({t for r in train for t in r["tags"]})
-    return (["O"] if "O" in tags else []) + [t for t in tags if t != "O"]
+    """The entry's `labels`, else the sorted tags seen in train; "O" first (index 0 is the
+    outside tag)."""
+    seen = sorted({t for r in train for t in r["tags"]})
+    if task.labels:
+        extra = [t for t in seen if t not in task.labels]
+        if extra:
+            raise UsageError(f"task '{task.name}': train tags {extra} not in `labels`")
+        seen = list(task.labels)
+    return (["O"] if "O" in seen else []) + [t for t in seen if t != "O"]
+
+
+def label_check(task, train: list[dict], evals: dict[str, list]) -> None:
+    unseen_labels(task, labels(task, train), evals, lambda r: r["tags"], "sentences")
 
 
 def check(task, where):
@@ -174,7 +198,7 @@ def encode(
             carries = w >= 0 and (subtokens == "all" or w != prev)
             labels_.append(
                 label2id.get(r["tags"][w], IGNORE) if carries else IGNORE
-            )  # unseen: no loss
+            )  # unseen: no loss (evaluated splits hold none: label_check)
             prev = w if w >= 0 else prev
         out.append({**ids_of(enc, i), "labels": labels_, "words": token_words})
     return out
@@ -199,13 +223,14 @@ def word_tags(
 
 def inputs(task, tokenizer, cfg, max_length) -> Inputs:
     train = load_split(task, "train", cfg.max_train_examples)
-    names = labels(task, train)
+    names = labels(task, load_split(task, "train"))  # the split's, not only the sentences used
     label2id = {name: i for i, name in enumerate(names)}
     evals, sizes = eval_inputs(
         task,
         cfg,
         load_split,
         lambda recs: (recs, encode(recs, tokenizer, max_length, label2id, task.label_subtokens)),
+        lambda records: label_check(task, load_split(task, "train"), records),
     )
     train_items = [
         {k: v for k, v in f.items() if k != "words"}
@@ -272,4 +297,5 @@ FAMILY = Family(
     inputs=inputs,
     setup=setup,
     show=show,
+    label_check=label_check,
 )

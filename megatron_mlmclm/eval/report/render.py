@@ -180,6 +180,8 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
             ("lrs", "LRs", "d"),
         ],
     )
+    if s.inputs:
+        lines += ["", "## Inputs", ""] + inputs_section(s.inputs)
     if s.learning_curve:
         lines += ["", "## Learning curve: score against pretraining tokens", ""]
         lines += learning_curve_section(s.learning_curve)
@@ -214,9 +216,78 @@ def learning_curve_section(rows: list[dict]) -> list[str]:
     )
 
 
-def caveats(s: Summary) -> list[str]:
-    """The report's warnings: too few seeds, intervals cut to the range, LRs at a grid's edge."""
+def inputs_section(rows: list[dict]) -> list[str]:
+    """Per model, the input forms its runs were fed (inputs.csv per task)."""
+    lines = [
+        "What each model read (`info.inputs` of its results; `$A`, `$B`: the texts' tokens, "
+        "`:1` a token type the model takes): its template for one text, and for two texts the "
+        "tokenizer's pair form or the join the task's template makes.",
+        "",
+    ]
+    groups: dict[tuple, list[str]] = {}
+    for r in rows:
+        cell = {k: r[k].replace("|", "\\|") for k in ("single", "pair", "unrecorded")}  # a table
+        two = f"`{cell['pair']}` ({'pair form' if r['pairs'] == 'tokenizer' else 'joined'})"
+        key = (
+            r["model"],
+            f"`{cell['single']}`" if r["single"] else f"not recorded ({cell['unrecorded']})",
+            two if r["pair"] else "-",
+        )
+        groups.setdefault(key, []).append(r["task"])
+    table = [
+        {"model": m, "one": one, "two": two, "tasks": " ".join(dict.fromkeys(tasks))}
+        for (m, one, two), tasks in groups.items()
+    ]
+    return lines + md_table(
+        table,
+        [("model", "model", "s"), ("one", "one text", "s"), ("two", "two texts", "s")]
+        + [("tasks", "tasks", "s")],
+    )
+
+
+def input_caveats(s: Summary) -> list[str]:
+    """Tables whose rows read different input forms; two texts run together; forms unrecorded."""
     lines = []
+    forms: dict[str, dict[str, set]] = {}
+    for r in s.inputs:
+        if r["form"]:
+            forms.setdefault(r["task"], {}).setdefault(r["form"], set()).add(r["model"])
+    mixed = {t: f for t, f in sorted(forms.items()) if len(f) > 1}
+    if mixed:
+        lines += [
+            f"**Rows read in different input forms** under protocol {s.protocol_name}: in these "
+            "tables the models were not fed the same form (each its tokenizer's, as the protocol "
+            "feeds every folder; [Inputs](#inputs)), so a gap between rows is the models' and "
+            "their forms' together:",
+            "",
+        ]
+        lines += [
+            f"- {task}: "
+            + "; ".join(
+                f"{', '.join(sorted(m))} `{form}`"
+                for form, m in sorted(f.items(), key=lambda x: sorted(x[1]))
+            )
+            for task, f in mixed.items()
+        ] + [""]
+    joined = [r for r in s.inputs if r["warning"]]
+    if joined:
+        lines += ["**Two texts read as one run-on text** (nothing separates them):", ""]
+        lines += [f"- {r['model']} / {r['task']}: {r['warning']}" for r in joined] + [""]
+    old = sorted({(r["model"], r["task"]) for r in s.inputs if r["unrecorded"]})
+    if old:
+        lines += [
+            f"**Inputs not recorded** for {len(old)} (model, task) pair(s) (results written "
+            "before results recorded their input form; listed under Inputs): re-run them to "
+            "know what those rows read.",
+            "",
+        ]
+    return lines
+
+
+def caveats(s: Summary) -> list[str]:
+    """The report's warnings: too few seeds, intervals cut to the range, LRs at a grid's edge,
+    the input forms (`input_caveats`)."""
+    lines = input_caveats(s)
     few = sorted({r["seeds"] for r in s.per_task if r["seeds"] < MIN_SEEDS})
     if few:
         lines += [

@@ -5,6 +5,7 @@ each family's best model (module docstring of eval/report/__init__.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import defaultdict
@@ -37,6 +38,7 @@ class Summary:
     task_ids: dict[str, str]
     external: dict = field(default_factory=dict)  # {"runs", "models"} read from EncodEval's tree
     learning_curve: list[dict] = field(default_factory=list)  # score vs tokens (curves.py)
+    inputs: list[dict] = field(default_factory=list)  # the input form of each (model, task)
 
     TABLES = (
         "per_task",
@@ -47,6 +49,7 @@ class Summary:
         "lr_curves",
         "seed_points",
         "learning_curve",
+        "inputs",
     )
 
     def __getitem__(self, table: str):
@@ -210,7 +213,29 @@ def summarize(results: list[dict]) -> Summary:
         external={"runs": len(theirs), "models": sorted({r["model"] for r in theirs})}
         if theirs
         else {},
+        inputs=input_forms([r for r in results if not r["protocol"].get("external")]),
     )
+
+
+def input_forms(results: list[dict]) -> list[dict]:
+    """Per (model, task), each input form its runs were fed, from the results' `info.inputs`
+    (eval/input_form.py, `inputs_record`): `form` is what a row of the task's table read (the
+    two texts' form for a task of two, else the one text's); a result written before results
+    recorded it (schema < 6) gives `form` "" and its description."""
+    rows = {}
+    for r in results:
+        record = (r.get("info") or {}).get("inputs")
+        row = dict.fromkeys(("single", "pair", "pairs", "warning", "form", "unrecorded"), "")
+        if isinstance(record, dict):
+            row.update(
+                {k: str(record.get(k) or "") for k in ("single", "pair", "pairs", "warning")}
+            )
+            row["form"] = row["pair"] or row["single"]
+        else:  # an older result: a description of the rule, or nothing
+            row["unrecorded"] = f"schema {r.get('schema')}: {record or 'no record'}"
+        row = {"model": r["model"], "task": r["task"], **row}
+        rows.setdefault(json.dumps(row, sort_keys=True), row)
+    return sorted(rows.values(), key=lambda x: (x["model"], x["task"], x["form"]))
 
 
 def _families(runs, family, seed_scores, per_task, models):
