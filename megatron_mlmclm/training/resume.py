@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from megatron_mlmclm import checkpoint as ckpt_io
+from megatron_mlmclm.checkpoint.reading import tensor_shapes
 from megatron_mlmclm.config import (
     PhaseConfig,
     RunConfig,
@@ -190,7 +190,7 @@ def may_have_padded_buckets(ckpt: Path, state: dict[str, Any]) -> bool:
     if overlap is False or (overlap is None and dp * cp == 1):  # as the kernel plan decides
         return False
     bucket = p.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
-    params = {k: s for k, s in ckpt_io.tensor_shapes(ckpt).items() if k.startswith(PARAM_STATE)}
+    params = {k: s for k, s in tensor_shapes(ckpt).items() if k.startswith(PARAM_STATE)}
     # each parameter's elements, and the alignment of its start (< 64 elements) in the buffer
     stacked = sum(s[0] if ".layers." in k else 1 for k, s in params.items())
     return sum(math.prod(s) for s in params.values()) + 64 * stacked >= bucket
