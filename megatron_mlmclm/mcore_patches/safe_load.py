@@ -16,7 +16,7 @@ would run a command as it is read. Here every one of those reads is data only:
   names: argparse.Namespace for Megatron-LM's saved args);
 - `SafeReader` (torch's FileSystemReader), `SafeLoadPlanner` (megatron's MCoreLoadPlanner),
   `ShardedLoad` (megatron's TorchDistLoadShardedStrategy) and `CommonLoad`
-  (TorchCommonLoadStrategy) read that way; checkpoint.py hands them to torch's `dcp.load` and to
+  (TorchCommonLoadStrategy) read that way; checkpoint/ hands them to torch's `dcp.load` and to
   megatron's `dist_checkpointing.load` (which take a reader, a planner and strategies), so no
   global of torch or megatron-core is replaced. registry.yaml lists what they override.
 """
@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 class UnsafeCheckpoint(Exception):
     """A checkpoint file names something other than data (one line: what and where);
-    checkpoint.py turns it into the command's usage error."""
+    checkpoint/reading.py turns it into the command's usage error."""
 
 
 # What torch.distributed.checkpoint pickles into `.metadata` (torch 2.13; read from its
