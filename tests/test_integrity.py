@@ -10,8 +10,11 @@ match) is refused by every command that reads checkpoints, the command never run
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import io
 import json
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -267,6 +270,53 @@ def test_the_payloads_run_when_unpickled_as_torch_and_megatron_read_them(referen
         assert not marker.exists()
         read(ckpt)
         assert marker.exists(), poison.__name__
+
+
+def test_the_metadata_reader_admits_what_torch_writes_there_and_nothing_else():
+    """Every type torch's Metadata holds (its storage metadata of tensors and byte objects, a
+    bf16 tensor's properties, where each item is stored, the save plans with their write items
+    and megatron's storage prefix) reads back equal through the allow-list; a pickle naming
+    anything else, even a harmless class, is refused before it is called."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import (
+        BytesIOWriteData,
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    from megatron_mlmclm.mcore_patches.safe_load import UnsafeCheckpoint, read_metadata
+
+    props = TensorProperties(dtype=torch.bfloat16)
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 8]))
+    index = MetadataIndex("w", torch.Size([0, 0]), 0)
+    tensor = TensorWriteData(chunk=chunk, properties=props, size=torch.Size([4, 8]))
+    items = [
+        WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=tensor),
+        WriteItem(MetadataIndex("rng"), WriteItemType.BYTE_IO, BytesIOWriteData(nbytes=7)),
+    ]
+    metadata = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(props, torch.Size([4, 8]), [chunk]),
+            "rng": BytesStorageMetadata(),
+        },
+        storage_data={index: _StorageInfo("__0_0.distcp", 0, 64)},
+        storage_meta=StorageMeta(checkpoint_id="x", save_id="y", modules=["m"]),
+    )
+    metadata.all_local_plans = [SavePlan(items, storage_data=_StoragePrefix("__0_"))]  # as saved
+    assert vars(read_metadata(io.BytesIO(pickle.dumps(metadata)))) == vars(metadata)
+    with pytest.raises(UnsafeCheckpoint, match="names collections.OrderedDict"):
+        read_metadata(io.BytesIO(pickle.dumps(collections.OrderedDict(metadata=metadata))))
 
 
 @pytest.mark.parametrize(

@@ -58,8 +58,10 @@ class UnsafeCheckpoint(Exception):
 
 
 # What torch.distributed.checkpoint pickles into `.metadata` (torch 2.13; read from its
-# metadata.py, planner.py and filesystem.py and from the checkpoints megatron-core writes):
-# module -> names. Dtypes (`torch.float32`, ...) are admitted by kind, below.
+# metadata.py, planner.py and filesystem.py, what Metadata's fields hold down to plain values, the
+# save plans with the storage prefix megatron-core's writer gives them included, and checked on
+# the checkpoints megatron-core writes): module -> names. Dtypes (`torch.float32`, ...) are
+# admitted by kind, below.
 METADATA_TYPES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",
@@ -78,7 +80,7 @@ METADATA_TYPES = {
         "TensorWriteData",
         "BytesIOWriteData",
     },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
     "torch": {"Size"},
     "torch.serialization": {"_get_layout"},  # a layout by its name (torch.strided)
 }
