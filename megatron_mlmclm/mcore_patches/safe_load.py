@@ -113,12 +113,14 @@ def read_metadata(stream: IO[bytes]) -> Metadata:
     return metadata
 
 
-def load_object(stream: IO[bytes], what: str, allow: Sequence[type] = ()) -> Any:
+def load_object(
+    stream: IO[bytes], what: str, allow: Sequence[type] = (), map_location: str | None = None
+) -> Any:
     """`torch.load(weights_only=True)` of one pickled object (`what` names it in the refusal),
     admitting the classes `allow` besides torch's and megatron-core's safe globals."""
     try:
         with torch.serialization.safe_globals(list(allow)):
-            return torch.load(stream, map_location="cpu", weights_only=True)
+            return torch.load(stream, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpoint(f"{what} holds {_refused(e)}") from None
 
@@ -166,6 +168,7 @@ class ShardedLoad(TorchDistLoadShardedStrategy):
 
     def load(self, sharded_state_dict, checkpoint_dir):
         # TorchDistLoadShardedStrategy.load (megatron-core 0.16.1), its reader and planner ours
+        # (and torch's dcp.load for the deprecated load_state_dict it calls: the same steps)
         tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
         flat, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
             sharded_state_dict
@@ -214,6 +217,6 @@ class CommonLoad(TorchCommonLoadStrategy):
         path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
         try:
             with open(path, "rb") as stream:
-                return load_object(stream, f"its {COMMON_STATE_FNAME}", self.allow)
+                return load_object(stream, f"its {COMMON_STATE_FNAME}", self.allow, "cpu")
         except FileNotFoundError as e:
             raise CheckpointingException(f"Common file {path} does not exist") from e
