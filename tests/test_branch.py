@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 
+import checkpoint_files as cf
 import numpy as np
 import pytest
 import torch
@@ -559,6 +560,43 @@ def test_a_branch_folder_is_checked_before_it_resumes(base, source, tmp_path, ca
     assert "was trained with train.lr = 0.0005 but this run has 0.001" in err, err
     assert "use a new output_dir" in err
     assert sorted(str(f.relative_to(out)) for f in out.rglob("*")) == before
+
+
+def test_a_branch_of_a_checkpoint_without_a_history_says_what_it_could_not_check(
+    base, source, tmp_path, capsys
+):
+    """The source as a version before histories wrote it (no `history` in its trainer state): its
+    steps stand for one segment with the config and data it was saved with, all the branch guard
+    can hold them to. The branch goes on and its log says, in one line, which checks that left
+    out, as does a resume of the branch's own folder; with a history, no such line."""
+    path, _ = base
+    ckpt = tmp_path / "old" / "checkpoints" / source[0].name
+    shutil.copytree(source[0], ckpt)
+    cf.edit_common(ckpt, lambda common: common["trainer"].pop("history"))
+    state = read_trainer_state(ckpt)["trainer"]
+    assert "history" not in state
+    warning = (
+        f"warning: train.branch_from={ckpt}: its steps 1-3 were trained before checkpoints kept "
+        "their run's history, so they are held to the config and data of its checkpoint at step 3 "
+        "only; a resume among them with other settings (learning rate, schedule, phases) or onto "
+        "other data (checkpoint.allow_data_change) could not be checked"
+    )
+    notes = branch_check(base, (ckpt, state), [])
+    assert notes[0] == warning and len(notes) == 2
+    assert not any("history" in note for note in branch_check(base, source, []))
+    out = tmp_path / "b"
+    argv = [f"output_dir={out}", f"train.branch_from={ckpt}", "train.steps=8"]
+    capsys.readouterr()
+    train(path, [f"phases={json.dumps(CLM_THEN_MLM)}", *argv], stop_at=4)
+    logged = [line for line in capsys.readouterr().err.splitlines() if "history" in line]
+    assert logged == [f"[mlmclm] {warning}"], logged
+    # the branch's own checkpoint carries that first segment: its resume says the same
+    cfg = load_config(path, [f"phases={json.dumps(CLM_THEN_MLM)}", *argv])
+    spec = token_spec_and_vocab(cfg)
+    own = out / "checkpoints" / "iter_0000004"
+    notes = [n for n in find_start(cfg, fingerprint(cfg, spec), spec).notes if "history" in n]
+    where = f"{own} (this run's folder; train.branch_from={ckpt})"
+    assert notes == [warning.replace(f"train.branch_from={ckpt}", where)], notes
 
 
 # --------------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def test_the_page_runs_as_written(pages, kind):
     )
     assert "model.seq_length 128: the checkpoint of train.init_from has" in train.stderr
     assert "initialised weights from" in train.stderr
-    assert "verified iter_0000000: " in train.stderr  # its checksums, shared by the ranks
+    assert "checksums match for iter_0000000: " in train.stderr  # shared by the ranks
     losses = [
         json.loads(line)
         for line in (folder / "ckpt" / "decoder-mlm" / "metrics.jsonl").read_text().splitlines()

@@ -5,7 +5,8 @@ The source checkpoint is written here by megatron-core's own GPTModel (local spe
 dist_checkpointing, with Megatron-LM's common state (`args` as an argparse.Namespace, `iteration`,
 `checkpoint_version`) and folder layout (``iter_0000010/`` + ``latest_checkpointed_iteration.txt``).
 The reference for the logits is that writer model itself, in memory; ours is the trainer's model
-loaded the trainer's way from the converted output.
+loaded the trainer's way from the converted output. A copy whose files run a command as they are
+read is refused, the command never run.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import checkpoint_files as cf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -307,3 +309,58 @@ def test_refusals_are_one_line(tmp_path, tok_dir, capsys):
     )
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "--tokenizer" in proc.stderr and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def megatron_lm_source(tmp_path_factory):
+    """A Megatron-LM save dir (torch_dist), written once for the poisoned copies below."""
+    save_dir = tmp_path_factory.mktemp("megatron_lm") / "mlm"
+    write_megatron_lm(save_dir, megatron_lm_args())
+    return save_dir
+
+
+def poison_legacy(save_dir: Path, marker: Path) -> None:
+    """The legacy (torch) layout in place of torch_dist: iter_0000010/mp_rank_00/
+    model_optim_rng.pt, a pickle that runs a command and returns the state it stands for."""
+    it = save_dir / "iter_0000010"
+    shutil.rmtree(it)
+    (it / "mp_rank_00").mkdir(parents=True)
+    state = {"args": megatron_lm_args(), "iteration": 10, "checkpoint_version": 3.0}
+    torch.save(cf.Payload(marker, state), it / "mp_rank_00" / "model_optim_rng.pt")
+
+
+@pytest.mark.parametrize("poison", [".metadata", "common.pt", "legacy model_optim_rng.pt"])
+def test_a_checkpoint_that_runs_a_command_when_read_is_refused(
+    megatron_lm_source, tmp_path, tok_dir, capsys, monkeypatch, poison
+):
+    """A Megatron-LM checkpoint (from someone else: no manifest) whose `.metadata`, `common.pt`
+    or legacy `model_optim_rng.pt` is a pickle that runs a command (creating a marker file) and
+    returns the real contents: refused in one line, exit status 2, the command never run,
+    nothing written. TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 turns torch.load's default weights_only
+    off: megatron-core's own common-state reader then runs the payload, ours does not."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    save_dir = tmp_path / "mlm"
+    shutil.copytree(megatron_lm_source, save_dir)
+    it = save_dir / "iter_0000010"
+    marker = tmp_path / "payload-ran"
+    if poison == ".metadata":
+        cf.poison_metadata(it, marker)
+    elif poison == "common.pt":
+        cf.poison_common(it, marker)
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.load_common_state_dict(str(it))  # megatron-core's reader: it runs
+        assert marker.exists()
+        marker.unlink()
+    else:
+        poison_legacy(save_dir, marker)
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, "from-megatron-lm", save_dir, out, "--tokenizer", tok_dir)
+    assert rc == 2 and err.strip().count("\n") == 0, err
+    expected = {
+        ".metadata": f"checkpoint {it} is refused: its .metadata names _operator.getitem",
+        "common.pt": f"checkpoint {it} is refused: its common.pt holds what a weights-only load",
+        "legacy model_optim_rng.pt": "is a legacy (torch) Megatron-LM checkpoint",
+    }[poison]
+    assert expected in err, err
+    assert not marker.exists() and not out.exists() and not list(tmp_path.glob("out.tmp-*"))

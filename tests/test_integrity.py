@@ -4,16 +4,24 @@ SIGTERM mid-run: the trainer saves at the step in flight and exits 75. A byte fl
 of that newest checkpoint: resume says so in one line, leaves it on disk untouched, resumes from
 the checkpoint before, and the curve still ends bitwise equal to an uninterrupted run.
 `convert to-hf` refuses the damaged checkpoint. Manifests are checked against hashlib directly.
+A copy whose files run a command as they are read (its manifest recomputed, so the checksums
+match) is refused by every command that reads checkpoints, the command never run.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import io
 import json
+import pickle
 import random
 import shutil
+from pathlib import Path
 
+import checkpoint_files as cf
 import pytest
+import torch
 import yaml
 from jobs import REPO, curve, launch, run_pretrain, stop_after_step
 
@@ -23,8 +31,10 @@ from megatron_mlmclm.checkpoint import (
     complete_checkpoints,
     resolve_checkpoint,
     verify_checkpoint,
+    verify_shared,
 )
 from megatron_mlmclm.cli import main
+from megatron_mlmclm.runtime.lifetime import LOCK_NAME
 from megatron_mlmclm.training.preemption import EXIT_PREEMPTED
 
 CONFIG = {
@@ -154,7 +164,7 @@ def test_the_ranks_verify_the_checkpoint_rank_0_lists_each_reading_its_share(tmp
         assert o["init_from"]["found"] == "iter_0000004"
         assert o["init_from"]["read"] == sorted(_share(files, rank, 2))  # its share only
         assert (
-            f"verified iter_0000004: {total / 1e9:.2f} GB checksummed by 2 process(es)"
+            f"checksums match for iter_0000004: {total / 1e9:.2f} GB checksummed by 2 process(es)"
             in o["init_from"]["cost"]
         )
         assert o["bad"] == (
@@ -162,7 +172,7 @@ def test_the_ranks_verify_the_checkpoint_rank_0_lists_each_reading_its_share(tmp
             "checksum; give an earlier iter_NNNNNNN folder"
         )
     assert out[0]["resume"]["cost"] == out[1]["resume"]["cost"]  # the ranks agree
-    assert "verified iter_0000004: " in out[0]["resume"]["cost"]
+    assert "checksums match for iter_0000004: " in out[0]["resume"]["cost"]
     written = sorted(p.name for p in fresh.iterdir() if p.name != MANIFEST)
     assert sorted(out[0]["manifest"] + out[1]["manifest"]) == written  # disjoint shares
     assert json.loads((fresh / MANIFEST).read_text())["files"] == {
@@ -212,3 +222,177 @@ def test_stop_signal_then_damaged_latest_resumes_from_the_one_before(
     assert not out.exists()
     with pytest.raises(Exception, match="fails verification"):
         resolve_checkpoint(kept)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints read as data: a copy whose files run a command as they are read, manifest recomputed
+
+
+def poisoned(reference, tmp_path, poison) -> tuple[Path, Path]:
+    """A run folder holding a copy of the reference run's checkpoints, its latest (step 10)
+    poisoned by `poison(ckpt, marker)` and its manifest recomputed; -> (that checkpoint, the
+    marker file its payload creates when it runs)."""
+    run = tmp_path / "run"
+    shutil.copytree(reference / "checkpoints", run / "checkpoints")
+    ckpt = run / "checkpoints" / "iter_0000010"
+    marker = tmp_path / "payload-ran"
+    poison(ckpt, marker)
+    assert verify_checkpoint(ckpt) is None  # its checksums match: anyone can recompute them
+    return ckpt, marker
+
+
+def poison_rng_state(ckpt: Path, marker: Path) -> None:
+    """The checkpoint's RNG state (a megatron ShardedObject, a byte object in a shard file)
+    replaced by a pickle that runs a command and returns the real state."""
+    (key,) = cf.object_keys(ckpt, "rng_state")
+    cf.replace_object(ckpt, key, cf.Payload(marker, cf.read_object(ckpt, key)))
+
+
+def listing(folder: Path) -> dict[str, str]:
+    """Every file and its SHA-256 (the run lock aside: rank 0 takes it before the refusal)."""
+    return {
+        str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != LOCK_NAME
+    }
+
+
+def test_the_payloads_run_when_unpickled_as_torch_and_megatron_read_them(reference, tmp_path):
+    """The poisoned files of the tests below do run their command when read as torch's
+    FileSystemReader and megatron's common-state reader read them (plain pickle, and torch.load
+    with weights_only=False as torch's planner loads byte objects): the tests can fail."""
+    for poison, read in (
+        (cf.poison_metadata, lambda ck: cf.read_metadata(ck)),
+        (cf.poison_common, lambda ck: torch.load(ck / "common.pt", weights_only=False)),
+        (poison_rng_state, lambda ck: cf.read_object(ck, cf.object_keys(ck, "rng_state")[0])),
+    ):
+        ckpt, marker = poisoned(reference, tmp_path / poison.__name__, poison)
+        assert not marker.exists()
+        read(ckpt)
+        assert marker.exists(), poison.__name__
+
+
+def test_the_metadata_reader_admits_what_torch_writes_there_and_nothing_else():
+    """Every type torch's Metadata holds (its storage metadata of tensors and byte objects, a
+    bf16 tensor's properties, where each item is stored, the save plans with their write items
+    and megatron's storage prefix) reads back equal through the allow-list; a pickle naming
+    anything else, even a harmless class, is refused before it is called."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import (
+        BytesIOWriteData,
+        SavePlan,
+        TensorWriteData,
+        WriteItem,
+        WriteItemType,
+    )
+
+    from megatron_mlmclm.mcore_patches.safe_load import UnsafeCheckpoint, read_metadata
+
+    props = TensorProperties(dtype=torch.bfloat16)
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 8]))
+    index = MetadataIndex("w", torch.Size([0, 0]), 0)
+    tensor = TensorWriteData(chunk=chunk, properties=props, size=torch.Size([4, 8]))
+    items = [
+        WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=tensor),
+        WriteItem(MetadataIndex("rng"), WriteItemType.BYTE_IO, BytesIOWriteData(nbytes=7)),
+    ]
+    metadata = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(props, torch.Size([4, 8]), [chunk]),
+            "rng": BytesStorageMetadata(),
+        },
+        storage_data={index: _StorageInfo("__0_0.distcp", 0, 64)},
+        storage_meta=StorageMeta(checkpoint_id="x", save_id="y", modules=["m"]),
+    )
+    metadata.all_local_plans = [SavePlan(items, storage_data=_StoragePrefix("__0_"))]  # as saved
+    assert vars(read_metadata(io.BytesIO(pickle.dumps(metadata)))) == vars(metadata)
+    with pytest.raises(UnsafeCheckpoint, match="names collections.OrderedDict"):
+        read_metadata(io.BytesIO(pickle.dumps(collections.OrderedDict(metadata=metadata))))
+
+
+@pytest.mark.parametrize(
+    "poison, command",
+    [
+        ("metadata", "convert to-hf"),
+        ("metadata", "init_from"),
+        ("metadata", "init_from --dry-run"),
+        ("metadata", "resume"),
+        ("metadata", "branch_from"),
+        ("metadata, no manifest", "convert to-hf"),
+        ("common.pt", "convert to-hf"),
+        ("common.pt", "init_from"),
+        ("rng state", "resume"),
+    ],
+)
+def test_a_checkpoint_that_runs_a_command_when_read_is_refused(
+    config, reference, tmp_path, capsys, poison, command
+):
+    """A copy of a real checkpoint whose `.metadata`, `common.pt` or RNG state byte object is a
+    pickle that runs a command (creating a marker file) and then returns the real contents, its
+    manifest recomputed (the checksums match): each command that reads checkpoints refuses it in
+    one line, exit status 2, the command never run, the run folder as it was. A folder without
+    a manifest is read the same way."""
+    how = {
+        "metadata": cf.poison_metadata,
+        "metadata, no manifest": cf.poison_metadata,
+        "common.pt": cf.poison_common,
+        "rng state": poison_rng_state,
+    }[poison]
+    ckpt, marker = poisoned(reference, tmp_path, how)
+    if poison.endswith("no manifest"):
+        (ckpt / MANIFEST).unlink()
+    run = ckpt.parent.parent
+    before = listing(run)
+    argv = {
+        "convert to-hf": ["convert", "to-hf", str(ckpt), str(tmp_path / "hf")],
+        "init_from": ["pretrain", str(config), f"output_dir={tmp_path / 'new'}"],
+        "init_from --dry-run": ["pretrain", str(config), "--dry-run"],
+        "resume": ["pretrain", str(config), f"output_dir={run}"],
+        "branch_from": ["pretrain", str(config), f"output_dir={tmp_path / 'b'}", "train.steps=12"],
+    }[command]
+    if command.startswith("init_from"):
+        argv.append(f"train.init_from={ckpt}")
+    if command == "branch_from":
+        argv.append(f"train.branch_from={ckpt}")
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and f"checkpoint {ckpt} is refused: its " in err[0], err
+    what = {"common.pt": "its common.pt holds", "rng state": "its byte object rng_state/"}.get(
+        poison, ".metadata names _operator.getitem"
+    )
+    assert what in err[0] and "read as data only" in err[0], err
+    assert not marker.exists()
+    assert listing(run) == before
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "b" / "checkpoints").exists()
+
+
+def test_a_poisoned_copy_whose_checksums_fail_is_damage(reference, tmp_path):
+    """The payload without the recomputed manifest: the checksums fail first, so the checkpoint
+    is damage (resume moves on to the one before), its files never read."""
+    ckpt, marker = poisoned(reference, tmp_path, cf.poison_metadata)
+    shutil.copy(reference / "checkpoints" / ckpt.name / MANIFEST, ckpt / MANIFEST)
+    problem, cost = verify_shared(ckpt)
+    assert problem.startswith(".metadata has ") and cost is None, problem
+    assert not marker.exists()
+
+
+def test_a_checkpoint_without_a_manifest_is_read_with_a_warning(config, reference, tmp_path):
+    """Nothing can say whether its files are intact: it is read (as data) with a warning line."""
+    ckpt = tmp_path / "iter_0000010"
+    shutil.copytree(reference / "checkpoints" / "iter_0000010", ckpt)
+    (ckpt / MANIFEST).unlink()
+    proc = run_pretrain(config, [f"train.init_from={ckpt}", "--dry-run"], check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warning = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and f"{ckpt} has no manifest.json" in warning[0], proc.stderr
+    assert "nothing says its files are intact" in warning[0]

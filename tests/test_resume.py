@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 
+import checkpoint_files as cf
 import numpy as np
 import pytest
 import torch
@@ -24,7 +25,7 @@ from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.resume import check_resume
+from megatron_mlmclm.training.resume import check_optimizer_state, check_resume
 from megatron_mlmclm.training.trainer import Trainer
 
 CONFIG = {
@@ -172,6 +173,138 @@ def test_resume_with_the_other_optimizer_kind_is_refused(config, tmp_path):
     )
     assert proc.returncode == 2
     assert "was saved without the distributed optimizer" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# A distributed-optimizer checkpoint of a released version, without the format marker
+
+OVERLAPPED = [
+    "train.steps=2",
+    "train.warmup_steps=0",
+    "train.decay_steps=0",
+    "parallel.use_distributed_optimizer=true",
+    "parallel.overlap_grad_reduce=true",
+    "parallel.ddp_bucket_size=60000",
+]
+EMBEDDING_MAIN = "optimizer.state.param.embedding.word_embeddings.weight"
+DROP = object()
+# The parallel section as 0.13.0 to 0.20.0 recorded it: no ddp_bucket_size, the overlaps auto.
+RELEASED = {"ddp_bucket_size": DROP, "overlap_grad_reduce": None, "overlap_param_gather": None}
+LATER = {"ddp_bucket_size": None, "overlap_grad_reduce": None, "overlap_param_gather": None}
+
+
+@pytest.fixture(scope="module")
+def overlapped_at_one_rank(config, tmp_path_factory):
+    """A real run in one process (DP = 1) with the distributed optimizer and the gradient reduce
+    overlapped (on CPU it runs where set: parallel.overlap_grad_reduce=true) in buckets of 60,000
+    elements, 18 of them over the tiny model's 1,051,456 (with alignment), each padded at its end
+    to a multiple of 128: a checkpoint of this version, saved with the format marker."""
+    run = tmp_path_factory.mktemp("released") / "run"
+    run_pretrain(config, [f"output_dir={run}", *OVERLAPPED])
+    ckpt = run / "checkpoints" / "iter_0000002"
+    assert read_trainer_state(ckpt)["trainer"]["format_version"] == 2
+    return ckpt
+
+
+def as_saved_by(ckpt, run, parallel=RELEASED, cuda=True, elements=None):
+    """A copy of `ckpt` in `run`, without the format marker, its record rewritten as the version
+    that saved it would have written it. `parallel`: its config's parallel section so edited
+    (RELEASED: as 0.13.0 to 0.20.0 recorded it, no ddp_bucket_size and the overlaps `auto`;
+    LATER: `auto` as later versions record it). `cuda`: every rank's RNG state with a CUDA
+    generator's state, as a GPU
+    machine saves it (None: as a CPU machine does; "absent": without it, a device the checkpoint
+    does not tell). `elements`: the recorded shape of the word embeddings' fp32 main copy grown
+    to give the model that many elements, as a 210m model's would (its tensors stay the tiny
+    model's: what is checked here is refused before any is read). The manifest is recomputed."""
+    copy = run / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    (run / "checkpoints" / "latest").write_text(ckpt.name + "\n")
+
+    def record(common):
+        trainer = common["trainer"]
+        del trainer["format_version"]
+        saved = trainer["config"]["parallel"]
+        for key, value in parallel.items():
+            if value is DROP:
+                del saved[key]
+            else:
+                saved[key] = value
+
+    cf.edit_common(copy, record)
+    for key in cf.object_keys(copy, "rng_state"):
+        states = cf.read_object(copy, key)
+        for rng in states:
+            if cuda == "absent":
+                del rng["cuda"]
+            else:
+                rng["cuda"] = torch.arange(16, dtype=torch.uint8) if cuda else None
+        cf.replace_object(copy, key, states)
+    if elements is not None:
+        metadata = cf.read_metadata(copy)
+        main_copy = metadata.state_dict_metadata[EMBEDDING_MAIN]
+        rows, hidden = main_copy.size
+        main_copy.size = torch.Size([rows + elements // hidden, hidden])
+        cf.write_metadata(copy, metadata)
+    return copy
+
+
+def test_a_released_gpu_checkpoint_of_overlapped_buckets_is_refused(
+    config, overlapped_at_one_rank, tmp_path
+):
+    """0.13.0 to 0.20.0 overlapped the gradient reduce on a GPU with the distributed optimizer
+    at DP = 1 too, in megatron's 40M-element buckets: a model of 210m or more had several, and
+    their checkpoints hold shifted optimizer state. Such a checkpoint (this run's, rewritten as a
+    GPU run of a 40M-element model wrote it under 0.20.0) is refused on resume in one line, exit
+    status 2, naming the override, every file in place."""
+    run = tmp_path / "run"
+    ckpt = as_saved_by(overlapped_at_one_rank, run, elements=40_000_000)
+    before = snapshot(run)
+    proc = run_pretrain(config, [f"output_dir={run}", *OVERLAPPED], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(err) == 1 and f"{ckpt} was saved with the distributed optimizer" in err[0], err
+    assert "ran on a GPU, where versions 0.13.0 to 0.20.0 overlapped the gradient reduce" in err[0]
+    assert "in buckets of 40,000,000 elements, and its model's " in err[0]
+    assert "checkpoint.accept_shifted_optimizer_state=true" in err[0]
+    assert f"train.init_from={ckpt}" in err[0]
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize(
+    "saved, refused",
+    [
+        ({"cuda": None, "elements": 40_000_000}, None),  # a CPU run: auto never overlapped there
+        ({"cuda": "absent", "elements": 40_000_000}, "may have run on a GPU"),  # unknown device
+        ({}, None),  # a GPU run of a model within one 40M-element bucket
+        ({"parallel": LATER, "elements": 40_000_000}, None),  # later: auto overlaps over 2+ ranks
+        (
+            {"parallel": {}, "cuda": None},  # this very run, marker removed: 18 buckets
+            "overlapped its gradient reduce (parallel.overlap_grad_reduce=true), in buckets of "
+            "60,000 elements",
+        ),
+    ],
+    ids=["cpu", "device-unknown", "one-bucket", "later-version", "overlap-set"],
+)
+def test_what_a_checkpoint_records_decides_whether_its_buckets_shifted_state(
+    config, overlapped_at_one_rank, tmp_path, saved, refused
+):
+    """The device (runtime.device, else whether the RNG state holds a CUDA generator's), the
+    version's rule for `auto` (which its config's keys tell), the overlap setting and the
+    model's size against the bucket: a checkpoint that could not hold shifted state loads, one
+    that could, or whose record does not tell, is refused naming the override."""
+    run = tmp_path / "run"
+    ckpt = as_saved_by(overlapped_at_one_rank, run, **saved)
+    state = read_trainer_state(ckpt)["trainer"]
+    overrides = [f"output_dir={run}", *OVERLAPPED]
+    if saved.get("parallel", RELEASED):  # the run resuming it today sets nothing either
+        overrides = overrides[:-2] + ["parallel.overlap_grad_reduce=null"]
+    cfg = load_config(config, overrides)
+    if refused is None:
+        assert check_optimizer_state(ckpt, state, cfg) == []
+        return
+    with pytest.raises(UsageError) as e:
+        check_optimizer_state(ckpt, state, cfg)
+    assert refused in str(e.value) and "accept_shifted_optimizer_state=true" in str(e.value)
 
 
 # --------------------------------------------------------------------------------------------------

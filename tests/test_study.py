@@ -245,7 +245,7 @@ def test_small_study_end_to_end_then_resumed(tmp_path, data_dir):
     for name, start in (("clm-b20-p0", 18), ("mlm40-b20-p0", 18)):  # branched where decay starts
         train = (out / "runs" / name / "train.log").read_text()
         assert f"iter_{start:07d}" in train and "branching from" in train
-        assert f"verified iter_{start:07d}: " in train  # the source's checksums, shared
+        assert f"checksums match for iter_{start:07d}: " in train  # the source's, shared
     curve = (out / "learning_curve.csv").read_text().splitlines()
     assert len(curve) == 1 + 2 * 2 * 2  # CLM, MLM x 20, 40 steps x (sst2, overall)
     for plot in ("lr_sst2.png", "comparisons.png", "pretraining.png", "learning_curve.png"):

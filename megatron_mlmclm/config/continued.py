@@ -94,7 +94,7 @@ def take_checkpoint_model(raw: dict[str, Any], reader: CheckpointReader | None) 
 def own_checkpoints(raw: dict[str, Any]) -> str | None:
     """The checkpoints folder a run (its raw or finished config as a dict) resumes from, where
     resuming is on and the folder holds a complete checkpoint (`checkpoint.dir`, else
-    OUTPUT_DIR/checkpoints; an `iter_NNNNNNN` folder with its metadata.json, as checkpoint.py
+    OUTPUT_DIR/checkpoints; an `iter_NNNNNNN` folder with its metadata.json, as checkpoint/
     writes it); else None. Such a run never reads train.init_from, which may then be gone."""
     section = raw.get("checkpoint")
     section = section if isinstance(section, dict) else {}

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from megatron.core import parallel_state
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_mlmclm.checkpoint import read_trainer_state, resolve_checkpoint, save_checkpoint
+from megatron_mlmclm.checkpoint.reading import read_metadata, read_plain
 from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model_chunk, transformer_config
@@ -84,9 +84,10 @@ def read_common(ckpt: Path) -> dict[str, Any]:
 
 
 def read_global_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a dist checkpoint as a global float32 tensor (any TP/PP layout)."""
+    """Every model tensor of a dist checkpoint as a global float32 tensor (any TP/PP layout), read
+    as data (checkpoint/reading.py: a file that names anything else is refused)."""
     try:
-        meta = FileSystemReader(str(ckpt)).read_metadata()
+        meta = read_metadata(ckpt)
         state = {
             k: torch.empty(v.size, dtype=v.properties.dtype)
             for k, v in meta.state_dict_metadata.items()
@@ -95,10 +96,10 @@ def read_global_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
             and "_extra_state" not in k
             and not k.startswith("rng_state")
         }
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.load(state, storage_reader=FileSystemReader(str(ckpt)), no_dist=True)
-    except (Exception, dcp.api.CheckpointException) as e:  # truncated/missing shards, bad metadata
+        read_plain(ckpt, state)
+    except UsageError:
+        raise
+    except (Exception, CheckpointException) as e:  # truncated/missing shards, bad metadata
         raise UsageError(
             f"cannot read checkpoint {ckpt} (partial or corrupt?): "
             f"{type(e).__name__}: {_first_line(e)}"

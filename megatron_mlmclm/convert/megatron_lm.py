@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import dist_checkpointing
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mlmclm.checkpoint import iter_name
+from megatron_mlmclm.checkpoint.reading import read_common_state
 from megatron_mlmclm.convert import common
 from megatron_mlmclm.convert.hf_import import ImportResult, _write_run_config
 from megatron_mlmclm.convert.verify import (
@@ -97,13 +97,16 @@ def resolve(path) -> Path:
 
 
 def read_args(ckpt: Path) -> tuple[Namespace, dict[str, Any]]:
-    """The saved argparse.Namespace and the rest of the common state (iteration, version)."""
+    """The saved argparse.Namespace and the rest of the common state (iteration, version), read
+    as data: weights_only, admitting argparse.Namespace (attributes only, nothing to call)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            state = dist_checkpointing.load_common_state_dict(str(ckpt))
+        state = read_common_state(ckpt, allow=(Namespace,))
+    except UsageError:
+        raise
     except Exception as e:
         raise UsageError(f"cannot read {ckpt / 'common.pt'}: {common._first_line(e)}") from None
+    if not isinstance(state, dict):
+        raise UsageError(f"{ckpt / 'common.pt'} holds a {type(state).__name__}, not a state dict")
     if "trainer" in state:
         raise UsageError(
             f"{ckpt} is an mlmclm checkpoint, not a Megatron-LM one; continue from it "

@@ -11,6 +11,9 @@
 - cpu.py: megatron-core on machines without CUDA.
 - optimizer.py: megatron's optimizer without Apex or Transformer Engine, torch's fused AdamW
   behind it, the device-side skip of a non-finite step, the main parameters read back.
+- safe_load.py: torch's and megatron-core's checkpoint readers with nothing a file names ever
+  called (`.metadata` through an allow-list, byte objects and common state weights_only):
+  subclasses that checkpoint/ hands to their loads; nothing is replaced.
 - apply.py: `apply_patches()`, what a training or converting process installs, after checking
   the registry's pins against the installed source (registry.verify_installed).
 

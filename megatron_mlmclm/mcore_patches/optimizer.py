@@ -4,7 +4,7 @@ a non-finite step decided on the device, and the main parameters read back after
 
 Each replacement is a row of registry.yaml; `apply_everywhere()` (called by apply.py in every
 process that trains or converts) installs the module-level ones, the rest are called where a
-run needs them (training/optimizer.py, training/update.py, checkpoint.py): `use_torch_adamw()`
+run needs them (training/optimizer.py, training/update.py, checkpoint/): `use_torch_adamw()`
 puts torch's AdamW in the place of an installed Transformer Engine's or Apex's FusedAdam.
 """
 
@@ -61,7 +61,7 @@ def apply_everywhere() -> None:
     _megatron_copy_this_to_that = optimizer._multi_tensor_copy_this_to_that
     optimizer._multi_tensor_copy_this_to_that = _foreach_copy_this_to_that
 
-    # The distributed optimizer's fully_reshardable save (checkpoint.py) cuts each parameter's
+    # The distributed optimizer's fully_reshardable save (checkpoint/) cuts each parameter's
     # state out of world tensors that leave out the padding at the ends of the buckets, at the
     # parameter's place in the padded buffer: past a bucket whose end is padded, every parameter
     # was saved with a neighbour's state, shifted by the padding, and resumed from it (megatron

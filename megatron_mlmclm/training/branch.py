@@ -106,7 +106,7 @@ def check_branch(
             f"{where} holds no data fingerprint or config (saved by an older "
             "version): a branch of it cannot be checked; train from scratch"
         )
-    check_trajectory(where, history.of_checkpoint(state), cfg, fingerprint, step)
+    notes = check_trajectory(where, history.of_checkpoint(state), cfg, fingerprint, step)
     consumed = int(state.get("consumed_samples", -1))
     expected = PhasePlan.of(from_dict(RunConfig, state["config"], prefix="")).position(step)
     if consumed != expected:
@@ -122,7 +122,7 @@ def check_branch(
             f"{where} is at step {step}, but this run's budget is {steps} "
             "steps: branch from an earlier checkpoint"
         )
-    return [
+    return notes + [
         f"branching from {source} at step {step} of {state['config']['train']['steps']}: this "
         f"run decays over steps {steps - decay}-{steps}"
     ]
@@ -130,14 +130,14 @@ def check_branch(
 
 def check_branch_folder(
     ckpt: Path, state: dict[str, Any], cfg: RunConfig, fingerprint: dict[str, Any]
-) -> None:
+) -> list[str]:
     """UsageError (one line) unless the checkpoint `ckpt` of this branch's own folder is this
     branch's run up to its step: a folder left by another branch (another source, budget or
-    setting) would be resumed as if it were this one."""
+    setting) would be resumed as if it were this one. Returns notes to log."""
     step = int(state["iteration"])
     where = f"{ckpt} (this run's folder; train.branch_from={cfg.train.branch_from})"
     try:
-        check_trajectory(where, history.of_checkpoint(state), cfg, fingerprint, step)
+        return check_trajectory(where, history.of_checkpoint(state), cfg, fingerprint, step)
     except UsageError as e:
         raise UsageError(
             f"{e}; the folder holds another run than this branch: use a new output_dir, or "
@@ -151,11 +151,12 @@ def check_trajectory(
     cfg: RunConfig,
     fingerprint: dict[str, Any],
     end: int,
-) -> None:
+) -> list[str]:
     """UsageError unless steps [0, end) of the run whose history is `events`
     (training/history.py) are those of `cfg`'s run from scratch, segment by segment: the data,
     the settings, every step's phase and samples, the learning rate, and the sample position at
-    each event."""
+    each event. Returns a warning to log for the steps of an `unrecorded` history (saved before
+    histories were kept), which are held to the config and data of its checkpoint only."""
     segments = history.segments(events, end)
     for seg in segments:
         w = where
@@ -172,6 +173,16 @@ def check_trajectory(
                 "checkpoint.allow_data_change); a branch of it is no run of this config: "
                 "train from scratch"
             )
+    unknown = history.unrecorded_steps(events, end)
+    if unknown is None:
+        return []
+    first, last = unknown
+    return [
+        f"warning: {where}: its steps {first + 1}-{last} were trained before checkpoints kept "
+        f"their run's history, so they are held to the config and data of its checkpoint at "
+        f"step {last} only; a resume among them with other settings (learning rate, schedule, "
+        "phases) or onto other data (checkpoint.allow_data_change) could not be checked"
+    ]
 
 
 def _compare_data(where: str, saved: dict[str, Any], now: dict[str, Any]) -> None:

@@ -74,7 +74,7 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> 
         consumed, notes = check_resume(latest, state, cfg, fingerprint)
         notes += check_optimizer_state(latest, state, cfg)
         if cfg.train.branch_from:
-            check_branch_folder(latest, state, cfg, fingerprint)
+            notes += check_branch_folder(latest, state, cfg, fingerprint)
         step = int(state["iteration"])
         offset = consumed - PhasePlan.of(cfg).position(step)
         notes = [cost, *notes] if cost else notes

@@ -12,7 +12,8 @@ gives all of them; a phase event none: the config decides the phases), with the 
 since (`settings_removed`, `data_removed`: a section set to null, or a fingerprint key no longer
 made). A resume that changed the data by checkpoint.allow_data_change names the keys it changed
 (`data_changed`). A checkpoint saved before histories were kept reads as one `start` event with its
-own config (`unrecorded`).
+own config (`unrecorded`): what its steps trained with before its last resume is not known, and a
+branch of it says so (`unrecorded_steps`).
 
 training/branch.py compares a branch source's history, segment by segment, with the run the
 branch would be from scratch.
@@ -155,6 +156,13 @@ def segments(history: list[dict[str, Any]], end: int) -> list[Segment]:
             out[-1].end = e["step"]
         out.append(Segment(e["step"], end, e["event"], settings, data, bool(e.get("unrecorded"))))
     return out
+
+
+def unrecorded_steps(history: list[dict[str, Any]], end: int) -> tuple[int, int] | None:
+    """Steps [start, end) of the history's `unrecorded` segment, which a checkpoint saved before
+    histories were kept stands for with its own config and data (what ran before its last resume
+    is not known), or None when every segment before `end` was recorded."""
+    return next(((s.start, s.end) for s in segments(history, end) if s.unrecorded), None)
 
 
 def positions(history: list[dict[str, Any]], end: int) -> list[tuple[int, str, int]]:

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from megatron_mlmclm import checkpoint as ckpt_io
+from megatron_mlmclm.checkpoint.reading import read_objects, tensor_shapes
 from megatron_mlmclm.config import (
     PhaseConfig,
     RunConfig,
@@ -149,8 +149,8 @@ def show_value(value) -> str:
 def check_optimizer_state(ckpt: Path, state: dict[str, Any], cfg: RunConfig) -> list[str]:
     """UsageError (one line) for a distributed-optimizer checkpoint (resumed or branched from)
     saved before the fully_reshardable save stored each parameter's state at its own place
-    (format_version < 2, checkpoint.py) whose gradient buckets may have ended in padding: past
-    such a bucket each parameter was saved with a neighbour's Adam state and main copy, which
+    (format_version < 2, checkpoint/__init__.py) whose gradient buckets may have ended in padding:
+    past such a bucket each parameter was saved with a neighbour's Adam state and main copy, which
     loading now gives it. Notes to log: a warning where checkpoint.accept_shifted_optimizer_state
     takes the state as saved."""
     saved = state.get("config") or {}
@@ -158,12 +158,13 @@ def check_optimizer_state(ckpt: Path, state: dict[str, Any], cfg: RunConfig) -> 
         "use_distributed_optimizer"
     ):
         return []
-    if not may_have_padded_buckets(ckpt, state):
+    why = padded_buckets(ckpt, state)
+    if why is None:
         return []
     what = (
         f"{ckpt} was saved with the distributed optimizer by a version that, past a gradient "
-        "bucket ending in padding (as its run's may have), stored each parameter's Adam state at "
-        "a neighbour's place"
+        "bucket ending in padding, stored each parameter's Adam state at a neighbour's place, "
+        f"and the run that saved it {why}"
     )
     if cfg.checkpoint.accept_shifted_optimizer_state:
         return [f"warning: {what}; loading its state as saved (accept_shifted_optimizer_state)"]
@@ -175,25 +176,96 @@ def check_optimizer_state(ckpt: Path, state: dict[str, Any], cfg: RunConfig) -> 
     )
 
 
-def may_have_padded_buckets(ckpt: Path, state: dict[str, Any]) -> bool:
-    """Whether a gradient buffer of the run that saved `ckpt` could have held a bucket after one
-    that ends in padding (megatron pads each bucket's end under the distributed optimizer). A
-    buffer has one bucket unless the gradient reduce overlapped (a bucket per bucket_size
-    elements: ddp_bucket_size, else megatron's max(4e7, 1e6 x DP)), or the pipeline has more than
-    one stage (the tied word embeddings then get a bucket of their own)."""
+def padded_buckets(ckpt: Path, state: dict[str, Any]) -> str | None:
+    """How a gradient buffer of the run that saved `ckpt` could have held a bucket after one that
+    ends in padding (megatron pads each bucket's end under the distributed optimizer), None when
+    it could not. A buffer has one bucket unless the pipeline has more than one stage (the tied
+    word embeddings then get a bucket of their own) or the gradient reduce overlapped the backward
+    (`overlapped_reduce`): a bucket per bucket_size elements, ddp_bucket_size, else megatron's
+    max(4e7, 1e6 x DP)."""
     p = state["config"].get("parallel", {})
     layout = state.get("layout") or {}
-    dp, cp, pp = (layout.get(k, 1) for k in ("dp", "cp", "pp"))
+    dp, pp = layout.get("dp", 1), layout.get("pp", 1)
     if pp > 1:
-        return True
-    overlap = p.get("overlap_grad_reduce")
-    if overlap is False or (overlap is None and dp * cp == 1):  # as the kernel plan decides
-        return False
+        return f"had {pp} pipeline stages (the tied word embeddings get a bucket of their own)"
+    overlap, how = overlapped_reduce(ckpt, state)
+    if not overlap:
+        return None
     bucket = p.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp)
-    params = {k: s for k, s in ckpt_io.tensor_shapes(ckpt).items() if k.startswith(PARAM_STATE)}
+    params = {k: s for k, s in tensor_shapes(ckpt).items() if k.startswith(PARAM_STATE)}
     # each parameter's elements, and the alignment of its start (< 64 elements) in the buffer
     stacked = sum(s[0] if ".layers." in k else 1 for k, s in params.items())
-    return sum(math.prod(s) for s in params.values()) + 64 * stacked >= bucket
+    elements = sum(math.prod(s) for s in params.values()) + 64 * stacked
+    if elements < bucket:
+        return None
+    return (
+        f"{how}, in buckets of {bucket:,} elements, and its model's {elements:,} fill more than one"
+    )
+
+
+# The releases whose `auto` overlapped the gradient reduce on a GPU with the distributed optimizer
+# at any data-parallel size (model/kernels' plan from 0.13.0; from after 0.20.0 it overlaps only
+# over more than one rank). Their configs have no parallel.ddp_bucket_size, which came with that
+# change; configs before 0.13.0 have no parallel.overlap_grad_reduce (the reduce never overlapped).
+OVERLAPPED_AT_ONE_RANK = "0.13.0 to 0.20.0"
+
+
+def overlapped_reduce(ckpt: Path, state: dict[str, Any]) -> tuple[bool, str]:
+    """(Whether the run that saved `ckpt` overlapped its gradient reduce with the backward, how it
+    did or may have), by the rule of the version that wrote it, as far as its config tells which
+    (the keys each version's config has): what the checkpoint cannot tell counts as overlapped.
+    `auto` overlapped only on a GPU (`saved_device`)."""
+    p = state["config"].get("parallel", {})
+    layout = state.get("layout") or {}
+    ranks = layout.get("dp", 1) * layout.get("cp", 1)
+    if "overlap_grad_reduce" not in p:
+        return False, "before the kernel plan: never overlapped"
+    if p["overlap_grad_reduce"] is not None:
+        return bool(p["overlap_grad_reduce"]), (
+            "overlapped its gradient reduce (parallel.overlap_grad_reduce=true)"
+        )
+    later = "ddp_bucket_size" in p  # written after 0.20.0: auto overlaps over 2+ ranks only
+    if later and ranks == 1:
+        return False, "auto: one rank"
+    device = saved_device(ckpt, state)
+    if device == "cpu":
+        return False, "auto: off on CPU"
+    if later:
+        return True, f"overlapped its gradient reduce on GPUs over {ranks} ranks (auto)"
+    what = (
+        f"versions {OVERLAPPED_AT_ONE_RANK} overlapped the gradient reduce there with the "
+        "distributed optimizer at any data-parallel size (auto)"
+    )
+    if device == "cuda":
+        return True, f"ran on a GPU, where {what}"
+    return True, (
+        "may have run on a GPU (its checkpoint records no device: runtime.device auto and no "
+        f"readable RNG state), where {what}"
+    )
+
+
+def saved_device(ckpt: Path, state: dict[str, Any]) -> str | None:
+    """The device the run that saved `ckpt` trained on ("cuda" or "cpu"), from its runtime.device,
+    else from its RNG states (every rank saves its CUDA generator's state where CUDA is, None where
+    it is not: checkpoint/__init__.py); None when neither tells."""
+    device = (state["config"].get("runtime") or {}).get("device")
+    if device in ("cuda", "cpu"):
+        return device
+    try:
+        saved = read_objects(ckpt, "rng_state")
+    except UsageError:
+        raise
+    except Exception:  # unreadable: the device is unknown
+        return None
+    cuda = [
+        rng.get("cuda")
+        for ranks in saved.values()
+        for rng in (ranks if isinstance(ranks, list) else [ranks])
+        if isinstance(rng, dict) and "cuda" in rng
+    ]
+    if not cuda:
+        return None
+    return "cpu" if all(c is None for c in cuda) else "cuda"
 
 
 PARAM_STATE = "optimizer.state.param."  # the distributed optimizer's main copy of each parameter

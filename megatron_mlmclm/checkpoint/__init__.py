@@ -15,8 +15,11 @@ act on rank 0's view of the folders (`verify_shared`, runtime's `on_main`). The 
 optimizer are stored in megatron's reshardable formats (model: sharded tensors; distributed
 optimizer: `fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout loads at another.
 
+Matching checksums say that a copy is intact, not who wrote it: every file of a checkpoint is read
+as data only (reading.py), and one that names anything else is refused in one line, unread.
+
 The trainer writes and resumes checkpoints; the converters read them (to-hf) and write them
-(from-hf, from-megatron-lm). This module is their shared home, below both, so that convert/ never
+(from-hf, from-megatron-lm). This package is their shared home, below both, so that convert/ never
 imports training/ (docs/architecture.md).
 """
 
@@ -38,11 +41,11 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron_mlmclm.checkpoint.reading import as_data, read_common_state, unsafe_metadata
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.mcore_patches import safe_load
 from megatron_mlmclm.mcore_patches.optimizer import model_and_main_params
 from megatron_mlmclm.runtime.distributed import on_main
 
@@ -168,8 +171,9 @@ def write_manifest(folder: Path) -> None:
 
 def verify_checkpoint(ckpt: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """None when every file in the checkpoint's manifest has its size and checksum, else what is
-    wrong (one line). A checkpoint without a manifest predates manifests and is accepted. With
-    `share` (rank, world): every size, but only the checksums of the rank's share of the files."""
+    wrong (one line). A checkpoint without a manifest (written before manifests, or not by
+    mlmclm) has nothing to check and is accepted (`verify_shared` warns). With `share` (rank,
+    world): every size, but only the checksums of the rank's share of the files."""
     return _verify(Path(ckpt), *share)[0]
 
 
@@ -233,22 +237,35 @@ def verify_shared(ckpt: Path) -> tuple[str | None, str | None]:
     """(What is wrong with `ckpt` or None, what checking it cost: a line to log, None when there
     were no checksums). Collective once process groups exist: every rank checks every size and
     checksums its share of the files (`_share`), and the ranks agree on the verdict, so the
-    checkpoint is read once in all, not once per process."""
+    checkpoint is read once in all, not once per process. Rank 0 also reads its `.metadata` as
+    data: where the checksums match (a damaged checkpoint is never read), one that names anything
+    else refuses the checkpoint on every rank (UsageError). A checkpoint without a manifest is
+    accepted with a warning."""
     rank, world = _world()
     start = time.perf_counter()
     problem, read = _verify(ckpt, rank, world)
-    everyone = [(problem, read, time.perf_counter() - start)]
+    unsafe = unsafe_metadata(ckpt) if rank == 0 and problem is None else None
+    everyone = [(problem, read, time.perf_counter() - start, unsafe)]
     if world > 1:
         mine, everyone = everyone[0], [None] * world
         dist.all_gather_object(everyone, mine)
-    problem = next((p for p, _, _ in everyone if p is not None), None)
-    if problem is not None or not any(r for _, r, _ in everyone):
+    problem = next((p for p, *_ in everyone if p is not None), None)
+    if problem is not None:
         return problem, None
+    if everyone[0][3] is not None:
+        raise UsageError(everyone[0][3])
+    if not (ckpt / MANIFEST).is_file():
+        _say(
+            f"warning: {ckpt} has no {MANIFEST} (written before checkpoints had one, or not by "
+            "mlmclm): nothing says its files are intact; they are read as data all the same"
+        )
+    if not any(r for _, r, *_ in everyone):
+        return None, None
     return None, (
-        f"verified {ckpt.name}: {sum(r for _, r, _ in everyone) / 1e9:.2f} GB "
+        f"checksums match for {ckpt.name}: {sum(r for _, r, *_ in everyone) / 1e9:.2f} GB "
         f"checksummed by {world} process(es), at most "
-        f"{max(r for _, r, _ in everyone) / 1e9:.2f} GB and "
-        f"{max(t for _, _, t in everyone):.1f} s each"
+        f"{max(r for _, r, *_ in everyone) / 1e9:.2f} GB and "
+        f"{max(t for _, _, t, _ in everyone):.1f} s each"
     )
 
 
@@ -399,20 +416,10 @@ def prune(ckpt_dir: str | Path, keep_last: int, keep=frozenset()) -> None:
 
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     """The common (non-sharded) part of a checkpoint, readable without process groups."""
-    common = dist_checkpointing.load_common_state_dict(str(ckpt))
-    if "trainer" not in common:
+    common = read_common_state(ckpt)
+    if not isinstance(common, dict) or "trainer" not in common:
         raise UsageError(f"{ckpt} is not a megatron_mlmclm checkpoint (no trainer state)")
     return common
-
-
-def tensor_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
-    """The global shape of every tensor of a checkpoint, from its metadata (no tensor read)."""
-    meta = FileSystemReader(str(ckpt)).read_metadata()
-    return {
-        k: tuple(v.size)
-        for k, v in meta.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata)
-    }
 
 
 def load_weights(ckpt: Path, chunks, optimizer) -> dict[str, Any]:
@@ -474,13 +481,23 @@ def load_checkpoint(
         # storage reader: a module's `_extra_state` may be absent (Transformer Engine's layers
         # keep FP8 metadata there, which a checkpoint written with the local CPU spec or by an
         # importer does not have: they start fresh, as in a new run); anything else is an error.
-        loaded, _, absent = dist_checkpointing.load(
-            state, str(ckpt), strict=StrictHandling.RETURN_UNEXPECTED
-        )
+        with as_data(ckpt):
+            loaded, _, absent = dist_checkpointing.load(
+                state,
+                str(ckpt),
+                sharded_strategy=safe_load.ShardedLoad(),
+                common_strategy=safe_load.CommonLoad(),
+                strict=StrictHandling.RETURN_UNEXPECTED,
+            )
+    except UsageError:
+        raise
     except (Exception, CheckpointException) as e:  # corrupt or partial shards: one clear line
+        cause = e
+        if isinstance(e, CheckpointException) and e.failures:  # a rank's own error
+            cause = next(iter(e.failures.values()))[0]
         raise UsageError(
-            f"cannot load checkpoint {ckpt}: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}"
+            f"cannot load checkpoint {ckpt}: {type(cause).__name__}: "
+            f"{str(cause).splitlines()[0] if str(cause) else ''}"
         ) from e
     absent = sorted(k for k in absent if not k.endswith(EXTRA_STATE))
     if absent:
