@@ -36,7 +36,6 @@ from jobs import job_env, launch
 
 from megatron_mlmclm.cli import COMMANDS, command_parser, parse_command_args
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.tasks import load_registry, suite
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
