@@ -118,44 +118,66 @@ def test_a_change_made_outside_mcore_patches_is_seen(changes):
 # At start-up: every process that applies the patches checks the pins first
 
 
-def with_a_changed_pin(monkeypatch, tmp_path):
-    """The registry as it would read after megatron-core changed finalize_model_grads (its pin no
-    longer the installed source's hash), cut to that row and one that still holds (the check
-    then parses two files, not forty); an empty cache folder; the check not yet run."""
-    row = next(r for r in REPLACEMENTS if r.target.endswith(":finalize_model_grads"))
+REGISTER = (
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.register_grad_ready"
+)
+
+
+def with_a_changed_pin(monkeypatch, tmp_path, source: str = REGISTER):
+    """The registry as it would read after megatron-core changed `source` (its pins no longer the
+    installed source's hash), cut to the rows pinning it and one row that still holds (the check
+    then parses a few files, not forty); an empty cache folder; the check not yet run. -> the
+    targets of the rows that rely on `source`."""
+    rows = [r for r in REPLACEMENTS if any(p.source == source for p in r.pins)]
     holds = next(r for r in REPLACEMENTS if r.target.endswith(":_initialize_affine_weight_gpu"))
-    changed = dataclasses.replace(row, pins=(Pin(row.pins[0].source, "sha256:0123456789abcdef"),))
-    monkeypatch.setattr(registry, "REPLACEMENTS", (holds, changed))
+    changed = [
+        dataclasses.replace(
+            r,
+            pins=tuple(
+                Pin(p.source, "sha256:0123456789abcdef") if p.source == source else p
+                for p in r.pins
+            ),
+        )
+        for r in rows
+    ]
+    monkeypatch.setattr(registry, "REPLACEMENTS", (holds, *changed))
     monkeypatch.setattr(apply, "_applied", False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(registry.ACCEPT_ENV, raising=False)
-    return row.target
+    return [r.target for r in rows]
 
 
 def test_a_changed_pin_refuses_the_run_at_start_and_the_override_runs_it(
     tmp_path, monkeypatch, capsys
 ):
-    target = with_a_changed_pin(monkeypatch, tmp_path)
+    """megatron-core's register_grad_ready changed: the one line names that function, the
+    package and version it is in, and every target of ours that relies on it; the override
+    names the installed megatron-core and torch, and no other pair counts."""
+    targets = with_a_changed_pin(monkeypatch, tmp_path)
+    assert len(targets) >= 2  # our buffer's hook and its reset both rely on it
     config = tmp_path / "run.yaml"
     config.write_text("data: {mock: true}\nmodel: {vocab_size: 300}\n")
     out = tmp_path / "run"
     assert main(["pretrain", str(config), f"output_dir={out}"]) == 2
     err = capsys.readouterr().err.strip()
     installed = importlib.metadata.version("megatron-core")
-    assert err.count("\n") == 0 and target in err, err
-    assert f"changed in the installed megatron-core {installed} for {target};" in err, err
+    torch_version = importlib.metadata.version("torch")
+    assert err.count("\n") == 0, err
+    assert f"megatron-core {installed}'s {REGISTER} (relied on by {', '.join(targets)})" in err
     assert "install megatron-core==0.16.1 (as pyproject.toml pins it)" in err, err
-    assert f"set MLMCLM_ACCEPT_MEGATRON_CORE={installed}" in err, err
+    pair = f"megatron-core=={installed},torch=={torch_version}"
+    assert f"set MLMCLM_ACCEPT_MEGATRON_CORE={pair} (the installed pair it accepts)" in err, err
     assert ":_initialize_affine_weight_gpu" not in err  # its pin holds
     assert not out.exists()  # refused before the run's folder, lock or log
-    # The override names the installed version: another version's does not count.
-    monkeypatch.setenv(registry.ACCEPT_ENV, "0.16.0")
-    with pytest.raises(registry.SourceChanged):
-        registry.verify_installed()
-    monkeypatch.setenv(registry.ACCEPT_ENV, installed)
+    # The override names the installed pair: a version alone, or another torch, does not count.
+    for other in (installed, f"megatron-core=={installed},torch=0.0"):
+        monkeypatch.setenv(registry.ACCEPT_ENV, other)
+        with pytest.raises(registry.SourceChanged):
+            registry.verify_installed()
+    monkeypatch.setenv(registry.ACCEPT_ENV, pair)
     registry.verify_installed()
     warning = capsys.readouterr().err
-    assert warning.startswith("warning: ") and target in warning, warning
+    assert warning.startswith("warning: ") and REGISTER in warning, warning
 
 
 def test_a_changed_torch_pin_names_torch(tmp_path, monkeypatch):
@@ -168,16 +190,18 @@ def test_a_changed_torch_pin_names_torch(tmp_path, monkeypatch):
     with pytest.raises(registry.SourceChanged) as refused:
         registry.verify_installed()
     torch_version = importlib.metadata.version("torch")
-    assert f"changed in the installed torch {torch_version} for torch:Tensor.type;" in str(
-        refused.value
+    said = str(refused.value)
+    assert (
+        f"torch {torch_version}'s torch:Tensor.no_such_method (relied on by torch:Tensor.type)"
+        in said
     )
 
 
 def test_the_pins_are_computed_once_per_install(tmp_path, monkeypatch):
     """A check whose pins held leaves a marker keyed by the pins and the pinned files' sizes and
     modification times: the next process reads no source. A changed pin is another key."""
-    target = with_a_changed_pin(monkeypatch, tmp_path)
-    assert registry.changed_targets() == [target]
+    targets = with_a_changed_pin(monkeypatch, tmp_path)
+    assert registry.changed_targets() == targets
     assert not (tmp_path / "cache").exists()  # a check that failed is remembered by nobody
     holding = registry.REPLACEMENTS[:1]
     monkeypatch.setattr(registry, "REPLACEMENTS", holding)

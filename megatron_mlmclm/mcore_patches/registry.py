@@ -8,10 +8,10 @@ against (`checked`). `tests/test_mcore_patches.py` recomputes every pin from the
 packages: when megatron-core changes one of them, the test of that row fails, naming it, before
 any run trains with a replacement that no longer fits. Every process that applies the patches
 checks the same pins first (`verify_installed`, apply.py): a run on a megatron-core (or torch)
-whose pinned source changed is refused, naming the changed targets and the package, unless
-$MLMCLM_ACCEPT_MEGATRON_CORE names the installed megatron-core version (the user has read the new
-source). Updating a row is reading the new source, checking the replacement still does what `why`
-says, and then writing the new hash and version.
+whose pinned source changed is refused, naming each changed source and the targets that rely on
+it, unless $MLMCLM_ACCEPT_MEGATRON_CORE names the installed pair, `megatron-core==X,torch==Y`
+(the user has read the new source). Updating a row is reading the new source, checking the
+replacement still does what `why` says, and then writing the new hash and version.
 
 Two kinds of rows:
 - `patch`: the attribute is replaced at run time, by code in this package (jit.py, cpu.py,
@@ -209,32 +209,34 @@ class SourceChanged(Exception):
 
 
 def verify_installed() -> None:
-    """Raise SourceChanged, naming the changed targets and the package whose source changed,
-    unless every pin of the registry holds in the installed packages, or
-    $MLMCLM_ACCEPT_MEGATRON_CORE is the installed megatron-core version (then a warning, on
-    stderr). Called once per process, by apply.apply_patches; the pins of source text are
-    computed once per install (about 1 CPU-s: every pinned file parsed) and remembered by the
-    size and modification time of each file in the user's cache folder."""
+    """Raise SourceChanged, naming each pinned source that changed, the targets that rely on it
+    and the package it is in, unless every pin of the registry holds in the installed packages,
+    or $MLMCLM_ACCEPT_MEGATRON_CORE names the installed pair (`accepted_pair()`: the user has read
+    the new source; then a warning, on stderr). Called once per process, by apply.apply_patches;
+    the pins of source text are computed once per install (about 1 CPU-s: every pinned file
+    parsed) and remembered by the size and modification time of each file in the user's cache
+    folder."""
     failed = failed_pins()
     if not failed:
         return
-    by_package = {
-        dist: _targets_of({pin for pin in failed if _distribution(pin.source) == dist})
-        for dist in sorted({_distribution(pin.source) for pin in failed})
-    }
-    installed = _version("megatron-core")
-    message = (
-        f"the source that mcore_patches/registry.yaml pins (checked against {MEGATRON_CORE}) "
-        "changed in the installed "
-        + " and ".join(f"{d} {_version(d)} for {', '.join(t)}" for d, t in by_package.items())
+    changed = "; ".join(
+        f"{_distribution(source)} {_version(_distribution(source))}'s {source} (relied on by "
+        f"{', '.join(targets)})"
+        for source, targets in _changed_sources(failed).items()
     )
+    message = (
+        f"the installed source changed where mcore_patches/registry.yaml pins it (checked "
+        f"against {MEGATRON_CORE}): {changed}"
+    )
+    dists = {_distribution(pin.source) for pin in failed}
     remedy = f"install {PINNED} (as pyproject.toml pins it)"
-    if "torch" in by_package:
+    if "torch" in dists:
         remedy = f"install a torch with the source those rows pin (their `checked`) and {PINNED}"
-    if os.environ.get(ACCEPT_ENV) != installed:
+    pair = accepted_pair()
+    if os.environ.get(ACCEPT_ENV) != pair:
         raise SourceChanged(
-            f"{message}; {remedy}, or, having read the new source of those targets, set "
-            f"{ACCEPT_ENV}={installed} (the installed megatron-core's version)"
+            f"{message}; {remedy}, or, having read the new source of what changed, set "
+            f"{ACCEPT_ENV}={pair} (the installed pair it accepts)"
         )
     missing = missing_targets()
     if missing:
@@ -242,7 +244,24 @@ def verify_installed() -> None:
             f"the installed {' and '.join(sorted({_distribution(m) for m in missing}))} no "
             f"longer has {', '.join(missing)}, which mcore_patches replaces or relies on; {remedy}"
         )
-    print(f"warning: {message} (run anyway: {ACCEPT_ENV}={installed})", file=sys.stderr)
+    print(f"warning: {message} (run anyway: {ACCEPT_ENV}={pair})", file=sys.stderr)
+
+
+def accepted_pair() -> str:
+    """What $MLMCLM_ACCEPT_MEGATRON_CORE must say to run on changed sources: the installed
+    megatron-core and torch, as pip names them (`megatron-core==X,torch==Y`), so an acceptance
+    lapses when either package changes again."""
+    return f"megatron-core=={_version('megatron-core')},torch=={_version('torch')}"
+
+
+def _changed_sources(failed: set[Pin]) -> dict[str, list[str]]:
+    """Each pinned source of `failed` (in registry order) -> the targets of the rows pinning it."""
+    out: dict[str, list[str]] = {}
+    for r in REPLACEMENTS:
+        for pin in r.pins:
+            if pin in failed and r.target not in out.setdefault(pin.source, []):
+                out[pin.source].append(r.target)
+    return out
 
 
 def changed_targets() -> list[str]:
