@@ -40,7 +40,9 @@ class Family:
     default_metric(task): the main metric when the entry names none (default: the first of
     `metrics`);
     layout(task): the files its local format reads in the task's folder, for messages (default:
-    the entry's split files).
+    the entry's split files);
+    probe(task, cfg, model, max_length, sync): the evaluation probe's throughput figures for the
+    family (eval/probe.py; default: validation inputs scored per second).
     """
 
     name: str
@@ -54,6 +56,7 @@ class Family:
     show: Callable
     default_metric: Callable | None = None
     layout: Callable | None = None
+    probe: Callable | None = None
 
     def local_files(self, task) -> list[str]:
         if self.layout is not None:
