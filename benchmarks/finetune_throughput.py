@@ -21,11 +21,21 @@ it waits for every step to finish before queueing the next.
 
 Last line: RESULT finetune ratio=<ours_time/trainer_time> ours_s=<..> baseline_s=<..>
 ours_eps=<..> baseline_eps=<..> [workers_eps=<N>:<examples/s>,...]
+
+The planner's form (`--probe SIZE`): the evaluation probe of `mlmclm evaluate --probe`
+(megatron_mlmclm/eval/probe.py) on a model preset's shape, its figures written to --out, which
+`mlmclm plan` reads; on a GPU, at 210m over one task of each family:
+
+    PYTHONPATH=. python benchmarks/finetune_throughput.py --probe 210m --tokenizer TOK \
+        --tasks sst2 conll2003 squad scifact --out eval_probe_210m.json [--probe-steps 200]
+
+Last line: RESULT finetune_probe size=<..> device=<..> <task>_step_ms=<..> ...
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import tempfile
 import time
@@ -128,7 +138,14 @@ def main() -> None:
         "--workers", type=int, nargs="*", default=[], help="also N of our runs at once (GPU)"
     )
     p.add_argument("--quick", action="store_true", help="6 steps x batch 8, one run each")
+    p.add_argument("--probe", metavar="SIZE", help="the evaluation probe at a model preset")
+    p.add_argument("--tokenizer", help="--probe: the tokenizer folder")
+    p.add_argument("--tasks", nargs="+", default=["sst2", "conll2003", "squad", "scifact"])
+    p.add_argument("--probe-steps", type=int, default=200)
+    p.add_argument("--out", default="eval_probe.json", help="--probe: the figures' file")
     args = p.parse_args()
+    if args.probe:
+        return probe(args)
     if args.quick:
         args.steps, args.batch_size, args.repeats = 6, 8, 1
     args.precision = args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")
@@ -223,6 +240,30 @@ def main() -> None:
     print(
         f"RESULT finetune ratio={ours_s / base_s:.3f} ours_s={ours_s:.2f} baseline_s={base_s:.2f} "
         f"ours_eps={seen / ours_s:.1f} baseline_eps={seen / base_s:.1f}{extra}"
+    )
+
+
+def probe(args) -> None:
+    """--probe SIZE: `mlmclm evaluate --probe`'s figures (eval/probe.py) -> --out."""
+    from megatron_mlmclm.eval.probe import run_probe
+    from megatron_mlmclm.eval.tiny import build_tokenizer, sample_texts
+    from megatron_mlmclm.paths import data_dir
+
+    tokenizer = args.tokenizer
+    if tokenizer is None:  # a word-level tokenizer of the shipped data's words
+        tokenizer = tempfile.mkdtemp(prefix="ft_probe_tok_")
+        build_tokenizer(sample_texts(data_dir(required=True))).save_pretrained(tokenizer)
+    record = run_probe(
+        args.probe, tokenizer, args.tasks, args.out, steps=args.probe_steps, device=args.device
+    )
+    figures = " ".join(
+        f"{name}_step_ms={f['step_s'] * 1e3:.1f} {name}_startup_s={f['startup_s']:.1f}"
+        for name, f in record["tasks"].items()
+    )
+    print(json.dumps(record, indent=1))
+    print(
+        f"RESULT finetune_probe size={args.probe} device={record['device'].replace(' ', '_')} "
+        f"{figures}"
     )
 
 

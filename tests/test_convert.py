@@ -263,6 +263,24 @@ def test_export_same_weights_from_any_layout(ws, exported):
         assert saved[layout[:2]] == 2
 
 
+def test_a_re_export_of_one_checkpoint_is_the_same_model(ws, exported, monkeypatch):
+    """Converting one checkpoint again (named by another path) writes the same bytes, but for
+    the record's `checkpoint`, and the evaluation counts both exports as one model
+    (eval/identity.py): a re-conversion keeps the model's results."""
+    from megatron_mlmclm.eval.identity import model_identity
+
+    monkeypatch.chdir(ws["root"])
+    again = to_hf("tp1/checkpoints", ws["root"] / "export_tp1_again", verbose=False).path
+    first = exported.path
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    differ = [n for n in names if (first / n).read_bytes() != (again / n).read_bytes()]
+    assert differ == ["mlmclm_export.json"]
+    a, b = (json.loads((d / "mlmclm_export.json").read_text()) for d in (first, again))
+    assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == ["checkpoint"]
+    assert model_identity(first) == model_identity(again)
+
+
 def test_megatron_hf_megatron_round_trip_is_exact(ws, exported):
     back = from_hf(exported.path, ws["root"] / "reimport", verbose=False)
     assert back.family == "eurobert" and not back.vocab_grew

@@ -6,6 +6,8 @@
   equals that of an uninterrupted run, bitwise.
 * pretrain.sbatch with rank 1 hung at step 5 (fault injection): the watchdog's exit 76 requeues
   the job, which resumes and completes.
+* evaluate_array.sbatch: an element cancelled once its fine-tuning run has saved a state, then
+  submitted again, resumes the run and ends with the uninterrupted run's result, bitwise.
 * the submit script `mlmclm plan` writes (`mlmclm submit` on its job table), on a one-run grid
   whose pretraining job fails once: every job ends (none pending on the failure); run again, it
   completes pretrain -> convert -> an evaluate_array.sbatch array (its time limit the plan's) ->
@@ -326,6 +328,64 @@ pathlib.Path("{started}").touch()
 time.sleep(120)
 '
 """
+
+
+def test_an_evaluation_element_killed_mid_run_resumes_when_resubmitted(slurm, data_dir, tmp_path):
+    """evaluate_array.sbatch, one element running one fine-tuning run that saves its state at
+    every validation point: cancelled (`scancel`: SIGTERM to the job's steps, SIGKILL after
+    KillWait, as at a time limit) once a state is saved, then the same array submitted again:
+    the element resumes the run and ends with the result of the uninterrupted run, bitwise."""
+    from megatron_mlmclm.eval.tiny import build_tiny_model, sample_texts
+
+    model = build_tiny_model(tmp_path / "tiny", sample_texts(data_dir, 2000), vocab_size=2000)
+    args = ["--model", str(model), "--task", "sst2", "--lrs", "1e-3", "--seeds", "0",
+            "--max-steps", "30", "--eval-every", "5", "--state-every", "0", "--batch-size", "8",
+            "--max-train-examples", "400", "--max-eval-examples", "32", "--max-length", "64",
+            "--threads", "1", "--no-progress"]  # fmt: skip
+    slow = tmp_path / "slow"  # every optimizer step of the first job sleeps: killed mid-run
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import time, torch.optim.optimizer as o\n"
+        "o.register_optimizer_step_post_hook(lambda *a: time.sleep(0.25))\n"
+    )
+    (tmp_path / "logs").mkdir()
+    env = job_environment(MLMCLM_DATA_DIR=str(data_dir))
+    out = tmp_path / "results"
+
+    def submit(**extra) -> str:
+        return slurm.sbatch(
+            "--cpus-per-task=1",
+            "--array=0-0",
+            str(SLURM_DIR / "evaluate_array.sbatch"),
+            *args,
+            "--out",
+            str(out),
+            env={**env, **extra},
+            cwd=tmp_path,
+        )
+
+    first = submit(PYTHONPATH=f"{slow}:{env['PYTHONPATH']}")
+    until(lambda: any(out.glob("*/sst2/*.state/state.pt")), 120, "the run's first saved state")
+    slurm.run(["scancel", first])
+    slurm.wait([first], timeout=120)
+    log = (tmp_path / "logs" / f"mlmclm-eval-{first}_0.out").read_text()
+    assert slurm.state(first) == ["CANCELLED"], log + slurm.daemon_logs()
+    assert not list(out.glob("*/sst2/*.json")), log  # no result: the run did not finish
+
+    second = submit()
+    ref = tmp_path / "ref"  # meanwhile, the same run uninterrupted, in this process
+    assert main(["evaluate", *args, "--out", str(ref)]) == 0
+    slurm.wait([second], timeout=300)
+    log = (tmp_path / "logs" / f"mlmclm-eval-{second}_0.out").read_text()
+    info = slurm.jobs(second)[0]
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
+    [got], [want] = (list(d.glob("*/sst2/*.json")) for d in (out, ref))
+    got, want = json.loads(got.read_text()), json.loads(want.read_text())
+    [at] = got["run_state"]["resumed_at"]
+    assert f"resumed the run at step {at} " in log and 5 <= at < 30, log
+    for key in ("validation_curve", "metrics", "steps", "examples_seen", "protocol"):
+        assert got[key] == want[key], key
+    assert not list(out.glob("*/sst2/*.state"))
 
 
 def test_scancel_stays_a_cancel(slurm, tmp_path):

@@ -17,10 +17,11 @@ See docs/evaluate.md.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.eval.fetch import fetch
+from megatron_mlmclm.eval.fetch import fetch, missing_data, require_data
 from megatron_mlmclm.eval.finetune import PRECISIONS, FinetuneConfig, show_inputs
 from megatron_mlmclm.eval.grid import (
     DEFAULT_LRS,
@@ -34,6 +35,16 @@ from megatron_mlmclm.eval.protocols import PROTOCOLS
 from megatron_mlmclm.eval.tasks import get_task, load_registry, suite
 from megatron_mlmclm.paths import data_dir
 
+DEFAULT_OUT = "results/eval"
+PROBE_FLAGS = (
+    "device",
+    "threads",
+    "max_eval_examples",
+    "max_train_examples",
+    "eval_batch_size",
+    "precision",
+    "inputs",
+)
 DEFAULTS = FinetuneConfig(model="", task="")  # the run settings a flag left out falls back to
 RUN_FLAGS = (
     "batch_size",
@@ -52,6 +63,7 @@ RUN_FLAGS = (
     "precision",
     "inputs",
     "threads",
+    "state_every_s",
 )
 
 
@@ -70,7 +82,7 @@ def add_arguments(p) -> None:
         help="evaluation protocol: default (the field's usual metrics) or encodeval "
         "(the paper's, as its code runs it); see docs/evaluate.md",
     )
-    p.add_argument("--out", default="results/eval", help="results folder (default results/eval)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     p.add_argument("--lrs", nargs="+", type=float, default=list(DEFAULT_LRS))
     p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
     p.add_argument("--task-file", action="append", default=[], help="extra task YAML (repeatable)")
@@ -105,6 +117,22 @@ def add_arguments(p) -> None:
         help="write the --task/--suite data from the Hugging Face Hub into $MLMCLM_DATA_DIR in "
         "the local layouts (needs internet and `datasets`; present tasks are kept), verify it, "
         "and exit",
+    )
+    p.add_argument(
+        "--probe",
+        metavar="SIZE",
+        help="the evaluation probe: fine-tune each --task for --probe-steps steps on a random-init "
+        "encoder of model preset SIZE (210m, 610m, 1b, tiny) with --tokenizer's vocabulary, and "
+        "write start-up, seconds per step, tokens and evaluation throughput to --out FILE.json",
+    )
+    p.add_argument("--tokenizer", help="--probe: the tokenizer folder (`mlmclm tokenize`'s)")
+    p.add_argument("--probe-steps", type=int, default=200, help="--probe: steps (default 200)")
+    p.add_argument(
+        "--check-data",
+        action="store_true",
+        help="check that the --task/--suite data are in $MLMCLM_DATA_DIR (no --model needed, "
+        "nothing read or downloaded): one line per task missing with the command that fetches "
+        "it, exit 2; exit 0 when all are there",
     )
     p.add_argument(
         "--show-inputs",
@@ -153,6 +181,18 @@ def add_arguments(p) -> None:
         "or eos (EncodEval's: text and eos_token; protocol encodeval)",
     )
     g.add_argument("--threads", type=int, help="torch CPU threads per run")
+    g.add_argument(
+        "--state-every",
+        dest="state_every_s",
+        type=float,
+        metavar="SECONDS",
+        help=f"save a run's state (to resume it when killed) at a validation point once this "
+        f"many seconds have passed since it started or last saved; 0: at every validation "
+        f"point (default {d.state_every_s:g})",
+    )
+    g.add_argument(
+        "--no-state", action="store_true", help="never save a run's state (a killed run restarts)"
+    )
     g.add_argument("--no-progress", action="store_true")
 
 
@@ -168,6 +208,50 @@ def fetch_data(tasks) -> int:
     return 0
 
 
+def probe(args) -> int:
+    """--probe SIZE: the evaluation probe (eval/probe.py) -> --out FILE.json."""
+    from megatron_mlmclm.eval.probe import run_probe
+
+    if not args.tokenizer or not args.task or args.out == DEFAULT_OUT:
+        raise UsageError("--probe needs --tokenizer DIR, --task T1 [T2 ...] and --out FILE.json")
+    if args.model or args.suite:
+        raise UsageError("--probe builds its own model from --tokenizer: drop --model/--suite")
+    registry = load_registry(args.task_file)
+    tasks = [get_task(t, registry=registry) for t in args.task]  # before the model is built
+    require_data(tasks, hub=False, task_files=args.task_file)
+    record = run_probe(
+        args.probe,
+        args.tokenizer,
+        args.task,
+        args.out,
+        steps=args.probe_steps,
+        protocol=args.protocol,
+        task_files=args.task_file,
+        **{k: getattr(args, k) for k in PROBE_FLAGS if getattr(args, k) is not None},
+    )
+    for name, f in record["tasks"].items():
+        print(
+            f"{name}: start-up {f['startup_s']:.1f} s, {f['step_s'] * 1e3:.1f} ms a step at batch "
+            f"{f['batch']} (first {min(f['steps'], 10)} steps {f['first_steps_s']:.1f} s), "
+            f"{f['mean_tokens']:.0f} tokens an input padded to {f['padded_tokens']:.0f}"
+        )
+    print(f"probe {args.probe} on {record['device']} ({record['precision']}) -> {args.out}")
+    return 0
+
+
+def check_data_lines(tasks: list[str], task_files: list[str]) -> int:
+    """--check-data: a line per task whose data are missing, with its fetch command."""
+    root = os.environ.get("MLMCLM_DATA_DIR")
+    missing = missing_data(tasks, root, task_files)
+    for name, command in missing.items():
+        print(
+            f"{name}: data missing; "
+            + (f"fetch: {command}" if command else "it cannot be fetched: put its files there"),
+            file=sys.stderr,
+        )
+    return 2 if missing else 0
+
+
 def _positive(name: str, value) -> None:
     if value is not None and value <= 0:
         raise UsageError(f"--{name.replace('_', '-')} must be > 0")
@@ -181,7 +265,9 @@ def run(args) -> int:
             metric = "training set" if t.train_only else t.metric_name
             print(f"{name:<14} {t.family}  {metric:<12} {t.format:<9} {where}{suites}")
         return 0
-    if not args.model and not args.fetch:
+    if args.probe:
+        return probe(args)
+    if not args.model and not (args.fetch or args.check_data):
         raise UsageError("--model is required (one or more HF model folders)")
     registry = load_registry(args.task_file)
     tasks = list(args.task) + (suite(args.suite, registry) if args.suite else [])
@@ -189,6 +275,8 @@ def run(args) -> int:
         raise UsageError("--task or --suite is required; see `mlmclm evaluate --list-tasks`")
     if args.fetch:
         return fetch_data([get_task(t, registry=registry) for t in dict.fromkeys(tasks)])
+    if args.check_data:
+        return check_data_lines(tasks, args.task_file)
     for name in (
         "batch_size",
         "max_steps",
@@ -208,10 +296,14 @@ def run(args) -> int:
         raise UsageError("--lrs must be positive learning rates")
     if not args.seeds:
         raise UsageError("--seeds needs at least one seed")
+    if args.state_every_s is not None and args.state_every_s < 0:
+        raise UsageError("--state-every must be >= 0 seconds (--no-state: never)")
     for t in tasks:  # fail on a typo before anything is loaded
         if t not in registry:
             raise UsageError(f"unknown task '{t}'; known tasks: {', '.join(sorted(registry))}")
     flags = {k: getattr(args, k) for k in RUN_FLAGS if getattr(args, k) is not None}
+    if args.no_state:
+        flags["state_every_s"] = None
     cfgs = expand(
         args.model,
         list(dict.fromkeys(tasks)),
@@ -224,6 +316,7 @@ def run(args) -> int:
         **flags,
     )
     if args.show_inputs:
+        require_data([get_task(t, registry=registry) for t in dict.fromkeys(tasks)], True)
         for cfg in {(c.model, c.task): c for c in cfgs}.values():
             print(show_inputs(cfg, args.show_inputs))
         return 0

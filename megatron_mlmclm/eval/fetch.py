@@ -2,6 +2,12 @@
 task's Hub dataset (`hf_name`) into the local layout its entry names, so that machines without
 internet (a cluster's compute nodes) read it from `$MLMCLM_DATA_DIR`.
 
+`mlmclm evaluate` itself never downloads a task's data: `require_data` refuses, before anything
+is loaded, a task whose files are missing, in one line naming the fetch command (without it, a
+run on a machine without internet would retry the Hub for half a minute, holding its GPU, before
+failing). `missing_data` answers the same question for a plan's submit script: which tasks'
+data are missing under a data folder, and the command that fetches each.
+
 `mlmclm evaluate --fetch` runs it. Each task is written aside (a `.fetch-<task>` folder under the
 data folder), read back through its family's local reader and compared, split by split, with what
 the same family reads from the Hub (`evaluate` on an online machine without the folder); only then
@@ -16,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +34,8 @@ from megatron_mlmclm.eval.families import load_split
 from megatron_mlmclm.eval.families.qa import records as qa_records
 from megatron_mlmclm.eval.families.sc import records as sc_records
 from megatron_mlmclm.eval.families.tc import records as tc_records
-from megatron_mlmclm.eval.tasks import Task
+from megatron_mlmclm.eval.tasks import Task, get_task, load_registry
+from megatron_mlmclm.paths import data_dir
 
 STANDARD_SPLITS = ("train", "validation", "test")
 EITHER = {
@@ -118,6 +127,97 @@ def check_data(tasks: list[Task], root: Path | None) -> list[str]:
             )
         to_fetch.append(t.name)
     return to_fetch
+
+
+def _missing_under(task: Task, root: Path | None) -> list[str]:
+    """The files of `task` absent under `root` (None: the data folder its runs read)."""
+    if root is None:
+        return missing_files(task)
+    folder = Path(task.path) if Path(task.path).is_absolute() else Path(root) / task.path
+    return missing_files(_moved(task, str(folder)))
+
+
+def fetch_command(names: list[str], root: Path | None, task_files=()) -> str:
+    """The command that fetches the data of tasks `names` into `root` (None: $MLMCLM_DATA_DIR)."""
+    where = f"MLMCLM_DATA_DIR={shlex.quote(str(root))} " if root is not None else ""
+    files = "".join(f" --task-file {shlex.quote(str(f))}" for f in task_files)
+    return f"{where}mlmclm evaluate --task {' '.join(names)}{files} --fetch"
+
+
+def missing_data(
+    names: list[str], root: str | Path | None = None, task_files=()
+) -> dict[str, str | None]:
+    """{task: the command that fetches its data into `root`} for each task of `names` whose files,
+    or those of the task it trains on, are not under `root` (None: the data folder its runs read,
+    $MLMCLM_DATA_DIR, else ../shared/data); the command is None for a task that cannot be fetched
+    (no Hub source: its files must be put there by hand; format hf: read from the Hub by every
+    run, which an array element refuses). Only looks for files: reads none, contacts nothing.
+    For a plan's submit script: an evaluation array of these tasks would fail at its start."""
+    registry = load_registry(list(task_files))
+    root = None if root is None else Path(root).resolve()
+    out: dict[str, str | None] = {}
+    for name in dict.fromkeys(names):
+        task = get_task(name, registry=registry)
+        if task.format == "hf":
+            out[name] = None
+            continue
+        needed = _with_training_tasks([task]).values()
+        if any(_missing_under(t, root) for t in needed):
+            fetchable_all = all(fetchable(t) for t in needed if _missing_under(t, root))
+            out[name] = fetch_command([name], root, task_files) if fetchable_all else None
+    return out
+
+
+def require_data(tasks: list[Task], hub: bool = True, task_files=()) -> None:
+    """Before a run reads any data: every task's files (and those of the task it trains on) are
+    in the data folder, else one line (UsageError) naming what is missing and the command that
+    fetches it: `mlmclm evaluate` never reads the Hub in their place (`--fetch` does, on a
+    machine with internet). A task of format hf (read from the Hub by every run) passes with
+    `hub`, and is refused without it (an array element never contacts the Hub)."""
+    missing: dict[str, list[str]] = {}  # task -> its missing files (and its training task's)
+    unfetchable: list[str] = []
+    local = [t for t in tasks if t.format != "hf"]
+    in_folder = [t for t in _with_training_tasks(local).values() if not Path(t.path).is_absolute()]
+    if in_folder and data_dir() is None:
+        env = os.environ.get("MLMCLM_DATA_DIR")
+        why = f"MLMCLM_DATA_DIR={env} does not exist" if env else "set MLMCLM_DATA_DIR"
+        raise UsageError(
+            f"no data folder ({why}); fetch the data of {', '.join(t.name for t in local)} "
+            "into it first, online: "
+            f"`{fetch_command([t.name for t in local], _data_root(), task_files)}`"
+        )
+    for task in tasks:
+        if task.format == "hf":
+            if not hub:
+                raise UsageError(
+                    f"task '{task.name}' is read from the Hugging Face Hub (format hf), which an "
+                    "array element never contacts; evaluate a task with local files "
+                    "(`mlmclm evaluate --list-tasks`)"
+                )
+            continue
+        for t in _with_training_tasks([task]).values():
+            absent = _missing_under(t, None)
+            missing.setdefault(task.name, []).extend(absent)
+            unfetchable += [t.name] if absent and not fetchable(t) else []
+    missing = {name: files for name, files in missing.items() if files}
+    if not missing:
+        return
+    names, files = list(missing), [f for fs in missing.values() for f in fs]
+    fix = (
+        f"put the files there (no Hub source for {', '.join(unfetchable)})"
+        if unfetchable
+        else f"fetch them first, online: `{fetch_command(names, _data_root(), task_files)}`"
+    )
+    raise UsageError(
+        f"the data of task{'s' * (len(names) > 1)} {', '.join(names)} are not on disk "
+        f"({files[0]}{f' and {len(files) - 1} more' if len(files) > 1 else ''} missing); {fix} "
+        "(`mlmclm evaluate` never downloads them)"
+    )
+
+
+def _data_root() -> Path | None:
+    env = os.environ.get("MLMCLM_DATA_DIR")
+    return Path(env).resolve() if env else data_dir()
 
 
 def _with_training_tasks(tasks: list[Task]) -> dict[str, Task]:

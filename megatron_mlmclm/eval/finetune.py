@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
 import platform
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,26 +43,19 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import families
 from megatron_mlmclm.eval.families import Setup, family_of
 from megatron_mlmclm.eval.heads import max_positions
+from megatron_mlmclm.eval.identity import IdentityCache, model_identity
 from megatron_mlmclm.eval.input_form import describe_record, load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve
+from megatron_mlmclm.eval.run_state import Progress, RunState, run_key
 from megatron_mlmclm.eval.tasks import get_task
-from megatron_mlmclm.paths import EXPORT_FILE
 
 # 2: protocol and grid fields, protocol id in the file name; 3: inputs encoded as pretraining
 # documents, the protocol's name; 4: inputs in the folder's own form (`inputs`), special-token
 # strings encoded as text, the curve's intermediate points on a validation sample; 5: the model
-# folder's identity (`model_identity`); 6: two texts in the tokenizer's pair form under default,
+# folder's identity (`model_identity`); 6: that identity is the folder's content (eval/identity.py),
+# `run_state` (the run's saved states), two texts in the tokenizer's pair form under default,
 # `info.inputs` the record of the input form (rule, templates as applied, a warning)
 RESULT_SCHEMA = 6
-# What identifies a model folder (model_identity): these files by content, its weight files by
-# name, size and modification time (a re-export or a new model writes them anew).
-IDENTITY_FILES = (
-    "config.json",
-    EXPORT_FILE,
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-)
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 PRECISIONS = ("auto", "bf16", "fp32", "bf16-pure")
 
 
@@ -101,6 +96,10 @@ class FinetuneConfig:
     task_files: list[str] = field(default_factory=list)
     progress: bool = True
     save_model: bool = False  # keep the fine-tuned model (run_finetune's save_to)
+    # save the run's state (to resume it) at a validation point once this many seconds have passed
+    # since the run started or last saved: 0 = at every validation point, None = never
+    # (eval/run_state.py; only where the run is given a state folder: the grid's runs)
+    state_every_s: float | None = 600.0
     # the LR x seed grid this run belongs to: the report's seed set counts requested runs too
     grid_lrs: list[float] = field(default_factory=list)
     grid_seeds: list[int] = field(default_factory=list)
@@ -117,9 +116,9 @@ class FinetuneConfig:
 # others do not: model/task/lr/seed are keyed separately, model_name only labels, grid_* describe
 # the sweep, and eval_batch_size, eval_every (evaluation never touches the RNG or the weights),
 # curve_examples (the curve's intermediate points only), ir_mini_batch_size (CachedMNRL: same
-# loss), device, threads, task_files (the entry itself is
-# hashed), progress and save_model are execution knobs. tests/eval/test_protocol.py checks every
-# field is in exactly one of the two sets.
+# loss), device, threads, task_files (the entry itself is hashed), progress, save_model and
+# state_every_s are execution knobs. tests/eval/test_protocol.py checks every field is in exactly
+# one of the two sets.
 PROTOCOL_FIELDS = (
     "protocol",
     "inputs",
@@ -155,6 +154,7 @@ NOT_PROTOCOL_FIELDS = (
     "save_model",
     "grid_lrs",
     "grid_seeds",
+    "state_every_s",
 )
 
 
@@ -177,22 +177,6 @@ def protocol(cfg: FinetuneConfig, task) -> dict:
     body = {"run": run, "task": task.to_dict()}
     recipe = {k: v for k, v in run.items() if k not in STEP_FIELDS}
     return {"name": cfg.protocol, "id": _short_hash(body), "run_id": _short_hash(recipe), **body}
-
-
-def model_identity(folder: str | Path) -> str:
-    """A short hash of the model folder as it is now (IDENTITY_FILES, WEIGHT_FILES): every result
-    records the identity of the folder it fine-tuned, so that a result of the folder before it
-    was re-trained and re-exported, or replaced, is not taken for one of the folder now
-    (eval/grid.py, is_done). Cheap: no weight is read."""
-    root = Path(folder)
-    h = hashlib.sha256()
-    for name in IDENTITY_FILES:
-        if (root / name).is_file():
-            h.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
-    for f in sorted({f for pattern in WEIGHT_FILES for f in root.glob(pattern)}):
-        st = f.stat()
-        h.update(f"{f.name} {st.st_size} {st.st_mtime_ns}\0".encode())
-    return h.hexdigest()[:16]
 
 
 def seed_everything(seed: int) -> None:
@@ -328,37 +312,55 @@ def build_setup(cfg: FinetuneConfig, task, tokenizer, device) -> Setup:
     return families.setup(task, tokenizer, cfg, max_length_for(cfg), device)
 
 
-def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) -> dict:
-    """The shared loop; returns steps, curve and timings."""
-    model = setup.model.to(device)
-    if resolved_precision(cfg, device) == "bf16-pure":  # before the optimizer: no fp32 copy
-        model.to(torch.bfloat16)
-    model.train()
+def batch_order(setup: Setup, cfg: FinetuneConfig) -> tuple[int, Iterator[list[int]]]:
+    """(the run's steps, its batches of train item indices: a function of the seed alone)."""
     n, keys = len(setup.train_items), setup.batch_keys
     if keys is not None:  # an epoch may take more batches than n / batch_size: count the first
         first = no_duplicate_epoch(keys, cfg.batch_size, torch.Generator().manual_seed(cfg.seed))
         steps = num_steps(n, cfg, per_epoch=len(first))
-        order = no_duplicate_batches(keys, cfg.batch_size, steps, cfg.seed)
-    else:
-        steps = num_steps(n, cfg)
-        order = batches(n, cfg.batch_size, steps, cfg.seed)
+        return steps, no_duplicate_batches(keys, cfg.batch_size, steps, cfg.seed)
+    steps = num_steps(n, cfg)
+    return steps, batches(n, cfg.batch_size, steps, cfg.seed)
+
+
+def train(
+    setup: Setup,
+    cfg: FinetuneConfig,
+    device: torch.device,
+    log=print,
+    state: RunState | None = None,
+    watch=None,
+) -> dict:
+    """The shared loop; returns steps, curve and timings. `state`: where the run saves its state
+    at validation points and resumes from (eval/run_state.py). `watch` (the evaluation probe,
+    eval/probe.py): its `started()` is called before the first step, its `stepped(step, batch)`
+    after each, with the batch as collated on the host."""
+    model = setup.model.to(device)
+    if resolved_precision(cfg, device) == "bf16-pure":  # before the optimizer: no fp32 copy
+        model.to(torch.bfloat16)
+    model.train()
+    steps, order = batch_order(setup, cfg)
     optimizer = make_optimizer(model, cfg)
     scheduler = linear_warmup_decay(optimizer, int(cfg.warmup_ratio * steps), steps)
     autocast = autocast_for(cfg, device)
-    curve, seen = [], 0
+    done = (state and state.restore(model, optimizer, scheduler, setup.info)) or Progress()
+    curve, seen, window = done.curve, done.seen, done.window
     # the losses since the curve's last point, summed on the device: the host reads them only at
     # the curve's points, so a step never waits for the device to finish the one before
-    loss_sum, window = torch.zeros((), device=device), 0
-    t0 = time.perf_counter()
-    eval_time = 0.0
+    loss_sum = torch.full((), done.loss_sum, device=device)
+    t0, eval_time = time.perf_counter(), 0.0
     bar = tqdm(
         total=steps,
+        initial=done.step,
         desc=f"{cfg.task} lr={cfg.lr:g} seed={cfg.seed}",
         disable=not cfg.progress,
         leave=False,
     )
-    for step, idx in enumerate(order, 1):
-        batch = to_device(setup.collate([setup.train_items[i] for i in idx]), device)
+    if watch is not None:
+        watch.started()
+    for step, idx in enumerate(itertools.islice(order, done.step, None), done.step + 1):
+        host = setup.collate([setup.train_items[i] for i in idx])
+        batch = to_device(host, device)
         with autocast():
             loss = setup.loss(model, batch)
         loss.backward()
@@ -371,6 +373,8 @@ def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) ->
         window += 1
         seen += len(idx)
         bar.update(1)
+        if watch is not None:
+            watch.stepped(step, host)
         if step % cfg.eval_every == 0 or step == steps:
             train_loss = (loss_sum / window).item()
             loss_sum.zero_()
@@ -383,23 +387,37 @@ def train(setup: Setup, cfg: FinetuneConfig, device: torch.device, log=print) ->
             eval_time += time.perf_counter() - te
             curve.append({"step": step, "train_loss": train_loss, **metrics})
             bar.set_postfix(loss=f"{train_loss:.3f}")
+            if state is not None and step < steps and state.due():
+                spent = (time.perf_counter() - t0 - eval_time - state.save_time_s, eval_time)
+                progress = dataclasses.replace(done, step=step, seen=seen, loss_sum=0.0, window=0)
+                state.save(progress.add_time(*spent), model, optimizer, scheduler, setup.info)
     bar.close()
-    total = time.perf_counter() - t0
+    spent = time.perf_counter() - t0 - eval_time - (state.save_time_s if state else 0.0)
+    train_time = done.train_time_s + spent
     return {
         "steps": steps,
         "examples_seen": seen,
         "validation_curve": curve,
-        "train_time_s": total - eval_time,
-        "eval_time_s": eval_time,
-        "train_examples_per_s": seen / max(total - eval_time, 1e-9),
+        "train_time_s": train_time,
+        "eval_time_s": done.eval_time_s + eval_time,
+        "train_examples_per_s": seen / max(train_time, 1e-9),
+        "resumed_at": done.resumed_at,
     }
 
 
-def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = None) -> dict:
+def run_finetune(
+    cfg: FinetuneConfig,
+    log=print,
+    save_to: str | Path | None = None,
+    state_dir: str | Path | None = None,
+    identity_cache: IdentityCache | None = None,
+) -> dict:
     """Fine-tune once and return the result dict (see docs/evaluate.md for its schema); with
-    `save_to`, the fine-tuned model is written there (IR: a sentence-transformers folder)."""
+    `save_to`, the fine-tuned model is written there (IR: a sentence-transformers folder); with
+    `state_dir`, the run saves its state there every `cfg.state_every_s` seconds at a validation
+    point, and resumes from the state it finds there (eval/run_state.py)."""
     t_start = time.perf_counter()
-    identity = model_identity(cfg.model)  # of the folder about to be read
+    identity = model_identity(cfg.model, identity_cache)  # of the folder about to be read
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = resolve(get_task(cfg.task, cfg.task_files), cfg.protocol)
@@ -407,7 +425,13 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
     device = resolve_device(cfg)
     seed_everything(cfg.seed)
     setup = build_setup(cfg, task, tokenizer, device)
-    out = train(setup, cfg, device, log=log)
+    state = None
+    if state_dir is not None and cfg.state_every_s is not None:
+        precision = resolved_precision(cfg, device)
+        pid, n = protocol(cfg, task)["id"], len(setup.train_items)
+        key = run_key(cfg, identity, pid, device, precision, n)
+        state = RunState(state_dir, key, cfg.state_every_s, device, log)
+    out = train(setup, cfg, device, log=log, state=state)
     model = setup.model
     model.eval()
     validation = {
@@ -452,6 +476,8 @@ def run_finetune(cfg: FinetuneConfig, log=print, save_to: str | Path | None = No
         "wall_time_s": time.perf_counter() - t_start,
         "device": str(device),
         "precision": resolved_precision(cfg, device),
+        # the run's saved states: the steps it was resumed at, saves and their seconds
+        "run_state": {"resumed_at": out["resumed_at"], **(state.summary() if state else {})},
         "info": {**setup.info, "inputs": families.inputs_record(task, tokenizer)},
         "versions": {
             "torch": torch.__version__,

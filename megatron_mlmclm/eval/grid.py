@@ -5,10 +5,17 @@ Layout: <out>/<model name>/<task>/lr<lr>_seed<seed>_<protocol id>.json, written 
 run finishes, so an interrupted sweep resumes where it stopped. The protocol id (finetune.protocol)
 hashes the fine-tuning settings and the task entry as the evaluation protocol resolves it: a run
 with other settings never counts as done; nor does a result of another model in the folder (its
-identity, finetune.model_identity: a re-trained and re-exported model is evaluated again, its
-results overwritten). A run that raised leaves <...>.failed.json (traceback) and is retried next
-time. With `save_model`, the fine-tuned model goes to <...>.model/ beside its JSON. With
-`done_file`, a grid that has every run done writes that file (the plan's submit script reads it).
+content identity, eval/identity.py: a re-trained and re-exported model is evaluated again, its
+results overwritten; a copied or identically re-exported one is not). The files' digests are
+cached in <out>/.model-identity-cache. A run in progress saves its state in <...>.state/ (eval/
+run_state.py), which the next run of the grid resumes; it is removed once the result is written. A
+run that raised leaves <...>.failed.json (traceback) and is retried next time. With `save_model`,
+the fine-tuned model goes to <...>.model/ beside its JSON. With `done_file`, a grid that has every
+run done writes that file (the plan's submit script reads it).
+
+Before any run, `preflight` checks every input that can be wrong, the data first: a task whose
+files are missing is refused in one line naming the command that fetches them (the grid never
+reads a task from the Hub in place of its files, see eval/fetch.py).
 """
 
 from __future__ import annotations
@@ -26,16 +33,18 @@ from tqdm.auto import tqdm
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.families import check_labels, inputs_record, load_split
+from megatron_mlmclm.eval.fetch import require_data
 from megatron_mlmclm.eval.finetune import (
     FinetuneConfig,
-    model_identity,
     protocol,
     run_finetune,
     write_result,
     write_text_atomic,
 )
+from megatron_mlmclm.eval.identity import CACHE_FILE, IdentityCache, legacy_identity, model_identity
 from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve, run_settings
+from megatron_mlmclm.eval.run_state import remove_state
 from megatron_mlmclm.eval.tasks import get_task, load_registry
 
 DEFAULT_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
@@ -87,22 +96,38 @@ def model_folder(result: Path) -> Path:
     return result.with_suffix(".model")
 
 
-def is_done(path: Path, identity: str) -> bool:
-    """A finished result at `path` of the model folder whose model_identity is `identity`."""
+def state_folder(result: Path) -> Path:
+    """Where the run of `result` keeps its state while it runs (eval/run_state.py)."""
+    return result.with_suffix(".state")
+
+
+def identity_cache(out_dir: str | Path) -> IdentityCache:
+    return IdentityCache(Path(out_dir) / CACHE_FILE)
+
+
+def is_done(path: Path, identity: str, legacy: str | None = None) -> bool:
+    """A finished result at `path` of the model folder whose model_identity is `identity` (or,
+    for a result of schema 5 or earlier, whose identity by that schema's rule is `legacy`)."""
     if not path.is_file():
         return False
     try:
         result = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return result.get("status") == "done" and result.get("model_identity") == identity
+    if not isinstance(result, dict) or result.get("status") != "done":
+        return False
+    recorded = result.get("model_identity")
+    old = legacy is not None and (result.get("schema") or 0) < 6 and recorded == legacy
+    return recorded == identity or old
 
 
 def grid_state(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[tuple[Path, bool]]:
     """(result path, whether it is done) of each run of the grid, for its model folder as it is
     now."""
-    identity = {m: model_identity(m) for m in dict.fromkeys(c.model for c in cfgs)}
-    return [(p, is_done(p, identity[c.model])) for c, p in zip(cfgs, result_paths(cfgs, out_dir))]
+    cache = identity_cache(out_dir)
+    models = dict.fromkeys(c.model for c in cfgs)
+    identity = {m: (model_identity(m, cache), legacy_identity(m)) for m in models}
+    return [(p, is_done(p, *identity[c.model])) for c, p in zip(cfgs, result_paths(cfgs, out_dir))]
 
 
 def done_results(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[dict]:
@@ -110,11 +135,17 @@ def done_results(cfgs: list[FinetuneConfig], out_dir: str | Path) -> list[dict]:
     return [json.loads(p.read_text()) for p, done in grid_state(cfgs, out_dir) if done]
 
 
-def preflight(cfgs: list[FinetuneConfig], log=print) -> None:
-    """Every check that can fail on bad input, before the first run: task names, model folders,
-    tokenizers (present, with a pad token, an EOS where the input rule appends one), data files,
-    columns, non-empty splits, evaluated labels the model can predict. A note on a folder's input
-    form is logged once, and a warning where nothing separates a task's two texts."""
+def preflight(cfgs: list[FinetuneConfig], log=print, hub: bool = True) -> None:
+    """Every check that can fail on bad input, before the first run: task names, the data on
+    disk (`hub`: a task of format hf may be read from the Hub; else it is refused too), model
+    folders, tokenizers (present, with a pad token, an EOS where the input rule appends one),
+    data files, columns, non-empty splits, evaluated labels the model can predict. A note on a
+    folder's input form is logged once, and a warning where nothing separates a task's two
+    texts."""
+    files = cfgs[0].task_files if cfgs else []
+    registry = load_registry(files)
+    tasks = [get_task(n, registry=registry) for n in dict.fromkeys(c.task for c in cfgs)]
+    require_data(tasks, hub, files)
     names = {}
     for c in cfgs:
         if names.setdefault(c.name, c.model) != c.model:
@@ -122,7 +153,6 @@ def preflight(cfgs: list[FinetuneConfig], log=print) -> None:
                 f"two model folders share the name '{c.name}' "
                 f"({names[c.name]}, {c.model}); rename one folder"
             )
-    registry = load_registry(cfgs[0].task_files if cfgs else [])
     tokenizers = {}
     for model, inputs in dict.fromkeys((c.model, c.inputs) for c in cfgs):
         tokenizers[(model, inputs)] = load_tokenizer(model, inputs)
@@ -152,14 +182,21 @@ def preflight(cfgs: list[FinetuneConfig], log=print) -> None:
             log(f"warning: {c.name} / {c.task}: {record['warning']}")
 
 
-def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
+def _run_and_write(cfg_dict: dict, path: str, out_dir: str) -> tuple[str, str | None]:
     # Adding a task head prints transformers' "LOAD REPORT" (newly initialised classifier) for
     # every one of thousands of runs; it is expected, so keep only errors.
     transformers.logging.set_verbosity_error()
     cfg = FinetuneConfig(**cfg_dict)
     failed = Path(path).with_suffix(".failed.json")
+    state = state_folder(Path(path))
     try:
-        result = run_finetune(cfg, save_to=model_folder(Path(path)) if cfg.save_model else None)
+        result = run_finetune(
+            cfg,
+            log=lambda line: print(f"{cfg.name}/{cfg.task} lr={cfg.lr:g} seed={cfg.seed}: {line}"),
+            save_to=model_folder(Path(path)) if cfg.save_model else None,
+            state_dir=state,
+            identity_cache=identity_cache(out_dir),
+        )
     except Exception:  # keep the sweep going; the failure is recorded and retried next time
         failed.parent.mkdir(parents=True, exist_ok=True)
         failed.write_text(
@@ -171,6 +208,7 @@ def _run_and_write(cfg_dict: dict, path: str) -> tuple[str, str | None]:
         return path, traceback.format_exc(limit=3)
     write_result(result, Path(path))
     failed.unlink(missing_ok=True)
+    remove_state(state)  # after the result: a run killed in between resumes, not restarts
     return path, None
 
 
@@ -206,21 +244,27 @@ def run_grid(
                 f"(0..{elements - 1}) for a grid of {len(cfgs)} runs, {k} per element"
             )
         cfgs = cfgs[array_index * k : (array_index + 1) * k]
-    preflight(cfgs, log)
-    todo = [(c, p) for c, (p, done) in zip(cfgs, grid_state(cfgs, out_dir)) if not done]
+    preflight(cfgs, log, hub=array_index is None)
+    states = grid_state(cfgs, out_dir)
+    todo = [(c, p) for c, (p, done) in zip(cfgs, states) if not done]
+    for p, done in states:
+        if done:  # left by a run killed after writing its result
+            remove_state(state_folder(p))
     summary = {"total": len(cfgs), "skipped": len(cfgs) - len(todo), "ran": 0, "failed": 0}
     log(
         f"evaluate: {len(cfgs)} runs, {summary['skipped']} already done, {len(todo)} to run "
         f"with {workers} worker(s) -> {out_dir}"
     )
     if todo:
-        _run_pending(todo, summary, workers, log, pool)
+        _run_pending(todo, summary, workers, log, pool, str(out_dir))
     if done_file is not None and all(done for _, done in grid_state(grid, out_dir)):
         write_text_atomic(Path(done_file), f"{len(grid)} runs done\n")
     return summary
 
 
-def _run_pending(todo, summary: dict, workers: int, log, pool: cf.Executor | None) -> None:
+def _run_pending(
+    todo, summary: dict, workers: int, log, pool: cf.Executor | None, out_dir: str
+) -> None:
     """Run `todo` [(config, result path)], counting into `summary`."""
     if pool is None:
         workers = max(1, min(workers, len(todo)))
@@ -242,12 +286,12 @@ def _run_pending(todo, summary: dict, workers: int, log, pool: cf.Executor | Non
 
     if pool is None and workers == 1:
         for c, p in todo:
-            done(*_run_and_write(c.to_dict(), str(p)))
+            done(*_run_and_write(c.to_dict(), str(p), out_dir))
     else:
         own = pool is None
         pool = worker_pool(workers) if pool is None else pool
         try:
-            futures = [pool.submit(_run_and_write, c.to_dict(), str(p)) for c, p in todo]
+            futures = [pool.submit(_run_and_write, c.to_dict(), str(p), out_dir) for c, p in todo]
             for f in cf.as_completed(futures):
                 done(*f.result())
         finally:

@@ -21,6 +21,7 @@ def test_bad_inputs_exit_2_with_one_line(tiny_model, tmp_path, capsys, data):
     _check(base + ["--task", "sst3"], capsys, "unknown task 'sst3'")
 
     (tmp_path / "empty.tsv").write_text("sentence\tlabel\n")
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\n")  # present: the files are all there
     (tmp_path / "tasks.yaml").write_text(
         json.dumps(
             {

@@ -10,8 +10,9 @@ import datasets
 import pytest
 
 from megatron_mlmclm.cli import main
+from megatron_mlmclm.eval import fetch as fetch_module
 from megatron_mlmclm.eval.families import load_split
-from megatron_mlmclm.eval.fetch import missing_files
+from megatron_mlmclm.eval.fetch import missing_data, missing_files
 from megatron_mlmclm.eval.tasks import load_registry, suite
 
 N = 40  # rows of a train split: the 5% validation carve keeps two
@@ -253,3 +254,58 @@ def test_a_failed_download_moves_nothing_into_place(hub, tmp_path, capsys):
     assert "no local folder" not in err  # a fetch reads the Hub only
     assert not (tmp_path / "data" / "squad_v1.1").exists()
     assert not list((tmp_path / "data").glob(".fetch-*"))
+
+
+def test_evaluate_never_reads_the_hub_in_place_of_missing_data(hub, tmp_path, capsys, monkeypatch):
+    """With the data folder empty (and a Hub that would serve every set), `mlmclm evaluate` reads
+    nothing from the Hub: one line naming the command that fetches the data, exit 2, before any
+    model is read; an array element refuses a task read from the Hub by every run (format hf).
+    `--check-data` (and `missing_data`, for a plan's submit script) name each task's fetch
+    command; after that command, nothing is missing."""
+    _, asked = hub
+    root = tmp_path / "data"  # $MLMCLM_DATA_DIR, empty
+    root.mkdir()
+    base = ["evaluate", "--model", str(tmp_path / "no-model"), "--lrs", "1e-3", "--seeds", "0",
+            "--out", str(tmp_path / "res")]  # fmt: skip
+    fetch = f"`MLMCLM_DATA_DIR={root} mlmclm evaluate --task sst2 msmarco --fetch`"
+    for extra in ([], ["--array-index", "1"], ["--show-inputs", "1"]):
+        tasks = ["msmarco"] if extra[:1] == ["--array-index"] else ["sst2", "msmarco"]
+        assert main([*base, "--task", "sst2", "msmarco", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "never downloads" in err[0], err
+        if len(tasks) == 2:
+            assert fetch in err[0] and "/sst2/" in err[0], err
+        else:  # element 1 is msmarco's run (its files and those of its training set)
+            assert "--task msmarco --fetch`" in err[0] and "/msmarco/" in err[0], err
+    assert main([*base, "--task", "sst2_hf", "--array-index", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "format hf" in err[0] and "never contacts" in err[0], err
+    assert asked == []
+
+    names = ["sst2", "msmarco", "mnli", "sst2_hf"]
+    want = {
+        "sst2": f"MLMCLM_DATA_DIR={root} mlmclm evaluate --task sst2 --fetch",
+        "msmarco": f"MLMCLM_DATA_DIR={root} mlmclm evaluate --task msmarco --fetch",
+        "mnli": None,  # no Hub source
+        "sst2_hf": None,  # read from the Hub by every run
+    }
+    assert missing_data(names, root) == want
+    assert main(["evaluate", "--task", *names, "--check-data"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[:2] == [f"{n}: data missing; fetch: {want[n]}" for n in ("sst2", "msmarco")]
+    assert [line.split(":")[0] for line in lines] == names and asked == []
+
+    root.rmdir()  # no data folder at all (nor ../shared/data, where the paths look next)
+    with monkeypatch.context() as m:
+        m.setattr(fetch_module, "data_dir", lambda required=False: None)
+        assert main([*base, "--task", "sst2", "msmarco"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"MLMCLM_DATA_DIR={root} does not exist" in err[0] and fetch in err[0]
+
+    assert main(["evaluate", "--task", "sst2", "msmarco", "--fetch"]) == 0
+    assert missing_data(["sst2", "msmarco"], root) == {}
+    assert main(["evaluate", "--task", "sst2", "msmarco", "--check-data"]) == 0
+
+
+def test_the_shipped_data_miss_nothing(data):
+    assert missing_data(["sst2", "conll2003", "squad", "scifact"], data) == {}

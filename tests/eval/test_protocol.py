@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -124,9 +123,9 @@ def test_the_documented_joined_entry(tmp_path):
 
 def test_a_result_counts_only_for_the_model_folder_it_evaluated(tiny_model, tmp_path, capsys):
     """Each result records the identity of the model folder it fine-tuned: after the folder is
-    re-exported (its weights written again, its record changed) every run of it is to do again.
-    An array element whose grid is done (every element's runs) writes its --done-file; one
-    whose grid lacks a run does not."""
+    re-trained (its weights changed) every run of it is to do again (the identity's other cases:
+    tests/eval/test_identity.py). An array element whose grid is done (every element's runs)
+    writes its --done-file; one whose grid lacks a run does not."""
     model = tmp_path / "tiny"
     shutil.copytree(tiny_model, model)
     out, done_file = tmp_path / "res", tmp_path / "res" / "tiny" / ".done"
@@ -152,12 +151,12 @@ def test_a_result_counts_only_for_the_model_folder_it_evaluated(tiny_model, tmp_
     assert "ran 0, skipped 1" in capsys.readouterr().out and done_file.is_file()
 
     weights = model / "model.safetensors"
-    st = weights.stat()
-    weights.write_bytes(weights.read_bytes())  # a re-export of the same weights: new files
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 1  # the last byte of the last tensor: another model
+    weights.write_bytes(bytes(raw))
     assert states() == ["todo", "todo"]
     for path in result_paths(cfgs, out):
         write_result({"status": "done", "model_identity": model_identity(model)}, path)
     assert states() == ["done", "done"]
     (model / "mlmclm_export.json").write_text(json.dumps({"checkpoint": "iter_0000200"}))
-    assert states() == ["todo", "todo"]  # another export record: another model
+    assert states() == ["todo", "todo"]  # an export record where there was none: its input form

@@ -44,7 +44,9 @@ class Family:
     pair_texts(task): for a task whose inputs hold two texts, (the template that joins them,
     the name of its first text's slot, the second's); None for one text (default: none has two);
     label_check(task, train, evals): one line (UsageError) for a validation or test label outside
-    the label vocabulary (default: no labels to check).
+    the label vocabulary (default: no labels to check);
+    probe(task, cfg, model, max_length, sync): the evaluation probe's throughput figures for the
+    family (eval/probe.py; default: validation inputs scored per second).
     """
 
     name: str
@@ -60,6 +62,7 @@ class Family:
     layout: Callable | None = None
     pair_texts: Callable | None = None
     label_check: Callable | None = None
+    probe: Callable | None = None
 
     def local_files(self, task) -> list[str]:
         if self.layout is not None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import random
+import time
 from dataclasses import dataclass, field
 
 from megatron_mlmclm.errors import UsageError
@@ -500,6 +501,34 @@ def show(item, tokenizer, data_: Inputs) -> str:
     )
 
 
+# the evaluation probe (eval/probe.py) encodes this many documents of a task's corpus (a seeded
+# sample) and at most this many of its test queries
+PROBE_DOCUMENTS = 4096
+PROBE_QUERIES = 512
+
+
+def probe(task, cfg, model, max_length: int, sync) -> dict:
+    """Documents and queries encoded per second, as `retrieve` encodes them (longest first, in
+    batches of `eval_batch_size` x `max_length` tokens), on a bounded sample: PROBE_DOCUMENTS
+    documents of the test split's corpus and its first PROBE_QUERIES judged queries. `sync`
+    waits for the device."""
+    split = load_split(task, "test", PROBE_QUERIES)
+    ids = sorted(split.corpus)
+    ids = random.Random(0).sample(ids, min(PROBE_DOCUMENTS, len(ids)))
+    queries = [query_text(task, split.queries[q]) for q in split.qrels if q in split.queries]
+    out = {}
+    for key, texts in (
+        ("documents_per_s", [document_text(task, split.corpus[d]) for d in ids]),
+        ("queries_per_s", queries),
+    ):
+        sync()
+        t = time.perf_counter()
+        embed(model, texts, cfg.eval_batch_size * max_length)
+        sync()
+        out[key] = len(texts) / (time.perf_counter() - t)
+    return out
+
+
 FAMILY = Family(
     name="ir",
     metrics=("ndcg@10", "ndcg@10_top10", "recall@100"),
@@ -511,4 +540,5 @@ FAMILY = Family(
     setup=setup,
     show=show,
     layout=layout,
+    probe=probe,
 )
