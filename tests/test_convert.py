@@ -266,8 +266,8 @@ def test_export_same_weights_from_any_layout(ws, exported):
 def test_a_re_export_of_one_checkpoint_is_the_same_model(ws, exported, monkeypatch):
     """Converting one checkpoint again (named by another path) writes the same bytes, but for
     the record's `checkpoint`, and the evaluation counts both exports as one model
-    (eval/identity.py): a re-conversion keeps the model's results."""
-    from megatron_mlmclm.eval.identity import model_identity
+    (identity.py): a re-conversion keeps the model's results."""
+    from megatron_mlmclm.identity import model_identity
 
     monkeypatch.chdir(ws["root"])
     again = to_hf("tp1/checkpoints", ws["root"] / "export_tp1_again", verbose=False).path

@@ -224,12 +224,21 @@ def test_every_array_is_sized_to_finish(study):
 # --------------------------------------------------------------- runs again: done, queued, new
 
 
+def evaluate_done(done_file: Path, export: Path) -> None:
+    """The done file `mlmclm evaluate --done-file` writes once the grid on `export` is done."""
+    from megatron_mlmclm.eval.finetune import FinetuneConfig
+    from megatron_mlmclm.eval.grid import write_done_file
+
+    grid = [FinetuneConfig(model=str(export), task="sst2", seed=s) for s in (0, 1)]
+    write_done_file(done_file, grid, done_file.parent.parent)
+
+
 def test_submit_skips_what_is_done_and_keeps_what_is_queued(tmp_path, data_dir, monkeypatch):
     """Run again, `mlmclm submit` submits only what is neither done nor queued: a stable run (22K,
     its segment to 10K), its decay branch (12K) and a CPT run (+2K) of it. The checks are the
     files on disk (a checkpoint's metadata.json, the export record, the done file an evaluation
-    array writes when its grid is done, the report); a queued job is kept unless a job it waits
-    on was submitted again."""
+    array writes when its grid is done, naming the export's content identity, the report); a
+    queued job is kept unless a job it waits on was submitted again."""
     monkeypatch.chdir(tmp_path)
     plan = tmp_path / "plan"
     argv = ["plan", "--out", str(plan), *SMALL, "--cpt-steps", "2000", "--cpt-from", "mlm"]
@@ -298,13 +307,14 @@ def test_submit_skips_what_is_done_and_keeps_what_is_queued(tmp_path, data_dir, 
     time.sleep(0.01)
     for name in names:
         (plan / "hf" / name).mkdir(parents=True)
-        (plan / "hf" / name / "mlmclm_export.json").write_text("{}")
+        (plan / "hf" / name / "mlmclm_export.json").write_text(json.dumps({"run": name}))
+        (plan / "hf" / name / "model.safetensors").write_bytes(name.encode())
     time.sleep(0.01)
     for name in names:
         result = plan / "results" / "eval" / name / "sst2" / "lr0.001_seed0_abc.json"
         result.parent.mkdir(parents=True, exist_ok=True)
         result.write_text("{}")
-        evaluated[name].write_text("2 runs done\n")
+        evaluate_done(evaluated[name], plan / "hf" / name)
     time.sleep(0.01)
     (plan / "results" / "report").mkdir()
     (plan / "results" / "report" / "report.md").write_text("")
@@ -318,20 +328,26 @@ def test_submit_skips_what_is_done_and_keeps_what_is_queued(tmp_path, data_dir, 
     assert [option(ln, "job-name") for ln in lines] == ["ev-210m-mlm40-12k-sst2", "report"]
     assert "--array=0-0%4 " in lines[0] and " --workers 2 " in lines[0]
     assert "--dependency" not in lines[0]
-    evaluated[names[1]].write_text("2 runs done\n")
+    evaluate_done(evaluated[names[1]], plan / "hf" / names[1])
     # other evaluation settings (EVAL_ARGS) are another grid, with a done file of its own
     lines, _, _ = run_submit(plan, slurm, env={"EVAL_ARGS": "--max-steps 500"})
     assert [option(ln, "job-name") for ln in lines] == [f"ev-{n}-sst2" for n in names] + ["report"]
     assert all(" --max-steps 500 NEEDS=" in ln for ln in lines[:-1])
     assert not {Path(word_after(ln, "--done-file")) for ln in lines[:-1]} & set(evaluated.values())
-    # the CPT run re-exported (trained again, converted again): its results are of the model
-    # before, so its array again
+    # the CPT run converted again to the same bytes (its record and weights written anew, newer
+    # than the done file): the same model, nothing to run
     time.sleep(0.01)
-    (plan / "hf" / names[2] / "mlmclm_export.json").write_text("{}")
-    lines, _, _ = run_submit(plan, slurm)
-    assert [option(ln, "job-name") for ln in lines] == [f"ev-{names[2]}-sst2", "report"]
-    time.sleep(0.01)
-    evaluated[names[2]].write_text("2 runs done\n")  # that array done
+    export = plan / "hf" / names[2]
+    for f in ("mlmclm_export.json", "model.safetensors"):
+        (export / f).write_bytes((export / f).read_bytes())
+    lines, _, out = run_submit(plan, slurm)
+    assert lines == [] and "nothing submitted" in out, out
+    # ... trained again (other weights) or given another tokenizer: its array again, each time
+    for f, content in (("model.safetensors", b"other weights"), ("tokenizer.json", b"{}")):
+        (export / f).write_bytes(content)
+        lines, _, _ = run_submit(plan, slurm)
+        assert [option(ln, "job-name") for ln in lines] == [f"ev-{names[2]}-sst2", "report"], f
+        evaluate_done(evaluated[names[2]], export)  # that array done
     # the branch trained again (its last checkpoint gone): its export is not taken for done
     shutil.rmtree(plan / "runs" / names[1] / "checkpoints" / "iter_0012000")
     lines, _, _ = run_submit(plan, slurm)

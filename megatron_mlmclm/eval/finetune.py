@@ -43,16 +43,16 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval import families
 from megatron_mlmclm.eval.families import Setup, family_of
 from megatron_mlmclm.eval.heads import max_positions
-from megatron_mlmclm.eval.identity import IdentityCache, model_identity
 from megatron_mlmclm.eval.input_form import describe_record, load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.run_state import Progress, RunState, run_key
 from megatron_mlmclm.eval.tasks import get_task
+from megatron_mlmclm.identity import IdentityCache, model_identity
 
 # 2: protocol and grid fields, protocol id in the file name; 3: inputs encoded as pretraining
 # documents, the protocol's name; 4: inputs in the folder's own form (`inputs`), special-token
 # strings encoded as text, the curve's intermediate points on a validation sample; 5: the model
-# folder's identity (`model_identity`); 6: that identity is the folder's content (eval/identity.py),
+# folder's identity (`model_identity`); 6: that identity is the folder's content (identity.py),
 # `run_state` (the run's saved states), two texts in the tokenizer's pair form under default,
 # `info.inputs` the record of the input form (rule, templates as applied, a warning)
 RESULT_SCHEMA = 6

@@ -5,7 +5,7 @@ Layout: <out>/<model name>/<task>/lr<lr>_seed<seed>_<protocol id>.json, written 
 run finishes, so an interrupted sweep resumes where it stopped. The protocol id (finetune.protocol)
 hashes the fine-tuning settings and the task entry as the evaluation protocol resolves it: a run
 with other settings never counts as done; nor does a result of another model in the folder (its
-content identity, eval/identity.py: a re-trained and re-exported model is evaluated again, its
+content identity, identity.py: a re-trained and re-exported model is evaluated again, its
 results overwritten; a copied or identically re-exported one is not). The files' digests are
 cached in <out>/.model-identity-cache. A run in progress saves its state in <...>.state/ (eval/
 run_state.py), which the next run of the grid resumes; it is removed once the result is written. A
@@ -41,11 +41,11 @@ from megatron_mlmclm.eval.finetune import (
     write_result,
     write_text_atomic,
 )
-from megatron_mlmclm.eval.identity import CACHE_FILE, IdentityCache, legacy_identity, model_identity
 from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve, run_settings
 from megatron_mlmclm.eval.run_state import remove_state
 from megatron_mlmclm.eval.tasks import get_task, load_registry
+from megatron_mlmclm.identity import CACHE_FILE, IdentityCache, legacy_identity, model_identity
 
 DEFAULT_LRS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4)
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
@@ -258,8 +258,17 @@ def run_grid(
     if todo:
         _run_pending(todo, summary, workers, log, pool, str(out_dir))
     if done_file is not None and all(done for _, done in grid_state(grid, out_dir)):
-        write_text_atomic(Path(done_file), f"{len(grid)} runs done\n")
+        write_done_file(Path(done_file), grid, out_dir)
     return summary
+
+
+def write_done_file(path: Path, grid: list[FinetuneConfig], out_dir: str | Path) -> None:
+    """The record that every run of `grid` is done: its runs, and the content identity of each
+    model folder they fine-tuned (identity.py), which `mlmclm submit` compares with the export's
+    as it is then (plan/submit.py, `evaluation_done`)."""
+    cache = identity_cache(out_dir)
+    models = {str(Path(m).resolve()): model_identity(m, cache) for m in {c.model for c in grid}}
+    write_text_atomic(path, json.dumps({"runs": len(grid), "models": models}, indent=1) + "\n")
 
 
 def _run_pending(

@@ -15,7 +15,8 @@ it); every value specific to the plan is in the table, none in plan/submit.py:
   needs      the file it needs (MLMCLM_NEEDS); needs_newer_than: the one that file must be newer
              than (MLMCLM_NEEDS_NEWER_THAN)
   done       when it is done, read from the files: {"exists": F}, {"newer": F, "than": G},
-             {"evaluated": DONE_FILE, "export": RECORD} or {"reported": REPORT, "results": DIR}
+             {"evaluated": DONE_FILE, "export": RECORD} (the done file names the content
+             identity the export's folder has now) or {"reported": REPORT, "results": DIR}
   data       an array's task data, relative to the data folder: each a list of alternatives
 A path is a string, or a checkpoint of a run, {"checkpoint": RUN, "step": N or "final"} (its
 folder; with "file": a file in it): the run's final step is known at submit time only

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.identity import CACHE_FILE, IdentityCache, model_identity
 
 FORMAT = 1  # the job table's format (plan/jobs.py writes it)
 COLUMNS = ("key", "kind", "run", "task", "template", "sbatch", "args", "runs_per_element")
@@ -197,9 +198,20 @@ def newer(path: Path, than: Path) -> bool:
 
 def evaluation_done(done_file: Path, export: Path) -> bool:
     """An evaluation array is done when its done file (`mlmclm evaluate --done-file`, written once
-    every run of its grid is done for the export as it was then) is newer than the export's
-    record: an export made since (the run trained or was converted again) is evaluated again."""
-    return newer(done_file, export)
+    every run of its grid was done) names the content identity the export's folder has now
+    (identity.py; each file's digest cached in the results folder beside the grid's results, so
+    an unchanged export reads no weight): an export re-trained or holding another tokenizer is
+    evaluated again, one converted again to the same bytes is not. A done file of an earlier
+    version (no identity) does not count: its array runs again, and finds its runs done."""
+    try:
+        models = json.loads(done_file.read_text())["models"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return False
+    if not isinstance(models, dict):
+        return False
+    folder = export.parent
+    cache = IdentityCache(done_file.parent.parent / CACHE_FILE)
+    return models.get(str(folder.resolve())) == model_identity(folder, cache)
 
 
 def reported(report: Path, results: Path) -> bool:

@@ -1,4 +1,4 @@
-"""A result follows the content of the model folder it fine-tuned (eval/identity.py): a copied or
+"""A result follows the content of the model folder it fine-tuned (identity.py): a copied or
 identically re-written folder keeps its results, a changed weight, tokenizer or export record
 does not; the digests are cached by (path, size, modification time), so checking an unchanged
 folder reads no weight. A re-export of one checkpoint: tests/test_convert.py."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import shutil
 
+from megatron_mlmclm import identity
 from megatron_mlmclm.cli import main
-from megatron_mlmclm.eval import identity
 from megatron_mlmclm.eval.finetune import write_result
 from megatron_mlmclm.eval.grid import expand, result_paths
-from megatron_mlmclm.eval.identity import IdentityCache, legacy_identity, model_identity
+from megatron_mlmclm.identity import IdentityCache, legacy_identity, model_identity
 from megatron_mlmclm.paths import EXPORT_FILE
 
 RECORD = {  # the fields `mlmclm convert to-hf` writes (convert/hf_export.py)
