@@ -330,7 +330,8 @@ def cluster_steps(env: dict) -> list[tuple[str, list[str]]]:
 def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
     """docs/cluster.md as a new cluster user runs it, on CPU: every command parses; the plans run
     as written (they train nothing); every pretraining job resolves its config (`--dry-run`);
-    the probe's folder, as its job would leave it, prices the re-plan (`--throughput`)."""
+    the probe's folder, as its job would leave it, prices the re-plan (`--throughput`), and the
+    evaluation probe's file, as its run would leave it, prices the next (`--eval-probe`)."""
     env = {
         "REPO": str(REPO),
         "STUDY_DIR": str(tmp_path / "study"),
@@ -342,7 +343,7 @@ def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     steps = cluster_steps(env)
-    assert [a[0] for _, a in steps].count("plan") == 2 and ("pretrain" in [a[0] for _, a in steps])
+    assert [a[0] for _, a in steps].count("plan") == 3 and ("pretrain" in [a[0] for _, a in steps])
     ran = []
     for where, argv in steps:
         module, args = parsed(where, argv)
@@ -363,7 +364,18 @@ def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
                 record.update(tokens_per_s=1.6e6, tokens_per_s_per_device=1e5)
                 (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
             ran.append(f"pretrain {cfg['name']}")
+        elif argv[0] == "evaluate" and args.probe:  # what the evaluation probe writes
+            Path(env["STUDY_DIR"], "probes").mkdir(parents=True, exist_ok=True)
+            sst2 = {"family": "sc", "batch": 32, "steps": 200, "startup_s": 30.0, "step_s": 0.05,
+                    "first_steps_s": 2.0, "scored_per_s": 3000.0}  # fmt: skip
+            probe = {"kind": "mlmclm-eval-probe", "schema": 1, "size": args.probe, "device": "GPU",
+                     "protocol": args.protocol, "tasks": {"sst2": sst2}}  # fmt: skip
+            Path(args.out).write_text(json.dumps(probe))
+            ran.append(f"probe {args.probe}")
     assert ran[1] == "pretrain probe-610m" and "probed: 610m" in ran[2], ran
+    assert ran[3] == "probe 610m", ran
+    summary = (Path(env["STUDY_DIR"]) / "plan" / "SUMMARY.md").read_text()
+    assert "| sst2 | sc | 610m |" in summary and "| measured |" in summary
     assert "evaluation data to fetch" in ran[0] and "--fetch" in ran[0]
     assert "pretrain 610m-clm-42k" in ran
     # the by-hand evaluation arrays: one task each, one GPU an element, the protocol named, sized
