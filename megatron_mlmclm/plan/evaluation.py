@@ -205,9 +205,9 @@ class Size:
     seq_length: int
     flop_rate: float
 
-    @property
-    def max_length(self) -> int:
-        return int(0.99 * self.seq_length)
+    def max_length(self, run: TaskRun) -> int:
+        """The longest input `run` feeds a model of this size (evaluate's max_length_for)."""
+        return int(run.max_length_ratio * self.seq_length)
 
     @property
     def parameters(self) -> float:
@@ -215,9 +215,9 @@ class Size:
         per_token = trunk_flops_per_token(self.shape, 0, causal_half=False)
         return per_token / 2 + VOCAB * self.shape.hidden_size
 
-    def forward_flops(self, tokens: float) -> float:
-        """FLOPs of one input of `tokens` tokens (cut at the maximum length)."""
-        n = min(tokens, self.max_length)
+    def forward_flops(self, tokens: float, max_length: int) -> float:
+        """FLOPs of one input of `tokens` tokens (cut at `max_length`)."""
+        n = min(tokens, max_length)
         return n * trunk_flops_per_token(self.shape, round(n), causal_half=False)
 
     def launch_s(self, kind: str, passes: float = 1.0) -> float:
@@ -244,19 +244,19 @@ def _model_step_s(run: TaskRun, f: dict, source: dict, size: Size) -> float:
     """One training step by the cost model: the larger of the GPU's work and the host's launches."""
     update = size.parameters * UPDATE_BYTES_PER_PARAM[run.precision] / HBM_BYTES_PER_S
     if run.family != "ir":
-        flops = 3 * run.batch * size.forward_flops(f["padded_tokens"])
+        flops = 3 * run.batch * size.forward_flops(f["padded_tokens"], size.max_length(run))
         return max(flops / size.flop_rate + update, size.launch_s("train"))
-    pair = size.forward_flops(source["padded_query_tokens"])
-    pair += size.forward_flops(source["padded_document_tokens"])
+    pair = size.forward_flops(source["padded_query_tokens"], size.max_length(run))
+    pair += size.forward_flops(source["padded_document_tokens"], size.max_length(run))
     chunks = math.ceil(run.batch / run.ir_mini_batch)  # CachedMNRL: embed, then again with grads
     launches = size.launch_s("forward", 2) + size.launch_s("train", 2 * chunks)
     return max(4 * run.batch * pair / size.flop_rate + update, launches)
 
 
-def _encode_s(size: Size, inputs: float, tokens: float, batches: float) -> float:
+def _encode_s(size: Size, run: TaskRun, inputs: float, tokens: float, batches: float) -> float:
     """Encoding `inputs` inputs of `tokens` mean tokens in `batches` batches: the larger of their
     FLOPs and their launches."""
-    gpu = inputs * size.forward_flops(tokens) / size.flop_rate
+    gpu = inputs * size.forward_flops(tokens, size.max_length(run)) / size.flop_rate
     return max(gpu, batches * size.launch_s("forward"))
 
 
@@ -272,16 +272,16 @@ def model_seconds(run: TaskRun, figures: dict[str, dict], size: Size) -> Breakdo
         curve = min(run.curve_examples, val)
         batches = (n.validations - 1) * math.ceil(curve / run.eval_batch)
         batches += math.ceil(val / run.eval_batch) + math.ceil(test / run.eval_batch)
-        evaluation = _encode_s(size, n.scored, f["input_tokens"], batches)
+        evaluation = _encode_s(size, run, n.scored, f["input_tokens"], batches)
     else:  # the training pairs tokenized at the start; documents at each encoding
         texts = source["train_examples"] * (source["query_tokens"] + source["document_tokens"])
-        doc_tokens = min(f["document_tokens"], size.max_length)
+        doc_tokens = min(f["document_tokens"], size.max_length(run))
         # documents go in batches of eval_batch x max_length tokens (eval/families/ir.py)
-        doc_batches = n.documents * doc_tokens / (run.eval_batch * size.max_length)
-        evaluation = _encode_s(size, n.documents, doc_tokens, doc_batches + n.validations + 1)
+        doc_batches = n.documents * doc_tokens / (run.eval_batch * size.max_length(run))
+        evaluation = _encode_s(size, run, n.documents, doc_tokens, doc_batches + n.validations + 1)
         evaluation += n.documents * doc_tokens / TOKENIZE_PER_S
         evaluation += _encode_s(
-            size, n.queries, f["query_tokens"], math.ceil(n.queries / run.eval_batch)
+            size, run, n.queries, f["query_tokens"], math.ceil(n.queries / run.eval_batch)
         )
     startup = STARTUP_S.get(size.name, STARTUP_S["1b"]) + texts / TOKENIZE_PER_S
     return Breakdown(startup, n.steps * step, evaluation)
