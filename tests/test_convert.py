@@ -332,6 +332,18 @@ def test_hf_megatron_hf_round_trip_is_exact(ws, name):
     if name == "llama_tied":
         src.pop("lm_head.weight", None)
     assert got.keys() == src.keys()
+    # transformers zeroes the row of the config's pad token (nn.Embedding's padding_idx) and never
+    # trains it: the import starts it at the mean of the other rows, and says so
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ws["tok"]))
+    pad = tok.pad_token_id
+    assert imp.rows_set == (pad,)
+    emb = src["model.embed_tokens.weight"]
+    assert torch.count_nonzero(emb[pad]) == 0
+    others = torch.cat([emb[:pad], emb[pad + 1 : len(tok)]])  # the tokenizer's trained rows
+    torch.testing.assert_close(got["model.embed_tokens.weight"][pad], others.mean(0))
+    got["model.embed_tokens.weight"][pad] = 0
     for k in src:
         assert torch.equal(got[k], src[k].float()), k
 

@@ -28,7 +28,12 @@ from megatron.core import parallel_state
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_mlmclm.checkpoint import read_trainer_state, resolve_checkpoint, save_checkpoint
+from megatron_mlmclm.checkpoint import (
+    load_checkpoint,
+    read_trainer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model_chunk, transformer_config
@@ -86,7 +91,7 @@ def read_common(ckpt: Path) -> dict[str, Any]:
 def read_global_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     """Every model tensor of a dist checkpoint as a global float32 tensor (any TP/PP layout)."""
     try:
-        meta = FileSystemReader(str(ckpt)).read_metadata()
+        meta = _metadata(ckpt)
         state = {
             k: torch.empty(v.size, dtype=v.properties.dtype)
             for k, v in meta.state_dict_metadata.items()
@@ -110,6 +115,24 @@ def read_global_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
                 f"checkpoint {ckpt} holds non-finite values in {k}; refusing to export"
             )
     return out
+
+
+def _metadata(ckpt: Path):
+    return FileSystemReader(str(ckpt)).read_metadata()
+
+
+def saved_dtype(ckpt: Path, key: str = "embedding.word_embeddings.weight") -> torch.dtype:
+    """The dtype a checkpoint stores its weights in (its embedding's), from its metadata."""
+    try:
+        entry = _metadata(ckpt).state_dict_metadata.get(key)
+    except Exception as e:
+        raise UsageError(
+            f"cannot read checkpoint {ckpt} (partial or corrupt?): "
+            f"{type(e).__name__}: {_first_line(e)}"
+        ) from None
+    if not isinstance(entry, TensorStorageMetadata):
+        raise UsageError(f"checkpoint {ckpt} has no tensor {key}; it is not a model checkpoint")
+    return entry.properties.dtype
 
 
 def _first_line(e: BaseException) -> str:
@@ -185,6 +208,64 @@ def _local_to_global(model) -> dict[str, tuple[str, int | None]]:
         m = _LAYER.match(name)
         out[name] = (key, int(m.group(1)) if m else None)
     return out
+
+
+def model_tensors(model) -> dict[tuple[str, int | None], torch.Tensor]:
+    """(dist-checkpoint key, layer or None) -> the model's own tensor (no copy) of a TP1/PP1
+    model: what a conversion reads from or writes into, one layer at a time."""
+    state = model.state_dict(keep_vars=True)
+    return {where: state[name].data for name, where in _local_to_global(model).items()}
+
+
+def fill_model(model, items, what: str = "weights", short_rows=frozenset()) -> None:
+    """Copy (key, layer, tensor) items into a TP1/PP1 model, one at a time (cast to its dtype);
+    every model tensor must be given once, with its shape, and nothing else (one line otherwise).
+    A tensor of a key in `short_rows` may have fewer rows: the model's others are zeroed (megatron's
+    vocabulary padding)."""
+    targets = model_tensors(model)
+    seen = set()
+    for key, layer, t in items:
+        where = (key, layer)
+        if where not in targets or where in seen:
+            raise UsageError(f"{what} do not match the model: unexpected {key} (layer {layer})")
+        dst = targets[where]
+        rows = t.shape[0] if key in short_rows and t.dim() == dst.dim() else dst.shape[0]
+        if tuple(t.shape) != (rows, *dst.shape[1:]) or rows > dst.shape[0]:
+            raise UsageError(
+                f"weight {key} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}"
+            )
+        with torch.no_grad():
+            dst[:rows].copy_(t)
+            dst[rows:].zero_()
+        seen.add(where)
+    missing = sorted({k for k, _ in targets.keys() - seen})
+    if missing:
+        raise UsageError(f"{what} do not match the model: missing {missing[:3]}")
+
+
+@contextlib.contextmanager
+def weights_in(model, dtype: torch.dtype) -> Iterator[None]:
+    """The model's weights held in `dtype` (each cast in place, one at a time) inside the block,
+    float32 again after it."""
+    params = list(model.parameters())
+    for p in params:
+        p.data = p.data.to(dtype)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.data = p.data.float()
+
+
+def reload_from_disk(model, ckpt: Path) -> None:
+    """Load `ckpt` into the model in place with the trainer's load_checkpoint, after filling every
+    weight with NaN: a weight the load did not set shows in the logits."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_checkpoint(Path(ckpt), [model], optimizer=None, scheduler=None, load_rng=False)
 
 
 def model_global_tensors(model) -> dict[str, torch.Tensor]:
@@ -301,18 +382,30 @@ def save_imported_checkpoint(
     tokenizer: dict[str, Any],
 ):
     """Build our model for `cfg`, load the converted global `tensors` (one line if their keys are
-    not our trunk's) and save it as step 0 with the import's provenance and the fingerprint of
-    its tokenizer (data/tokenizer.py: what continued runs and exports are checked against).
+    not our trunk's) and save it as step 0 (`save_imported`).
 
     Returns (the single-process config the model was built with, the checkpoint path).
     """
+    build_cfg, model = build_imported(cfg, vocab, seed)
+    load_global_tensors(model, tensors)
+    return build_cfg, save_imported(ckpt_dir, model, cfg, source, tokenizer)
+
+
+def build_imported(cfg: RunConfig, vocab: int, seed: int):
+    """(the single-process config, our model built for it): what an importer fills."""
     checkpoint_helper_dies_with_us()  # the writer's Manager, forked before the model exists
     build_cfg = run_config_from_dict(to_dict(cfg))
-    model = build_encoder(build_cfg, vocab, seed)
-    load_global_tensors(model, tensors)
+    return build_cfg, build_encoder(build_cfg, vocab, seed)
+
+
+def save_imported(
+    ckpt_dir: Path, model, cfg: RunConfig, source: dict[str, Any], tokenizer: dict[str, Any]
+) -> Path:
+    """Save an imported model as step 0 with the import's provenance and the fingerprint of its
+    tokenizer (data/tokenizer.py: what continued runs and exports are checked against)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        saved = save_checkpoint(
+        return save_checkpoint(
             ckpt_dir,
             0,
             [model],
@@ -326,4 +419,3 @@ def save_imported_checkpoint(
             },
             keep_last=1,
         )
-    return build_cfg, saved

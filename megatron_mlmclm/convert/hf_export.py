@@ -33,8 +33,8 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
-from safetensors.torch import save_file
 
 from megatron_mlmclm.checkpoint import (
     checkpoint_iteration,
@@ -43,12 +43,15 @@ from megatron_mlmclm.checkpoint import (
 )
 from megatron_mlmclm.config import final_model, tokens_at_step
 from megatron_mlmclm.convert import common, mapping
+from megatron_mlmclm.convert.hf_files import write_safetensors
+from megatron_mlmclm.convert.model_card import write_model_card
 from megatron_mlmclm.convert.verify import (
     SEQ,
     Verification,
-    load_hf,
+    compare,
     megatron_from_checkpoint,
-    verify_pair,
+    streamed_hf_logits,
+    verification_tokens,
 )
 from megatron_mlmclm.data.tokenizer import (
     TOKENIZER_KEYS,
@@ -65,6 +68,8 @@ from megatron_mlmclm.model.build import padded_vocab_size
 from megatron_mlmclm.paths import EXPORT_FILE
 
 ARCHS = ("eurobert", "llama", "qwen3")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SOURCE_FILE = "mlmclm_source.json"  # sidecar written by from-hf next to the checkpoints folder
 
 
@@ -208,13 +213,20 @@ def to_hf(
     tokenizer: str | None = None,
     force: bool = False,
     clf_pooling: str = "late",
+    dtype: str | None = None,
     verbose: bool = True,
 ) -> ExportResult:
-    """Export a megatron checkpoint to a verified Hugging Face folder at `out`."""
+    """Export a megatron checkpoint to a verified Hugging Face folder at `out`, its weights in
+    `dtype` (fp32, bf16 or fp16; default: the dtype the checkpoint stores them in).
+
+    Memory: our model (float32) and one tensor of the export at a time: the weights file is
+    written tensor by tensor, and verified by a forward that loads its layers one at a time."""
     out = Path(out).absolute()
     common.check_output(out, force)
     if clf_pooling not in ("late", "mean", "bos"):
         raise UsageError(f"--clf-pooling {clf_pooling} must be late, mean or bos")
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype} must be one of {', '.join(DTYPES)}")
     ckpt = common.resolve_source_checkpoint(checkpoint)
     trainer = common.read_common(ckpt)
     cfg = common.run_config_from_dict(trainer["config"])
@@ -246,25 +258,18 @@ def to_hf(
     source = find_source(ckpt, trainer)
     arch = resolve_arch(arch, causal_lm, m.qk_layernorm, source)
     family = arch
-    tensors = common.read_global_tensors(ckpt)
-    emb = tensors.get("embedding.word_embeddings.weight")
-    padded = padded_vocab_size(vocab, 1)
-    if emb is None or emb.shape[0] < vocab:
-        raise UsageError(
-            f"checkpoint {ckpt} does not match its config: embedding "
-            f"{None if emb is None else tuple(emb.shape)} for a vocabulary of {vocab}"
-        )
     dims = mapping.Dims(
         num_layers=m.num_layers,
         num_heads=m.num_attention_heads,
         num_groups=m.num_query_groups,
         head_dim=m.kv_channels,
         vocab_size=vocab,
-        padded_vocab_size=max(padded, emb.shape[0]),
+        padded_vocab_size=padded_vocab_size(vocab, 1),
         tied=m.tie_embeddings,
         qk_norm=m.qk_layernorm,
     )
-    state = mapping.megatron_to_hf(tensors, family, dims)
+    stored = common.saved_dtype(ckpt)
+    torch_dtype = DTYPES[dtype] if dtype is not None else stored
     max_pos = int(
         (source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length
     )
@@ -292,7 +297,7 @@ def to_hf(
     record = {
         "checkpoint": str(ckpt),
         "iteration": trainer.get("iteration"),
-        **pretraining_record(cfg, trainer.get("iteration")),
+        **pretraining_record(cfg, trainer.get("iteration"), imported_source(trainer)),
         "arch": arch,
         "causal_lm": causal_lm,
         "saved_layout": trainer.get("layout"),
@@ -305,14 +310,22 @@ def to_hf(
     if not causal_lm:  # any tool that loads the export encodes inputs as the model was pretrained
         # special-token strings parsed as by any HF tokenizer: a fill-mask pipeline's <mask> works
         document_tokenizer(tok, **shards_rule(record.get("shards")), save_text_rule=False)
+    record["dtype"] = DTYPE_NAMES[torch_dtype]
+    hf_cfg.dtype = torch_dtype
     with common.staged_output(out, force) as tmp:
+        # our model (float32), loaded as the trainer loads it: the one copy this export holds
+        model = megatron_from_checkpoint(ckpt, cfg, vocab)
+        if torch_dtype != torch.float32:  # what the export holds, and what it is verified against
+            round_weights(model, torch_dtype)
         hf_cfg.save_pretrained(str(tmp))
         add_legacy_rope_keys(tmp / "config.json")
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_weights(model, tmp / "model.safetensors", family, dims, torch_dtype, ckpt)
         tok.save_pretrained(str(tmp))
-        ver = _verify(ckpt, cfg, vocab, tmp, arch, causal_lm)
+        ver = _verify(model, cfg, vocab, tmp, arch, causal_lm)
+        del model
         record["verification"] = ver.__dict__
         (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        write_model_card(tmp, record, hf_cfg, tok, str(out))
     result = ExportResult(out, arch, causal_lm, vocab, ckpt, ver)
     if verbose:
         kind = "causal LM" if causal_lm else "bidirectional encoder"
@@ -324,16 +337,29 @@ def to_hf(
     return result
 
 
-def pretraining_record(cfg, iteration: int | None) -> dict[str, Any]:
+def pretraining_record(
+    cfg, iteration: int | None, imported: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Where a checkpoint stands in its pretraining, for learning curves: the run, the run its
     curve belongs to (a decay branch's stable source, else itself), its objectives in phase order
     and the tokens read so far (a branch counts its source's steps, which it shares; a continued
-    run only its own)."""
+    run only its own). An import's checkpoint (`imported`: its source record) has read nothing
+    here and trained with no objective of its run: it says what it is instead, and stays off the
+    learning curves (no token count)."""
     lineage = (
         Path(cfg.train.branch_from).parents[1].name
         if cfg.train.branch_from
         else Path(cfg.output_dir).name
     )
+    if imported is not None:
+        origin = imported.get("hf_dir") or imported.get("checkpoint")
+        return {
+            "run": cfg.name,
+            "lineage": lineage,
+            "objective": None,
+            "pretraining_tokens": None,
+            "imported": f"{imported.get('family')} model imported from {origin}",
+        }
     tokens = tokens_at_step(cfg, int(iteration)) if iteration is not None else None
     objective = " -> ".join(k for k, _ in groupby(ph.objective for ph in cfg.phases))
     return {
@@ -342,6 +368,11 @@ def pretraining_record(cfg, iteration: int | None) -> dict[str, Any]:
         "objective": objective,
         "pretraining_tokens": tokens,
     }
+
+
+def imported_source(trainer: dict[str, Any]) -> dict[str, Any] | None:
+    """The source record of a checkpoint an importer wrote (step 0 with a source), else None."""
+    return trainer.get("source") if trainer.get("iteration") == 0 else None
 
 
 def export_name(tokens: int, iteration: int) -> str:
@@ -397,17 +428,49 @@ def trained_vocab_size(cfg, tok, verbose: bool) -> int:
         return cfg.model.vocab_size or len(tok)
 
 
-def _verify(ckpt: Path, cfg, vocab: int, folder: Path, arch: str, causal_lm: bool) -> Verification:
-    megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
-    hf_model = load_hf(folder, auto_class(arch))
-    return verify_pair(
-        megatron_model,
-        hf_model,
-        vocab,
-        causal=causal_lm,
-        seq=min(SEQ, cfg.model.seq_length),
-        against=type(hf_model).__name__,
-    )
+def _verify(model, cfg, vocab: int, folder: Path, arch: str, causal_lm: bool) -> Verification:
+    """Our model's logits (as loaded, rounded to the export's dtype) against the folder's, run
+    by transformers one layer at a time after our model is put away."""
+    tokens = verification_tokens(vocab, seq=min(SEQ, cfg.model.seq_length))
+    ours = common.megatron_logits(model, tokens, causal_lm)[..., :vocab]
+    model.to("meta")  # our copy is done with: the export's layers take its place
+    theirs, against = streamed_hf_logits(folder, auto_class(arch), tokens)
+    return compare(ours, theirs[..., :vocab], against, causal_lm)
+
+
+def round_weights(model, dtype) -> None:
+    """Our model's weights rounded to `dtype` in place (kept in float32)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype))
+
+
+def write_weights(model, path: Path, family: str, dims, dtype, ckpt: Path) -> None:
+    """model.safetensors from our model, one tensor at a time (each cut, cast and written before
+    the next is made); a non-finite weight is one line."""
+    targets = common.model_tensors(model)
+
+    def get(key: str, layer):
+        if (key, layer) not in targets:
+            raise UsageError(
+                f"checkpoint {ckpt} has no tensor {key}; it does not match the {family} layout "
+                f"(tied={dims.tied}, qk_norm={dims.qk_norm})"
+            )
+        return targets[(key, layer)]
+
+    def meta(key: str, layer):
+        return torch.empty_like(get(key, layer), device="meta")
+
+    def finite(name: str, t) -> None:
+        if not torch.isfinite(t).all():
+            raise UsageError(
+                f"checkpoint {ckpt} holds non-finite values in {name}; refusing to export"
+            )
+
+    shapes = mapping.iter_megatron_to_hf(meta, family, dims)
+    entries = [(name, dtype, tuple(t.shape)) for name, t in shapes]
+    tensors = mapping.iter_megatron_to_hf(get, family, dims)
+    write_safetensors(path, entries, tensors, metadata={"format": "pt"}, check=finite)
 
 
 def _layout_text(layout: dict | None) -> str:
