@@ -89,7 +89,11 @@ def quiet_transformers() -> None:
 
 
 def streamed_hf_logits(
-    folder: Path, auto_class: str, tokens: torch.Tensor, weights: HFWeights | None = None
+    folder: Path,
+    auto_class: str,
+    tokens: torch.Tensor,
+    weights: HFWeights | None = None,
+    stats: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, str]:
     """(logits, class name) of a local HF model run by plain transformers in float32 with SDPA,
     whose weights are read from disk as each of its modules runs and released after it: the
@@ -97,7 +101,8 @@ def streamed_hf_logits(
 
     The model is built on the meta device (no memory), its rotary embeddings computed on the CPU;
     each module with weights (a layer, or one of the others) loads them in a forward pre-hook and
-    puts meta tensors back in a forward hook. transformers' own forward runs unchanged."""
+    puts meta tensors back in a forward hook. transformers' own forward runs unchanged. `stats`
+    gets the most weight bytes held at once (`peak`) and those read in all (`loaded`)."""
     cls = getattr(transformers, auto_class)
     quiet_transformers()
     weights = weights if weights is not None else HFWeights(folder)
@@ -114,6 +119,8 @@ def streamed_hf_logits(
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         logits = model.eval()(input_ids=tokens).logits.float()
+    if stats is not None:
+        stats.update(peak=loader.peak, loaded=loader.loaded)
     return logits, type(model).__name__
 
 
