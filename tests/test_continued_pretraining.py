@@ -32,8 +32,10 @@ PAGE = REPO / "docs" / "continued_pretraining.md"
 KINDS = ("qwen3", "llama32")
 
 
-def make_standin(kind: str, out: Path, corpus: list[str]) -> Path:
-    """A 2-layer decoder of the family with a byte-level BPE trained on `corpus`."""
+def make_standin(kind: str, out: Path, corpus: list[str], zero_reserved: bool = True) -> Path:
+    """A 2-layer decoder of the family with a byte-level BPE trained on `corpus`. The Llama 3.2's
+    reserved special tokens have zero rows, as in Meta's base releases (`zero_reserved`), or
+    trained ones."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -93,9 +95,15 @@ def make_standin(kind: str, out: Path, corpus: list[str]) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+        if kind == "llama32" and zero_reserved:
+            model.model.embed_tokens.weight[reserved_ids(tok)] = 0  # tied: the head's too
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
+
+
+def reserved_ids(tok) -> list[int]:
+    return [i for t, i in tok.get_vocab().items() if t.startswith("<|reserved_special_token_")]
 
 
 def page_blocks() -> list[tuple[str, str]]:
@@ -137,7 +145,7 @@ def run_page(folder: Path, hf_model: Path, text: Path, data_dir: Path) -> list:
 
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory, data_dir) -> dict[str, dict]:
-    """Each stand-in, taken through the page: {kind: {folder, hf, commands}}."""
+    """Each stand-in, taken through the page: {kind: {folder, hf, commands, corpus}}."""
     root = tmp_path_factory.mktemp("cpt")
     with gzip.open(data_dir / "gutenberg_en" / "valid.jsonl.gz", "rt", encoding="utf-8") as f:
         book = json.loads(next(f))["text"]
@@ -149,7 +157,8 @@ def pages(tmp_path_factory, data_dir) -> dict[str, dict]:
         hf = make_standin(kind, root / "models" / kind, pieces)
         folder = root / kind
         folder.mkdir()
-        out[kind] = {"folder": folder, "hf": hf, "commands": run_page(folder, hf, text, data_dir)}
+        commands = run_page(folder, hf, text, data_dir)
+        out[kind] = {"folder": folder, "hf": hf, "commands": commands, "corpus": pieces}
     return out
 
 
@@ -212,6 +221,49 @@ def test_added_tokens_take_trained_rows_at_the_mean(pages):
     assert torch.equal(rows[503:512], source[503:512])  # padding rows no token uses: as they were
     imported = page["commands"][0].stdout
     assert "added tokens take rows 500-502 of the source's 512-row embedding" in imported
+
+
+@pytest.mark.slow
+def test_untrained_reserved_rows_start_at_the_mean_and_trained_ones_are_kept(
+    pages, tmp_path, data_dir
+):
+    """Llama 3's mask and pad take reserved tokens. The stand-in's reserved rows are zero, as in
+    Meta's base releases: the import starts mask and pad at the mean of the trained rows (the
+    other reserved rows, which no shard holds, stay as they were) and says so, and the page's run
+    trained MLM from there. A source whose reserved rows are trained keeps them."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from megatron_mlmclm.convert.common import read_global_tensors
+
+    page = pages["llama32"]
+    source = load_file(str(page["hf"] / "model.safetensors"))["model.embed_tokens.weight"]
+    tok = AutoTokenizer.from_pretrained(str(page["folder"] / "ckpt" / "decoder" / "tokenizer"))
+    reserved = reserved_ids(tok)
+    mask, pad = tok.mask_token_id, tok.pad_token_id
+    assert {mask, pad} < set(reserved) and len(tok) == 512  # reused: the vocabulary unchanged
+    ckpt = page["folder"] / "ckpt" / "decoder" / "checkpoints" / "iter_0000000"
+    rows = read_global_tensors(ckpt)["embedding.word_embeddings.weight"]
+    trained = [i for i in range(512) if i not in reserved]
+    mean = source[trained].mean(dim=0)
+    assert source[reserved].abs().max() == 0
+    for i in (mask, pad):
+        torch.testing.assert_close(rows[i], mean, rtol=0, atol=1e-6)
+    others = [i for i in range(512) if i not in (mask, pad)]
+    assert torch.equal(rows[others], source[others])
+    imported = page["commands"][0].stdout
+    for name, i in (("mask", mask), ("pad", pad)):
+        token = tok.convert_ids_to_tokens(i)
+        assert f"{name} token {token} (id {i}): the source never trained its row" in imported
+
+    hf = make_standin("llama32", tmp_path / "trained", page["corpus"], zero_reserved=False)
+    env = dict(MLMCLM_DATA_DIR=str(data_dir), PYTHONPATH=str(REPO))
+    proc = run_forked(f"mlmclm convert from-hf {hf} {tmp_path / 'imp'}", tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"mask token {tok.mask_token} (id {mask}) keeps its trained row" in proc.stdout
+    kept = read_global_tensors(tmp_path / "imp" / "checkpoints" / "iter_0000000")
+    theirs = load_file(str(hf / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(kept["embedding.word_embeddings.weight"][:512], theirs)
 
 
 def _dry_run(capsys, folder: Path, *overrides: str) -> tuple[int, str, list[str]]:

@@ -115,7 +115,9 @@ class Trainer:
         )
         # The shards hold ids of data.tokenizer, or the run is refused (before any model is
         # built): checked by rank 0 alone, which scans shards without a fingerprint once.
-        self.shards = rt.on_main(check_run_shards, cfg, self.spec.tokenizer)
+        self.shards, scanned = rt.on_main(check_run_shards, cfg, self.spec.tokenizer)
+        for line in scanned:  # what the scans of shards without a fingerprint inferred
+            log(line)
         # Where the run starts: its ranks share the checksums of the checkpoint it starts from.
         self.start = find_start(cfg, self.fingerprint, self.spec)
         rank, world = dist.get_rank(), dist.get_world_size()
