@@ -323,6 +323,18 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     rc, _, err = _dry_run(capsys, qwen3, other, theirs)
     assert rc == 2 and len(err) == 1, err
     assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
+    # A larger tokenizer than the checkpoint's (its vocabulary is the model's): the line names
+    # the checkpoint's tokenizer and the fix, not model.vocab_size, which the config never set.
+    from transformers import AutoTokenizer
+
+    bigger = AutoTokenizer.from_pretrained(str(qwen3 / "ckpt" / "decoder" / "tokenizer"))
+    bigger.add_tokens(["<extra_a>", "<extra_b>"])
+    bigger.save_pretrained(str(tmp_path / "bigger"))
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"data.tokenizer={tmp_path / 'bigger'}")
+    assert rc == 2 and len(err) == 1, err
+    assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
+    assert f"set data.tokenizer={qwen3 / 'ckpt' / 'decoder' / 'tokenizer'}" in err[0], err
+    assert "vocab_size" not in err[0]
     # (a run folder without checkpoints: one with them resumes, and never reads init_from)
     fresh = "output_dir=fresh"
     rc, _, err = _dry_run(capsys, qwen3, SHARDS, "train.init_from=nope", fresh)

@@ -17,7 +17,11 @@ from megatron_mlmclm.data.dataset import open_indexed_dataset
 from megatron_mlmclm.data.shards import check_shard, run_prefixes, shards_record
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.training.continued import check_init_from, init_from_checkpoint
+from megatron_mlmclm.training.continued import (
+    check_init_from,
+    init_from_checkpoint,
+    init_from_tokenizer,
+)
 
 
 def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
@@ -34,7 +38,7 @@ def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
             problems.append(str(e))
             return None
 
-    spec = check(token_spec_and_vocab, cfg)
+    spec = check(token_spec_and_vocab, cfg, init_from_tokenizer(cfg))
     tokenizer = spec.tokenizer if spec is not None else None
     if not cfg.data.mock:
         train, valid = run_prefixes(cfg)
