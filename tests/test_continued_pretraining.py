@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -502,6 +503,26 @@ def test_the_run_refuses_shards_of_a_smaller_or_larger_vocabulary(pages, capsys)
         os.chdir(cwd)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "outside data.tokenizer" in err[0], err
+
+
+def test_the_page_and_the_example_config_agree_on_the_learning_rate_and_budget():
+    """The page's at-scale commands and examples/configs/cpt-llama-mlm.yaml: one peak LR, and the
+    budget in steps stated in tokens as the batch makes them."""
+    import yaml
+
+    page = PAGE.read_text()
+    example = yaml.safe_load((REPO / "examples" / "configs" / "cpt-llama-mlm.yaml").read_text())
+    lrs = {float(x) for x in re.findall(r"train\.lr=(\S+)", page)}
+    assert lrs == {example["train"]["lr"]}, lrs
+    t = example["train"]
+    tokens = t["steps"] * t["global_batch_size"] * 2048
+    assert (
+        f"{tokens / 1e9:.1f}B tokens" in page
+        and f"{tokens / 1e9:.1f}B"
+        in (REPO / "examples" / "configs" / "cpt-llama-mlm.yaml").read_text()
+    )
+    for steps in (2000, 12000, 22000):  # the study's CPT budgets
+        assert f"{steps * t['global_batch_size'] * 2048 / 1e9:.1f}B" in page
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ tokenizer (its model has `--vocab` rows, as many a tokenizer leaves untrained); 
 WORKDIR/export` under `/usr/bin/time -v`, and prints each command's peak resident memory (its
 "Maximum resident set size") against the size of the model's weights file, with that of a process
 that only imports the converters (what any conversion starts with). The figures in docs/convert.md
-come from here. Needs about three times the model's size in free disk.
+come from here. Needs about three times the model's size in free disk. A WORKDIR that holds the
+stand-in of an earlier run (WORKDIR/hf) is measured again with it.
 """
 
 from __future__ import annotations
@@ -134,9 +135,13 @@ def main() -> None:
     ap.add_argument("--export-dtype", choices=sorted(DTYPES), help="to-hf --dtype")
     args = ap.parse_args()
     work = args.workdir.absolute()
-    if work.exists():
-        sys.exit(f"{work} exists; give a new folder")
-    size = standin(work / "hf", args.preset, args.vocab, DTYPES[args.dtype], not args.untied)
+    if (work / "ckpt").exists() or (work / "export").exists():
+        sys.exit(f"{work} holds ckpt/ or export/ of an earlier run; remove them first")
+    weights = work / "hf" / "model.safetensors"
+    if weights.is_file():  # the stand-in of an earlier run (its shape and dtype): reused
+        size = weights.stat().st_size
+    else:
+        size = standin(work / "hf", args.preset, args.vocab, DTYPES[args.dtype], not args.untied)
     py = [sys.executable]
     env_python = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     os.environ["PYTHONPATH"] = env_python

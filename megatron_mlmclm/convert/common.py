@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import gc
 import json
 import os
 import re
@@ -190,12 +192,34 @@ def build_encoder(cfg, vocab_size: int, seed: int = 1234):
     cfg.train.precision, cfg.runtime.device, cfg.model.compile = "fp32", "cpu", "off"
     init_single_process(seed)
     plan = plan_kernels(cfg, "cpu")
+    config = transformer_config(cfg, plan)
+    # Every weight is loaded or filled after: no initialisation (each would hold a whole
+    # parameter, the embedding, in memory beside the model while it is drawn)
+    config.perform_initialization = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_model_chunk(
-            cfg, transformer_config(cfg, plan), vocab_size, True, True, plan=plan
-        )
+        model = build_model_chunk(cfg, config, vocab_size, True, True, plan=plan, initialize=False)
     return model.to("cpu").eval()
+
+
+def drop_weights(model) -> None:
+    """Free a model's weights in place (each parameter emptied: the layers' cached references to
+    their parameters would keep copies that `.to("meta")` makes alive), then the memory."""
+    for p in model.parameters():
+        p.data = torch.empty(0, dtype=p.dtype)
+    release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Free what only reference cycles still hold (megatron's sharded state dicts hold views of
+    the weights in cycles) and hand the memory freed so far back to the system (glibc's
+    malloc_trim; elsewhere nothing): a conversion frees tensors of every size as it streams, and
+    the allocator keeps the smaller ones' pages, which would count in the peak of the next step."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _local_to_global(model) -> dict[str, tuple[str, int | None]]:
@@ -257,15 +281,51 @@ def weights_in(model, dtype: torch.dtype) -> Iterator[None]:
             p.data = p.data.float()
 
 
-def reload_from_disk(model, ckpt: Path) -> None:
-    """Load `ckpt` into the model in place with the trainer's load_checkpoint, after filling every
-    weight with NaN: a weight the load did not set shows in the logits."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
+class _Part:
+    """Some of a model's weights, as `load_checkpoint` sees a model chunk: those whose names
+    `mine` accepts (whole dist-checkpoint keys: megatron reads a key's layers together)."""
+
+    def __init__(self, model, mine):
+        self.model, self._mine = model, mine
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model.sharded_state_dict().items() if self._mine(k)}
+
+    def load_state_dict(self, state, strict: bool = False):
+        result = self.model.load_state_dict(state, strict=False)
+        return [k for k in result.missing_keys if self._mine(k)], result.unexpected_keys
+
+
+def _read_order(name: str) -> int:
+    """When `load_into` reads a weight: what a read holds twice while it copies it into the model
+    first, while the other weights' memory is still untouched (build_encoder leaves it
+    uninitialised), so that it costs no more than the rest of the model would: 0, megatron's
+    gated MLP input (`linear_fc1`, read as its two halves and joined); 1, the weights outside the
+    layers (the embedding, the largest tensor, which the storage reader holds as bytes and as a
+    tensor); 2, the rest."""
+    if name.endswith("mlp.linear_fc1.weight"):
+        return 0
+    return 2 if name.startswith("decoder.layers.") else 1
+
+
+def load_into(model, ckpt: Path) -> None:
+    """Load `ckpt` into a TP1 model with the trainer's load_checkpoint (any saved layout), in
+    three reads (`_read_order`), so that the peak memory stays near the model's. A weight the
+    checkpoint lacks is refused by load_checkpoint."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        load_checkpoint(Path(ckpt), [model], optimizer=None, scheduler=None, load_rng=False)
+        for group in range(3):
+            part = _Part(model, lambda name, group=group: _read_order(name) == group)
+            load_checkpoint(Path(ckpt), [part], optimizer=None, scheduler=None, load_rng=False)
+
+
+def reload_from_disk(model, ckpt: Path) -> None:
+    """Load `ckpt` back into the model that was saved there: its weights first replaced by fresh
+    memory (the old freed), so that what the logits read comes from disk."""
+    for p in model.parameters():
+        p.data = torch.empty_like(p.data)
+    release_free_memory()
+    load_into(model, ckpt)
 
 
 def model_global_tensors(model) -> dict[str, torch.Tensor]:

@@ -1,11 +1,13 @@
 """megatron checkpoint (any TP/PP layout) -> Hugging Face folder, verified before it is kept.
 
-`to_hf(CKPT, OUT)` reads the checkpoint's global tensors (layout-independent), maps them with the
-family table of `mapping.py`, writes ``model.safetensors`` + ``config.json`` + the tokenizer (with
-its mask token, and the pretraining document rule of the run's shards saved in it: BOS and EOS as
-the shards had them, special-token strings as text; document.py) into a temporary sibling of OUT,
-reloads that folder with plain transformers (no remote code) and compares its logits with the
-trainer's EncoderLM loaded from the checkpoint at TP1. Only then is the folder renamed to OUT.
+`to_hf(CKPT, OUT)` loads the checkpoint into the trainer's EncoderLM at TP1 (as the trainer loads
+it: any saved layout), maps its tensors with the family table of `mapping.py` one at a time into
+``model.safetensors`` (in the checkpoint's dtype, or `dtype`), writes ``config.json``, the
+tokenizer (with its mask token, and the pretraining document rule of the run's shards saved in it:
+BOS and EOS as the shards had them, special-token strings as text; document.py), ``README.md``
+(model_card.py) and the export record into a temporary sibling of OUT, then runs that folder with
+plain transformers (no remote code; its weights read a module at a time) and compares its logits
+with the EncoderLM's. Only then is the folder renamed to OUT. It holds one copy of the model.
 
 Architectures (``arch``):
   eurobert  EuroBertForMaskedLM (native in transformers 5): AutoModel, AutoModelForMaskedLM,
@@ -315,6 +317,7 @@ def to_hf(
     with common.staged_output(out, force) as tmp:
         # our model (float32), loaded as the trainer loads it: the one copy this export holds
         model = megatron_from_checkpoint(ckpt, cfg, vocab)
+        common.release_free_memory()
         if torch_dtype != torch.float32:  # what the export holds, and what it is verified against
             round_weights(model, torch_dtype)
         hf_cfg.save_pretrained(str(tmp))
@@ -433,7 +436,7 @@ def _verify(model, cfg, vocab: int, folder: Path, arch: str, causal_lm: bool) ->
     by transformers one layer at a time after our model is put away."""
     tokens = verification_tokens(vocab, seq=min(SEQ, cfg.model.seq_length))
     ours = common.megatron_logits(model, tokens, causal_lm)[..., :vocab]
-    model.to("meta")  # our copy is done with: the export's layers take its place
+    common.drop_weights(model)  # our copy is done with: the export's layers take its place
     theirs, against = streamed_hf_logits(folder, auto_class(arch), tokens)
     return compare(ours, theirs[..., :vocab], against, causal_lm)
 
@@ -461,8 +464,8 @@ def write_weights(model, path: Path, family: str, dims, dtype, ckpt: Path) -> No
     def meta(key: str, layer):
         return torch.empty_like(get(key, layer), device="meta")
 
-    def finite(name: str, t) -> None:
-        if not torch.isfinite(t).all():
+    def finite(name: str, t) -> None:  # a slice at a time: isfinite copies what it reads
+        if not all(torch.isfinite(part).all() for part in t.reshape(-1).split(1 << 22)):
             raise UsageError(
                 f"checkpoint {ckpt} holds non-finite values in {name}; refusing to export"
             )

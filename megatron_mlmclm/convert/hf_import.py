@@ -240,6 +240,7 @@ def from_hf(
         items = mapping.iter_hf_to_megatron(weights.get, family, dims, pad_vocab=False)
         keys = mapping.vocab_keys(family, dims)
         common.fill_model(model, items, "the Hugging Face weights", short_rows=keys)
+        common.release_free_memory()
         trained = min(hf_vocab, n_src)  # rows of the source's tokens: the others never trained
         rows = embedding_rows(model, tok, trained, range(n_src, n_tok))
         record = {**tokenizer_fingerprint(tok), "path": str(out / "tokenizer")}
@@ -338,7 +339,7 @@ def _verify(
     )
     common.reload_from_disk(model, ckpt)
     ours = common.megatron_logits(model, tokens, causal)[..., keep]
-    model.to("meta")  # our copy is done with: the source's layers take its place
+    common.drop_weights(model)  # our copy is done with: the source's layers take its place
     theirs, against = streamed_hf_logits(hf_dir, auto, tokens, weights)
     return compare(ours, theirs[..., keep], against, causal)
 

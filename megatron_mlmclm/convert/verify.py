@@ -20,8 +20,7 @@ import torch
 import transformers
 from transformers.utils import logging as hf_logging
 
-from megatron_mlmclm.checkpoint import load_checkpoint
-from megatron_mlmclm.convert.common import build_encoder
+from megatron_mlmclm.convert.common import build_encoder, load_into
 from megatron_mlmclm.convert.hf_files import HFWeights
 from megatron_mlmclm.errors import UsageError
 
@@ -202,7 +201,5 @@ class _StreamedWeights:
 def megatron_from_checkpoint(ckpt: Path, cfg, vocab_size: int):
     """EncoderLM at TP1 loaded from a dist checkpoint through the trainer's load_checkpoint."""
     model = build_encoder(cfg, vocab_size)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        load_checkpoint(Path(ckpt), [model], optimizer=None, scheduler=None, load_rng=False)
+    load_into(model, Path(ckpt))
     return model
