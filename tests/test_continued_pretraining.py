@@ -184,8 +184,13 @@ def test_the_page_runs_as_written(pages, kind):
     # to-hf's advice fits the family: EuroBERT has no qk-norm, so it is offered for Llama only.
     export = next(p for p in page["commands"] if p.args[:2] == ["convert", "to-hf"])
     assert ("--arch eurobert" in export.stdout) == (kind == "llama32"), export.stdout
-    # Evaluation follows the shards' rule: the export records what preprocess wrote.
-    assert record["shards"] == _fingerprint(folder)
+    # Evaluation follows the shards' rule: the export records what preprocess wrote (the
+    # tokenizer and rule; not the largest id and the file it was written for)
+    written = _fingerprint(folder)
+    assert written["max_id"] < 512
+    assert record["shards"] == {
+        k: v for k, v in written.items() if k not in ("max_id", "bin_bytes", "bin_mtime_ns")
+    }
     assert record["shards"]["append_eod"] is True and record["shards"]["bos"] is False
     # The run reported the sequence length it changed, and trained from the imported weights.
     train = next(
@@ -324,14 +329,18 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     rc, _, err = _dry_run(capsys, qwen3, other, theirs)
     assert rc == 2 and len(err) == 1, err
     assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
-    # A larger tokenizer than the checkpoint's (its vocabulary is the model's): the line names
-    # the checkpoint's tokenizer and the fix, not model.vocab_size, which the config never set.
+    # A tokenizer larger than the checkpoint's vocabulary (512 rows), in a run that starts from
+    # train.init_from: the line names the checkpoint's tokenizer and the fix, not
+    # model.vocab_size, which the config never set.
     from transformers import AutoTokenizer
 
     bigger = AutoTokenizer.from_pretrained(str(qwen3 / "ckpt" / "decoder" / "tokenizer"))
-    bigger.add_tokens(["<extra_a>", "<extra_b>"])
+    bigger.add_tokens([f"<extra_{i}>" for i in range(12)])
+    assert len(bigger) > 512
     bigger.save_pretrained(str(tmp_path / "bigger"))
-    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"data.tokenizer={tmp_path / 'bigger'}")
+    rc, _, err = _dry_run(
+        capsys, qwen3, SHARDS, f"data.tokenizer={tmp_path / 'bigger'}", "output_dir=fresh"
+    )
     assert rc == 2 and len(err) == 1, err
     assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
     assert f"set data.tokenizer={qwen3 / 'ckpt' / 'decoder' / 'tokenizer'}" in err[0], err

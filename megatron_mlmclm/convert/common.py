@@ -267,18 +267,10 @@ def fill_model(model, items, what: str = "weights", short_rows=frozenset()) -> N
         raise UsageError(f"{what} do not match the model: missing {missing[:3]}")
 
 
-@contextlib.contextmanager
-def weights_in(model, dtype: torch.dtype) -> Iterator[None]:
-    """The model's weights held in `dtype` (each cast in place, one at a time) inside the block,
-    float32 again after it."""
-    params = list(model.parameters())
-    for p in params:
+def cast_weights(model, dtype: torch.dtype) -> None:
+    """The model's weights cast to `dtype` in place, one at a time (a save in that dtype)."""
+    for p in model.parameters():
         p.data = p.data.to(dtype)
-    try:
-        yield
-    finally:
-        for p in params:
-            p.data = p.data.float()
 
 
 class _Part:
@@ -320,10 +312,10 @@ def load_into(model, ckpt: Path) -> None:
 
 
 def reload_from_disk(model, ckpt: Path) -> None:
-    """Load `ckpt` back into the model that was saved there: its weights first replaced by fresh
-    memory (the old freed), so that what the logits read comes from disk."""
+    """Load `ckpt` back into the model that was saved there, in float32: its weights first
+    replaced by fresh memory (the old freed), so that what the logits read comes from disk."""
     for p in model.parameters():
-        p.data = torch.empty_like(p.data)
+        p.data = torch.empty(p.shape, dtype=torch.float32)
     release_free_memory()
     load_into(model, ckpt)
 

@@ -234,29 +234,7 @@ def to_hf(
     cfg = common.run_config_from_dict(trainer["config"])
     m = final_model(cfg)  # the last phase's RoPE base, room for the longest phase
 
-    tok_dir = tokenizer or cfg.data.tokenizer
-    if tok_dir is None:
-        raise UsageError(
-            f"checkpoint {ckpt} was trained without a tokenizer (mock data); pass "
-            "--tokenizer DIR (a folder written by `mlmclm tokenize`)"
-        )
-    tok = load_tokenizer(tok_dir)
-    recorded = trainer.get("tokenizer")
-    if recorded and not same_tokenizer(tokenizer_fingerprint(tok), recorded):
-        raise UsageError(
-            f"tokenizer {tok_dir} ({describe_tokenizer(tokenizer_fingerprint(tok))}) is not the "
-            f"one checkpoint {ckpt} was trained with ({describe_tokenizer(recorded)}); pass that "
-            f"one{' (' + recorded['path'] + ')' if recorded.get('path') else ''}"
-        )
-    vocab = trained_vocab_size(cfg, tok, verbose)
-    if len(tok) > vocab:
-        raise UsageError(
-            f"tokenizer {tok_dir} has {len(tok)} tokens but the model's vocabulary "
-            f"is {vocab}; pass the tokenizer the checkpoint was trained with"
-        )
-    # The run's special ids (the same as the tokenizer's, once it is the run's)
-    ids = {k: recorded[k] for k in TOKENIZER_KEYS[2:]} if recorded else special_token_ids(tok)
-
+    tok, vocab, ids = run_tokenizer(ckpt, trainer, cfg, tokenizer, verbose)
     source = find_source(ckpt, trainer)
     arch = resolve_arch(arch, causal_lm, m.qk_layernorm, source)
     family = arch
@@ -270,8 +248,7 @@ def to_hf(
         tied=m.tie_embeddings,
         qk_norm=m.qk_layernorm,
     )
-    stored = common.saved_dtype(ckpt)
-    torch_dtype = DTYPES[dtype] if dtype is not None else stored
+    torch_dtype = DTYPES[dtype] if dtype is not None else common.saved_dtype(ckpt)
     max_pos = int(
         (source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length
     )
@@ -280,39 +257,12 @@ def to_hf(
         max_pos = int(r.original_max_position_embeddings * r.factor)  # the context it scales to
     hf_cfg = hf_config(arch, m, vocab, ids, causal_lm, max_pos, clf_pooling)
     if verbose:
-        if (
-            arch != "eurobert"
-            and arch == resolve_arch(None, causal_lm, m.qk_layernorm, source)
-            and not causal_lm
-        ):
-            print(
-                f"note: exporting as {arch} (the source family, is_causal=false)"
-                + (
-                    ""
-                    if m.qk_layernorm  # EuroBERT has no qk-norm
-                    else "; --arch eurobert gives the EuroBERT classes (AutoModelForMaskedLM)"
-                )
-            )
-        if not causal_lm and cfg.phases and cfg.phases[-1].objective == "clm":
-            print("note: the last phase of this run was CLM; --causal-lm exports it for generation")
+        _notes(arch, causal_lm, cfg, source)
 
-    record = {
-        "checkpoint": str(ckpt),
-        "iteration": trainer.get("iteration"),
-        **pretraining_record(cfg, trainer.get("iteration"), imported_source(trainer)),
-        "arch": arch,
-        "causal_lm": causal_lm,
-        "saved_layout": trainer.get("layout"),
-        "source": source,
-        **({"shards": trainer["shards"]} if trainer.get("shards") else {}),
-        # how the saved tokenizer encodes a text: the pretraining document rule, or (a causal LM,
-        # for generation, whose prompts must not end with EOS) the tokenizer's own template
-        "tokenizer_rule": "template" if causal_lm else "document",
-    }
+    record = export_record(ckpt, trainer, cfg, arch, causal_lm, source, torch_dtype)
     if not causal_lm:  # any tool that loads the export encodes inputs as the model was pretrained
         # special-token strings parsed as by any HF tokenizer: a fill-mask pipeline's <mask> works
         document_tokenizer(tok, **shards_rule(record.get("shards")), save_text_rule=False)
-    record["dtype"] = DTYPE_NAMES[torch_dtype]
     hf_cfg.dtype = torch_dtype
     with common.staged_output(out, force) as tmp:
         # our model (float32), loaded as the trainer loads it: the one copy this export holds
@@ -338,6 +288,69 @@ def to_hf(
             f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers"
         )
     return result
+
+
+def run_tokenizer(ckpt: Path, trainer: dict[str, Any], cfg, tokenizer: str | None, verbose: bool):
+    """(the tokenizer an export saves, the vocabulary the run trained, the run's special ids):
+    `tokenizer` (else the run's data.tokenizer), which must be the one the checkpoint recorded."""
+    tok_dir = tokenizer or cfg.data.tokenizer
+    if tok_dir is None:
+        raise UsageError(
+            f"checkpoint {ckpt} was trained without a tokenizer (mock data); pass "
+            "--tokenizer DIR (a folder written by `mlmclm tokenize`)"
+        )
+    tok = load_tokenizer(tok_dir)
+    recorded = trainer.get("tokenizer")
+    if recorded and not same_tokenizer(tokenizer_fingerprint(tok), recorded):
+        raise UsageError(
+            f"tokenizer {tok_dir} ({describe_tokenizer(tokenizer_fingerprint(tok))}) is not the "
+            f"one checkpoint {ckpt} was trained with ({describe_tokenizer(recorded)}); pass that "
+            f"one{' (' + recorded['path'] + ')' if recorded.get('path') else ''}"
+        )
+    vocab = trained_vocab_size(cfg, tok, verbose)
+    if len(tok) > vocab:
+        raise UsageError(
+            f"tokenizer {tok_dir} has {len(tok)} tokens but the model's vocabulary "
+            f"is {vocab}; pass the tokenizer the checkpoint was trained with"
+        )
+    # The run's special ids (the same as the tokenizer's, once it is the run's)
+    ids = {k: recorded[k] for k in TOKENIZER_KEYS[2:]} if recorded else special_token_ids(tok)
+    return tok, vocab, ids
+
+
+def _notes(arch: str, causal_lm: bool, cfg, source: dict[str, Any] | None) -> None:
+    qk_norm = final_model(cfg).qk_layernorm
+    if arch != "eurobert" and arch == resolve_arch(None, causal_lm, qk_norm, source):
+        if not causal_lm:
+            print(
+                f"note: exporting as {arch} (the source family, is_causal=false); its built-in "
+                "labels loss is the causal-LM one (README.md: the MLM loss)"
+                + (
+                    ""
+                    if qk_norm  # EuroBERT has no qk-norm
+                    else "; --arch eurobert gives the EuroBERT classes (AutoModelForMaskedLM)"
+                )
+            )
+    if not causal_lm and cfg.phases and cfg.phases[-1].objective == "clm":
+        print("note: the last phase of this run was CLM; --causal-lm exports it for generation")
+
+
+def export_record(ckpt, trainer, cfg, arch, causal_lm, source, dtype) -> dict[str, Any]:
+    """The export's record (paths.EXPORT_FILE) but its verification figure."""
+    return {
+        "checkpoint": str(ckpt),
+        "iteration": trainer.get("iteration"),
+        **pretraining_record(cfg, trainer.get("iteration"), imported_source(trainer)),
+        "arch": arch,
+        "causal_lm": causal_lm,
+        "saved_layout": trainer.get("layout"),
+        "source": source,
+        **({"shards": trainer["shards"]} if trainer.get("shards") else {}),
+        # how the saved tokenizer encodes a text: the pretraining document rule, or (a causal LM,
+        # for generation, whose prompts must not end with EOS) the tokenizer's own template
+        "tokenizer_rule": "template" if causal_lm else "document",
+        "dtype": DTYPE_NAMES[dtype],
+    }
 
 
 def pretraining_record(

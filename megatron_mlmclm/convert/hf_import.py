@@ -244,8 +244,8 @@ def from_hf(
         trained = min(hf_vocab, n_src)  # rows of the source's tokens: the others never trained
         rows = embedding_rows(model, tok, trained, range(n_src, n_tok))
         record = {**tokenizer_fingerprint(tok), "path": str(out / "tokenizer")}
-        with common.weights_in(model, weights.dtype()):  # stored as the source stores them
-            ckpt = common.save_imported(tmp / "checkpoints", model, cfg, source, record)
+        common.cast_weights(model, weights.dtype())  # stored as the source stores them
+        ckpt = common.save_imported(tmp / "checkpoints", model, cfg, source, record)
         # The rows set on purpose are left out of the comparison: compared are the trained ones.
         ver = _verify(hf_dir, hf_cfg, ckpt, model, build_cfg, trained, rows.changed, weights)
         del model
@@ -331,7 +331,8 @@ def _verify(
     auto = "AutoModelForMaskedLM" if hf_cfg.model_type == "eurobert" else "AutoModelForCausalLM"
     causal = _source_causal(hf_cfg)
     seq = min(SEQ, cfg.model.seq_length)
-    keep = torch.tensor([i for i in range(compared) if i not in set(changed)])
+    left_out = set(changed)
+    keep = torch.tensor([i for i in range(compared) if i not in left_out])
     tokens = (
         verification_tokens(compared, seq=seq)
         if not changed
