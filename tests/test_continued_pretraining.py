@@ -386,8 +386,9 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
 @pytest.mark.slow
 def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, data_dir):
     """A config that leaves its model to train.init_from (as examples/configs/cpt-llama-mlm.yaml
-    does), stopped at step 2; then its init_from checkpoint deleted (moved, purged from scratch).
-    The run's own checkpoints hold the same model and a resume reads nothing else: the dry run
+    does), on the run's own shards without their fingerprint (scanned), stopped at step 2; then
+    its init_from checkpoint deleted (moved, purged from scratch). The run's own checkpoints hold
+    the same model and a resume reads nothing else: the dry run
     says so, the run resumes at step 2 and finishes, and its export is of the source's family
     (the source record travels in the run's checkpoints)."""
     import yaml
@@ -401,10 +402,12 @@ def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, da
     raw = yaml.safe_load((decoder / "config.yaml").read_text())
     raw.pop("model")
     raw["output_dir"] = str(tmp_path / "run")
-    raw["data"].update(
-        train=[str(folder / "shards" / "decoder_text_document")],
-        tokenizer=str(decoder / "tokenizer"),
-    )
+    # its shards without their fingerprint, as Megatron-LM writes them: scanned, and read
+    bare = tmp_path / "bare" / "decoder_text_document"
+    bare.parent.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(folder / "shards" / f"decoder_text_document{suffix}", f"{bare}{suffix}")
+    raw["data"].update(train=[str(bare)], tokenizer=str(decoder / "tokenizer"))
     raw["train"].update(
         init_from=str(source), steps=4, global_batch_size=4, warmup_steps=1, decay_steps=1
     )
@@ -414,6 +417,7 @@ def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, da
     env = dict(MLMCLM_DATA_DIR=str(data_dir), PYTHONPATH=str(REPO))
     first = run_forked(f"mlmclm pretrain {config} --stop-at 2", tmp_path, env)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert f"shard {bare} has no fingerprint; scanned: largest id" in first.stderr
     shutil.rmtree(source)
     with pytest.raises(UsageError, match="does not exist"):  # no checkpoint of its own: refused
         load_config(config, [f"output_dir={tmp_path / 'other'}"], checkpoint_model)

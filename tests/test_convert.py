@@ -678,6 +678,10 @@ def test_the_model_card_gives_the_mlm_loss_and_the_fill_mask_pipeline(ws, export
 
     imp = from_hf(ws["hf"]["llama"], tmp_path / "imp", verbose=False)
     llama = to_hf(imp.path / "checkpoints", tmp_path / "llama", verbose=False).path
+    # the import's own checkpoint, exported: its record says it is the import, trained nothing
+    record = json.loads((llama / "mlmclm_export.json").read_text())
+    assert record["objective"] is None and record["pretraining_tokens"] is None
+    assert record["imported"] == f"llama model imported from {ws['hf']['llama']}"
     g = torch.Generator().manual_seed(5)
     input_ids = torch.randint(4, VOCAB_TOKENIZER, (2, 24), generator=g)
     attention_mask = torch.ones_like(input_ids)
