@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -32,8 +33,10 @@ PAGE = REPO / "docs" / "continued_pretraining.md"
 KINDS = ("qwen3", "llama32")
 
 
-def make_standin(kind: str, out: Path, corpus: list[str]) -> Path:
-    """A 2-layer decoder of the family with a byte-level BPE trained on `corpus`."""
+def make_standin(kind: str, out: Path, corpus: list[str], zero_reserved: bool = True) -> Path:
+    """A 2-layer decoder of the family with a byte-level BPE trained on `corpus`. The Llama 3.2's
+    reserved special tokens have zero rows, as in Meta's base releases (`zero_reserved`), or
+    trained ones."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -93,9 +96,15 @@ def make_standin(kind: str, out: Path, corpus: list[str]) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+        if kind == "llama32" and zero_reserved:
+            model.model.embed_tokens.weight[reserved_ids(tok)] = 0  # tied: the head's too
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
+
+
+def reserved_ids(tok) -> list[int]:
+    return [i for t, i in tok.get_vocab().items() if t.startswith("<|reserved_special_token_")]
 
 
 def page_blocks() -> list[tuple[str, str]]:
@@ -137,7 +146,7 @@ def run_page(folder: Path, hf_model: Path, text: Path, data_dir: Path) -> list:
 
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory, data_dir) -> dict[str, dict]:
-    """Each stand-in, taken through the page: {kind: {folder, hf, commands}}."""
+    """Each stand-in, taken through the page: {kind: {folder, hf, commands, corpus}}."""
     root = tmp_path_factory.mktemp("cpt")
     with gzip.open(data_dir / "gutenberg_en" / "valid.jsonl.gz", "rt", encoding="utf-8") as f:
         book = json.loads(next(f))["text"]
@@ -149,7 +158,8 @@ def pages(tmp_path_factory, data_dir) -> dict[str, dict]:
         hf = make_standin(kind, root / "models" / kind, pieces)
         folder = root / kind
         folder.mkdir()
-        out[kind] = {"folder": folder, "hf": hf, "commands": run_page(folder, hf, text, data_dir)}
+        commands = run_page(folder, hf, text, data_dir)
+        out[kind] = {"folder": folder, "hf": hf, "commands": commands, "corpus": pieces}
     return out
 
 
@@ -174,8 +184,13 @@ def test_the_page_runs_as_written(pages, kind):
     # to-hf's advice fits the family: EuroBERT has no qk-norm, so it is offered for Llama only.
     export = next(p for p in page["commands"] if p.args[:2] == ["convert", "to-hf"])
     assert ("--arch eurobert" in export.stdout) == (kind == "llama32"), export.stdout
-    # Evaluation follows the shards' rule: the export records what preprocess wrote.
-    assert record["shards"] == _fingerprint(folder)
+    # Evaluation follows the shards' rule: the export records what preprocess wrote (the
+    # tokenizer and rule; not the largest id and the file it was written for)
+    written = _fingerprint(folder)
+    assert written["max_id"] < 512
+    assert record["shards"] == {
+        k: v for k, v in written.items() if k not in ("max_id", "bin_bytes", "bin_mtime_ns")
+    }
     assert record["shards"]["append_eod"] is True and record["shards"]["bos"] is False
     # The run reported the sequence length it changed, and trained from the imported weights.
     train = next(
@@ -212,6 +227,49 @@ def test_added_tokens_take_trained_rows_at_the_mean(pages):
     assert torch.equal(rows[503:512], source[503:512])  # padding rows no token uses: as they were
     imported = page["commands"][0].stdout
     assert "added tokens take rows 500-502 of the source's 512-row embedding" in imported
+
+
+@pytest.mark.slow
+def test_untrained_reserved_rows_start_at_the_mean_and_trained_ones_are_kept(
+    pages, tmp_path, data_dir
+):
+    """Llama 3's mask and pad take reserved tokens. The stand-in's reserved rows are zero, as in
+    Meta's base releases: the import starts mask and pad at the mean of the trained rows (the
+    other reserved rows, which no shard holds, stay as they were) and says so, and the page's run
+    trained MLM from there. A source whose reserved rows are trained keeps them."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from megatron_mlmclm.convert.common import read_global_tensors
+
+    page = pages["llama32"]
+    source = load_file(str(page["hf"] / "model.safetensors"))["model.embed_tokens.weight"]
+    tok = AutoTokenizer.from_pretrained(str(page["folder"] / "ckpt" / "decoder" / "tokenizer"))
+    reserved = reserved_ids(tok)
+    mask, pad = tok.mask_token_id, tok.pad_token_id
+    assert {mask, pad} < set(reserved) and len(tok) == 512  # reused: the vocabulary unchanged
+    ckpt = page["folder"] / "ckpt" / "decoder" / "checkpoints" / "iter_0000000"
+    rows = read_global_tensors(ckpt)["embedding.word_embeddings.weight"]
+    trained = [i for i in range(512) if i not in reserved]
+    mean = source[trained].mean(dim=0)
+    assert source[reserved].abs().max() == 0
+    for i in (mask, pad):
+        torch.testing.assert_close(rows[i], mean, rtol=0, atol=1e-6)
+    others = [i for i in range(512) if i not in (mask, pad)]
+    assert torch.equal(rows[others], source[others])
+    imported = page["commands"][0].stdout
+    for name, i in (("mask", mask), ("pad", pad)):
+        token = tok.convert_ids_to_tokens(i)
+        assert f"{name} token {token} (id {i}): the source never trained its row" in imported
+
+    hf = make_standin("llama32", tmp_path / "trained", page["corpus"], zero_reserved=False)
+    env = dict(MLMCLM_DATA_DIR=str(data_dir), PYTHONPATH=str(REPO))
+    proc = run_forked(f"mlmclm convert from-hf {hf} {tmp_path / 'imp'}", tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"mask token {tok.mask_token} (id {mask}) keeps its trained row" in proc.stdout
+    kept = read_global_tensors(tmp_path / "imp" / "checkpoints" / "iter_0000000")
+    theirs = load_file(str(hf / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(kept["embedding.word_embeddings.weight"][:512], theirs)
 
 
 def _dry_run(capsys, folder: Path, *overrides: str) -> tuple[int, str, list[str]]:
@@ -271,6 +329,22 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     rc, _, err = _dry_run(capsys, qwen3, other, theirs)
     assert rc == 2 and len(err) == 1, err
     assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
+    # A tokenizer larger than the checkpoint's vocabulary (512 rows), in a run that starts from
+    # train.init_from: the line names the checkpoint's tokenizer and the fix, not
+    # model.vocab_size, which the config never set.
+    from transformers import AutoTokenizer
+
+    bigger = AutoTokenizer.from_pretrained(str(qwen3 / "ckpt" / "decoder" / "tokenizer"))
+    bigger.add_tokens([f"<extra_{i}>" for i in range(12)])
+    assert len(bigger) > 512
+    bigger.save_pretrained(str(tmp_path / "bigger"))
+    rc, _, err = _dry_run(
+        capsys, qwen3, SHARDS, f"data.tokenizer={tmp_path / 'bigger'}", "output_dir=fresh"
+    )
+    assert rc == 2 and len(err) == 1, err
+    assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
+    assert f"set data.tokenizer={qwen3 / 'ckpt' / 'decoder' / 'tokenizer'}" in err[0], err
+    assert "vocab_size" not in err[0]
     # (a run folder without checkpoints: one with them resumes, and never reads init_from)
     fresh = "output_dir=fresh"
     rc, _, err = _dry_run(capsys, qwen3, SHARDS, "train.init_from=nope", fresh)
@@ -312,8 +386,9 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
 @pytest.mark.slow
 def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, data_dir):
     """A config that leaves its model to train.init_from (as examples/configs/cpt-llama-mlm.yaml
-    does), stopped at step 2; then its init_from checkpoint deleted (moved, purged from scratch).
-    The run's own checkpoints hold the same model and a resume reads nothing else: the dry run
+    does), on the run's own shards without their fingerprint (scanned), stopped at step 2; then
+    its init_from checkpoint deleted (moved, purged from scratch). The run's own checkpoints hold
+    the same model and a resume reads nothing else: the dry run
     says so, the run resumes at step 2 and finishes, and its export is of the source's family
     (the source record travels in the run's checkpoints)."""
     import yaml
@@ -327,10 +402,12 @@ def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, da
     raw = yaml.safe_load((decoder / "config.yaml").read_text())
     raw.pop("model")
     raw["output_dir"] = str(tmp_path / "run")
-    raw["data"].update(
-        train=[str(folder / "shards" / "decoder_text_document")],
-        tokenizer=str(decoder / "tokenizer"),
-    )
+    # its shards without their fingerprint, as Megatron-LM writes them: scanned, and read
+    bare = tmp_path / "bare" / "decoder_text_document"
+    bare.parent.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(folder / "shards" / f"decoder_text_document{suffix}", f"{bare}{suffix}")
+    raw["data"].update(train=[str(bare)], tokenizer=str(decoder / "tokenizer"))
     raw["train"].update(
         init_from=str(source), steps=4, global_batch_size=4, warmup_steps=1, decay_steps=1
     )
@@ -340,6 +417,7 @@ def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, da
     env = dict(MLMCLM_DATA_DIR=str(data_dir), PYTHONPATH=str(REPO))
     first = run_forked(f"mlmclm pretrain {config} --stop-at 2", tmp_path, env)
     assert first.returncode == 0, first.stderr[-3000:]
+    assert f"shard {bare} has no fingerprint; scanned: largest id" in first.stderr
     shutil.rmtree(source)
     with pytest.raises(UsageError, match="does not exist"):  # no checkpoint of its own: refused
         load_config(config, [f"output_dir={tmp_path / 'other'}"], checkpoint_model)
@@ -440,6 +518,26 @@ def test_the_run_refuses_shards_of_a_smaller_or_larger_vocabulary(pages, capsys)
         os.chdir(cwd)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "outside data.tokenizer" in err[0], err
+
+
+def test_the_page_and_the_example_config_agree_on_the_learning_rate_and_budget():
+    """The page's at-scale commands and examples/configs/cpt-llama-mlm.yaml: one peak LR, and the
+    budget in steps stated in tokens as the batch makes them."""
+    import yaml
+
+    page = PAGE.read_text()
+    example = yaml.safe_load((REPO / "examples" / "configs" / "cpt-llama-mlm.yaml").read_text())
+    lrs = {float(x) for x in re.findall(r"train\.lr=(\S+)", page)}
+    assert lrs == {example["train"]["lr"]}, lrs
+    t = example["train"]
+    tokens = t["steps"] * t["global_batch_size"] * 2048
+    assert (
+        f"{tokens / 1e9:.1f}B tokens" in page
+        and f"{tokens / 1e9:.1f}B"
+        in (REPO / "examples" / "configs" / "cpt-llama-mlm.yaml").read_text()
+    )
+    for steps in (2000, 12000, 22000):  # the study's CPT budgets
+        assert f"{steps * t['global_batch_size'] * 2048 / 1e9:.1f}B" in page
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -358,6 +359,18 @@ def test_hf_megatron_hf_round_trip_is_exact(ws, name):
     if name == "llama_tied":
         src.pop("lm_head.weight", None)
     assert got.keys() == src.keys()
+    # transformers zeroes the row of the config's pad token (nn.Embedding's padding_idx) and never
+    # trains it: the import starts it at the mean of the other rows, and says so
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ws["tok"]))
+    pad = tok.pad_token_id
+    assert imp.rows_set == (pad,)
+    emb = src["model.embed_tokens.weight"]
+    assert torch.count_nonzero(emb[pad]) == 0
+    others = torch.cat([emb[:pad], emb[pad + 1 : len(tok)]])  # the tokenizer's trained rows
+    torch.testing.assert_close(got["model.embed_tokens.weight"][pad], others.mean(0))
+    got["model.embed_tokens.weight"][pad] = 0
     for k in src:
         assert torch.equal(got[k], src[k].float()), k
 
@@ -537,6 +550,198 @@ def test_vocab_grows_for_mask_token(tmp_path):
     ):
         assert torch.equal(state[ours][:64], orig[theirs])
         assert torch.allclose(state[ours][64], orig[theirs].mean(0))
+
+
+# --------------------------------------------------------------------------------------------------
+# One copy of the model: the other side read and written a tensor or a layer at a time
+
+
+def test_safetensors_written_and_read_a_tensor_at_a_time(tmp_path):
+    """Our streaming writer's files load with the safetensors package, and our reader reads the
+    package's files; a file cut short is refused."""
+    from safetensors.torch import save_file
+
+    from megatron_mlmclm.convert.hf_files import SafetensorsFile, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(3, 5, generator=g),
+        "b.bf16": torch.randn(7, generator=g).bfloat16(),
+        "c.fp16": torch.randn(2, 2, 2, generator=g).half(),
+        "d.ids": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "e.empty": torch.zeros(0, 4),
+        "f.scalar": torch.tensor(2.5),
+    }
+    ours = tmp_path / "ours.safetensors"
+    entries = [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+    write_safetensors(ours, entries, iter(tensors.items()), metadata={"format": "pt"})
+    back = load_file(str(ours))
+    assert back.keys() == tensors.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
+    # cast on the way to the entry's dtype, as an export in bf16 writes float32 weights
+    write_safetensors(ours, [("a", torch.bfloat16, (3, 5))], [("a", tensors["a"])])
+    assert torch.equal(load_file(str(ours))["a"], tensors["a"].bfloat16())
+    theirs = tmp_path / "theirs.safetensors"
+    save_file(tensors, str(theirs))
+    st = SafetensorsFile(theirs)
+    assert all(torch.equal(st.get(k), v) for k, v in tensors.items())
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(theirs.read_bytes()[:-3])
+    with pytest.raises(ValueError, match="outside the file"):
+        SafetensorsFile(cut)
+
+
+def _unit_bytes(model) -> dict[str, int]:
+    """Weight bytes per module that runs as one: each layer, and embedding, norm and head."""
+    out: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        unit = ".".join(parts[:3] if parts[1] == "layers" else parts[:-1])
+        out[unit] = out.get(unit, 0) + p.nbytes
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen3", "eurobert"])
+def test_streamed_forward_is_transformers_own_a_layer_at_a_time(ws, exported, name):
+    """The verification's Hugging Face side: transformers' forward, its weights read as each
+    module runs; the logits of the model loaded whole, exactly, and never more than the largest
+    module's weights held at once."""
+    import transformers
+
+    from megatron_mlmclm.convert.verify import streamed_hf_logits
+
+    folder = exported.path if name == "eurobert" else ws["hf"][name]
+    auto = "AutoModelForMaskedLM" if name == "eurobert" else "AutoModelForCausalLM"
+    model = getattr(transformers, auto).from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    tokens = torch.randint(0, VOCAB_TOKENIZER, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model.eval()(input_ids=tokens).logits
+    stats: dict[str, int] = {}
+    got, cls = streamed_hf_logits(folder, auto, tokens, stats=stats)
+    assert cls == type(model).__name__ and torch.equal(got, ref)
+    units = _unit_bytes(model)
+    assert stats["peak"] == max(units.values()) < sum(units.values()) / 2
+    tied = name == "llama_tied"  # the head reads the embedding's rows again
+    assert stats["loaded"] == sum(units.values()) + tied * units["model.embed_tokens"]
+
+
+def test_conversions_read_and_write_a_layer_at_a_time(ws, tmp_path, monkeypatch):
+    """from-hf reads each source tensor as the model takes it (never the whole source first);
+    to-hf hands its writer the tensors as they are made, not a state dict."""
+    from megatron_mlmclm.convert import common, hf_export, hf_files
+
+    events: list[str] = []
+    read, fill = hf_files.HFWeights.get, common.fill_model
+
+    def get(self, name):
+        events.append("read")
+        return read(self, name)
+
+    def fill_model(model, items, *args, **kw):
+        def spy():
+            for item in items:
+                events.append("fill")
+                yield item
+
+        return fill(model, spy(), *args, **kw)
+
+    monkeypatch.setattr(hf_files.HFWeights, "get", get)
+    monkeypatch.setattr(common, "fill_model", fill_model)
+    from_hf(ws["hf"]["llama"], tmp_path / "imp", verbose=False)
+    last = max(i for i, e in enumerate(events) if e == "fill")  # then the verification reads
+    runs = "".join("r" if e == "read" else "f" for e in events[: last + 1]).split("f")[:-1]
+    assert len(runs) > 3 and max(len(r) for r in runs) <= 3  # q, k and v of a layer at most
+
+    handed = []
+    write = hf_export.write_safetensors
+
+    def write_safetensors(path, entries, tensors, **kw):
+        handed.append(isinstance(tensors, types.GeneratorType))
+        return write(path, entries, tensors, **kw)
+
+    monkeypatch.setattr(hf_export, "write_safetensors", write_safetensors)
+    to_hf(ws["ckpt"]["tp1"], tmp_path / "exp", verbose=False)
+    assert handed == [True]
+
+
+def test_bf16_export_halves_the_folder_and_verifies(ws, exported, tmp_path):
+    """`--dtype bf16`: half the weights' bytes, the checkpoint's weights rounded to bf16 (the
+    export is verified against those), loadable by transformers."""
+    import transformers
+
+    rc = cli_main(
+        ["convert", "to-hf", str(ws["ckpt"]["tp1"]), str(tmp_path / "bf16")]
+        + [
+            "--dtype",
+            "bf16",
+        ]
+    )
+    assert rc == 0
+    full = load_file(str(exported.path / "model.safetensors"))
+    half = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert {t.dtype for t in full.values()} == {torch.float32}
+    assert all(torch.equal(half[k], v.bfloat16()) for k, v in full.items())
+    fp32, bf16 = (p / "model.safetensors" for p in (exported.path, tmp_path / "bf16"))
+    assert abs(bf16.stat().st_size - fp32.stat().st_size / 2) < 4096  # the header aside
+    record = json.loads((tmp_path / "bf16" / "mlmclm_export.json").read_text())
+    assert record["dtype"] == "bf16" and record["verification"]["max_abs_diff"] <= 1e-4
+    model = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "bf16"))
+    assert model.dtype == torch.bfloat16
+    assert json.loads((exported.path / "mlmclm_export.json").read_text())["dtype"] == "fp32"
+
+
+def _python_blocks(readme: Path) -> list[str]:
+    return [part.split("```")[0] for part in readme.read_text().split("```python\n")[1:]]
+
+
+def test_the_model_card_gives_the_mlm_loss_and_the_fill_mask_pipeline(ws, exported, tmp_path):
+    """The README of a Llama-family encoder export says its built-in `labels` loss shifts, and its
+    MLM-loss snippet gives the cross-entropy at the masked positions (computed here position by
+    position); EuroBERT's built-in loss is that one. Each card's fill-mask example runs."""
+    import transformers
+
+    imp = from_hf(ws["hf"]["llama"], tmp_path / "imp", verbose=False)
+    llama = to_hf(imp.path / "checkpoints", tmp_path / "llama", verbose=False).path
+    # the import's own checkpoint, exported: its record says it is the import, trained nothing
+    record = json.loads((llama / "mlmclm_export.json").read_text())
+    assert record["objective"] is None and record["pretraining_tokens"] is None
+    assert record["imported"] == f"llama model imported from {ws['hf']['llama']}"
+    g = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(4, VOCAB_TOKENIZER, (2, 24), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    masked = torch.rand(input_ids.shape, generator=g) < 0.4
+    labels[masked] = input_ids[masked]
+    for folder, auto, shifts in (
+        (llama, "AutoModelForCausalLM", True),
+        (exported.path, "AutoModelForMaskedLM", False),
+    ):
+        card = (folder / "README.md").read_text()
+        assert ("shifts the labels by one position" in card) == shifts, card
+        assert ("--arch eurobert" in card) == shifts
+        model = getattr(transformers, auto).from_pretrained(str(folder), dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+            builtin = model(input_ids=input_ids, labels=labels).loss
+        at = masked.nonzero().tolist()
+        mlm = sum(-logits[b, i].log_softmax(-1)[labels[b, i]] for b, i in at) / len(at)
+        blocks = _python_blocks(folder / "README.md")
+        loss_block = [b for b in blocks if "cross_entropy" in b]
+        if shifts:
+            scope = dict(model=model, input_ids=input_ids, attention_mask=attention_mask)
+            scope["labels"] = labels
+            with torch.no_grad():
+                exec(loss_block[0], scope)
+            torch.testing.assert_close(scope["loss"], mlm)
+            assert (builtin - mlm).abs() > 1e-3  # the built-in loss is another objective
+        else:
+            assert not loss_block
+            torch.testing.assert_close(builtin, mlm)
+        fill = [b for b in blocks if "fill-mask" in b]
+        assert len(fill) == 1 and str(folder) in fill[0]
+        exec(fill[0], {})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ checkpoint.allow_data_change, which continues from the saved consumed_samples.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 
@@ -17,7 +18,15 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from jobs import curve, job_env, kill_after_checkpoint, launch, line_tokenizer, run_pretrain
+from jobs import (
+    curve,
+    job_env,
+    kill_after_checkpoint,
+    launch,
+    line_tokenizer,
+    read_metrics,
+    run_pretrain,
+)
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_mlmclm.checkpoint import read_trainer_state
@@ -73,9 +82,30 @@ def test_sigkill_and_resume_is_exact(config, tmp_path, nproc, overrides):
     expected, got = curve(ref), curve(cut)
     assert sorted(got) == list(range(1, 9))
     assert got == expected  # bitwise, across the CLM -> MLM switch at step 4
+    # metrics.jsonl holds one record a step, as the uninterrupted run's: the steps the killed run
+    # logged past its checkpoint were dropped when it resumed, not logged twice
+    assert [m["step"] for m in read_metrics(cut)] == [m["step"] for m in read_metrics(ref)]
     # Only complete checkpoints remain, pruned to keep_last.
     names = sorted(p.name for p in (cut / "checkpoints").iterdir())
     assert names == ["iter_0000006", "iter_0000008", "latest"]
+
+
+def test_a_resumed_run_drops_the_records_past_its_checkpoint(tmp_path):
+    """metrics.jsonl, one record a step: resumed at step 3, the records of steps 4 and 5 (logged
+    before a kill) and a line the kill cut short go; started again from step 0, every record
+    goes (step 0's validation is logged again)."""
+    from megatron_mlmclm.training.metrics import keep_records_before
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": 0, "val_loss": 7.0})]
+    lines += [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 6)]
+    path.write_text("\n".join(lines) + '\n{"step": 6, "lo')
+    keep_records_before(path, 3)
+    assert path.read_text().splitlines() == lines[:4]
+    keep_records_before(path, 3)  # nothing to drop: left as it is
+    assert path.read_text().splitlines() == lines[:4]
+    keep_records_before(path, 0)
+    assert path.read_text() == ""
 
 
 @pytest.mark.slow

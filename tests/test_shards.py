@@ -12,6 +12,7 @@ are checked against its tokenizer: by the fingerprint, else by a scan cached onc
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -200,11 +201,15 @@ def test_preprocess_writes_no_special_id_but_the_final_eos(
     for doc in docs:
         assert not _special_ids(tok) & set(doc[:-1]) and doc[-1] == tok.eos_token_id
     fp = read_fingerprint(tmp_path / "rows_text_document")
+    stat = (tmp_path / "rows_text_document.bin").stat()
     assert fp == {
         **tokenizer_fingerprint(tok),
         "append_eod": True,
         "bos": False,
         "special_tokens_as_text": True,
+        "max_id": max(max(d) for d in docs),
+        "bin_bytes": stat.st_size,
+        "bin_mtime_ns": stat.st_mtime_ns,
     }
 
 
@@ -234,6 +239,124 @@ def test_shards_of_another_tokenizer_are_refused_and_unfingerprinted_ones_scanne
     assert "\n" not in str(e.value)
 
 
+def _megatron_lm_shard(prefix: Path, docs: list[list[int]]) -> str:
+    """A shard as Megatron-LM's preprocess_data.py writes it: .bin and .idx, no fingerprint."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for d in docs:
+        builder.add_document(np.asarray(d, dtype=np.int64), [len(d)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def _gpt2_like(root: Path):
+    """A byte-level BPE whose one special token, <|endoftext|>, is its last id (GPT-2's kind)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bpe.train_from_iterator(
+        ROWS * 20, trainers.BpeTrainer(vocab_size=330, initial_alphabet=alphabet)
+    )
+    bpe.add_special_tokens(["<|endoftext|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+
+
+def test_unfingerprinted_shards_of_another_tokenizer_are_refused_and_the_runs_own_train(
+    tokenizers, corpus, tmp_path
+):
+    """A Megatron-LM shard written with another, smaller vocabulary (GPT-2's kind, --append-eod)
+    fits a Llama-3-style run's ids: its documents all end with that tokenizer's EOS, which is
+    refused (naming the override), not recorded as the run's rule; the run's own shards without
+    a fingerprint (ours, and Megatron-LM's with BOS and EOS) are read, and the scan says what it
+    found in each."""
+    llama3 = load_tokenizer(tokenizers["llama3"])
+    fp = tokenizer_fingerprint(llama3)
+    gpt2 = _gpt2_like(tmp_path)
+    assert len(gpt2) < fp["vocab_size"] and gpt2.eos_token_id != fp["eos_id"]
+    theirs = _megatron_lm_shard(
+        tmp_path / "gpt2_text_document",
+        [gpt2(t)["input_ids"] + [gpt2.eos_token_id] for t in ROWS],
+    )
+    cfg = load_config(
+        None,
+        [
+            f"data.tokenizer={tokenizers['llama3']}",
+            f"data.train=[{theirs}]",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "logging.eval_interval=0",
+        ],
+    )
+    with pytest.raises(UsageError) as e:
+        check_run_shards(cfg, fp)
+    line = str(e.value)
+    assert f"ends with id {gpt2.eos_token_id}, not with data.tokenizer's EOS" in line, line
+    assert "data.require_eod=false" in line and theirs in line and "\n" not in line
+
+    preprocess([corpus], tmp_path / "own", tokenizers["llama3"], progress=False)
+    own = str(tmp_path / "own_text_document")
+    fingerprint_path(own).unlink()
+    # Megatron-LM encodes with the tokenizer's template (BOS first) and parses special-token
+    # strings: texts without this tokenizer's
+    texts = [t for t in ROWS if "<|" not in t]
+    bos, eos = llama3.bos_token_id, llama3.eos_token_id
+    megatron = _megatron_lm_shard(
+        tmp_path / "megatron_text_document",
+        [[bos, *llama3(t, add_special_tokens=False)["input_ids"], eos] for t in texts],
+    )
+    for prefix, starts, n in ((own, False, len(ROWS)), (megatron, True, len(texts))):
+        cfg.data.train = [prefix]
+        record, notes = check_run_shards(cfg, fp)
+        assert (record["append_eod"], record["bos"]) == (True, starts)
+        assert len(notes) == 1 and f"shard {prefix} has no fingerprint; scanned" in notes[0]
+        assert f"{n} of {n} documents end with its EOS" in notes[0]
+
+
+def test_special_ids_inside_documents_are_a_sign_of_another_tokenizer(tokenizers, tmp_path):
+    """Text never puts the tokenizer's bos/eos/pad/mask inside a document (`mlmclm preprocess`
+    writes none there): a shard that holds them there (a shard of another vocabulary whose
+    common tokens have those ids) is refused, even with data.require_eod=false."""
+    fp = tokenizer_fingerprint(load_tokenizer(tokenizers["ours"]))
+    special = [fp["pad_id"], fp["mask_id"]]
+    docs = [[7, special[i % 2], 8, 9, fp["eos_id"]] for i in range(30)]
+    prefix = _megatron_lm_shard(tmp_path / "odd", docs)
+    for eod in (True, False):
+        with pytest.raises(UsageError, match="special ids .* 30 times inside its 30 documents"):
+            check_shard(prefix, fp, "ours", None, eod)
+
+
+def test_a_fingerprinted_shard_changed_after_it_was_written_is_refused(
+    tokenizers, corpus, tmp_path
+):
+    """Ids past the vocabulary in a shard with a fingerprint (written into its .bin in place):
+    refused before a model exists, not an IndexError at step 1 (or, where they fall in the
+    vocabulary's padding, a run that finishes). The fingerprint's largest id holds for the file
+    it was written beside; a copy that changes its time is scanned once."""
+    fp = tokenizer_fingerprint(load_tokenizer(tokenizers["ours"]))
+    preprocess([corpus], tmp_path / "rows", tokenizers["ours"], progress=False)
+    prefix = str(tmp_path / "rows_text_document")
+    assert check_shard(prefix, fp, "ours", None)["append_eod"] is True
+    copy = tmp_path / "copy" / "rows_text_document"
+    copy.parent.mkdir()
+    for suffix in (".bin", ".idx", ".fingerprint.json"):
+        shutil.copy(prefix + suffix, f"{copy}{suffix}")  # a new modification time: scanned
+    cache = tmp_path / "cache"
+    assert check_shard(str(copy), fp, "ours", str(cache))["append_eod"] is True
+    assert len(list(cache.glob("shard_scan-*.json"))) == 1
+    tokens = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
+    tokens[10:110] = fp["vocab_size"] + 5  # 100 ids past the vocabulary, below its padding
+    tokens.flush()
+    del tokens
+    with pytest.raises(UsageError, match=f"holds token id {fp['vocab_size'] + 5}") as e:
+        check_shard(prefix, fp, "ours", None)
+    assert "changed after it was written" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_scan_reads_eod_and_bos_off_the_documents(tokenizers, tmp_path):
     """Documents written by another tool: whether each ends with EOS and starts with BOS."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -250,12 +373,19 @@ def test_scan_reads_eod_and_bos_off_the_documents(tokenizers, tmp_path):
         for d in docs:
             builder.add_document(np.asarray(d, dtype=np.int64), [len(d)])
         builder.finalize(str(tmp_path / f"{name}.idx"))
-    got = {n: check_shard(str(tmp_path / n), fp, "ours", None) for n in cases}
+    notes: list[str] = []
+    got = {n: check_shard(str(tmp_path / n), fp, "ours", None, False, notes) for n in cases}
     assert {n: (r["append_eod"], r["bos"]) for n, r in got.items()} == {
         "eod_bos": (True, True),
         "eod": (True, False),
         "neither": (False, False),
     }
+    assert "1 of 2 documents end with its EOS" in notes[2] and "0 start with its BOS" in notes[2]
+    # unless data.require_eod=false, documents that do not end with EOS are refused
+    assert check_shard(str(tmp_path / "eod"), fp, "ours", None)["append_eod"] is True
+    with pytest.raises(UsageError, match="1 of its 2 documents do not end with EOS") as e:
+        check_shard(str(tmp_path / "neither"), fp, "ours", None)
+    assert "data.require_eod=false" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_run_records_its_shards_rule_and_refuses_a_mix(tokenizers, corpus, tmp_path):
@@ -275,7 +405,7 @@ def test_a_run_records_its_shards_rule_and_refuses_a_mix(tokenizers, corpus, tmp
                 "logging.eval_interval=0",
             ],
         )
-        return check_run_shards(cfg, fp)
+        return check_run_shards(cfg, fp)[0]
 
     eod, noeod = str(tmp_path / "eod_text_document"), str(tmp_path / "noeod_text_document")
     assert run(noeod) == shard_fingerprint(fp, append_eod=False)
@@ -332,7 +462,7 @@ def test_damaged_fingerprints_and_empty_shards_are_one_line(tokenizers, corpus, 
     builder.finalize(empty + ".idx")
     for check in (
         lambda: check_shard(empty, fp, "ours", None),
-        lambda: scan_shard(empty, fp["bos_id"], fp["eos_id"], None),
+        lambda: scan_shard(empty, fp, None),
     ):
         with pytest.raises(UsageError, match=r"empty\.bin .*no tokens") as e:
             check()

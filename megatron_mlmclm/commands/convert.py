@@ -2,7 +2,8 @@
 kept (convert/).
 
     mlmclm convert to-hf CKPT OUT [--arch eurobert|llama|qwen3] [--causal-lm] [--tokenizer DIR]
-                                  [--clf-pooling late|mean|bos] [--force] [--all | --steps N ...]
+                                  [--clf-pooling late|mean|bos] [--dtype fp32|bf16|fp16]
+                                  [--force] [--all | --steps N ...]
     mlmclm convert from-hf HF_DIR OUT [--force] [--seed N]
     mlmclm convert from-megatron-lm CKPT OUT --tokenizer DIR [--force] [--seed N]
 
@@ -56,6 +57,11 @@ def add_arguments(parser) -> None:
         default="late",
         choices=("late", "mean", "bos"),
         help="EuroBERT classifier_pooling for sequence classification (default: late)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="dtype of the exported weights (default: the one the checkpoint stores them in)",
     )
     p.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
     many = p.add_mutually_exclusive_group()
@@ -120,6 +126,7 @@ def run(args) -> int:
             tokenizer=args.tokenizer,
             force=args.force,
             clf_pooling=args.clf_pooling,
+            dtype=args.dtype,
         )
         if args.all or args.steps:
             to_hf_many(args.checkpoint, args.out, steps=args.steps, **options)

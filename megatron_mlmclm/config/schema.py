@@ -274,6 +274,10 @@ class DataConfig:
     tokenizer: str | None = None
     seed: int = 1234
     cache_dir: str | None = None  # sample-index cache; default: <first prefix dir>/cache
+    # Shards without a fingerprint (Megatron-LM's) must end every document with the tokenizer's
+    # EOS (data/shards.py: a sign they hold its ids); false accepts shards of this tokenizer
+    # written without end-of-document tokens (preprocess_data.py without --append-eod).
+    require_eod: bool = True
     mock: bool = False  # synthetic tokens, no files needed (smoke tests)
     # What synthetic text (data/mock.py): uniform tokens (nothing to learn) or a Markov chain a
     # model can learn far below the unigram floor (tests and the GPU tier).

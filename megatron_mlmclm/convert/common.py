@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import gc
 import json
 import os
 import re
@@ -27,7 +29,12 @@ from megatron.core import parallel_state
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_mlmclm.checkpoint import read_trainer_state, resolve_checkpoint, save_checkpoint
+from megatron_mlmclm.checkpoint import (
+    load_checkpoint,
+    read_trainer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from megatron_mlmclm.checkpoint.reading import read_metadata, read_plain
 from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
 from megatron_mlmclm.errors import UsageError
@@ -113,6 +120,22 @@ def read_global_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def saved_dtype(ckpt: Path, key: str = "embedding.word_embeddings.weight") -> torch.dtype:
+    """The dtype a checkpoint stores its weights in (its embedding's), from its metadata."""
+    try:
+        entry = read_metadata(ckpt).state_dict_metadata.get(key)
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(
+            f"cannot read checkpoint {ckpt} (partial or corrupt?): "
+            f"{type(e).__name__}: {_first_line(e)}"
+        ) from None
+    if not isinstance(entry, TensorStorageMetadata):
+        raise UsageError(f"checkpoint {ckpt} has no tensor {key}; it is not a model checkpoint")
+    return entry.properties.dtype
+
+
 def _first_line(e: BaseException) -> str:
     s = str(e).strip()
     return s.splitlines()[0] if s else type(e).__name__
@@ -168,12 +191,34 @@ def build_encoder(cfg, vocab_size: int, seed: int = 1234):
     cfg.train.precision, cfg.runtime.device, cfg.model.compile = "fp32", "cpu", "off"
     init_single_process(seed)
     plan = plan_kernels(cfg, "cpu")
+    config = transformer_config(cfg, plan)
+    # Every weight is loaded or filled after: no initialisation (each would hold a whole
+    # parameter, the embedding, in memory beside the model while it is drawn)
+    config.perform_initialization = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_model_chunk(
-            cfg, transformer_config(cfg, plan), vocab_size, True, True, plan=plan
-        )
+        model = build_model_chunk(cfg, config, vocab_size, True, True, plan=plan, initialize=False)
     return model.to("cpu").eval()
+
+
+def drop_weights(model) -> None:
+    """Free a model's weights in place (each parameter emptied: the layers' cached references to
+    their parameters would keep copies that `.to("meta")` makes alive), then the memory."""
+    for p in model.parameters():
+        p.data = torch.empty(0, dtype=p.dtype)
+    release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Free what only reference cycles still hold (megatron's sharded state dicts hold views of
+    the weights in cycles) and hand the memory freed so far back to the system (glibc's
+    malloc_trim; elsewhere nothing): a conversion frees tensors of every size as it streams, and
+    the allocator keeps the smaller ones' pages, which would count in the peak of the next step."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _local_to_global(model) -> dict[str, tuple[str, int | None]]:
@@ -186,6 +231,92 @@ def _local_to_global(model) -> dict[str, tuple[str, int | None]]:
         m = _LAYER.match(name)
         out[name] = (key, int(m.group(1)) if m else None)
     return out
+
+
+def model_tensors(model) -> dict[tuple[str, int | None], torch.Tensor]:
+    """(dist-checkpoint key, layer or None) -> the model's own tensor (no copy) of a TP1/PP1
+    model: what a conversion reads from or writes into, one layer at a time."""
+    state = model.state_dict(keep_vars=True)
+    return {where: state[name].data for name, where in _local_to_global(model).items()}
+
+
+def fill_model(model, items, what: str = "weights", short_rows=frozenset()) -> None:
+    """Copy (key, layer, tensor) items into a TP1/PP1 model, one at a time (cast to its dtype);
+    every model tensor must be given once, with its shape, and nothing else (one line otherwise).
+    A tensor of a key in `short_rows` may have fewer rows: the model's others are zeroed (megatron's
+    vocabulary padding)."""
+    targets = model_tensors(model)
+    seen = set()
+    for key, layer, t in items:
+        where = (key, layer)
+        if where not in targets or where in seen:
+            raise UsageError(f"{what} do not match the model: unexpected {key} (layer {layer})")
+        dst = targets[where]
+        rows = t.shape[0] if key in short_rows and t.dim() == dst.dim() else dst.shape[0]
+        if tuple(t.shape) != (rows, *dst.shape[1:]) or rows > dst.shape[0]:
+            raise UsageError(
+                f"weight {key} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}"
+            )
+        with torch.no_grad():
+            dst[:rows].copy_(t)
+            dst[rows:].zero_()
+        seen.add(where)
+    missing = sorted({k for k, _ in targets.keys() - seen})
+    if missing:
+        raise UsageError(f"{what} do not match the model: missing {missing[:3]}")
+
+
+def cast_weights(model, dtype: torch.dtype) -> None:
+    """The model's weights cast to `dtype` in place, one at a time (a save in that dtype)."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
+class _Part:
+    """Some of a model's weights, as `load_checkpoint` sees a model chunk: those whose names
+    `mine` accepts (whole dist-checkpoint keys: megatron reads a key's layers together)."""
+
+    def __init__(self, model, mine):
+        self.model, self._mine = model, mine
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model.sharded_state_dict().items() if self._mine(k)}
+
+    def load_state_dict(self, state, strict: bool = False):
+        result = self.model.load_state_dict(state, strict=False)
+        return [k for k in result.missing_keys if self._mine(k)], result.unexpected_keys
+
+
+def _read_order(name: str) -> int:
+    """When `load_into` reads a weight: what a read holds twice while it copies it into the model
+    first, while the other weights' memory is still untouched (build_encoder leaves it
+    uninitialised), so that it costs no more than the rest of the model would: 0, megatron's
+    gated MLP input (`linear_fc1`, read as its two halves and joined); 1, the weights outside the
+    layers (the embedding, the largest tensor, which the storage reader holds as bytes and as a
+    tensor); 2, the rest."""
+    if name.endswith("mlp.linear_fc1.weight"):
+        return 0
+    return 2 if name.startswith("decoder.layers.") else 1
+
+
+def load_into(model, ckpt: Path) -> None:
+    """Load `ckpt` into a TP1 model with the trainer's load_checkpoint (any saved layout), in
+    three reads (`_read_order`), so that the peak memory stays near the model's. A weight the
+    checkpoint lacks is refused by load_checkpoint."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for group in range(3):
+            part = _Part(model, lambda name, group=group: _read_order(name) == group)
+            load_checkpoint(Path(ckpt), [part], optimizer=None, scheduler=None, load_rng=False)
+
+
+def reload_from_disk(model, ckpt: Path) -> None:
+    """Load `ckpt` back into the model that was saved there, in float32: its weights first
+    replaced by fresh memory (the old freed), so that what the logits read comes from disk."""
+    for p in model.parameters():
+        p.data = torch.empty(p.shape, dtype=torch.float32)
+    release_free_memory()
+    load_into(model, ckpt)
 
 
 def model_global_tensors(model) -> dict[str, torch.Tensor]:
@@ -302,18 +433,30 @@ def save_imported_checkpoint(
     tokenizer: dict[str, Any],
 ):
     """Build our model for `cfg`, load the converted global `tensors` (one line if their keys are
-    not our trunk's) and save it as step 0 with the import's provenance and the fingerprint of
-    its tokenizer (data/tokenizer.py: what continued runs and exports are checked against).
+    not our trunk's) and save it as step 0 (`save_imported`).
 
     Returns (the single-process config the model was built with, the checkpoint path).
     """
+    build_cfg, model = build_imported(cfg, vocab, seed)
+    load_global_tensors(model, tensors)
+    return build_cfg, save_imported(ckpt_dir, model, cfg, source, tokenizer)
+
+
+def build_imported(cfg: RunConfig, vocab: int, seed: int):
+    """(the single-process config, our model built for it): what an importer fills."""
     checkpoint_helper_dies_with_us()  # the writer's Manager, forked before the model exists
     build_cfg = run_config_from_dict(to_dict(cfg))
-    model = build_encoder(build_cfg, vocab, seed)
-    load_global_tensors(model, tensors)
+    return build_cfg, build_encoder(build_cfg, vocab, seed)
+
+
+def save_imported(
+    ckpt_dir: Path, model, cfg: RunConfig, source: dict[str, Any], tokenizer: dict[str, Any]
+) -> Path:
+    """Save an imported model as step 0 with the import's provenance and the fingerprint of its
+    tokenizer (data/tokenizer.py: what continued runs and exports are checked against)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        saved = save_checkpoint(
+        return save_checkpoint(
             ckpt_dir,
             0,
             [model],
@@ -327,4 +470,3 @@ def save_imported_checkpoint(
             },
             keep_last=1,
         )
-    return build_cfg, saved

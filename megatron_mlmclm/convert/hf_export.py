@@ -1,11 +1,13 @@
 """megatron checkpoint (any TP/PP layout) -> Hugging Face folder, verified before it is kept.
 
-`to_hf(CKPT, OUT)` reads the checkpoint's global tensors (layout-independent), maps them with the
-family table of `mapping.py`, writes ``model.safetensors`` + ``config.json`` + the tokenizer (with
-its mask token, and the pretraining document rule of the run's shards saved in it: BOS and EOS as
-the shards had them, special-token strings as text; document.py) into a temporary sibling of OUT,
-reloads that folder with plain transformers (no remote code) and compares its logits with the
-trainer's EncoderLM loaded from the checkpoint at TP1. Only then is the folder renamed to OUT.
+`to_hf(CKPT, OUT)` loads the checkpoint into the trainer's EncoderLM at TP1 (as the trainer loads
+it: any saved layout), maps its tensors with the family table of `mapping.py` one at a time into
+``model.safetensors`` (in the checkpoint's dtype, or `dtype`), writes ``config.json``, the
+tokenizer (with its mask token, and the pretraining document rule of the run's shards saved in it:
+BOS and EOS as the shards had them, special-token strings as text; document.py), ``README.md``
+(model_card.py) and the export record into a temporary sibling of OUT, then runs that folder with
+plain transformers (no remote code; its weights read a module at a time) and compares its logits
+with the EncoderLM's. Only then is the folder renamed to OUT. It holds one copy of the model.
 
 Architectures (``arch``):
   eurobert  EuroBertForMaskedLM (native in transformers 5): AutoModel, AutoModelForMaskedLM,
@@ -33,8 +35,8 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
-from safetensors.torch import save_file
 
 from megatron_mlmclm.checkpoint import (
     checkpoint_iteration,
@@ -43,12 +45,15 @@ from megatron_mlmclm.checkpoint import (
 )
 from megatron_mlmclm.config import final_model, tokens_at_step
 from megatron_mlmclm.convert import common, mapping
+from megatron_mlmclm.convert.hf_files import write_safetensors
+from megatron_mlmclm.convert.model_card import write_model_card
 from megatron_mlmclm.convert.verify import (
     SEQ,
     Verification,
-    load_hf,
+    compare,
     megatron_from_checkpoint,
-    verify_pair,
+    streamed_hf_logits,
+    verification_tokens,
 )
 from megatron_mlmclm.data.tokenizer import (
     TOKENIZER_KEYS,
@@ -65,6 +70,8 @@ from megatron_mlmclm.model.build import padded_vocab_size
 from megatron_mlmclm.paths import EXPORT_FILE
 
 ARCHS = ("eurobert", "llama", "qwen3")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SOURCE_FILE = "mlmclm_source.json"  # sidecar written by from-hf next to the checkpoints folder
 
 
@@ -208,18 +215,84 @@ def to_hf(
     tokenizer: str | None = None,
     force: bool = False,
     clf_pooling: str = "late",
+    dtype: str | None = None,
     verbose: bool = True,
 ) -> ExportResult:
-    """Export a megatron checkpoint to a verified Hugging Face folder at `out`."""
+    """Export a megatron checkpoint to a verified Hugging Face folder at `out`, its weights in
+    `dtype` (fp32, bf16 or fp16; default: the dtype the checkpoint stores them in).
+
+    Memory: our model (float32) and one tensor of the export at a time: the weights file is
+    written tensor by tensor, and verified by a forward that loads its layers one at a time."""
     out = Path(out).absolute()
     common.check_output(out, force)
     if clf_pooling not in ("late", "mean", "bos"):
         raise UsageError(f"--clf-pooling {clf_pooling} must be late, mean or bos")
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype} must be one of {', '.join(DTYPES)}")
     ckpt = common.resolve_source_checkpoint(checkpoint)
     trainer = common.read_common(ckpt)
     cfg = common.run_config_from_dict(trainer["config"])
     m = final_model(cfg)  # the last phase's RoPE base, room for the longest phase
 
+    tok, vocab, ids = run_tokenizer(ckpt, trainer, cfg, tokenizer, verbose)
+    source = find_source(ckpt, trainer)
+    arch = resolve_arch(arch, causal_lm, m.qk_layernorm, source)
+    family = arch
+    dims = mapping.Dims(
+        num_layers=m.num_layers,
+        num_heads=m.num_attention_heads,
+        num_groups=m.num_query_groups,
+        head_dim=m.kv_channels,
+        vocab_size=vocab,
+        padded_vocab_size=padded_vocab_size(vocab, 1),
+        tied=m.tie_embeddings,
+        qk_norm=m.qk_layernorm,
+    )
+    torch_dtype = DTYPES[dtype] if dtype is not None else common.saved_dtype(ckpt)
+    max_pos = int(
+        (source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length
+    )
+    r = m.rope_scaling
+    if r is not None and max_pos <= r.original_max_position_embeddings:
+        max_pos = int(r.original_max_position_embeddings * r.factor)  # the context it scales to
+    hf_cfg = hf_config(arch, m, vocab, ids, causal_lm, max_pos, clf_pooling)
+    if verbose:
+        _notes(arch, causal_lm, cfg, source)
+
+    record = export_record(ckpt, trainer, cfg, arch, causal_lm, source, torch_dtype)
+    if not causal_lm:  # any tool that loads the export encodes inputs as the model was pretrained
+        # special-token strings parsed as by any HF tokenizer: a fill-mask pipeline's <mask> works
+        document_tokenizer(tok, **shards_rule(record.get("shards")), save_text_rule=False)
+    hf_cfg.dtype = torch_dtype
+    with common.staged_output(out, force) as tmp:
+        # our model (float32), loaded as the trainer loads it: the one copy this export holds
+        model = megatron_from_checkpoint(ckpt, cfg, vocab)
+        common.release_free_memory()
+        if torch_dtype != torch.float32:  # what the export holds, and what it is verified against
+            round_weights(model, torch_dtype)
+        hf_cfg.save_pretrained(str(tmp))
+        add_legacy_rope_keys(tmp / "config.json")
+        write_weights(model, tmp / "model.safetensors", family, dims, torch_dtype, ckpt)
+        tok.save_pretrained(str(tmp))
+        ver = _verify(model, cfg, vocab, tmp, arch, causal_lm)
+        del model
+        record["verification"] = ver.__dict__
+        (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        write_model_card(tmp, record, hf_cfg, tok, str(out))
+    result = ExportResult(out, arch, causal_lm, vocab, ckpt, ver)
+    if verbose:
+        kind = "causal LM" if causal_lm else "bidirectional encoder"
+        print(f"{result.verification.line()}")
+        print(
+            f"exported {ckpt} (saved at {_layout_text(trainer.get('layout'))}) to {out}: "
+            f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers"
+        )
+    return result
+
+
+def run_tokenizer(ckpt: Path, trainer: dict[str, Any], cfg, tokenizer: str | None, verbose: bool):
+    """(the tokenizer an export saves, the vocabulary the run trained, the run's special ids):
+    `tokenizer` (else the run's data.tokenizer), which must be the one the checkpoint recorded."""
     tok_dir = tokenizer or cfg.data.tokenizer
     if tok_dir is None:
         raise UsageError(
@@ -242,57 +315,32 @@ def to_hf(
         )
     # The run's special ids (the same as the tokenizer's, once it is the run's)
     ids = {k: recorded[k] for k in TOKENIZER_KEYS[2:]} if recorded else special_token_ids(tok)
+    return tok, vocab, ids
 
-    source = find_source(ckpt, trainer)
-    arch = resolve_arch(arch, causal_lm, m.qk_layernorm, source)
-    family = arch
-    tensors = common.read_global_tensors(ckpt)
-    emb = tensors.get("embedding.word_embeddings.weight")
-    padded = padded_vocab_size(vocab, 1)
-    if emb is None or emb.shape[0] < vocab:
-        raise UsageError(
-            f"checkpoint {ckpt} does not match its config: embedding "
-            f"{None if emb is None else tuple(emb.shape)} for a vocabulary of {vocab}"
-        )
-    dims = mapping.Dims(
-        num_layers=m.num_layers,
-        num_heads=m.num_attention_heads,
-        num_groups=m.num_query_groups,
-        head_dim=m.kv_channels,
-        vocab_size=vocab,
-        padded_vocab_size=max(padded, emb.shape[0]),
-        tied=m.tie_embeddings,
-        qk_norm=m.qk_layernorm,
-    )
-    state = mapping.megatron_to_hf(tensors, family, dims)
-    max_pos = int(
-        (source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length
-    )
-    r = m.rope_scaling
-    if r is not None and max_pos <= r.original_max_position_embeddings:
-        max_pos = int(r.original_max_position_embeddings * r.factor)  # the context it scales to
-    hf_cfg = hf_config(arch, m, vocab, ids, causal_lm, max_pos, clf_pooling)
-    if verbose:
-        if (
-            arch != "eurobert"
-            and arch == resolve_arch(None, causal_lm, m.qk_layernorm, source)
-            and not causal_lm
-        ):
+
+def _notes(arch: str, causal_lm: bool, cfg, source: dict[str, Any] | None) -> None:
+    qk_norm = final_model(cfg).qk_layernorm
+    if arch != "eurobert" and arch == resolve_arch(None, causal_lm, qk_norm, source):
+        if not causal_lm:
             print(
-                f"note: exporting as {arch} (the source family, is_causal=false)"
+                f"note: exporting as {arch} (the source family, is_causal=false); its built-in "
+                "labels loss is the causal-LM one (README.md: the MLM loss)"
                 + (
                     ""
-                    if m.qk_layernorm  # EuroBERT has no qk-norm
+                    if qk_norm  # EuroBERT has no qk-norm
                     else "; --arch eurobert gives the EuroBERT classes (AutoModelForMaskedLM)"
                 )
             )
-        if not causal_lm and cfg.phases and cfg.phases[-1].objective == "clm":
-            print("note: the last phase of this run was CLM; --causal-lm exports it for generation")
+    if not causal_lm and cfg.phases and cfg.phases[-1].objective == "clm":
+        print("note: the last phase of this run was CLM; --causal-lm exports it for generation")
 
-    record = {
+
+def export_record(ckpt, trainer, cfg, arch, causal_lm, source, dtype) -> dict[str, Any]:
+    """The export's record (paths.EXPORT_FILE) but its verification figure."""
+    return {
         "checkpoint": str(ckpt),
         "iteration": trainer.get("iteration"),
-        **pretraining_record(cfg, trainer.get("iteration")),
+        **pretraining_record(cfg, trainer.get("iteration"), imported_source(trainer)),
         "arch": arch,
         "causal_lm": causal_lm,
         "saved_layout": trainer.get("layout"),
@@ -301,39 +349,33 @@ def to_hf(
         # how the saved tokenizer encodes a text: the pretraining document rule, or (a causal LM,
         # for generation, whose prompts must not end with EOS) the tokenizer's own template
         "tokenizer_rule": "template" if causal_lm else "document",
+        "dtype": DTYPE_NAMES[dtype],
     }
-    if not causal_lm:  # any tool that loads the export encodes inputs as the model was pretrained
-        # special-token strings parsed as by any HF tokenizer: a fill-mask pipeline's <mask> works
-        document_tokenizer(tok, **shards_rule(record.get("shards")), save_text_rule=False)
-    with common.staged_output(out, force) as tmp:
-        hf_cfg.save_pretrained(str(tmp))
-        add_legacy_rope_keys(tmp / "config.json")
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tok.save_pretrained(str(tmp))
-        ver = _verify(ckpt, cfg, vocab, tmp, arch, causal_lm)
-        record["verification"] = ver.__dict__
-        (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
-    result = ExportResult(out, arch, causal_lm, vocab, ckpt, ver)
-    if verbose:
-        kind = "causal LM" if causal_lm else "bidirectional encoder"
-        print(f"{result.verification.line()}")
-        print(
-            f"exported {ckpt} (saved at {_layout_text(trainer.get('layout'))}) to {out}: "
-            f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers"
-        )
-    return result
 
 
-def pretraining_record(cfg, iteration: int | None) -> dict[str, Any]:
+def pretraining_record(
+    cfg, iteration: int | None, imported: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Where a checkpoint stands in its pretraining, for learning curves: the run, the run its
     curve belongs to (a decay branch's stable source, else itself), its objectives in phase order
     and the tokens read so far (a branch counts its source's steps, which it shares; a continued
-    run only its own)."""
+    run only its own). An import's checkpoint (`imported`: its source record) has read nothing
+    here and trained with no objective of its run: it says what it is instead, and stays off the
+    learning curves (no token count)."""
     lineage = (
         Path(cfg.train.branch_from).parents[1].name
         if cfg.train.branch_from
         else Path(cfg.output_dir).name
     )
+    if imported is not None:
+        origin = imported.get("hf_dir") or imported.get("checkpoint")
+        return {
+            "run": cfg.name,
+            "lineage": lineage,
+            "objective": None,
+            "pretraining_tokens": None,
+            "imported": f"{imported.get('family')} model imported from {origin}",
+        }
     tokens = tokens_at_step(cfg, int(iteration)) if iteration is not None else None
     objective = " -> ".join(k for k, _ in groupby(ph.objective for ph in cfg.phases))
     return {
@@ -342,6 +384,11 @@ def pretraining_record(cfg, iteration: int | None) -> dict[str, Any]:
         "objective": objective,
         "pretraining_tokens": tokens,
     }
+
+
+def imported_source(trainer: dict[str, Any]) -> dict[str, Any] | None:
+    """The source record of a checkpoint an importer wrote (step 0 with a source), else None."""
+    return trainer.get("source") if trainer.get("iteration") == 0 else None
 
 
 def export_name(tokens: int, iteration: int) -> str:
@@ -397,17 +444,49 @@ def trained_vocab_size(cfg, tok, verbose: bool) -> int:
         return cfg.model.vocab_size or len(tok)
 
 
-def _verify(ckpt: Path, cfg, vocab: int, folder: Path, arch: str, causal_lm: bool) -> Verification:
-    megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
-    hf_model = load_hf(folder, auto_class(arch))
-    return verify_pair(
-        megatron_model,
-        hf_model,
-        vocab,
-        causal=causal_lm,
-        seq=min(SEQ, cfg.model.seq_length),
-        against=type(hf_model).__name__,
-    )
+def _verify(model, cfg, vocab: int, folder: Path, arch: str, causal_lm: bool) -> Verification:
+    """Our model's logits (as loaded, rounded to the export's dtype) against the folder's, run
+    by transformers one layer at a time after our model is put away."""
+    tokens = verification_tokens(vocab, seq=min(SEQ, cfg.model.seq_length))
+    ours = common.megatron_logits(model, tokens, causal_lm)[..., :vocab]
+    common.drop_weights(model)  # our copy is done with: the export's layers take its place
+    theirs, against = streamed_hf_logits(folder, auto_class(arch), tokens)
+    return compare(ours, theirs[..., :vocab], against, causal_lm)
+
+
+def round_weights(model, dtype) -> None:
+    """Our model's weights rounded to `dtype` in place (kept in float32)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype))
+
+
+def write_weights(model, path: Path, family: str, dims, dtype, ckpt: Path) -> None:
+    """model.safetensors from our model, one tensor at a time (each cut, cast and written before
+    the next is made); a non-finite weight is one line."""
+    targets = common.model_tensors(model)
+
+    def get(key: str, layer):
+        if (key, layer) not in targets:
+            raise UsageError(
+                f"checkpoint {ckpt} has no tensor {key}; it does not match the {family} layout "
+                f"(tied={dims.tied}, qk_norm={dims.qk_norm})"
+            )
+        return targets[(key, layer)]
+
+    def meta(key: str, layer):
+        return torch.empty_like(get(key, layer), device="meta")
+
+    def finite(name: str, t) -> None:  # a slice at a time: isfinite copies what it reads
+        if not all(torch.isfinite(part).all() for part in t.reshape(-1).split(1 << 22)):
+            raise UsageError(
+                f"checkpoint {ckpt} holds non-finite values in {name}; refusing to export"
+            )
+
+    shapes = mapping.iter_megatron_to_hf(meta, family, dims)
+    entries = [(name, dtype, tuple(t.shape)) for name, t in shapes]
+    tensors = mapping.iter_megatron_to_hf(get, family, dims)
+    write_safetensors(path, entries, tensors, metadata={"format": "pt"}, check=finite)
 
 
 def _layout_text(layout: dict | None) -> str:

@@ -32,18 +32,19 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
 from megatron_mlmclm.checkpoint import iter_name
 from megatron_mlmclm.config import RopeScalingConfig
 from megatron_mlmclm.convert import common, mapping
+from megatron_mlmclm.convert.embeddings import embedding_rows
+from megatron_mlmclm.convert.hf_files import HFWeights
 from megatron_mlmclm.convert.verify import (
     SEQ,
     Verification,
-    load_hf,
-    megatron_from_checkpoint,
-    verify_pair,
+    compare,
+    streamed_hf_logits,
+    verification_tokens,
 )
 from megatron_mlmclm.data.tokenizer import prepare_tokenizer, tokenizer_fingerprint
 from megatron_mlmclm.errors import UsageError
@@ -62,6 +63,7 @@ class ImportResult:
     vocab_size: int
     vocab_grew: bool
     verification: Verification
+    rows_set: tuple[int, ...] = ()  # source ids (mask, pad) whose untrained rows were set
 
 
 def read_hf_config(hf_dir: Path):
@@ -167,32 +169,6 @@ def rope_theta(cfg) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
-def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a HF folder (safetensors, sharded or not; else pytorch_model*.bin)."""
-    files = sorted(hf_dir.glob("*.safetensors"))
-    state: dict[str, torch.Tensor] = {}
-    try:
-        if files:
-            for f in files:
-                state.update(load_file(str(f)))
-        else:
-            bins = sorted(hf_dir.glob("pytorch_model*.bin"))
-            if not bins:
-                raise UsageError(f"{hf_dir} has no weights (*.safetensors or pytorch_model*.bin)")
-            for f in bins:
-                state.update(torch.load(str(f), map_location="cpu", weights_only=True))
-    except UsageError:
-        raise
-    except Exception as e:
-        raise UsageError(
-            f"cannot read the weights in {hf_dir} (corrupt or partial?): {common._first_line(e)}"
-        ) from None
-    # A bare model (AutoModel.save_pretrained) has no "model." prefix.
-    if not any(k.startswith("model.") for k in state):
-        state = {("model." + k if k != "lm_head.weight" else k): v for k, v in state.items()}
-    return {k: v.float() for k, v in state.items()}
-
-
 def model_fields(cfg, vocab_size: int) -> dict[str, Any]:
     fields = {ours: getattr(cfg, hf) for hf, ours in mapping.CONFIG_FIELDS}
     fields.update(
@@ -207,19 +183,15 @@ def model_fields(cfg, vocab_size: int) -> dict[str, Any]:
     return fields
 
 
-def _added_rows(t: torch.Tensor, trained: int, added: range, rows: int) -> torch.Tensor:
-    """`t` with `rows` rows, those of the `added` tokens set to the mean of the `trained` rows."""
-    if t.shape[0] < rows:
-        t = torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])], dim=0)
-    t = t.clone()
-    t[added.start : added.stop] = t[:trained].mean(dim=0)
-    return t
-
-
 def from_hf(
     hf_dir, out, force: bool = False, seed: int = 1234, verbose: bool = True
 ) -> ImportResult:
-    """Convert a local HF model folder into a verified megatron checkpoint folder at `out`."""
+    """Convert a local HF model folder into a verified megatron checkpoint folder at `out`.
+
+    The checkpoint stores the weights in the source's dtype. Memory: our model (float32) and one
+    of the source's tensors at a time: the source is read from disk tensor by tensor into it, and
+    verified against a forward that loads the source's layers one at a time
+    (verify.streamed_hf_logits)."""
     hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
     common.check_output(out, force)
     hf_cfg = read_hf_config(hf_dir)
@@ -238,9 +210,9 @@ def from_hf(
             f"vocabulary is {hf_vocab}; tokenizer and weights do not match (from-hf adds the "
             "mask and pad tokens itself: give the folder with the model's own tokenizer)"
         )
-    state = read_hf_weights(hf_dir)
+    weights = HFWeights(hf_dir)
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
-    if not tied and "lm_head.weight" not in state:
+    if not tied and "lm_head.weight" not in weights:
         raise UsageError(
             f"{hf_dir} has untied embeddings but no lm_head.weight (a bare model?); "
             "convert the *ForCausalLM / *ForMaskedLM folder"
@@ -252,22 +224,6 @@ def from_hf(
         n_src, n_tok = len(src_tok), len(tok)
         vocab = max(hf_vocab, n_tok)
         grew = vocab > hf_vocab
-        added = range(n_src, n_tok)  # appended by prepare_tokenizer
-        if added:
-            for k in ("model.embed_tokens.weight", "lm_head.weight"):
-                if k in state:
-                    state[k] = _added_rows(state[k], n_src, added, vocab)
-            if verbose and grew:
-                print(
-                    f"vocabulary grew {hf_vocab} -> {vocab} (tokens added for bos/eos/pad/mask); "
-                    "new embedding rows start at the mean embedding"
-                )
-            if verbose and added.start < hf_vocab:
-                print(
-                    f"added tokens take rows {added.start}-{min(added.stop, hf_vocab) - 1} of the "
-                    f"source's {hf_vocab}-row embedding, beyond its {n_src}-token tokenizer (never "
-                    "trained): they start at the mean embedding"
-                )
         fields = model_fields(hf_cfg, vocab)
         dims = mapping.Dims(
             num_layers=fields["num_layers"],
@@ -279,66 +235,116 @@ def from_hf(
             tied=tied,
             qk_norm=fields["qk_layernorm"],
         )
-        unused = mapping.unused_hf_keys(state, family, dims)
-        if unused:
-            raise UsageError(
-                f"{hf_dir} has weights this converter cannot map (e.g. {unused[0]}); "
-                "unsupported feature (biases, extra heads?)"
-            )
-        tensors = mapping.hf_to_megatron(state, family, dims)
-
+        _check_keys(weights, family, dims, hf_dir)
         raw, cfg = common.continued_mlm_config(out, fields, seed)
-        source = json.loads(
-            json.dumps(
-                {
-                    "family": family,
-                    "model_type": family,
-                    "hf_dir": str(hf_dir),
-                    "hf_config": hf_cfg.to_dict(),
-                    "vocab_size": hf_vocab,
-                    "vocab_grew": grew,
-                    "attention": "causal" if _source_causal(hf_cfg) else "bidirectional",
-                },
-                default=str,
-            )
-        )
+        source = _source_record(hf_dir, hf_cfg, family, hf_vocab, grew)
+        build_cfg, model = common.build_imported(cfg, vocab, seed)
+        items = mapping.iter_hf_to_megatron(weights.get, family, dims, pad_vocab=False)
+        keys = mapping.vocab_keys(family, dims)
+        common.fill_model(model, items, "the Hugging Face weights", short_rows=keys)
+        common.release_free_memory()
+        trained = min(hf_vocab, n_src)  # rows of the source's tokens: the others never trained
+        rows = embedding_rows(model, tok, trained, range(n_src, n_tok))
         record = {**tokenizer_fingerprint(tok), "path": str(out / "tokenizer")}
-        build_cfg, ckpt = common.save_imported_checkpoint(
-            tmp / "checkpoints", cfg, tensors, source, vocab, seed, record
-        )
-        # The rows of added tokens were changed on purpose: compared are the trained ones.
-        ver = _verify(hf_dir, hf_cfg, ckpt, build_cfg, vocab, min(hf_vocab, n_src))
+        common.cast_weights(model, weights.dtype())  # stored as the source stores them
+        ckpt = common.save_imported(tmp / "checkpoints", model, cfg, source, record)
+        # The rows set on purpose are left out of the comparison: compared are the trained ones.
+        ver = _verify(hf_dir, hf_cfg, ckpt, model, build_cfg, trained, rows.changed, weights)
+        del model
         (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
         _write_run_config(tmp / "config.yaml", raw, hf_dir, final=out / "config.yaml")
-    result = ImportResult(out, out / "checkpoints" / iter_name(0), family, vocab, grew, ver)
+    ckpt = out / "checkpoints" / iter_name(0)
+    result = ImportResult(out, ckpt, family, vocab, grew, ver, tuple(rows.changed))
     if verbose:
-        print(ver.line())
-        print(
-            f"imported {family} from {hf_dir} to {out}: {fields['num_layers']} layers, hidden "
-            f"{fields['hidden_size']}, heads {fields['num_attention_heads']}/"
-            f"{fields['num_query_groups']} kv, vocab {vocab}, tied={tied}"
-        )
-        print(f"continue with MLM: mlmclm pretrain {out / 'config.yaml'} data.train=[PREFIX]")
+        _report(result, hf_dir, hf_vocab, n_src, tok, rows, fields, tied)
     return result
+
+
+def _check_keys(weights: HFWeights, family: str, dims: mapping.Dims, hf_dir: Path) -> None:
+    unused = mapping.unused_hf_keys(weights.keys(), family, dims)
+    if unused:
+        raise UsageError(
+            f"{hf_dir} has weights this converter cannot map (e.g. {unused[0]}); "
+            "unsupported feature (biases, extra heads?)"
+        )
+    missing = mapping.missing_hf_keys(weights.keys(), family, dims)
+    if missing:
+        raise UsageError(
+            f"Hugging Face weights have no {missing[0]}; not a {family} checkpoint this "
+            "converter supports"
+        )
+
+
+def _source_record(hf_dir: Path, hf_cfg, family: str, hf_vocab: int, grew: bool) -> dict:
+    return json.loads(
+        json.dumps(
+            {
+                "family": family,
+                "model_type": family,
+                "hf_dir": str(hf_dir),
+                "hf_config": hf_cfg.to_dict(),
+                "vocab_size": hf_vocab,
+                "vocab_grew": grew,
+                "attention": "causal" if _source_causal(hf_cfg) else "bidirectional",
+            },
+            default=str,
+        )
+    )
+
+
+def _report(result: ImportResult, hf_dir, hf_vocab, n_src, tok, rows, fields, tied) -> None:
+    if result.vocab_grew:
+        print(
+            f"vocabulary grew {hf_vocab} -> {result.vocab_size} (tokens added for "
+            "bos/eos/pad/mask); new embedding rows start at the mean of the trained rows"
+        )
+    added = range(n_src, len(tok))
+    if added and added.start < hf_vocab:
+        print(
+            f"added tokens take rows {added.start}-{min(added.stop, hf_vocab) - 1} of the "
+            f"source's {hf_vocab}-row embedding, beyond its {n_src}-token tokenizer (never "
+            "trained): they start at the mean of the trained rows"
+        )
+    for line in rows.lines:
+        print(line)
+    print(
+        f"end of document: {tok.eos_token} (id {tok.eos_token_id}), which `mlmclm preprocess "
+        f"--tokenizer {result.path / 'tokenizer'}` appends to every document"
+    )
+    print(result.verification.line())
+    print(
+        f"imported {result.family} from {hf_dir} to {result.path}: {fields['num_layers']} "
+        f"layers, hidden {fields['hidden_size']}, heads {fields['num_attention_heads']}/"
+        f"{fields['num_query_groups']} kv, vocab {result.vocab_size}, tied={tied}"
+    )
+    print(f"continue with MLM: mlmclm pretrain {result.path / 'config.yaml'} data.train=[PREFIX]")
 
 
 def _source_causal(hf_cfg) -> bool:
     return hf_cfg.model_type != "eurobert" and bool(getattr(hf_cfg, "is_causal", True))
 
 
-def _verify(hf_dir: Path, hf_cfg, ckpt: Path, cfg, vocab: int, compared: int) -> Verification:
-    """Logits of the written checkpoint against the source's, over the first `compared` ids."""
+def _verify(
+    hf_dir: Path, hf_cfg, ckpt: Path, model, cfg, compared: int, changed, weights
+) -> Verification:
+    """Logits of the written checkpoint (loaded back into `model`) against the source's, over the
+    first `compared` ids but the `changed` ones (rows set on purpose), on tokens without them.
+    The source runs one layer at a time, after our model's logits are taken."""
     auto = "AutoModelForMaskedLM" if hf_cfg.model_type == "eurobert" else "AutoModelForCausalLM"
-    megatron_model = megatron_from_checkpoint(ckpt, cfg, vocab)
-    hf_model = load_hf(hf_dir, auto)
-    return verify_pair(
-        megatron_model,
-        hf_model,
-        compared,
-        causal=_source_causal(hf_cfg),
-        seq=min(SEQ, cfg.model.seq_length),
-        against=type(hf_model).__name__,
+    causal = _source_causal(hf_cfg)
+    seq = min(SEQ, cfg.model.seq_length)
+    left_out = set(changed)
+    keep = torch.tensor([i for i in range(compared) if i not in left_out])
+    tokens = (
+        verification_tokens(compared, seq=seq)
+        if not changed
+        else keep[verification_tokens(len(keep), seq=seq)]
     )
+    common.reload_from_disk(model, ckpt)
+    ours = common.megatron_logits(model, tokens, causal)[..., keep]
+    common.drop_weights(model)  # our copy is done with: the source's layers take its place
+    theirs, against = streamed_hf_logits(hf_dir, auto, tokens, weights)
+    return compare(ours, theirs[..., keep], against, causal)
 
 
 def _write_run_config(

@@ -18,8 +18,8 @@ to ModelConfig fields in the same way (`CONFIG_FIELDS`).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -189,46 +189,60 @@ def _join(op: str, ts: list[torch.Tensor], d: Dims) -> torch.Tensor:
     raise ValueError(op)
 
 
-def megatron_to_hf(
-    tensors: dict[str, torch.Tensor], family: str, d: Dims
-) -> dict[str, torch.Tensor]:
-    """Global megatron tensors -> HF state dict (contiguous copies)."""
-    out: dict[str, torch.Tensor] = {}
+def _layers(r: Rule, d: Dims) -> list[int | None]:
+    return list(range(d.num_layers)) if r.per_layer else [None]
+
+
+def iter_megatron_to_hf(
+    get: Callable[[str, int | None], torch.Tensor], family: str, d: Dims
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) one at a time from megatron tensors, `get(key, layer)` giving one layer
+    of a global tensor (layer None: a tensor outside the layers). The tensors are contiguous copies
+    where the transform cuts (qkv, gate_up, vocab), else `get`'s own."""
     for r in active_rules(family, d):
-        if r.megatron not in tensors:
-            raise UsageError(
-                f"checkpoint has no tensor {r.megatron}; it does not match the "
-                f"{family} layout (tied={d.tied}, qk_norm={d.qk_norm})"
-            )
-        src = tensors[r.megatron]
-        layers = range(d.num_layers) if r.per_layer else [None]
-        for i in layers:
-            parts = _split(r.op, src[i] if i is not None else src, d)
-            for name, t in zip(r.hf, parts):
-                out[name.format(i=i)] = t.contiguous().clone()
-    return out
+        for i in _layers(r, d):
+            for name, t in zip(r.hf, _split(r.op, get(r.megatron, i), d)):
+                yield name.format(i=i), t.contiguous()
 
 
-def hf_to_megatron(state: dict[str, torch.Tensor], family: str, d: Dims) -> dict[str, torch.Tensor]:
-    """HF state dict -> global megatron tensors (layers stacked)."""
-    out: dict[str, torch.Tensor] = {}
+def missing_hf_keys(keys, family: str, d: Dims) -> list[str]:
+    """The HF tensors the family's rules need that `keys` lacks."""
+    have = set(keys)
+    return [
+        n.format(i=i)
+        for r in active_rules(family, d)
+        for i in _layers(r, d)
+        for n in r.hf
+        if n.format(i=i) not in have
+    ]
+
+
+def iter_hf_to_megatron(
+    get: Callable[[str], torch.Tensor], family: str, d: Dims, pad_vocab: bool = True
+) -> Iterator[tuple[str, int | None, torch.Tensor]]:
+    """(megatron key, layer or None, tensor) one layer at a time, from HF tensors read by `get`
+    as each is needed (check `missing_hf_keys` first). Without `pad_vocab`, a vocabulary tensor
+    comes with its own rows (its receiver pads it: no padded copy is made)."""
     for r in active_rules(family, d):
-        layers = range(d.num_layers) if r.per_layer else [None]
-        joined = []
-        for i in layers:
-            names = [n.format(i=i) for n in r.hf]
-            absent = [n for n in names if n not in state]
-            if absent:
-                raise UsageError(
-                    f"Hugging Face weights have no {absent[0]}; not a {family} "
-                    "checkpoint this converter supports"
-                )
-            joined.append(_join(r.op, [state[n] for n in names], d))
-        out[r.megatron] = torch.stack(joined) if r.per_layer else joined[0]
-    return out
+        for i in _layers(r, d):
+            ts = [get(n.format(i=i)) for n in r.hf]
+            if r.op == "vocab" and not pad_vocab:
+                if ts[0].shape[0] > d.padded_vocab_size:
+                    raise UsageError(
+                        f"vocabulary of {ts[0].shape[0]} rows exceeds the padded size "
+                        f"{d.padded_vocab_size}"
+                    )
+                yield r.megatron, i, ts[0]
+            else:
+                yield r.megatron, i, _join(r.op, ts, d)
 
 
-def unused_hf_keys(state: dict[str, Any], family: str, d: Dims) -> list[str]:
+def vocab_keys(family: str, d: Dims) -> frozenset[str]:
+    """The megatron keys whose rows are the vocabulary (padded by megatron)."""
+    return frozenset(r.megatron for r in active_rules(family, d) if r.op == "vocab")
+
+
+def unused_hf_keys(state: Iterable[str], family: str, d: Dims) -> list[str]:
     """HF tensors no rule consumes (rotary buffers excluded): a sign of an unsupported feature."""
     used = set()
     for r in active_rules(family, d):

@@ -55,6 +55,7 @@ from megatron_mlmclm.data.encode import (
     worker_init,
 )
 from megatron_mlmclm.data.shards import (
+    file_identity,
     fingerprint_path,
     read_fingerprint,
     shard_fingerprint,
@@ -284,7 +285,8 @@ def preprocess(
         # kept: written whole by this tokenizer and rule (its fingerprint comes last)
         kept = None if force else _written(outs)
         if kept is not None and all(
-            read_fingerprint(str(b)[: -len(".bin")]) == fingerprint for b, _ in outs.values()
+            _written_as(read_fingerprint(str(b)[: -len(".bin")]), fingerprint)
+            for b, _ in outs.values()
         ):
             run = dict(vocab_size=len(tok), workers=workers, backend=backend)
             return _kept_summary(kept, keys, outs, shard, time.time() - started, **run)
@@ -318,7 +320,7 @@ def preprocess(
     parent.mkdir(parents=True, exist_ok=True)
     tag = f".tmp-{os.getpid()}"
     tmp = {k: (Path(str(b) + tag), Path(str(i) + tag)) for k, (b, i) in outs.items()}
-    stats = {k: {"documents": 0, "tokens": 0, "empty_dropped": 0} for k in keys}
+    stats = {k: {"documents": 0, "tokens": 0, "empty_dropped": 0, "max_id": 0} for k in keys}
     builders = {}
     pool = None
     rows_with_specials = 0
@@ -363,6 +365,8 @@ def preprocess(
                 s["documents"] += len(lengths)
                 s["tokens"] += int(flat.size)
                 s["empty_dropped"] += dropped
+                if flat.size:
+                    s["max_id"] = max(s["max_id"], int(flat.max()))
             first = stats[keys[0]]
             bar.update(n)
             el = time.perf_counter() - t0
@@ -385,7 +389,9 @@ def preprocess(
         for k in keys:
             os.replace(tmp[k][0], outs[k][0])
             os.replace(tmp[k][1], outs[k][1])
-            write_fingerprint(str(outs[k][0])[:-4], fingerprint)
+            prefix = str(outs[k][0])[:-4]  # its largest id, vouched for this very file
+            ident = {"max_id": stats[k]["max_id"], **file_identity(prefix)}
+            write_fingerprint(prefix, {**fingerprint, **ident})
     except BaseException:
         for b in builders.values():
             try:
@@ -423,6 +429,11 @@ def preprocess(
         "kept": False,
     }
     return summary
+
+
+def _written_as(found: dict | None, fingerprint: dict) -> bool:
+    """Whether a shard's fingerprint says it was written by this tokenizer and rule."""
+    return found is not None and all(found.get(k) == v for k, v in fingerprint.items())
 
 
 def _kept_summary(

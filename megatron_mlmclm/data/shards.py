@@ -6,13 +6,21 @@ its vocabulary, its size, its bos/eos/pad/mask ids) and the document rule it was
 (document.py): EOS appended or not (``append_eod``), documents that start with BOS or not
 (``bos``), special-token strings in the text encoded as text (``special_tokens_as_text``).
 
+The fingerprint also holds the shard's largest id, for the file it was written beside (the
+.bin's size and modification time, ``bin_bytes`` / ``bin_mtime_ns``): a run refuses ids past its
+vocabulary before a model exists; a shard whose .bin is not that file (copied with a new time, or
+changed) is scanned instead.
+
 A run (and `pretrain --dry-run`) reads only shards whose tokenizer is its ``data.tokenizer``:
 otherwise one line naming both. Shards without a fingerprint (Megatron-LM's, or written before
-fingerprints) are scanned once instead, the result cached beside the sample indexes: every token id
-must be below the tokenizer's size, and whether every document ends with EOS and starts with BOS is
-read off the documents. The run keeps the rule of its training shards in its checkpoints, and
-`convert to-hf` copies it into the export's record, so that evaluation encodes fine-tuning inputs
-as the model read its pretraining documents.
+fingerprints) are scanned once instead, the result cached beside the sample indexes, and must look
+written by that tokenizer: every token id below its size, its special ids nowhere inside a
+document, and every document ending with its EOS (unless ``data.require_eod`` is false: shards
+written without end-of-document tokens), so that another tokenizer's shards whose ids happen to
+fit are refused, not read with its EOS taken for the run's rule. What each scan found is
+reported. The run keeps the rule of its training shards in its checkpoints, and `convert to-hf`
+copies it into the export's record, so that evaluation encodes fine-tuning inputs as the model
+read its pretraining documents.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from megatron_mlmclm.errors import UsageError
 
 SUFFIX = ".fingerprint.json"
 RULE_KEYS = ("append_eod", "bos", "special_tokens_as_text")
-SCAN_VERSION = 1
+SCAN_VERSION = 2
 
 
 def shard_fingerprint(tokenizer: dict[str, Any], append_eod: bool) -> dict[str, Any]:
@@ -70,41 +78,46 @@ def read_fingerprint(prefix: str | os.PathLike) -> dict[str, Any] | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Shards without a fingerprint: scanned once
+# What a shard holds: its fingerprint's word for this very file, else a scan (cached)
+
+
+def file_identity(prefix: str | os.PathLike) -> dict[str, int]:
+    """What a fingerprint ties itself to: the size and modification time of the shard's .bin
+    (any write changes the time; a copy that keeps it, `cp -p` or `rsync -t`, keeps the tie)."""
+    st = os.stat(f"{prefix}.bin")
+    return {"bin_bytes": st.st_size, "bin_mtime_ns": st.st_mtime_ns}
+
+
+SPECIAL_KEYS = ("bos_id", "eos_id", "pad_id", "mask_id")
 
 
 def scan_shard(
-    prefix: str, bos_id: int | None, eos_id: int | None, cache_dir: str | os.PathLike | None
+    prefix: str, tokenizer: dict[str, Any], cache_dir: str | os.PathLike | None
 ) -> dict[str, Any]:
-    """{max_id, append_eod, bos} of a shard's documents, cached (in `cache_dir`, else the shard's
-    folder's cache/) under the hash of its index and the size of its tokens."""
+    """What a shard's documents hold, read off its tokens and cached (in `cache_dir`, else the
+    shard's folder's cache/) under the hash of its index and its .bin's size and modification
+    time: {max_id, tokens, documents, ends_eos and starts_bos (documents that end with the
+    tokenizer's EOS, start with its BOS), last_id and last_count (the commonest final id and
+    how many documents end with it), specials_inside (the tokenizer's bos/eos/pad/mask ids
+    anywhere but a BOS at a start and an EOS at an end), append_eod, bos}."""
     digest = hashlib.sha256()
     with open(prefix + ".idx", "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    size = os.path.getsize(prefix + ".bin")
-    if size == 0:  # numpy maps no empty file
+    ident = file_identity(prefix)
+    if ident["bin_bytes"] == 0:  # numpy maps no empty file
         raise UsageError(
             f"{prefix}.bin is empty (no tokens); preprocess a non-empty corpus or drop the prefix "
             "from the data list"
         )
+    ids = [tokenizer.get(k) for k in SPECIAL_KEYS]
     folder = Path(cache_dir) if cache_dir is not None else Path(prefix).parent / "cache"
-    key = f"{digest.hexdigest()[:24]}-{size}-{bos_id}-{eos_id}-v{SCAN_VERSION}"
+    key = f"{digest.hexdigest()[:24]}-{ident['bin_bytes']}-{ident['bin_mtime_ns']}"
+    key += f"-{'-'.join(map(str, ids))}-v{SCAN_VERSION}"
     cached = folder / f"shard_scan-{key}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
-    ds = open_indexed_dataset(prefix)
-    tokens = np.memmap(prefix + ".bin", dtype=ds.index.dtype, mode="r")
-    step = 1 << 26
-    top = max(int(tokens[i : i + step].max()) for i in range(0, tokens.size, step))
-    lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
-    starts = np.asarray(ds.index.sequence_pointers, dtype=np.int64) // tokens.itemsize
-    starts, lengths = starts[lengths > 0], lengths[lengths > 0]
-    result = {
-        "max_id": top,
-        "append_eod": eos_id is not None and bool(np.all(tokens[starts + lengths - 1] == eos_id)),
-        "bos": bos_id is not None and bool(np.all(tokens[starts] == bos_id)),
-    }
+    result = _scan(prefix, *ids)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
@@ -115,16 +128,67 @@ def scan_shard(
     return result
 
 
+def _scan(prefix: str, bos: int | None, eos: int | None, pad, mask) -> dict[str, Any]:
+    ds = open_indexed_dataset(prefix)
+    tokens = np.memmap(prefix + ".bin", dtype=ds.index.dtype, mode="r")
+    specials = np.asarray([i for i in (bos, eos, pad, mask) if i is not None], dtype=np.int64)
+    top, inside, step = 0, 0, 1 << 26
+    for i in range(0, tokens.size, step):
+        chunk = tokens[i : i + step]
+        top = max(top, int(chunk.max()))
+        inside += int(np.isin(chunk, specials).sum())
+    lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
+    starts = np.asarray(ds.index.sequence_pointers, dtype=np.int64) // tokens.itemsize
+    starts, lengths = starts[lengths > 0], lengths[lengths > 0]
+    first, last = tokens[starts].astype(np.int64), tokens[starts + lengths - 1].astype(np.int64)
+    ends_eos = int((last == eos).sum()) if eos is not None else 0
+    starts_bos = int((first == bos).sum()) if bos is not None else 0
+    values, counts = np.unique(last, return_counts=True)
+    common = int(counts.argmax()) if len(values) else 0
+    docs = int(len(lengths))
+    return {
+        "max_id": top,
+        "tokens": int(tokens.size),
+        "documents": docs,
+        "ends_eos": ends_eos,
+        "starts_bos": starts_bos,
+        "last_id": int(values[common]) if len(values) else None,
+        "last_count": int(counts[common]) if len(values) else 0,
+        "specials_inside": inside - ends_eos - starts_bos,
+        "append_eod": eos is not None and ends_eos == docs,
+        "bos": bos is not None and starts_bos == docs,
+    }
+
+
+def describe_scan(prefix: str, scan: dict[str, Any], tokenizer: dict[str, Any]) -> str:
+    """What a scan inferred of a shard without a fingerprint, in one line."""
+    docs = scan["documents"]
+    return (
+        f"shard {prefix} has no fingerprint; scanned: largest id {scan['max_id']} "
+        f"({tokenizer['vocab_size']} tokens in data.tokenizer), {scan['ends_eos']} of {docs} "
+        f"documents end with its EOS ({tokenizer['eos_id']}), {scan['starts_bos']} start with its "
+        f"BOS ({tokenizer['bos_id']}), {scan['specials_inside']} of its special ids inside"
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # A run's shards against its tokenizer
 
 
 def check_shard(
-    prefix: str, tokenizer: dict[str, Any], tokenizer_path: str, cache_dir: str | None
+    prefix: str,
+    tokenizer: dict[str, Any],
+    tokenizer_path: str,
+    cache_dir: str | None,
+    require_eod: bool = True,
+    notes: list[str] | None = None,
 ) -> dict[str, Any]:
     """The rule a shard was written by ({append_eod, bos, special_tokens_as_text}: None where
     unknown), once it is known to hold ids of `tokenizer` (the fingerprint of data.tokenizer, at
-    `tokenizer_path`); one line otherwise."""
+    `tokenizer_path`); one line otherwise. A shard without a fingerprint is scanned (what the scan
+    inferred goes to `notes`) and must look written by this tokenizer: ids below its size, its
+    special ids not inside documents, and (`require_eod`, data.require_eod) every document
+    ending with its EOS."""
     fix = f"rewrite it with `mlmclm preprocess --tokenizer {tokenizer_path}`"
     open_indexed_dataset(prefix)  # exists, and its .bin and .idx agree
     fp = read_fingerprint(prefix)
@@ -134,15 +198,60 @@ def check_shard(
                 f"shard {prefix} was written with another tokenizer ({describe_tokenizer(fp)}) "
                 f"than data.tokenizer {tokenizer_path} ({describe_tokenizer(tokenizer)}); {fix}"
             )
+        top = _fingerprinted_max_id(prefix, fp, tokenizer, cache_dir)
+        if top >= tokenizer["vocab_size"]:
+            raise UsageError(
+                f"shard {prefix} holds token id {top}, outside data.tokenizer {tokenizer_path} "
+                f"({tokenizer['vocab_size']} tokens), although its fingerprint names that "
+                f"tokenizer: the file changed after it was written; {fix}"
+            )
         return {k: fp.get(k) for k in RULE_KEYS}
-    scan = scan_shard(prefix, tokenizer["bos_id"], tokenizer["eos_id"], cache_dir)
-    if scan["max_id"] >= tokenizer["vocab_size"]:
-        raise UsageError(
-            f"shard {prefix} holds token id {scan['max_id']}, outside data.tokenizer "
-            f"{tokenizer_path} ({tokenizer['vocab_size']} tokens): it was written with another "
-            f"tokenizer; {fix}"
-        )
+    scan = scan_shard(prefix, tokenizer, cache_dir)
+    if notes is not None:
+        notes.append(describe_scan(prefix, scan, tokenizer))
+    _check_scan(prefix, scan, tokenizer, tokenizer_path, require_eod, fix)
     return {"append_eod": scan["append_eod"], "bos": scan["bos"], "special_tokens_as_text": None}
+
+
+def _fingerprinted_max_id(prefix: str, fp: dict[str, Any], tokenizer, cache_dir) -> int:
+    """A fingerprinted shard's largest id: the fingerprint's, where it was written for this very
+    file (`file_identity`); else (a shard written before fingerprints held it, copied without its
+    time, or changed) a scan's, cached."""
+    if fp.get("max_id") is not None and all(
+        fp.get(k) == v for k, v in file_identity(prefix).items()
+    ):
+        return int(fp["max_id"])
+    return int(scan_shard(prefix, tokenizer, cache_dir)["max_id"])
+
+
+def _check_scan(prefix, scan, tokenizer, path: str, require_eod: bool, fix: str) -> None:
+    """One line where a scanned shard does not look written by data.tokenizer."""
+    vocab, eos, docs = tokenizer["vocab_size"], tokenizer["eos_id"], scan["documents"]
+    other = "it was written with another tokenizer"
+    if scan["max_id"] >= vocab:
+        raise UsageError(
+            f"shard {prefix} holds token id {scan['max_id']}, outside data.tokenizer {path} "
+            f"({vocab} tokens): {other}; {fix}"
+        )
+    if scan["specials_inside"] * 1000 > scan["tokens"]:
+        raise UsageError(
+            f"shard {prefix} holds data.tokenizer's special ids (bos/eos/pad/mask) "
+            f"{scan['specials_inside']} times inside its {docs} documents ({scan['tokens']} "
+            f"tokens), where text never puts them: {other}; {fix}"
+        )
+    if require_eod and scan["ends_eos"] < docs:
+        if scan["last_count"] == docs and docs > 1:
+            why = (
+                f"every one of its {docs} documents ends with id {scan['last_id']}, not with "
+                f"data.tokenizer's EOS {eos} (another tokenizer's end-of-document?)"
+            )
+        else:
+            why = f"{docs - scan['ends_eos']} of its {docs} documents do not end with EOS {eos}"
+        raise UsageError(
+            f"shard {prefix} has no fingerprint and {why}: {other}, or without EOS; {fix}, or, "
+            "for shards of this tokenizer written without end-of-document tokens (Megatron-LM's "
+            "preprocess_data.py without --append-eod), set data.require_eod=false"
+        )
 
 
 def run_prefixes(cfg: RunConfig) -> tuple[list[str], list[str]]:
@@ -155,15 +264,21 @@ def run_prefixes(cfg: RunConfig) -> tuple[list[str], list[str]]:
     return train, valid
 
 
-def check_run_shards(cfg: RunConfig, tokenizer: dict[str, Any] | None) -> dict[str, Any] | None:
+def check_run_shards(
+    cfg: RunConfig, tokenizer: dict[str, Any] | None
+) -> tuple[dict[str, Any] | None, list[str]]:
     """Every shard a run reads checked against data.tokenizer (one line for the first that does
-    not fit); -> the run's shards record (`shards_record`). None for mock data."""
+    not fit); -> (the run's shards record (`shards_record`), None for mock data; what the scans
+    of shards without a fingerprint inferred, a line each)."""
     if cfg.data.mock or tokenizer is None:
-        return None
-    path, cache = str(cfg.data.tokenizer), cfg.data.cache_dir
+        return None, []
+    path, cache, eod = str(cfg.data.tokenizer), cfg.data.cache_dir, cfg.data.require_eod
     train, valid = run_prefixes(cfg)
-    rules = {p: check_shard(p, tokenizer, path, cache) for p in dict.fromkeys(train + valid)}
-    return shards_record(train, rules, tokenizer)
+    notes: list[str] = []
+    rules = {
+        p: check_shard(p, tokenizer, path, cache, eod, notes) for p in dict.fromkeys(train + valid)
+    }
+    return shards_record(train, rules, tokenizer), notes
 
 
 def shards_record(

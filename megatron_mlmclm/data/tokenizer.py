@@ -65,8 +65,10 @@ class TokenSpec:
     tokenizer: dict[str, Any] | None = field(default=None, compare=False)
 
 
-def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
-    """Special ids and vocabulary size from the tokenizer (or synthetic ones for mock data)."""
+def token_spec_and_vocab(cfg: RunConfig, trained_with: dict[str, Any] | None = None) -> TokenSpec:
+    """Special ids and vocabulary size from the tokenizer (or synthetic ones for mock data).
+    `trained_with`: the tokenizer recorded in train.init_from's checkpoint, which data.tokenizer
+    must be (checked first: a continued run's model.vocab_size is that checkpoint's)."""
     if cfg.data.tokenizer is None:
         if not cfg.data.mock:
             raise UsageError(
@@ -77,7 +79,20 @@ def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
     tok = load_tokenizer(cfg.data.tokenizer)
     ids = special_token_ids(tok)
     vocab = len(tok)
+    fingerprint = tokenizer_fingerprint(tok)
+    if trained_with and not same_tokenizer(fingerprint, trained_with):
+        raise not_the_checkpoints_tokenizer(
+            cfg.data.tokenizer, fingerprint, trained_with, cfg.train.init_from
+        )
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
+        if cfg.train.init_from:  # the vocabulary is the checkpoint's: the tokenizer is wrong
+            raise UsageError(
+                f"data.tokenizer {cfg.data.tokenizer} has {vocab} tokens, more than the "
+                f"{cfg.model.vocab_size}-token vocabulary of train.init_from's checkpoint "
+                f"({cfg.train.init_from}): it is not the tokenizer that model was trained with; "
+                "set data.tokenizer to that one (convert writes it beside the checkpoints, "
+                "as tokenizer/)"
+            )
         raise UsageError(
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer "
             f"({vocab}); remove model.vocab_size to take it from the tokenizer"
@@ -92,7 +107,24 @@ def token_spec_and_vocab(cfg: RunConfig) -> TokenSpec:
         vocab_size=cfg.model.vocab_size or vocab,
         mask_id=int(ids["mask_id"]),
         special_ids=specials,
-        tokenizer=tokenizer_fingerprint(tok),
+        tokenizer=fingerprint,
+    )
+
+
+def not_the_checkpoints_tokenizer(
+    path, mine: dict[str, Any], theirs: dict[str, Any], where
+) -> UsageError:
+    """data.tokenizer is not the one train.init_from's checkpoint (`where`) recorded: one line
+    naming both and the fix."""
+    fix = (
+        f"set data.tokenizer={theirs['path']}"
+        if theirs.get("path")
+        else "set data.tokenizer to the tokenizer it was trained with"
+    )
+    return UsageError(
+        f"data.tokenizer {path} ({describe_tokenizer(mine)}) is not the tokenizer of "
+        f"train.init_from's checkpoint {where} ({describe_tokenizer(theirs)}); {fix}, and write "
+        "the shards with it"
     )
 
 

@@ -57,6 +57,7 @@ from megatron_mlmclm.eval.grid import expand
 from megatron_mlmclm.eval.input_form import load_tokenizer
 from megatron_mlmclm.eval.protocols import resolve
 from megatron_mlmclm.eval.tasks import get_task
+from megatron_mlmclm.hf_folder import NO_CODE
 
 PROBE_KIND = "mlmclm-eval-probe"
 PROBE_SCHEMA = 1
@@ -71,7 +72,7 @@ def probe_model(size: str, tokenizer_dir: str | Path, out: str | Path) -> Path:
     if size not in MODEL_PRESETS:
         raise UsageError(f"--probe {size}: choose a model preset: {', '.join(MODEL_PRESETS)}")
     try:
-        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True, **NO_CODE)
     except Exception as e:
         raise UsageError(f"cannot load the tokenizer {tokenizer_dir}: {e}") from None
     if tok.pad_token_id is None or tok.eos_token_id is None or not tok.is_fast:

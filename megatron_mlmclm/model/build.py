@@ -317,9 +317,12 @@ def build_model_chunk(
     post_process: bool,
     vp_stage: int | None = None,
     plan: KernelPlan | None = None,
+    initialize: bool = True,
 ):
     """One model chunk with its initial weights (model/init.py: the same model for every parallel
-    layout); its attention path is the kernel plan's (by default planned for this machine)."""
+    layout; without `initialize`, whatever memory held: for a caller that loads every weight, and
+    pass a config with `perform_initialization` off); its attention path is the kernel plan's (by
+    default planned for this machine)."""
     # The model as the run leaves it: the last phase's RoPE base (the trainer switches the base
     # per phase, set_rotary_base) and room for the longest phase.
     m: ModelConfig = final_model(cfg)
@@ -340,7 +343,8 @@ def build_model_chunk(
     if m.rope_scaling is not None:
         apply_rope_scaling(model, m)
     model.loss_kernels = LossKernels(compiled=plan.compile.on)
-    initialize_by_global_parameter([model], config, cfg.train.seed)
+    if initialize:
+        initialize_by_global_parameter([model], config, cfg.train.seed)
     return model
 
 

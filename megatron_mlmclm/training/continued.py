@@ -20,9 +20,15 @@ from megatron_mlmclm.config import (
     RunConfig,
     compare_with_checkpoint,
     missing_init_from,
+    own_checkpoints,
     register_checkpoint_reader,
+    to_dict,
 )
-from megatron_mlmclm.data.tokenizer import TokenSpec, describe_tokenizer, same_tokenizer
+from megatron_mlmclm.data.tokenizer import (
+    TokenSpec,
+    not_the_checkpoints_tokenizer,
+    same_tokenizer,
+)
 from megatron_mlmclm.errors import UsageError
 
 
@@ -75,10 +81,22 @@ def check_init_from(found: Path, cfg: RunConfig, spec: TokenSpec) -> list[str]:
     notes = compare_with_checkpoint(cfg, spec.vocab_size, trained_model(state, found), str(found))
     theirs = state.get("tokenizer")
     if theirs and spec.tokenizer and not same_tokenizer(theirs, spec.tokenizer):
-        raise UsageError(
-            f"data.tokenizer {cfg.data.tokenizer} ({describe_tokenizer(spec.tokenizer)}) is not "
-            f"the tokenizer of train.init_from's checkpoint {found} "
-            f"({describe_tokenizer(theirs)}); train on shards of that tokenizer"
-            + (f" ({theirs['path']})" if theirs.get("path") else "")
-        )
+        raise not_the_checkpoints_tokenizer(cfg.data.tokenizer, spec.tokenizer, theirs, found)
     return notes
+
+
+def init_from_tokenizer(cfg: RunConfig) -> dict[str, Any] | None:
+    """The tokenizer recorded in train.init_from's checkpoint, where the run will start from it
+    (it exists, and the run has no checkpoint of its own to resume): what data.tokenizer must be
+    (`token_spec_and_vocab`). None otherwise, or where it cannot be read (the checks of
+    train.init_from say why)."""
+    init_from = cfg.train.init_from
+    if not init_from or not Path(init_from).exists() or own_checkpoints(to_dict(cfg)):
+        return None
+    try:
+        found = init_from_checkpoint(init_from, verify=False)
+        if ckpt.verify_file(found, ckpt.COMMON) is not None:
+            return None
+        return ckpt.read_trainer_state(found)["trainer"].get("tokenizer")
+    except (UsageError, OSError):
+        return None

@@ -1,7 +1,8 @@
 """What a run reports, from rank 0: the `[mlmclm]` lines, metrics.jsonl (one record per step, and
-step 0's validation loss), TensorBoard / Weights & Biases (training/sinks.py), the progress bar with
-a line every logging interval, and each step's figures: throughput, MFU (flops.mfu_step_flops,
-the "for MFU" convention) and, every logging interval, the straggler figures of the fault monitor.
+step 0's validation loss; a resumed run first drops the records past its checkpoint), TensorBoard
+/ Weights & Biases (training/sinks.py), the progress bar with a line every logging interval, and
+each step's figures: throughput, MFU (flops.mfu_step_flops, the "for MFU" convention) and, every
+logging interval, the straggler figures of the fault monitor.
 
 The run's folder gets its config.yaml here too, and a decay branch the curve of its source up to
 the branch point (training/branch.py).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,30 @@ def log(message: str) -> None:
         tqdm.write(f"[mlmclm] {message}", file=sys.stderr)
 
 
+def keep_records_before(path: Path, step: int) -> None:
+    """metrics.jsonl keeps one record a step across resumes: a run that starts at `step` (the
+    checkpoint it resumes from) drops the records of the steps it runs again (those past it, or
+    every one where it starts from step 0, whose validation it logs again) and a line a kill cut
+    short; rewritten under a temporary name, then renamed."""
+    if not path.is_file():
+        return
+    kept, dropped = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            keep = step > 0 and isinstance(record, dict) and record.get("step", 0) <= step
+        except ValueError:
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped = True
+    if dropped:
+        tmp = path.with_name(f"{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+
+
 class Metrics:
     """The run's records and progress; `should_log(step)` says when a step prints its line and
     gathers the straggler figures."""
@@ -47,7 +73,8 @@ class Metrics:
 
     def open(self, step: int, vocab_size: int, branched_from: Path | None) -> None:
         """Once processes and model exist. Rank 0: config.yaml, metrics.jsonl (appended to on a
-        resume) and the scalar sinks."""
+        resume, after the records past `step`, the checkpoint it resumes from, are dropped) and
+        the scalar sinks."""
         self.vocab_size, self.world = vocab_size, dist.get_world_size()
         self.peak = rt.device_peak_flops()  # None where unknown (CPU): no MFU
         if not rt.is_main():
@@ -58,6 +85,7 @@ class Metrics:
         if branched_from is not None:  # the source's curve up to the branch point, once
             config = ckpt.read_trainer_state(branched_from)["trainer"]["config"]
             inherit_metrics(config, step, out)
+        keep_records_before(out / "metrics.jsonl", step)
         self.file = open(out / "metrics.jsonl", "a", encoding="utf-8")
         self.sinks = sinks.Sinks(self.cfg, out, step)
 

@@ -17,12 +17,17 @@ from megatron_mlmclm.data.dataset import open_indexed_dataset
 from megatron_mlmclm.data.shards import check_shard, run_prefixes, shards_record
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.training.continued import check_init_from, init_from_checkpoint
+from megatron_mlmclm.training.continued import (
+    check_init_from,
+    init_from_checkpoint,
+    init_from_tokenizer,
+)
 
 
 def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
     """(one line per problem with what the run would open, empty when everything fits; what the
-    run will report: train.init_from's settings a recipe changed on purpose)."""
+    run will report: what the scans of shards without a fingerprint found, train.init_from's
+    settings a recipe changed on purpose)."""
     problems: list[str] = []
     notes: list[str] = []
 
@@ -33,7 +38,7 @@ def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
             problems.append(str(e))
             return None
 
-    spec = check(token_spec_and_vocab, cfg)
+    spec = check(token_spec_and_vocab, cfg, init_from_tokenizer(cfg))
     tokenizer = spec.tokenizer if spec is not None else None
     if not cfg.data.mock:
         train, valid = run_prefixes(cfg)
@@ -43,7 +48,8 @@ def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
                 check(open_indexed_dataset, prefix)
             else:
                 path, cache = str(cfg.data.tokenizer), cfg.data.cache_dir
-                rules[prefix] = check(check_shard, prefix, tokenizer, path, cache)
+                args = (prefix, tokenizer, path, cache, cfg.data.require_eod, notes)
+                rules[prefix] = check(check_shard, *args)
         if tokenizer is not None and not problems:
             check(shards_record, train, rules, tokenizer)  # the training shards share one rule
     init_from = cfg.train.init_from
@@ -57,5 +63,5 @@ def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
     elif init_from:
         found = check(init_from_checkpoint, init_from)
         if found is not None and spec is not None:
-            notes = check(check_init_from, found, cfg, spec) or []
+            notes += check(check_init_from, found, cfg, spec) or []
     return problems, notes

@@ -38,6 +38,7 @@ from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import history, sinks
 from megatron_mlmclm.training.batch_plan import Plan
 from megatron_mlmclm.training.checkpointer import Checkpointer, Start, find_start
+from megatron_mlmclm.training.continued import init_from_tokenizer
 from megatron_mlmclm.training.datasets import build_datasets, index_summary
 from megatron_mlmclm.training.engine import Engine
 from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
@@ -97,7 +98,7 @@ class Trainer:
         # Everything that can fail on user input is checked before models are built.
         rt.patch_megatron_core()  # refused where megatron-core is not what the patches fit
         sinks.check_available(cfg.logging)
-        self.spec = token_spec_and_vocab(cfg)
+        self.spec = token_spec_and_vocab(cfg, init_from_tokenizer(cfg))
         # Fusions, overlap, init and attention path (model/kernels/): refuses a runtime.device
         # this machine does not have.
         self.kernels = plan_kernels(cfg, resolve_device(cfg))
@@ -115,7 +116,9 @@ class Trainer:
         )
         # The shards hold ids of data.tokenizer, or the run is refused (before any model is
         # built): checked by rank 0 alone, which scans shards without a fingerprint once.
-        self.shards = rt.on_main(check_run_shards, cfg, self.spec.tokenizer)
+        self.shards, scanned = rt.on_main(check_run_shards, cfg, self.spec.tokenizer)
+        for line in scanned:  # what the scans of shards without a fingerprint inferred
+            log(line)
         # Where the run starts: its ranks share the checksums of the checkpoint it starts from.
         self.start = find_start(cfg, self.fingerprint, self.spec)
         rank, world = dist.get_rank(), dist.get_world_size()
