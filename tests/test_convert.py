@@ -266,8 +266,8 @@ def test_export_same_weights_from_any_layout(ws, exported):
 
 def test_a_re_export_of_one_checkpoint_is_the_same_model(ws, exported, monkeypatch):
     """Converting one checkpoint again (named by another path) writes the same bytes, but for
-    the record's `checkpoint`, and the evaluation counts both exports as one model
-    (identity.py): a re-conversion keeps the model's results."""
+    the record's `checkpoint` and the model card (which names the folder), and the evaluation
+    counts both exports as one model (identity.py): a re-conversion keeps the model's results."""
     from megatron_mlmclm.identity import model_identity
 
     monkeypatch.chdir(ws["root"])
@@ -276,7 +276,7 @@ def test_a_re_export_of_one_checkpoint_is_the_same_model(ws, exported, monkeypat
     names = sorted(p.name for p in first.iterdir())
     assert names == sorted(p.name for p in again.iterdir())
     differ = [n for n in names if (first / n).read_bytes() != (again / n).read_bytes()]
-    assert differ == ["mlmclm_export.json"]
+    assert differ == ["README.md", "mlmclm_export.json"]
     a, b = (json.loads((d / "mlmclm_export.json").read_text()) for d in (first, again))
     assert a.keys() == b.keys() and [k for k in a if a[k] != b[k]] == ["checkpoint"]
     assert model_identity(first) == model_identity(again)
