@@ -65,12 +65,14 @@ PY ?= python
 test-gpu:
 	$(PY) -m pytest -q -m gpu -rs tests/gpu $(PYTEST_ARGS)
 
-# tests/test_slurm.py starts a private one-node SLURM cluster: Debian's slurm-wlm daemons and munge.
-SLURM_PKGS := slurmctld slurmd slurm-client munge
+# tests/test_slurm.py starts a private one-node SLURM cluster: Debian's slurm-wlm daemons, munge,
+# and slurmdbd on a private MariaDB for its accounting (sacct).
+SLURM_PKGS := slurmctld slurmd slurm-client slurmdbd mariadb-server munge
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 slurm-deps:
 	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && \
-	  command -v sbatch >/dev/null && command -v munged >/dev/null || { \
+	  command -v sbatch >/dev/null && command -v munged >/dev/null && \
+	  command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null || { \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 	    --no-install-recommends $(SLURM_PKGS); }
 
