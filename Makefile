@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # pytest workers for `make test`: 2 fills CI's two cores (tests/conftest.py orders the modules).
 TEST_WORKERS ?= 2
 
-.PHONY: install quickstart study lint test test-gpu slurm-deps shellcheck-deps clean
+.PHONY: install quickstart study lint test test-gpu slurm-deps shellcheck-deps browser-deps clean
 
 install: $(STAMP)
 
@@ -56,7 +56,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
-test: install $(WANDB_STAMP) slurm-deps shellcheck-deps lint
+test: install $(WANDB_STAMP) slurm-deps shellcheck-deps browser-deps lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The GPU tier (docs/gpu.md), run with the Python that has megatron_mlmclm installed: inside the
@@ -81,6 +81,12 @@ shellcheck-deps:
 	@command -v shellcheck >/dev/null || { $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 	  shellcheck; }
+
+# tests/test_status.py and tests/test_slurm.py render the status page in headless Chromium.
+browser-deps:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	  chromium; }
 
 clean:
 	rm -rf $(VENV) $(WANDB_VENV) build *.egg-info megatron_mlmclm/*.so
