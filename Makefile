@@ -82,7 +82,7 @@ shellcheck-deps:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 	  shellcheck; }
 
-# tests/test_status.py and tests/test_slurm.py render the status page in headless Chromium.
+# tests/test_slurm.py renders the status page (`mlmclm status`) in headless Chromium.
 browser-deps:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
