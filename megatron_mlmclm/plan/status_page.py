@@ -14,8 +14,7 @@ from megatron_mlmclm.plan import svg
 from megatron_mlmclm.plan.status import Job, RunState, Status, read_status
 
 FILES = ("STATUS.md", "status.html")
-STATES = ("done", "running", "queued", "submitted", "not submitted", "no data", "blocked")
-STATES += ("failed",)
+STATES = ("done", "running", "queued", "submitted", "not submitted", "no data", "blocked", "failed")
 COLOURS = {  # background of a state's cell
     "done": "#c8e6c9",
     "running": "#bbdefb",
@@ -37,7 +36,7 @@ def hours(v: float | None) -> str:
     return f"{v:.3g}" if abs(v) < 10 else f"{v:,.1f}" if abs(v) < 100 else f"{v:,.0f}"
 
 
-def count(v: float) -> str:
+def short(v: float) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(v) >= size:
             return f"{v / size:.3g}{unit}"
@@ -82,7 +81,7 @@ def report_line(j: Job) -> str:
 
 def run_row(r: RunState) -> dict[str, str]:
     f = r.files
-    tokens = f"{count(f.tokens)} / {count(r.tokens_total)}" if r.tokens_total else count(f.tokens)
+    tokens = f"{short(f.tokens)} / {short(r.tokens_total)}" if r.tokens_total else short(f.tokens)
     return {
         "run": r.name,
         "state": r.state,
@@ -90,7 +89,7 @@ def run_row(r: RunState) -> dict[str, str]:
         "tokens": tokens,
         "last loss": f"{f.loss:.4f}" if f.loss is not None else "-",
         "checkpoint": f"{f.checkpoint:,}" if f.checkpoint is not None else "-",
-        "tokens/s": count(f.tokens_per_s) if f.tokens_per_s else "-",
+        "tokens/s": short(f.tokens_per_s) if f.tokens_per_s else "-",
         "fault": f.fault or "",
         "GPU-h spent": f"{hours(r.spent.gpu_hours)} ({r.spent.source})",
         "GPU-h priced": hours(r.priced["pretrain"]),
