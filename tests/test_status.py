@@ -309,6 +309,7 @@ def test_the_pages_are_written_whole_and_nothing_else_changes(part_way, monkeypa
     assert page.count("<svg") == 3 and page.count("<polyline") == 1  # the one running run
     assert '<td class="s-failed">failed</td>' in page and "<th>waiting on it</th>" in page
     assert "sst2 lr 0.001 seed 0: RuntimeError: CUDA out of memory" in md
+    assert f"| cv-{DONE} | done |  | no GPU asked | {50 * 2 / 3600:.3g} |" in md  # 2 CPUs
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

@@ -126,7 +126,9 @@ def failure_row(j: Job) -> dict[str, str]:
 def job_row(j: Job, accounting: bool) -> dict[str, str]:
     row = {"job": j.key, "state": j.state, "detail": j.detail}
     if accounting:
-        row["GPU-h"] = hours(j.gpu_hours)
+        ran = [r for r in j.records if r.elapsed_s > 0]
+        asked = not ran or any(r.gpus for r in ran)
+        row["GPU-h"] = hours(j.gpu_hours) if asked else "no GPU asked"
         row["CPU-h"] = hours(j.cpu_hours)
     if j.error and j.state != "done":
         row["error line"] = j.error
