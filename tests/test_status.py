@@ -199,7 +199,8 @@ def test_each_job_and_run_gets_its_state(status, part_way):
     for name in ("squeue", "sacct"):
         [args] = (root / f"{name}.args").read_text().splitlines()
         assert f"-j {','.join(ids)} " in args + " "
-    assert "-D" in (root / "sacct.args").read_text().split()  # every requeued instance
+    sacct = (root / "sacct.args").read_text().split()
+    assert "-D" in sacct and "-a" in sacct  # every requeued instance, whoever submitted it
     [failure] = status.failures
     assert failure.key == f"pt-{FAILED}" and failure.detail == "job 24: FAILED (exit 1:0)"
     assert failure.error == ERROR and failure.log == root / "logs" / f"pt-{FAILED}-24.out"

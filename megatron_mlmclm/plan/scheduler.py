@@ -169,6 +169,8 @@ class Answer:
         why = self.queue_error
         if why not in (NOT_ASKED, NOTHING):
             why = f"squeue did not answer ({why})"
+        if self.records is not None:
+            return f"{why}: no job states from SLURM (read from the files); spend from sacct"
         return (
             f"files only ({why}): no job states from SLURM; progress, failures and spend read "
             "from the plan's files"
@@ -201,7 +203,8 @@ class Slurm:
         return p.stdout, None
 
     def ask(self, jobs: list[str]) -> Answer:
-        """squeue, then sacct (every requeued instance: -D; allocations only: -X), about `jobs`."""
+        """squeue, then sacct (every requeued instance: -D; allocations only: -X; whoever
+        submitted them: -a), about `jobs`."""
         if not jobs:
             return Answer(None, None, NOTHING, NOTHING)
         ids = ",".join(jobs)
@@ -212,7 +215,7 @@ class Slurm:
             for q in parse_squeue(out):
                 queued.setdefault(q.job, []).append(q)
         out, accounting_error = self._run(
-            ["sacct", "-X", "-D", "-P", "-j", ids, f"--format={','.join(SACCT_FIELDS)}"]
+            ["sacct", "-a", "-X", "-D", "-P", "-j", ids, f"--format={','.join(SACCT_FIELDS)}"]
         )
         records = None
         if out is not None:
