@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # pytest workers for `make test`: 2 fills CI's two cores (tests/conftest.py orders the modules).
 TEST_WORKERS ?= 2
 
-.PHONY: install quickstart study lint test test-gpu slurm-deps shellcheck-deps clean
+.PHONY: install quickstart study lint test test-gpu slurm-deps shellcheck-deps browser-deps clean
 
 install: $(STAMP)
 
@@ -56,7 +56,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
-test: install $(WANDB_STAMP) slurm-deps shellcheck-deps lint
+test: install $(WANDB_STAMP) slurm-deps shellcheck-deps browser-deps lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The GPU tier (docs/gpu.md), run with the Python that has megatron_mlmclm installed: inside the
@@ -65,12 +65,14 @@ PY ?= python
 test-gpu:
 	$(PY) -m pytest -q -m gpu -rs tests/gpu $(PYTEST_ARGS)
 
-# tests/test_slurm.py starts a private one-node SLURM cluster: Debian's slurm-wlm daemons and munge.
-SLURM_PKGS := slurmctld slurmd slurm-client munge
+# tests/test_slurm.py starts a private one-node SLURM cluster: Debian's slurm-wlm daemons, munge,
+# and slurmdbd on a private MariaDB for its accounting (sacct).
+SLURM_PKGS := slurmctld slurmd slurm-client slurmdbd mariadb-server munge
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 slurm-deps:
 	@command -v slurmctld >/dev/null && command -v slurmd >/dev/null && \
-	  command -v sbatch >/dev/null && command -v munged >/dev/null || { \
+	  command -v sbatch >/dev/null && command -v munged >/dev/null && \
+	  command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null || { \
 	  $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
 	    --no-install-recommends $(SLURM_PKGS); }
 
@@ -79,6 +81,12 @@ shellcheck-deps:
 	@command -v shellcheck >/dev/null || { $(SUDO) apt-get update -q && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
 	  shellcheck; }
+
+# tests/test_slurm.py renders the status page (`mlmclm status`) in headless Chromium.
+browser-deps:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -q && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	  chromium; }
 
 clean:
 	rm -rf $(VENV) $(WANDB_VENV) build *.egg-info megatron_mlmclm/*.so

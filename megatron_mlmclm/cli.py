@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": (f"{_PKG}.report", "tables, confidence intervals and plots"),
     "plan": (f"{_PKG}.plan", "write the study's grid of configs and jobs"),
     "submit": (f"{_PKG}.submit", "submit a plan's jobs to SLURM, what is not done or queued"),
+    "status": (f"{_PKG}.status", "a plan's progress, failures and GPU-hours, and its page"),
     "quickstart": (f"{_PKG}.quickstart", "small end-to-end run on CPU"),
     "study": (f"{_PKG}.study", "the study's comparisons in miniature on CPU, with verdicts"),
 }

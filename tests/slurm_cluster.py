@@ -1,10 +1,18 @@
-"""A private one-node SLURM cluster for the tests: munged, slurmctld and slurmd on localhost.
+"""A private one-node SLURM cluster for the tests: munged, MariaDB, slurmdbd, slurmctld and slurmd
+on localhost.
 
-Everything lives in one temporary folder (munge key and socket, slurm.conf, state, spool, logs);
-the ports are free ones picked at start, so the cluster clashes with no other SLURM on the
-machine. The daemons run in the foreground as children of the test process; `stop()` cancels
-what is still queued and ends them. Debian's slurm-wlm and munge packages are installed when
-missing (`make slurm-deps` does it up front; CI runs as root).
+Everything lives in one temporary folder (munge key and socket, the accounting database,
+slurm.conf, slurmdbd.conf, gres.conf, state, spool, logs); the ports are free ones picked at start,
+so the cluster clashes with no other SLURM on the machine. The daemons run in the foreground as
+children of the test process; `stop()` cancels what is still queued and ends them. Debian's
+slurm-wlm, slurmdbd, MariaDB and munge packages are installed when missing (`make slurm-deps` does
+it up front; CI runs as root).
+
+Accounting is real: slurmdbd stores every job in a private MariaDB (grant checks off: it listens on
+127.0.0.1 only and lives as long as the test session), so `sacct` answers as on a production
+cluster. The node declares GPUS counted GPUs (gres without device files: SLURM allocates and
+accounts them, `gres/gpu` in a job's AllocTRES, but no device exists): a job may ask
+`--gpus-per-node` and runs on the CPU.
 
     with Cluster() as c:
         job = c.sbatch("--wrap", "hostname")
@@ -21,8 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
-DAEMONS = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch"]
+PACKAGES = ["slurmctld", "slurmd", "slurm-client", "slurmdbd", "mariadb-server", "munge"]
+DAEMONS = ["munged", "mungekey", "slurmctld", "slurmd", "sbatch", "sacct", "slurmdbd"]
+DAEMONS += ["mariadbd", "mariadb-install-db"]
+GPUS = 4  # counted GPUs on the node (no devices): jobs may ask for them, sacct accounts them
 
 
 def ensure_packages() -> None:
@@ -69,7 +79,7 @@ class Cluster:
     def start(self) -> Cluster:
         ensure_packages()
         r = self.root
-        for d in ("munge", "state", "spool", "log"):
+        for d in ("munge", "state", "spool", "log", "db"):
             (r / d).mkdir(mode=0o700)
         key, sock = r / "munge" / "munge.key", r / "munge" / "socket"
         subprocess.run(["mungekey", "--create", "--keyfile", str(key)], check=True)
@@ -87,7 +97,10 @@ class Cluster:
             "munged",
         )
         self._await(sock.exists, "munged did not create its socket")
+        self.db_port, self.dbd_port = free_port(), free_port()
         self.conf.write_text(self.slurm_conf(sock))
+        self._start_accounting(sock)
+        self._write_gres_conf()
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
         self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", self.node], "slurmd")
         self._await(
@@ -95,6 +108,63 @@ class Cluster:
             "the node did not come up idle",
         )
         return self
+
+    def _start_accounting(self, munge_socket: Path) -> None:
+        """MariaDB on a fresh database folder, then slurmdbd on it (slurmdbd.conf beside
+        slurm.conf, where the daemons and sacct look for it); both listening on free ports."""
+        r, db = self.root, self.root / "db"
+        small = ["--innodb-log-file-size=4M", "--innodb-buffer-pool-size=16M"]
+        subprocess.run(
+            ["mariadb-install-db", "--no-defaults", f"--datadir={db}", "--user=root",
+             "--auth-root-authentication-method=normal", "--skip-test-db", *small],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        self._spawn(
+            ["mariadbd", "--no-defaults", f"--datadir={db}", f"--socket={r / 'db.sock'}",
+             f"--port={self.db_port}", "--bind-address=127.0.0.1", "--user=root",
+             f"--pid-file={r / 'db.pid'}", "--skip-grant-tables", *small],
+            "mariadbd",
+        )  # fmt: skip
+        self._await(lambda: (r / "db.sock").exists(), "MariaDB did not start")
+        dbd = r / "slurmdbd.conf"
+        dbd.write_text(
+            "\n".join(
+                [
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={munge_socket}",
+                    "DbdHost=localhost",
+                    "DbdAddr=127.0.0.1",
+                    f"DbdPort={self.dbd_port}",
+                    "SlurmUser=root",
+                    "StorageType=accounting_storage/mysql",
+                    "StorageHost=127.0.0.1",
+                    f"StoragePort={self.db_port}",
+                    "StorageUser=root",
+                    "StorageLoc=slurm_acct_db",
+                    f"PidFile={r / 'slurmdbd.pid'}",
+                    f"LogFile={r / 'log' / 'slurmdbd.log'}",
+                ]
+            )
+            + "\n"
+        )
+        dbd.chmod(0o600)
+        self._spawn(["slurmdbd", "-D"], "slurmdbd")
+        self._await(
+            lambda: self.run(["sacctmgr", "-n", "list", "cluster"], check=False).returncode == 0,
+            "slurmdbd did not answer",
+        )
+        self.run(["sacctmgr", "-i", "add", "cluster", "mlmclmtest"])
+
+    def _write_gres_conf(self) -> None:
+        """The node's GPUS counted GPUs. SLURM drops a GPU without a character device: links to
+        /dev/null stand in (no cgroups here restrict a job to its devices)."""
+        dev = self.root / "dev"
+        dev.mkdir()
+        for i in range(GPUS):
+            (dev / f"gpu{i}").symlink_to("/dev/null")
+        (self.root / "gres.conf").write_text(
+            f"NodeName={self.node} Name=gpu File={dev}/gpu[0-{GPUS - 1}]\n"
+        )
 
     def slurm_conf(self, munge_socket: Path) -> str:
         r = self.root
@@ -125,14 +195,19 @@ class Cluster:
                     "SelectTypeParameters=CR_CPU",
                     "SchedulerType=sched/builtin",
                     "JobAcctGatherType=jobacct_gather/none",
-                    "AccountingStorageType=accounting_storage/none",
+                    "AccountingStorageType=accounting_storage/slurmdbd",
+                    "AccountingStorageHost=127.0.0.1",
+                    f"AccountingStoragePort={self.dbd_port}",
+                    f"AccountingStoragePass={munge_socket}",  # munge's socket, for slurmdbd
+                    "AccountingStorageTRES=gres/gpu",
+                    "GresTypes=gpu",
                     "JobCompType=jobcomp/none",
                     "MpiDefault=none",
                     "ReturnToService=2",
                     "MinJobAge=3600",  # finished jobs stay visible to `scontrol show job`
                     "KillWait=30",
                     f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} "
-                    f"RealMemory={int(memory_mb() * 0.9)} State=UNKNOWN",
+                    f"RealMemory={int(memory_mb() * 0.9)} Gres=gpu:{GPUS} State=UNKNOWN",
                     "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
                 ]
             )
@@ -145,7 +220,7 @@ class Cluster:
             self._await(
                 lambda: not self.run(["squeue", "-h"], check=False).stdout.strip(), None, timeout=60
             )
-        for p in reversed(self.procs):  # slurmd, slurmctld, munged
+        for p in reversed(self.procs):  # slurmd, slurmctld, slurmdbd, mariadbd, munged
             if p.poll() is None:
                 p.terminate()
                 try:
@@ -159,7 +234,11 @@ class Cluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> Cluster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # a daemon that did start must not outlive the failure
+            self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()

@@ -11,7 +11,11 @@
 * the submit script `mlmclm plan` writes (`mlmclm submit` on its job table), on a one-run grid
   whose pretraining job fails once: every job ends (none pending on the failure); run again, it
   completes pretrain -> convert -> an evaluate_array.sbatch array (its time limit the plan's) ->
-  report in that order, the run bitwise an uninterrupted one; run once more, it submits nothing.
+  report in that order, the run bitwise an uninterrupted one (the report job refreshes the
+  plan's status page); run once more, it submits nothing.
+* `mlmclm status` on a three-run plan caught part way (one run done, one failed with a NaN, one
+  running): its states, the failure's error line and what waits on it, GPU-hours equal to
+  sacct's (the cluster's counted GPUs), its page rendered in headless Chromium.
 Only documented variables change the scripts (NPROC_PER_NODE, MLMCLM_PYTHON, MASTER_PORT,
 GPUS_PER_NODE, *_SBATCH, PRETRAIN_ARGS, EVAL_ARGS, EVAL_MAX_RUNNING, MLMCLM_INJECT_FAULTS,
 MLMCLM_MAX_RESTARTS) and sbatch command-line options.
@@ -260,6 +264,9 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
     ], results
     assert len({r.rsplit("_", 1)[1] for r in results}) == 1, results
     assert (plan / "results" / "report" / "report.md").is_file()
+    # the report job refreshed the plan's status pages after writing the report
+    status = (plan / "STATUS.md").read_text()
+    assert "- **the report**: done" in status and "- **runs (pretraining)**: 1 done of 1" in status
 
     last, out = submit()
     assert last == ["done"] * 4 and "nothing submitted" in out, out
@@ -492,3 +499,127 @@ def test_every_sbatch_script_runs_from_a_fresh_clone_as_its_header_shows(slurm, 
         log = logs[expected[kind]]
         assert "error:" in log, f"{kind}: {log}"  # mlmclm's one-line refusal, written by the job
         assert [j["ExitCode"] for j in slurm.jobs(jobs[kind])] == ["2:0"], log
+
+
+def test_status_of_a_plan_part_way_names_each_state_its_spend_and_renders(
+    slurm, shards, tmp_path, data_dir, monkeypatch
+):
+    """A three-run plan submitted once, part way: tiny-mlm20-4k done (pretrained, exported,
+    evaluated), tiny-mlm40-4k failed at step 3 with a NaN (its conversion and array ended at once:
+    what they need is missing; the report waits), tiny-clm-4k running (held at step 5). Each job
+    asks for the GPUs the plan lays out (the test cluster's counted GPUs: sacct accounts them).
+    `mlmclm status` names each state, the failed job's error line and what waits on it; its
+    GPU-hours are sacct's elapsed x allocated GPUs (summed here from sacct's own fields); its page
+    renders in Chromium with its tables and plots. The faults are the hook's, for every run
+    (MLMCLM_INJECT_FAULTS): the runs that must not meet one have its marker already."""
+    from browser import render
+    from PIL import Image
+
+    from megatron_mlmclm.plan.status import read_status
+    from megatron_mlmclm.plan.status_page import COLOURS, DONE, SPENT, hours
+
+    plan = tmp_path / "plan"
+    argv = ["plan", "--out", str(plan), "--sizes", "tiny", "--budgets", "4000", "--objectives"]
+    argv += ["mlm", "clm", "--mask-ratios", "0.2", "0.4", "--clm-shares", "--cpt-steps"]
+    argv += ["--nodes", "1", "--gpus-per-node", "1", "--data", shards["train"], "--tokenizer"]
+    argv += [shards["tokenizer"], "--eval-tasks", "sst2", "--eval-lrs", "1e-3", "--eval-seeds"]
+    assert main([*argv, "0", "--eval-runs-per-job", "1"]) == 0
+    done, failed, running = "tiny-mlm20-4k", "tiny-mlm40-4k", "tiny-clm-4k"
+    runs = plan / "runs"
+    for name, faults in ((done, ("nan", "stop")), (running, ("nan",))):
+        (runs / name / "faults").mkdir(parents=True)
+        for kind in faults:  # as if that fault had happened: it happens once per run folder
+            step = 3 if kind == "nan" else 5
+            (runs / name / "faults" / f"injected-{kind}-rank0-step{step}").touch()
+    env = job_environment(
+        MASTER_PORT=str(free_port()),
+        MLMCLM_DATA_DIR=str(data_dir),
+        PRETRAIN_SBATCH="--cpus-per-task=1 --exclusive=user",  # the runs share the 2 CPUs
+        CONVERT_SBATCH="--cpus-per-task=1 --mem=1G",
+        EVAL_SBATCH="--cpus-per-task=1",
+        REPORT_SBATCH="--cpus-per-task=1",
+        PRETRAIN_ARGS="train.steps=6 train.global_batch_size=4 train.micro_batch_size=2 "
+        "train.warmup_steps=1 train.decay_steps=1 model.seq_length=64 "
+        f"data.cache_dir={shards['cache']} logging.tensorboard=false checkpoint.save_interval=2",
+        EVAL_ARGS="--max-steps 2 --eval-every 2 --batch-size 8 --eval-batch-size 16 "
+        "--max-length 64 --max-train-examples 32 --max-eval-examples 16 --threads 1 --no-progress",
+        MLMCLM_INJECT_FAULTS="nan rank=0 step=3 mode=transient; stop rank=0 step=5",
+        MLMCLM_MAX_RESTARTS="0",
+    )
+    out = slurm.run(["bash", str(plan / "submit_slurm.sh")], env=env, cwd=tmp_path).stdout
+    jobs = {
+        ln.split(":")[0].strip(): ln.split()[-1] for ln in out.splitlines() if "submitted job" in ln
+    }
+    assert len(jobs) == 10, out
+    try:
+        evaluated = plan / "results" / "eval" / done
+        until(
+            lambda: (
+                any(evaluated.glob(".done-sst2-*"))
+                and slurm.state(jobs[f"ev-{done}-sst2"]) == ["COMPLETED"]
+                and slurm.state(jobs[f"pt-{failed}"]) == ["FAILED"]
+                and (runs / running / "metrics.jsonl").is_file()
+                and '"step": 4,' in (runs / running / "metrics.jsonl").read_text()
+            ),
+            420,
+            "the evaluation of the run done, the failure and the held run",
+        )
+        cli = slurm.run([sys.executable, "-m", "megatron_mlmclm", "status", str(plan)],
+                        env=env, cwd=tmp_path)  # fmt: skip
+        monkeypatch.setenv("SLURM_CONF", str(slurm.conf))  # squeue and sacct, in process
+        monkeypatch.chdir(tmp_path)
+        status = read_status(plan, env)
+        fields = "--format=JobID,JobName,ElapsedRaw,AllocTRES,State"
+        ids = ",".join(jobs.values())
+        accounted = slurm.run(["sacct", "-X", "-D", "-P", "-n", "-j", ids, fields]).stdout
+    finally:  # the held run and what waits: cancelled, the node free for the next test
+        slurm.run(["scancel", "--full", "--signal=KILL", *jobs.values()], check=False)
+        slurm.run(["scancel", *jobs.values()], check=False)
+
+    by_name = {r.name: r for r in status.runs}
+    assert [by_name[n].state for n in (done, failed, running)] == ["done", "failed", "running"]
+    assert status.accounting and "squeue and sacct answered" in status.source
+    text = cli.stdout
+    assert f"| {done} | done | 6 / 6 |" in text and f"| {running} | running | 4 / 6 |" in text
+    r = by_name[running]
+    assert r.files.checkpoint == 4 and r.files.loss is not None and len(r.files.curve) == 4
+    assert by_name[failed].files.fault == "loss is nan (mlm) at step 3 (its re-run pending)"
+    # the failure: its exit, its log's line, and everything that waits on it
+    [failure] = status.failures
+    assert failure.key == f"pt-{failed}" and "FAILED (exit" in failure.detail, failure
+    assert failure.error.startswith("mlmclm pretrain: error: loss is nan (mlm) at step 3;")
+    assert failure.waiting == [f"cv-{failed}", f"ev-{failed}-sst2", "report"]
+    state = {j.key: j.state for j in status.jobs}
+    assert state[f"cv-{failed}"] == state[f"ev-{failed}-sst2"] == "blocked"
+    assert state["report"] == "queued" and state[f"cv-{running}"] == "queued"
+    assert state[f"ev-{done}-sst2"] == "done" and status.running == 1
+    assert "the error line of each failed job's log" in text and failure.error in text
+    # spend: sacct's elapsed x allocated GPUs, summed here for the jobs that ended
+    gpu_s: dict[str, int] = {}
+    for line in accounted.splitlines():
+        _, name, elapsed, tres, _ = line.split("|")
+        alloc = dict(item.split("=") for item in tres.split(",") if item)  # none while pending
+        gpus = int(alloc.get("gres/gpu", 0))
+        gpu_s[name] = gpu_s.get(name, 0) + int(elapsed) * gpus
+    assert gpu_s[f"pt-{done}"] > 0 and gpu_s[f"cv-{done}"] == 0  # a conversion asks no GPU
+    assert by_name[done].spent.gpu_hours == pytest.approx(gpu_s[f"pt-{done}"] / 3600, abs=1e-12)
+    assert by_name[done].eval_spent.gpu_hours == pytest.approx(
+        gpu_s[f"ev-{done}-sst2"] / 3600, abs=1e-12
+    )
+    assert by_name[failed].spent.gpu_hours == pytest.approx(gpu_s[f"pt-{failed}"] / 3600, abs=1e-12)
+    assert f"| {hours(by_name[done].spent.gpu_hours)} (sacct) |" in text  # the command's too
+    assert by_name[running].left.source == "measured step time" and by_name[running].left.hours > 0
+    assert "1 job(s) running now" in status.finish()
+    # the page, in a real browser: the tables and the three plots, rendered
+    page = plan / "status.html"
+    png = tmp_path / "status.png"
+    dom = render(page, png, (1280, 2000))
+    assert dom.count("<svg") == 3 and dom.count("<table") >= 6 and "<polyline" in dom
+    assert '<td class="s-failed">failed</td>' in dom and failure.error.split(":")[0] in dom
+    image = Image.open(png).convert("RGB")
+    assert image.size == (1280, 2000)
+    colours = set(image.getdata())
+    assert len(colours) > 50  # text, tables and plots, not a blank page
+    # the done, running and failed cells; the spend plot's bars, the evaluation plot's done runs
+    for colour in (COLOURS["done"], COLOURS["running"], COLOURS["failed"], SPENT, DONE):
+        assert tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5)) in colours, colour

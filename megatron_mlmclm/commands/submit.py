@@ -1,6 +1,7 @@
 """`mlmclm submit PLAN`: submit a plan's jobs to SLURM from its job table (plan/submit.py), what is
 neither done nor queued, each after the jobs it waits on. Safe to run again at any time; the
-plan's submit_slurm.sh runs it. Needs the standard library only (a login node's python3).
+plan's submit_slurm.sh runs it. Each run refreshes the plan's status pages (`mlmclm status`).
+Needs the standard library only (a login node's python3).
 
     mlmclm submit plans/study
     SBATCH_EXTRA="--account X --partition Y" mlmclm submit plans/study
@@ -9,8 +10,11 @@ plan's submit_slurm.sh runs it. Needs the standard library only (a login node's 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import textwrap
 
+from megatron_mlmclm.plan.status_page import refresh
 from megatron_mlmclm.plan.submit import PLANNED, VARIABLES, submit
 
 
@@ -31,4 +35,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     submit(args.plan)
+    # the plan's STATUS.md and status.html (`mlmclm status`): a failure there is one warning line
+    refresh(args.plan, dict(os.environ), say=lambda line: print(line, file=sys.stderr))
     return 0

@@ -12,6 +12,10 @@
                 dependencies and done rule; evaluation arrays sized to finish) and submit_slurm.sh
     submit.py   `mlmclm submit`: the job table submitted with sbatch, what is neither done nor
                 queued (the standard library only: it runs on a login node)
+    status.py   `mlmclm status`: where the study stands (jobs, runs, evaluation, GPU-hours spent
+                against the price, what is left), from the table, the jobs' files
+                (progress.py) and squeue / sacct (scheduler.py); status_page.py writes it as
+                STATUS.md and status.html (plots: svg.py); standard library only, as submit.py
     summary.py  SUMMARY.md, SUMMARY.csv, manifest.tsv
     write.py    write_plan: everything built and checked in memory, then one folder renamed into
                 place
@@ -19,5 +23,5 @@
 A plan folder holds OUT/configs/NAME.yaml (each reloaded with load_config before the plan is kept),
 OUT/jobs/NAME.sh (pretrain | convert | evaluate), OUT/jobs.json (every job with its dependencies)
 and OUT/submit_slurm.sh (`mlmclm submit OUT`), OUT/manifest.tsv, OUT/SUMMARY.csv and
-OUT/SUMMARY.md (docs/plan.md).
+OUT/SUMMARY.md (docs/plan.md); `mlmclm status OUT` adds OUT/STATUS.md and OUT/status.html.
 """

@@ -12,8 +12,10 @@ Each row of the table, in the table's order (what a job waits on comes before it
              does wait on a job submitted again is cancelled and submitted anew: its dependency is
              gone);
   submitted  `sbatch --dependency=afterany:<the jobs of the rows it waits on>` with the row's
-             options, told the file it needs (MLMCLM_NEEDS) and the one that file must be newer
-             than (MLMCLM_NEEDS_NEWER_THAN);
+             options, told the file it needs (MLMCLM_NEEDS), the one that file must be newer
+             than (MLMCLM_NEEDS_NEWER_THAN) and the plan (MLMCLM_PLAN: the report job refreshes
+             its status page); recorded in PLAN/.submitted/KEY and, with every earlier job, in
+             PLAN/.submitted-history.tsv (KEY<tab>JOB: `mlmclm status` sums their GPU-hours);
   no data    an evaluation array whose task's data are not in the data folder its jobs read: not
              submitted; one line per task names the command that fetches them.
 The environment variables it reads are VARIABLES, read in `read_settings` and nowhere else.
@@ -67,6 +69,7 @@ KIND_OPTIONS = {
     "evaluate": "EVAL_SBATCH",
     "report": "REPORT_SBATCH",
 }
+HISTORY = ".submitted-history.tsv"  # in the plan folder: every job submitted, KEY<tab>JOB
 # squeue's states of a job that is queued or running (an array lists one per element)
 LIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED"}
 LIVE |= {"REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT"}
@@ -293,6 +296,8 @@ class Submission:
                 "and run again"
             ) from None
         (self.state / key).write_text(job + "\n")
+        with open(self.state.parent / HISTORY, "a", encoding="utf-8") as f:
+            f.write(f"{key}\t{job}\n")
         self.jobs[key] = job
         self.new.append(job)
         self.say(f"  {key}: submitted job {job}")
@@ -361,6 +366,7 @@ class Submission:
         env = dict(self.env)
         env["MLMCLM_NEEDS"] = str(self.path(row["needs"]) or "")
         env["MLMCLM_NEEDS_NEWER_THAN"] = str(self.path(row["needs_newer_than"]) or "")
+        env["MLMCLM_PLAN"] = str(self.state.parent)
         if self.settings.data_dir:
             env["MLMCLM_DATA_DIR"] = str(self.settings.data_dir)
         return env
