@@ -151,7 +151,14 @@ def part_way(tmp_path_factory, data_dir):
     table = read_table(plan)
     sub = Submission(plan, table, read_settings(ENV, table), ENV, None, print)
     [row] = [r for r in table["jobs"] if r["key"] == f"ev-{DONE}-sst2"]
-    sub.done_file(row).write_text("4 runs done\n")
+    from megatron_mlmclm.identity import IdentityCache, model_identity
+
+    folder = export.parent  # the done file names the export's content identity, as evaluate does
+    identity = model_identity(
+        folder, IdentityCache(plan / "results" / "eval" / ".model-identity-cache")
+    )
+    done = {"runs": 4, "models": {str(folder.resolve()): identity}}
+    sub.done_file(row).write_text(json.dumps(done))
     os.utime(sub.done_file(row), (2.1e9, 2.1e9))
     state = plan / ".submitted"
     state.mkdir()
