@@ -49,10 +49,18 @@ def available_commands() -> dict[str, tuple[str, str]]:
     return out
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal of a flag is one line (exit status 2), as every other
+    refusal: the usage it would print first is `--help`'s."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+
 def command_parser(name: str) -> tuple[types.ModuleType, argparse.ArgumentParser]:
     """The module of subcommand `name` and its argument parser."""
     module_name, help_ = COMMANDS[name]
-    parser = argparse.ArgumentParser(prog=f"mlmclm {name}", description=help_)
+    parser = CommandParser(prog=f"mlmclm {name}", description=help_)
     module = importlib.import_module(module_name)
     module.add_arguments(parser)
     return module, parser

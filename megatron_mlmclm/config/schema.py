@@ -433,6 +433,9 @@ class CheckpointConfig:
     keep_steps: list[int] = field(default_factory=list)
     keep_tokens: list[float] = field(default_factory=list)
     resume: bool = True  # resume from the latest complete checkpoint in dir
+    # With resume off, a dir holding an earlier run's checkpoints is refused; true moves that
+    # run's files (output_dir's and dir's) aside into previous-TIME/ first (docs/pretrain.md).
+    move_aside_existing: bool = False
     # Resume even though the data stream or masks changed (batch size, data, seed, phases): the
     # run continues from the checkpoint's consumed_samples in the new stream (docs/pretrain.md).
     allow_data_change: bool = False
@@ -445,6 +448,11 @@ class CheckpointConfig:
             raise UsageError("checkpoint.save_interval must be >= 0 and checkpoint.keep_last >= 1")
         if self.keep_every < 0:
             raise UsageError(f"checkpoint.keep_every must be >= 0 (0: none), got {self.keep_every}")
+        if self.move_aside_existing and self.resume:
+            raise UsageError(
+                "checkpoint.move_aside_existing=true applies to a fresh start only, but "
+                "checkpoint.resume=true (the default) resumes: add checkpoint.resume=false"
+            )
 
 
 @dataclass

@@ -65,7 +65,6 @@ from megatron_mlmclm.model.build import padded_vocab_size
 from megatron_mlmclm.paths import EXPORT_FILE
 
 ARCHS = ("eurobert", "llama", "qwen3")
-SOURCE_FILE = "mlmclm_source.json"  # sidecar written by from-hf next to the checkpoints folder
 
 
 @dataclass
@@ -84,7 +83,7 @@ def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> dict[str,
     for _ in range(hops):
         if trainer.get("source"):
             return trainer["source"]
-        for sidecar in (ckpt.parent.parent / SOURCE_FILE, ckpt.parent / SOURCE_FILE):
+        for sidecar in (ckpt.parent.parent / common.SOURCE_FILE, ckpt.parent / common.SOURCE_FILE):
             if sidecar.is_file():
                 return json.loads(sidecar.read_text())
         init = (trainer.get("config") or {}).get("train", {}).get("init_from")
@@ -212,7 +211,8 @@ def to_hf(
 ) -> ExportResult:
     """Export a megatron checkpoint to a verified Hugging Face folder at `out`."""
     out = Path(out).absolute()
-    common.check_output(out, force)
+    inputs = [checkpoint, *([tokenizer] if tokenizer else [])]
+    common.check_output(out, force, "export", inputs)
     if clf_pooling not in ("late", "mean", "bos"):
         raise UsageError(f"--clf-pooling {clf_pooling} must be late, mean or bos")
     ckpt = common.resolve_source_checkpoint(checkpoint)
@@ -226,6 +226,7 @@ def to_hf(
             f"checkpoint {ckpt} was trained without a tokenizer (mock data); pass "
             "--tokenizer DIR (a folder written by `mlmclm tokenize`)"
         )
+    inputs.append(tok_dir)  # the run's own tokenizer, when --tokenizer is not given
     tok = load_tokenizer(tok_dir)
     recorded = trainer.get("tokenizer")
     if recorded and not same_tokenizer(tokenizer_fingerprint(tok), recorded):
@@ -305,7 +306,7 @@ def to_hf(
     if not causal_lm:  # any tool that loads the export encodes inputs as the model was pretrained
         # special-token strings parsed as by any HF tokenizer: a fill-mask pipeline's <mask> works
         document_tokenizer(tok, **shards_rule(record.get("shards")), save_text_rule=False)
-    with common.staged_output(out, force) as tmp:
+    with common.staged_output(out, force, "export", inputs) as tmp:
         hf_cfg.save_pretrained(str(tmp))
         add_legacy_rope_keys(tmp / "config.json")
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -379,7 +380,9 @@ def to_hf_many(
         cfg = common.run_config_from_dict(trainer["config"])
         it = int(trainer["iteration"])
         target = out / export_name(tokens_at_step(cfg, it), it)
-        common.check_output(target, force)
+        common.check_output(
+            target, force, "export", [ckpt_dir, *filter(None, [options.get("tokenizer")])]
+        )
         targets.append((ckpt, target))
     return [to_hf(ckpt, target, force=force, **options) for ckpt, target in targets]
 

@@ -219,7 +219,7 @@ def from_hf(
 ) -> ImportResult:
     """Convert a local HF model folder into a verified megatron checkpoint folder at `out`."""
     hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
-    common.check_output(out, force)
+    common.check_output(out, force, "import", [hf_dir])
     hf_cfg = read_hf_config(hf_dir)
     check_supported(hf_cfg, hf_dir)
     family = hf_cfg.model_type
@@ -244,7 +244,7 @@ def from_hf(
             "convert the *ForCausalLM / *ForMaskedLM folder"
         )
 
-    with common.staged_output(out, force) as tmp:
+    with common.staged_output(out, force, "import", [hf_dir]) as tmp:
         tok_dir = prepare_tokenizer(hf_dir, tmp / "tokenizer", verbose=verbose)
         tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
         n_src, n_tok = len(src_tok), len(tok)
@@ -306,7 +306,7 @@ def from_hf(
         )
         # The rows of added tokens were changed on purpose: compared are the trained ones.
         ver = _verify(hf_dir, hf_cfg, ckpt, build_cfg, vocab, min(hf_vocab, n_src))
-        (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        (tmp / common.SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         _write_run_config(tmp / "config.yaml", raw, hf_dir, final=out / "config.yaml")
     result = ImportResult(out, out / "checkpoints" / iter_name(0), family, vocab, grew, ver)
     if verbose:

@@ -294,13 +294,19 @@ def preprocess(
                     p.unlink(missing_ok=True)
                 for left in p.parent.glob(p.name + ".tmp-*"):
                     left.unlink(missing_ok=True)
-    if not force:
-        for b, i in outs.values():
-            for p in (b, i):
-                if p.exists():
-                    raise UsageError(
-                        f"output {p} exists; choose another --output-prefix or pass --force"
-                    )
+    for b, i in outs.values():
+        for p in (b, i):
+            if p.exists() and not force:
+                raise UsageError(
+                    f"output {p} exists; choose another --output-prefix or pass --force"
+                )
+            if p.exists() and not fingerprint_path(str(b)[: -len(".bin")]).is_file():
+                # --force replaces only a shard this command wrote: its fingerprint beside it
+                raise UsageError(
+                    f"output {p} was not written by `mlmclm preprocess` (no "
+                    f"{fingerprint_path(str(b)[: -len('.bin')]).name} beside it); --force "
+                    "replaces only such shards: choose another --output-prefix"
+                )
     if os.environ.get("RAYON_NUM_THREADS") is None:
         os.environ["RAYON_NUM_THREADS"] = str(workers)  # effective if no batch encoded yet
     backend_tok = getattr(tok, "backend_tokenizer", None)

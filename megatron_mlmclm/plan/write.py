@@ -3,7 +3,6 @@ and checked in memory first, then written under a temporary name and renamed."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from megatron_mlmclm.plan.grid import build_grid, probe_config, run_config
 from megatron_mlmclm.plan.jobs import eval_array_size, eval_grid_args, job_script, submit_script
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
 from megatron_mlmclm.plan.options import PlanOptions
+from megatron_mlmclm.plan.owned import check_out, install
 from megatron_mlmclm.plan.summary import (
     startup_md,
     summary_md,
@@ -38,14 +38,12 @@ SLURM_DIR = Path(__file__).resolve().parents[2] / "examples" / "slurm"  # the sb
 
 def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     """Write the plan folder `out` (built whole first: bad input leaves nothing). Returns the
-    totals. With `force`, the plan's files in an existing `out` are replaced and whatever else
-    it holds stays: the runs, exports and results when they live there (the defaults), the
-    submit script's record of its jobs (.submitted/), so re-planning mid-study submits nothing
-    twice."""
+    totals. With `force`, the files an earlier plan wrote in an existing `out` are replaced (or
+    removed, plan/owned.py) and whatever else it holds stays: the runs, exports and results when
+    they live there (the defaults), the submit script's record of its jobs (.submitted/), so
+    re-planning mid-study submits nothing twice, and the user's own files."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise UsageError(f"--out {out} exists and is not empty; pass --force to replace it")
+    check_out(out, force)
     if opts.gpus_per_node < 1:
         raise UsageError("--gpus-per-node must be >= 1")
     measured = read_measurements(opts.step_times or MEASURED)
@@ -158,17 +156,5 @@ def write_plan(out: str | Path, opts: PlanOptions, force: bool = False) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if root.is_dir():  # --force: the plan's own files are replaced, nothing else
-        for new in tmp.iterdir():
-            old = root / new.name
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old)
-            elif old.exists() or old.is_symlink():
-                old.unlink()
-            os.replace(new, old)
-        tmp.rmdir()
-    else:
-        if root.exists():
-            root.unlink()
-        tmp.rename(root)
+    install(tmp, root)  # --force: only the files an earlier plan wrote are replaced or removed
     return dict(totals, runs=len(runs), prices=prices)
