@@ -177,15 +177,42 @@ def verify_checkpoint(ckpt: str | Path, share: tuple[int, int] = (0, 1)) -> str 
     return _verify(Path(ckpt), *share)[0]
 
 
-def verify_file(ckpt: Path, name: str) -> str | None:
-    """`verify_checkpoint` for one file of the checkpoint (read before the rest is verified)."""
+def read_manifest(ckpt: Path) -> tuple[dict[str, dict] | None, str | None]:
+    """(The checkpoint's manifest: file -> {size, sha256}, or None when it has none; what is
+    wrong with it, or None). Every entry is checked: a file of the folder (no path leaving it),
+    an integer size and a hex digest."""
     manifest = ckpt / MANIFEST
     if not manifest.is_file():
-        return None
+        return None, None
     try:
-        want = json.loads(manifest.read_text(encoding="utf-8"))["files"][name]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MANIFEST} ({type(e).__name__})"
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        return None, f"unreadable {MANIFEST} ({type(e).__name__})"
+    if not isinstance(files, dict):
+        return None, f"unreadable {MANIFEST} (its files are not a mapping)"
+    for name, want in files.items():
+        parts = Path(name).parts
+        if (
+            not parts
+            or Path(name).is_absolute()
+            or ".." in parts
+            or not isinstance(want, dict)
+            or type(want.get("size")) is not int
+            or want["size"] < 0
+            or not isinstance(want.get("sha256"), str)
+        ):
+            return None, f"{MANIFEST} has a malformed entry for {name!r}"
+    return files, None
+
+
+def verify_file(ckpt: Path, name: str) -> str | None:
+    """`verify_checkpoint` for one file of the checkpoint (read before the rest is verified)."""
+    files, problem = read_manifest(ckpt)
+    if files is None:
+        return problem
+    want = files.get(name)
+    if want is None:
+        return f"{name} is not in its {MANIFEST}"
     if not (ckpt / name).is_file():
         return f"{name} is missing"
     if _digest(ckpt / name) != {"size": want["size"], "sha256": want["sha256"]}:
@@ -207,13 +234,9 @@ def _share(files: dict[str, dict], rank: int, world: int) -> list[str]:
 
 def _verify(ckpt: Path, rank: int, world: int) -> tuple[str | None, int]:
     """(What is wrong or None, the bytes this rank checksummed)."""
-    manifest = ckpt / MANIFEST
-    if not manifest.is_file():
-        return None, 0
-    try:
-        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MANIFEST} ({type(e).__name__})", 0
+    files, problem = read_manifest(ckpt)
+    if files is None:
+        return problem, 0
     for name, want in files.items():  # sizes first: cheap, and catches truncation
         f = ckpt / name
         if not f.is_file():

@@ -267,6 +267,8 @@ def preprocess(
     own prefix, kept if already written."""
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
+    if workers > (os.cpu_count() or 1):  # processes (or threads) past the machine's CPUs
+        raise UsageError(f"--workers {workers:,} is more than this machine's {os.cpu_count()} CPUs")
     if backend not in ("threads", "processes"):
         raise UsageError(f"--backend {backend} must be threads or processes")
     keys = list(json_keys)

@@ -26,7 +26,7 @@ from megatron_mlmclm.eval.families import load_split
 from megatron_mlmclm.eval.families.qa import records as qa_records
 from megatron_mlmclm.eval.families.sc import records as sc_records
 from megatron_mlmclm.eval.families.tc import records as tc_records
-from megatron_mlmclm.eval.tasks import Task
+from megatron_mlmclm.eval.tasks import Task, check_name
 
 STANDARD_SPLITS = ("train", "validation", "test")
 EITHER = {
@@ -361,7 +361,7 @@ def fetch_task(task: Task, root: Path) -> str:
             f"{', '.join(WRITERS)}); put the files there"
         )
     hub = hub_task(task)
-    stage = root / f".fetch-{task.name}"
+    stage = root / f".fetch-{check_name(task.name, 'fetch')}"  # beside the data, never above
     shutil.rmtree(stage, ignore_errors=True)
     try:
         WRITERS[task.format](hub, stage)
