@@ -107,6 +107,9 @@ def quiet_optional_dependency_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_optional_dependency_warnings()
+    for stream in (sys.stdout, sys.stderr):  # a path of bytes that are not UTF-8 (argv holds
+        if hasattr(stream, "reconfigure"):  # them as surrogates) prints as those bytes
+            stream.reconfigure(errors="surrogateescape")
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = available_commands()
     if not argv or argv[0] in ("-h", "--help"):

@@ -274,6 +274,12 @@ def preprocess(
     keys = list(json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise UsageError(f"--json-keys {' '.join(keys)} must name distinct keys")
+    for key in keys:  # a key names its output, PREFIX_KEY_document.bin
+        if not key or key in (".", "..") or "/" in key or os.sep in key or "\0" in key:
+            raise UsageError(
+                f"--json-keys {key!r} must be a plain name: it names the output file "
+                f"PREFIX_{key}_document.bin"
+            )
     started = time.time() if started is None else started
     tok = load_tokenizer(tokenizer_path)
     files = expand_inputs(inputs)  # missing inputs fail before anything is created

@@ -56,13 +56,16 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[str | Path]:
     for inp in inputs:
         p = Path(inp)
         if p.is_dir():
-            files = sorted(
-                f
-                for f in p.rglob("*")
-                if f.is_file()
-                and _suffix(f)
-                and not any(part.startswith(".") for part in f.relative_to(p).parts)
-            )
+            try:
+                files = sorted(
+                    f
+                    for f in p.rglob("*")
+                    if f.is_file()
+                    and _suffix(f)
+                    and not any(part.startswith(".") for part in f.relative_to(p).parts)
+                )
+            except OSError as e:  # a folder below it that cannot be listed
+                raise UsageError(f"cannot list input folder {p}: {e}") from None
             if not files:
                 raise UsageError(
                     f"input folder {p} holds no supported file ({', '.join(SUFFIXES)})"

@@ -181,7 +181,6 @@ def _prepare_out(out_dir: str | os.PathLike, force: bool, inputs: Sequence) -> P
     check_output_folder(
         out, force=force, command="tokenize", marker=METADATA_FILE, inputs=inputs, flag="--out"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
     return out
 
 
@@ -196,6 +195,7 @@ def _save(
     tok, out_dir: Path, source: str, reserved: dict, added: list[str], force: bool, inputs: Sequence
 ) -> Path:
     out = _prepare_out(out_dir, force, inputs)
+    out.parent.mkdir(parents=True, exist_ok=True)  # only now: a refusal leaves nothing behind
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         for key in ("local_files_only", "is_local"):  # how it was loaded, not what it is
@@ -278,6 +278,9 @@ def prepare_tokenizer(
 # Byte-level BPE trained on the corpus
 
 
+MAX_VOCAB = 4_194_304  # what a BPE trained here may hold (the trainer's tables overflow past 2^31)
+
+
 def train_tokenizer(
     inputs: Sequence[str],
     out_dir: str | os.PathLike,
@@ -300,6 +303,13 @@ def train_tokenizer(
             f"--vocab-size {vocab_size} is too small for byte-level BPE; use at least "
             f"{256 + len(specials)}"
         )
+    if vocab_size > MAX_VOCAB:
+        raise UsageError(
+            f"--vocab-size {vocab_size:,} is past {MAX_VOCAB:,} (the largest vocabularies in use "
+            "hold about 260,000 tokens)"
+        )
+    if not 0 <= min_frequency < 2**32:
+        raise UsageError(f"--min-frequency must be in [0, 2^32), got {min_frequency}")
     if max_documents is not None and max_documents < 1:
         raise UsageError("--max-documents must be >= 1")
     _prepare_out(out_dir, force, inputs)  # fail before reading the corpus

@@ -4,6 +4,7 @@ overlapping output folders)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -55,6 +56,16 @@ class PlanOptions:
     nodes: list[str] = field(default_factory=list)  # N or SIZE=N overrides of LAYOUTS' nodes
     startup: list[str] = field(default_factory=list)  # SIZE=S: seconds a pretraining job starts
 
+    def texts(self) -> list[tuple[str, str]]:
+        """(flag, value) of every text the options hold (paths, names, SIZE=N items)."""
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, str):
+                    out.append((f"--{f.name.replace('_', '-')}", v))
+        return out
+
     def check(self, out: str | os.PathLike) -> None:
         """What the flags alone can get wrong, refused (UsageError, one line) before anything is
         built: numbers that are not finite, negative or past what any cluster runs (LIMITS), and
@@ -99,6 +110,11 @@ class PlanOptions:
                     raise UsageError(
                         f"{flag}: {item!r} must be a positive, finite number up to {high:g}"
                     )
+        for flag, value in [("--out", str(out)), *self.texts()]:
+            try:  # the plan writes its paths and names into scripts and configs, as UTF-8
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UsageError(f"{flag} {value!r} is not UTF-8 text; give it in UTF-8") from None
         check_folders(out, self)
 
 

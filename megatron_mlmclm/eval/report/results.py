@@ -31,13 +31,22 @@ def protocol_name(result: dict) -> str:
     return result["protocol"].get("name", "default")
 
 
+def _files(root: Path, pattern: str) -> list[Path]:
+    """The files under `root` matching `pattern`, sorted; a folder that cannot be listed (no
+    permission, a system folder) is one line."""
+    try:
+        return sorted(root.glob(pattern))
+    except OSError as e:
+        raise UsageError(f"cannot list {root}: {e}; give a results folder") from None
+
+
 def load_results(folder: str | Path) -> tuple[list[dict], int]:
     """(finished results that carry a protocol, number of finished results without one)."""
     root = Path(folder)
     if not root.is_dir():
         raise UsageError(f"results folder {folder} not found")
     out, legacy = [], 0
-    for f in sorted(root.rglob("*.json")):
+    for f in _files(root, "**/*.json"):
         if not RESULT_FILE.match(f.name) or f.name.endswith(".failed.json"):
             continue
         try:
@@ -119,7 +128,7 @@ def load_encodeval(
         raise UsageError(f"EncodEval results folder {root} not found")
     known = encodeval_tasks(task_files)
     runs = []
-    for f in sorted(base.glob("*/*/*/*/results.json")):
+    for f in _files(base, "*/*/*/*/results.json"):
         model, kind, dataset, run = f.parts[-5:-1]
         family = kind.lower()
         m = ENCODEVAL_RUN.match(run)
