@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import signal
+import time
 import typing
 from pathlib import Path
 
@@ -401,6 +402,7 @@ def test_random_command_lines_are_accepted_or_refused_in_one_line(
     base = {"plan": ["--sizes", "210m", "--budgets", "12000", "--clm-shares", "--cpt-steps",
                      "--eval-tasks", "sst2"]}.get(command, [])  # fmt: skip
     previous = signal.signal(signal.SIGALRM, _hang)
+    slowest = (0.0, [])
     try:
         for i in range(CASES):
             argv = [command, *base, *draw_argv(rng, parser, files)]
@@ -411,6 +413,7 @@ def test_random_command_lines_are_accepted_or_refused_in_one_line(
             # as a terminal's: UTF-8, strict (a path of undecodable bytes must not break print)
             out, err = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8") for _ in range(2))
             signal.alarm(HANG_S)
+            started = time.perf_counter()
             try:
                 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                     try:
@@ -421,6 +424,7 @@ def test_random_command_lines_are_accepted_or_refused_in_one_line(
                 raise AssertionError(f"{argv!r}: {type(e).__name__}: {e}") from e
             finally:
                 signal.alarm(0)
+                slowest = max(slowest, (time.perf_counter() - started, argv))
             err.flush()
             said = err.buffer.getvalue().decode("utf-8", "replace")
             lines = said.strip().splitlines()
@@ -432,3 +436,4 @@ def test_random_command_lines_are_accepted_or_refused_in_one_line(
             shutil.rmtree(case, ignore_errors=True)
     finally:
         signal.signal(signal.SIGALRM, previous)
+    print(f"{command}: {CASES} cases, the slowest {slowest[0]:.1f} s: {slowest[1]}")  # for -s
