@@ -370,6 +370,12 @@ def draw_argv(rng: random.Random, parser, files: dict[str, str]) -> list[str]:
     return argv
 
 
+def offline(name: str, keys):
+    """What reading a Hugging Face dataset says without a network, at once."""
+    raise UsageError(f"cannot load Hugging Face dataset '{name}': offline")
+    yield
+
+
 def _hang(signum, frame):
     raise TimeoutError(f"a case ran past {HANG_S} s")
 
@@ -385,6 +391,7 @@ def test_random_command_lines_are_accepted_or_refused_in_one_line(
     work a command starts once its input is accepted (training, fine-tuning, the quickstart, the
     study, a Hub download) is replaced by a stub: what is fuzzed is everything before it."""
     import megatron_mlmclm.commands.evaluate as evaluate
+    import megatron_mlmclm.data.text_sources as text_sources
     import megatron_mlmclm.quickstart as quickstart
     import megatron_mlmclm.study.pipeline as study
     import megatron_mlmclm.training.pretrain as pretrain
@@ -395,6 +402,7 @@ def test_random_command_lines_are_accepted_or_refused_in_one_line(
     monkeypatch.setattr(quickstart, "run_quickstart", lambda *a, **kw: None)
     monkeypatch.setattr(study, "run_study", lambda *a, **kw: None)
     monkeypatch.setenv("MLMCLM_DATA_DIR", str(fuzz_inputs["empty"]))
+    monkeypatch.setattr(text_sources, "_iter_hf", offline)  # a word as --input: a Hub name
     files = {k: str(p) for k, p in fuzz_inputs.items() if k != "root"}
     files.update({k: k for k in ("out", "new/deeper/out", ".", "..")})
     _, parser = command_parser(command)

@@ -33,6 +33,7 @@ reads the N prefixes as one list (``data.train``, ``mlmclm plan --data``).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -329,6 +330,7 @@ def preprocess(
 
     dtype = DType.optimal_dtype(len(tok))
     parent = Path(str(output_prefix)).parent
+    made = [d for d in (parent, *parent.parents) if not d.exists()]  # removed again on failure
     parent.mkdir(parents=True, exist_ok=True)
     tag = f".tmp-{os.getpid()}"
     tmp = {k: (Path(str(b) + tag), Path(str(i) + tag)) for k, (b, i) in outs.items()}
@@ -409,6 +411,9 @@ def preprocess(
         for b, i in tmp.values():
             for p in (b, i):
                 p.unlink(missing_ok=True)
+        for d in made:  # deepest first; a folder something else wrote into stays
+            with contextlib.suppress(OSError):
+                d.rmdir()
         raise
     finally:
         bar.close()

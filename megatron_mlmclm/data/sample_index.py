@@ -336,6 +336,8 @@ def build_sample_index(
     marker = files = None
     if cache_dir is not None:
         cache_dir = Path(cache_dir)
+        if cache_dir.exists() and not cache_dir.is_dir():
+            raise UsageError(f"the cache folder {cache_dir} is a file; give a folder")
         key = cache_key(lengths, seq_length, seed, num_samples, num_epochs)
         marker, files = _paths(cache_dir, key)
         hit = _load(marker, files, int(seq_length), lengths)

@@ -352,6 +352,7 @@ def _same(a, b) -> bool:
 def fetch_task(task: Task, root: Path) -> str:
     """Write `task`'s local layout under `root` from the Hub and verify it; a line saying what
     was done."""
+    check_name(task.name, "fetch")  # its staging folder sits beside the data, never above
     if not missing_files(task):
         return f"{task.name}: present in {task.folder()}"
     if not fetchable(task):
@@ -361,7 +362,7 @@ def fetch_task(task: Task, root: Path) -> str:
             f"{', '.join(WRITERS)}); put the files there"
         )
     hub = hub_task(task)
-    stage = root / f".fetch-{check_name(task.name, 'fetch')}"  # beside the data, never above
+    stage = root / f".fetch-{task.name}"
     shutil.rmtree(stage, ignore_errors=True)
     try:
         WRITERS[task.format](hub, stage)

@@ -30,6 +30,8 @@ def check_out(out: str | os.PathLike, force: bool) -> None:
     """--out: absent, an empty folder, or with --force a folder to re-plan into; never a file (or
     a link to one) the plan would replace."""
     out = Path(out)
+    if not out.resolve().name:
+        raise UsageError(f"--out {out} is the file system's root; give a folder for the plan")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UsageError(f"--out {out} exists and is not a folder; choose another path")
     if out.is_dir() and any(out.iterdir()) and not force:
