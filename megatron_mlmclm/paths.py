@@ -62,6 +62,10 @@ def check_output_folder(
     folder the user meant.
     """
     given = Path(out)
+    try:  # tokenizers' writer (Rust) takes UTF-8 paths only; argv holds other bytes as surrogates
+        str(given.absolute()).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{flag} {str(given)!r} is not UTF-8 text; give a path in UTF-8") from None
     if given.is_symlink():
         raise UsageError(
             f"{flag} {given} is a symbolic link (to {os.readlink(given)}); give the folder itself"
@@ -71,12 +75,14 @@ def check_output_folder(
     if not given.is_dir():
         raise UsageError(f"{flag} {given} exists and is not a folder; choose another path")
     where = given.resolve()
-    for name, protected in (
-        ("the current folder", Path.cwd().resolve()),
-        ("your home folder", Path.home().resolve()),
-    ):
-        if _inside(protected, where):
-            what = name if protected == where else f"a folder above {name}"
+    protected = [("the current folder", Path.cwd().resolve())]
+    try:
+        protected.append(("your home folder", Path.home().resolve()))
+    except (RuntimeError, KeyError):  # no $HOME and no user entry (a bare container)
+        pass
+    for name, folder in protected:
+        if _inside(folder, where):
+            what = name if folder == where else f"a folder above {name}"
             raise UsageError(f"{flag} {given} is {what}; give a new folder for the output")
     empty = not any(given.iterdir())
     if empty:

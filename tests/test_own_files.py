@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from jobs import REPO, run_pretrain, snapshot
+from jobs import REPO, run_pretrain, snapshot, word_tokenizer
 
 from megatron_mlmclm.checkpoint import RUN_FILE, prune
 from megatron_mlmclm.cli import main
@@ -173,3 +173,19 @@ def test_pruning_deletes_only_the_checkpoints_of_the_run_doing_it(tmp_path):
     assert left == [1, 2, 3, 5, 6, 7]  # 4 pruned; 2 kept for good (keep)
     prune(tmp_path, keep_last=1, run_id=None)  # a converter's save: prunes nothing
     assert sorted(int(p.name[5:]) for p in tmp_path.iterdir()) == left
+
+
+def test_preprocess_force_replaces_only_shards_it_wrote(corpus, tmp_path, capsys):
+    """A shard without the fingerprint preprocess writes beside its own (one Megatron-LM wrote,
+    say) is refused under --force, every file in place (its own are replaced:
+    tests/test_preprocess.py); a --json-keys key that is a path, too."""
+    tok = word_tokenizer(tmp_path, 300)
+    argv = ["preprocess", "--input", str(corpus / "a.jsonl"), "--tokenizer", str(tok)]
+    argv += ["--output-prefix", str(tmp_path / "shards" / "x")]
+    assert main(argv) == 0
+    (tmp_path / "shards" / "x_text_document.fingerprint.json").unlink()
+    before = snapshot(tmp_path)
+    refused(capsys, [*argv, "--force"], "was not written by `mlmclm preprocess`")
+    assert snapshot(tmp_path) == before
+    refused(capsys, [*argv, "--json-keys", "../x"], "must be a plain name")
+    assert snapshot(tmp_path) == before

@@ -39,7 +39,10 @@ num_samples / num_epochs and the bytes of the lengths array (first 16 hex digits
     <cache_dir>/sample_index-<key>.shuffle_idx.npy
     <cache_dir>/sample_index-<key>.json        written last: its presence marks a complete entry
 Every file is written to a temporary name in the same directory, then os.replace'd into place, so
-concurrent builders (one per rank) never read a partial file. Hits are loaded with mmap.
+concurrent builders (one per rank) never read a partial file. Hits are loaded with mmap and
+checked before use (`check_index`: a damaged or tampered entry is rebuilt, never served). Before
+an index is built, its size is reckoned and refused past a share of the available memory and of
+the cache folder's free disk (`check_room`; runtime.limits.index_memory).
 FORMAT_VERSION 2 added the sample shuffle; 3 made the order independent of num_samples (an
 epoch's last sample, which ends in the next epoch, is packed and shuffled with its epoch). Entries
 of older versions have other keys and are rebuilt.
@@ -170,10 +173,17 @@ def check_room(nbytes: int, what: str, share: float, cache_dir=None, limit: str 
     for where, free in room:
         if nbytes > share * free:
             raise UsageError(
-                f"{what} needs about {nbytes / 2**30:,.1f} GiB, past {limit}={share:g} of the "
-                f"{free / 2**30:,.1f} GiB of {where} free: ask for fewer samples or a shorter "
-                f"run, or raise {limit}"
+                f"{what} needs about {_size(nbytes)}, past {limit}={share:g} of the "
+                f"{_size(free)} of {where} free: ask for fewer samples or a shorter run, or "
+                f"raise {limit}"
             )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def cache_key(

@@ -150,7 +150,12 @@ def earlier_run(cfg: RunConfig, move: bool) -> str | None:
             "checkpoint.move_aside_existing=true to move that run's files aside first"
         )
     out = Path(cfg.output_dir)
-    aside = out / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = next(
+        out / name
+        for name in (stamp, *(f"{stamp}-{n}" for n in range(2, 10**6)))
+        if not (out / name).exists()
+    )
     if not move:
         return f"the earlier run's files in {out} will be moved aside to {aside.name}/"
     aside.mkdir(parents=True)
