@@ -585,7 +585,7 @@ def test_output_exists_needs_force_and_failed_verification_leaves_nothing(
     assert rc == 2 and "not written by `mlmclm convert to-hf`" in err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     (out / "keep.txt").unlink()
-    rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out)  # an empty folder is filled
+    rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out, "--force")  # empty: filled
     assert rc == 0, err
     (out / "keep.txt").write_text("mine")
     rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out, "--force")
