@@ -251,11 +251,13 @@ OUTPUTS = {
 
 
 def check_output(out: Path, force: bool, kind: str, inputs: Sequence = ()) -> None:
-    """`out` new or empty, or with `force` an earlier output of the same `kind` of conversion (it
+    """`out` new, or with `force` empty or an earlier output of the same `kind` of conversion (it
     holds that kind's record, OUTPUTS), none of the `inputs` and holding none of them, and no
     training run's folder (paths.py)."""
     command, marker = OUTPUTS[kind]
     check_output_folder(out, force=force, command=command, marker=marker, inputs=inputs)
+    if out.exists() and not force:  # even an empty one: a conversion's OUT is a new folder
+        raise UsageError(f"output {out} exists; choose another path or pass --force to replace it")
 
 
 @contextlib.contextmanager
