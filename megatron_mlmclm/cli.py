@@ -51,10 +51,18 @@ def available_commands() -> dict[str, tuple[str, str]]:
     return out
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal of a flag is one line (exit status 2), as every other
+    refusal: the usage it would print first is `--help`'s."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see --help)\n")
+
+
 def command_parser(name: str) -> tuple[types.ModuleType, argparse.ArgumentParser]:
     """The module of subcommand `name` and its argument parser."""
     module_name, help_ = COMMANDS[name]
-    parser = argparse.ArgumentParser(prog=f"mlmclm {name}", description=help_)
+    parser = CommandParser(prog=f"mlmclm {name}", description=help_)
     module = importlib.import_module(module_name)
     module.add_arguments(parser)
     return module, parser
@@ -101,6 +109,9 @@ def quiet_optional_dependency_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_optional_dependency_warnings()
+    for stream in (sys.stdout, sys.stderr):  # a path of bytes that are not UTF-8 (argv holds
+        if hasattr(stream, "reconfigure"):  # them as surrogates) prints as those bytes
+            stream.reconfigure(errors="surrogateescape")
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = available_commands()
     if not argv or argv[0] in ("-h", "--help"):

@@ -359,3 +359,20 @@ def line_tokenizer(root: Path) -> tuple[Path, int]:
     )
     tok = train_tokenizer([str(corpus)], root / "tok", 300, progress=False)
     return tok, len(load_tokenizer(tok))
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file and folder under `folder` (relative path -> SHA-256 of a file's bytes, "dir", or
+    where a link points): two snapshots are equal when nothing was added, removed or changed."""
+    import hashlib
+
+    out = {}
+    for p in sorted(Path(folder).rglob("*")):
+        key = str(p.relative_to(folder))
+        if p.is_symlink():
+            out[key] = f"link:{os.readlink(p)}"
+        elif p.is_dir():
+            out[key] = "dir"
+        else:
+            out[key] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out

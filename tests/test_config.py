@@ -85,6 +85,7 @@ def test_overrides_parse_yaml_values_and_list_indices(tmp_path):
         (["model.preset=huge"], "model.preset 'huge' is unknown"),
         (["data.mock=false"], "data.train is empty"),
         (["train.steps"], "must look like key.sub=value"),
+        (["checkpoint.move_aside_existing=true"], "applies to a fresh start only"),
         (
             ["phases=[{objective: clm, share: 0.5, steps: 40}, {objective: mlm, share: 0.5}]"],
             "phases.0 gives share 0.5 (= 50 of train.steps=100) and steps 40, which disagree",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from jobs import job_env, run_pretrain, word_tokenizer
+from jobs import job_env, run_pretrain, snapshot, word_tokenizer
 from safetensors.torch import load_file
 
 from megatron_mlmclm.cli import main as cli_main
@@ -811,6 +811,14 @@ def test_output_exists_needs_force_and_failed_verification_leaves_nothing(
     assert rc == 2 and "--force" in err and (out / "keep.txt").read_text() == "mine"
     rc, err = run_cli(capsys, "from-hf", ws["hf"]["llama"], out)
     assert rc == 2 and (out / "keep.txt").exists()
+    # --force replaces only an earlier export (its mlmclm_export.json): not this folder
+    rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out, "--force")
+    assert rc == 2 and "not written by `mlmclm convert to-hf`" in err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out, "--force")  # empty: filled
+    assert rc == 0, err
+    (out / "keep.txt").write_text("mine")
     rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out, "--force")
     assert rc == 0, err
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
@@ -824,6 +832,29 @@ def test_output_exists_needs_force_and_failed_verification_leaves_nothing(
     assert_refused(capsys, fresh, "from-hf", ws["hf"]["qwen3"], fresh, match="verification failed")
     rc, err = run_cli(capsys, "to-hf", ws["ckpt"]["tp1"], out, "--force")
     assert rc == 2 and (out / "model.safetensors").is_file()  # the old output survives a failure
+
+
+def test_force_never_replaces_a_run_folder(ws, capsys, tmp_path):
+    """`convert to-hf RUN/checkpoints RUN --force` (an export aimed at its own run's folder) and
+    an import aimed at a run's folder: refused in one line, every file of the run in place."""
+    run = tmp_path / "runs" / "X"
+    shutil.copytree(ws["root"] / "tp1", run)
+    (run / "tensorboard").mkdir(exist_ok=True)
+    (run / "tensorboard" / "events.out").write_bytes(b"scalars")
+    before = snapshot(run)
+    assert {"checkpoints", "metrics.jsonl", "config.yaml"} <= set(before)
+    for args, match in (
+        (
+            ("to-hf", run / "checkpoints", run, "--tokenizer", ws["tok"], "--force"),
+            "holds the input",
+        ),
+        (("to-hf", run / "checkpoints" / "iter_0000002", run, "--force"), "holds the input"),
+        (("from-hf", ws["hf"]["llama"], run, "--force"), "training run's folder"),
+    ):
+        rc, err = run_cli(capsys, *args)
+        assert rc == 2 and match in err and err.strip().count("\n") == 0, err
+        assert snapshot(run) == before
+    assert sorted(p.name for p in run.parent.iterdir()) == ["X"]  # no staging folder left
 
 
 def test_tokenizer_larger_than_vocab_and_tools_script(ws, capsys, tmp_path):

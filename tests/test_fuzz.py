@@ -13,9 +13,18 @@ Derandomized: the suite runs the same examples every time, a few seconds in all.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
 import dataclasses
+import io
+import json
 import math
+import os
+import random
+import shutil
+import signal
+import time
 import typing
 from pathlib import Path
 
@@ -23,7 +32,9 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jobs import snapshot
 
+from megatron_mlmclm.cli import COMMANDS, command_parser, main
 from megatron_mlmclm.config import RunConfig, load_config, to_dict
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.protocols import PROTOCOLS, resolve, run_settings
@@ -217,3 +228,220 @@ def test_task_entries_of_the_wrong_shape_are_refused(tmp_path):
         path.write_text(yaml.safe_dump({"t": entry}), encoding="utf-8")
         with pytest.raises(UsageError, match=message):
             load_registry([str(path)])
+
+
+# --------------------------------------------------------------------------------------------------
+# Every subcommand's flags, fuzzed: random command lines through `cli.main`, in process
+
+# Cases per subcommand: a few dozen in the suite (seconds); MLMCLM_FUZZ_CASES=3000 is the long
+# seeded run (docs/architecture.md#conventions: run before a release).
+CASES = int(os.environ.get("MLMCLM_FUZZ_CASES", "40"))
+HANG_S = 300  # a case still running after this is a hang: the test fails, naming it
+
+INTS = ["0", "-1", "1", "2", "3", "16", "1000", "2147483648", "9223372036854775808",
+        "100000000000000000000000", "1e23", "x", ""]  # fmt: skip
+FLOATS = ["0", "-1", "1e-3", "0.5", "1", "nan", "inf", "-inf", "1e30", "1e-300", "x", ""]
+WORDS = [".", "..", "/", "~", "out", "new/deeper/out", "../escaped", "x", "", "sst2", "paper",
+         "210m", "210m=inf", "210m=1e30", "1b=0", "0.5", "-1", "nan", "a=b", "train.steps=5",
+         "seq_length=99999999", "index_memory=1e-9", "../../../escaped-task", "\udcff",
+         "$(touch pwned)", "a b", "--", "-x"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fuzz_inputs(tmp_path_factory) -> dict[str, Path]:
+    """Files the fuzz names besides random words: good and bad inputs of every command."""
+    from jobs import word_tokenizer
+
+    from megatron_mlmclm.data.preprocess import preprocess
+
+    root = tmp_path_factory.mktemp("fuzz_inputs")
+    tok = word_tokenizer(root, 300)
+    corpus = root / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"alpha beta gamma {i} delta"}) + "\n" for i in range(40))
+    )
+    preprocess([str(corpus / "a.jsonl")], root / "shards" / "a", tok, progress=False)
+    (root / "surrogate.jsonl").write_text('{"text": "a\\ud800b"}\n')
+    (root / "run.yaml").write_text(
+        yaml.safe_dump({"data": {"mock": True}, "model": {"preset": "tiny"}, "output_dir": "run"})
+    )
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"]  # nested aliases, 9x a level (9^9 leaves)
+    for n in range(1, 9):
+        levels.append(f"a{n}: &a{n} [{', '.join([f'*a{n - 1}' if n > 1 else '*a'] * 9)}]")
+    (root / "bomb.yaml").write_text("\n".join(levels) + "\n")
+    (root / "dup.yaml").write_text("train:\n  lr: 1e-3\n  lr: 1e-2\n")
+    (root / "tasks.yaml").write_text(
+        yaml.safe_dump({"../../../escaped-task": {**SHIPPED["sst2"]}, "t": {**SHIPPED["sst2"]}})
+    )
+    results = root / "results" / "m" / "sst2"
+    results.mkdir(parents=True)
+    (results / "lr0.001_seed0_default-sst2.json").write_text(
+        json.dumps({"status": "done", "metrics": {"test": {"accuracy": "high"}}, "protocol": {}})
+    )
+    ckpt = root / "ckpt" / "iter_0000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "metadata.json").write_text("{}")
+    (ckpt / "common.pt").write_bytes(b"not a pickle")
+    (ckpt / "manifest.json").write_text(json.dumps({"files": {"common.pt": 5}}))
+    (root / "empty").mkdir()
+    (root / "file.txt").write_text("x")
+    (root / "link").symlink_to(tok)
+    return {
+        "root": root, "tok": tok, "corpus": corpus, "corpus_file": corpus / "a.jsonl",
+        "shard": root / "shards" / "a_text_document", "surrogate": root / "surrogate.jsonl",
+        "config": root / "run.yaml", "bomb": root / "bomb.yaml", "dup": root / "dup.yaml",
+        "tasks": root / "tasks.yaml", "results": root / "results", "ckpt": root / "ckpt",
+        "empty": root / "empty", "file": root / "file.txt", "link": root / "link",
+    }  # fmt: skip
+
+
+# The files a flag most often gets, by a word of its name: what it reads or writes (the rest of the
+# time, any file or word).
+ROLES = {
+    "out": ["out", "new/deeper/out", ".", "..", "empty", "tok", "link", "file", "results", "ckpt"],
+    "tokenizer": ["tok", "link", "empty", "file", "corpus"],
+    "source": ["tok", "link", "empty", "corpus"],
+    "train": ["corpus", "corpus_file", "surrogate", "empty", "file"],
+    "input": ["corpus", "corpus_file", "surrogate", "empty", "file"],
+    "prefix": ["shard", "file", "out"],
+    "config": ["config", "bomb", "dup", "file", "empty"],
+    "task_file": ["tasks", "bomb", "dup", "file"],
+    "results": ["results", "empty", "file"],
+    "ckpt": ["ckpt", "empty", "tok"],
+    "hf_dir": ["tok", "empty", "ckpt"],
+    "model": ["tok", "empty", "ckpt"],
+}
+
+
+def draw_values(rng: random.Random, action, files: dict[str, str]) -> list[str]:
+    """Values for one argparse action: of its type mostly (a number that parses, a file of its
+    role), anything at all sometimes."""
+    words = (action.dest, *action.dest.split("_"))
+    role = next(([files[n] for n in ROLES[w]] for w in words if w in ROLES), None)
+    if action.choices is not None and not isinstance(action.choices, dict) and rng.random() < 0.8:
+        pool = [str(c) for c in action.choices]
+    elif action.type in (int, float):
+        pool = INTS if action.type is int else FLOATS
+        if rng.random() < 0.85:
+            pool = [v for v in pool if v and v not in ("x", "1e23")]
+    elif action.dest == "overrides":
+        pool = [f"{k}={v}" for k in rng.sample(KEYS, 3) for v in rng.sample(VALUES, 2)]
+    elif role is not None and rng.random() < 0.7:
+        pool = role
+    else:
+        pool = [*files.values(), *WORDS]
+    if rng.random() < 0.05:
+        pool = INTS + FLOATS + WORDS + list(files.values())
+    n = {None: 1, "?": rng.randint(0, 1), "*": rng.randint(0, 3), "+": rng.randint(1, 3)}.get(
+        action.nargs, action.nargs if isinstance(action.nargs, int) else 1
+    )
+    return [rng.choice(pool) for _ in range(n)]
+
+
+def draw_argv(rng: random.Random, parser, files: dict[str, str]) -> list[str]:
+    """A random command line for `parser`: its positionals and required flags (mostly), one of
+    each required group, a few other flags."""
+    argv: list[str] = []
+    actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    chosen = [a for a in actions if a.option_strings and a.required and rng.random() < 0.95]
+    for group in parser._mutually_exclusive_groups:
+        if group.required and rng.random() < 0.95:
+            chosen.append(rng.choice(group._group_actions))
+    for action in actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = rng.choice([*action.choices, *action.choices, "junk"])
+            if name == "junk":
+                return [*argv, name]
+            return [*argv, name, *draw_argv(rng, action.choices[name], files)]
+        if not action.option_strings and rng.random() < 0.95:
+            argv += draw_values(rng, action, files)
+    exclusive = {a for g in parser._mutually_exclusive_groups for a in g._group_actions}
+    others = [
+        a
+        for a in actions
+        if a.option_strings and a not in chosen and (a not in exclusive or rng.random() < 0.1)
+    ]
+    chosen += rng.sample(others, min(len(others), rng.randint(0, 4)))
+    for action in chosen:
+        argv.append(rng.choice(action.option_strings))
+        if action.nargs != 0:
+            argv += draw_values(rng, action, files)
+    return argv
+
+
+def offline(name: str, keys):
+    """What reading a Hugging Face dataset says without a network, at once."""
+    raise UsageError(f"cannot load Hugging Face dataset '{name}': offline")
+    yield
+
+
+def _hang(signum, frame):
+    raise TimeoutError(f"a case ran past {HANG_S} s")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_random_command_lines_are_accepted_or_refused_in_one_line(
+    command, fuzz_inputs, tmp_path, monkeypatch
+):
+    """Random flags and values (numbers at and past every bound, NaN, infinities, paths that are
+    inputs, outputs, links, folders above, words, an undecodable byte) for every subcommand, run
+    through `cli.main` as the CLI runs them: each ends in exit status 0, or 2 with one line (the
+    refusal: argparse's or ours) and nothing written; never a traceback, never a hang. The long
+    work a command starts once its input is accepted (training, fine-tuning, the quickstart, the
+    study, a Hub download) is replaced by a stub: what is fuzzed is everything before it."""
+    import megatron_mlmclm.commands.evaluate as evaluate
+    import megatron_mlmclm.data.text_sources as text_sources
+    import megatron_mlmclm.quickstart as quickstart
+    import megatron_mlmclm.study.pipeline as study
+    import megatron_mlmclm.training.pretrain as pretrain
+
+    monkeypatch.setattr(pretrain, "pretrain", lambda cfg, **kw: 0)
+    monkeypatch.setattr(evaluate, "run_grid", lambda *a, **kw: dict(ran=0, skipped=0, failed=0))
+    monkeypatch.setattr(evaluate, "fetch", lambda *a, **kw: None)
+    monkeypatch.setattr(quickstart, "run_quickstart", lambda *a, **kw: None)
+    monkeypatch.setattr(study, "run_study", lambda *a, **kw: None)
+    monkeypatch.setenv("MLMCLM_DATA_DIR", str(fuzz_inputs["empty"]))
+    monkeypatch.setattr(text_sources, "_iter_hf", offline)  # a word as --input: a Hub name
+    files = {k: str(p) for k, p in fuzz_inputs.items() if k != "root"}
+    files.update({k: k for k in ("out", "new/deeper/out", ".", "..")})
+    _, parser = command_parser(command)
+    rng = random.Random(f"{command}-0")
+    base = {"plan": ["--sizes", "210m", "--budgets", "12000", "--clm-shares", "--cpt-steps",
+                     "--eval-tasks", "sst2"]}.get(command, [])  # fmt: skip
+    previous = signal.signal(signal.SIGALRM, _hang)
+    slowest = (0.0, [])
+    try:
+        for i in range(CASES):
+            argv = [command, *base, *draw_argv(rng, parser, files)]
+            case = tmp_path / str(i)
+            (case / "a" / "b").mkdir(parents=True)
+            monkeypatch.chdir(case / "a" / "b")
+            before = snapshot(case), snapshot(fuzz_inputs["root"])
+            # as a terminal's: UTF-8, strict (a path of undecodable bytes must not break print)
+            out, err = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8") for _ in range(2))
+            signal.alarm(HANG_S)
+            started = time.perf_counter()
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    try:
+                        rc = main(argv)
+                    except SystemExit as e:  # argparse: --help (0), a flag it refuses (2)
+                        rc = e.code
+            except BaseException as e:
+                raise AssertionError(f"{argv!r}: {type(e).__name__}: {e}") from e
+            finally:
+                signal.alarm(0)
+                slowest = max(slowest, (time.perf_counter() - started, argv))
+            err.flush()
+            said = err.buffer.getvalue().decode("utf-8", "replace")
+            lines = said.strip().splitlines()
+            assert rc in (0, 2), (argv, rc, said[-2000:])
+            if rc == 2:
+                assert len(lines) == 1 and "error:" in lines[0], (argv, said[-2000:])
+                after = snapshot(case), snapshot(fuzz_inputs["root"])
+                assert after == before, (argv, lines)
+            shutil.rmtree(case, ignore_errors=True)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    print(f"{command}: {CASES} cases, the slowest {slowest[0]:.1f} s: {slowest[1]}")  # for -s

@@ -165,6 +165,13 @@ def test_cli_tokenize_refuses_non_empty_out_and_force_replaces(llama_like, tmp_p
     assert "not empty" in err and "--force" in err and len(err.splitlines()) == 1
     assert said == ""  # refused before the mask and pad tokens are chosen and reported
     assert (out / "keep.txt").exists()
+    # --force replaces only an earlier tokenizer folder (its METADATA_FILE): not this one
+    assert cli.main(["tokenize", "--from", str(llama_like), "--out", str(out), "--force"]) == 2
+    assert "not written by `mlmclm tokenize`" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    assert cli.main(["tokenize", "--from", str(llama_like), "--out", str(out)]) == 0
+    (out / "keep.txt").write_text("x")
     assert cli.main(["tokenize", "--from", str(llama_like), "--out", str(out), "--force"]) == 0
     assert not (out / "keep.txt").exists() and (out / METADATA_FILE).exists()
     assert (

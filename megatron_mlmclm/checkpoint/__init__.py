@@ -5,6 +5,9 @@ Layout of a run's checkpoint folder:
       iter_0000200/          one complete checkpoint (dist_checkpointing format + common.pt)
       iter_0000400/
       latest                 text file: the name of the newest complete checkpoint
+Each checkpoint names the run that wrote it in `run.json` (`{"run_id": ...}`: an id drawn when a
+run starts afresh or branches, kept by its resumes): pruning deletes only the checkpoints of the
+run doing it, and a save replaces an existing folder of its step only when that run wrote it.
 A checkpoint is written as `iter_N.tmp`, its files and folder are fsynced, a manifest of per-file
 sizes and SHA-256 checksums is written last (`manifest.json`), and only then is it renamed to
 `iter_N`: a killed run never leaves a folder that looks complete, and a checkpoint damaged later
@@ -55,6 +58,7 @@ from megatron_mlmclm.runtime.distributed import on_main
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 COMMON = "common.pt"  # the non-sharded state: the trainer's record, its run config
+RUN_FILE = "run.json"  # which run wrote the checkpoint: {"run_id": ...}, read without unpickling
 _ITER_RE = re.compile(r"^iter_(\d{7})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 EXTRA_STATE = "_extra_state"  # a module's non-tensor state (TE: FP8 metadata) in a checkpoint
@@ -177,15 +181,42 @@ def verify_checkpoint(ckpt: str | Path, share: tuple[int, int] = (0, 1)) -> str 
     return _verify(Path(ckpt), *share)[0]
 
 
-def verify_file(ckpt: Path, name: str) -> str | None:
-    """`verify_checkpoint` for one file of the checkpoint (read before the rest is verified)."""
+def read_manifest(ckpt: Path) -> tuple[dict[str, dict] | None, str | None]:
+    """(The checkpoint's manifest: file -> {size, sha256}, or None when it has none; what is
+    wrong with it, or None). Every entry is checked: a file of the folder (no path leaving it),
+    an integer size and a hex digest."""
     manifest = ckpt / MANIFEST
     if not manifest.is_file():
-        return None
+        return None, None
     try:
-        want = json.loads(manifest.read_text(encoding="utf-8"))["files"][name]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MANIFEST} ({type(e).__name__})"
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        return None, f"unreadable {MANIFEST} ({type(e).__name__})"
+    if not isinstance(files, dict):
+        return None, f"unreadable {MANIFEST} (its files are not a mapping)"
+    for name, want in files.items():
+        parts = Path(name).parts
+        if (
+            not parts
+            or Path(name).is_absolute()
+            or ".." in parts
+            or not isinstance(want, dict)
+            or type(want.get("size")) is not int
+            or want["size"] < 0
+            or not isinstance(want.get("sha256"), str)
+        ):
+            return None, f"{MANIFEST} has a malformed entry for {name!r}"
+    return files, None
+
+
+def verify_file(ckpt: Path, name: str) -> str | None:
+    """`verify_checkpoint` for one file of the checkpoint (read before the rest is verified)."""
+    files, problem = read_manifest(ckpt)
+    if files is None:
+        return problem
+    want = files.get(name)
+    if want is None:
+        return f"{name} is not in its {MANIFEST}"
     if not (ckpt / name).is_file():
         return f"{name} is missing"
     if _digest(ckpt / name) != {"size": want["size"], "sha256": want["sha256"]}:
@@ -207,13 +238,9 @@ def _share(files: dict[str, dict], rank: int, world: int) -> list[str]:
 
 def _verify(ckpt: Path, rank: int, world: int) -> tuple[str | None, int]:
     """(What is wrong or None, the bytes this rank checksummed)."""
-    manifest = ckpt / MANIFEST
-    if not manifest.is_file():
-        return None, 0
-    try:
-        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
-    except (ValueError, KeyError, TypeError) as e:
-        return f"unreadable {MANIFEST} ({type(e).__name__})", 0
+    files, problem = read_manifest(ckpt)
+    if files is None:
+        return problem, 0
     for name, want in files.items():  # sizes first: cheap, and catches truncation
         f = ckpt / name
         if not f.is_file():
@@ -372,6 +399,9 @@ def save_checkpoint(
     )
     state["rng_state"] = _rng_state()
     dist_checkpointing.save(state, str(tmp), content_metadata=dict(OPTIMIZER_METADATA))
+    run_id = trainer_state.get("run_id")
+    if dist.get_rank() == 0 and run_id:
+        (tmp / RUN_FILE).write_text(json.dumps({"run_id": run_id}) + "\n", encoding="utf-8")
     dist.barrier()
     write_manifest(tmp)  # last: a folder with a manifest is complete and durable
     if dist.get_rank() == 0:
@@ -379,10 +409,11 @@ def save_checkpoint(
             if damaged.is_dir():
                 _move_aside(damaged)
         if final.exists():
-            if verify_checkpoint(final) is None:
+            mine = bool(run_id) and checkpoint_run_id(final) == run_id
+            if mine and verify_checkpoint(final) is None:
                 shutil.rmtree(final)
-            else:  # a damaged one that resume skipped: keep it for inspection, out of the way
-                _move_aside(final)
+            else:  # damaged (the resume skipped it) or another run's: kept, out of the way
+                _move_aside(final, "corrupt" if mine else "other-run")
         os.replace(tmp, final)
         tmp_latest = ckpt_dir / "latest.tmp"
         with open(tmp_latest, "w", encoding="utf-8") as f:
@@ -391,25 +422,42 @@ def save_checkpoint(
             os.fsync(f.fileno())
         os.replace(tmp_latest, ckpt_dir / "latest")
         _fsync_dir(ckpt_dir)  # the renames themselves
-        prune(ckpt_dir, keep_last, keep)
+        prune(ckpt_dir, keep_last, keep, run_id)
     dist.barrier()
     return final
 
 
-def _move_aside(damaged: Path) -> None:
-    aside = damaged.with_name(f"{damaged.name}.corrupt-{int(time.time())}")
-    os.replace(damaged, aside)
-    _say(f"moved the damaged {damaged.name} aside to {aside.name}")
+def _move_aside(folder: Path, why: str = "corrupt") -> None:
+    """Rename `folder` (a damaged checkpoint, or another run's) `iter_NNNNNNN.WHY-TIME`."""
+    aside = folder.with_name(f"{folder.name}.{why}-{int(time.time())}")
+    os.replace(folder, aside)
+    _say(f"moved the {'damaged' if why == 'corrupt' else why} {folder.name} aside to {aside.name}")
 
 
 def checkpoint_iteration(ckpt: Path) -> int:
     return int(_ITER_RE.match(ckpt.name).group(1))
 
 
-def prune(ckpt_dir: str | Path, keep_last: int, keep=frozenset()) -> None:
-    """Delete complete checkpoints older than the newest `keep_last`, except those of the
-    iterations in `keep` (checkpoint.keep_every / keep_steps / keep_tokens: kept for good)."""
-    for old in complete_checkpoints(ckpt_dir)[:-keep_last]:
+def checkpoint_run_id(ckpt: Path) -> str | None:
+    """The id of the run that wrote `ckpt` (its RUN_FILE); None for a checkpoint saved before
+    checkpoints named their run, or written by a converter."""
+    try:
+        run_id = json.loads((ckpt / RUN_FILE).read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def prune(
+    ckpt_dir: str | Path, keep_last: int, keep=frozenset(), run_id: str | None = None
+) -> None:
+    """Delete the complete checkpoints of run `run_id` older than its newest `keep_last`, except
+    those of the iterations in `keep` (checkpoint.keep_every / keep_steps / keep_tokens: kept for
+    good). Checkpoints of another run, or that name no run, are never deleted."""
+    if not run_id:
+        return
+    own = [c for c in complete_checkpoints(ckpt_dir) if checkpoint_run_id(c) == run_id]
+    for old in own[:-keep_last]:
         if checkpoint_iteration(old) not in keep:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -16,6 +16,7 @@ See docs/evaluate.md.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -253,8 +254,64 @@ def check_data_lines(tasks: list[str], task_files: list[str]) -> int:
 
 
 def _positive(name: str, value) -> None:
-    if value is not None and value <= 0:
-        raise UsageError(f"--{name.replace('_', '-')} must be > 0")
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise UsageError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+BATCH_LIMIT = 1_048_576  # examples in a batch, tokens in an input: past it, memory runs out first
+
+
+def check_numbers(args) -> None:
+    """What the numeric flags alone can get wrong, one line each, before any model is read:
+    signs, NaN and infinity, seeds numpy cannot take, sizes past any machine (BATCH_LIMIT) and
+    processes or threads past this machine's CPUs."""
+    for name in (
+        "batch_size",
+        "eval_batch_size",
+        "ir_mini_batch_size",
+        "max_steps",
+        "eval_every",
+        "curve_examples",
+        "workers",
+        "epochs",
+        "max_length",
+        "max_train_examples",
+        "max_eval_examples",
+        "threads",
+        "show_inputs",
+        "runs_per_element",
+    ):
+        _positive(name, getattr(args, name))
+    for name in ("batch_size", "eval_batch_size", "ir_mini_batch_size", "max_length"):
+        value = getattr(args, name)
+        if value is not None and value > BATCH_LIMIT:
+            raise UsageError(
+                f"--{name.replace('_', '-')} {value:,} is past any machine's memory (at most "
+                f"{BATCH_LIMIT:,})"
+            )
+    cpus = os.cpu_count() or 1
+    for name in ("workers", "threads"):
+        if (getattr(args, name) or 0) > cpus:
+            raise UsageError(
+                f"--{name} {getattr(args, name):,} is more than this machine's {cpus} CPUs"
+            )
+    if not args.lrs or not all(math.isfinite(lr) and 0 < lr <= 1 for lr in args.lrs):
+        raise UsageError(f"--lrs must be learning rates in (0, 1], got {args.lrs}")
+    if not args.seeds:
+        raise UsageError("--seeds needs at least one seed")
+    if not all(0 <= s < 2**32 for s in args.seeds):
+        raise UsageError(f"--seeds must be integers in [0, 2^32), got {args.seeds}")
+    if args.state_every_s is not None and not (
+        math.isfinite(args.state_every_s) and args.state_every_s >= 0
+    ):
+        raise UsageError("--state-every must be >= 0 seconds (--no-state: never)")
+    if args.warmup_ratio is not None and not 0 <= args.warmup_ratio <= 1:
+        raise UsageError(f"--warmup-ratio must be in [0, 1], got {args.warmup_ratio}")
+    decay = args.weight_decay
+    if decay is not None and not (math.isfinite(decay) and decay >= 0):
+        raise UsageError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    if args.array_index is not None and args.array_index < 0:
+        raise UsageError(f"--array-index must be >= 0, got {args.array_index}")
 
 
 def run(args) -> int:
@@ -277,27 +334,7 @@ def run(args) -> int:
         return fetch_data([get_task(t, registry=registry) for t in dict.fromkeys(tasks)])
     if args.check_data:
         return check_data_lines(tasks, args.task_file)
-    for name in (
-        "batch_size",
-        "max_steps",
-        "eval_every",
-        "curve_examples",
-        "workers",
-        "epochs",
-        "max_length",
-        "max_train_examples",
-        "max_eval_examples",
-        "threads",
-        "show_inputs",
-        "runs_per_element",
-    ):
-        _positive(name, getattr(args, name))
-    if not args.lrs or any(lr <= 0 for lr in args.lrs):
-        raise UsageError("--lrs must be positive learning rates")
-    if not args.seeds:
-        raise UsageError("--seeds needs at least one seed")
-    if args.state_every_s is not None and args.state_every_s < 0:
-        raise UsageError("--state-every must be >= 0 seconds (--no-state: never)")
+    check_numbers(args)
     for t in tasks:  # fail on a typo before anything is loaded
         if t not in registry:
             raise UsageError(f"unknown task '{t}'; known tasks: {', '.join(sorted(registry))}")

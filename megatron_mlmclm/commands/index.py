@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_mlmclm.config import LimitsConfig, apply_override, from_dict
 from megatron_mlmclm.errors import UsageError
 
 
@@ -27,6 +28,26 @@ def add_arguments(parser) -> None:
         help="index cache directory (default: <first prefix dir>/cache, where a run without "
         "data.cache_dir reads)",
     )
+    parser.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="raise (or lower) a limit, as a run's runtime.limits.NAME: seq_length (default "
+        "1048576), index_memory (default 0.9: the share of the available memory and of the "
+        "cache folder's free disk the index may take); docs/pretrain.md#limits",
+    )
+
+
+def index_limits(items: list[str]) -> LimitsConfig:
+    """The limits a run has (runtime.limits), with `--limit NAME=N` items applied; the index
+    reads seq_length and index_memory."""
+    raw: dict = {}
+    for item in items:
+        apply_override(raw, item)
+    limits = from_dict(LimitsConfig, raw, prefix="--limit ")
+    limits.validate(prefix="--limit ")
+    return limits
 
 
 def run(args) -> int:
@@ -35,9 +56,15 @@ def run(args) -> int:
     from megatron_mlmclm.data.sample_index import require_extension
 
     require_extension()  # a missing build is one line, before any shard is read
+    limits = index_limits(args.limit)
     prefixes, weights = parse_prefixes(args.data_prefix)
     if args.seq_length < 1:
         raise UsageError(f"--seq-length must be >= 1, got {args.seq_length}")
+    if args.seq_length > limits.seq_length:
+        raise UsageError(
+            f"--seq-length {args.seq_length:,} is past the limit seq_length="
+            f"{limits.seq_length:,}; raise it with --limit seq_length=N to index it anyway"
+        )
     if args.num_samples is not None and args.num_samples < 1:
         raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.epochs is not None and args.epochs < 1:
@@ -58,6 +85,8 @@ def run(args) -> int:
         num_samples=args.num_samples,
         num_epochs=args.epochs,
         cache_dir=cache_dir,
+        memory_share=limits.index_memory,
+        limit="--limit index_memory",
     ):
         per_sample = index.boundary_offsets.shape[0] / max(index.num_packed, 1)
         how = "cache hit" if index.from_cache else "built"

@@ -30,8 +30,10 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="rewrite the plan in a non-empty --out, keeping what else it holds (runs, exports, "
-        "results, the submit script's .submitted/)",
+        help="re-plan into a non-empty --out: replaces (or removes) only the files an earlier "
+        "plan wrote there, keeping what else it holds (your own files, runs, exports, results, "
+        "the submit script's .submitted/); refused where the plan would overwrite a file it did "
+        "not write",
     )
     g = p.add_argument_group("grid (defaults: the study, docs/study.md)")
     g.add_argument("--sizes", nargs="*", default=d.sizes)
@@ -301,6 +303,7 @@ def run(args) -> int:
     options = PlanOptions(
         **{f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)}
     )
+    options.check(args.out)  # numbers and folders: one line, before anything is read or built
     options, to_fetch = evaluation(options)
     totals = write_plan(
         args.out, options, force=args.force, task_files=task_files(options.eval_tasks)

@@ -89,7 +89,8 @@ def run(args) -> int:
 
         print(dry_run_report(cfg))
         if cfg.data.mock and not cfg.data.tokenizer and not cfg.train.init_from:
-            return 0  # nothing on disk to open
+            if cfg.checkpoint.resume:
+                return 0  # nothing on disk to open
         # Imported here: opening shards and checkpoints imports megatron-core.
         from megatron_mlmclm.training.preflight import preflight
 

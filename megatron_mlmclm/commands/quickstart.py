@@ -3,6 +3,9 @@ runs)."""
 
 from __future__ import annotations
 
+import math
+import os
+
 from megatron_mlmclm.errors import UsageError
 
 
@@ -26,9 +29,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="parallel fine-tuning runs")
 
 
-def run(args) -> int:
+def check(args) -> None:
+    """The flags, checked before the first stage (which tokenizes and pretrains for minutes)."""
     if args.steps < 20:
         raise UsageError("--steps must be at least 20 (warmup and decay take 10% each)")
+    if not 260 <= args.vocab_size <= 1_048_576:
+        raise UsageError(f"--vocab-size must be in [260, 1048576], got {args.vocab_size}")
+    if not args.lrs or not all(math.isfinite(lr) and 0 < lr <= 1 for lr in args.lrs):
+        raise UsageError(f"--lrs must be learning rates in (0, 1], got {args.lrs}")
+    if not args.seeds or not all(0 <= s < 2**32 for s in args.seeds):
+        raise UsageError(f"--seeds must be integers in [0, 2^32), got {args.seeds}")
+    if args.finetune_steps < 1:
+        raise UsageError(f"--finetune-steps must be >= 1, got {args.finetune_steps}")
+    if not 1 <= args.workers <= (os.cpu_count() or 1):
+        raise UsageError(f"--workers must be in [1, {os.cpu_count()}] (this machine's CPUs)")
+
+
+def run(args) -> int:
+    check(args)
     # Imported here: megatron-core and transformers would slow `mlmclm quickstart --help`.
     from megatron_mlmclm.quickstart import run_quickstart
 

@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from yaml.constructor import ConstructorError
+from yaml.parser import ParserError
+from yaml.scanner import ScannerError
 
 from megatron_mlmclm.errors import UsageError
 
@@ -40,18 +43,104 @@ def read_raw(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> d
     return raw
 
 
+# Values a YAML document may expand to through its aliases: far past any config or task file
+# (the largest shipped file holds about 1,000), far below what nested aliases reach in a few
+# hundred bytes (9 aliases a level, 8 levels: 43 million).
+MAX_EXPANDED = 1_000_000
+
+
+class UserYaml(yaml.SafeLoader):
+    """YAML as a user's file or flag holds it, read safely (no Python objects) and strictly: no
+    key given twice in one mapping (the second would silently win), and aliases (`*name`) only as
+    far as the document they expand to stays under MAX_EXPANDED values (a few hundred bytes of
+    nested aliases expand to gigabytes when the result is copied or written out), never to
+    itself."""
+
+    def construct_document(self, node):
+        size = _expanded(node, {})
+        if size > MAX_EXPANDED:
+            raise ConstructorError(
+                None,
+                None,
+                f"its aliases (*name) expand it to {size:,} values, past {MAX_EXPANDED:,}: "
+                "write the values out",
+                node.start_mark,
+            )
+        return super().construct_document(node)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    again = key in seen
+                    seen.add(key)
+                except TypeError:  # unhashable: the mapping itself refuses it
+                    continue
+                if again:
+                    raise ConstructorError(
+                        None, None, f"key {key!r} is given twice", key_node.start_mark
+                    )
+        return super().construct_mapping(node, deep)
+
+
+def _expanded(node, sizes: dict[int, int | None]) -> int:
+    """How many values `node` stands for with every alias written out (an alias is the node it
+    names: counted once per use). Refuses a node that holds itself."""
+    key = id(node)
+    if key in sizes:
+        known = sizes[key]
+        if known is None:  # still being counted: the node holds itself
+            raise ConstructorError(
+                None, None, "an alias (*name) refers to the value holding it", node.start_mark
+            )
+        return known
+    sizes[key] = None
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded(child, sizes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded(k, sizes) + _expanded(v, sizes) for k, v in node.value)
+    else:
+        size = 1
+    sizes[key] = size
+    return size
+
+
+def parse_yaml(text: str, source: str, text_if_not_yaml: bool = False) -> Any:
+    """`text` read by UserYaml; any problem (syntax, an alias, a key given twice, nesting past
+    what a parser can follow) is a UsageError naming `source` and the line. With
+    `text_if_not_yaml`, text that does not parse as YAML is the text itself (an override's
+    value: a path with a colon, a word)."""
+    try:
+        return yaml.load(text, Loader=UserYaml)  # noqa: S506 (UserYaml is a SafeLoader)
+    except (ScannerError, ParserError) as e:
+        if text_if_not_yaml:
+            return text
+        raise _yaml_problem(e, source) from None
+    except yaml.YAMLError as e:
+        raise _yaml_problem(e, source) from None
+    except RecursionError:
+        raise UsageError(f"{source} is nested too deeply to read") from None
+
+
+def _yaml_problem(e: yaml.YAMLError, source: str) -> UsageError:
+    mark = getattr(e, "problem_mark", None)
+    where = f" line {mark.line + 1}" if mark is not None else ""
+    return UsageError(f"{source}{where} is not valid YAML: {getattr(e, 'problem', None) or e}")
+
+
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"config file {p} does not exist; pass the path of a YAML config")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(
-            f"config file {p}{where} is not valid YAML: {getattr(e, 'problem', e)}"
-        ) from e
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"config file {p} is not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise UsageError(f"cannot read config file {p}: {e.strerror}") from None
+    raw = parse_yaml(text, f"config file {p}")
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -69,10 +158,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     parts = key.strip().split(".")
     if not all(parts):
         raise UsageError(f"override {item!r} has an empty key part; use e.g. train.steps=50")
-    try:
-        value = yaml.safe_load(text) if text != "" else None
-    except yaml.YAMLError:
-        value = text
+    value = parse_yaml(text, f"override {key}", text_if_not_yaml=True) if text != "" else None
     node: Any = raw
     for i, part in enumerate(parts[:-1]):
         nxt = parts[i + 1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_mlmclm.config.budget import kept_steps, resolve_budget
+from megatron_mlmclm.config.phases import max_seq_length
 from megatron_mlmclm.config.schema import RunConfig, resolved
 from megatron_mlmclm.errors import UsageError
 
@@ -20,6 +21,7 @@ def finalize_run_config(cfg: RunConfig) -> RunConfig:
     cfg.model.resolve()
     cfg.parallel.validate()
     cfg.model.validate()
+    within_limits(cfg)
     model_fits_parallel(cfg)
     if not cfg.phases:
         raise UsageError("phases is empty; give at least one phase, e.g. [{objective: mlm}]")
@@ -35,6 +37,30 @@ def finalize_run_config(cfg: RunConfig) -> RunConfig:
     cfg.data.validate()
     refuse_contradictions(cfg)
     return cfg
+
+
+def within_limits(cfg: RunConfig) -> None:
+    """Sizes that would exhaust the machine before the run could say so (a loader worker asking
+    gigabytes a sample, a batch past any allocator, workers past the process table): refused in
+    one line naming the limit of runtime.limits that a run past it must raise."""
+    lim = cfg.runtime.limits
+    lim.validate()
+    seq = max_seq_length(cfg)
+    mbs = cfg.train.micro_batch_size
+    for value, limit, what, key in (
+        (seq, lim.seq_length, "the longest sequence (model.seq_length, phases.N.seq_length)",
+         "seq_length"),
+        (mbs * seq, lim.micro_batch_tokens,
+         f"train.micro_batch_size x seq_length ({mbs} x {seq} tokens)", "micro_batch_tokens"),
+        (cfg.train.global_batch_size, lim.global_batch_size, "train.global_batch_size",
+         "global_batch_size"),
+        (cfg.data.num_workers, lim.num_workers, "data.num_workers", "num_workers"),
+    ):  # fmt: skip
+        if value > limit:
+            raise UsageError(
+                f"{what} is {value:,}, past the limit runtime.limits.{key}={limit:,}; raise "
+                f"runtime.limits.{key} to run it anyway (docs/pretrain.md#limits)"
+            )
 
 
 def model_fits_parallel(cfg: RunConfig) -> None:
@@ -143,6 +169,11 @@ def refuse_contradictions(cfg: RunConfig) -> None:
         raise UsageError(
             "checkpoint.allow_data_change=true contradicts checkpoint.resume=false: "
             "it only applies when resuming; drop one of them"
+        )
+    if c.move_aside_existing and c.resume:
+        raise UsageError(
+            "checkpoint.move_aside_existing=true contradicts checkpoint.resume=true (the "
+            "default): it applies to a fresh start only; add checkpoint.resume=false"
         )
     if c.accept_shifted_optimizer_state and not (c.resume or t.branch_from):
         raise UsageError(

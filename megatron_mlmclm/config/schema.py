@@ -343,10 +343,34 @@ class ParallelConfig:
 
 
 @dataclass
+class LimitsConfig:
+    """Upfront bounds on values that would exhaust a machine's memory, disk or processes, far
+    past any real run's: a value past one is refused before any work starts, in one line naming
+    the limit; raise the limit (runtime.limits.NAME=N; `mlmclm index --limit NAME=N`) to run past
+    it. docs/pretrain.md#limits."""
+
+    seq_length: int = 1_048_576  # model.seq_length and every phase's (2^20 tokens)
+    micro_batch_tokens: int = 16_777_216  # train.micro_batch_size x the longest seq_length
+    global_batch_size: int = 4_194_304  # train.global_batch_size (samples)
+    num_workers: int = 128  # data.num_workers (processes per rank)
+    # the share of this machine's available memory, and of the cache folder's free disk, one
+    # sample index may take (checked before it is built; data/sample_index.py)
+    index_memory: float = 0.9
+
+    def validate(self, prefix: str = "runtime.limits.") -> None:
+        for name in ("seq_length", "micro_batch_tokens", "global_batch_size", "num_workers"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{prefix}{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.index_memory < float("inf"):
+            raise UsageError(f"{prefix}index_memory must be > 0, got {self.index_memory}")
+
+
+@dataclass
 class RuntimeConfig:
     # auto = cuda when a GPU is visible, else cpu. `cuda` without a GPU is for planning only:
     # `mlmclm pretrain CFG runtime.device=cuda --dry-run` prints a GPU run's kernel plan.
     device: Literal["auto", "cuda", "cpu"] = "auto"
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
 
 @dataclass
@@ -437,6 +461,9 @@ class CheckpointConfig:
     keep_steps: list[int] = field(default_factory=list)
     keep_tokens: list[float] = field(default_factory=list)
     resume: bool = True  # resume from the latest complete checkpoint in dir
+    # With resume off, a dir holding an earlier run's checkpoints is refused; true moves that
+    # run's files (output_dir's and dir's) aside into previous-TIME/ first (docs/pretrain.md).
+    move_aside_existing: bool = False
     # Resume even though the data stream or masks changed (batch size, data, seed, phases): the
     # run continues from the checkpoint's consumed_samples in the new stream (docs/pretrain.md).
     allow_data_change: bool = False

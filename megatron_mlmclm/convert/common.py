@@ -20,7 +20,7 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +41,12 @@ from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model_chunk, transformer_config
 from megatron_mlmclm.model.kernels import plan_kernels
 from megatron_mlmclm.objectives import document_attention_mask
+from megatron_mlmclm.paths import EXPORT_FILE, check_output_folder
 from megatron_mlmclm.runtime.distributed import init_distributed, patch_megatron_core
 from megatron_mlmclm.runtime.lifetime import checkpoint_helper_dies_with_us
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+SOURCE_FILE = "mlmclm_source.json"  # an import's record, beside its checkpoints folder
 
 
 # --------------------------------------------------------------------------------------------------
@@ -373,19 +375,27 @@ def megatron_logits(model, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
 # Output folders: written under a temporary name, renamed when complete and verified
 
 
-def check_output(out: Path, force: bool) -> None:
-    if out.exists() and not force:
+# What each kind of conversion writes: (its command, the record in every output folder it writes)
+OUTPUTS = {
+    "export": ("convert to-hf", EXPORT_FILE),
+    "import": ("convert from-hf / from-megatron-lm", SOURCE_FILE),
+}
+
+
+def check_output(out: Path, force: bool, kind: str, inputs: Sequence = ()) -> None:
+    """`out` new, or with `force` empty or an earlier output of the same `kind` of conversion (it
+    holds that kind's record, OUTPUTS), none of the `inputs` and holding none of them, and no
+    training run's folder (paths.py)."""
+    command, marker = OUTPUTS[kind]
+    check_output_folder(out, force=force, command=command, marker=marker, inputs=inputs)
+    if out.exists() and not force:  # even an empty one: a conversion's OUT is a new folder
         raise UsageError(f"output {out} exists; choose another path or pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise UsageError(
-            f"output {out} exists and is not a folder; remove it or choose another path"
-        )
 
 
 @contextlib.contextmanager
-def staged_output(out: Path, force: bool) -> Iterator[Path]:
+def staged_output(out: Path, force: bool, kind: str, inputs: Sequence = ()) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces `out` (atomically renamed)."""
-    check_output(out, force)
+    check_output(out, force, kind, inputs)
     patch_megatron_core()  # every conversion builds megatron's model: refused before it writes
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))

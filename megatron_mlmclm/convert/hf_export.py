@@ -72,7 +72,6 @@ from megatron_mlmclm.paths import EXPORT_FILE
 ARCHS = ("eurobert", "llama", "qwen3")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-SOURCE_FILE = "mlmclm_source.json"  # sidecar written by from-hf next to the checkpoints folder
 
 
 @dataclass
@@ -91,7 +90,7 @@ def find_source(ckpt: Path, trainer: dict[str, Any], hops: int = 8) -> dict[str,
     for _ in range(hops):
         if trainer.get("source"):
             return trainer["source"]
-        for sidecar in (ckpt.parent.parent / SOURCE_FILE, ckpt.parent / SOURCE_FILE):
+        for sidecar in (ckpt.parent.parent / common.SOURCE_FILE, ckpt.parent / common.SOURCE_FILE):
             if sidecar.is_file():
                 return json.loads(sidecar.read_text())
         init = (trainer.get("config") or {}).get("train", {}).get("init_from")
@@ -224,7 +223,8 @@ def to_hf(
     Memory: our model (float32) and one tensor of the export at a time: the weights file is
     written tensor by tensor, and verified by a forward that loads its layers one at a time."""
     out = Path(out).absolute()
-    common.check_output(out, force)
+    inputs = [checkpoint, *([tokenizer] if tokenizer else [])]
+    common.check_output(out, force, "export", inputs)
     if clf_pooling not in ("late", "mean", "bos"):
         raise UsageError(f"--clf-pooling {clf_pooling} must be late, mean or bos")
     if dtype is not None and dtype not in DTYPES:
@@ -234,6 +234,8 @@ def to_hf(
     cfg = common.run_config_from_dict(trainer["config"])
     m = final_model(cfg)  # the last phase's RoPE base, room for the longest phase
 
+    if tokenizer is None and cfg.data.tokenizer:
+        inputs.append(cfg.data.tokenizer)  # the run's own tokenizer: never replaced either
     tok, vocab, ids = run_tokenizer(ckpt, trainer, cfg, tokenizer, verbose)
     source = find_source(ckpt, trainer)
     arch = resolve_arch(arch, causal_lm, m.qk_layernorm, source)
@@ -264,7 +266,7 @@ def to_hf(
         # special-token strings parsed as by any HF tokenizer: a fill-mask pipeline's <mask> works
         document_tokenizer(tok, **shards_rule(record.get("shards")), save_text_rule=False)
     hf_cfg.dtype = torch_dtype
-    with common.staged_output(out, force) as tmp:
+    with common.staged_output(out, force, "export", inputs) as tmp:
         # our model (float32), loaded as the trainer loads it: the one copy this export holds
         model = megatron_from_checkpoint(ckpt, cfg, vocab)
         common.release_free_memory()
@@ -426,7 +428,9 @@ def to_hf_many(
         cfg = common.run_config_from_dict(trainer["config"])
         it = int(trainer["iteration"])
         target = out / export_name(tokens_at_step(cfg, it), it)
-        common.check_output(target, force)
+        common.check_output(
+            target, force, "export", [ckpt_dir, *filter(None, [options.get("tokenizer")])]
+        )
         targets.append((ckpt, target))
     return [to_hf(ckpt, target, force=force, **options) for ckpt, target in targets]
 

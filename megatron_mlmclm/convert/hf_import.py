@@ -193,7 +193,7 @@ def from_hf(
     verified against a forward that loads the source's layers one at a time
     (verify.streamed_hf_logits)."""
     hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
-    common.check_output(out, force)
+    common.check_output(out, force, "import", [hf_dir])
     hf_cfg = read_hf_config(hf_dir)
     check_supported(hf_cfg, hf_dir)
     family = hf_cfg.model_type
@@ -218,7 +218,7 @@ def from_hf(
             "convert the *ForCausalLM / *ForMaskedLM folder"
         )
 
-    with common.staged_output(out, force) as tmp:
+    with common.staged_output(out, force, "import", [hf_dir]) as tmp:
         tok_dir = prepare_tokenizer(hf_dir, tmp / "tokenizer", verbose=verbose)
         tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True, **NO_CODE)
         n_src, n_tok = len(src_tok), len(tok)
@@ -251,7 +251,7 @@ def from_hf(
         # The rows set on purpose are left out of the comparison: compared are the trained ones.
         ver = _verify(hf_dir, hf_cfg, ckpt, model, build_cfg, trained, rows.changed, weights)
         del model
-        (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        (tmp / common.SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         _write_run_config(tmp / "config.yaml", raw, hf_dir, final=out / "config.yaml")
     ckpt = out / "checkpoints" / iter_name(0)
     result = ImportResult(out, ckpt, family, vocab, grew, ver, tuple(rows.changed))

@@ -233,7 +233,8 @@ def from_megatron_lm(
 ) -> ImportResult:
     """Convert a Megatron-LM torch_dist checkpoint into a verified checkpoint folder at `out`."""
     out = Path(out).absolute()
-    common.check_output(out, force)
+    inputs = [checkpoint, *([tokenizer] if tokenizer else [])]
+    common.check_output(out, force, "import", inputs)
     if not tokenizer:
         raise UsageError(
             "Megatron-LM checkpoints carry no tokenizer; pass --tokenizer DIR (a "
@@ -264,7 +265,7 @@ def from_megatron_lm(
         for k, v in tensors.items()
     }
 
-    with common.staged_output(out, force) as tmp:
+    with common.staged_output(out, force, "import", inputs) as tmp:
         shutil.copytree(tok_src, tmp / "tokenizer")
         raw, cfg = common.continued_mlm_config(out, fields, seed)
         source = json.loads(
@@ -289,7 +290,7 @@ def from_megatron_lm(
             tmp / "checkpoints", cfg, ours, source, vocab, seed, record
         )
         ver = _verify(args, tensors, saved, build_cfg, vocab, seed)
-        (tmp / "mlmclm_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        (tmp / common.SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         _write_run_config(
             tmp / "config.yaml",
             raw,

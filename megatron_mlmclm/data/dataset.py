@@ -25,7 +25,13 @@ from pathlib import Path
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_mlmclm.data.sample_index import SampleIndex, build_blend_index, build_sample_index
+from megatron_mlmclm.data.sample_index import (
+    INDEX_LIMIT,
+    INDEX_MEMORY,
+    SampleIndex,
+    build_blend_index,
+    build_sample_index,
+)
 from megatron_mlmclm.errors import UsageError
 
 # --------------------------------------------------------------------------------------------------
@@ -42,15 +48,20 @@ def open_indexed_dataset(prefix: str | os.PathLike):
                 f"{path} does not exist; check the data prefix (give it without "
                 f".bin/.idx) or write the shard with `mlmclm preprocess`"
             )
+    if os.path.getsize(bin_path) == 0:  # megatron cannot map it, and says nothing more
+        raise UsageError(
+            f"{bin_path} is empty (no tokens); preprocess a non-empty corpus or "
+            f"drop the prefix from the data list"
+        )
     logging.getLogger("megatron.core.datasets.indexed_dataset").setLevel(logging.WARNING)
+    ds = IndexedDataset.__new__(IndexedDataset)
     try:
-        ds = IndexedDataset(prefix)
+        ds.__init__(prefix)
     except Exception as e:  # megatron asserts on a bad header, numpy fails on a short file
-        if os.path.getsize(bin_path) == 0:
-            raise UsageError(
-                f"{bin_path} is empty (no tokens); preprocess a non-empty corpus or "
-                f"drop the prefix from the data list"
-            ) from None  # megatron's own failure on an empty file says nothing more
+        # what megatron's __del__ deletes, so that the half-built object goes quietly (else a
+        # stray "Exception ignored in IndexedDataset.__del__" traceback follows the line)
+        ds.__dict__.setdefault("bin_reader", None)
+        ds.__dict__.setdefault("index", None)
         raise UsageError(
             f"{idx_path} is corrupt or truncated ({type(e).__name__}: {e}); "
             f"rewrite the shard with `mlmclm preprocess`"
@@ -97,6 +108,8 @@ class PackedDataset:
         cache_dir: str | os.PathLike | None = None,
         *,
         num_epochs: int | None = None,
+        memory_share: float = INDEX_MEMORY,
+        limit: str = INDEX_LIMIT,
     ):
         if num_epochs is None and int(num_samples) < 1:
             raise UsageError(f"num_samples must be >= 1, got {num_samples}")
@@ -114,9 +127,11 @@ class PackedDataset:
                 num_samples=None if num_epochs is not None else int(num_samples),
                 num_epochs=num_epochs,
                 cache_dir=cache_dir,
+                memory_share=memory_share,
+                limit=limit,
             )
-        except ValueError as e:
-            raise UsageError(f"{self.prefix}: {e}") from e
+        except (ValueError, UsageError) as e:
+            raise UsageError(f"{self.prefix}: {e}") from None
 
     def __len__(self) -> int:
         return self.index.num_samples
@@ -166,13 +181,18 @@ class BlendedPackedDataset:
     """Several datasets mixed in exact proportion to `weights` (normalised), deterministically."""
 
     def __init__(
-        self, datasets: Sequence, weights: Sequence[float], num_samples: int, seed: int = 0
+        self,
+        datasets: Sequence,
+        weights: Sequence[float],
+        num_samples: int,
+        seed: int = 0,
+        memory_share: float = INDEX_MEMORY,
     ):
         if len(datasets) != len(weights) or not datasets:
             raise UsageError("give one blend weight per dataset")
         try:
             self.dataset_index, self.dataset_sample_index = build_blend_index(
-                weights, int(num_samples), seed
+                weights, int(num_samples), seed, memory_share
             )
         except ValueError as e:
             raise UsageError(str(e)) from e
@@ -265,27 +285,30 @@ def build_train_dataset(
     num_samples: int,
     seed: int,
     cache_dir: str | os.PathLike | None = None,
+    memory_share: float = INDEX_MEMORY,
 ):
     """One PackedDataset, or a BlendedPackedDataset when several prefixes are given; indexes
     cached in `cache_dir` (default: `default_cache_dir`).
 
     Unweighted lists of several prefixes are blended in proportion to their token counts.
+    `memory_share`: of the memory and disk an index may take (runtime.limits.index_memory).
     """
     prefixes, weights = parse_prefixes(prefixes_with_optional_weights)
     if int(num_samples) < 1:
         raise UsageError(f"num_samples must be >= 1, got {num_samples}")
     if cache_dir is None:
         cache_dir = default_cache_dir(prefixes)
+    share = {"memory_share": memory_share}
     if len(prefixes) == 1:
-        return PackedDataset(prefixes[0], seq_length, num_samples, seed, cache_dir)
+        return PackedDataset(prefixes[0], seq_length, num_samples, seed, cache_dir, **share)
     weights = _resolve_weights(prefixes, weights)
-    dataset_index, _ = build_blend_index(weights, int(num_samples), seed)
+    dataset_index, _ = build_blend_index(weights, int(num_samples), seed, memory_share)
     counts = np.bincount(dataset_index, minlength=len(prefixes))
     datasets = [
-        PackedDataset(p, seq_length, max(int(c), 1), seed, cache_dir)
+        PackedDataset(p, seq_length, max(int(c), 1), seed, cache_dir, **share)
         for p, c in zip(prefixes, counts)
     ]
-    return BlendedPackedDataset(datasets, weights, num_samples, seed)
+    return BlendedPackedDataset(datasets, weights, num_samples, seed, memory_share)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -300,16 +323,19 @@ def index_shards(
     num_samples: int | None = None,
     num_epochs: int | None = None,
     cache_dir: str | os.PathLike | None = None,
+    memory_share: float = INDEX_MEMORY,
+    limit: str = INDEX_LIMIT,
 ) -> Iterator[tuple[str, float, SampleIndex, float]]:
     """Build (or load from the cache) the sample index of every prefix of a data list, as a run
-    of `num_samples` blended samples (or `num_epochs` over each prefix) would.
+    of `num_samples` blended samples (or `num_epochs` over each prefix) would; an index past
+    `memory_share` of the memory or free disk is refused, naming `limit`.
 
     Yields (prefix, blend share, index, seconds) as each index is ready.
     """
     weights = _resolve_weights(prefixes, weights)
     counts: list[int | None] = [None] * len(prefixes)
     if num_samples is not None:
-        dataset_index, _ = build_blend_index(weights, num_samples, seed)
+        dataset_index, _ = build_blend_index(weights, num_samples, seed, memory_share, limit)
         counts = [max(int(c), 1) for c in np.bincount(dataset_index, minlength=len(prefixes))]
     share = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
     for prefix, n, w in zip(prefixes, counts, share):
@@ -323,7 +349,9 @@ def index_shards(
                 num_samples=n,
                 num_epochs=num_epochs if n is None else None,
                 cache_dir=cache_dir,
+                memory_share=memory_share,
+                limit=limit,
             )
-        except ValueError as e:
-            raise UsageError(f"{prefix}: {e}") from e
+        except (ValueError, UsageError) as e:
+            raise UsageError(f"{prefix}: {e}") from None
         yield prefix, float(w), index, time.perf_counter() - t0

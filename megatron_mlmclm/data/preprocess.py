@@ -33,6 +33,7 @@ reads the N prefixes as one list (``data.train``, ``mlmclm plan --data``).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -268,11 +269,19 @@ def preprocess(
     own prefix, kept if already written."""
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
+    if workers > (os.cpu_count() or 1):  # processes (or threads) past the machine's CPUs
+        raise UsageError(f"--workers {workers:,} is more than this machine's {os.cpu_count()} CPUs")
     if backend not in ("threads", "processes"):
         raise UsageError(f"--backend {backend} must be threads or processes")
     keys = list(json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise UsageError(f"--json-keys {' '.join(keys)} must name distinct keys")
+    for key in keys:  # a key names its output, PREFIX_KEY_document.bin
+        if not key or key in (".", "..") or "/" in key or os.sep in key or "\0" in key:
+            raise UsageError(
+                f"--json-keys {key!r} must be a plain name: it names the output file "
+                f"PREFIX_{key}_document.bin"
+            )
     started = time.time() if started is None else started
     tok = load_tokenizer(tokenizer_path)
     files = expand_inputs(inputs)  # missing inputs fail before anything is created
@@ -296,13 +305,19 @@ def preprocess(
                     p.unlink(missing_ok=True)
                 for left in p.parent.glob(p.name + ".tmp-*"):
                     left.unlink(missing_ok=True)
-    if not force:
-        for b, i in outs.values():
-            for p in (b, i):
-                if p.exists():
-                    raise UsageError(
-                        f"output {p} exists; choose another --output-prefix or pass --force"
-                    )
+    for b, i in outs.values():
+        for p in (b, i):
+            if p.exists() and not force:
+                raise UsageError(
+                    f"output {p} exists; choose another --output-prefix or pass --force"
+                )
+            if p.exists() and not fingerprint_path(str(b)[: -len(".bin")]).is_file():
+                # --force replaces only a shard this command wrote: its fingerprint beside it
+                raise UsageError(
+                    f"output {p} was not written by `mlmclm preprocess` (no "
+                    f"{fingerprint_path(str(b)[: -len('.bin')]).name} beside it); --force "
+                    "replaces only such shards: choose another --output-prefix"
+                )
     if os.environ.get("RAYON_NUM_THREADS") is None:
         os.environ["RAYON_NUM_THREADS"] = str(workers)  # effective if no batch encoded yet
     backend_tok = getattr(tok, "backend_tokenizer", None)
@@ -317,6 +332,7 @@ def preprocess(
 
     dtype = DType.optimal_dtype(len(tok))
     parent = Path(str(output_prefix)).parent
+    made = [d for d in (parent, *parent.parents) if not d.exists()]  # removed again on failure
     parent.mkdir(parents=True, exist_ok=True)
     tag = f".tmp-{os.getpid()}"
     tmp = {k: (Path(str(b) + tag), Path(str(i) + tag)) for k, (b, i) in outs.items()}
@@ -401,6 +417,9 @@ def preprocess(
         for b, i in tmp.values():
             for p in (b, i):
                 p.unlink(missing_ok=True)
+        for d in made:  # deepest first; a folder something else wrote into stays
+            with contextlib.suppress(OSError):
+                d.rmdir()
         raise
     finally:
         bar.close()

@@ -42,7 +42,10 @@ every shorter run of the same data, seq_length and seed.
     <cache_dir>/sample_index-<key>.shuffle_idx.npy
     <cache_dir>/sample_index-<key>.json        written last: its presence marks a complete entry
 Every file is written to a temporary name in the same directory, then os.replace'd into place, so
-concurrent builders (one per rank) never read a partial file. Hits are loaded with mmap.
+concurrent builders (one per rank) never read a partial file. Hits are loaded with mmap and
+checked before use (`check_index`: a damaged or tampered entry is rebuilt, never served). Before
+an index is built, its size is reckoned and refused past a share of the available memory and of
+the cache folder's free disk (`check_room`; runtime.limits.index_memory).
 FORMAT_VERSION 2 added the sample shuffle; 3 made the order independent of num_samples (an
 epoch's last sample, which ends in the next epoch, is packed and shuffled with its epoch); 4 keys
 an entry by its epochs, not by the samples asked for. Entries of older versions have other keys
@@ -55,12 +58,14 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from megatron_mlmclm.errors import UsageError
 
@@ -137,6 +142,54 @@ def _check_inputs(lengths, seq_length, seed, num_samples, num_epochs) -> np.ndar
     return lengths
 
 
+# The share of available memory (and of the cache folder's free disk) an index may take unless a
+# caller gives its own (config: runtime.limits.index_memory; `mlmclm index --limit`).
+INDEX_MEMORY = 0.9
+INDEX_LIMIT = "runtime.limits.index_memory"
+
+
+def index_bytes(documents: int, tokens: int, seq_length: int, num_samples, num_epochs) -> int:
+    """About how many bytes the index of a corpus of `documents` holding `tokens` takes (its
+    arrays; the C++ builder's permutation buffers besides), as the builder sizes it: E epochs
+    (enough for num_samples, or num_epochs), M = ceil(E * tokens / seq_length) packed samples."""
+    if num_epochs is None:
+        need = (max(int(num_samples), 1) - 1) * seq_length + 1
+        epochs = max(1, -(-need // tokens))
+    else:
+        epochs = int(num_epochs)
+    packed = -(-epochs * tokens // seq_length) + 1
+    shuffle = 4 if packed < 2**31 else 8
+    # doc_idx and boundary_offsets: about a word per document per epoch (one more epoch laid);
+    # sample_idx, boundary_ptr, shuffle_idx and its permutation buffer: per packed sample
+    return 8 * (epochs + 1) * documents + (24 + 2 * shuffle) * packed
+
+
+def check_room(nbytes: int, what: str, share: float, cache_dir=None, limit: str = INDEX_LIMIT):
+    """Refuse (UsageError, one line) an index of `nbytes` past `share` of this machine's available
+    memory, or of the free disk where it would be cached, before anything is allocated."""
+    available = psutil.virtual_memory().available
+    room = [("memory", available)]
+    if cache_dir is not None:
+        folder = Path(cache_dir).absolute()
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        room.append((f"disk in {folder}", shutil.disk_usage(folder).free))
+    for where, free in room:
+        if nbytes > share * free:
+            raise UsageError(
+                f"{what} needs about {_size(nbytes)}, past {limit}={share:g} of the "
+                f"{_size(free)} of {where} free: ask for fewer samples or a shorter run, or "
+                f"raise {limit}"
+            )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
 def cache_key(lengths: np.ndarray, seq_length: int, seed: int, num_epochs: int) -> str:
     """Hash of every input that changes the arrays of `num_epochs` epochs (and of the format
     version)."""
@@ -159,15 +212,17 @@ def _cached(cache_dir: Path, lengths, seq_length, seed, num_samples, num_epochs)
     first entry of 1, 2, ... epochs that packs enough samples (at most one epoch more than the
     tokens ask for); None when there is none."""
     if num_epochs is not None:
-        return _load(*_paths(cache_dir, cache_key(lengths, seq_length, seed, num_epochs)), None)
+        marker, files = _paths(cache_dir, cache_key(lengths, seq_length, seed, num_epochs))
+        return _load(marker, files, lengths, None)
     tokens = max(int(lengths.sum(dtype=np.int64)), 1)
     most = int(num_samples) * int(seq_length) // tokens + 2
     for epochs in range(1, most + 1):
         marker, files = _paths(cache_dir, cache_key(lengths, seq_length, seed, epochs))
         if not marker.is_file():
             continue
-        hit = _load(marker, files, int(num_samples))
+        hit = _load(marker, files, lengths, None)  # checked whole, then its stream cut
         if hit is not None and hit.num_packed >= int(num_samples):
+            hit.num_samples = int(num_samples)
             return hit
     return None
 
@@ -188,27 +243,101 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def _load(marker: Path, files: dict[str, Path], num_samples: int | None) -> SampleIndex | None:
-    """The entry of `marker`, its stream `num_samples` long (None: every sample of its epochs)."""
+def _load(
+    marker: Path, files: dict[str, Path], lengths: np.ndarray, num_samples: int | None
+) -> SampleIndex | None:
+    """The cached index of `marker`, its stream `num_samples` long (None: every sample of its
+    epochs), checked against the corpus (`check_index`); None when it is absent, unreadable or
+    fails the check (then it is rebuilt and overwritten, saying so)."""
     if not marker.is_file() or not all(p.is_file() for p in files.values()):
         return None
     try:
         meta = json.loads(marker.read_text())
-        arrays = {a: np.load(p, mmap_mode="r") for a, p in files.items()}
-    except (OSError, ValueError):
-        return None  # unreadable entry: rebuild and overwrite it
-    if meta.get("format_version") != FORMAT_VERSION:
-        return None
-    return SampleIndex(
-        **arrays,
-        seq_length=meta["seq_length"],
-        num_samples=meta["num_packed"] if num_samples is None else int(num_samples),
-        num_epochs=meta["num_epochs"],
-        num_documents=meta["num_documents"],
-        tokens_per_epoch=meta["tokens_per_epoch"],
-        cache_path=str(marker),
-        from_cache=True,
+        arrays = {a: np.load(p, mmap_mode="r", allow_pickle=False) for a, p in files.items()}
+        if meta.get("format_version") != FORMAT_VERSION:
+            return None
+        index = SampleIndex(
+            **arrays,
+            seq_length=int(meta["seq_length"]),
+            num_samples=int(meta["num_packed"] if num_samples is None else num_samples),
+            num_epochs=int(meta["num_epochs"]),
+            num_documents=int(meta["num_documents"]),
+            tokens_per_epoch=int(meta["tokens_per_epoch"]),
+            cache_path=str(marker),
+            from_cache=True,
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        problem = "unreadable"
+    else:
+        problem = check_index(index, lengths)
+        if problem is None:
+            return index
+    print(
+        f"[mlmclm] sample-index cache {marker} is {problem}: rebuilding it",
+        file=sys.stderr,
+        flush=True,
     )
+    return None
+
+
+def check_index(index: SampleIndex, lengths: np.ndarray) -> str | None:
+    """What makes `index` unfit to serve samples of a corpus of `lengths` (a tampered or damaged
+    cache), or None: every array of its dtype and shape, every value in range, and every packed
+    sample exactly seq_length + 1 tokens of existing documents, so that no read past a document
+    or an array can happen later. Vectorised, cheaper than a rebuild (a 0.9 GB index of 20M
+    samples: 0.45 s checked, 1.5 s built, on a loaded 2-core CPU, 2026-12)."""
+    S, D = index.seq_length, lengths.size
+    doc_idx, sample_idx, ptr, offs, shuffle = (
+        index.doc_idx,
+        index.sample_idx,
+        index.boundary_ptr,
+        index.boundary_offsets,
+        index.shuffle_idx,
+    )
+    M = sample_idx.shape[0] - 1 if sample_idx.ndim == 2 else -1
+    for arr, dtypes, ndim in (
+        (doc_idx, (np.int32,), 1),
+        (sample_idx, (np.int64,), 2),
+        (ptr, (np.int64,), 1),
+        (offs, (np.int32,), 1),
+        (shuffle, (np.int32, np.int64), 1),
+    ):
+        if arr.dtype not in [np.dtype(d) for d in dtypes] or arr.ndim != ndim:
+            return f"damaged: an array of dtype {arr.dtype} and {arr.ndim} dimension(s)"
+    if (
+        M < 1
+        or sample_idx.shape[1] != 2
+        or ptr.shape[0] != M + 1
+        or shuffle.shape[0] != M
+        or not 0 < index.num_samples <= M
+        or index.num_documents != D
+        or index.tokens_per_epoch != int(lengths.sum(dtype=np.int64))
+        or doc_idx.size == 0
+    ):
+        return "damaged: its arrays or counts do not fit together or this corpus"
+    if doc_idx.min() < 0 or doc_idx.max() >= D:
+        return "damaged: a document number outside the corpus"
+    if shuffle.min() < 0 or shuffle.max() >= M:
+        return "damaged: a stream position naming no packed sample"
+    j, o = sample_idx[:, 0], sample_idx[:, 1]
+    if j.min() < 0 or j.max() >= doc_idx.size or o.min() < 0:
+        return "damaged: a sample starting outside the document order"
+    # Flat token position of each document start in doc_idx order, then of each sample's start:
+    # a sample starts inside its document, and the next one exactly S tokens later.
+    flat = np.empty(doc_idx.size + 1, dtype=np.int64)
+    flat[0] = 0
+    np.take(lengths.astype(np.int64), doc_idx, out=flat[1:])
+    np.cumsum(flat[1:], out=flat[1:])
+    starts = flat[j] + o
+    if np.any(starts >= flat[j + 1]):
+        return "damaged: a sample starting past its document's end"
+    if np.any(np.diff(starts) != S):
+        return f"damaged: a sample that is not {S}+1 tokens"
+    if ptr[0] != 0 or ptr[-1] != offs.size or np.any(np.diff(ptr) < 0):
+        return "damaged: its boundary rows do not fit together"
+    if offs.size and (offs.min() < 1 or offs.max() > S):
+        return f"damaged: a document boundary outside 1..{S}"
+    return None
 
 
 def build_sample_index(
@@ -218,22 +347,32 @@ def build_sample_index(
     num_samples: int | None = None,
     num_epochs: int | None = None,
     cache_dir: str | os.PathLike | None = None,
+    memory_share: float = INDEX_MEMORY,
+    limit: str = INDEX_LIMIT,
 ) -> SampleIndex:
     """Pack documents of `lengths` tokens into samples; exactly one of num_samples / num_epochs.
 
     num_samples: as many epochs as needed (each fully shuffled, kept in doc_idx and packed),
     exactly num_samples stream positions. num_epochs: every sample that starts in those epochs.
     Stream position k is packed sample index.shuffle_idx[k], whatever num_samples is.
-    Raises ValueError for bad arguments and for a corpus with no tokens.
+    Raises ValueError for bad arguments and for a corpus with no tokens; UsageError for an index
+    past `memory_share` of the available memory or free disk (`check_room`, named `limit`).
     """
     lengths = _check_inputs(lengths, seq_length, seed, num_samples, num_epochs)
-    if int(lengths.sum(dtype=np.int64)) == 0:
+    tokens = int(lengths.sum(dtype=np.int64))
+    if tokens == 0:
         raise ValueError("the corpus has no tokens")
     if cache_dir is not None:
         cache_dir = Path(cache_dir)
+        if cache_dir.exists() and not cache_dir.is_dir():
+            raise UsageError(f"the cache folder {cache_dir} is a file; give a folder")
         hit = _cached(cache_dir, lengths, seq_length, seed, num_samples, num_epochs)
         if hit is not None:
             return hit
+    nbytes = index_bytes(lengths.size, tokens, int(seq_length), num_samples, num_epochs)
+    how_many = f"{num_samples:,} samples" if num_epochs is None else f"{num_epochs:,} epoch(s)"
+    what = f"the sample index of {how_many} of {int(seq_length)}+1 tokens"
+    check_room(nbytes, what, memory_share, cache_dir, limit)
 
     r = require_extension().build_sample_index(
         lengths,
@@ -279,7 +418,9 @@ def build_sample_index(
     return index
 
 
-def build_blend_index(weights, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def build_blend_index(
+    weights, size: int, seed: int = 0, memory_share: float = INDEX_MEMORY, limit: str = INDEX_LIMIT
+) -> tuple[np.ndarray, np.ndarray]:
     """Assign `size` blended samples to datasets in exact proportion to `weights`.
 
     Returns (dataset_index int16 (int32 beyond 32767 datasets), dataset_sample_index int64):
@@ -295,5 +436,6 @@ def build_blend_index(weights, size: int, seed: int = 0) -> tuple[np.ndarray, np
         raise ValueError(f"blend weights must be finite and > 0, got {w.tolist()}")
     if int(size) < 0:
         raise ValueError(f"size must be >= 0, got {size}")
+    check_room(16 * int(size), f"the blend of {int(size):,} samples", memory_share, None, limit)
     del seed
     return require_extension().build_blend_index(w / w.sum(), int(size))

@@ -56,13 +56,16 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[str | Path]:
     for inp in inputs:
         p = Path(inp)
         if p.is_dir():
-            files = sorted(
-                f
-                for f in p.rglob("*")
-                if f.is_file()
-                and _suffix(f)
-                and not any(part.startswith(".") for part in f.relative_to(p).parts)
-            )
+            try:
+                files = sorted(
+                    f
+                    for f in p.rglob("*")
+                    if f.is_file()
+                    and _suffix(f)
+                    and not any(part.startswith(".") for part in f.relative_to(p).parts)
+                )
+            except OSError as e:  # a folder below it that cannot be listed
+                raise UsageError(f"cannot list input folder {p}: {e}") from None
             if not files:
                 raise UsageError(
                     f"input folder {p} holds no supported file ({', '.join(SUFFIXES)})"
@@ -156,12 +159,15 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
             if not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
+                rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UsageError(
                     f"{path}: line {lineno}: malformed JSON ({e.msg} at column "
                     f"{e.colno}); each line must be one JSON object"
                 ) from None
+            except RecursionError:
+                raise UsageError(f"{path}: line {lineno}: JSON nested too deeply") from None
+            yield lineno, rec
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
@@ -187,6 +193,8 @@ def _iter_json(path: Path) -> Iterator[tuple[str, object]]:
         raise UsageError(
             f"{path}: line {e.lineno}: malformed JSON ({e.msg} at column {e.colno})"
         ) from None
+    except RecursionError:
+        raise UsageError(f"{path}: JSON nested too deeply") from None
     if not isinstance(items, list):
         raise UsageError(f"{path}: expected a JSON list of objects or one object per line")
     for i, item in enumerate(items):
@@ -269,6 +277,14 @@ def _record_texts(rec: object, keys: Sequence[str], where: str) -> dict[str, str
             v = ""
         if not isinstance(v, str):
             raise UsageError(f"{where}: key '{k}' holds {type(v).__name__}, not a string")
+        if not v.isascii():  # JSON's \ud800 escapes decode to lone surrogates: no characters
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise UsageError(
+                    f"{where}: key '{k}' holds a lone surrogate ({v[e.start]!r} at character "
+                    f"{e.start}), which is no Unicode character; fix or drop the document"
+                ) from None
         out[k] = v
     return out
 

@@ -44,6 +44,7 @@ from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.data.text_sources import expand_inputs, iter_texts
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.hf_folder import NO_CODE, refuse_code
+from megatron_mlmclm.paths import check_output_folder
 
 METADATA_FILE = "mlmclm_tokenizer.json"
 REQUIRED = ("bos", "eos", "pad", "mask")
@@ -207,14 +208,13 @@ def read_metadata(path: str | os.PathLike) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def _prepare_out(out_dir: str | os.PathLike, force: bool) -> Path:
+def _prepare_out(out_dir: str | os.PathLike, force: bool, inputs: Sequence) -> Path:
+    """`out_dir`, checked: new or empty, or with `force` an earlier tokenizer folder (it holds
+    METADATA_FILE) that is none of the `inputs` and holds none of them (paths.py)."""
     out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir():
-            raise UsageError(f"--out {out} exists and is not a folder; choose another path")
-        if any(out.iterdir()) and not force:
-            raise UsageError(f"--out {out} is not empty; choose another folder or pass --force")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output_folder(
+        out, force=force, command="tokenize", marker=METADATA_FILE, inputs=inputs, flag="--out"
+    )
     return out
 
 
@@ -225,8 +225,11 @@ def _commit(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def _save(tok, out_dir: Path, source: str, reserved: dict, added: list[str], force: bool) -> Path:
-    out = _prepare_out(out_dir, force)
+def _save(
+    tok, out_dir: Path, source: str, reserved: dict, added: list[str], force: bool, inputs: Sequence
+) -> Path:
+    out = _prepare_out(out_dir, force, inputs)
+    out.parent.mkdir(parents=True, exist_ok=True)  # only now: a refusal leaves nothing behind
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         for key in ("local_files_only", "is_local"):  # how it was loaded, not what it is
@@ -273,7 +276,7 @@ def prepare_tokenizer(
     source: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False, verbose: bool = True
 ) -> Path:
     """Load the HF tokenizer in ``source``, guarantee bos/eos/pad/mask, save it to ``out_dir``."""
-    _prepare_out(out_dir, force)  # fail before anything is loaded or reported
+    _prepare_out(out_dir, force, [source])  # fail before anything is loaded or reported
     tok = _load_hf(source)
     before = len(tok)
     free = _unused_reserved(tok)
@@ -302,11 +305,14 @@ def prepare_tokenizer(
                 print(f"{name} token: reserved {reserved[name]} (vocab size unchanged)")
         if added:
             print(f"added tokens {', '.join(added)}: vocab grew {before} -> {len(tok)}")
-    return _save(tok, Path(out_dir), str(source), reserved, added, force)
+    return _save(tok, Path(out_dir), str(source), reserved, added, force, [source])
 
 
 # --------------------------------------------------------------------------------------------------
 # Byte-level BPE trained on the corpus
+
+
+MAX_VOCAB = 4_194_304  # what a BPE trained here may hold (the trainer's tables overflow past 2^31)
 
 
 def train_tokenizer(
@@ -331,9 +337,16 @@ def train_tokenizer(
             f"--vocab-size {vocab_size} is too small for byte-level BPE; use at least "
             f"{256 + len(specials)}"
         )
+    if vocab_size > MAX_VOCAB:
+        raise UsageError(
+            f"--vocab-size {vocab_size:,} is past {MAX_VOCAB:,} (the largest vocabularies in use "
+            "hold about 260,000 tokens)"
+        )
+    if not 0 <= min_frequency < 2**32:
+        raise UsageError(f"--min-frequency must be in [0, 2^32), got {min_frequency}")
     if max_documents is not None and max_documents < 1:
         raise UsageError("--max-documents must be >= 1")
-    _prepare_out(out_dir, force)  # fail before reading the corpus
+    _prepare_out(out_dir, force, inputs)  # fail before reading the corpus
     expand_inputs(inputs)  # missing inputs fail before the trainer starts
 
     bpe = Tokenizer(models.BPE())
@@ -378,4 +391,4 @@ def train_tokenizer(
             "train on more text or lower --min-frequency"
         )
     source = "bpe:" + ",".join(map(str, inputs))
-    return _save(tok, Path(out_dir), source, {}, [], force)
+    return _save(tok, Path(out_dir), source, {}, [], force, inputs)

@@ -34,7 +34,7 @@ from megatron_mlmclm.eval.families import load_split
 from megatron_mlmclm.eval.families.qa import records as qa_records
 from megatron_mlmclm.eval.families.sc import records as sc_records
 from megatron_mlmclm.eval.families.tc import records as tc_records
-from megatron_mlmclm.eval.tasks import Task, get_task, load_registry
+from megatron_mlmclm.eval.tasks import Task, check_name, get_task, load_registry
 from megatron_mlmclm.paths import data_dir
 
 STANDARD_SPLITS = ("train", "validation", "test")
@@ -463,6 +463,7 @@ def _same(a, b) -> bool:
 def fetch_task(task: Task, root: Path) -> str:
     """Write `task`'s local layout under `root` from the Hub and verify it; a line saying what
     was done."""
+    check_name(task.name, "fetch")  # its staging folder sits beside the data, never above
     if not missing_files(task):
         return f"{task.name}: present in {task.folder()}"
     if not fetchable(task):

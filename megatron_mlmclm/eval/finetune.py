@@ -106,7 +106,10 @@ class FinetuneConfig:
 
     @property
     def name(self) -> str:
-        return self.model_name or Path(self.model.rstrip("/")).name
+        """The model's label, a folder of the results (`--model .` or `..`: the folder's own
+        name, never a path part that would put the results outside --out)."""
+        given = Path(self.model.rstrip("/") or "/")
+        return self.model_name or (given if given.name not in ("", "..") else given.resolve()).name
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

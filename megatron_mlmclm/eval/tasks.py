@@ -22,13 +22,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from megatron_mlmclm.config.loader import from_dict
+from megatron_mlmclm.config.loader import from_dict, parse_yaml
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.families import FAMILIES
 from megatron_mlmclm.paths import data_dir
@@ -152,8 +151,24 @@ def _builtin_files() -> list[Path]:
     return sorted((Path(__file__).parent / "tasks").glob("*.yaml"))
 
 
+# A task's name is a folder of the results (--out/MODEL/TASK/) and of a fetch's staging folder:
+# a plain name, never a path part.
+PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_name(name: str, where: str) -> str:
+    """`name` as a task's name may be, else UsageError."""
+    if not PLAIN_NAME.fullmatch(name) or ".." in name:
+        raise UsageError(
+            f"{where}: task name {name!r} must be a plain name (letters, digits, . _ -; no path "
+            "parts, at most 128 characters)"
+        )
+    return name
+
+
 def _parse(name: str, entry: Any, source: Path) -> Task:
     where = f"task '{name}' in {source}"
+    check_name(name, f"task file {source}")
     if not isinstance(entry, dict):
         raise UsageError(f"{where}: expected a mapping of fields")
     known = set(FIELDS) - {"name"}
@@ -254,9 +269,10 @@ def _task_file(f: Path):
     key = (str(f.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _PARSED:
         try:
-            _PARSED[key] = yaml.safe_load(f.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UsageError(f"task file {f} is not valid YAML: {e}") from None
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read task file {f}: {e}") from None
+        _PARSED[key] = parse_yaml(text, f"task file {f}") or {}
     return copy.deepcopy(_PARSED[key])  # the entries are parsed into tasks a run may change
 
 

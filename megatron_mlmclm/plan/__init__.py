@@ -19,6 +19,7 @@
     summary.py  SUMMARY.md, SUMMARY.csv, manifest.tsv
     write.py    write_plan: everything built and checked in memory, then one folder renamed into
                 place
+    owned.py    which files of a plan folder a plan wrote (its record): what --force replaces
 
 A plan folder holds OUT/configs/NAME.yaml (each reloaded with load_config before the plan is kept),
 OUT/jobs/NAME.sh (pretrain | convert | evaluate), OUT/jobs.json (every job with its dependencies)

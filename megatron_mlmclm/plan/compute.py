@@ -22,14 +22,13 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from megatron_mlmclm.config import (
     PhaseConfig,
     RunConfig,
     finalize_run_config,
     from_dict,
     load_config,
+    parse_yaml,
     phase_seq_length,
     run_flops,
     step_flops,
@@ -80,9 +79,10 @@ def read_entries(path: Path, what: str, key: str) -> dict:
     """A package-data table of `path` (`what` it holds, a mapping of `key` -> entry), or a
     UsageError naming the file."""
     try:
-        entries = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as e:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read the {what} {path}: {e}") from None
+    entries = parse_yaml(text, f"the {what} {path}") or {}
     if not isinstance(entries, dict):
         raise UsageError(f"{path}: expected a mapping of {key}")
     return entries

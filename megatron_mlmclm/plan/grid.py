@@ -309,6 +309,7 @@ def probe_config(size: str, opts: PlanOptions, runs_dir: Path, lay: dict) -> dic
     (docs/cluster.md)."""
     run = Run(f"probe-{size}", size, "probe", PROBE_STEPS, [{"objective": "clm"}], PROBE_WARMUP, 0)
     cfg = run_config(run, dataclasses.replace(opts, valid=[]), runs_dir, lay)
-    cfg["checkpoint"] = {"save_interval": 0, "resume": False}
+    # probed again (another layout, a new machine): the earlier probe's files are moved aside
+    cfg["checkpoint"] = {"save_interval": 0, "resume": False, "move_aside_existing": True}
     cfg["logging"]["tensorboard"] = False
     return cfg

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from megatron_mlmclm.errors import UsageError
 
 GLOBAL_BATCH = 1152  # x 2048 tokens = 2,359,296 tokens per step (~2.36M)
@@ -33,8 +35,8 @@ def per_size(items: list[str], defaults: dict, flag: str, cast) -> dict:
             v = cast(val)
         except ValueError:
             raise UsageError(f"{flag}: {item!r} must be N or SIZE=N") from None
-        if v <= 0:
-            raise UsageError(f"{flag}: {item!r} must be positive")
+        if not (math.isfinite(v) and v > 0):
+            raise UsageError(f"{flag}: {item!r} must be a positive, finite number")
         for t in targets:
             out[t] = v
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -45,6 +46,7 @@ from megatron_mlmclm.plan.jobs import (
 )
 from megatron_mlmclm.plan.layout import LAYOUTS, layout_for, per_size
 from megatron_mlmclm.plan.options import PlanOptions
+from megatron_mlmclm.plan.owned import check_out, install
 from megatron_mlmclm.plan.summary import (
     arrays_md,
     startup_md,
@@ -65,14 +67,12 @@ def write_plan(
     task_files: dict[str, list[list[str]]] | None = None,  # task -> its data (for submit)
 ) -> dict:
     """Write the plan folder `out` (built whole first: bad input leaves nothing). Returns the
-    totals. With `force`, the plan's files in an existing `out` are replaced and whatever else
-    it holds stays: the runs, exports and results when they live there (the defaults), the
-    submit script's record of its jobs (.submitted/), so re-planning mid-study submits nothing
-    twice."""
+    totals. With `force`, the files an earlier plan wrote in an existing `out` are replaced (or
+    removed, plan/owned.py) and whatever else it holds stays: the runs, exports and results when
+    they live there (the defaults), the submit script's record of its jobs (.submitted/), so
+    re-planning mid-study submits nothing twice, and the user's own files."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not force:
-            raise UsageError(f"--out {out} exists and is not empty; pass --force to replace it")
+    check_out(out, force)
     if opts.gpus_per_node < 1:
         raise UsageError("--gpus-per-node must be >= 1")
     if not opts.max_job_hours * 3600 > EVAL_STARTUP_S:
@@ -128,10 +128,13 @@ def write_plan(
     at = Folders(root, runs_dir, hf_dir, results, CHECKOUT)
     table = job_table(runs, opts, layouts, arrays, task_files or {}, at)
 
-    tmp = root.with_name(root.name + ".tmp-plan")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    (tmp / "configs").mkdir(parents=True)
+    # a folder of this call's own beside the plan (never one that was there before)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{root.name}.tmp-plan-", dir=root.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would keep the plan from the rest of a team
+    (tmp / "configs").mkdir()
     (tmp / "jobs").mkdir()
     try:
         cfg_paths = {}
@@ -202,19 +205,7 @@ def write_plan(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if root.is_dir():  # --force: the plan's own files are replaced, nothing else
-        for new in tmp.iterdir():
-            old = root / new.name
-            if old.is_dir() and not old.is_symlink():
-                shutil.rmtree(old)
-            elif old.exists() or old.is_symlink():
-                old.unlink()
-            os.replace(new, old)
-        tmp.rmdir()
-    else:
-        if root.exists():
-            root.unlink()
-        tmp.rename(root)
+    install(tmp, root)  # --force: only the files an earlier plan wrote are replaced or removed
     return dict(totals, runs=len(runs), prices=prices, arrays=arrays)
 
 

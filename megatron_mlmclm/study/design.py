@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,11 +137,18 @@ class StudyDesign:
                 raise UsageError(f"--{name.replace('_', '-')} must be > 0")
         if self.max_widen < 0:
             raise UsageError("--max-widen must be >= 0")
+        for name in ("pretrain_seeds", "finetune_seeds"):
+            if not all(0 <= x < 2**32 for x in getattr(self, name)):
+                raise UsageError(f"--{name.replace('_', '-')} must be integers in [0, 2^32)")
+        if self.workers > (os.cpu_count() or 1):
+            raise UsageError(
+                f"--workers {self.workers:,} is more than this machine's {os.cpu_count()} CPUs"
+            )
         if self.train_documents is not None and self.train_documents <= 0:
             raise UsageError("--train-documents must be > 0")
         warmup = decay_steps(self.steps)
         for share in self.curve_shares:
-            budget = round(share * self.steps)
+            budget = round(share * self.steps) if 0 < share < 1 else 0  # NaN: no budget
             if not 0 < share < 1 or branch_point(budget) < warmup:
                 raise UsageError(
                     f"--curve-shares {share:g}: a learning-curve budget must be a share "

@@ -16,6 +16,9 @@ data fingerprint, the run's history: training/history.py), the provenance of imp
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +26,9 @@ from typing import Any, Protocol
 from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import PhasePlan, RunConfig, kept_steps, resolved
 from megatron_mlmclm.data.tokenizer import TokenSpec
+from megatron_mlmclm.errors import UsageError
+from megatron_mlmclm.runtime.distributed import on_main
+from megatron_mlmclm.runtime.lifetime import LOCK_NAME
 from megatron_mlmclm.training import history
 from megatron_mlmclm.training.branch import branch_source, check_branch_folder
 from megatron_mlmclm.training.continued import check_init_from
@@ -54,6 +60,9 @@ class Start:
     damaged: list[Path] = field(default_factory=list)
     # the run's history up to and including this start's own event (training/history.py)
     history: list[dict[str, Any]] = field(default_factory=list)
+    # which run this is (checkpoint.py's RUN_FILE): drawn at a fresh start or a branch, kept by a
+    # resume; pruning deletes only this run's checkpoints
+    run_id: str = ""
 
     @property
     def branched_from(self) -> Path | None:
@@ -80,8 +89,20 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> 
         notes = [cost, *notes] if cost else notes
         before = history.of_checkpoint(state)
         now = history.event("resume", step, consumed, cfg, fingerprint, before)
+        run_id = state.get("run_id")
+        if not run_id:  # saved before checkpoints named their run
+            run_id = new_run_id()
+            notes.append(
+                f"{latest.name} was saved before checkpoints named their run: the checkpoints "
+                f"already in {latest.parent} are never pruned (remove them yourself when done)"
+            )
         return Start(
-            latest, notes=notes, sample_offset=offset, damaged=damaged, history=before + [now]
+            latest,
+            notes=notes,
+            sample_offset=offset,
+            damaged=damaged,
+            history=before + [now],
+            run_id=run_id,
         )
     if cfg.train.branch_from:  # a stable checkpoint of this config at another budget
         source, state, notes = branch_source(cfg, fingerprint)
@@ -90,13 +111,61 @@ def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> 
         # read as a fresh run reads
         position = PhasePlan.of(cfg).position(step)
         now = history.event("branch", step, position, cfg, fingerprint, before)
-        return Start(source, branched=True, notes=notes, history=before + [now])
+        return Start(
+            source, branched=True, notes=notes, history=before + [now], run_id=new_run_id()
+        )
     started = [history.event("start", 0, 0, cfg, fingerprint, [])]
     if not cfg.train.init_from:
-        return Start(history=started)
+        return Start(history=started, run_id=new_run_id())
     init, cost = ckpt.verified_checkpoint(cfg.train.init_from)  # the ranks share its checksums
     notes = [cost] if cost else []
-    return Start(init_from=init, notes=notes + check_init_from(init, cfg, spec), history=started)
+    return Start(
+        init_from=init,
+        notes=notes + check_init_from(init, cfg, spec),
+        history=started,
+        run_id=new_run_id(),
+    )
+
+
+def new_run_id() -> str:
+    """A new run's id, rank 0's for every rank."""
+    return on_main(lambda: uuid.uuid4().hex)
+
+
+def earlier_run(cfg: RunConfig, move: bool) -> str | None:
+    """A run with checkpoint.resume off starts afresh: a checkpoint dir holding an earlier run's
+    checkpoints is refused (UsageError), or with checkpoint.move_aside_existing, that run's files
+    are moved aside when `move` (rank 0, holding output_dir's lock): everything in output_dir
+    into output_dir/previous-TIME/, and a checkpoint dir outside output_dir beside itself as
+    DIR.previous-TIME. -> a line to log, or None when there was nothing."""
+    c = cfg.checkpoint
+    folder = Path(resolved(c.dir))
+    earlier = sorted(p.name for p in folder.glob("iter_*")) if folder.is_dir() else []
+    if c.resume or not earlier:
+        return None
+    if not c.move_aside_existing:
+        raise UsageError(
+            f"checkpoint.resume=false, but {folder} holds an earlier run's checkpoints "
+            f"({earlier[-1]}); start fresh in another output_dir, or add "
+            "checkpoint.move_aside_existing=true to move that run's files aside first"
+        )
+    out = Path(cfg.output_dir)
+    stamp = f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = next(
+        out / name
+        for name in (stamp, *(f"{stamp}-{n}" for n in range(2, 10**6)))
+        if not (out / name).exists()
+    )
+    if not move:
+        return f"the earlier run's files in {out} will be moved aside to {aside.name}/"
+    aside.mkdir(parents=True)
+    for item in sorted(out.iterdir()):
+        if item.name != LOCK_NAME and not item.name.startswith("previous-"):
+            os.replace(item, aside / item.name)
+    if folder.exists() and out.resolve() not in folder.resolve().parents:
+        os.replace(folder, folder.with_name(f"{folder.name}.{aside.name}"))
+        return f"moved the earlier run's files aside to {aside} and {folder.name}.{aside.name}"
+    return f"moved the earlier run's files aside to {aside}"
 
 
 class Checkpointer:
@@ -121,7 +190,10 @@ class Checkpointer:
         self.source: dict[str, Any] | None = None  # provenance of imported weights, in every save
 
     def state_dict(self) -> dict[str, Any]:
-        return {} if self.source is None else {"source": self.source}
+        return {
+            "run_id": self.start.run_id,
+            **({} if self.source is None else {"source": self.source}),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.source = state.get("source")

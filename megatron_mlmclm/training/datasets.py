@@ -31,6 +31,8 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
             return temperature_blend(d.train, stream.temperature)
         return list(stream.data) if stream.data is not None else d.train
 
+    share = cfg.runtime.limits.index_memory  # of the memory and disk an index may take
+
     def build():
         if d.mock:
             train = [
@@ -62,11 +64,15 @@ def build_datasets(cfg: RunConfig, spec: TokenSpec, plan: PhasePlan, sample_offs
                 max(s.samples + sample_offset, gbs),
                 d.seed,
                 d.cache_dir,
+                memory_share=share,
             )
             for s in plan.streams
         ]
         valid = (
-            {n: build_train_dataset(d.valid, n, n_valid, d.seed, d.cache_dir) for n in lengths}
+            {
+                n: build_train_dataset(d.valid, n, n_valid, d.seed, d.cache_dir, memory_share=share)
+                for n in lengths
+            }
             if d.valid
             else None
         )

@@ -37,7 +37,7 @@ from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training import history, sinks
 from megatron_mlmclm.training.batch_plan import Plan
-from megatron_mlmclm.training.checkpointer import Checkpointer, Start, find_start
+from megatron_mlmclm.training.checkpointer import Checkpointer, Start, earlier_run, find_start
 from megatron_mlmclm.training.continued import init_from_tokenizer
 from megatron_mlmclm.training.datasets import build_datasets, index_summary
 from megatron_mlmclm.training.engine import Engine
@@ -168,6 +168,9 @@ class Trainer:
                 f"took over the lock of a run that has ended (pid {holder.get('pid')} on "
                 f"{holder.get('host')}, started {holder.get('started')})"
             )
+        moved = earlier_run(self.cfg, move=True)  # checkpoint.resume=false: refused, or aside
+        if moved:
+            log(moved)
 
     # --------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -30,25 +31,75 @@ def protocol_name(result: dict) -> str:
     return result["protocol"].get("name", "default")
 
 
+def _files(root: Path, pattern: str) -> list[Path]:
+    """The files under `root` matching `pattern`, sorted; a folder that cannot be listed (no
+    permission, a system folder) is one line."""
+    try:
+        return sorted(root.glob(pattern))
+    except OSError as e:
+        raise UsageError(f"cannot list {root}: {e}; give a results folder") from None
+
+
 def load_results(folder: str | Path) -> tuple[list[dict], int]:
     """(finished results that carry a protocol, number of finished results without one)."""
     root = Path(folder)
     if not root.is_dir():
         raise UsageError(f"results folder {folder} not found")
     out, legacy = [], 0
-    for f in sorted(root.rglob("*.json")):
+    for f in _files(root, "**/*.json"):
         if not RESULT_FILE.match(f.name) or f.name.endswith(".failed.json"):
             continue
         try:
             r = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, RecursionError):  # unreadable: being written, or damaged
             continue
         if isinstance(r, dict) and r.get("status") == "done" and "metrics" in r:
-            if "protocol" in r:
-                out.append(r)
-            else:
+            if "protocol" not in r:
                 legacy += 1
+                continue
+            problem = result_problem(r)
+            if problem is not None:
+                raise UsageError(f"result {f}: {problem}; fix the file or move it away")
+            out.append(r)
     return out, legacy
+
+
+def _number(x) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def result_problem(r: dict) -> str | None:
+    """What a finished result lacks that the report reads, or None: its names, its run's LR and
+    seed, its grid, and a finite score under its metric for validation and test."""
+    for key in ("model", "task", "family", "metric"):
+        if not isinstance(r.get(key), str):
+            return f"{key} is {r.get(key)!r}, not a name"
+    if r["family"] not in FAMILIES:
+        return f"family {r['family']!r} is none of {', '.join(FAMILIES)}"
+    if not _number(r.get("lr")) or type(r.get("seed")) is not int:
+        return f"lr {r.get('lr')!r} and seed {r.get('seed')!r} must be a number and an integer"
+    grid = r.get("grid")
+    if not (
+        isinstance(grid, dict)
+        and isinstance(grid.get("lrs"), list)
+        and all(_number(x) for x in grid["lrs"])
+        and isinstance(grid.get("seeds"), list)
+        and all(type(x) is int for x in grid["seeds"])
+    ):
+        return "grid must hold lists of lrs (numbers) and seeds (integers)"
+    for split in ("validation", "test"):
+        scores = r["metrics"].get(split) if isinstance(r["metrics"], dict) else None
+        score = scores.get(r["metric"]) if isinstance(scores, dict) else None
+        if not _number(score):
+            return f"metrics.{split}.{r['metric']} is {score!r}, not a finite number"
+    protocol = r["protocol"]
+    if not (
+        isinstance(protocol, dict)
+        and isinstance(protocol.get("id"), str)
+        and isinstance(protocol.get("run_id"), str)
+    ):
+        return "protocol must hold an id and a run_id"
+    return None
 
 
 def encodeval_tasks(task_files: list[str] | None = None) -> dict[str, tuple[str, str]]:
@@ -77,7 +128,7 @@ def load_encodeval(
         raise UsageError(f"EncodEval results folder {root} not found")
     known = encodeval_tasks(task_files)
     runs = []
-    for f in sorted(base.glob("*/*/*/*/results.json")):
+    for f in _files(base, "*/*/*/*/results.json"):
         model, kind, dataset, run = f.parts[-5:-1]
         family = kind.lower()
         m = ENCODEVAL_RUN.match(run)
