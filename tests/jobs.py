@@ -361,6 +361,34 @@ def line_tokenizer(root: Path) -> tuple[Path, int]:
     return tok, len(load_tokenizer(tok))
 
 
+def random_shard(prefix: Path, tokenizer: Path, seed: int, docs: int, low: int = 4) -> str:
+    """A shard of `docs` documents of 5-59 random ids of `tokenizer`'s vocabulary (from `low`,
+    none of its special tokens), each ended with its EOS, written with megatron's own builder and
+    fingerprinted as `mlmclm preprocess` fingerprints what it writes. -> the prefix."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_mlmclm.data.shards import file_identity, shard_fingerprint, write_fingerprint
+    from megatron_mlmclm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+    tok = load_tokenizer(tokenizer)
+    special = set(tok.all_special_ids)
+    ids = np.array([i for i in range(low, len(tok)) if i not in special], dtype=np.int32)
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
+    largest = 0
+    for n in rng.integers(5, 60, size=docs):
+        doc = np.append(rng.choice(ids, size=n), np.int32(tok.eos_token_id))
+        largest = max(largest, int(doc.max()))
+        builder.add_item(torch.from_numpy(doc.astype(np.int32)))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+    fingerprint = shard_fingerprint(tokenizer_fingerprint(tok), append_eod=True)
+    write_fingerprint(prefix, {**fingerprint, "max_id": largest, **file_identity(prefix)})
+    return str(prefix)
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file and folder under `folder` (relative path -> SHA-256 of a file's bytes, "dir", or
     where a link points): two snapshots are equal when nothing was added, removed or changed."""

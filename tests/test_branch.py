@@ -15,13 +15,11 @@ import os
 import shutil
 
 import checkpoint_files as cf
-import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
-from jobs import line_tokenizer, train_in_process
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from jobs import line_tokenizer, random_shard, train_in_process
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -44,23 +42,14 @@ GBS = 4
 CLM_THEN_MLM = [{"objective": "clm", "steps": 3}, {"objective": "mlm"}]  # MLM takes the rest
 
 
-def write_shard(prefix, vocab, seed, docs):
-    rng = np.random.default_rng(seed)
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
-    for n in rng.integers(5, 60, size=docs):
-        builder.add_item(torch.from_numpy(rng.integers(4, vocab, size=n).astype(np.int32)))
-        builder.end_document()
-    builder.finalize(str(prefix) + ".idx")
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A config over a blend of two shards of ~40 samples of 32 tokens per epoch: an 8-step run
     reads most of one epoch, a 14-step run goes into a second."""
     root = tmp_path_factory.mktemp("branch")
     tok, vocab = line_tokenizer(root)
-    write_shard(root / "a", vocab, 1, 40)
-    write_shard(root / "b", vocab, 2, 15)
+    random_shard(root / "a", tok, 1, 40)
+    random_shard(root / "b", tok, 2, 15)
     cfg = {
         "model": {"preset": "tiny", "seq_length": 32},
         "phases": [{"objective": "mlm"}],

@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from jobs import REPO, kill_after_checkpoint, read_metrics, run_pretrain, word_tokenizer
+from jobs import (
+    REPO,
+    kill_after_checkpoint,
+    random_shard,
+    read_metrics,
+    run_pretrain,
+    word_tokenizer,
+)
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_mlmclm.cli import main
@@ -267,20 +274,12 @@ def test_a_phase_rope_base_is_megatrons_own_frequencies_for_that_base():
 
 def tiny_shards(root, names, tok):
     """A word-corpus shard per name (different seeds): data/shards/<name>_text_document."""
-    from megatron_mlmclm.data.tokenizer import load_tokenizer
-
-    vocab = len(load_tokenizer(tok))
-    out = {}
-    for k, name in enumerate(sorted(names)):
-        rng = np.random.default_rng(k)
-        prefix = root / f"{name}_text_document"
-        builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
-        for n in rng.integers(5, 60, size=300):
-            builder.add_item(torch.from_numpy(rng.integers(5, vocab, size=n).astype(np.int32)))
-            builder.end_document()
-        builder.finalize(str(prefix) + ".idx")
-        out[f"data/shards/{name}_text_document"] = str(prefix)
-    return out
+    return {
+        f"data/shards/{name}_text_document": random_shard(
+            root / f"{name}_text_document", tok, seed=k, docs=300, low=5
+        )
+        for k, name in enumerate(sorted(names))
+    }
 
 
 def tiny_recipe(recipe: dict, shards: dict, tok, out) -> dict:

@@ -14,7 +14,6 @@ import os
 import shutil
 
 import checkpoint_files as cf
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -24,10 +23,10 @@ from jobs import (
     kill_after_checkpoint,
     launch,
     line_tokenizer,
+    random_shard,
     read_metrics,
     run_pretrain,
 )
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_mlmclm.checkpoint import read_trainer_state
 from megatron_mlmclm.cli import main
@@ -343,22 +342,13 @@ def test_what_a_checkpoint_records_decides_whether_its_buckets_shifted_state(
 GBS = 4  # of the run in the fixture; it saves at steps 1, 2 and 3
 
 
-def write_shard(prefix, vocab, seed):
-    rng = np.random.default_rng(seed)
-    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
-    for n in rng.integers(5, 60, size=40):
-        builder.add_item(torch.from_numpy(rng.integers(4, vocab, size=n).astype(np.int32)))
-        builder.end_document()
-    builder.finalize(str(prefix) + ".idx")
-
-
 @pytest.fixture(scope="module")
 def shard_run(tmp_path_factory):
     """(config path, folder): a 3-step MLM run on shard `a`, checkpointed at every step."""
     root = tmp_path_factory.mktemp("shard_run")
     tok, vocab = line_tokenizer(root)
-    write_shard(root / "a", vocab, seed=1)
-    write_shard(root / "b", vocab, seed=2)
+    random_shard(root / "a", tok, seed=1, docs=40)
+    random_shard(root / "b", tok, seed=2, docs=40)
     cfg = {
         "output_dir": str(root / "run"),
         "model": {"preset": "tiny", "seq_length": 32},

@@ -70,7 +70,7 @@ def written_by_plan(root: Path) -> dict[str, str | None]:
         with open(manifest, encoding="utf-8", newline="") as f:
             names = [row["name"] for row in csv.DictReader(f, delimiter="\t")]
     except (OSError, KeyError, csv.Error, UnicodeDecodeError):
-        return set()
+        return {}
     ours = [f for f in FIXED if (root / f).is_file()]
     for name in names:
         if name and "/" not in name and name not in (".", ".."):
