@@ -80,7 +80,7 @@ def test_the_docs_give_the_default_plans_figures(plan_dir):
     )
     assert printed in doc  # the command's last line, as the page shows it
     assert f"total with pretraining and job starts ({pre:,} + {starts:,})" in doc
-    row = f"| `--eval-suite paper` (default) | `default` | 13 | {evaluation:,} | {total:,} |"
+    row = f"| `--eval-tasks paper` (default) | `default` | 13 | {evaluation:,} | {total:,} |"
     assert row in doc
     sst2 = [round(float(eval_rows(plan_dir)[("sst2", s)]["seconds_per_run"])) for s in SIZES]
     assert "a 1,000-step SST-2 run takes {} s at 210m, {} s at 610m and {} s at 1B".format(
@@ -97,7 +97,7 @@ def test_the_docs_give_the_encodeval_plans_figures(tmp_path):
     total = round(sum(float(r["total_gpu_hours"]) for r in rows))
     doc = (REPO / "docs" / "plan.md").read_text()
     row = f"| `encodeval` | 13 | {evaluation:,} | {total:,} |"
-    assert f"| `--eval-suite paper --eval-protocol encodeval` {row}" in doc
+    assert f"| `--eval-tasks paper --eval-protocol encodeval` {row}" in doc
 
 
 def test_configs_load_and_phases_fill_the_budget(plan_dir):
@@ -382,7 +382,7 @@ def test_a_probe_that_is_not_of_one_run_exits_2(tmp_path, capsys, record, expect
     (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
     out = tmp_path / "p"
     argv = ["plan", "--out", str(out), "--sizes", "210m", "--budgets", "12000", "--objectives",
-            "clm", "--clm-shares", "--cpt-steps", "--throughput", f"210m={run}"]  # fmt: skip
+            "clm", "--clm-shares", "--cpt-steps", "--probe-metrics", f"210m={run}"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
@@ -390,8 +390,8 @@ def test_a_probe_that_is_not_of_one_run_exits_2(tmp_path, capsys, record, expect
 
 
 def test_a_probe_prices_its_size_from_its_metrics(tmp_path, capsys):
-    """The plan writes a short CLM probe per size whose schedule fits; `--throughput
-    SIZE=METRICS` prices the size from a run's logged tokens/s (the later half of its steps),
+    """The plan writes a short CLM probe per size whose schedule fits; `--probe-metrics
+    SIZE=RUN` prices the size from a run's logged tokens/s (the later half of its steps),
     whatever its objective: an MLM 40% probe prices an MLM 40% run at its own tokens/s, a CLM run
     at the same FLOP rate."""
     out = tmp_path / "p"
@@ -413,7 +413,7 @@ def test_a_probe_prices_its_size_from_its_metrics(tmp_path, capsys):
             record = {"step": 10 * i, "phase": 0, "objective": "mlm", "loss": 9.0}
             record.update(tokens_per_s=16 * v, tokens_per_s_per_device=v)
             f.write(json.dumps(record) + "\n")
-    assert main([*argv, "--force", "--throughput", f"610m={run / 'metrics.jsonl'}"]) == 0
+    assert main([*argv, "--force", "--probe-metrics", f"610m={run / 'metrics.jsonl'}"]) == 0
     assert "priced probed: 610m" in capsys.readouterr().out
     with open(out / "SUMMARY.csv", newline="") as f:
         rows = {r["name"]: r for r in csv.DictReader(f)}
@@ -432,8 +432,14 @@ def test_a_probe_prices_its_size_from_its_metrics(tmp_path, capsys):
         in (out / "SUMMARY.md").read_text()
     )
     (run / "config.yaml").unlink()  # a file that is not a run's
-    assert main([*argv, "--force", "--throughput", f"610m={run}"]) == 2
+    assert main([*argv, "--force", "--probe-metrics", f"610m={run}"]) == 2
     assert "config.yaml is not beside" in capsys.readouterr().err
+    # a run's folder given as a throughput, or a size priced both ways: one line each
+    assert main([*argv, "--force", "--throughput", f"610m={run}"]) == 2
+    assert "--probe-metrics SIZE=RUN" in capsys.readouterr().err
+    both = ["--throughput", "610m=30000", "--probe-metrics", f"610m={run}"]
+    assert main([*argv, "--force", *both]) == 2
+    assert "both price 610m" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -698,7 +704,7 @@ def test_eval_tasks_by_name_and_their_data_checked(tmp_path, capsys, data_dir):
     said = capsys.readouterr().out
     assert "evaluation data to fetch into" in said and "--fetch" in said
     assert "msmarco_pairs" in said  # the set the IR tasks train on
-    assert main(["plan", "--out", str(out), "--force", *SMALL, "--eval-suite"]) == 2
+    assert main(["plan", "--out", str(out), "--force", *SMALL, "--eval-tasks"]) == 2
     assert "no evaluation task" in capsys.readouterr().err
 
 

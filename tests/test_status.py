@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.plan import svg
-from megatron_mlmclm.plan.jobs import EVAL_LRS, EVAL_SEEDS
 from megatron_mlmclm.plan.progress import error_line, read_run
 from megatron_mlmclm.plan.scheduler import (
     SACCT_FIELDS,
@@ -31,7 +30,7 @@ from megatron_mlmclm.plan.scheduler import (
     parse_squeue,
     parse_tres,
 )
-from megatron_mlmclm.plan.status import DEFAULT_LRS, DEFAULT_SEEDS, read_status
+from megatron_mlmclm.plan.status import read_status
 from megatron_mlmclm.plan.status_page import html, markdown
 from megatron_mlmclm.plan.submit import Submission, read_settings, read_table
 
@@ -444,10 +443,6 @@ def test_a_branch_counts_its_own_steps_only(tmp_path):
     files = read_run(run, run / "checkpoints", branch_at=4)
     assert files.own_step_s == 6.0 and files.step_time_s == 2.0 and files.checkpoint is None
     assert files.step == 7 and files.tokens == pytest.approx(7 * TOKENS_A_STEP)
-
-
-def test_the_default_grid_is_evaluates():
-    assert (DEFAULT_LRS, DEFAULT_SEEDS) == (EVAL_LRS, EVAL_SEEDS)
 
 
 @given(st.floats(-1e6, 1e6), st.floats(0, 1e6))

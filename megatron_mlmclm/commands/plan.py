@@ -13,12 +13,13 @@ from pathlib import Path
 
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.eval.fetch import check_data, required_files
+from megatron_mlmclm.eval.grid import DEFAULT_LRS, DEFAULT_SEEDS
 from megatron_mlmclm.eval.protocols import PROTOCOLS, resolve, run_settings
 from megatron_mlmclm.eval.tasks import Task, get_task, load_registry, suite
 from megatron_mlmclm.paths import data_dir
 from megatron_mlmclm.plan.compute import DEFAULT_STARTUP_S, DEFAULT_THROUGHPUT
 from megatron_mlmclm.plan.evaluation import TaskRun
-from megatron_mlmclm.plan.jobs import EVAL_LRS, EVAL_MARGIN, EVAL_SEEDS, EVAL_TARGET_HOURS
+from megatron_mlmclm.plan.jobs import EVAL_MARGIN, EVAL_TARGET_HOURS
 from megatron_mlmclm.plan.layout import LAYOUTS
 from megatron_mlmclm.plan.options import PlanOptions
 from megatron_mlmclm.plan.write import write_plan
@@ -106,19 +107,13 @@ def add_arguments(p) -> None:
         "--results-dir", default=d.results_dir, help="evaluation results (default OUT/results)"
     )
     r.add_argument(
-        "--eval-suite",
-        nargs="*",
-        default=d.eval_suite,
-        metavar="SUITE",
-        help="evaluate every task of a suite (default: paper, the paper's sets, unless "
-        "--eval-tasks names tasks; no value: none)",
-    )
-    r.add_argument(
         "--eval-tasks",
         nargs="*",
         default=d.eval_tasks,
-        help="evaluation tasks besides the suite's (e.g. the mini-study's sst2 mnli qqp "
-        "conll2003 squad scifact)",
+        metavar="SUITE|TASK",
+        help="the evaluation: suites (every task of one) and tasks, in one list (default: "
+        "paper, the paper's 13 sets; e.g. the mini-study's sst2 mnli qqp conll2003 squad "
+        "scifact)",
     )
     r.add_argument(
         "--eval-data-dir",
@@ -153,30 +148,37 @@ def add_arguments(p) -> None:
         nargs="*",
         type=float,
         default=d.eval_lrs,
-        help=f"fine-tuning learning rates (default: evaluate's {EVAL_LRS})",
+        help=f"fine-tuning learning rates (default: evaluate's {' '.join(map(str, DEFAULT_LRS))})",
     )
     r.add_argument(
         "--eval-seeds",
         nargs="*",
         type=int,
         default=d.eval_seeds,
-        help=f"fine-tuning seeds (default: evaluate's {EVAL_SEEDS})",
+        help=f"fine-tuning seeds (default: evaluate's {' '.join(map(str, DEFAULT_SEEDS))})",
     )
     r.add_argument(
         "--save-interval", type=int, default=d.save_interval, help="checkpoint.save_interval"
     )
     c = p.add_argument_group("cluster and compute estimate")
     c.add_argument(
-        "--throughput-tokens-per-gpu-s",
         "--throughput",
-        dest="throughput",
         nargs="*",
         default=d.throughput,
-        metavar="SIZE=N",
-        help="CLM tokens/s per GPU per size; other objectives at the same FLOP rate (default: "
-        "a size's measured step in --step-times, else assumed: "
+        metavar="SIZE=TOKENS_PER_S",
+        help="CLM tokens/s per GPU, per size (SIZE=N) or for every size (N); other objectives "
+        "at the same FLOP rate (default: --probe-metrics, else a size's measured step in "
+        "--step-times, else assumed: "
         + ", ".join(f"{k}={v:,.0f}" for k, v in DEFAULT_THROUGHPUT.items())
         + ")",
+    )
+    c.add_argument(
+        "--probe-metrics",
+        nargs="*",
+        default=d.probe_metrics,
+        metavar="SIZE=RUN",
+        help="a size priced from a run's logged tokens/s per GPU (its folder or metrics.jsonl, "
+        "e.g. the plan's probes/SIZE.yaml run): the median of its later steps, any objective",
     )
     c.add_argument(
         "--step-times",
@@ -255,10 +257,12 @@ def evaluation(options: PlanOptions) -> tuple[PlanOptions, list[str]]:
     every task's data present there or fetchable from the Hub (those are returned), else one line
     (UsageError)."""
     registry = load_registry()
-    suites = options.eval_suite
-    if suites is None:
-        suites = [] if options.eval_tasks else ["paper"]
-    names = [n for s in suites for n in suite(s, registry)] + list(options.eval_tasks)
+    suites = {s for t in registry.values() for s in t.suites} - set(registry)
+    names = [
+        n
+        for item in options.eval_tasks
+        for n in (suite(item, registry) if item in suites else [item])
+    ]
     tasks = [get_task(n, registry=registry) for n in dict.fromkeys(names)]
     root = options.eval_data_dir or os.environ.get("MLMCLM_DATA_DIR")
     root = Path(root).resolve() if root else data_dir()
@@ -268,6 +272,9 @@ def evaluation(options: PlanOptions) -> tuple[PlanOptions, list[str]]:
         eval_tasks=[t.name for t in tasks],
         eval_data_dir=str(root) if root else None,
         eval_runs={p: {t.name: task_run(t, p) for t in tasks} for p in PROTOCOLS},
+        # evaluate's grid written out: the plan prices and submits what it names
+        eval_lrs=list(options.eval_lrs) or list(DEFAULT_LRS),
+        eval_seeds=list(options.eval_seeds) or list(DEFAULT_SEEDS),
     )
     return resolved, to_fetch
 

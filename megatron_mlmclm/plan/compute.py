@@ -4,12 +4,12 @@ The FLOPs are config/budget.py's arithmetic (step_flops: the sparse MLM head ove
 tokens, causal attention at half as Transformer Engine spends it on a GPU), at the vocabulary of
 the Llama-3 tokenizer. GPU-hours follow from a FLOP rate per GPU at which every step's own FLOPs
 are spent (an MLM step costs less than a CLM step: its head computes logits at the masked
-positions only). A size's FLOP rate comes, first to last, from `--throughput SIZE=N` (CLM tokens
-per second per GPU), from a measured step in measured_step_times.yaml (its tokens per second per
-GPU of the step it measured, at that step's FLOPs per token), or from an assumed CLM throughput
-(DEFAULT_THROUGHPUT). A run on G GPUs trains at G times one GPU's rate: a one-GPU measurement
-holds no data-parallel communication. A branch trains only the steps after its branch point; its
-cost from scratch is reported beside it.
+positions only). A size's FLOP rate comes, first to last, from `--probe-metrics SIZE=RUN` (the
+tokens/s a run logged) or `--throughput SIZE=N` (CLM tokens per second per GPU), from a measured
+step in measured_step_times.yaml (its tokens per second per GPU of the step it measured, at that
+step's FLOPs per token), or from an assumed CLM throughput (DEFAULT_THROUGHPUT). A run on G GPUs
+trains at G times one GPU's rate: a one-GPU measurement holds no data-parallel communication. A
+branch trains only the steps after its branch point; its cost from scratch is reported beside it.
 """
 
 from __future__ import annotations
@@ -145,11 +145,11 @@ def measured_pricing(size: str, m: dict) -> Pricing:
 
 
 def probed_pricing(size: str, path: str) -> Pricing:
-    """`--throughput SIZE=METRICS`: the tokens/s per GPU a run logged (its metrics.jsonl, or the
+    """`--probe-metrics SIZE=RUN`: the tokens/s per GPU a run logged (its metrics.jsonl, or the
     run's folder), the median over the later half of its logged steps (past compilation and
     warmup) of its last phase, at that phase's FLOPs per token (read from the run's config.yaml
     beside it): any objective, converted by the FLOP count."""
-    where = f"--throughput {size}={path}"
+    where = f"--probe-metrics {size}={path}"
     metrics = Path(path) / "metrics.jsonl" if Path(path).is_dir() else Path(path)
     config = metrics.with_name("config.yaml")
     try:
@@ -193,27 +193,44 @@ def probed_pricing(size: str, path: str) -> Pricing:
     return Pricing(float(tokens_per_s), ph, "probed", note)
 
 
-def split_throughput(items: list[str]) -> tuple[list[str], dict[str, str]]:
-    """`--throughput` items: N / SIZE=N, and SIZE=PATH (a run's metrics.jsonl or folder)."""
-    numbers, probes = [], {}
+def probe_runs(items: list[str]) -> dict[str, str]:
+    """`--probe-metrics SIZE=RUN ...` -> size -> the run's folder or metrics.jsonl."""
+    out: dict[str, str] = {}
     for item in items:
-        size, _, value = item.partition("=")
+        size, sep, path = item.partition("=")
+        if not sep or not path:
+            raise UsageError(
+                f"--probe-metrics: {item!r} must be SIZE=RUN (a run's folder or its metrics.jsonl)"
+            )
+        check_size(size)
+        if size in out:
+            raise UsageError(f"--probe-metrics names {size} twice; give one run a size")
+        out[size] = path
+    return out
+
+
+def pricing(
+    sizes, given: list[str], measured: dict[str, dict], probe_metrics: list[str] = ()
+) -> dict[str, Pricing]:
+    """Per size: `--probe-metrics SIZE=RUN` or `--throughput SIZE=N` where given (one of the two
+    a size), else its measured step, else the assumption."""
+    for item in given:
+        value = item.partition("=")[2] if "=" in item else item
         try:
             float(value)
         except ValueError:
-            if value and ("/" in value or value.endswith(".jsonl") or Path(value).exists()):
-                check_size(size)
-                probes[size] = value
-                continue
-        numbers.append(item)
-    return numbers, probes
-
-
-def pricing(sizes, given: list[str], measured: dict[str, dict]) -> dict[str, Pricing]:
-    """Per size: `--throughput SIZE=N` or `SIZE=METRICS` where given, else its measured step,
-    else the assumption."""
-    numbers, probes = split_throughput(given)
-    flags = per_size(numbers, dict.fromkeys(LAYOUTS), "--throughput", float)
+            raise UsageError(
+                f"--throughput: {item!r} must be N or SIZE=N tokens/s per GPU (a run's logged "
+                "throughput: --probe-metrics SIZE=RUN)"
+            ) from None
+    probes = probe_runs(list(probe_metrics))
+    flags = per_size(given, dict.fromkeys(LAYOUTS), "--throughput", float)
+    named = {item.partition("=")[0] for item in given if "=" in item}
+    for size in probes:
+        if size in named:
+            raise UsageError(
+                f"--throughput and --probe-metrics both price {size}; give one of the two"
+            )
     out = {}
     for size in sizes:
         if size in probes:

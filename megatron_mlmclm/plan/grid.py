@@ -305,7 +305,7 @@ PROBE_STEPS, PROBE_WARMUP = 200, 20
 
 def probe_config(size: str, opts: PlanOptions, runs_dir: Path, lay: dict) -> dict:
     """The config of a short CLM run of `size` at its layout, written to probes/SIZE.yaml; it
-    runs in RUNS/probe-SIZE, whose metrics `mlmclm plan --throughput SIZE=RUNS/probe-SIZE` reads
+    runs in RUNS/probe-SIZE, whose metrics `mlmclm plan --probe-metrics SIZE=RUNS/probe-SIZE` reads
     (docs/cluster.md)."""
     run = Run(f"probe-{size}", size, "probe", PROBE_STEPS, [{"objective": "clm"}], PROBE_WARMUP, 0)
     cfg = run_config(run, dataclasses.replace(opts, valid=[]), runs_dir, lay)

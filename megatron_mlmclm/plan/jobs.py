@@ -36,8 +36,6 @@ from megatron_mlmclm.plan.grid import Run
 from megatron_mlmclm.plan.options import PlanOptions
 from megatron_mlmclm.plan.submit import COLUMNS, FORMAT
 
-EVAL_LRS, EVAL_SEEDS = 6, 5  # mlmclm evaluate's default grid: 6 learning rates x 5 seeds
-
 
 def job_script(
     run: Run,
@@ -97,23 +95,22 @@ def _relation(run: Run) -> str:
 
 
 def eval_grid_args(opts: PlanOptions) -> list[str]:
-    """What `mlmclm evaluate` is told besides the model and the task: the protocol, and
-    --lrs/--seeds when the plan narrows its default grid."""
-    out = ["--protocol", opts.eval_protocol]
-    if opts.eval_lrs:
-        out += ["--lrs", *[f"{lr:g}" for lr in opts.eval_lrs]]
-    if opts.eval_seeds:
-        out += ["--seeds", *[str(sd) for sd in opts.eval_seeds]]
-    return out
+    """What `mlmclm evaluate` is told besides the model and the task: the protocol and the
+    learning-rate x seed grid (commands/plan.py writes evaluate's default in when none is
+    given)."""
+    return [
+        "--protocol",
+        opts.eval_protocol,
+        "--lrs",
+        *[f"{lr:g}" for lr in opts.eval_lrs],
+        "--seeds",
+        *[str(sd) for sd in opts.eval_seeds],
+    ]
 
 
 def eval_runs_per_model(opts: PlanOptions) -> int:
     """A model's fine-tuning runs: tasks x learning rates x seeds."""
-    return (
-        len(opts.eval_tasks)
-        * (len(opts.eval_lrs) if opts.eval_lrs else EVAL_LRS)
-        * (len(opts.eval_seeds) if opts.eval_seeds else EVAL_SEEDS)
-    )
+    return len(opts.eval_tasks) * len(opts.eval_lrs) * len(opts.eval_seeds)
 
 
 # ------------------------------------------------------------ evaluation arrays sized to finish

@@ -40,13 +40,13 @@ class PlanOptions:
     runs_dir: str | None = None  # default: OUT/runs
     hf_dir: str | None = None  # default: OUT/hf
     results_dir: str | None = None  # default: OUT/results
-    # the evaluation: a suite's tasks (None: the paper's unless eval_tasks names tasks) plus
-    # eval_tasks; commands/plan.py resolves them (the registry is eval/'s) into eval_tasks
-    eval_suite: list[str] | None = None
-    eval_tasks: list[str] = field(default_factory=list)
+    # the evaluation: suites and tasks in one list; commands/plan.py resolves it (the registry is
+    # eval/'s) into task names
+    eval_tasks: list[str] = field(default_factory=lambda: ["paper"])
     eval_figures: str | None = None  # task sizes and lengths (default: plan/eval_tasks.yaml)
     eval_data_dir: str | None = None  # the jobs' MLMCLM_DATA_DIR (default: the plan's)
-    eval_lrs: list[float] = field(default_factory=list)  # empty: evaluate's default grid
+    # empty: evaluate's default grid, which commands/plan.py writes in
+    eval_lrs: list[float] = field(default_factory=list)
     eval_seeds: list[int] = field(default_factory=list)
     eval_protocol: str = "default"  # `mlmclm evaluate --protocol` of every array
     eval_probe: list[str] = field(default_factory=list)  # `mlmclm evaluate --probe` files
@@ -58,6 +58,7 @@ class PlanOptions:
     save_interval: int = 1000
     # cluster and compute estimate
     throughput: list[str] = field(default_factory=list)  # SIZE=N: CLM tokens/s per GPU
+    probe_metrics: list[str] = field(default_factory=list)  # SIZE=RUN: a run's logged tokens/s
     step_times: str | None = None  # measured steps (default: plan/measured_step_times.yaml)
     gpus_per_node: int = 8
     nodes: list[str] = field(default_factory=list)  # N or SIZE=N overrides of LAYOUTS' nodes
@@ -119,7 +120,7 @@ class PlanOptions:
                 try:
                     number = float(value)
                 except ValueError:
-                    continue  # a size's metrics (--throughput SIZE=PATH), or not a number
+                    continue  # not a number: refused with its flag's own line
                 if not (math.isfinite(number) and 0 < number <= high):
                     raise UsageError(
                         f"{flag}: {item!r} must be a positive, finite number up to {high:g}"

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.plan import progress
 from megatron_mlmclm.plan.scheduler import ENDED, NOT_ASKED, Answer, Record, Slurm
 from megatron_mlmclm.plan.submit import (
@@ -39,7 +40,6 @@ from megatron_mlmclm.plan.submit import (
     read_table,
 )
 
-DEFAULT_LRS, DEFAULT_SEEDS = 6, 5  # `mlmclm evaluate`'s default grid (plan/jobs.py's EVAL_*)
 FAILING = ("failed", "blocked")
 
 
@@ -230,11 +230,14 @@ def option_values(args: list, flag: str) -> list[str] | None:
 
 
 def grid_runs(args: list) -> int:
-    """An array's fine-tuning runs: its --lrs x --seeds (evaluate's default grid without them)."""
+    """An array's fine-tuning runs: its --lrs x --seeds (the plan writes both into every array's
+    command)."""
     lrs, seeds = option_values(args, "--lrs"), option_values(args, "--seeds")
-    return (DEFAULT_LRS if lrs is None else len(lrs)) * (
-        DEFAULT_SEEDS if seeds is None else len(seeds)
-    )
+    if not lrs or not seeds:
+        raise UsageError(
+            "an evaluation array of the job table names no --lrs or --seeds: plan again"
+        )
+    return len(lrs) * len(seeds)
 
 
 # -------------------------------------------------------------------------------- job states

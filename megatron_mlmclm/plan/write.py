@@ -86,12 +86,14 @@ def write_plan(
     figures = read_eval_figures(opts.eval_figures or FIGURES)
     nodes = per_size(opts.nodes, {k: v["nodes"] for k, v in LAYOUTS.items()}, "--nodes", int)
     runs = build_grid(opts)
-    prices = pricing(dict.fromkeys(r.size for r in runs), opts.throughput, measured)
+    prices = pricing(
+        dict.fromkeys(r.size for r in runs), opts.throughput, measured, opts.probe_metrics
+    )
     startups = startup_pricing(dict.fromkeys(r.size for r in runs), opts.startup)
     if opts.eval_tasks is not None and not opts.eval_tasks:
         raise UsageError(
-            "no evaluation task: --eval-suite and --eval-tasks are empty; give a suite "
-            "(--eval-suite paper) or tasks (--eval-tasks sst2 ...)"
+            "no evaluation task: --eval-tasks is empty; give a suite or tasks (--eval-tasks "
+            "paper, --eval-tasks sst2 ...)"
         )
     if not opts.data:
         raise UsageError("--data is empty; give the shard prefix(es) written by mlmclm preprocess")
@@ -167,7 +169,7 @@ def write_plan(
             )
             s.chmod(0o755)
         (tmp / "probes").mkdir()
-        for size in sizes:  # a short CLM run per size, for `--throughput SIZE=METRICS`
+        for size in sizes:  # a short CLM run per size, for `--probe-metrics SIZE=RUN`
             p = tmp / "probes" / f"{size}.yaml"
             lay = next(layouts[r.name] for r in runs if r.size == size)
             p.write_text(
