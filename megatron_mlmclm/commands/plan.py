@@ -36,77 +36,94 @@ def add_arguments(p) -> None:
         "the submit script's .submitted/); refused where the plan would overwrite a file it did "
         "not write",
     )
-    g = p.add_argument_group("grid (defaults: the study, docs/study.md)")
-    g.add_argument("--sizes", nargs="*", default=d.sizes)
-    g.add_argument(
+    _grid_flags(p.add_argument_group("grid (defaults: the study, docs/study.md)"), d)
+    _output_flags(p.add_argument_group("data and outputs"), d)
+    _evaluation_flags(p.add_argument_group("evaluation"), d)
+    _cluster_flags(p.add_argument_group("cluster and compute estimate"), d)
+
+
+def _grid_flags(group, d: PlanOptions) -> None:
+    """The runs of the grid."""
+    group.add_argument("--sizes", nargs="*", default=d.sizes)
+    group.add_argument(
         "--budgets",
         nargs="*",
         type=int,
         default=d.budgets,
         help="train.steps of the from-scratch runs",
     )
-    g.add_argument("--objectives", nargs="*", default=d.objectives)
-    g.add_argument("--mask-ratios", nargs="*", type=float, default=d.mask_ratios)
-    g.add_argument(
+    group.add_argument("--objectives", nargs="*", default=d.objectives)
+    group.add_argument("--mask-ratios", nargs="*", type=float, default=d.mask_ratios)
+    group.add_argument(
         "--clm-shares",
         nargs="*",
         type=float,
         default=d.clm_shares,
         help="CLM share of the budget in CLM -> MLM runs (empty: none)",
     )
-    g.add_argument("--split-size", default=d.split_size, help="size of the CLM -> MLM runs")
-    g.add_argument("--split-mask-ratio", type=float, default=d.split_mask_ratio)
-    g.add_argument(
+    group.add_argument("--split-size", default=d.split_size, help="size of the CLM -> MLM runs")
+    group.add_argument("--split-mask-ratio", type=float, default=d.split_mask_ratio)
+    group.add_argument(
         "--cpt-steps",
         nargs="*",
         type=int,
         default=d.cpt_steps,
         help="MLM steps added by continued pretraining (empty: none)",
     )
-    g.add_argument(
+    group.add_argument(
         "--cpt-size", default=d.cpt_size, help="size of the CPT runs (default --split-size)"
     )
-    g.add_argument(
+    group.add_argument(
         "--cpt-budget",
         type=int,
         default=d.cpt_budget,
         help="budget of the decayed source runs (default: the largest --budgets)",
     )
-    g.add_argument(
+    group.add_argument(
         "--cpt-from",
         nargs="*",
         default=d.cpt_from,
         help="source objectives of CPT runs (mlm sources use --cpt-mask-ratio)",
     )
-    g.add_argument("--cpt-mask-ratio", type=float, default=d.cpt_mask_ratio)
-    g.add_argument(
+    group.add_argument("--cpt-mask-ratio", type=float, default=d.cpt_mask_ratio)
+    group.add_argument(
         "--cpt-warmup-steps",
         type=int,
         default=d.cpt_warmup_steps,
         help="warmup of a CPT run (its decay is min(2000, steps - warmup))",
     )
-    g.add_argument(
+    group.add_argument(
         "--no-branches",
         dest="branches",
         action="store_false",
         help="train every budget from scratch instead of the smaller single-objective "
         "budgets as decay branches of the largest",
     )
-    r = p.add_argument_group("data and outputs")
-    r.add_argument(
+
+
+def _output_flags(group, d: PlanOptions) -> None:
+    """The data, the tokenizer and where runs, exports and results go."""
+    group.add_argument(
         "--data",
         nargs="*",
         default=d.data,
         help="data.train prefixes (optionally with blend weights)",
     )
-    r.add_argument("--valid", nargs="*", default=d.valid, help="data.valid prefixes")
-    r.add_argument("--tokenizer", default=d.tokenizer, help="data.tokenizer folder")
-    r.add_argument("--runs-dir", default=d.runs_dir, help="where runs write (default OUT/runs)")
-    r.add_argument("--hf-dir", default=d.hf_dir, help="where exports go (default OUT/hf)")
-    r.add_argument(
+    group.add_argument("--valid", nargs="*", default=d.valid, help="data.valid prefixes")
+    group.add_argument("--tokenizer", default=d.tokenizer, help="data.tokenizer folder")
+    group.add_argument("--runs-dir", default=d.runs_dir, help="where runs write (default OUT/runs)")
+    group.add_argument("--hf-dir", default=d.hf_dir, help="where exports go (default OUT/hf)")
+    group.add_argument(
         "--results-dir", default=d.results_dir, help="evaluation results (default OUT/results)"
     )
-    r.add_argument(
+    group.add_argument(
+        "--save-interval", type=int, default=d.save_interval, help="checkpoint.save_interval"
+    )
+
+
+def _evaluation_flags(group, d: PlanOptions) -> None:
+    """What every export is evaluated on, and how it is priced."""
+    group.add_argument(
         "--eval-tasks",
         nargs="*",
         default=d.eval_tasks,
@@ -115,19 +132,19 @@ def add_arguments(p) -> None:
         "paper, the paper's 13 sets; e.g. the mini-study's sst2 mnli qqp conll2003 squad "
         "scifact)",
     )
-    r.add_argument(
+    group.add_argument(
         "--eval-data-dir",
         default=d.eval_data_dir,
         help="the data folder the evaluation jobs read, checked now (default: $MLMCLM_DATA_DIR)",
     )
-    r.add_argument(
+    group.add_argument(
         "--eval-figures",
         default=d.eval_figures,
         metavar="YAML",
         help="each task's sizes and input lengths, for the evaluation's GPU-hours (default: "
         "megatron_mlmclm/plan/eval_tasks.yaml)",
     )
-    r.add_argument(
+    group.add_argument(
         "--eval-protocol",
         choices=list(PROTOCOLS),
         default=d.eval_protocol,
@@ -135,7 +152,7 @@ def add_arguments(p) -> None:
         "--protocol`): default (the field's metrics, full-corpus retrieval) or encodeval (the "
         "paper's tables)",
     )
-    r.add_argument(
+    group.add_argument(
         "--eval-probe",
         nargs="*",
         default=d.eval_probe,
@@ -143,25 +160,25 @@ def add_arguments(p) -> None:
         help="files of `mlmclm evaluate --probe SIZE` (one per size): fine-tuning runs priced "
         "from their measurement (default: the cost model, assumed figures named)",
     )
-    r.add_argument(
+    group.add_argument(
         "--eval-lrs",
         nargs="*",
         type=float,
         default=d.eval_lrs,
         help=f"fine-tuning learning rates (default: evaluate's {' '.join(map(str, DEFAULT_LRS))})",
     )
-    r.add_argument(
+    group.add_argument(
         "--eval-seeds",
         nargs="*",
         type=int,
         default=d.eval_seeds,
         help=f"fine-tuning seeds (default: evaluate's {' '.join(map(str, DEFAULT_SEEDS))})",
     )
-    r.add_argument(
-        "--save-interval", type=int, default=d.save_interval, help="checkpoint.save_interval"
-    )
-    c = p.add_argument_group("cluster and compute estimate")
-    c.add_argument(
+
+
+def _cluster_flags(group, d: PlanOptions) -> None:
+    """The cluster, and the compute estimate."""
+    group.add_argument(
         "--throughput",
         nargs="*",
         default=d.throughput,
@@ -172,7 +189,7 @@ def add_arguments(p) -> None:
         + ", ".join(f"{k}={v:,.0f}" for k, v in DEFAULT_THROUGHPUT.items())
         + ")",
     )
-    c.add_argument(
+    group.add_argument(
         "--probe-metrics",
         nargs="*",
         default=d.probe_metrics,
@@ -180,15 +197,15 @@ def add_arguments(p) -> None:
         help="a size priced from a run's logged tokens/s per GPU (its folder or metrics.jsonl, "
         "e.g. the plan's probes/SIZE.yaml run): the median of its later steps, any objective",
     )
-    c.add_argument(
+    group.add_argument(
         "--step-times",
         default=d.step_times,
         metavar="YAML",
         help="measured training steps per size (default: megatron_mlmclm/plan/"
         "measured_step_times.yaml, whose head says the format)",
     )
-    c.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    c.add_argument(
+    group.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    group.add_argument(
         "--nodes",
         nargs="*",
         default=d.nodes,
@@ -197,7 +214,7 @@ def add_arguments(p) -> None:
         + ", ".join(f"{k}={v['nodes']}" for k, v in LAYOUTS.items())
         + ")",
     )
-    c.add_argument(
+    group.add_argument(
         "--max-job-hours",
         type=float,
         default=d.max_job_hours,
@@ -206,7 +223,7 @@ def add_arguments(p) -> None:
         f"{d.max_job_hours:g}); an element whose runs need more stops there and resumes when "
         "`mlmclm submit` runs again",
     )
-    c.add_argument(
+    group.add_argument(
         "--eval-runs-per-job",
         type=runs_per_job,
         default=d.eval_runs_per_job,
@@ -216,7 +233,7 @@ def add_arguments(p) -> None:
         f"{EVAL_MARGIN:g}; at least 1)",
     )
     assumed = " ".join(f"{k}={v:.0f}" for k, v in DEFAULT_STARTUP_S.items())
-    c.add_argument(
+    group.add_argument(
         "--startup",
         nargs="*",
         default=d.startup,

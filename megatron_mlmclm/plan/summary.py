@@ -54,10 +54,24 @@ def summary_md(
     if any(p.source == "assumed" for p in prices.values()):
         w(
             "\nAn assumed throughput is no measurement: replace it with your own "
-            "(`tokens_per_s_per_device` of a CLM run's metrics.jsonl) via `--throughput SIZE=N`, "
+            "(`--probe-metrics SIZE=RUN`: a run's logged tokens/s, or `--throughput SIZE=N`), "
             "or add the size's measured step to megatron_mlmclm/plan/measured_step_times.yaml.\n"
         )
     w("\n")
+    w(runs_md(rows, totals, opts.branches))
+    w(eval_md(rows, totals, eval_prices, opts, runs_per_task, other_protocols))
+    w(
+        "\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `jobs.json` (the job table) and "
+        "`submit_slurm.sh` (`mlmclm submit` on it), `manifest.tsv`, "
+        "`SUMMARY.csv`. See docs/plan.md.\n"
+    )
+    return out.getvalue()
+
+
+def runs_md(rows: list[dict], totals: dict, branches: bool) -> str:
+    """SUMMARY.md's table of the runs, with the pretraining totals and the hours of each kind."""
+    out = io.StringIO()
+    w = out.write
     if any(r["branch_at"] != "" for r in rows):
         w(
             "Branches: a run with a `branch at` step starts from the checkpoint of the run it "
@@ -81,7 +95,7 @@ def summary_md(
             f"{r['wall_hours']:,.1f} | {r['depends_on'] or '-'} | {r['branch_at'] or '-'} |\n"
         )
     saved = totals["gpu_hours_from_scratch"] - totals["gpu_hours"]
-    if opts.branches:
+    if branches:
         hours = (
             f"{totals['gpu_hours']:,.1f} GPU-hours with branches, "
             f"{totals['gpu_hours_from_scratch']:,.1f} GPU-hours with every run from scratch "
@@ -99,12 +113,6 @@ def summary_md(
         by_kind.setdefault(r["kind"], []).append(r)
     for kind, rs in by_kind.items():
         w(f"- {kind}: {len(rs)} runs, {sum(x['gpu_hours'] for x in rs):,.1f} GPU-hours\n")
-    w(eval_md(rows, totals, eval_prices, opts, runs_per_task, other_protocols))
-    w(
-        "\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `jobs.json` (the job table) and "
-        "`submit_slurm.sh` (`mlmclm submit` on it), `manifest.tsv`, "
-        "`SUMMARY.csv`. See docs/plan.md.\n"
-    )
     return out.getvalue()
 
 
