@@ -25,6 +25,10 @@ the build allocates and touches, numpy or C++.
     python benchmarks/sample_index.py              # 10M documents, ~2.4B tokens, seq 2048
     python benchmarks/sample_index.py --docs 100000
     python benchmarks/sample_index.py --quick      # seconds: 100k documents, one run, no memory
+
+Then, as `sample_index_cache_hit`: an index loaded from the cache and checked before use (what a
+run's start pays for one `mlmclm index` or an earlier run built) against building it, for a run of
+half an epoch.
 """
 
 from __future__ import annotations
@@ -200,6 +204,34 @@ def main() -> None:
         )
     o, b = min(t_ours), min(t_base)
     print(f"RESULT sample_index ratio={o / b:.3f} ours_s={o:.3f} baseline_s={b:.3f}")
+    cache_hit(lengths, args)
+
+
+def cache_hit(lengths: np.ndarray, args) -> None:
+    """What a start pays for an index another run (or `mlmclm index`) built: loaded from the cache
+    and checked against the corpus before use (data/sample_index.py `check_index`), against
+    building it (no cache), for a run asking half the epoch's samples (the shorter run an index
+    built for the longest one serves)."""
+    from megatron_mlmclm.data.sample_index import build_sample_index
+
+    samples = -(-int(lengths.sum(dtype=np.int64)) // args.seq_length) // 2
+    with tempfile.TemporaryDirectory() as cache:
+        build_sample_index(lengths, args.seq_length, args.seed, num_epochs=1, cache_dir=cache)
+        t_hit, t_build = [], []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            hit = build_sample_index(
+                lengths, args.seq_length, args.seed, num_samples=samples, cache_dir=cache
+            )
+            t_hit.append(time.perf_counter() - t0)
+            assert hit.from_cache and len(hit) == samples
+            t0 = time.perf_counter()
+            built = build_sample_index(lengths, args.seq_length, args.seed, num_samples=samples)
+            t_build.append(time.perf_counter() - t0)
+            assert not built.from_cache
+            del hit, built
+    h, b = min(t_hit), min(t_build)
+    print(f"RESULT sample_index_cache_hit ratio={h / b:.3f} hit_checked_s={h:.3f} build_s={b:.3f}")
 
 
 if __name__ == "__main__":
