@@ -168,7 +168,10 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
     3. Run again after the failure: pretraining resumes from step 2 and completes, bitwise the
        uninterrupted run; conversion, a throttled array (one element, both fine-tuning runs in
        one process) and the report follow in order.
-    4. Run again: everything is done, nothing submitted."""
+    4. Run again: everything is done, nothing submitted.
+    5-6. The export converted again to the same bytes: nothing submitted; given another
+       tokenizer: its array is held back while the jobs' data folder lacks the task's data (one
+       line says what to fetch), then submitted."""
     plan = tmp_path / "plan"
     argv = ["plan", "--out", str(plan), "--sizes", "tiny", "--budgets", "4000"]
     argv += ["--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps"]
@@ -270,6 +273,29 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
 
     last, out = submit()
     assert last == ["done"] * 4 and "nothing submitted" in out, out
+    # the second start read its sample index from the cache the failed first one wrote
+    assert "sample indexes: 1 of 1 loaded from the cache, 0 built" in resumed
+
+    # 5. The export converted again by hand from the same checkpoint (the same model, its files
+    #    written anew): its evaluation is not submitted again.
+    ckpt = run / "checkpoints" / "iter_0000004"
+    assert main(["convert", "to-hf", str(ckpt), str(hf), "--force"]) == 0
+    again, out = submit()
+    assert again == ["done"] * 4 and "nothing submitted" in out, out
+    # 6. Another tokenizer in the export: its model is evaluated again, but not while the data
+    #    folder the jobs read lacks the task's data (one line with the fetch command).
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 64}))
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    env["MLMCLM_DATA_DIR"] = str(empty)
+    blocked, out = submit()
+    assert blocked is None and "sst2" in out and "--fetch" in out, out
+    assert "nothing submitted" in out and "ev-tiny-mlm40-4k-sst2: submitted" not in out, out
+    env["MLMCLM_DATA_DIR"] = str(data_dir)
+    rerun, out = submit()
+    assert rerun and rerun[:2] == ["done", "done"] and rerun[2] != "done", out
+    slurm.run(["scancel", *[j for j in rerun if j != "done"]])
 
 
 def test_pretrain_sbatch_requeues_a_hung_rank_and_the_job_completes(slurm, tmp_path):
