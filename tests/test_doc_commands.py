@@ -372,8 +372,15 @@ def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
                      "protocol": args.protocol, "tasks": {"sst2": sst2}}  # fmt: skip
             Path(args.out).write_text(json.dumps(probe))
             ran.append(f"probe {args.probe}")
+        elif argv[0] == "status":  # the morning's look at the plan: files only, no SLURM here
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                assert module.run(args) == 0, where
+            ran.append(f"status {out.getvalue()}")
     assert ran[1] == "pretrain probe-610m" and "probed: 610m" in ran[2], ran
     assert ran[3] == "probe 610m", ran
+    status = next(r for r in ran if r.startswith("status "))
+    assert "pt-610m-clm-42k" in status or "610m-clm-42k" in status, status[:2000]
+    assert (Path(env["STUDY_DIR"]) / "plan" / "status.html").is_file()
     summary = (Path(env["STUDY_DIR"]) / "plan" / "SUMMARY.md").read_text()
     assert "| sst2 | sc | 610m |" in summary and "| measured |" in summary
     assert "evaluation data to fetch" in ran[0] and "--fetch" in ran[0]
