@@ -14,7 +14,9 @@
 # 16k and 24,576 tokens a step, ours, the reference and ours with the distributed optimizer's
 # layout, one at a time, no HF; `sizes` runs the three), tier, compare and long
 # (tools/gpu_train_check.py on real shards in $GPU_DATA: the default path against the reference
-# path over 200 steps, and a run of LONG_SECONDS exported and fine-tuned), and smoke (the same
+# path over 200 steps, and a run of LONG_SECONDS exported and fine-tuned), evalprobe (the
+# evaluation probe at PROBE_SIZE, 210m, on SST-2, CoNLL-2003, SQuAD and SciFact in $GPU_DATA, and a
+# plan priced from it), and smoke (the same
 # commands in their CPU quick forms: checks the plumbing on any machine). Each part has its own
 # time limit. On a fresh H100 (2026-11-27) they took: bench16k 76 s without HF and 100-107 s
 # with it, profile 27-33 s (the compiles cached by bench16k), bench64k 71-80 s, tier 35 s with
@@ -122,6 +124,25 @@ has compare && part compare "${LIMIT_COMPARE:-330}" $PY tools/gpu_train_check.py
     "$GPU_DATA" "$OUT/compare"
 has long && part long "${LIMIT_LONG:-480}" $PY tools/gpu_train_check.py long "$GPU_DATA" \
     "$OUT/long" --seconds "${LONG_SECONDS:-240}"
+# The evaluation probe (docs/cluster.md#4-plan): PROBE_SIZE's random-init model with PROBE_TOKENIZER's
+# vocabulary (the study's Llama-3 tokenizer prices the study: the embedding's update is a share of
+# every step), fine-tuned 200 steps on each task, then a plan of that size priced from the file.
+probe_then_plan() {  # probe_then_plan SIZE TOKENIZER OUTFILE [evaluate flags]
+    local size=$1 tok=$2 file=$3
+    local PROBE_TASKS=(sst2 conll2003 squad scifact)
+    shift 3
+    MLMCLM_DATA_DIR=$GPU_DATA $PY -m megatron_mlmclm evaluate --probe "$size" --tokenizer "$tok" \
+        --task "${PROBE_TASKS[@]}" --out "$file" "$@" || return
+    cat "$file"
+    MLMCLM_DATA_DIR=$GPU_DATA $PY -m megatron_mlmclm plan --out "$file.plan" --force \
+        --sizes "$size" --budgets 12000 --mask-ratios 0.4 --clm-shares --cpt-steps \
+        --eval-tasks "${PROBE_TASKS[@]}" --eval-data-dir "$GPU_DATA" --eval-probe "$file" &&
+        cat "$file.plan/SUMMARY_EVAL.csv"
+}
+export -f probe_then_plan  # `part` runs it under `timeout`, in a shell of its own
+export PY GPU_DATA
+has evalprobe && part evalprobe "${LIMIT_PROBE:-540}" bash -c 'probe_then_plan "$@"' probe \
+    "${PROBE_SIZE:-210m}" "${PROBE_TOKENIZER:-$GPU_DATA/tok}" "$OUT/eval-probe-${PROBE_SIZE:-210m}.json"
 if has smoke; then
     part smoke-bench 300 $PY benchmarks/train_throughput.py --quick
     part smoke-hostfirst 300 $PY benchmarks/train_throughput.py --quick --set train.skip_spikes=1e30
@@ -133,5 +154,7 @@ if has smoke; then
         "$GPU_DATA" "$OUT/smoke-compare" --quick --steps 12
     [ -d "$GPU_DATA/sst2" ] && part smoke-long 300 $PY tools/gpu_train_check.py long \
         "$GPU_DATA" "$OUT/smoke-long" --quick --steps 60 --seconds 60 --save-interval 20 --workers 2
+    [ -d "$GPU_DATA/sst2" ] && part smoke-evalprobe 300 bash -c 'probe_then_plan "$@"' probe \
+        tiny "${PROBE_TOKENIZER:-$GPU_DATA/tok}" "$OUT/smoke-eval-probe.json" --probe-steps 12
 fi
 exit 0
