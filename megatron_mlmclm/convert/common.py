@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -459,17 +461,50 @@ def build_imported(cfg: RunConfig, vocab: int, seed: int):
     return build_cfg, build_encoder(build_cfg, vocab, seed)
 
 
+class _GivenToTheWriter:
+    """The model as the checkpoint writer sees it when a conversion gives its weights up to it:
+    megatron's sharded state dict with its factories applied (the gated MLP's input weight split
+    into its gate and up halves, views of the parameter), each such view copied out and its
+    parameter's memory freed at once, the parameter's shape kept (`reload_from_disk` allocates it
+    anew). megatron-core's writer copies every view of a larger tensor before it writes
+    (FileSystemWriterAsync.prepare_write_data): handed the views, it would hold a second copy of
+    the gated MLP's weights, 41% of a Llama-shaped model, for the whole save."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        state = self.model.sharded_state_dict()
+        apply_factories(state)
+        views: dict[int, list[ShardedTensor]] = {}
+        for t in nested_values(state):
+            if isinstance(t, ShardedTensor) and isinstance(t.data, torch.Tensor):
+                storage = t.data.untyped_storage()
+                if storage.nbytes() > t.data.numel() * t.data.element_size():
+                    views.setdefault(storage.data_ptr(), []).append(t)
+        params = {p.untyped_storage().data_ptr(): p for p in self.model.parameters()}
+        for ptr, tensors in views.items():
+            for t in tensors:
+                t.data = t.data.clone()
+            param = params.get(ptr)
+            if param is not None:  # nothing refers to its memory any more: given back
+                param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)
+        return state
+
+
 def save_imported(
     ckpt_dir: Path, model, cfg: RunConfig, source: dict[str, Any], tokenizer: dict[str, Any]
 ) -> Path:
     """Save an imported model as step 0 with the import's provenance and the fingerprint of its
-    tokenizer (data/tokenizer.py: what continued runs and exports are checked against)."""
+    tokenizer (data/tokenizer.py: what continued runs and exports are checked against). The
+    model's weights are given up to the writer (`_GivenToTheWriter`): after the save, read them
+    back from the checkpoint (`reload_from_disk`) before using the model again."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return save_checkpoint(
             ckpt_dir,
             0,
-            [model],
+            [_GivenToTheWriter(model)],
             None,
             None,
             {
