@@ -257,6 +257,21 @@ def release_free_memory() -> None:
         pass
 
 
+M_MMAP_THRESHOLD, MAPPED_FROM = -3, 1 << 20  # glibc's mallopt parameter; 1 MB
+
+
+def map_large_allocations() -> None:
+    """For a process whose work is one conversion (`mlmclm convert`): glibc maps every allocation
+    of `MAPPED_FROM` bytes or more on its own, so that a tensor freed is handed back to the system
+    at once. By default glibc raises that bound (up to 32 MB) as the process frees large blocks
+    and keeps the blocks below it in its heap, where the tensors a conversion streams through
+    leave freed pages that count in the peak of the next step. Elsewhere than glibc: nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MAPPED_FROM)
+    except (OSError, AttributeError):
+        pass
+
+
 def _local_to_global(model) -> dict[str, tuple[str, int | None]]:
     """state_dict name -> (dist-checkpoint key, layer index or None) of a TP1/PP1 model."""
     out = {}
@@ -342,11 +357,13 @@ def load_into(model, ckpt: Path) -> None:
 
 def reload_from_disk(model, ckpt: Path) -> None:
     """Load `ckpt` back into the model that was saved there, each weight in the dtype it was
-    held in: its weights first replaced by fresh memory (the old freed), so that what the logits
-    read comes from disk."""
-    for p in model.parameters():
-        p.data = torch.empty(p.shape, dtype=p.dtype)
-    release_free_memory()
+    held in: its weights first replaced by fresh memory, so that what the logits read comes from
+    disk. The old are freed and handed back first: fresh memory that reused their pages would
+    count as resident before the load touches it (`load_into` relies on the untouched part)."""
+    shapes = [(p, p.shape) for p in model.parameters()]
+    drop_weights(model)
+    for p, shape in shapes:
+        p.data = torch.empty(shape, dtype=p.dtype)
     load_into(model, ckpt)
 
 
