@@ -123,7 +123,10 @@ def ws(tmp_path_factory):
     }
 
 
-def make_hf(path: Path, kind: str, tok, seed: int = 0, **extra) -> Path:
+def make_hf(
+    path: Path, kind: str, tok, seed: int = 0, dtype: torch.dtype = torch.float32, **extra
+) -> Path:
+    """A random decoder of `kind` saved with `tok` at `path`, its weights stored in `dtype`."""
     import transformers
 
     torch.manual_seed(seed)
@@ -147,7 +150,7 @@ def make_hf(path: Path, kind: str, tok, seed: int = 0, **extra) -> Path:
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(str(path))
+    model.to(dtype).save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
 
@@ -158,8 +161,11 @@ def exported(ws):
     return to_hf(ws["ckpt"]["tp1"], ws["root"] / "export_tp1", verbose=False)
 
 
-def megatron_reference(ws, ckpt_dir: Path, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Logits of the trainer's model loaded the trainer's way, independent of the converter."""
+def megatron_reference(
+    ws, ckpt_dir: Path, tokens: torch.Tensor, causal: bool, rounded: torch.dtype | None = None
+) -> torch.Tensor:
+    """Logits of the trainer's model loaded the trainer's way, independent of the converter, in
+    float32 (its weights first `rounded` to that dtype, kept in float32)."""
     from megatron_mlmclm.checkpoint import latest_checkpoint, load_checkpoint
     from megatron_mlmclm.config import load_config
     from megatron_mlmclm.model.build import build_model_chunk, transformer_config
@@ -173,6 +179,9 @@ def megatron_reference(ws, ckpt_dir: Path, tokens: torch.Tensor, causal: bool) -
     init_distributed(1, 1, None, 0)
     model = build_model_chunk(cfg, transformer_config(cfg), VOCAB_TOKENIZER, True, True).eval()
     load_checkpoint(latest_checkpoint(ckpt_dir), [model], load_rng=False)
+    if rounded is not None:
+        for p in model.parameters():
+            p.data = p.data.to(rounded).float()
     b, s = tokens.shape
     mask = document_attention_mask(torch.zeros(b, s, dtype=torch.long), causal)
     with torch.no_grad():
@@ -690,6 +699,120 @@ def test_bf16_export_halves_the_folder_and_verifies(ws, exported, tmp_path):
     model = transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "bf16"))
     assert model.dtype == torch.bfloat16
     assert json.loads((exported.path / "mlmclm_export.json").read_text())["dtype"] == "fp32"
+
+
+def test_a_bf16_model_is_run_in_float32_one_layer_at_a_time(ws):
+    """The verification's forward of a model held in bf16: float32 arithmetic (megatron's own
+    forward of the same weights rounded to bf16, run in float32, to 1e-5), with one layer's
+    weights at most in float32 while it runs (the embedding never), and the model's weights
+    given back as they were, bf16, after."""
+    from megatron_mlmclm.convert import common, verify
+    from megatron_mlmclm.convert.hf_export import round_weights
+
+    ckpt = common.resolve_source_checkpoint(ws["ckpt"]["tp1"])
+    cfg = common.run_config_from_dict(common.read_common(ckpt)["config"])
+    model = verify.megatron_from_checkpoint(ckpt, cfg, VOCAB_TOKENIZER)  # stored in float32
+    round_weights(model, torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert {p.dtype for p in before.values()} == {torch.bfloat16}
+    seen = []
+
+    def running(i):  # inside layer i's forward, before its attention
+        def hook(attention, args):
+            in_float32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+            seen.append((i, args[0].dtype, in_float32))
+
+        return hook
+
+    for i, layer in enumerate(model.decoder.layers):
+        layer.self_attention.core_attention.register_forward_pre_hook(running(i))
+    tokens = torch.randint(0, VOCAB_TOKENIZER, (2, 48), generator=torch.Generator().manual_seed(7))
+    got = verify.megatron_logits(model, tokens, causal=False)[..., :VOCAB_TOKENIZER]
+    ref = megatron_reference(ws, ws["ckpt"]["tp1"], tokens, causal=False, rounded=torch.bfloat16)
+    assert (got - ref).abs().max().item() < 1e-5
+    unrounded = megatron_reference(ws, ws["ckpt"]["tp1"], tokens, causal=False)
+    assert (unrounded - ref).abs().max().item() > 1e-3  # the model really holds bf16 values
+    assert [(i, dtype) for i, dtype, _ in seen] == [(0, torch.float32), (1, torch.float32)]
+    for i, _, in_float32 in seen:
+        assert in_float32 == {k for k in before if k.startswith(f"decoder.layers.{i}.")}
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, before[n]), n
+
+
+def test_a_bf16_source_converts_in_bf16_both_ways_and_a_wrong_weight_fails(
+    ws, capsys, tmp_path, monkeypatch
+):
+    """A bf16 source is held in bf16 by from-hf and by to-hf (default and --dtype fp32), stored and
+    exported as it was, and verified in float32 to 1e-4, where bf16 arithmetic would miss by
+    more than 1e-3. One weight negated (in what the import stores, or in what the export writes)
+    fails the verification: exit 2, nothing left."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from megatron_mlmclm.convert import common, hf_export, hf_import, mapping
+
+    tok = AutoTokenizer.from_pretrained(str(ws["tok"]))
+    src = make_hf(
+        tmp_path / "bf16", "llama", tok, vocab_size=320, tie_word_embeddings=False,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    held = []
+    for module in (hf_import, hf_export):
+
+        def spy(model, *args, real=module.megatron_logits):
+            held.append({p.dtype for p in model.parameters()})
+            return real(model, *args)
+
+        monkeypatch.setattr(module, "megatron_logits", spy)
+    imp = from_hf(src, tmp_path / "imp", verbose=False)
+    exp = to_hf(imp.path / "checkpoints", tmp_path / "exp", verbose=False)
+    wide = to_hf(imp.path / "checkpoints", tmp_path / "wide", dtype="fp32", verbose=False)
+    assert held == [{torch.bfloat16}] * 3
+    assert set(common.stored_dtypes(imp.checkpoint).values()) == {torch.bfloat16}
+    assert max(r.verification.max_abs_diff for r in (imp, exp, wide)) <= 1e-4
+    tokens = torch.randint(0, VOCAB_TOKENIZER, (2, 64), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
+        with torch.no_grad():
+            logits[dtype] = model.eval()(input_ids=tokens).logits.float()
+    assert (logits[torch.bfloat16] - logits[torch.float32]).abs().max().item() > 1e-3
+    source = load_file(str(src / "model.safetensors"))
+    written = load_file(str(exp.path / "model.safetensors"))
+    widened = load_file(str(wide.path / "model.safetensors"))
+    (pad,) = imp.rows_set  # set on purpose (the import says so): the others are the source's
+    written["model.embed_tokens.weight"][pad] = source["model.embed_tokens.weight"][pad]
+    widened["model.embed_tokens.weight"][pad] = source["model.embed_tokens.weight"][pad].float()
+    assert written.keys() == source.keys() == widened.keys()
+    for k, v in source.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(written[k], v), k
+        assert widened[k].dtype == torch.float32 and torch.equal(widened[k], v.float()), k
+
+    def negate_largest(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        i = t.abs().argmax()
+        t.view(-1)[i] = -t.view(-1)[i]
+        return t
+
+    iter_hf, write = mapping.iter_hf_to_megatron, hf_export.write_safetensors
+
+    def wrong_import(*args, **kw):
+        for key, layer, t in iter_hf(*args, **kw):
+            yield key, layer, negate_largest(t) if (key, layer) == (FC2, 1) else t
+
+    def wrong_export(path, entries, tensors, **kw):
+        wrong = ((n, negate_largest(t) if n == DOWN else t) for n, t in tensors)
+        return write(path, entries, wrong, **kw)
+
+    monkeypatch.setattr(mapping, "iter_hf_to_megatron", wrong_import)
+    out = tmp_path / "out"
+    assert_refused(capsys, out, "from-hf", src, out, match="verification failed")
+    monkeypatch.setattr(mapping, "iter_hf_to_megatron", iter_hf)
+    monkeypatch.setattr(hf_export, "write_safetensors", wrong_export)
+    assert_refused(capsys, out, "to-hf", imp.path / "checkpoints", out, match="verification failed")
+
+
+FC2, DOWN = "decoder.layers.mlp.linear_fc2.weight", "model.layers.1.mlp.down_proj.weight"
 
 
 def _python_blocks(readme: Path) -> list[str]:

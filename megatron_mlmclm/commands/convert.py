@@ -116,6 +116,9 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     warnings.filterwarnings("ignore")
+    from megatron_mlmclm.convert.common import map_large_allocations
+
+    map_large_allocations()  # a tensor freed goes back to the system at once (docs/convert.md)
     # Imported here, one direction at a time: megatron-core and transformers would slow `--help`.
     if args.direction == "to-hf":
         from megatron_mlmclm.convert.hf_export import to_hf, to_hf_many

@@ -20,7 +20,8 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,7 @@ from megatron_mlmclm.checkpoint.reading import read_metadata, read_plain
 from megatron_mlmclm.config import RunConfig, finalize_run_config, from_dict, to_dict
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.model.build import build_model_chunk, transformer_config
-from megatron_mlmclm.model.kernels import plan_kernels
-from megatron_mlmclm.objectives import document_attention_mask
+from megatron_mlmclm.model.kernels import Choice, plan_kernels
 from megatron_mlmclm.paths import EXPORT_FILE, check_output_folder
 from megatron_mlmclm.runtime.distributed import init_distributed, patch_megatron_core
 from megatron_mlmclm.runtime.lifetime import checkpoint_helper_dies_with_us
@@ -126,8 +126,16 @@ def read_global_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def saved_dtype(ckpt: Path, key: str = "embedding.word_embeddings.weight") -> torch.dtype:
     """The dtype a checkpoint stores its weights in (its embedding's), from its metadata."""
+    dtype = stored_dtypes(ckpt).get(key)
+    if dtype is None:
+        raise UsageError(f"checkpoint {ckpt} has no tensor {key}; it is not a model checkpoint")
+    return dtype
+
+
+def stored_dtypes(ckpt: Path) -> dict[str, torch.dtype]:
+    """The dtype each tensor of a checkpoint is stored in, by its key, from its metadata."""
     try:
-        entry = read_metadata(ckpt).state_dict_metadata.get(key)
+        entries = read_metadata(ckpt).state_dict_metadata
     except UsageError:
         raise
     except Exception as e:
@@ -135,9 +143,9 @@ def saved_dtype(ckpt: Path, key: str = "embedding.word_embeddings.weight") -> to
             f"cannot read checkpoint {ckpt} (partial or corrupt?): "
             f"{type(e).__name__}: {_first_line(e)}"
         ) from None
-    if not isinstance(entry, TensorStorageMetadata):
-        raise UsageError(f"checkpoint {ckpt} has no tensor {key}; it is not a model checkpoint")
-    return entry.properties.dtype
+    return {
+        k: v.properties.dtype for k, v in entries.items() if isinstance(v, TensorStorageMetadata)
+    }
 
 
 def _first_line(e: BaseException) -> str:
@@ -150,7 +158,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def run_config_from_dict(raw: dict[str, Any], mock: bool = True):
-    """RunConfig from a trainer-state dict, for an in-process TP1/PP1 float32 model."""
+    """RunConfig from a trainer-state dict, for an in-process TP1/PP1 model that computes in
+    float32 (its weights are held in the dtype they are stored in: `build_encoder`)."""
     raw = copy.deepcopy(raw)
     raw["parallel"] = {}
     # Saved configs hold resolved steps next to the budget they came from (shares, tokens,
@@ -185,16 +194,29 @@ def init_single_process(seed: int = 1234) -> None:
     init_distributed(1, 1, None, seed)
 
 
-def build_encoder(cfg, vocab_size: int, seed: int = 1234):
-    """The trainer's EncoderLM at TP1/PP1, float32 on the CPU with the CPU's kernel plan (eager,
-    SDPA), eval mode, on any machine: conversions and their verification run the arithmetic the
-    CPU suite tests. On a GPU machine the machine's own plan would run the model in bf16 and
-    compile its stack, and megatron-core would put its linear layers on the GPU and leave the
-    norms on the CPU (the trainer moves its chunks; conversion has no use for the GPU)."""
+def build_encoder(
+    cfg,
+    vocab_size: int,
+    seed: int = 1234,
+    dtype: torch.dtype = torch.float32,
+    stored: Mapping[str, torch.dtype] | None = None,
+):
+    """The trainer's EncoderLM at TP1/PP1 on the CPU with the CPU's kernel plan (eager, SDPA),
+    eval mode, on any machine, its weights held in `dtype` (or, where `stored` names a weight's
+    dist-checkpoint key, the dtype stored there) and uninitialised: a load or a fill follows.
+    Its arithmetic is float32 whatever the weights are held in (verify.megatron_logits), so that
+    conversions and their verification run the arithmetic the CPU suite tests. On a GPU machine
+    the machine's own plan would run the model in bf16 and compile its stack, and megatron-core
+    would put its linear layers on the GPU and leave the norms on the CPU (the trainer moves its
+    chunks; conversion has no use for the GPU). The layers run one by one, not as the plan's
+    single stack: the verification casts each layer's weights to float32 as it runs."""
     cfg = copy.deepcopy(cfg)
     cfg.train.precision, cfg.runtime.device, cfg.model.compile = "fp32", "cpu", "off"
     init_single_process(seed)
-    plan = plan_kernels(cfg, "cpu")
+    plan = replace(
+        plan_kernels(cfg, "cpu"),
+        plain_stack=Choice(False, "conversion: layer by layer, each in float32 as it runs"),
+    )
     config = transformer_config(cfg, plan)
     # Every weight is loaded or filled after: no initialisation (each would hold a whole
     # parameter, the embedding, in memory beside the model while it is drawn)
@@ -202,7 +224,17 @@ def build_encoder(cfg, vocab_size: int, seed: int = 1234):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build_model_chunk(cfg, config, vocab_size, True, True, plan=plan, initialize=False)
-    return model.to("cpu").eval()
+    model = model.to("cpu").eval()
+    hold_weights(model, dtype, stored or {})
+    return model
+
+
+def hold_weights(model, dtype: torch.dtype, stored: Mapping[str, torch.dtype]) -> None:
+    """Each weight of a model given fresh memory, uninitialised and untouched (what it held is
+    freed), in `dtype`, or the dtype `stored` names for its dist-checkpoint key."""
+    keys = {name: key for name, (key, _) in _local_to_global(model).items()}
+    for name, p in model.named_parameters():
+        p.data = torch.empty(p.shape, dtype=stored.get(keys.get(name, ""), dtype))
 
 
 def drop_weights(model) -> None:
@@ -221,6 +253,21 @@ def release_free_memory() -> None:
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+M_MMAP_THRESHOLD, MAPPED_FROM = -3, 1 << 20  # glibc's mallopt parameter; 1 MB
+
+
+def map_large_allocations() -> None:
+    """For a process whose work is one conversion (`mlmclm convert`): glibc maps every allocation
+    of `MAPPED_FROM` bytes or more on its own, so that a tensor freed is handed back to the system
+    at once. By default glibc raises that bound (up to 32 MB) as the process frees large blocks
+    and keeps the blocks below it in its heap, where the tensors a conversion streams through
+    leave freed pages that count in the peak of the next step. Elsewhere than glibc: nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MAPPED_FROM)
     except (OSError, AttributeError):
         pass
 
@@ -270,12 +317,6 @@ def fill_model(model, items, what: str = "weights", short_rows=frozenset()) -> N
         raise UsageError(f"{what} do not match the model: missing {missing[:3]}")
 
 
-def cast_weights(model, dtype: torch.dtype) -> None:
-    """The model's weights cast to `dtype` in place, one at a time (a save in that dtype)."""
-    for p in model.parameters():
-        p.data = p.data.to(dtype)
-
-
 class _Part:
     """Some of a model's weights, as `load_checkpoint` sees a model chunk: those whose names
     `mine` accepts (whole dist-checkpoint keys: megatron reads a key's layers together)."""
@@ -315,11 +356,14 @@ def load_into(model, ckpt: Path) -> None:
 
 
 def reload_from_disk(model, ckpt: Path) -> None:
-    """Load `ckpt` back into the model that was saved there, in float32: its weights first
-    replaced by fresh memory (the old freed), so that what the logits read comes from disk."""
-    for p in model.parameters():
-        p.data = torch.empty(p.shape, dtype=torch.float32)
-    release_free_memory()
+    """Load `ckpt` back into the model that was saved there, each weight in the dtype it was
+    held in: its weights first replaced by fresh memory, so that what the logits read comes from
+    disk. The old are freed and handed back first: fresh memory that reused their pages would
+    count as resident before the load touches it (`load_into` relies on the untouched part)."""
+    shapes = [(p, p.shape) for p in model.parameters()]
+    drop_weights(model)
+    for p, shape in shapes:
+        p.data = torch.empty(shape, dtype=p.dtype)
     load_into(model, ckpt)
 
 
@@ -359,18 +403,6 @@ def load_global_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
             )
         new[name] = src.to(dtype=state[name].dtype, device=state[name].device)
     model.load_state_dict(new, strict=False)
-
-
-def megatron_logits(model, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
-    """[b, s] tokens -> [b, s, padded vocab] float32 logits, bidirectional or causal."""
-    device = next(model.parameters()).device
-    tokens = tokens.to(device)
-    b, s = tokens.shape
-    positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
-    mask = document_attention_mask(torch.zeros(b, s, dtype=torch.long, device=device), causal)
-    with torch.no_grad():
-        logits = model(tokens, positions, mask)
-    return logits.float().cpu()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -454,11 +486,12 @@ def save_imported_checkpoint(
     return build_cfg, save_imported(ckpt_dir, model, cfg, source, tokenizer)
 
 
-def build_imported(cfg: RunConfig, vocab: int, seed: int):
-    """(the single-process config, our model built for it): what an importer fills."""
+def build_imported(cfg: RunConfig, vocab: int, seed: int, dtype: torch.dtype = torch.float32):
+    """(the single-process config, our model built for it, its weights held in `dtype`, the
+    dtype the checkpoint will store): what an importer fills."""
     checkpoint_helper_dies_with_us()  # the writer's Manager, forked before the model exists
     build_cfg = run_config_from_dict(to_dict(cfg))
-    return build_cfg, build_encoder(build_cfg, vocab, seed)
+    return build_cfg, build_encoder(build_cfg, vocab, seed, dtype)
 
 
 class _GivenToTheWriter:

@@ -20,6 +20,7 @@ import torch
 from megatron_mlmclm.convert.common import model_tensors
 
 UNTRAINED = 0.01  # a row below 1% of the median row norm has not been trained
+BLOCK = 1 << 13  # rows read in float32 at a time (the matrices are held in the source's dtype)
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
@@ -52,11 +53,11 @@ def embedding_rows(model, tok, trained: int, added: range) -> Rows:
     set_where: dict[int, list[str]] = {i: [] for i in specials}
     for where, m in matrices(model).items():
         with torch.no_grad():
-            norms = m[:trained].norm(dim=1)
+            norms, total = _norms_and_sum(m[:trained])
             median = float(norms.median())
             untrained = norms < UNTRAINED * median
             bad = untrained.nonzero().flatten()
-            total = m[:trained].sum(dim=0) - m[bad].sum(dim=0)
+            total -= m[bad].float().sum(dim=0)
             mean = total / max(trained - len(bad), 1)
             m[added.start : added.stop] = mean
             for i in specials:
@@ -78,3 +79,14 @@ def embedding_rows(model, tok, trained: int, added: range) -> Rows:
                 f"{name} token {token} (id {i}) keeps its trained row (norm {'; '.join(seen[i])})"
             )
     return rows
+
+
+def _norms_and_sum(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's norm, the rows' sum) of a matrix, in float32, `BLOCK` rows at a time (a float32
+    copy of a bf16 embedding would be twice its size)."""
+    norms, total = [], torch.zeros(m.shape[1], dtype=torch.float32)
+    for block in m.split(BLOCK):
+        block = block.float()
+        norms.append(block.norm(dim=1))
+        total += block.sum(dim=0)
+    return torch.cat(norms), total

@@ -7,7 +7,8 @@ tokenizer (with its mask token, and the pretraining document rule of the run's s
 BOS and EOS as the shards had them, special-token strings as text; document.py), ``README.md``
 (model_card.py) and the export record into a temporary sibling of OUT, then runs that folder with
 plain transformers (no remote code; its weights read a module at a time) and compares its logits
-with the EncoderLM's. Only then is the folder renamed to OUT. It holds one copy of the model.
+with the EncoderLM's, both in float32. Only then is the folder renamed to OUT. It holds one copy of
+the model, in the dtype the checkpoint stores it in (or the export's, where that is narrower).
 
 Architectures (``arch``):
   eurobert  EuroBertForMaskedLM (native in transformers 5): AutoModel, AutoModelForMaskedLM,
@@ -52,6 +53,7 @@ from megatron_mlmclm.convert.verify import (
     Verification,
     compare,
     megatron_from_checkpoint,
+    megatron_logits,
     streamed_hf_logits,
     verification_tokens,
 )
@@ -220,8 +222,10 @@ def to_hf(
     """Export a megatron checkpoint to a verified Hugging Face folder at `out`, its weights in
     `dtype` (fp32, bf16 or fp16; default: the dtype the checkpoint stores them in).
 
-    Memory: our model (float32) and one tensor of the export at a time: the weights file is
-    written tensor by tensor, and verified by a forward that loads its layers one at a time."""
+    Memory: our model, held in the dtype the checkpoint stores it in (the export's where that is
+    narrower), and a piece of one tensor of the export at a time: the weights file is written
+    tensor by tensor, and verified in float32, our model a layer at a time, by a forward that
+    loads its layers one at a time."""
     out = Path(out).absolute()
     inputs = [checkpoint, *([tokenizer] if tokenizer else [])]
     common.check_output(out, force, "export", inputs)
@@ -267,11 +271,10 @@ def to_hf(
         document_tokenizer(tok, **shards_rule(record.get("shards")), save_text_rule=False)
     hf_cfg.dtype = torch_dtype
     with common.staged_output(out, force, "export", inputs) as tmp:
-        # our model (float32), loaded as the trainer loads it: the one copy this export holds
+        # our model, as stored, loaded as the trainer loads it: the one copy this export holds
         model = megatron_from_checkpoint(ckpt, cfg, vocab)
         common.release_free_memory()
-        if torch_dtype != torch.float32:  # what the export holds, and what it is verified against
-            round_weights(model, torch_dtype)
+        round_weights(model, torch_dtype)  # what the export holds, and is verified against
         hf_cfg.save_pretrained(str(tmp))
         add_legacy_rope_keys(tmp / "config.json")
         write_weights(model, tmp / "model.safetensors", family, dims, torch_dtype, ckpt)
@@ -452,17 +455,19 @@ def _verify(model, cfg, vocab: int, folder: Path, arch: str, causal_lm: bool) ->
     """Our model's logits (as loaded, rounded to the export's dtype) against the folder's, run
     by transformers one layer at a time after our model is put away."""
     tokens = verification_tokens(vocab, seq=min(SEQ, cfg.model.seq_length))
-    ours = common.megatron_logits(model, tokens, causal_lm)[..., :vocab]
+    ours = megatron_logits(model, tokens, causal_lm)[..., :vocab]
     common.drop_weights(model)  # our copy is done with: the export's layers take its place
     theirs, against = streamed_hf_logits(folder, auto_class(arch), tokens)
     return compare(ours, theirs[..., :vocab], against, causal_lm)
 
 
 def round_weights(model, dtype) -> None:
-    """Our model's weights rounded to `dtype` in place (kept in float32)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(dtype))
+    """Our model's weights rounded to the export's `dtype` where it is no wider than the one they
+    are held in (held in it from now on, cast a weight at a time). A wider export rounds nothing:
+    its tensors are widened a piece at a time as they are written (hf_files.write_safetensors)."""
+    for p in model.parameters():
+        if p.dtype != dtype and dtype.itemsize <= p.dtype.itemsize:
+            p.data = p.data.to(dtype)
 
 
 def write_weights(model, path: Path, family: str, dims, dtype, ckpt: Path) -> None:

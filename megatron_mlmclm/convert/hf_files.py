@@ -39,6 +39,7 @@ DTYPES = {
 }
 NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100_000_000  # the safetensors package's own bound
+PIECE = 1 << 22  # elements cast and written at a time (a widening cast copies what it casts)
 
 
 def _header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], int]:
@@ -176,8 +177,8 @@ def write_safetensors(
     check: Callable[[str, torch.Tensor], None] | None = None,
 ) -> None:
     """Write a .safetensors file of `entries` (name, dtype, shape, in the order they come), whose
-    tensors `tensors` yields in that order, each written (cast to its entry's dtype) before the
-    next is asked for. `check(name, tensor)` sees each before it is written."""
+    tensors `tensors` yields in that order, each written (cast to its entry's dtype a piece at a
+    time) before the next is asked for. `check(name, tensor)` sees each before it is written."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, dtype, shape in entries:
@@ -203,8 +204,9 @@ def write_safetensors(
                 raise RuntimeError(f"tensor {name} {tuple(t.shape)} does not match {want}")
             if check is not None:
                 check(name, t)
-            t = t.detach().to(device="cpu", dtype=want[1]).contiguous()
-            if t.numel():
-                f.write(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            flat = t.detach().to(device="cpu").contiguous().view(-1)
+            for piece in flat.split(PIECE):
+                piece = piece.to(want[1])
+                f.write(memoryview(piece.view(torch.uint8).numpy()))
         if next(expected, None) is not None:
             raise RuntimeError(f"{path}: fewer tensors written than declared")

@@ -43,6 +43,7 @@ from megatron_mlmclm.convert.verify import (
     SEQ,
     Verification,
     compare,
+    megatron_logits,
     streamed_hf_logits,
     verification_tokens,
 )
@@ -188,10 +189,10 @@ def from_hf(
 ) -> ImportResult:
     """Convert a local HF model folder into a verified megatron checkpoint folder at `out`.
 
-    The checkpoint stores the weights in the source's dtype. Memory: our model (float32) and one
-    of the source's tensors at a time: the source is read from disk tensor by tensor into it, and
-    verified against a forward that loads the source's layers one at a time
-    (verify.streamed_hf_logits)."""
+    The checkpoint stores the weights in the source's dtype. Memory: our model, held in that dtype,
+    and one of the source's tensors at a time: the source is read from disk tensor by tensor into
+    it, and verified in float32, our model a layer at a time (verify.megatron_logits), against a
+    forward that loads the source's layers one at a time (verify.streamed_hf_logits)."""
     hf_dir, out = Path(hf_dir).absolute(), Path(out).absolute()
     common.check_output(out, force, "import", [hf_dir])
     hf_cfg = read_hf_config(hf_dir)
@@ -238,7 +239,8 @@ def from_hf(
         _check_keys(weights, family, dims, hf_dir)
         raw, cfg = common.continued_mlm_config(out, fields, seed)
         source = _source_record(hf_dir, hf_cfg, family, hf_vocab, grew)
-        build_cfg, model = common.build_imported(cfg, vocab, seed)
+        # held, and stored, in the source's dtype: filled without a wider copy
+        build_cfg, model = common.build_imported(cfg, vocab, seed, weights.dtype())
         items = mapping.iter_hf_to_megatron(weights.get, family, dims, pad_vocab=False)
         keys = mapping.vocab_keys(family, dims)
         common.fill_model(model, items, "the Hugging Face weights", short_rows=keys)
@@ -246,7 +248,6 @@ def from_hf(
         trained = min(hf_vocab, n_src)  # rows of the source's tokens: the others never trained
         rows = embedding_rows(model, tok, trained, range(n_src, n_tok))
         record = {**tokenizer_fingerprint(tok), "path": str(out / "tokenizer")}
-        common.cast_weights(model, weights.dtype())  # stored as the source stores them
         ckpt = common.save_imported(tmp / "checkpoints", model, cfg, source, record)
         # The rows set on purpose are left out of the comparison: compared are the trained ones.
         ver = _verify(hf_dir, hf_cfg, ckpt, model, build_cfg, trained, rows.changed, weights)
@@ -341,7 +342,7 @@ def _verify(
         else keep[verification_tokens(len(keep), seq=seq)]
     )
     common.reload_from_disk(model, ckpt)
-    ours = common.megatron_logits(model, tokens, causal)[..., keep]
+    ours = megatron_logits(model, tokens, causal)[..., keep]
     common.drop_weights(model)  # our copy is done with: the source's layers take its place
     theirs, against = streamed_hf_logits(hf_dir, auto, tokens, weights)
     return compare(ours, theirs[..., keep], against, causal)

@@ -49,6 +49,7 @@ from megatron_mlmclm.convert.verify import (
     Verification,
     compare,
     megatron_from_checkpoint,
+    megatron_logits,
     verification_tokens,
 )
 from megatron_mlmclm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -368,7 +369,7 @@ def _verify(args: Namespace, tensors, saved: Path, cfg, vocab: int, seed: int) -
     tokens = verification_tokens(vocab, seq=min(SEQ, cfg.model.seq_length))
     with torch.no_grad():
         ref = ref_model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-    ours = common.megatron_logits(megatron_from_checkpoint(saved, cfg, vocab), tokens, causal=True)
+    ours = megatron_logits(megatron_from_checkpoint(saved, cfg, vocab), tokens, causal=True)
     return compare(
         ref.float()[..., :vocab],
         ours[..., :vocab],

@@ -2,32 +2,39 @@
 
 Both sides run in float32 on one fixed batch (2 x 64 random token ids from a seeded generator, no
 padding) with the same attention kind: bidirectional for encoder exports, causal for `--causal-lm`
-and for decoders imported from Hugging Face. The megatron side is the trainer's EncoderLM built at
-TP1 in this process and loaded from disk with the trainer's own `load_checkpoint` (which also
-proves that the checkpoint reshards). The Hugging Face side is transformers' own model and forward,
-its weights read from disk a module at a time (`streamed_hf_logits`), so that a conversion holds
-one copy of the model, ours. A max |logit difference| above `TOLERANCE` (or a non-finite logit)
-fails the conversion.
+and for decoders imported from Hugging Face, whatever dtype the weights are stored in. The megatron
+side is the trainer's EncoderLM built at TP1 in this process, its weights held in the dtype they
+are stored in, and loaded from disk with the trainer's own `load_checkpoint` (which also proves
+that the checkpoint reshards); its forward casts one layer's weights at a time to float32
+(`megatron_logits`). The Hugging Face side is transformers' own model and forward, its weights
+read from disk a module at a time (`streamed_hf_logits`), so that a conversion holds one copy of
+the model, ours, in its saved dtype. A max |logit difference| above `TOLERANCE` (or a non-finite
+logit) fails the conversion.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers.utils import logging as hf_logging
 
-from megatron_mlmclm.convert.common import build_encoder, load_into
+from megatron_mlmclm.convert.common import build_encoder, load_into, stored_dtypes
 from megatron_mlmclm.convert.hf_files import HFWeights
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.hf_folder import NO_CODE
+from megatron_mlmclm.objectives import document_attention_mask
 
 TOLERANCE = 1e-4
 BATCH = 2
 SEQ = 64
+HEAD_BLOCK = 1 << 25  # bytes of the output layer's weight cast to float32 at a time
 
 
 class VerificationError(UsageError):
@@ -202,7 +209,71 @@ class _StreamedWeights:
 
 
 def megatron_from_checkpoint(ckpt: Path, cfg, vocab_size: int):
-    """EncoderLM at TP1 loaded from a dist checkpoint through the trainer's load_checkpoint."""
-    model = build_encoder(cfg, vocab_size)
+    """EncoderLM at TP1 loaded from a dist checkpoint through the trainer's load_checkpoint, each
+    weight held in the dtype the checkpoint stores it in."""
+    model = build_encoder(cfg, vocab_size, stored=stored_dtypes(Path(ckpt)))
     load_into(model, Path(ckpt))
     return model
+
+
+def megatron_logits(model, tokens: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[b, s] tokens -> [b, s, padded vocab] float32 logits of our TP1 model on the CPU,
+    bidirectional or causal, computed in float32 whatever dtype its weights are held in, with
+    one layer's weights at most in float32 beside them (`_float32_layers`). megatron's forward
+    runs unchanged up to the final norm; the output layer's product (at TP1 without bias, what
+    megatron's ColumnParallelLinear computes) is taken a block of vocabulary rows at a time,
+    each block cast to float32."""
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = document_attention_mask(torch.zeros(b, s, dtype=torch.long), causal)
+    with torch.no_grad(), _float32_layers(model):
+        hidden = model(tokens, positions, mask).transpose(0, 1)  # [s, b, h] -> [b, s, h]
+    weight = (
+        model.shared_embedding_or_output_weight()
+        if model.share_embeddings_and_output_weights
+        else model.output_layer.weight
+    )
+    logits = torch.empty(b, s, weight.shape[0], dtype=torch.float32)
+    rows = max(1, HEAD_BLOCK // (4 * weight.shape[1]))
+    with torch.no_grad():
+        for start in range(0, weight.shape[0], rows):
+            block = weight[start : start + rows].float()
+            logits[..., start : start + block.shape[0]] = F.linear(hidden, block)
+    return logits
+
+
+@contextlib.contextmanager
+def _float32_layers(model) -> Iterator[None]:
+    """Within: the model's forward computes in float32 and returns the final norm's output, its
+    weights kept in the dtype they are held in. Each layer (and the final norm) has its weights
+    cast to float32 as it runs, by a forward pre-hook, and given back after, by a forward hook
+    (the originals kept: nothing is rounded); the embedding's rows are looked up as held and
+    cast (exactly their float32 values: no float32 copy of the embedding); the head is left to
+    the caller (`post_process` off: what a pipeline stage without the head returns)."""
+    held: dict[torch.nn.Parameter, torch.Tensor] = {}
+
+    def to_float32(unit, args):
+        for p in unit.parameters():
+            held[p] = p.data
+            p.data = p.data.float()
+
+    def give_back(unit, args, output):
+        for p in unit.parameters():
+            p.data = held.pop(p)
+
+    handles = []
+    for _, unit in _units(model):
+        if unit is model.embedding.word_embeddings:
+            handles.append(unit.register_forward_hook(lambda unit, args, out: out.float()))
+        elif unit is not model.output_layer:
+            handles.append(unit.register_forward_pre_hook(to_float32))
+            handles.append(unit.register_forward_hook(give_back))
+    post_process, model.post_process = model.post_process, False
+    try:
+        yield
+    finally:
+        model.post_process = post_process
+        for handle in handles:
+            handle.remove()
+        for p, data in held.items():  # a forward that failed inside a layer
+            p.data = data
