@@ -30,12 +30,12 @@ from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training import history
-from megatron_mlmclm.training.batch_plan import Plan
-from megatron_mlmclm.training.branch import check_branch, check_trajectory
+from megatron_mlmclm.training.batches.batch_plan import Plan
 from megatron_mlmclm.training.checkpointer import find_start
-from megatron_mlmclm.training.history import flat
-from megatron_mlmclm.training.resume import ORDER_KEY, fingerprint
+from megatron_mlmclm.training.start import history
+from megatron_mlmclm.training.start.branch import check_branch, check_trajectory
+from megatron_mlmclm.training.start.history import flat
+from megatron_mlmclm.training.start.resume import ORDER_KEY, fingerprint
 from megatron_mlmclm.training.trainer import build_datasets
 
 GBS = 4

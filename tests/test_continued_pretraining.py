@@ -393,7 +393,7 @@ def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, da
     (the source record travels in the run's checkpoints)."""
     import yaml
 
-    from megatron_mlmclm.training.continued import checkpoint_model
+    from megatron_mlmclm.training.start.continued import checkpoint_model
 
     folder = pages["llama32"]["folder"]
     decoder = folder / "ckpt" / "decoder"
@@ -606,10 +606,10 @@ def test_every_architecture_key_comes_from_the_checkpoint():
 def test_load_config_reads_the_checkpoint_where_the_config_leaves_its_model_to_it():
     """Without a reader passed: a config that states every architecture key is not read against
     the checkpoint (the trainer checks it); one that leaves keys to it reads it with the
-    registered reader (training/continued.py), which names a checkpoint that does not exist only
-    where the config holds no model to build without it."""
+    registered reader (training/start/continued.py), which names a checkpoint that does not exist
+    only where the config holds no model to build without it."""
     # registers the reader, as importing the Trainer does
-    import megatron_mlmclm.training.continued  # noqa: F401
+    import megatron_mlmclm.training.start.continued  # noqa: F401
 
     stated = [f"model.{k}={json.dumps(v)}" for k, v in SAVED.items()] + ["data.mock=true"]
     cfg = load_config(None, [*stated, "train.init_from=nope"])  # a plan's run to come
@@ -619,7 +619,7 @@ def test_load_config_reads_the_checkpoint_where_the_config_leaves_its_model_to_i
 
 
 def test_the_trainer_checks_a_finished_config_against_the_checkpoint():
-    """The trainer's own check (training/continued.py), for configs built without the
+    """The trainer's own check (training/start/continued.py), for configs built without the
     checkpoint's model: each key refused; seq_length and a phase's RoPE base reported."""
     base = [f"model.{k}={json.dumps(v)}" for k, v in SAVED.items()] + ["data.mock=true"]
     cfg = load_config(None, base)

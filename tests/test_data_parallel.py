@@ -1,4 +1,4 @@
-"""The fast path under data parallelism (training/data_parallel.py, model/layers.py) with
+"""The fast path under data parallelism (training/step/data_parallel.py, model/layers.py) with
 megatron's distributed optimizer and the overlapped gradient reduce-scatter and parameter
 all-gather (on gloo): the plain layer stack runs in chunks and the batched gradient accumulation
 registers each moved gradient with megatron's bucket groups. Four steps of a global batch of four
@@ -42,7 +42,7 @@ from megatron_mlmclm.checkpoint import MANIFEST, read_trainer_state
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime.lifetime import LOCK_NAME
-from megatron_mlmclm.training.resume import check_optimizer_state
+from megatron_mlmclm.training.start.resume import check_optimizer_state
 
 SCRIPT = Path(__file__).parent / "scripts" / "dp_steps.py"
 STEPS = 4

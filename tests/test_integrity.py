@@ -35,7 +35,7 @@ from megatron_mlmclm.checkpoint import (
 )
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.runtime.lifetime import LOCK_NAME
-from megatron_mlmclm.training.preemption import EXIT_PREEMPTED
+from megatron_mlmclm.training.faults.preemption import EXIT_PREEMPTED
 
 CONFIG = {
     "data": {"mock": True},

@@ -572,7 +572,7 @@ def test_the_engine_runs_the_planned_optimizer(tmp_path, monkeypatch):
     import megatron.core.optimizer as megatron_optimizer
     from megatron.core.optimizer import distrib_optimizer
 
-    from megatron_mlmclm.training.optimizer import chained
+    from megatron_mlmclm.training.step.optimizer import chained
     from megatron_mlmclm.training.trainer import Trainer
 
     class TEFusedAdam:
@@ -623,7 +623,7 @@ def test_a_resumed_optimizer_is_the_plans(tmp_path, dist_opt, saved, resumed):
     its step counters on the parameters' device; a run saved fused and resumed with
     model.fusions=off gets torch's unfused AdamW, its counters on the host (as torch keeps
     them). Either way the counters count on."""
-    from megatron_mlmclm.training.optimizer import chained
+    from megatron_mlmclm.training.step.optimizer import chained
     from megatron_mlmclm.training.trainer import Trainer
 
     common = [

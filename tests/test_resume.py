@@ -33,7 +33,7 @@ from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.resume import check_optimizer_state, check_resume
+from megatron_mlmclm.training.start.resume import check_optimizer_state, check_resume
 from megatron_mlmclm.training.trainer import Trainer
 
 CONFIG = {
@@ -93,7 +93,7 @@ def test_a_resumed_run_drops_the_records_past_its_checkpoint(tmp_path):
     """metrics.jsonl, one record a step: resumed at step 3, the records of steps 4 and 5 (logged
     before a kill) and a line the kill cut short go; started again from step 0, every record
     goes (step 0's validation is logged again)."""
-    from megatron_mlmclm.training.metrics import keep_records_before
+    from megatron_mlmclm.training.logs.metrics import keep_records_before
 
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": 0, "val_loss": 7.0})]

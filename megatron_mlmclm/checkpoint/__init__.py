@@ -54,7 +54,8 @@ from megatron_mlmclm.runtime.distributed import on_main
 
 # What the trainer state's `format_version` says of a checkpoint. 2: the distributed optimizer's
 # state saved at each parameter's own place (mcore_patches/optimizer.py); 1 (or none) cut it, past
-# a gradient bucket that ends in padding, at a neighbour's (training/resume.py refuses to load it).
+# a gradient bucket that ends in padding, at a neighbour's (training/start/resume.py refuses to load
+# it).
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 COMMON = "common.pt"  # the non-sharded state: the trainer's record, its run config

@@ -58,7 +58,7 @@ def read_checkpoint_model(init_from: str) -> dict[str, Any] | None:
     """The model of train.init_from's checkpoint, which a continued run takes
     (config/continued.py)."""
     # Imported here: reading a checkpoint imports megatron-core, which only continued runs need.
-    from megatron_mlmclm.training.continued import checkpoint_model
+    from megatron_mlmclm.training.start.continued import checkpoint_model
 
     return checkpoint_model(init_from)
 

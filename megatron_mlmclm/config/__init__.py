@@ -91,7 +91,7 @@ def load_config(
     A run with train.init_from takes its architecture from that checkpoint, read by
     `checkpoint_model(init_from)` (the model section of its run config; None where it does not
     exist); without one, where the config leaves architecture keys to the checkpoint, by the
-    reader training/continued.py registers (`continued.take_checkpoint_model`)."""
+    reader training/start/continued.py registers (`continued.take_checkpoint_model`)."""
     raw = read_raw(path, overrides)
     take_checkpoint_model(raw, checkpoint_model)
     return finalize_run_config(from_dict(RunConfig, raw, prefix=""))

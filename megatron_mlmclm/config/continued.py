@@ -9,7 +9,7 @@ reported instead: `model.seq_length` (the weights do not depend on it) and a pha
 (attention path, fusions, compile) and stays the run's own.
 
 Reading the checkpoint is not done here (config/ reads no checkpoints): `load_config` takes a
-function that returns the checkpoint's model section, by default the one training/continued.py
+function that returns the checkpoint's model section, by default the one training/start/continued.py
 registers when it is imported (`register_checkpoint_reader`), so that a library caller who builds
 a Trainer from `load_config(path)` gets what `mlmclm pretrain` gets; the trainer checks the
 finished config against the checkpoint again before it loads a weight.

@@ -399,9 +399,9 @@ class TrainConfig:
     init_from: str | None = None  # weights only: continued pretraining from a checkpoint
     # A stable checkpoint of another run of this config with another budget (RUN/checkpoints/
     # iter_N): this run starts there, as that run's resume would, and decays on its own budget
-    # (training/branch.py says what may differ).
+    # (training/start/branch.py says what may differ).
     branch_from: str | None = None
-    # Faults (training/faults.py, docs/cluster.md): a step that makes no progress for
+    # Faults (training/faults/monitor.py, docs/cluster.md): a step that makes no progress for
     # hang_timeout_s ends the rank for a requeue. None = auto (20x the median step, >= 600 s);
     # 0 = no watchdog. Loading, the first step, evaluation and saving get hang_timeout_long_s
     # (None = auto: >= 1800 s).
@@ -468,7 +468,7 @@ class CheckpointConfig:
     # run continues from the checkpoint's consumed_samples in the new stream (docs/pretrain.md).
     allow_data_change: bool = False
     # Resume (or branch) with the distributed optimizer's state of a checkpoint saved before it
-    # was stored at each parameter's own place, as it was saved (training/resume.py).
+    # was stored at each parameter's own place, as it was saved (training/start/resume.py).
     accept_shifted_optimizer_state: bool = False
 
     def validate(self) -> None:

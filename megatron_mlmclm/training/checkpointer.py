@@ -1,16 +1,16 @@
 """Where a run starts and when it saves.
 
 A run starts from its own latest verified checkpoint (resume, checked against the run by
-training/resume.py), else from a stable checkpoint of train.branch_from (training/branch.py), else
-from the weights of train.init_from with a fresh optimizer and schedule (its model and tokenizer
-checked against the run by training/continued.py), else from scratch. It
-saves every checkpoint.save_interval steps, at the steps it keeps for good (checkpoint.keep_*), at
-its end, at `--stop-at`, and when a stop signal asks; each load and save runs in its own section of
-the hang watchdog.
+training/start/resume.py), else from a stable checkpoint of train.branch_from
+(training/start/branch.py), else from the weights of train.init_from with a fresh optimizer and
+schedule (its model and tokenizer checked against the run by training/start/continued.py), else from
+scratch. It saves every checkpoint.save_interval steps, at the steps it keeps for good
+(checkpoint.keep_*), at its end, at `--stop-at`, and when a stop signal asks; each load and save
+runs in its own section of the hang watchdog.
 
 What a checkpoint holds besides model, optimizer and schedule is gathered from the run's parts as
 state dicts (`state_dict()` / `load_state_dict(state)`): the trainer's (config, stream position,
-data fingerprint, the run's history: training/history.py), the provenance of imported weights
+data fingerprint, the run's history: training/start/history.py), the provenance of imported weights
 (kept here), the spike policy's.
 """
 
@@ -29,13 +29,13 @@ from megatron_mlmclm.data.tokenizer import TokenSpec
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime.distributed import on_main
 from megatron_mlmclm.runtime.lifetime import LOCK_NAME
-from megatron_mlmclm.training import history
-from megatron_mlmclm.training.branch import branch_source, check_branch_folder
-from megatron_mlmclm.training.continued import check_init_from
-from megatron_mlmclm.training.engine import Engine
-from megatron_mlmclm.training.faults import FaultMonitor
-from megatron_mlmclm.training.metrics import log
-from megatron_mlmclm.training.resume import check_optimizer_state, check_resume
+from megatron_mlmclm.training.faults.monitor import FaultMonitor
+from megatron_mlmclm.training.logs.metrics import log
+from megatron_mlmclm.training.start import history
+from megatron_mlmclm.training.start.branch import branch_source, check_branch_folder
+from megatron_mlmclm.training.start.continued import check_init_from
+from megatron_mlmclm.training.start.resume import check_optimizer_state, check_resume
+from megatron_mlmclm.training.step.engine import Engine
 
 
 class Stateful(Protocol):
@@ -58,7 +58,7 @@ class Start:
     # newer checkpoints the resume found damaged: set aside (renamed, never deleted) at the
     # first save, before any pruning could delete them
     damaged: list[Path] = field(default_factory=list)
-    # the run's history up to and including this start's own event (training/history.py)
+    # the run's history up to and including this start's own event (training/start/history.py)
     history: list[dict[str, Any]] = field(default_factory=list)
     # which run this is (checkpoint.py's RUN_FILE): drawn at a fresh start or a branch, kept by a
     # resume; pruning deletes only this run's checkpoints

@@ -3,7 +3,7 @@ the run checks it, every problem found (not only the first), one line each.
 
 The tokenizer loads and fits model.vocab_size; every data prefix exists, is a readable shard and
 holds ids of that tokenizer (data/shards.py); train.init_from exists, verifies against its
-manifest, and is the model and tokenizer of the run (training/continued.py), unless it is gone
+manifest, and is the model and tokenizer of the run (training/start/continued.py), unless it is gone
 and the run resumes from its own checkpoint (which is all the run then reads); a run with
 checkpoint.resume=false finds no earlier run's checkpoints in its folder (training/checkpointer.py).
 """
@@ -19,7 +19,7 @@ from megatron_mlmclm.data.shards import check_shard, run_prefixes, shards_record
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.training.checkpointer import earlier_run
-from megatron_mlmclm.training.continued import (
+from megatron_mlmclm.training.start.continued import (
     check_init_from,
     init_from_checkpoint,
     init_from_tokenizer,
