@@ -300,14 +300,18 @@ def test_a_continued_run_refuses_another_architecture(pages, capsys):
         rc, _, err = _dry_run(capsys, pages[kind]["folder"], SHARDS, override)
         assert rc == 2 and len(err) == 1 and says in err[0], err
         assert theirs.strip("()") in err[0].split("checkpoints: ")[1], err
+    # in a folder of its own: the config's own output_dir holds the page's run, which this one
+    # would resume (and be refused: its seq_length changed; the dry run says so as the run would)
     rc, out, err = _dry_run(
         capsys,
         pages["llama32"]["folder"],
         SHARDS,
         "model.seq_length=64",
         "phases.0.rotary_base=1e6",
+        "output_dir=fresh",
     )
     assert rc == 0 and err == [], err
+    assert "# start: the weights of " in out and "checked: no checkpoint of its own" in out
     assert "# note: model.seq_length 64: the checkpoint of train.init_from has 1024" in out
     assert "# note: phases.0.rotary_base 1e+06: the checkpoint of train.init_from has" in out
 
@@ -324,9 +328,12 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     assert "tokenizer folder nope does not exist" in err[0] and "shards/nope.idx" in err[1], err
     rc, _, err = _dry_run(capsys, qwen3, other)
     assert rc == 2 and len(err) == 1 and "written with another tokenizer" in err[0], err
+    # (a run folder without checkpoints: the config's own holds the page's run, which a run
+    # resumes, never reading init_from)
+    fresh = "output_dir=fresh"
     # Shards and data.tokenizer agree, but the checkpoint was imported with another tokenizer.
     theirs = f"data.tokenizer={llama32 / 'ckpt' / 'decoder' / 'tokenizer'}"
-    rc, _, err = _dry_run(capsys, qwen3, other, theirs)
+    rc, _, err = _dry_run(capsys, qwen3, other, theirs, fresh)
     assert rc == 2 and len(err) == 1, err
     assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
     # A tokenizer larger than the checkpoint's vocabulary (512 rows), in a run that starts from
@@ -345,8 +352,6 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
     assert f"set data.tokenizer={qwen3 / 'ckpt' / 'decoder' / 'tokenizer'}" in err[0], err
     assert "vocab_size" not in err[0]
-    # (a run folder without checkpoints: one with them resumes, and never reads init_from)
-    fresh = "output_dir=fresh"
     rc, _, err = _dry_run(capsys, qwen3, SHARDS, "train.init_from=nope", fresh)
     assert rc == 2 and err == [
         "mlmclm pretrain: error: train.init_from nope does not exist; give a checkpoint folder or "
@@ -356,12 +361,12 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     shutil.copytree(qwen3 / "ckpt" / "decoder" / "checkpoints", damaged)
     shard = next(damaged.rglob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)
-    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}", fresh)
     assert rc == 2 and len(err) == 1 and "fails verification" in err[0], err
     # the file the config's model is read from, damaged: one line, no traceback
     common = next(damaged.rglob("common.pt"))
     common.write_bytes(common.read_bytes()[:-8] + b"\0" * 8)
-    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}", fresh)
     assert rc == 2 and len(err) == 1 and "common.pt does not match its checksum" in err[0], err
     # a missing train.init_from is one problem among the others, after the resolved run
     rc, out, err = _dry_run(

@@ -116,7 +116,7 @@ def test_a_resume_tells_web_samples_from_short_ones():
     keep the fingerprint they always had, so existing checkpoints resume."""
     from megatron_mlmclm.config import load_config
     from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
-    from megatron_mlmclm.training.start.resume import fingerprint
+    from megatron_mlmclm.training.start.fingerprint import fingerprint
 
     seen = {}
     for lengths in ("short", "web"):

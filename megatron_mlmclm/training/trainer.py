@@ -38,7 +38,7 @@ from megatron_mlmclm.runtime.lifetime import RunLock
 from megatron_mlmclm.training.batches.batch_plan import Plan
 from megatron_mlmclm.training.batches.datasets import build_datasets, index_summary
 from megatron_mlmclm.training.batches.loader import SyncLoader, build_loader
-from megatron_mlmclm.training.checkpointer import Checkpointer, Start, earlier_run, find_start
+from megatron_mlmclm.training.checkpointer import Checkpointer
 from megatron_mlmclm.training.faults.inject import Injector
 from megatron_mlmclm.training.faults.monitor import FaultMonitor, describe_samples
 from megatron_mlmclm.training.faults.preemption import Preempted, StopSignals
@@ -46,7 +46,8 @@ from megatron_mlmclm.training.logs import sinks
 from megatron_mlmclm.training.logs.metrics import Metrics, log
 from megatron_mlmclm.training.start import history
 from megatron_mlmclm.training.start.continued import init_from_tokenizer
-from megatron_mlmclm.training.start.resume import fingerprint
+from megatron_mlmclm.training.start.decide import Start, decide_start
+from megatron_mlmclm.training.start.fingerprint import fingerprint
 from megatron_mlmclm.training.step.engine import Engine
 from megatron_mlmclm.training.step.host_syncs import RunSyncs, refuse_uncountable
 from megatron_mlmclm.training.step.phase_entry import PhaseEntry
@@ -120,8 +121,11 @@ class Trainer:
         self.shards, scanned = rt.on_main(check_run_shards, cfg, self.spec.tokenizer)
         for line in scanned:  # what the scans of shards without a fingerprint inferred
             log(line)
-        # Where the run starts: its ranks share the checksums of the checkpoint it starts from.
-        self.start = find_start(cfg, self.fingerprint, self.spec)
+        # Where the run starts (resume, branch, train.init_from or fresh) and its checks: its
+        # ranks share the checksums of the checkpoint it starts from.
+        self.start = decide_start(cfg, self.spec, self.fingerprint)
+        for line in [self.start.summary(), *self.start.notes]:
+            log(line)
         rank, world = dist.get_rank(), dist.get_world_size()
         faults = self._faults = FaultMonitor(
             cfg, rank, world, Injector(rank, Path(cfg.output_dir) / "faults")
@@ -169,9 +173,6 @@ class Trainer:
                 f"took over the lock of a run that has ended (pid {holder.get('pid')} on "
                 f"{holder.get('host')}, started {holder.get('started')})"
             )
-        moved = earlier_run(self.cfg, move=True)  # checkpoint.resume=false: refused, or aside
-        if moved:
-            log(moved)
 
     # --------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, Any]:

@@ -51,13 +51,13 @@ from megatron_mlmclm.config import (
 )
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.training.start import history
-from megatron_mlmclm.training.start.history import flat
-from megatron_mlmclm.training.start.resume import (
+from megatron_mlmclm.training.start.fingerprint import (
     ORDER_KEY,
     phase_description,
     same_value,
     show_value,
 )
+from megatron_mlmclm.training.start.history import flat
 
 # Keys a branch may change: the budget and the output folder, and how the run executes.
 # Compared as prefixes of dotted keys. data.train / valid / tokenizer are compared by content (the

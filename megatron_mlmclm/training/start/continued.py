@@ -46,12 +46,20 @@ def trained_model(state: dict[str, Any], where: Path) -> dict[str, Any]:
     return model
 
 
-def init_from_checkpoint(init_from: str, verify: bool = True) -> Path:
+def init_from_checkpoint(init_from: str) -> Path:
     """The checkpoint train.init_from names (a checkpoint folder, or a run's checkpoints folder:
-    its latest), verified against its manifest unless `verify` is off; one line otherwise."""
+    its latest), not verified; one line where there is none."""
     if not Path(init_from).exists():
         raise missing_init_from(init_from)
-    return ckpt.resolve_checkpoint(init_from, verify=verify)
+    return ckpt.resolve_checkpoint(init_from, verify=False)
+
+
+def verified_init_from(init_from: str) -> tuple[Path, str | None]:
+    """(`init_from_checkpoint`'s checkpoint verified against its manifest, what verifying it
+    cost: a line to log); one line where it fails. Collective once process groups exist."""
+    if not Path(init_from).exists():
+        raise missing_init_from(init_from)
+    return ckpt.verified_checkpoint(init_from)
 
 
 def checkpoint_model(init_from: str) -> dict[str, Any] | None:
@@ -61,7 +69,7 @@ def checkpoint_model(init_from: str) -> dict[str, Any] | None:
     run verifies the whole checkpoint before it loads a weight."""
     if not Path(init_from).exists():
         return None
-    found = init_from_checkpoint(init_from, verify=False)
+    found = init_from_checkpoint(init_from)
     problem = ckpt.verify_file(found, ckpt.COMMON)
     if problem is not None:
         raise UsageError(
@@ -94,7 +102,7 @@ def init_from_tokenizer(cfg: RunConfig) -> dict[str, Any] | None:
     if not init_from or not Path(init_from).exists() or own_checkpoints(to_dict(cfg)):
         return None
     try:
-        found = init_from_checkpoint(init_from, verify=False)
+        found = init_from_checkpoint(init_from)
         if ckpt.verify_file(found, ckpt.COMMON) is not None:
             return None
         return ckpt.read_trainer_state(found)["trainer"].get("tokenizer")
