@@ -5,9 +5,9 @@ config that sets one differently is refused), and the tokenizer recorded with it
 the run's `data.tokenizer` (the shards are checked against that one, data/shards.py): ids of
 another vocabulary would train rows that meant other tokens.
 
-Importing this module registers `checkpoint_model` as the reader `load_config` uses by default
-(config/continued.py), so that `Trainer(load_config(path))` takes the checkpoint's model as
-`mlmclm pretrain` does.
+`checkpoint_model` is the reader `mlmclm pretrain` hands to `load_config` (config/continued.py),
+so that a config may leave its model to the checkpoint; a library caller passes it the same way:
+`load_config(path, overrides, checkpoint_model=checkpoint_model)`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from megatron_mlmclm.config import (
     compare_with_checkpoint,
     missing_init_from,
     own_checkpoints,
-    register_checkpoint_reader,
     to_dict,
 )
 from megatron_mlmclm.data.tokenizer import (
@@ -76,9 +75,6 @@ def checkpoint_model(init_from: str) -> dict[str, Any] | None:
             f"checkpoint {found} fails verification: {problem}; give an earlier iter_NNNNNNN folder"
         )
     return trained_model(ckpt.read_trainer_state(found)["trainer"], found)
-
-
-register_checkpoint_reader(checkpoint_model)
 
 
 def check_init_from(found: Path, cfg: RunConfig, spec: TokenSpec) -> list[str]:
