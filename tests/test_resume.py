@@ -294,7 +294,7 @@ def test_a_released_gpu_checkpoint_of_overlapped_buckets_is_refused(
     assert len(err) == 1 and f"{ckpt} was saved with the distributed optimizer" in err[0], err
     assert "ran on a GPU, where versions 0.13.0 to 0.20.0 overlapped the gradient reduce" in err[0]
     assert "in buckets of 40,000,000 elements, and its model's " in err[0]
-    assert "checkpoint.accept_shifted_optimizer_state=true" in err[0]
+    assert "checkpoint.allow_shifted_optimizer_state=true" in err[0]
     assert f"train.init_from={ckpt}" in err[0]
     assert snapshot(run) == before
 
@@ -333,7 +333,7 @@ def test_what_a_checkpoint_records_decides_whether_its_buckets_shifted_state(
         return
     with pytest.raises(UsageError) as e:
         check_optimizer_state(ckpt, state, cfg)
-    assert refused in str(e.value) and "accept_shifted_optimizer_state=true" in str(e.value)
+    assert refused in str(e.value) and "allow_shifted_optimizer_state=true" in str(e.value)
 
 
 # --------------------------------------------------------------------------------------------------

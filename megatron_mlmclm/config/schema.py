@@ -275,9 +275,9 @@ class DataConfig:
     seed: int = 1234
     cache_dir: str | None = None  # sample-index cache; default: <first prefix dir>/cache
     # Shards without a fingerprint (Megatron-LM's) must end every document with the tokenizer's
-    # EOS (data/shards.py: a sign they hold its ids); false accepts shards of this tokenizer
+    # EOS (data/shards.py: a sign they hold its ids); true accepts shards of this tokenizer
     # written without end-of-document tokens (preprocess_data.py without --append-eod).
-    require_eod: bool = True
+    allow_missing_eod: bool = False
     mock: bool = False  # synthetic tokens, no files needed (smoke tests)
     # What synthetic text (data/mock.py): uniform tokens (nothing to learn) or a Markov chain a
     # model can learn far below the unigram floor (tests and the GPU tier).
@@ -469,7 +469,7 @@ class CheckpointConfig:
     allow_data_change: bool = False
     # Resume (or branch) with the distributed optimizer's state of a checkpoint saved before it
     # was stored at each parameter's own place, as it was saved (training/start/resume.py).
-    accept_shifted_optimizer_state: bool = False
+    allow_shifted_optimizer_state: bool = False
 
     def validate(self) -> None:
         if self.save_interval < 0 or self.keep_last < 1:

@@ -45,7 +45,7 @@ def preflight(cfg: RunConfig) -> tuple[list[str], list[str], Start | None]:
                 check(open_indexed_dataset, prefix)
             else:
                 path, cache = str(cfg.data.tokenizer), cfg.data.cache_dir
-                args = (prefix, tokenizer, path, cache, cfg.data.require_eod, notes)
+                args = (prefix, tokenizer, path, cache, cfg.data.allow_missing_eod, notes)
                 rules[prefix] = check(check_shard, *args)
         if tokenizer is not None and not problems:
             check(shards_record, train, rules, tokenizer)  # the training shards share one rule

@@ -30,7 +30,7 @@ def check_optimizer_state(ckpt: Path, state: dict[str, Any], cfg: RunConfig) -> 
     saved before the fully_reshardable save stored each parameter's state at its own place
     (format_version < 2, checkpoint/__init__.py) whose gradient buckets may have ended in padding:
     past such a bucket each parameter was saved with a neighbour's Adam state and main copy, which
-    loading now gives it. Notes to log: a warning where checkpoint.accept_shifted_optimizer_state
+    loading now gives it. Notes to log: a warning where checkpoint.allow_shifted_optimizer_state
     takes the state as saved."""
     saved = state.get("config") or {}
     if state.get("format_version", 1) >= 2 or not saved.get("parallel", {}).get(
@@ -45,12 +45,12 @@ def check_optimizer_state(ckpt: Path, state: dict[str, Any], cfg: RunConfig) -> 
         "bucket ending in padding, stored each parameter's Adam state at a neighbour's place, "
         f"and the run that saved it {why}"
     )
-    if cfg.checkpoint.accept_shifted_optimizer_state:
-        return [f"warning: {what}; loading its state as saved (accept_shifted_optimizer_state)"]
+    if cfg.checkpoint.allow_shifted_optimizer_state:
+        return [f"warning: {what}; loading its state as saved (allow_shifted_optimizer_state)"]
     raise UsageError(
         f"{what}; loading it could train those parameters from other parameters' state: start "
         f"a run in a new output_dir from its weights alone with train.init_from={ckpt} (a fresh "
-        "optimizer and schedule), or set checkpoint.accept_shifted_optimizer_state=true to load "
+        "optimizer and schedule), or set checkpoint.allow_shifted_optimizer_state=true to load "
         "its state as saved"
     )
 
