@@ -17,7 +17,10 @@ on the way, in order (`checks`), what to report (`notes`: warnings, what a recip
 purpose) and what the run takes from it (its history, its id, the data stream's offset, the
 damaged checkpoints to set aside). The trainer calls it once (collective: the ranks share the
 checksums of the checkpoint it starts from) and logs `summary()`; `mlmclm pretrain --dry-run`
-calls it too (preflight.py), moving nothing, and prints the same summary.
+calls it too (preflight.py), moving nothing, and prints the same summary. One part of the start
+is read before it, because the run's tokens depend on it: the tokenizer train.init_from's
+checkpoint records, which data.tokenizer must be where the run will start from that checkpoint
+(`init_from_tokenizer`, continued.py).
 """
 
 from __future__ import annotations
