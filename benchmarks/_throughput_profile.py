@@ -176,7 +176,7 @@ def device_ms(prof) -> float:
 def count_syncs(run: Callable[[int], None], n: int, who: str) -> tuple[float | None, float | None]:
     """(CUDA's count of synchronising calls per step or None off CUDA, HostSyncCounter's or None
     where it cannot count) over n steps of `run(n)`, printed with their commonest sites."""
-    from megatron_mlmclm.training.host_syncs import HostSyncCounter, cuda_sync_debug_count
+    from megatron_mlmclm.training.step.host_syncs import HostSyncCounter, cuda_sync_debug_count
 
     cuda_syncs = None
     if on_gpu():

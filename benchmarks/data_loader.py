@@ -89,7 +89,7 @@ def load_average() -> str:
 
 
 def throughput(kind: str, dataset, plan, workers: int, steps: int) -> float:
-    from megatron_mlmclm.training.loader import build_loader
+    from megatron_mlmclm.training.batches.loader import build_loader
 
     loader = build_loader(kind, dataset, plan, num_workers=workers, start_step=0)
     try:
@@ -141,7 +141,7 @@ class Prebuilt:
 def overlap(args, tokenizer: Path, prefix: str, kinds: list[str]):
     """Per arm: the timed step seconds and the seconds of those steps spent waiting for data."""
     from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.training.loader import SyncLoader, build_loader
+    from megatron_mlmclm.training.batches.loader import SyncLoader, build_loader
     from megatron_mlmclm.training.trainer import Trainer
 
     out = tempfile.mkdtemp(prefix="bench_data_loader_")
@@ -244,7 +244,7 @@ def main() -> None:
 
     from megatron_mlmclm.config import PhaseConfig, load_config
     from megatron_mlmclm.data.dataset import build_train_dataset
-    from megatron_mlmclm.training.batch_plan import Plan
+    from megatron_mlmclm.training.batches.batch_plan import Plan
     from megatron_mlmclm.training.trainer import token_spec_and_vocab
 
     try:

@@ -1,5 +1,5 @@
-"""What the fault monitor costs (training/faults.py): per training step, and from a hang to a job
-ready to requeue.
+"""What the fault monitor costs (training/faults/monitor.py): per training step, and from a hang to
+a job ready to requeue.
 
 1. Step cost, CPU, one process. A tiny Trainer (model.preset=tiny, vocabulary 1000, mock data,
    data.loader=sync, fp32, world of one) runs its steps exactly as Trainer._train_loop calls the
@@ -97,7 +97,7 @@ def measure_steps(args) -> dict:
     import torch
 
     from megatron_mlmclm.runtime import distributed as rt
-    from megatron_mlmclm.training.watchdog import HangWatchdog
+    from megatron_mlmclm.training.faults.watchdog import HangWatchdog
 
     torch.set_num_threads(args.threads)
     trainer, cfg = build_tiny_trainer(args)

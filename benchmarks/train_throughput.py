@@ -95,8 +95,8 @@ first preset, the longest sequence, the first tokens per step and MLM (else the 
     GPU's work, whatever the host does; its top kernels), its host time by caller and its
     synchronisations as in (b);
 (b) on CUDA, torch's own count of synchronising calls per step (cuda_sync_debug_count, sync
-    debug mode), then under megatron_mlmclm.training.host_syncs.HostSyncCounter the operations per
-    step that make the host wait for the device, by operation and line (counted on CPU too: what
+    debug mode), then under megatron_mlmclm.training.step.host_syncs.HostSyncCounter the operations
+    per step that make the host wait for the device, by operation and line (counted on CPU too: what
     would wait on a GPU). The counter is a dispatch mode, under which torch.compile does not
     trace and FlexAttention's higher-order operator does not run: on the flex path it prints
     n/a (--attention sdpa counts the step's other waits).

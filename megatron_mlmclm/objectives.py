@@ -76,7 +76,7 @@ def batch_arrays(
     """The host side of a micro-batch for `phase.objective`: numpy arrays, no attention mask.
 
     Every row depends only on its own sample and stream position, so building a batch row by row
-    (training/loader.py's DALI source does) gives the same bits as building it at once.
+    (training/batches/loader.py's DALI source does) gives the same bits as building it at once.
     """
     tokens = np.stack([s["tokens"] for s in samples]).astype(np.int64)
     docs = np.stack([s["document_ids"] for s in samples])

@@ -299,9 +299,11 @@ def train_in_process(config, overrides: list[str], **options):
     """A whole run in this process (a world of one), torn down after; -> the Trainer."""
     from megatron_mlmclm.config import load_config  # megatron-core: imported when needed
     from megatron_mlmclm.runtime import distributed as rt
+    from megatron_mlmclm.training.start.continued import checkpoint_model
     from megatron_mlmclm.training.trainer import Trainer
 
-    trainer = Trainer(load_config(config, overrides), **options)
+    # the config as `mlmclm pretrain` loads it: a continued run's model read from its checkpoint
+    trainer = Trainer(load_config(config, overrides, checkpoint_model), **options)
     try:
         trainer.setup()
         trainer.train()

@@ -175,6 +175,61 @@ def test_an_import_loop_is_found(tmp_path):
     assert import_cycles(root) == [[f"{PKG}.config", f"{PKG}.model.flops"]]
 
 
+def training_layers(doc: Path = DOC) -> list[str]:
+    """The folders of training/, bottom to top, as docs/architecture.md lists them."""
+    section = doc.read_text().split("**`training/`: the loop.**", 1)[1].split("\n\n**", 1)[0]
+    return re.findall(r"^- `(\w+)/`", section, re.M)
+
+
+def upward_in_training(root: Path, layers: list[str]) -> list[str]:
+    """'file:line: folder -> folder' for each import of a training/ folder by a folder listed
+    before it (the run's modules on top of training/ may import any)."""
+    rank = {name: i for i, name in enumerate(layers)}
+    out = []
+    for path, module in modules(root):
+        parts = module.split(".")
+        if parts[1:2] != ["training"] or len(parts) < 4 or parts[2] not in rank:
+            continue
+        for node, targets in imported(path, module):
+            for t in targets:
+                there = t.split(".")
+                if there[1:2] == ["training"] and len(there) > 2:
+                    if there[2] not in rank or rank[there[2]] > rank[parts[2]]:
+                        where = f"{path.relative_to(root.parent)}:{node.lineno}"
+                        out.append(f"{where}: {parts[2]} -> {there[2]}")
+    return out
+
+
+def test_training_folders_import_only_those_below():
+    layers = training_layers()
+    assert layers == ["faults", "logs", "batches", "step", "start"], layers
+    present = {
+        p.name
+        for p in (REPO / PKG / "training").iterdir()
+        if p.is_dir() and p.name != "__pycache__"
+    }
+    assert present == set(layers), present
+    problems = upward_in_training(REPO / PKG, layers)
+    assert not problems, "upward imports in training/:\n" + "\n".join(problems)
+
+
+def test_an_upward_import_in_training_is_found(tmp_path):
+    root = tmp_path / PKG
+    write(root, "__init__.py", "")
+    write(root, "training/__init__.py", "")
+    write(root, "training/trainer.py", "from megatron_mlmclm.training.start import decide\n")
+    write(root, "training/faults/__init__.py", "")
+    write(root, "training/faults/monitor.py", "from megatron_mlmclm.training.logs import metrics\n")
+    write(root, "training/logs/__init__.py", "")
+    write(
+        root, "training/logs/metrics.py", "from megatron_mlmclm.training.trainer import Trainer\n"
+    )
+    assert upward_in_training(root, ["faults", "logs"]) == [
+        f"{PKG}/training/faults/monitor.py:1: faults -> logs",
+        f"{PKG}/training/logs/metrics.py:1: logs -> trainer",
+    ]
+
+
 def argparse_outside_commands(root: Path) -> list[str]:
     """Modules outside commands/ and cli.py that build parsers or declare flags."""
     out = []

@@ -30,12 +30,12 @@ from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training import history
-from megatron_mlmclm.training.batch_plan import Plan
-from megatron_mlmclm.training.branch import check_branch, check_trajectory
-from megatron_mlmclm.training.checkpointer import find_start
-from megatron_mlmclm.training.history import flat
-from megatron_mlmclm.training.resume import ORDER_KEY, fingerprint
+from megatron_mlmclm.training.batches.batch_plan import Plan
+from megatron_mlmclm.training.start import history
+from megatron_mlmclm.training.start.branch import check_branch, check_trajectory
+from megatron_mlmclm.training.start.decide import decide_start
+from megatron_mlmclm.training.start.fingerprint import ORDER_KEY, fingerprint
+from megatron_mlmclm.training.start.history import flat
 from megatron_mlmclm.training.trainer import build_datasets
 
 GBS = 4
@@ -536,7 +536,7 @@ def test_a_branch_folder_is_checked_before_it_resumes(base, source, tmp_path, ca
     train(path, [p, *argv], stop_at=4)
     cfg = load_config(path, [p, *argv])
     spec = token_spec_and_vocab(cfg)
-    start = find_start(cfg, fingerprint(cfg, spec), spec)
+    start = decide_start(cfg, spec, fingerprint(cfg, spec))
     assert start.resume_from == out / "checkpoints" / "iter_0000004"
     assert [(e["event"], e["step"], e["position"]) for e in start.history] == [
         ("start", 0, 0),
@@ -583,7 +583,7 @@ def test_a_branch_of_a_checkpoint_without_a_history_says_what_it_could_not_check
     cfg = load_config(path, [f"phases={json.dumps(CLM_THEN_MLM)}", *argv])
     spec = token_spec_and_vocab(cfg)
     own = out / "checkpoints" / "iter_0000004"
-    notes = [n for n in find_start(cfg, fingerprint(cfg, spec), spec).notes if "history" in n]
+    notes = [n for n in decide_start(cfg, spec, fingerprint(cfg, spec)).notes if "history" in n]
     where = f"{own} (this run's folder; train.branch_from={ckpt})"
     assert notes == [warning.replace(f"train.branch_from={ckpt}", where)], notes
 

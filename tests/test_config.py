@@ -124,9 +124,9 @@ def test_bad_values_name_the_key(overrides, needle):
             "checkpoint.resume=false",
         ),
         (
-            ["checkpoint.accept_shifted_optimizer_state=true", "checkpoint.resume=false"],
-            ["checkpoint.accept_shifted_optimizer_state=true"],
-            "checkpoint.accept_shifted_optimizer_state=true",
+            ["checkpoint.allow_shifted_optimizer_state=true", "checkpoint.resume=false"],
+            ["checkpoint.allow_shifted_optimizer_state=true"],
+            "checkpoint.allow_shifted_optimizer_state=true",
             "checkpoint.resume=false",
         ),
         (

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -300,14 +301,18 @@ def test_a_continued_run_refuses_another_architecture(pages, capsys):
         rc, _, err = _dry_run(capsys, pages[kind]["folder"], SHARDS, override)
         assert rc == 2 and len(err) == 1 and says in err[0], err
         assert theirs.strip("()") in err[0].split("checkpoints: ")[1], err
+    # in a folder of its own: the config's own output_dir holds the page's run, which this one
+    # would resume (and be refused: its seq_length changed; the dry run says so as the run would)
     rc, out, err = _dry_run(
         capsys,
         pages["llama32"]["folder"],
         SHARDS,
         "model.seq_length=64",
         "phases.0.rotary_base=1e6",
+        "output_dir=fresh",
     )
     assert rc == 0 and err == [], err
+    assert "# start: the weights of " in out and "checked: no checkpoint of its own" in out
     assert "# note: model.seq_length 64: the checkpoint of train.init_from has 1024" in out
     assert "# note: phases.0.rotary_base 1e+06: the checkpoint of train.init_from has" in out
 
@@ -324,9 +329,12 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     assert "tokenizer folder nope does not exist" in err[0] and "shards/nope.idx" in err[1], err
     rc, _, err = _dry_run(capsys, qwen3, other)
     assert rc == 2 and len(err) == 1 and "written with another tokenizer" in err[0], err
+    # (a run folder without checkpoints: the config's own holds the page's run, which a run
+    # resumes, never reading init_from)
+    fresh = "output_dir=fresh"
     # Shards and data.tokenizer agree, but the checkpoint was imported with another tokenizer.
     theirs = f"data.tokenizer={llama32 / 'ckpt' / 'decoder' / 'tokenizer'}"
-    rc, _, err = _dry_run(capsys, qwen3, other, theirs)
+    rc, _, err = _dry_run(capsys, qwen3, other, theirs, fresh)
     assert rc == 2 and len(err) == 1, err
     assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
     # A tokenizer larger than the checkpoint's vocabulary (512 rows), in a run that starts from
@@ -345,8 +353,6 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     assert "is not the tokenizer of train.init_from's checkpoint" in err[0], err
     assert f"set data.tokenizer={qwen3 / 'ckpt' / 'decoder' / 'tokenizer'}" in err[0], err
     assert "vocab_size" not in err[0]
-    # (a run folder without checkpoints: one with them resumes, and never reads init_from)
-    fresh = "output_dir=fresh"
     rc, _, err = _dry_run(capsys, qwen3, SHARDS, "train.init_from=nope", fresh)
     assert rc == 2 and err == [
         "mlmclm pretrain: error: train.init_from nope does not exist; give a checkpoint folder or "
@@ -356,12 +362,12 @@ def test_dry_run_opens_what_the_run_opens(pages, capsys, tmp_path):
     shutil.copytree(qwen3 / "ckpt" / "decoder" / "checkpoints", damaged)
     shard = next(damaged.rglob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-8] + b"\0" * 8)
-    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}", fresh)
     assert rc == 2 and len(err) == 1 and "fails verification" in err[0], err
     # the file the config's model is read from, damaged: one line, no traceback
     common = next(damaged.rglob("common.pt"))
     common.write_bytes(common.read_bytes()[:-8] + b"\0" * 8)
-    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}")
+    rc, _, err = _dry_run(capsys, qwen3, SHARDS, f"train.init_from={damaged}", fresh)
     assert rc == 2 and len(err) == 1 and "common.pt does not match its checksum" in err[0], err
     # a missing train.init_from is one problem among the others, after the resolved run
     rc, out, err = _dry_run(
@@ -393,7 +399,7 @@ def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, da
     (the source record travels in the run's checkpoints)."""
     import yaml
 
-    from megatron_mlmclm.training.continued import checkpoint_model
+    from megatron_mlmclm.training.start.continued import checkpoint_model
 
     folder = pages["llama32"]["folder"]
     decoder = folder / "ckpt" / "decoder"
@@ -450,9 +456,10 @@ def test_a_continued_run_resumes_after_its_init_from_is_gone(pages, tmp_path, da
 @pytest.mark.slow
 def test_a_library_caller_gets_the_checkpoints_model(pages):
     """examples/configs/cpt-llama-mlm.yaml has no model section: loaded for a Trainer as a library
-    caller loads it (`Trainer(load_config(path))`, no reader passed), it is the model of the
-    checkpoint it continues, as under `mlmclm pretrain`; here the Llama 3.2 stand-in's, compared
-    with the source's config.json."""
+    caller loads it (`load_config(path, overrides, checkpoint_model)`, the reader `mlmclm
+    pretrain` passes), it is the model of the checkpoint it continues; here the Llama 3.2
+    stand-in's, compared with the source's config.json. Without the reader: refused, naming it."""
+    from megatron_mlmclm.training.start.continued import checkpoint_model
     from megatron_mlmclm.training.trainer import Trainer
 
     decoder = pages["llama32"]["folder"] / "ckpt" / "decoder"
@@ -461,8 +468,10 @@ def test_a_library_caller_gets_the_checkpoints_model(pages):
         f"data.tokenizer={decoder / 'tokenizer'}",
         "parallel.tensor_model_parallel_size=1",  # 8 ways for the 8B; the stand-in has 4 heads
     ]
-    cfg = load_config(REPO / "examples" / "configs" / "cpt-llama-mlm.yaml", overrides)
-    model = Trainer(cfg).cfg.model
+    config = REPO / "examples" / "configs" / "cpt-llama-mlm.yaml"
+    with pytest.raises(UsageError, match="pass checkpoint_model=megatron_mlmclm.training.start"):
+        load_config(config, overrides)
+    model = Trainer(load_config(config, overrides, checkpoint_model)).cfg.model
     hf = json.loads((pages["llama32"]["hf"] / "config.json").read_text())
     assert (
         model.num_layers,
@@ -603,23 +612,67 @@ def test_every_architecture_key_comes_from_the_checkpoint():
     assert (model["seq_length"], model["attention"], model["preset"]) == (64, "sdpa", None)
 
 
-def test_load_config_reads_the_checkpoint_where_the_config_leaves_its_model_to_it():
-    """Without a reader passed: a config that states every architecture key is not read against
-    the checkpoint (the trainer checks it); one that leaves keys to it reads it with the
-    registered reader (training/continued.py), which names a checkpoint that does not exist only
-    where the config holds no model to build without it."""
-    # registers the reader, as importing the Trainer does
-    import megatron_mlmclm.training.continued  # noqa: F401
-
+def test_load_config_reads_the_checkpoint_only_with_a_reader():
+    """Without a reader passed: a config that states every architecture key keeps it (the trainer
+    checks it against the checkpoint), one that states none is refused, naming the reader to pass,
+    whatever the process imported (test_load_config_is_the_same_whatever_was_imported); with one,
+    the checkpoint's model is the run's."""
     stated = [f"model.{k}={json.dumps(v)}" for k, v in SAVED.items()] + ["data.mock=true"]
     cfg = load_config(None, [*stated, "train.init_from=nope"])  # a plan's run to come
     assert cfg.model.num_layers == SAVED["num_layers"]
-    with pytest.raises(UsageError, match=r"^train\.init_from nope does not exist"):
+    with pytest.raises(UsageError, match=r"^train\.init_from nope: .* pass checkpoint_model="):
         load_config(None, ["data.mock=true", "train.init_from=nope"])
+    with pytest.raises(UsageError, match=r"^train\.init_from nope does not exist"):
+        load_config(None, ["data.mock=true", "train.init_from=nope"], lambda _: None)
+    cfg = load_config(None, ["data.mock=true", "train.init_from=ckpt"], lambda _: dict(SAVED))
+    assert cfg.model.num_layers == SAVED["num_layers"]
+
+
+# What load_config makes of a config that leaves its model to train.init_from, and of one that
+# states it, printed by a process that has imported `IMPORTS` first.
+LOAD_CONFIG = """
+import sys
+{imports}
+from megatron_mlmclm.config import load_config
+from megatron_mlmclm.errors import UsageError
+for overrides in (["data.mock=true", "train.init_from=nope"], {stated!r}):
+    try:
+        print(load_config(None, overrides).model)
+    except UsageError as e:
+        print("refused:", e)
+print("training imported:", any(m.startswith("megatron_mlmclm.training") for m in sys.modules))
+"""
+
+
+def test_load_config_is_the_same_whatever_was_imported():
+    """A fresh process that imports only megatron_mlmclm.config, and one that has imported the
+    trainer and the checkpoint reader first: the same answers."""
+    stated = [f"model.{k}={json.dumps(v)}" for k, v in SAVED.items()] + ["data.mock=true"]
+    stated.append("train.init_from=nope")
+    outputs = []
+    for imports in (
+        "",
+        "import megatron_mlmclm.training.trainer, megatron_mlmclm.training.start.continued",
+    ):
+        script = LOAD_CONFIG.format(imports=imports, stated=stated)
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append(proc.stdout.splitlines())
+    bare, loaded = outputs
+    assert bare[-1] == "training imported: False" and loaded[-1] == "training imported: True"
+    assert bare[:-1] == loaded[:-1], (bare, loaded)
+    assert bare[0].startswith("refused: train.init_from nope: the run's model is that checkpoint's")
+    assert bare[1].startswith("ModelConfig(") and f"num_layers={SAVED['num_layers']}" in bare[1]
 
 
 def test_the_trainer_checks_a_finished_config_against_the_checkpoint():
-    """The trainer's own check (training/continued.py), for configs built without the
+    """The trainer's own check (training/start/continued.py), for configs built without the
     checkpoint's model: each key refused; seq_length and a phase's RoPE base reported."""
     base = [f"model.{k}={json.dumps(v)}" for k, v in SAVED.items()] + ["data.mock=true"]
     cfg = load_config(None, base)

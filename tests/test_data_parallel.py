@@ -1,4 +1,4 @@
-"""The fast path under data parallelism (training/data_parallel.py, model/layers.py) with
+"""The fast path under data parallelism (training/step/data_parallel.py, model/layers.py) with
 megatron's distributed optimizer and the overlapped gradient reduce-scatter and parameter
 all-gather (on gloo): the plain layer stack runs in chunks and the batched gradient accumulation
 registers each moved gradient with megatron's bucket groups. Four steps of a global batch of four
@@ -42,7 +42,7 @@ from megatron_mlmclm.checkpoint import MANIFEST, read_trainer_state
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime.lifetime import LOCK_NAME
-from megatron_mlmclm.training.resume import check_optimizer_state
+from megatron_mlmclm.training.start.resume import check_optimizer_state
 
 SCRIPT = Path(__file__).parent / "scripts" / "dp_steps.py"
 STEPS = 4
@@ -233,7 +233,7 @@ def test_a_checkpoint_saved_before_the_state_offsets_fix_is_refused(runs, tmp_pa
     """The DP = 4 run's checkpoints carry the format marker. The same checkpoint without it, as
     the version that saved each parameter's Adam state past a padded bucket end at a neighbour's
     place wrote it (the run's buckets end in padding), is refused in one line, exit status 2,
-    nothing written, resumed or branched from; checkpoint.accept_shifted_optimizer_state loads it
+    nothing written, resumed or branched from; checkpoint.allow_shifted_optimizer_state loads it
     with a warning. Without the overlapped reduce (one bucket per buffer) or with a model within
     one bucket nothing was shifted and it loads; at PP > 1 (the tied embeddings' own bucket) it
     is refused."""
@@ -256,7 +256,7 @@ def test_a_checkpoint_saved_before_the_state_offsets_fix_is_refused(runs, tmp_pa
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(err) == 1 and "stored each parameter's Adam state at a neighbour's" in err[0], err
-    assert f"train.init_from={ckpt}" in err[0] and "accept_shifted_optimizer_state=true" in err[0]
+    assert f"train.init_from={ckpt}" in err[0] and "allow_shifted_optimizer_state=true" in err[0]
     assert sorted(p.name for p in run.rglob("*") if p.name != LOCK_NAME) == before
     branch = tmp_path / "branch"
     argv = [f"output_dir={branch}", f"checkpoint.dir={branch}", f"train.branch_from={ckpt}"]
@@ -268,10 +268,10 @@ def test_a_checkpoint_saved_before_the_state_offsets_fix_is_refused(runs, tmp_pa
     cfg = load_config(runs["dp4 fp32"] / "config.yaml", [f"output_dir={run}"])
     with pytest.raises(UsageError, match="at a neighbour's place"):
         check_optimizer_state(ckpt, state, cfg)
-    cfg.checkpoint.accept_shifted_optimizer_state = True
+    cfg.checkpoint.allow_shifted_optimizer_state = True
     (note,) = check_optimizer_state(ckpt, state, cfg)
     assert note.startswith("warning: ") and "loading its state as saved" in note
-    cfg.checkpoint.accept_shifted_optimizer_state = False
+    cfg.checkpoint.allow_shifted_optimizer_state = False
     for parallel, pp, refused in (
         ({"overlap_grad_reduce": False}, 1, False),
         ({"ddp_bucket_size": 10**9}, 1, False),

@@ -256,9 +256,9 @@ def test_index_cli(shards, tmp_path, capsys):
 def test_what_mlmclm_index_builds_every_run_reads(tmp_path, capsys):
     """`mlmclm index` without --cache-dir writes where a run without data.cache_dir reads (cache/
     beside the first prefix), and the index built for the longest run serves a shorter one:
-    the run's datasets (build_train_dataset, as training/datasets.py calls it) load every prefix
-    from that cache, and its start line says so."""
-    from megatron_mlmclm.training.datasets import index_summary
+    the run's datasets (build_train_dataset, as training/batches/datasets.py calls it) load every
+    prefix from that cache, and its start line says so."""
+    from megatron_mlmclm.training.batches.datasets import index_summary
 
     a = write_shard(tmp_path / "a", LENGTHS_A, 1)
     b = write_shard(tmp_path / "b", LENGTHS_B, 2)

@@ -1,4 +1,4 @@
-"""Faults at scale, injected on this machine (training/faults.py, training/inject.py,
+"""Faults at scale, injected on this machine (training/faults/monitor.py, training/faults/inject.py,
 runtime/lifetime.py): a hung rank, a transient and a persistent NaN, a straggler, a killed launcher
 and a second run on a live run's folder. The reference is the same run uninterrupted."""
 
@@ -21,8 +21,9 @@ from test_resume import CONFIG as RESUME_CONFIG  # DP2-able tiny CLM -> MLM run,
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime.lifetime import RunLock
-from megatron_mlmclm.training import faults, watchdog
-from megatron_mlmclm.training.inject import Fault, parse
+from megatron_mlmclm.training.faults import monitor as faults
+from megatron_mlmclm.training.faults import watchdog
+from megatron_mlmclm.training.faults.inject import Fault, parse
 
 CONFIG = {**RESUME_CONFIG, "logging": {"tensorboard": False, "log_interval": 2}}
 
@@ -93,7 +94,7 @@ def test_watchdog_allowances_follow_the_measured_step_time():
 def test_watchdog_dumps_the_hung_frame_and_exits_with_the_hang_code(tmp_path):
     script = textwrap.dedent(f"""
         import time
-        from megatron_mlmclm.training.watchdog import HangWatchdog
+        from megatron_mlmclm.training.faults.watchdog import HangWatchdog
         dog = HangWatchdog(3, {str(tmp_path)!r}, 0.5, 5.0, poll_s=0.1)
         dog.start()
         def stuck_in_a_collective():
@@ -388,7 +389,7 @@ def test_a_stopped_rank_is_caught_by_the_rank_waiting_for_it(config, tmp_path):
 
 
 def test_straggler_figures_reach_tensorboard_and_wandb_tags():
-    from megatron_mlmclm.training.sinks import scalars
+    from megatron_mlmclm.training.logs.sinks import scalars
 
     stats = {
         "objective": "mlm",

@@ -79,7 +79,7 @@ VALUES = [
 
 
 # The model section of a checkpoint's run config, as `checkpoint_model` reads it for a run with
-# train.init_from (training/continued.py): the tiny model's.
+# train.init_from (training/start/continued.py): the tiny model's.
 SAVED_MODEL = to_dict(load_config(None, ["data.mock=true", "model.vocab_size=512"]).model)
 CONTINUED = "train.init_from=runs/a/checkpoints/iter_0000010"
 

@@ -1,4 +1,4 @@
-"""The kernel plan's batched_grad_accumulation (training/data_parallel.py): each chunk of
+"""The kernel plan's batched_grad_accumulation (training/step/data_parallel.py): each chunk of
 the layer stack's gradients moved into megatron's fp32 main_grad as the chunk's backward ends, in
 one foreach copy (or add), the embedding's and output layer's as they arrive, against megatron's
 own backward hook (one add per parameter as each gradient arrives). Same main gradients after

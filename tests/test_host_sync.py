@@ -1,5 +1,5 @@
-"""The host-synchronisation counter (training/host_syncs.py, `pretrain --count-syncs`) sees what it
-is meant to see."""
+"""The host-synchronisation counter (training/step/host_syncs.py, `pretrain --count-syncs`) sees
+what it is meant to see."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_mlmclm.training.host_syncs import HostSyncCounter, on_host
+from megatron_mlmclm.training.step.host_syncs import HostSyncCounter, on_host
 
 
 def test_every_kind_of_wait_is_counted_once_with_its_line():
@@ -157,7 +157,7 @@ def test_count_syncs_records_each_steps_synchronisations_and_their_sites(tmp_pat
     err = capsys.readouterr().err
     assert "host synchronisations (--count-syncs) over 5 steps" in err
     sites = [line for line in err.splitlines() if "Tensor.tolist" in line]
-    assert sites and "training/update.py" in sites[0], err
+    assert sites and "training/step/update.py" in sites[0], err
 
 
 def test_count_syncs_is_passed_on_and_refused_where_the_counter_cannot_run(

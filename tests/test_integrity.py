@@ -27,15 +27,15 @@ from jobs import REPO, curve, launch, run_pretrain, stop_after_step
 
 from megatron_mlmclm.checkpoint import (
     MANIFEST,
-    _share,
     complete_checkpoints,
     resolve_checkpoint,
     verify_checkpoint,
     verify_shared,
 )
+from megatron_mlmclm.checkpoint.integrity import _share
 from megatron_mlmclm.cli import main
 from megatron_mlmclm.runtime.lifetime import LOCK_NAME
-from megatron_mlmclm.training.preemption import EXIT_PREEMPTED
+from megatron_mlmclm.training.faults.preemption import EXIT_PREEMPTED
 
 CONFIG = {
     "data": {"mock": True},

@@ -221,6 +221,48 @@ def test_each_run_of_a_process_compiles_into_its_own_cache(monkeypatch, tmp_path
     assert run("e") == run("f") == str(tmp_path / "mine")
 
 
+def test_each_run_of_a_process_keeps_its_triton_kernels_in_its_own_cache(monkeypatch, tmp_path):
+    """Triton's cache follows the run too: Inductor sets TRITON_CACHE_DIR where it is unset at its
+    first Triton kernel and keeps it for the process, so each run sets it under its own compile
+    cache, where Inductor itself would read it (`triton_cache_dir`, torch's own rule); also after
+    Inductor derived it from its default folder; a TRITON_CACHE_DIR the user exported is kept,
+    and so is Triton's place under a TORCHINDUCTOR_CACHE_DIR of the user's (torch's choice)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir, triton_cache_dir
+
+    from megatron_mlmclm.model.kernels.machine import (
+        INDUCTOR_CACHE,
+        RUN_SET_CACHE,
+        RUN_SET_TRITON,
+        TRITON_CACHE,
+    )
+
+    def run(name: str) -> str:
+        plan_kernels(cfg(f"output_dir={tmp_path / name}"), "cpu", EVERYTHING).apply_to_process()
+        # what Inductor does as it builds its first Triton kernel (CachingAutotuner.__init__,
+        # which needs a GPU), then where it puts the Triton kernels of device 0
+        if os.getenv(TRITON_CACHE) is None:
+            os.environ[TRITON_CACHE] = triton_cache_dir(0)
+        return triton_cache_dir(0)
+
+    for name in (INDUCTOR_CACHE, RUN_SET_CACHE, TRITON_CACHE, RUN_SET_TRITON, "MLMCLM_CACHE_DIR"):
+        monkeypatch.setenv(name, "")  # restored as it was, whatever the runs set
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert run("a") == str(tmp_path / "a" / "compile_cache" / "triton" / "0")
+    assert run("b") == str(tmp_path / "b" / "compile_cache" / "triton" / "0")  # not a's
+    monkeypatch.setenv("LOCAL_RANK", "3")  # a rank's own device, as Inductor names it
+    assert run("c") == str(tmp_path / "c" / "compile_cache" / "triton" / "3")
+    # Inductor compiled before any run, and set it from its default folder
+    monkeypatch.setenv(TRITON_CACHE, os.path.join(default_cache_dir(), "triton", "0"))
+    assert run("d") == str(tmp_path / "d" / "compile_cache" / "triton" / "3")
+    monkeypatch.setenv(TRITON_CACHE, str(tmp_path / "my-triton"))  # the user's
+    assert run("e") == run("f") == str(tmp_path / "my-triton")
+    monkeypatch.delenv(TRITON_CACHE)
+    monkeypatch.delenv(RUN_SET_TRITON)
+    monkeypatch.setenv(INDUCTOR_CACHE, str(tmp_path / "mine"))  # the user's Inductor folder
+    assert run("g") == str(tmp_path / "mine" / "triton" / "0")
+
+
 def test_fp8_padding_follows_the_recipe_and_fp8_needs_te_layers():
     te = "model.kernels=te"
     for recipe, multiple in (("delayed", 16), ("current", 16), ("mxfp8", 32)):
@@ -572,7 +614,7 @@ def test_the_engine_runs_the_planned_optimizer(tmp_path, monkeypatch):
     import megatron.core.optimizer as megatron_optimizer
     from megatron.core.optimizer import distrib_optimizer
 
-    from megatron_mlmclm.training.optimizer import chained
+    from megatron_mlmclm.training.step.optimizer import chained
     from megatron_mlmclm.training.trainer import Trainer
 
     class TEFusedAdam:
@@ -623,7 +665,7 @@ def test_a_resumed_optimizer_is_the_plans(tmp_path, dist_opt, saved, resumed):
     its step counters on the parameters' device; a run saved fused and resumed with
     model.fusions=off gets torch's unfused AdamW, its counters on the host (as torch keeps
     them). Either way the counters count on."""
-    from megatron_mlmclm.training.optimizer import chained
+    from megatron_mlmclm.training.step.optimizer import chained
     from megatron_mlmclm.training.trainer import Trainer
 
     common = [

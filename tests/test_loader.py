@@ -30,8 +30,8 @@ from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import PhaseConfig, load_config
 from megatron_mlmclm.data.dataset import PackedDataset
 from megatron_mlmclm.objectives import TokenSpec, make_batch
-from megatron_mlmclm.training.batch_plan import Plan
-from megatron_mlmclm.training.loader import FIELDS, build_loader
+from megatron_mlmclm.training.batches.batch_plan import Plan
+from megatron_mlmclm.training.batches.loader import FIELDS, build_loader
 
 LOADERS = ["sync", "workers", "dali"]
 SPEC = TokenSpec(vocab_size=300, mask_id=3, special_ids=(0, 1, 2, 3))
@@ -143,7 +143,7 @@ sys.path.insert(0, sys.argv[3])
 from nvidia.dali import fn, pipeline_def
 import test_loader as t
 from megatron_mlmclm.data.dataset import PackedDataset
-from megatron_mlmclm.training.loader import build_loader
+from megatron_mlmclm.training.batches.loader import build_loader
 
 class CollectingFirst:
     def __init__(self, dataset):

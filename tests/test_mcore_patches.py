@@ -143,7 +143,7 @@ def with_a_changed_pin(monkeypatch, tmp_path, source: str = REGISTER):
     monkeypatch.setattr(registry, "REPLACEMENTS", (holds, *changed))
     monkeypatch.setattr(apply, "_applied", False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv(registry.ACCEPT_ENV, raising=False)
+    monkeypatch.delenv(registry.ALLOW_ENV, raising=False)
     return [r.target for r in rows]
 
 
@@ -166,15 +166,15 @@ def test_a_changed_pin_refuses_the_run_at_start_and_the_override_runs_it(
     assert f"megatron-core {installed}'s {REGISTER} (relied on by {', '.join(targets)})" in err
     assert "install megatron-core==0.16.1 (as pyproject.toml pins it)" in err, err
     pair = f"megatron-core=={installed},torch=={torch_version}"
-    assert f"set MLMCLM_ACCEPT_MEGATRON_CORE={pair} (the installed pair it accepts)" in err, err
+    assert f"set MLMCLM_ALLOW_MEGATRON_CORE={pair} (the installed pair it accepts)" in err, err
     assert ":_initialize_affine_weight_gpu" not in err  # its pin holds
     assert not out.exists()  # refused before the run's folder, lock or log
     # The override names the installed pair: a version alone, or another torch, does not count.
     for other in (installed, f"megatron-core=={installed},torch=0.0"):
-        monkeypatch.setenv(registry.ACCEPT_ENV, other)
+        monkeypatch.setenv(registry.ALLOW_ENV, other)
         with pytest.raises(registry.SourceChanged):
             registry.verify_installed()
-    monkeypatch.setenv(registry.ACCEPT_ENV, pair)
+    monkeypatch.setenv(registry.ALLOW_ENV, pair)
     registry.verify_installed()
     warning = capsys.readouterr().err
     assert warning.startswith("warning: ") and REGISTER in warning, warning

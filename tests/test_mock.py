@@ -112,11 +112,11 @@ def test_an_unknown_length_kind_is_refused():
 
 
 def test_a_resume_tells_web_samples_from_short_ones():
-    """The data fingerprint a resume checks (training/resume.py) names web samples; short ones
+    """The data fingerprint a resume checks (training/start/resume.py) names web samples; short ones
     keep the fingerprint they always had, so existing checkpoints resume."""
     from megatron_mlmclm.config import load_config
     from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
-    from megatron_mlmclm.training.resume import fingerprint
+    from megatron_mlmclm.training.start.fingerprint import fingerprint
 
     seen = {}
     for lengths in ("short", "web"):

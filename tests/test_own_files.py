@@ -138,6 +138,23 @@ def test_a_fresh_run_never_replaces_an_earlier_runs_checkpoints(tmp_path):
     assert fresh.returncode == 2 and len(err) == 1, fresh.stderr
     assert "checkpoint.move_aside_existing=true" in err[0] and "another output_dir" in err[0]
     assert snapshot(run) == before
+    # the start as the run decides it, asked as the dry run asks: nothing moved
+    dry = decided(config, [f"output_dir={run}", *TINY, "checkpoint.resume=false"], "true")
+    assert dry.kind == "fresh" and dry.notes[0].startswith(f"the earlier run's files in {run}")
+    assert dry.checks == ["checkpoint.resume=false", "no train.branch_from", "no train.init_from"]
+    resume = decided(config, [f"output_dir={run}", *TINY])
+    assert (resume.kind, resume.step, resume.source) == (
+        "resume",
+        4,
+        run / "checkpoints" / "iter_0000004",
+    )
+    assert resume.checks == [
+        "the checksums of iter_0000004",
+        "the optimizer kind and the data stream (data fingerprint)",
+        "the optimizer state's layout",
+    ]
+    assert resume.summary().startswith(f"start: resume from {resume.source} at step 4; checked: ")
+    assert snapshot(run) == before
     # asked for: the earlier run's files moved aside whole, the new run's pruned among themselves
     aside = [
         *TINY,
@@ -156,6 +173,19 @@ def test_a_fresh_run_never_replaces_an_earlier_runs_checkpoints(tmp_path):
     }
     earlier = json.loads((previous / "checkpoints" / "iter_0000004" / RUN_FILE).read_text())
     assert len(ids) == 1 and earlier["run_id"] not in ids
+
+
+def decided(config, overrides, move_aside: str | None = None):
+    """`decide_start` of a run, as `pretrain --dry-run` asks it (moving nothing)."""
+    from megatron_mlmclm.config import load_config
+    from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
+    from megatron_mlmclm.training.start.decide import decide_start
+    from megatron_mlmclm.training.start.fingerprint import fingerprint
+
+    extra = [f"checkpoint.move_aside_existing={move_aside}"] if move_aside else []
+    cfg = load_config(config, [*overrides, *extra])
+    spec = token_spec_and_vocab(cfg)
+    return decide_start(cfg, spec, fingerprint(cfg, spec), dry_run=True)
 
 
 def test_pruning_deletes_only_the_checkpoints_of_the_run_doing_it(tmp_path):

@@ -659,9 +659,9 @@ def test_gpu_path_builds_no_dense_mask_and_pipelines_thd_shapes(monkeypatch, pp,
     from megatron_mlmclm.data.mock import MockPackedDataset
     from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
     from megatron_mlmclm.model.kernels import Kernels, plan_kernels
-    from megatron_mlmclm.training import engine as engine_module
-    from megatron_mlmclm.training import microbatch
-    from megatron_mlmclm.training.batch_plan import Plan
+    from megatron_mlmclm.training.batches.batch_plan import Plan
+    from megatron_mlmclm.training.step import engine as engine_module
+    from megatron_mlmclm.training.step import microbatch
 
     cfg = load_config(
         None,

@@ -20,7 +20,7 @@ from megatron_mlmclm.eval.tasks import load_registry, suite
 from megatron_mlmclm.flops import trunk_flops_per_token
 from megatron_mlmclm.plan import evaluation
 from megatron_mlmclm.plan.compute import flops_config, read_measurements
-from megatron_mlmclm.training.branch import check_history
+from megatron_mlmclm.training.start.branch import check_history
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"

@@ -26,7 +26,7 @@ from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.convert.common import read_global_tensors
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.preemption import EXIT_PREEMPTED
+from megatron_mlmclm.training.faults.preemption import EXIT_PREEMPTED
 from megatron_mlmclm.training.trainer import Trainer
 
 BF16 = "train.precision=bf16"

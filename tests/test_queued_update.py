@@ -1,5 +1,5 @@
 """The optimizer step queued before the step's figures reach the host (the kernel plan's
-queued_update, training/update.py) against the host deciding first:
+queued_update, training/step/update.py) against the host deciding first:
 megatron's own clip (clip_grad_by_total_norm_fp32 with the norm read back) and update, which
 `train.skip_spikes` keeps (the spike policy needs the norm on the host; a factor no norm reaches
 never skips). Same weights bit for bit; a non-finite step leaves every weight and optimizer state
@@ -12,8 +12,8 @@ import torch
 
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.mcore_patches.optimizer import model_and_updated_params
-from megatron_mlmclm.training.faults import NonFinite
-from megatron_mlmclm.training.optimizer import chained
+from megatron_mlmclm.training.faults.monitor import NonFinite
+from megatron_mlmclm.training.step.optimizer import chained
 from megatron_mlmclm.training.trainer import Trainer
 
 NEVER_A_SPIKE = "train.skip_spikes=1e30"  # the host reads the figures, then updates

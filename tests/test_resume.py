@@ -33,7 +33,7 @@ from megatron_mlmclm.cli import main
 from megatron_mlmclm.config import load_config
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.resume import check_optimizer_state, check_resume
+from megatron_mlmclm.training.start.resume import check_optimizer_state, check_resume
 from megatron_mlmclm.training.trainer import Trainer
 
 CONFIG = {
@@ -93,7 +93,7 @@ def test_a_resumed_run_drops_the_records_past_its_checkpoint(tmp_path):
     """metrics.jsonl, one record a step: resumed at step 3, the records of steps 4 and 5 (logged
     before a kill) and a line the kill cut short go; started again from step 0, every record
     goes (step 0's validation is logged again)."""
-    from megatron_mlmclm.training.metrics import keep_records_before
+    from megatron_mlmclm.training.logs.metrics import keep_records_before
 
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": 0, "val_loss": 7.0})]
@@ -294,7 +294,7 @@ def test_a_released_gpu_checkpoint_of_overlapped_buckets_is_refused(
     assert len(err) == 1 and f"{ckpt} was saved with the distributed optimizer" in err[0], err
     assert "ran on a GPU, where versions 0.13.0 to 0.20.0 overlapped the gradient reduce" in err[0]
     assert "in buckets of 40,000,000 elements, and its model's " in err[0]
-    assert "checkpoint.accept_shifted_optimizer_state=true" in err[0]
+    assert "checkpoint.allow_shifted_optimizer_state=true" in err[0]
     assert f"train.init_from={ckpt}" in err[0]
     assert snapshot(run) == before
 
@@ -333,7 +333,7 @@ def test_what_a_checkpoint_records_decides_whether_its_buckets_shifted_state(
         return
     with pytest.raises(UsageError) as e:
         check_optimizer_state(ckpt, state, cfg)
-    assert refused in str(e.value) and "accept_shifted_optimizer_state=true" in str(e.value)
+    assert refused in str(e.value) and "allow_shifted_optimizer_state=true" in str(e.value)
 
 
 # --------------------------------------------------------------------------------------------------

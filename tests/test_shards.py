@@ -296,7 +296,7 @@ def test_unfingerprinted_shards_of_another_tokenizer_are_refused_and_the_runs_ow
         check_run_shards(cfg, fp)
     line = str(e.value)
     assert f"ends with id {gpt2.eos_token_id}, not with data.tokenizer's EOS" in line, line
-    assert "data.require_eod=false" in line and theirs in line and "\n" not in line
+    assert "data.allow_missing_eod=true" in line and theirs in line and "\n" not in line
 
     preprocess([corpus], tmp_path / "own", tokenizers["llama3"], progress=False)
     own = str(tmp_path / "own_text_document")
@@ -320,14 +320,14 @@ def test_unfingerprinted_shards_of_another_tokenizer_are_refused_and_the_runs_ow
 def test_special_ids_inside_documents_are_a_sign_of_another_tokenizer(tokenizers, tmp_path):
     """Text never puts the tokenizer's bos/eos/pad/mask inside a document (`mlmclm preprocess`
     writes none there): a shard that holds them there (a shard of another vocabulary whose
-    common tokens have those ids) is refused, even with data.require_eod=false."""
+    common tokens have those ids) is refused, even with data.allow_missing_eod=true."""
     fp = tokenizer_fingerprint(load_tokenizer(tokenizers["ours"]))
     special = [fp["pad_id"], fp["mask_id"]]
     docs = [[7, special[i % 2], 8, 9, fp["eos_id"]] for i in range(30)]
     prefix = _megatron_lm_shard(tmp_path / "odd", docs)
-    for eod in (True, False):
+    for allow in (False, True):
         with pytest.raises(UsageError, match="special ids .* 30 times inside its 30 documents"):
-            check_shard(prefix, fp, "ours", None, eod)
+            check_shard(prefix, fp, "ours", None, allow)
 
 
 def test_a_fingerprinted_shard_changed_after_it_was_written_is_refused(
@@ -374,18 +374,18 @@ def test_scan_reads_eod_and_bos_off_the_documents(tokenizers, tmp_path):
             builder.add_document(np.asarray(d, dtype=np.int64), [len(d)])
         builder.finalize(str(tmp_path / f"{name}.idx"))
     notes: list[str] = []
-    got = {n: check_shard(str(tmp_path / n), fp, "ours", None, False, notes) for n in cases}
+    got = {n: check_shard(str(tmp_path / n), fp, "ours", None, True, notes) for n in cases}
     assert {n: (r["append_eod"], r["bos"]) for n, r in got.items()} == {
         "eod_bos": (True, True),
         "eod": (True, False),
         "neither": (False, False),
     }
     assert "1 of 2 documents end with its EOS" in notes[2] and "0 start with its BOS" in notes[2]
-    # unless data.require_eod=false, documents that do not end with EOS are refused
+    # unless data.allow_missing_eod=true, documents that do not end with EOS are refused
     assert check_shard(str(tmp_path / "eod"), fp, "ours", None)["append_eod"] is True
     with pytest.raises(UsageError, match="1 of its 2 documents do not end with EOS") as e:
         check_shard(str(tmp_path / "neither"), fp, "ours", None)
-    assert "data.require_eod=false" in str(e.value) and "\n" not in str(e.value)
+    assert "data.allow_missing_eod=true" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_run_records_its_shards_rule_and_refuses_a_mix(tokenizers, corpus, tmp_path):

@@ -21,6 +21,11 @@ optimizer: `fully_reshardable`), so a checkpoint saved at one TP/PP/DP layout lo
 Matching checksums say that a copy is intact, not who wrote it: every file of a checkpoint is read
 as data only (reading.py), and one that names anything else is refused in one line, unread.
 
+The package: folders.py (a run's checkpoint folders: which are complete, which run wrote each,
+pruning), integrity.py (the manifest, its checksums, verification shared by a run's ranks),
+reading.py (every file read as data), and here the save and the load of the model, optimizer,
+schedule, trainer state and RNG.
+
 The trainer writes and resumes checkpoints; the converters read them (to-hf) and write them
 (from-hf, from-megatron-lm). This package is their shared home, below both, so that convert/ never
 imports training/ (docs/architecture.md).
@@ -28,13 +33,9 @@ imports training/ (docs/architecture.md).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,281 +47,71 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
-from megatron_mlmclm.checkpoint.reading import as_data, read_common_state, unsafe_metadata
+from megatron_mlmclm.checkpoint.folders import (
+    RUN_FILE,
+    checkpoint_iteration,
+    checkpoint_run_id,
+    complete_checkpoints,
+    fsync_dir,
+    iter_name,
+    latest_checkpoint,
+    move_aside,
+    prune,
+)
+from megatron_mlmclm.checkpoint.integrity import (
+    MANIFEST,
+    latest_verified_checkpoint,
+    read_manifest,
+    resolve_checkpoint,
+    verified_checkpoint,
+    verify_checkpoint,
+    verify_file,
+    verify_shared,
+    write_manifest,
+)
+from megatron_mlmclm.checkpoint.reading import as_data, read_common_state
 from megatron_mlmclm.errors import UsageError
 from megatron_mlmclm.mcore_patches import safe_load
 from megatron_mlmclm.mcore_patches.optimizer import model_and_main_params
-from megatron_mlmclm.runtime.distributed import on_main
 
 # What the trainer state's `format_version` says of a checkpoint. 2: the distributed optimizer's
 # state saved at each parameter's own place (mcore_patches/optimizer.py); 1 (or none) cut it, past
-# a gradient bucket that ends in padding, at a neighbour's (training/resume.py refuses to load it).
+# a gradient bucket that ends in padding, at a neighbour's (training/start/resume.py refuses it).
 FORMAT_VERSION = 2
-MANIFEST = "manifest.json"
 COMMON = "common.pt"  # the non-sharded state: the trainer's record, its run config
-RUN_FILE = "run.json"  # which run wrote the checkpoint: {"run_id": ...}, read without unpickling
-_ITER_RE = re.compile(r"^iter_(\d{7})$")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 EXTRA_STATE = "_extra_state"  # a module's non-tensor state (TE: FP8 metadata) in a checkpoint
 
-
-def iter_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in `ckpt_dir`, oldest first (temporary folders are ignored)."""
-    d = Path(ckpt_dir)
-    if not d.is_dir():
-        return []
-    found = [
-        p
-        for p in d.iterdir()
-        if p.is_dir() and _ITER_RE.match(p.name) and (p / "metadata.json").is_file()
-    ]
-    return sorted(found, key=lambda p: int(_ITER_RE.match(p.name).group(1)))
-
-
-def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    ckpts = complete_checkpoints(ckpt_dir)
-    return ckpts[-1] if ckpts else None
-
-
-def _pick(path: Path) -> Path:
-    """The checkpoint folder `path` names: itself, or a run's checkpoints folder's latest complete
-    checkpoint."""
-    if (path / "metadata.json").is_file() and (path / "common.pt").is_file():
-        return path
-    ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise UsageError(
-            f"{path} holds no complete checkpoint (expected iter_NNNNNNN/ folders "
-            "with metadata.json); check the path or let the run finish a save"
-        )
-    return ckpt
-
-
-def resolve_checkpoint(path: str | Path, verify: bool = True) -> Path:
-    """A checkpoint folder, or a run's checkpoints folder (-> its latest complete checkpoint),
-    refused (UsageError) when it fails verification. Collective once process groups exist, as
-    `verified_checkpoint`."""
-    return verified_checkpoint(path)[0] if verify else on_main(lambda: _pick(Path(path)))
-
-
-def verified_checkpoint(path: str | Path) -> tuple[Path, str | None]:
-    """(`resolve_checkpoint`'s checkpoint, what verifying it cost: a line to log). Collective once
-    process groups exist: rank 0 picks the folder for every rank, and the ranks share its
-    checksums (`verify_shared`)."""
-    ckpt = on_main(lambda: _pick(Path(path)))
-    problem, cost = verify_shared(ckpt)
-    if problem is not None:
-        raise UsageError(
-            f"checkpoint {ckpt} fails verification: {problem}; give an earlier iter_NNNNNNN folder"
-        )
-    return ckpt, cost
-
-
-# --------------------------------------------------------------------------------------------------
-# Integrity: fsync, manifest of sizes and checksums, verification
-
-
-def _say(message: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # also before process groups exist: one line per job
-        print(f"[mlmclm] {message}", file=sys.stderr, flush=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _digest(path: Path, sync: bool = False) -> dict[str, Any]:
-    """Size and SHA-256 of a file, read in 16 MiB chunks; with sync, fsynced first."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        if sync:
-            os.fsync(f.fileno())
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-        return {"size": f.tell(), "sha256": h.hexdigest()}
-
-
-def write_manifest(folder: Path) -> None:
-    """Collective: fsync and checksum every file of `folder` (each rank its share: `_share`), then
-    rank 0 writes manifest.json last and fsyncs it and the folders."""
-    sizes = on_main(  # rank 0's listing is the one the manifest lists
-        lambda: {
-            str(f.relative_to(folder)): {"size": f.stat().st_size}
-            for f in sorted(folder.rglob("*"))
-            if f.is_file()
-        }
-    )
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {n: _digest(folder / n, sync=True) for n in _share(sizes, rank, world)}
-    shares = [None] * world
-    dist.all_gather_object(shares, mine)
-    if rank == 0:
-        files = {n: d for share in shares for n, d in share.items()}
-        out = folder / MANIFEST
-        with open(out, "w", encoding="utf-8") as f:
-            json.dump({"algorithm": "sha256", "files": dict(sorted(files.items()))}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        for d in {(folder / n).parent for n in files} | {folder}:
-            _fsync_dir(d)
-
-
-def verify_checkpoint(ckpt: str | Path, share: tuple[int, int] = (0, 1)) -> str | None:
-    """None when every file in the checkpoint's manifest has its size and checksum, else what is
-    wrong (one line). A checkpoint without a manifest (written before manifests, or not by
-    mlmclm) has nothing to check and is accepted (`verify_shared` warns). With `share` (rank,
-    world): every size, but only the checksums of the rank's share of the files."""
-    return _verify(Path(ckpt), *share)[0]
-
-
-def read_manifest(ckpt: Path) -> tuple[dict[str, dict] | None, str | None]:
-    """(The checkpoint's manifest: file -> {size, sha256}, or None when it has none; what is
-    wrong with it, or None). Every entry is checked: a file of the folder (no path leaving it),
-    an integer size and a hex digest."""
-    manifest = ckpt / MANIFEST
-    if not manifest.is_file():
-        return None, None
-    try:
-        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-        return None, f"unreadable {MANIFEST} ({type(e).__name__})"
-    if not isinstance(files, dict):
-        return None, f"unreadable {MANIFEST} (its files are not a mapping)"
-    for name, want in files.items():
-        parts = Path(name).parts
-        if (
-            not parts
-            or Path(name).is_absolute()
-            or ".." in parts
-            or not isinstance(want, dict)
-            or type(want.get("size")) is not int
-            or want["size"] < 0
-            or not isinstance(want.get("sha256"), str)
-        ):
-            return None, f"{MANIFEST} has a malformed entry for {name!r}"
-    return files, None
-
-
-def verify_file(ckpt: Path, name: str) -> str | None:
-    """`verify_checkpoint` for one file of the checkpoint (read before the rest is verified)."""
-    files, problem = read_manifest(ckpt)
-    if files is None:
-        return problem
-    want = files.get(name)
-    if want is None:
-        return f"{name} is not in its {MANIFEST}"
-    if not (ckpt / name).is_file():
-        return f"{name} is missing"
-    if _digest(ckpt / name) != {"size": want["size"], "sha256": want["sha256"]}:
-        return f"{name} does not match its checksum"
-    return None
-
-
-def _share(files: dict[str, dict], rank: int, world: int) -> list[str]:
-    """The files `rank` of `world` checksums: largest first, each to the rank with the fewest
-    bytes so far (every rank computes the same split from the manifest)."""
-    load, mine = [0] * world, []
-    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
-        r = load.index(min(load))
-        load[r] += files[name]["size"]
-        if r == rank:
-            mine.append(name)
-    return mine
-
-
-def _verify(ckpt: Path, rank: int, world: int) -> tuple[str | None, int]:
-    """(What is wrong or None, the bytes this rank checksummed)."""
-    files, problem = read_manifest(ckpt)
-    if files is None:
-        return problem, 0
-    for name, want in files.items():  # sizes first: cheap, and catches truncation
-        f = ckpt / name
-        if not f.is_file():
-            return f"{name} is missing", 0
-        if f.stat().st_size != want["size"]:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {want['size']}", 0
-    read = 0
-    for name in _share(files, rank, world):
-        read += files[name]["size"]
-        if _digest(ckpt / name)["sha256"] != files[name]["sha256"]:
-            return f"{name} does not match its checksum", read
-    return None, read
-
-
-def _world() -> tuple[int, int]:
-    """(rank, world size): (0, 1) before process groups exist."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def verify_shared(ckpt: Path) -> tuple[str | None, str | None]:
-    """(What is wrong with `ckpt` or None, what checking it cost: a line to log, None when there
-    were no checksums). Collective once process groups exist: every rank checks every size and
-    checksums its share of the files (`_share`), and the ranks agree on the verdict, so the
-    checkpoint is read once in all, not once per process. Rank 0 also reads its `.metadata` as
-    data: where the checksums match (a damaged checkpoint is never read), one that names anything
-    else refuses the checkpoint on every rank (UsageError). A checkpoint without a manifest is
-    accepted with a warning."""
-    rank, world = _world()
-    start = time.perf_counter()
-    problem, read = _verify(ckpt, rank, world)
-    unsafe = unsafe_metadata(ckpt) if rank == 0 and problem is None else None
-    everyone = [(problem, read, time.perf_counter() - start, unsafe)]
-    if world > 1:
-        mine, everyone = everyone[0], [None] * world
-        dist.all_gather_object(everyone, mine)
-    problem = next((p for p, *_ in everyone if p is not None), None)
-    if problem is not None:
-        return problem, None
-    if everyone[0][3] is not None:
-        raise UsageError(everyone[0][3])
-    if not (ckpt / MANIFEST).is_file():
-        _say(
-            f"warning: {ckpt} has no {MANIFEST} (written before checkpoints had one, or not by "
-            "mlmclm): nothing says its files are intact; they are read as data all the same"
-        )
-    if not any(r for _, r, *_ in everyone):
-        return None, None
-    return None, (
-        f"checksums match for {ckpt.name}: {sum(r for _, r, *_ in everyone) / 1e9:.2f} GB "
-        f"checksummed by {world} process(es), at most "
-        f"{max(r for _, r, *_ in everyone) / 1e9:.2f} GB and "
-        f"{max(t for _, _, t, _ in everyone):.1f} s each"
-    )
-
-
-def latest_verified_checkpoint(
-    ckpt_dir: str | Path,
-) -> tuple[Path | None, list[Path], str | None]:
-    """(The newest complete checkpoint that verifies, the newer ones that failed, what checking
-    it cost: a line to log). Each failure is reported in one line; the run sets those folders
-    aside at its first save (`save_checkpoint(set_aside=...)`), never deletes them. When
-    checkpoints exist but none verifies, UsageError. Collective once process groups exist: the
-    ranks try the checkpoints rank 0 lists, one `verify_shared` each."""
-    ckpts = on_main(lambda: complete_checkpoints(ckpt_dir))
-    damaged = []
-    for ck in reversed(ckpts):
-        problem, cost = verify_shared(ck)
-        if problem is None:
-            return ck, damaged, cost
-        damaged.append(ck)
-        _say(
-            f"checkpoint {ck} fails verification ({problem}); kept for inspection (moved aside "
-            "at the run's first save), trying the previous one"
-        )
-    if ckpts:
-        raise UsageError(
-            f"no checkpoint in {ckpt_dir} passes verification; move the folder "
-            "away to start over, or restore a good copy"
-        )
-    return None, damaged, None
+__all__ = [
+    "COMMON",
+    "EXTRA_STATE",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "OPTIMIZER_METADATA",
+    "RUN_FILE",
+    "checkpoint_iteration",
+    "checkpoint_run_id",
+    "complete_checkpoints",
+    "iter_name",
+    "latest_checkpoint",
+    "latest_verified_checkpoint",
+    "layout",
+    "load_checkpoint",
+    "load_weights",
+    "model_keys",
+    "model_sharded_state_dict",
+    "prune",
+    "read_manifest",
+    "read_trainer_state",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "stale_main_params",
+    "verified_checkpoint",
+    "verify_checkpoint",
+    "verify_file",
+    "verify_shared",
+    "write_manifest",
+]
 
 
 def model_keys(chunks: list[torch.nn.Module]) -> list[str]:
@@ -407,13 +198,13 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         for damaged in set_aside:
             if damaged.is_dir():
-                _move_aside(damaged)
+                move_aside(damaged)
         if final.exists():
             mine = bool(run_id) and checkpoint_run_id(final) == run_id
             if mine and verify_checkpoint(final) is None:
                 shutil.rmtree(final)
             else:  # damaged (the resume skipped it) or another run's: kept, out of the way
-                _move_aside(final, "corrupt" if mine else "other-run")
+                move_aside(final, "corrupt" if mine else "other-run")
         os.replace(tmp, final)
         tmp_latest = ckpt_dir / "latest.tmp"
         with open(tmp_latest, "w", encoding="utf-8") as f:
@@ -421,45 +212,10 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_latest, ckpt_dir / "latest")
-        _fsync_dir(ckpt_dir)  # the renames themselves
+        fsync_dir(ckpt_dir)  # the renames themselves
         prune(ckpt_dir, keep_last, keep, run_id)
     dist.barrier()
     return final
-
-
-def _move_aside(folder: Path, why: str = "corrupt") -> None:
-    """Rename `folder` (a damaged checkpoint, or another run's) `iter_NNNNNNN.WHY-TIME`."""
-    aside = folder.with_name(f"{folder.name}.{why}-{int(time.time())}")
-    os.replace(folder, aside)
-    _say(f"moved the {'damaged' if why == 'corrupt' else why} {folder.name} aside to {aside.name}")
-
-
-def checkpoint_iteration(ckpt: Path) -> int:
-    return int(_ITER_RE.match(ckpt.name).group(1))
-
-
-def checkpoint_run_id(ckpt: Path) -> str | None:
-    """The id of the run that wrote `ckpt` (its RUN_FILE); None for a checkpoint saved before
-    checkpoints named their run, or written by a converter."""
-    try:
-        run_id = json.loads((ckpt / RUN_FILE).read_text(encoding="utf-8")).get("run_id")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        return None
-    return run_id if isinstance(run_id, str) and run_id else None
-
-
-def prune(
-    ckpt_dir: str | Path, keep_last: int, keep=frozenset(), run_id: str | None = None
-) -> None:
-    """Delete the complete checkpoints of run `run_id` older than its newest `keep_last`, except
-    those of the iterations in `keep` (checkpoint.keep_every / keep_steps / keep_tokens: kept for
-    good). Checkpoints of another run, or that name no run, are never deleted."""
-    if not run_id:
-        return
-    own = [c for c in complete_checkpoints(ckpt_dir) if checkpoint_run_id(c) == run_id]
-    for old in own[:-keep_last]:
-        if checkpoint_iteration(old) not in keep:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:

@@ -34,8 +34,9 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="validate the config, print it resolved with its kernel plan "
         "(runtime.device=cuda plans a GPU run here) and each phase's steps, "
-        "tokens and FLOPs, open what the run would open (tokenizer, shards, "
-        "train.init_from) and exit: 2 with one line per problem",
+        "tokens and FLOPs, open what the run would open (tokenizer, shards, and the "
+        "checkpoint it would start from: its own, train.branch_from's or train.init_from's, "
+        "verified and checked as the run checks it) and exit: 2 with one line per problem",
     )
     parser.add_argument(
         "--count-syncs",
@@ -58,7 +59,7 @@ def read_checkpoint_model(init_from: str) -> dict[str, Any] | None:
     """The model of train.init_from's checkpoint, which a continued run takes
     (config/continued.py)."""
     # Imported here: reading a checkpoint imports megatron-core, which only continued runs need.
-    from megatron_mlmclm.training.continued import checkpoint_model
+    from megatron_mlmclm.training.start.continued import checkpoint_model
 
     return checkpoint_model(init_from)
 
@@ -88,13 +89,16 @@ def run(args) -> int:
         from megatron_mlmclm.training.dry_run import dry_run_report  # imports torch
 
         print(dry_run_report(cfg))
-        if cfg.data.mock and not cfg.data.tokenizer and not cfg.train.init_from:
-            if cfg.checkpoint.resume:
+        t = cfg.train
+        if cfg.data.mock and not (cfg.data.tokenizer or t.init_from or t.branch_from):
+            if cfg.checkpoint.resume and own_checkpoints(to_dict(cfg)) is None:
                 return 0  # nothing on disk to open
         # Imported here: opening shards and checkpoints imports megatron-core.
         from megatron_mlmclm.training.preflight import preflight
 
-        problems, notes = preflight(cfg)
+        problems, notes, start = preflight(cfg)
+        if start is not None:
+            print(f"# {start.summary()}")
         for line in notes:
             print(f"# note: {line}")
         for line in problems:

@@ -35,7 +35,6 @@ from megatron_mlmclm.config.continued import (
     inherit_model,
     missing_init_from,
     own_checkpoints,
-    register_checkpoint_reader,
     take_checkpoint_model,
 )
 from megatron_mlmclm.config.loader import (
@@ -90,8 +89,9 @@ def load_config(
 
     A run with train.init_from takes its architecture from that checkpoint, read by
     `checkpoint_model(init_from)` (the model section of its run config; None where it does not
-    exist); without one, where the config leaves architecture keys to the checkpoint, by the
-    reader training/continued.py registers (`continued.take_checkpoint_model`)."""
+    exist: megatron_mlmclm.training.start.continued.checkpoint_model reads it as `mlmclm pretrain`
+    does). Without a reader nothing is read, whatever the process imported (config/continued.py).
+    """
     raw = read_raw(path, overrides)
     take_checkpoint_model(raw, checkpoint_model)
     return finalize_run_config(from_dict(RunConfig, raw, prefix=""))
@@ -129,7 +129,6 @@ __all__ = [
     "inherit_model",
     "missing_init_from",
     "own_checkpoints",
-    "register_checkpoint_reader",
     "kept_steps",
     "load",
     "load_config",

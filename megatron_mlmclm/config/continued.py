@@ -8,11 +8,13 @@ reported instead: `model.seq_length` (the weights do not depend on it) and a pha
 `rotary_base` (docs/pretrain.md). The rest of the model section says how the model runs
 (attention path, fusions, compile) and stays the run's own.
 
-Reading the checkpoint is not done here (config/ reads no checkpoints): `load_config` takes a
-function that returns the checkpoint's model section, by default the one training/continued.py
-registers when it is imported (`register_checkpoint_reader`), so that a library caller who builds
-a Trainer from `load_config(path)` gets what `mlmclm pretrain` gets; the trainer checks the
-finished config against the checkpoint again before it loads a weight.
+Reading the checkpoint is not done here (config/ reads no checkpoints, and imports nothing that
+does): `load_config` takes the function that returns the checkpoint's model section from its
+caller (`checkpoint_model=`; `mlmclm pretrain` passes training/start/continued.py's), and without
+one reads nothing, whatever the process has imported: a config keeps the architecture it states
+(the defaults for what it leaves out), and one that states none is refused in one line naming the
+reader to pass. The trainer checks the finished config against the checkpoint again before it loads
+a weight.
 """
 
 from __future__ import annotations
@@ -37,15 +39,10 @@ ARCHITECTURE = (
 )
 
 
-# A checkpoint's model section for train.init_from (None where it does not exist), as the package
-# that reads checkpoints registered it: config/ imports nothing above it.
+# A checkpoint's model section for train.init_from (None where it does not exist), read by the
+# package that reads checkpoints and handed over by load_config's caller: config/ imports nothing
+# above it.
 CheckpointReader = Callable[[str], dict[str, Any] | None]
-_registered: list[CheckpointReader] = []
-
-
-def register_checkpoint_reader(reader: CheckpointReader) -> None:
-    """Make `reader` the one `load_config` uses when its caller passes none."""
-    _registered[:] = [reader]
 
 
 def missing_init_from(init_from) -> UsageError:
@@ -57,10 +54,9 @@ def missing_init_from(init_from) -> UsageError:
 
 def take_checkpoint_model(raw: dict[str, Any], reader: CheckpointReader | None) -> None:
     """A continued run's raw config (YAML and overrides) takes the model of train.init_from's
-    checkpoint, in place (`inherit_model`), read by `reader`. Without one, a config that states
-    every architecture key keeps its own (the trainer checks it against the checkpoint); one that
-    leaves any to the checkpoint has it read by the registered reader, present wherever
-    megatron_mlmclm.training is imported (a Trainer's caller). A checkpoint that does not exist
+    checkpoint, in place (`inherit_model`), read by `reader`. Without one nothing is read, whatever
+    the process imported: a config keeps the architecture it states (the trainer checks it against
+    the checkpoint), and one that states none is refused. A checkpoint that does not exist
     (yet: a plan's configs name checkpoints of runs to come) is left to the run and its dry run,
     which refuse it, unless the config holds no model to build without it: then one line here."""
     train = raw.get("train")
@@ -71,8 +67,6 @@ def take_checkpoint_model(raw: dict[str, Any], reader: CheckpointReader | None) 
     model = model or {}
     preset = MODEL_PRESETS.get(model.get("preset") or "", {})
     given = (set(model) | set(preset)) & set(ARCHITECTURE)
-    if reader is None and given != set(ARCHITECTURE):
-        reader = _registered[0] if _registered else None
     saved = reader(str(init_from)) if reader is not None else None
     where = str(init_from)
     if saved is None and reader is not None and (own := own_checkpoints(raw)) is not None:
@@ -85,8 +79,9 @@ def take_checkpoint_model(raw: dict[str, Any], reader: CheckpointReader | None) 
         if reader is None:
             raise UsageError(
                 f"train.init_from {init_from}: the run's model is that checkpoint's, which "
-                "load_config reads once megatron_mlmclm.training is imported (or given "
-                "checkpoint_model=)"
+                "load_config reads only with a reader: pass checkpoint_model="
+                "megatron_mlmclm.training.start.continued.checkpoint_model (as mlmclm pretrain "
+                "does)"
             )
         raise missing_init_from(init_from)
 

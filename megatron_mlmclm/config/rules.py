@@ -175,8 +175,8 @@ def refuse_contradictions(cfg: RunConfig) -> None:
             "checkpoint.move_aside_existing=true contradicts checkpoint.resume=true (the "
             "default): it applies to a fresh start only; add checkpoint.resume=false"
         )
-    if c.accept_shifted_optimizer_state and not (c.resume or t.branch_from):
+    if c.allow_shifted_optimizer_state and not (c.resume or t.branch_from):
         raise UsageError(
-            "checkpoint.accept_shifted_optimizer_state=true contradicts checkpoint.resume=false: "
+            "checkpoint.allow_shifted_optimizer_state=true contradicts checkpoint.resume=false: "
             "it only applies when resuming or branching; drop one of them"
         )

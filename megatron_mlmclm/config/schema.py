@@ -275,9 +275,9 @@ class DataConfig:
     seed: int = 1234
     cache_dir: str | None = None  # sample-index cache; default: <first prefix dir>/cache
     # Shards without a fingerprint (Megatron-LM's) must end every document with the tokenizer's
-    # EOS (data/shards.py: a sign they hold its ids); false accepts shards of this tokenizer
+    # EOS (data/shards.py: a sign they hold its ids); true accepts shards of this tokenizer
     # written without end-of-document tokens (preprocess_data.py without --append-eod).
-    require_eod: bool = True
+    allow_missing_eod: bool = False
     mock: bool = False  # synthetic tokens, no files needed (smoke tests)
     # What synthetic text (data/mock.py): uniform tokens (nothing to learn) or a Markov chain a
     # model can learn far below the unigram floor (tests and the GPU tier).
@@ -399,9 +399,9 @@ class TrainConfig:
     init_from: str | None = None  # weights only: continued pretraining from a checkpoint
     # A stable checkpoint of another run of this config with another budget (RUN/checkpoints/
     # iter_N): this run starts there, as that run's resume would, and decays on its own budget
-    # (training/branch.py says what may differ).
+    # (training/start/branch.py says what may differ).
     branch_from: str | None = None
-    # Faults (training/faults.py, docs/cluster.md): a step that makes no progress for
+    # Faults (training/faults/monitor.py, docs/cluster.md): a step that makes no progress for
     # hang_timeout_s ends the rank for a requeue. None = auto (20x the median step, >= 600 s);
     # 0 = no watchdog. Loading, the first step, evaluation and saving get hang_timeout_long_s
     # (None = auto: >= 1800 s).
@@ -468,8 +468,8 @@ class CheckpointConfig:
     # run continues from the checkpoint's consumed_samples in the new stream (docs/pretrain.md).
     allow_data_change: bool = False
     # Resume (or branch) with the distributed optimizer's state of a checkpoint saved before it
-    # was stored at each parameter's own place, as it was saved (training/resume.py).
-    accept_shifted_optimizer_state: bool = False
+    # was stored at each parameter's own place, as it was saved (training/start/resume.py).
+    allow_shifted_optimizer_state: bool = False
 
     def validate(self) -> None:
         if self.save_interval < 0 or self.keep_last < 1:

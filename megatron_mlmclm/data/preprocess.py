@@ -33,7 +33,6 @@ reads the N prefixes as one list (``data.train``, ``mlmclm plan --data``).
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -45,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import DType
 from tqdm import tqdm
 
 from megatron_mlmclm.data.encode import (
@@ -56,14 +55,13 @@ from megatron_mlmclm.data.encode import (
     worker_init,
 )
 from megatron_mlmclm.data.shards import (
-    file_identity,
     fingerprint_path,
     read_fingerprint,
     shard_fingerprint,
-    write_fingerprint,
 )
 from megatron_mlmclm.data.text_sources import expand_inputs, iter_documents
 from megatron_mlmclm.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+from megatron_mlmclm.data.writer import ShardWriter
 from megatron_mlmclm.document import document_tokenizer, special_tokens
 from megatron_mlmclm.errors import UsageError
 
@@ -240,14 +238,6 @@ def _prefetch(it: Iterator, depth: int = 4) -> Iterator:
 # Writing
 
 
-def _add_documents(builder, flat: np.ndarray, lengths: np.ndarray) -> None:
-    """Bulk form of ``builder.add_document(doc, [len(doc)])`` for each document of a batch."""
-    builder.data_file.write(flat.astype(builder.dtype, copy=False).tobytes(order="C"))
-    start = len(builder.sequence_lengths)
-    builder.sequence_lengths.extend(lengths.tolist())
-    builder.document_indices.extend(range(start + 1, start + len(lengths) + 1))
-
-
 def preprocess(
     inputs: Sequence[str | os.PathLike],
     output_prefix: str | os.PathLike,
@@ -267,21 +257,8 @@ def preprocess(
     `started` (a time.time()): when the command started, for the summary's figures with its
     start-up (imports, the tokenizer); default: now. `shard` (i, N): only shard i of N, into its
     own prefix, kept if already written."""
-    if workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {workers}")
-    if workers > (os.cpu_count() or 1):  # processes (or threads) past the machine's CPUs
-        raise UsageError(f"--workers {workers:,} is more than this machine's {os.cpu_count()} CPUs")
-    if backend not in ("threads", "processes"):
-        raise UsageError(f"--backend {backend} must be threads or processes")
     keys = list(json_keys)
-    if not keys or len(set(keys)) != len(keys):
-        raise UsageError(f"--json-keys {' '.join(keys)} must name distinct keys")
-    for key in keys:  # a key names its output, PREFIX_KEY_document.bin
-        if not key or key in (".", "..") or "/" in key or os.sep in key or "\0" in key:
-            raise UsageError(
-                f"--json-keys {key!r} must be a plain name: it names the output file "
-                f"PREFIX_{key}_document.bin"
-            )
+    _check_options(workers, backend, keys)
     started = time.time() if started is None else started
     tok = load_tokenizer(tokenizer_path)
     files = expand_inputs(inputs)  # missing inputs fail before anything is created
@@ -290,6 +267,98 @@ def preprocess(
         output_prefix = shard_prefix(output_prefix, *shard)
     outs = {k: shard_paths(output_prefix, k) for k in keys}
     fingerprint = shard_fingerprint(tokenizer_fingerprint(tok), append_eod)
+    kept = _claim_outputs(outs, fingerprint, shard, force)
+    if kept is not None:
+        run = dict(vocab_size=len(tok), workers=workers, backend=backend)
+        return _kept_summary(kept, keys, outs, shard, time.time() - started, **run)
+    if os.environ.get("RAYON_NUM_THREADS") is None:
+        os.environ["RAYON_NUM_THREADS"] = str(workers)  # effective if no batch encoded yet
+    backend_tok, specials = _document_encoder(tok, tokenizer_path, append_eod)
+    dtype = DType.optimal_dtype(len(tok))
+    writer = ShardWriter(outs, dtype, tok.eos_token_id if append_eod else None)
+    rows_with_specials, pool = 0, None
+    t0 = time.perf_counter()
+    shown = _Progress(progress, log_interval, t0)
+    try:
+        writer.open()
+        batches = _batches(inputs, keys, txt_split_lines)
+        results, pool = _encoded(batches, keys, dtype, backend, workers, backend_tok, specials)
+        for n, rows, by_key in results:
+            rows_with_specials += rows
+            writer.add(by_key)
+            shown.update(n, writer.stats[keys[0]])
+        writer.finish(inputs, fingerprint)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        shown.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    seconds, total, first = time.perf_counter() - t0, time.time() - started, writer.stats[keys[0]]
+    return {
+        "documents": first["documents"],
+        "tokens": first["tokens"],
+        "empty_dropped": first["empty_dropped"],
+        "special_rows": rows_with_specials,
+        "seconds": seconds,
+        "tokens_per_s": first["tokens"] / max(seconds, 1e-9),
+        "seconds_with_startup": total,
+        "tokens_per_s_with_startup": first["tokens"] / max(total, 1e-9),
+        "dtype": np.dtype(dtype).name,
+        "vocab_size": len(tok),
+        "workers": workers,
+        "backend": backend,
+        "outputs": {k: str(outs[k][0])[:-4] for k in keys},
+        "keys": writer.stats,
+        "shard": shard,
+        "kept": False,
+    }
+
+
+def _document_encoder(tok, tokenizer_path, append_eod: bool):
+    """(`tok`'s fast backend, set to encode a text as a pretraining document; the tokenizer's
+    special tokens, read before the rule changes them); one line for a slow tokenizer."""
+    backend_tok = getattr(tok, "backend_tokenizer", None)
+    if backend_tok is None:
+        raise UsageError(
+            f"tokenizer {tokenizer_path} is not a fast tokenizer; save it with a "
+            "tokenizer.json (`mlmclm tokenize --from` does)"
+        )
+    specials = special_tokens(tok)  # before the rule: its tokens are the tokenizer's specials
+    document_tokenizer(tok, bos=False, eos=append_eod)
+    return backend_tok, specials
+
+
+def _check_options(workers: int, backend: str, keys: list[str]) -> None:
+    """One line for options no run could use, before anything is read."""
+    if workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {workers}")
+    if workers > (os.cpu_count() or 1):  # processes (or threads) past the machine's CPUs
+        raise UsageError(f"--workers {workers:,} is more than this machine's {os.cpu_count()} CPUs")
+    if backend not in ("threads", "processes"):
+        raise UsageError(f"--backend {backend} must be threads or processes")
+    if not keys or len(set(keys)) != len(keys):
+        raise UsageError(f"--json-keys {' '.join(keys)} must name distinct keys")
+    for key in keys:  # a key names its output, PREFIX_KEY_document.bin
+        if not key or key in (".", "..") or "/" in key or os.sep in key or "\0" in key:
+            raise UsageError(
+                f"--json-keys {key!r} must be a plain name: it names the output file "
+                f"PREFIX_{key}_document.bin"
+            )
+
+
+def _claim_outputs(
+    outs: dict[str, tuple[Path, Path]],
+    fingerprint: dict,
+    shard: tuple[int, int] | None,
+    force: bool,
+) -> dict | None:
+    """The outputs this call may write: a shard already written whole by this tokenizer and rule
+    is kept (-> what `_written` says of it); a killed writer's leftovers of a shard are removed;
+    an existing output is refused without --force, and with it unless this command wrote it (its
+    fingerprint beside it). -> None: write."""
     if shard is not None:
         # kept: written whole by this tokenizer and rule (its fingerprint comes last)
         kept = None if force else _written(outs)
@@ -297,8 +366,7 @@ def preprocess(
             _written_as(read_fingerprint(str(b)[: -len(".bin")]), fingerprint)
             for b, _ in outs.values()
         ):
-            run = dict(vocab_size=len(tok), workers=workers, backend=backend)
-            return _kept_summary(kept, keys, outs, shard, time.time() - started, **run)
+            return kept
         for b, i in outs.values():  # what an earlier, killed writer of this shard left
             for p in (b, i, fingerprint_path(str(b)[: -len(".bin")])):
                 if not force:  # unfinished, or of another tokenizer or rule: written again
@@ -318,136 +386,46 @@ def preprocess(
                     f"{fingerprint_path(str(b)[: -len('.bin')]).name} beside it); --force "
                     "replaces only such shards: choose another --output-prefix"
                 )
-    if os.environ.get("RAYON_NUM_THREADS") is None:
-        os.environ["RAYON_NUM_THREADS"] = str(workers)  # effective if no batch encoded yet
-    backend_tok = getattr(tok, "backend_tokenizer", None)
-    if backend_tok is None:
-        raise UsageError(
-            f"tokenizer {tokenizer_path} is not a fast tokenizer; save it with a "
-            "tokenizer.json (`mlmclm tokenize --from` does)"
+    return None
+
+
+def _encoded(batches, keys, dtype, backend: str, workers: int, backend_tok, specials):
+    """(The encoded batches, in order: (rows, rows holding a special token's string, per key
+    (empty dropped, flat tokens, lengths)); the worker pool to end, or None)."""
+    if backend == "processes":
+        # a job is a batch of rows: encoded and its special-token strings counted in a worker
+        pool = mp.get_context("spawn").Pool(workers, worker_init, (backend_tok.to_str(), specials))
+        return pool.imap(worker_encode, ((b, keys, dtype) for b in batches), chunksize=1), pool
+    pattern = special_pattern(specials)
+
+    def encoded():  # strings counted by the reader thread, text encoded by Rust's threads
+        for batch, rows in _prefetch((b, special_rows(pattern, b, keys)) for b in batches):
+            yield len(batch), rows, encode_batch(backend_tok, batch, keys, dtype)
+
+    return encoded(), None
+
+
+class _Progress:
+    """The bar on a terminal; elsewhere a line every `log_interval` documents."""
+
+    def __init__(self, progress: bool, log_interval: int, t0: float):
+        self.bar = tqdm(
+            desc="preprocess", unit="doc", disable=None if progress else True, mininterval=1.0
         )
-    eos = tok.eos_token_id if append_eod else None
-    specials = special_tokens(tok)  # before the rule: its tokens are the tokenizer's specials
-    document_tokenizer(tok, bos=False, eos=append_eod)
+        self.log = progress and not sys.stderr.isatty() and log_interval
+        self.interval, self.next, self.t0 = log_interval, log_interval, t0
 
-    dtype = DType.optimal_dtype(len(tok))
-    parent = Path(str(output_prefix)).parent
-    made = [d for d in (parent, *parent.parents) if not d.exists()]  # removed again on failure
-    parent.mkdir(parents=True, exist_ok=True)
-    tag = f".tmp-{os.getpid()}"
-    tmp = {k: (Path(str(b) + tag), Path(str(i) + tag)) for k, (b, i) in outs.items()}
-    stats = {k: {"documents": 0, "tokens": 0, "empty_dropped": 0, "max_id": 0} for k in keys}
-    builders = {}
-    pool = None
-    rows_with_specials = 0
-    t0 = time.perf_counter()
-    # The bar shows on a terminal only; elsewhere a line every `log_interval` documents.
-    bar = tqdm(desc="preprocess", unit="doc", disable=None if progress else True, mininterval=1.0)
-    log_tty = progress and sys.stderr.isatty()
-    next_log = log_interval
-    try:
-        for k in keys:
-            builders[k] = IndexedDatasetBuilder(str(tmp[k][0]), dtype=dtype)
-        batches = _batches(inputs, keys, txt_split_lines)
-        if backend == "processes":
-            # a job is a batch of rows: encoded and its special-token strings counted in a worker
-            pool = mp.get_context("spawn").Pool(
-                workers, worker_init, (backend_tok.to_str(), specials)
-            )
-            results = pool.imap(worker_encode, ((b, keys, dtype) for b in batches), chunksize=1)
-        else:
-            pattern = special_pattern(specials)
+    def update(self, rows: int, first: dict[str, int]) -> None:
+        rate = first["tokens"] / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.update(rows)
+        self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
+        done = first["documents"] + first["empty_dropped"]
+        if self.log and done >= self.next:
+            print(f"processed {done} documents ({rate:,.0f} tokens/s)", file=sys.stderr)
+            self.next = (done // self.interval + 1) * self.interval
 
-            def encoded():  # strings counted by the reader thread, text encoded by Rust's threads
-                for batch, rows in _prefetch((b, special_rows(pattern, b, keys)) for b in batches):
-                    yield len(batch), rows, encode_batch(backend_tok, batch, keys, dtype)
-
-            results = encoded()
-
-        for n, rows, by_key in results:
-            rows_with_specials += rows
-            for k, (dropped, flat, lengths) in by_key.items():
-                keep = lengths > (0 if eos is None else 1)  # no token besides eos: empty
-                if not keep.all():
-                    dropped += int((~keep).sum())
-                    cuts = np.cumsum(lengths)
-                    docs = zip(cuts, lengths, keep)
-                    flat = np.concatenate(
-                        [flat[end - size : end] for end, size, kept in docs if kept] or [flat[:0]]
-                    )
-                    lengths = lengths[keep]
-                _add_documents(builders[k], flat, lengths)
-                s = stats[k]
-                s["documents"] += len(lengths)
-                s["tokens"] += int(flat.size)
-                s["empty_dropped"] += dropped
-                if flat.size:
-                    s["max_id"] = max(s["max_id"], int(flat.max()))
-            first = stats[keys[0]]
-            bar.update(n)
-            el = time.perf_counter() - t0
-            bar.set_postfix_str(f"{first['tokens'] / max(el, 1e-9):,.0f} tok/s", refresh=False)
-            done = first["documents"] + first["empty_dropped"]
-            if not log_tty and progress and log_interval and done >= next_log:
-                print(
-                    f"processed {done} documents ({first['tokens'] / max(el, 1e-9):,.0f} tokens/s)",
-                    file=sys.stderr,
-                )
-                next_log = (done // log_interval + 1) * log_interval
-        for k in keys:
-            if stats[k]["documents"] == 0:
-                raise UsageError(
-                    f"the corpus {' '.join(map(str, inputs))} has no non-empty "
-                    f"document under key '{k}'; check --input and --json-keys"
-                )
-        for k in keys:
-            builders[k].finalize(str(tmp[k][1]))
-        for k in keys:
-            os.replace(tmp[k][0], outs[k][0])
-            os.replace(tmp[k][1], outs[k][1])
-            prefix = str(outs[k][0])[:-4]  # its largest id, vouched for this very file
-            ident = {"max_id": stats[k]["max_id"], **file_identity(prefix)}
-            write_fingerprint(prefix, {**fingerprint, **ident})
-    except BaseException:
-        for b in builders.values():
-            try:
-                b.data_file.close()
-            except Exception:
-                pass
-        for b, i in tmp.values():
-            for p in (b, i):
-                p.unlink(missing_ok=True)
-        for d in made:  # deepest first; a folder something else wrote into stays
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        raise
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-    seconds = time.perf_counter() - t0
-    total = time.time() - started
-    first = stats[keys[0]]
-    summary = {
-        "documents": first["documents"],
-        "tokens": first["tokens"],
-        "empty_dropped": first["empty_dropped"],
-        "special_rows": rows_with_specials,
-        "seconds": seconds,
-        "tokens_per_s": first["tokens"] / max(seconds, 1e-9),
-        "seconds_with_startup": total,
-        "tokens_per_s_with_startup": first["tokens"] / max(total, 1e-9),
-        "dtype": np.dtype(dtype).name,
-        "vocab_size": len(tok),
-        "workers": workers,
-        "backend": backend,
-        "outputs": {k: str(outs[k][0])[:-4] for k in keys},
-        "keys": stats,
-        "shard": shard,
-        "kept": False,
-    }
-    return summary
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _written_as(found: dict | None, fingerprint: dict) -> bool:

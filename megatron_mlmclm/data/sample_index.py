@@ -14,7 +14,7 @@ The order is a function of (documents, seq_length, seed) only, never of how many
 for: every permutation is seeded by its epoch and an epoch's samples do not depend on how many
 epochs follow. Two runs that differ only in their budget read the same samples in the same order
 for as long as both run (the shorter one's stream is a prefix of the longer one's), which is what
-lets a run branch off another's checkpoint (training/branch.py).
+lets a run branch off another's checkpoint (training/start/branch.py).
 The work is done by the C++ extension `megatron_mlmclm._sample_index` (csrc/sample_index.cpp)
 with the GIL released; this module validates inputs and caches results.
 
@@ -71,8 +71,8 @@ from megatron_mlmclm.errors import UsageError
 
 FORMAT_VERSION = 4
 # The rule that orders a stream, recorded in every checkpoint's data fingerprint
-# (training/resume.py) so that a run is never resumed in another order. 1: before FORMAT_VERSION 3,
-# when the last epoch's sample shuffle depended on num_samples (the run's length).
+# (training/start/resume.py) so that a run is never resumed in another order. 1: before
+# FORMAT_VERSION 3, when the last epoch's sample shuffle depended on num_samples (the run's length).
 SAMPLE_ORDER = 2
 ARRAYS = ("doc_idx", "sample_idx", "boundary_ptr", "boundary_offsets", "shuffle_idx")
 

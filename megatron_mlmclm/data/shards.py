@@ -15,7 +15,7 @@ A run (and `pretrain --dry-run`) reads only shards whose tokenizer is its ``data
 otherwise one line naming both. Shards without a fingerprint (Megatron-LM's, or written before
 fingerprints) are scanned once instead, the result cached beside the sample indexes, and must look
 written by that tokenizer: every token id below its size, its special ids nowhere inside a
-document, and every document ending with its EOS (unless ``data.require_eod`` is false: shards
+document, and every document ending with its EOS (unless ``data.allow_missing_eod``: shards
 written without end-of-document tokens), so that another tokenizer's shards whose ids happen to
 fit are refused, not read with its EOS taken for the run's rule. What each scan found is
 reported. The run keeps the rule of its training shards in its checkpoints, and `convert to-hf`
@@ -180,15 +180,15 @@ def check_shard(
     tokenizer: dict[str, Any],
     tokenizer_path: str,
     cache_dir: str | None,
-    require_eod: bool = True,
+    allow_missing_eod: bool = False,
     notes: list[str] | None = None,
 ) -> dict[str, Any]:
     """The rule a shard was written by ({append_eod, bos, special_tokens_as_text}: None where
     unknown), once it is known to hold ids of `tokenizer` (the fingerprint of data.tokenizer, at
     `tokenizer_path`); one line otherwise. A shard without a fingerprint is scanned (what the scan
     inferred goes to `notes`) and must look written by this tokenizer: ids below its size, its
-    special ids not inside documents, and (`require_eod`, data.require_eod) every document
-    ending with its EOS."""
+    special ids not inside documents, and (unless `allow_missing_eod`, data.allow_missing_eod)
+    every document ending with its EOS."""
     fix = f"rewrite it with `mlmclm preprocess --tokenizer {tokenizer_path}`"
     open_indexed_dataset(prefix)  # exists, and its .bin and .idx agree
     fp = read_fingerprint(prefix)
@@ -209,7 +209,7 @@ def check_shard(
     scan = scan_shard(prefix, tokenizer, cache_dir)
     if notes is not None:
         notes.append(describe_scan(prefix, scan, tokenizer))
-    _check_scan(prefix, scan, tokenizer, tokenizer_path, require_eod, fix)
+    _check_scan(prefix, scan, tokenizer, tokenizer_path, allow_missing_eod, fix)
     return {"append_eod": scan["append_eod"], "bos": scan["bos"], "special_tokens_as_text": None}
 
 
@@ -224,7 +224,7 @@ def _fingerprinted_max_id(prefix: str, fp: dict[str, Any], tokenizer, cache_dir)
     return int(scan_shard(prefix, tokenizer, cache_dir)["max_id"])
 
 
-def _check_scan(prefix, scan, tokenizer, path: str, require_eod: bool, fix: str) -> None:
+def _check_scan(prefix, scan, tokenizer, path: str, allow_missing_eod: bool, fix: str) -> None:
     """One line where a scanned shard does not look written by data.tokenizer."""
     vocab, eos, docs = tokenizer["vocab_size"], tokenizer["eos_id"], scan["documents"]
     other = "it was written with another tokenizer"
@@ -239,7 +239,7 @@ def _check_scan(prefix, scan, tokenizer, path: str, require_eod: bool, fix: str)
             f"{scan['specials_inside']} times inside its {docs} documents ({scan['tokens']} "
             f"tokens), where text never puts them: {other}; {fix}"
         )
-    if require_eod and scan["ends_eos"] < docs:
+    if not allow_missing_eod and scan["ends_eos"] < docs:
         if scan["last_count"] == docs and docs > 1:
             why = (
                 f"every one of its {docs} documents ends with id {scan['last_id']}, not with "
@@ -250,7 +250,7 @@ def _check_scan(prefix, scan, tokenizer, path: str, require_eod: bool, fix: str)
         raise UsageError(
             f"shard {prefix} has no fingerprint and {why}: {other}, or without EOS; {fix}, or, "
             "for shards of this tokenizer written without end-of-document tokens (Megatron-LM's "
-            "preprocess_data.py without --append-eod), set data.require_eod=false"
+            "preprocess_data.py without --append-eod), set data.allow_missing_eod=true"
         )
 
 
@@ -272,7 +272,7 @@ def check_run_shards(
     of shards without a fingerprint inferred, a line each)."""
     if cfg.data.mock or tokenizer is None:
         return None, []
-    path, cache, eod = str(cfg.data.tokenizer), cfg.data.cache_dir, cfg.data.require_eod
+    path, cache, eod = str(cfg.data.tokenizer), cfg.data.cache_dir, cfg.data.allow_missing_eod
     train, valid = run_prefixes(cfg)
     notes: list[str] = []
     rules = {

@@ -4,9 +4,9 @@ a non-finite step decided on the device, and the main parameters read back after
 
 Each replacement is a row of registry.yaml; `apply_everywhere()` (called by apply.py in every
 process that trains or converts) installs the module-level ones, the rest are called where a
-run needs them (training/optimizer.py, training/update.py, checkpoint/): `use_torch_adamw()`
-puts torch's AdamW in the place of an installed Transformer Engine's or Apex's FusedAdam.
-"""
+run needs them (training/step/optimizer.py, training/step/update.py, checkpoint/):
+`use_torch_adamw()` puts torch's AdamW in the place of an installed Transformer Engine's or Apex's
+FusedAdam."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ packages: when megatron-core changes one of them, the test of that row fails, na
 any run trains with a replacement that no longer fits. Every process that applies the patches
 checks the same pins first (`verify_installed`, apply.py): a run on a megatron-core (or torch)
 whose pinned source changed is refused, naming each changed source and the targets that rely on
-it, unless $MLMCLM_ACCEPT_MEGATRON_CORE names the installed pair, `megatron-core==X,torch==Y`
+it, unless $MLMCLM_ALLOW_MEGATRON_CORE names the installed pair, `megatron-core==X,torch==Y`
 (the user has read the new source). Updating a row is reading the new source, checking the
 replacement still does what `why` says, and then writing the new hash and version.
 
@@ -200,7 +200,7 @@ def missing_targets() -> list[str]:
 
 
 # ------------------------------------------------------------------ the pins, checked at start-up
-ACCEPT_ENV = "MLMCLM_ACCEPT_MEGATRON_CORE"
+ALLOW_ENV = "MLMCLM_ALLOW_MEGATRON_CORE"
 
 
 class SourceChanged(Exception):
@@ -211,7 +211,7 @@ class SourceChanged(Exception):
 def verify_installed() -> None:
     """Raise SourceChanged, naming each pinned source that changed, the targets that rely on it
     and the package it is in, unless every pin of the registry holds in the installed packages,
-    or $MLMCLM_ACCEPT_MEGATRON_CORE names the installed pair (`accepted_pair()`: the user has read
+    or $MLMCLM_ALLOW_MEGATRON_CORE names the installed pair (`accepted_pair()`: the user has read
     the new source; then a warning, on stderr). Called once per process, by apply.apply_patches;
     the pins of source text are computed once per install (about 1 CPU-s: every pinned file
     parsed) and remembered by the size and modification time of each file in the user's cache
@@ -233,10 +233,10 @@ def verify_installed() -> None:
     if "torch" in dists:
         remedy = f"install a torch with the source those rows pin (their `checked`) and {PINNED}"
     pair = accepted_pair()
-    if os.environ.get(ACCEPT_ENV) != pair:
+    if os.environ.get(ALLOW_ENV) != pair:
         raise SourceChanged(
             f"{message}; {remedy}, or, having read the new source of what changed, set "
-            f"{ACCEPT_ENV}={pair} (the installed pair it accepts)"
+            f"{ALLOW_ENV}={pair} (the installed pair it accepts)"
         )
     missing = missing_targets()
     if missing:
@@ -244,11 +244,11 @@ def verify_installed() -> None:
             f"the installed {' and '.join(sorted({_distribution(m) for m in missing}))} no "
             f"longer has {', '.join(missing)}, which mcore_patches replaces or relies on; {remedy}"
         )
-    print(f"warning: {message} (run anyway: {ACCEPT_ENV}={pair})", file=sys.stderr)
+    print(f"warning: {message} (run anyway: {ALLOW_ENV}={pair})", file=sys.stderr)
 
 
 def accepted_pair() -> str:
-    """What $MLMCLM_ACCEPT_MEGATRON_CORE must say to run on changed sources: the installed
+    """What $MLMCLM_ALLOW_MEGATRON_CORE must say to run on changed sources: the installed
     megatron-core and torch, as pip names them (`megatron-core==X,torch==Y`), so an acceptance
     lapses when either package changes again."""
     return f"megatron-core=={_version('megatron-core')},torch=={_version('torch')}"

@@ -8,7 +8,8 @@ part off):
   * continued pretraining (CPT): from the decayed CLM and MLM runs of cpt_size at cpt_budget,
     +N MLM steps with train.init_from (fresh optimizer, its own warmup and decay).
 
-Branches (`branches`, on by default; training/branch.py: each is bitwise the run from scratch):
+Branches (`branches`, on by default; training/start/branch.py: each is bitwise the run from
+scratch):
   * decay branches: the single-objective runs of one size and objective differ only in their
     budget, so the largest budget is trained as the stable run and every smaller budget b is its
     decay branch: train.branch_from the stable run's checkpoint at step b - decay (kept with

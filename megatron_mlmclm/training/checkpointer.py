@@ -1,171 +1,30 @@
-"""Where a run starts and when it saves.
-
-A run starts from its own latest verified checkpoint (resume, checked against the run by
-training/resume.py), else from a stable checkpoint of train.branch_from (training/branch.py), else
-from the weights of train.init_from with a fresh optimizer and schedule (its model and tokenizer
-checked against the run by training/continued.py), else from scratch. It
-saves every checkpoint.save_interval steps, at the steps it keeps for good (checkpoint.keep_*), at
-its end, at `--stop-at`, and when a stop signal asks; each load and save runs in its own section of
-the hang watchdog.
+"""A run's checkpoints: its start loaded (decided by training/start/decide.py: resume, branch,
+train.init_from or fresh), and its saves: every checkpoint.save_interval steps, at the steps it
+keeps for good (checkpoint.keep_*), at its end, at `--stop-at`, and when a stop signal asks; each
+load and save runs in its own section of the hang watchdog.
 
 What a checkpoint holds besides model, optimizer and schedule is gathered from the run's parts as
 state dicts (`state_dict()` / `load_state_dict(state)`): the trainer's (config, stream position,
-data fingerprint, the run's history: training/history.py), the provenance of imported weights
-(kept here), the spike policy's.
+data fingerprint, the run's history: training/start/history.py), the run's id and the provenance
+of imported weights (kept here), the spike policy's.
 """
 
 from __future__ import annotations
 
-import os
-import time
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import PhasePlan, RunConfig, kept_steps, resolved
-from megatron_mlmclm.data.tokenizer import TokenSpec
-from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.runtime.distributed import on_main
-from megatron_mlmclm.runtime.lifetime import LOCK_NAME
-from megatron_mlmclm.training import history
-from megatron_mlmclm.training.branch import branch_source, check_branch_folder
-from megatron_mlmclm.training.continued import check_init_from
-from megatron_mlmclm.training.engine import Engine
-from megatron_mlmclm.training.faults import FaultMonitor
-from megatron_mlmclm.training.metrics import log
-from megatron_mlmclm.training.resume import check_optimizer_state, check_resume
+from megatron_mlmclm.config import RunConfig, kept_steps, resolved
+from megatron_mlmclm.training.faults.monitor import FaultMonitor
+from megatron_mlmclm.training.logs.metrics import log
+from megatron_mlmclm.training.start.decide import Start
+from megatron_mlmclm.training.step.engine import Engine
 
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class Start:
-    """Where a run starts, decided before the model is built."""
-
-    resume_from: Path | None = None  # the run's own checkpoint, or its branch source
-    branched: bool = False  # resume_from is train.branch_from's checkpoint
-    init_from: Path | None = None  # train.init_from, verified
-    notes: list[str] = field(default_factory=list)  # what the resume or init_from check says
-    # Step k reads samples from k x GBS + sample_offset: 0 unless a resume continued the data
-    # stream from a consumed_samples that is not step x GBS (checkpoint.allow_data_change).
-    sample_offset: int = 0
-    # newer checkpoints the resume found damaged: set aside (renamed, never deleted) at the
-    # first save, before any pruning could delete them
-    damaged: list[Path] = field(default_factory=list)
-    # the run's history up to and including this start's own event (training/history.py)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    # which run this is (checkpoint.py's RUN_FILE): drawn at a fresh start or a branch, kept by a
-    # resume; pruning deletes only this run's checkpoints
-    run_id: str = ""
-
-    @property
-    def branched_from(self) -> Path | None:
-        return self.resume_from if self.branched else None
-
-
-def find_start(cfg: RunConfig, fingerprint: dict[str, Any], spec: TokenSpec) -> Start:
-    """The run's latest complete checkpoint, checked against this run (optimizer kind, data
-    fingerprint; a branch's folder: its history); else a branch source; else train.init_from (its
-    checksums verified, its model and tokenizer those of this run). Collective: the ranks share
-    the checksums of the checkpoint they start from (checkpoint.verify_shared)."""
-    c = cfg.checkpoint
-    latest, damaged, cost = (
-        ckpt.latest_verified_checkpoint(resolved(c.dir)) if c.resume else (None, [], None)
-    )
-    if latest is not None:
-        state = ckpt.read_trainer_state(latest)["trainer"]
-        consumed, notes = check_resume(latest, state, cfg, fingerprint)
-        notes += check_optimizer_state(latest, state, cfg)
-        if cfg.train.branch_from:
-            notes += check_branch_folder(latest, state, cfg, fingerprint)
-        step = int(state["iteration"])
-        offset = consumed - PhasePlan.of(cfg).position(step)
-        notes = [cost, *notes] if cost else notes
-        before = history.of_checkpoint(state)
-        now = history.event("resume", step, consumed, cfg, fingerprint, before)
-        run_id = state.get("run_id")
-        if not run_id:  # saved before checkpoints named their run
-            run_id = new_run_id()
-            notes.append(
-                f"{latest.name} was saved before checkpoints named their run: the checkpoints "
-                f"already in {latest.parent} are never pruned (remove them yourself when done)"
-            )
-        return Start(
-            latest,
-            notes=notes,
-            sample_offset=offset,
-            damaged=damaged,
-            history=before + [now],
-            run_id=run_id,
-        )
-    if cfg.train.branch_from:  # a stable checkpoint of this config at another budget
-        source, state, notes = branch_source(cfg, fingerprint)
-        notes = notes + check_optimizer_state(source, state, cfg)
-        step, before = int(state["iteration"]), history.of_checkpoint(state)
-        # read as a fresh run reads
-        position = PhasePlan.of(cfg).position(step)
-        now = history.event("branch", step, position, cfg, fingerprint, before)
-        return Start(
-            source, branched=True, notes=notes, history=before + [now], run_id=new_run_id()
-        )
-    started = [history.event("start", 0, 0, cfg, fingerprint, [])]
-    if not cfg.train.init_from:
-        return Start(history=started, run_id=new_run_id())
-    init, cost = ckpt.verified_checkpoint(cfg.train.init_from)  # the ranks share its checksums
-    notes = [cost] if cost else []
-    return Start(
-        init_from=init,
-        notes=notes + check_init_from(init, cfg, spec),
-        history=started,
-        run_id=new_run_id(),
-    )
-
-
-def new_run_id() -> str:
-    """A new run's id, rank 0's for every rank."""
-    return on_main(lambda: uuid.uuid4().hex)
-
-
-def earlier_run(cfg: RunConfig, move: bool) -> str | None:
-    """A run with checkpoint.resume off starts afresh: a checkpoint dir holding an earlier run's
-    checkpoints is refused (UsageError), or with checkpoint.move_aside_existing, that run's files
-    are moved aside when `move` (rank 0, holding output_dir's lock): everything in output_dir
-    into output_dir/previous-TIME/, and a checkpoint dir outside output_dir beside itself as
-    DIR.previous-TIME. -> a line to log, or None when there was nothing."""
-    c = cfg.checkpoint
-    folder = Path(resolved(c.dir))
-    earlier = sorted(p.name for p in folder.glob("iter_*")) if folder.is_dir() else []
-    if c.resume or not earlier:
-        return None
-    if not c.move_aside_existing:
-        raise UsageError(
-            f"checkpoint.resume=false, but {folder} holds an earlier run's checkpoints "
-            f"({earlier[-1]}); start fresh in another output_dir, or add "
-            "checkpoint.move_aside_existing=true to move that run's files aside first"
-        )
-    out = Path(cfg.output_dir)
-    stamp = f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
-    aside = next(
-        out / name
-        for name in (stamp, *(f"{stamp}-{n}" for n in range(2, 10**6)))
-        if not (out / name).exists()
-    )
-    if not move:
-        return f"the earlier run's files in {out} will be moved aside to {aside.name}/"
-    aside.mkdir(parents=True)
-    for item in sorted(out.iterdir()):
-        if item.name != LOCK_NAME and not item.name.startswith("previous-"):
-            os.replace(item, aside / item.name)
-    if folder.exists() and out.resolve() not in folder.resolve().parents:
-        os.replace(folder, folder.with_name(f"{folder.name}.{aside.name}"))
-        return f"moved the earlier run's files aside to {aside} and {folder.name}.{aside.name}"
-    return f"moved the earlier run's files aside to {aside}"
 
 
 class Checkpointer:
@@ -210,8 +69,6 @@ class Checkpointer:
                 e.optimizer_loaded()  # a checkpoint's param groups carry their own AdamW flags
                 for part in (self.train_state, self, self.faults):
                     part.load_state_dict(state)
-                for note in start.notes:
-                    log(note)
                 log(
                     f"{'branched' if start.branched else 'resumed'} from {start.resume_from} at "
                     f"step {int(state['iteration'])}"
@@ -219,8 +76,6 @@ class Checkpointer:
             elif start.init_from is not None:
                 # Keep the record of an imported HF model (its family) through continued runs.
                 self.load_state_dict(e.load_weights(start.init_from))
-                for note in start.notes:
-                    log(note)
                 log(f"initialised weights from {start.init_from} (fresh optimizer and schedule)")
 
     def should_save(self, step: int, stopping: bool) -> bool:

@@ -2,34 +2,29 @@
 the run checks it, every problem found (not only the first), one line each.
 
 The tokenizer loads and fits model.vocab_size; every data prefix exists, is a readable shard and
-holds ids of that tokenizer (data/shards.py); train.init_from exists, verifies against its
-manifest, and is the model and tokenizer of the run (training/continued.py), unless it is gone
-and the run resumes from its own checkpoint (which is all the run then reads); a run with
-checkpoint.resume=false finds no earlier run's checkpoints in its folder (training/checkpointer.py).
+holds ids of that tokenizer (data/shards.py); then where the run would start, decided and checked
+as the run decides it (training/start/decide.py: an earlier run's checkpoints under
+checkpoint.resume=false; the run's own checkpoint, verified and checked against the run; else
+train.branch_from's; else train.init_from's, its model and tokenizer those of the run), moving
+nothing aside. A checkpoint is verified in full, as the run verifies it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from megatron_mlmclm import checkpoint as ckpt
-from megatron_mlmclm.config import RunConfig, own_checkpoints, to_dict
+from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.data.dataset import open_indexed_dataset
 from megatron_mlmclm.data.shards import check_shard, run_prefixes, shards_record
 from megatron_mlmclm.data.tokenizer import token_spec_and_vocab
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.training.checkpointer import earlier_run
-from megatron_mlmclm.training.continued import (
-    check_init_from,
-    init_from_checkpoint,
-    init_from_tokenizer,
-)
+from megatron_mlmclm.training.start.continued import init_from_tokenizer
+from megatron_mlmclm.training.start.decide import Start, decide_start
+from megatron_mlmclm.training.start.fingerprint import fingerprint
 
 
-def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
+def preflight(cfg: RunConfig) -> tuple[list[str], list[str], Start | None]:
     """(one line per problem with what the run would open, empty when everything fits; what the
-    run will report: what the scans of shards without a fingerprint found, train.init_from's
-    settings a recipe changed on purpose)."""
+    run will report: what the scans of shards without a fingerprint found, what its start says;
+    where it would start, None where that was refused)."""
     problems: list[str] = []
     notes: list[str] = []
 
@@ -50,23 +45,13 @@ def preflight(cfg: RunConfig) -> tuple[list[str], list[str]]:
                 check(open_indexed_dataset, prefix)
             else:
                 path, cache = str(cfg.data.tokenizer), cfg.data.cache_dir
-                args = (prefix, tokenizer, path, cache, cfg.data.require_eod, notes)
+                args = (prefix, tokenizer, path, cache, cfg.data.allow_missing_eod, notes)
                 rules[prefix] = check(check_shard, *args)
         if tokenizer is not None and not problems:
             check(shards_record, train, rules, tokenizer)  # the training shards share one rule
-    init_from = cfg.train.init_from
-    own = own_checkpoints(to_dict(cfg)) if init_from and not Path(init_from).exists() else None
-    if own is not None:
-        # the run resumes from its own checkpoint, which holds the model; init_from is not read
-        notes.append(
-            f"train.init_from {init_from} does not exist; the run resumes from its own "
-            f"checkpoint {ckpt.latest_checkpoint(own)}"
-        )
-    elif init_from:
-        found = check(init_from_checkpoint, init_from)
-        if found is not None and spec is not None:
-            notes += check(check_init_from, found, cfg, spec) or []
-    moved = check(earlier_run, cfg, False)  # checkpoint.resume=false over earlier checkpoints
-    if moved:
-        notes.append(moved)
-    return problems, notes
+    # the data fingerprint a resume or branch is checked against, where the data could be read
+    data = check(fingerprint, cfg, spec) if spec is not None and not problems else None
+    start = check(decide_start, cfg, spec, data, True)
+    if start is not None:
+        notes += start.notes
+    return problems, notes, start

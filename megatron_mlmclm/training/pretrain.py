@@ -14,16 +14,16 @@ from megatron_mlmclm.runtime.lifetime import (
     under_torchrun,
     write_exit_code,
 )
-from megatron_mlmclm.training.faults import NonFinite
-from megatron_mlmclm.training.preemption import EXIT_PREEMPTED, Preempted
+from megatron_mlmclm.training.faults.monitor import NonFinite
+from megatron_mlmclm.training.faults.preemption import EXIT_PREEMPTED, Preempted
 from megatron_mlmclm.training.trainer import Trainer
 
 
 def pretrain(cfg: RunConfig, stop_at: int | None = None, count_syncs: bool = False) -> int:
     """0 when the run finished (or reached `stop_at`, with a checkpoint there); EXIT_PREEMPTED
     when a stop signal saved it; EXIT_NONFINITE / EXIT_NONFINITE_PERSISTENT for a non-finite
-    step (training/faults.py). A hung rank exits EXIT_HANG from its watchdog thread
-    (training/watchdog.py)."""
+    step (training/faults/monitor.py). A hung rank exits EXIT_HANG from its watchdog thread
+    (training/faults/watchdog.py)."""
     # Nothing of a run outlives its launcher (runtime/lifetime.py).
     if under_torchrun():
         die_with_parent()

@@ -4,8 +4,8 @@ One optimizer step consumes one global batch: samples [step x GBS, (step + 1) x 
 sample stream, split contiguously over DP ranks and micro-batches. The objective of a step is the
 phase that owns it, so a run's data order, masks and phase switch depend only on the step number:
 that is what makes resume (and a change of parallel layout) continue exactly. A resume that would
-change them is refused unless checkpoint.allow_data_change (training/resume.py); the stream then
-continues from the checkpoint's consumed_samples.
+change them is refused unless checkpoint.allow_data_change (training/start/resume.py); the stream
+then continues from the checkpoint's consumed_samples.
 
 The Trainer holds the step and asks its components what to do after each one; each component
 decides when (`should_log`, `should_validate`, `should_save`) and how.
@@ -35,32 +35,34 @@ from megatron_mlmclm.model.kernels import (
 )
 from megatron_mlmclm.runtime import distributed as rt
 from megatron_mlmclm.runtime.lifetime import RunLock
-from megatron_mlmclm.training import history, sinks
-from megatron_mlmclm.training.batch_plan import Plan
-from megatron_mlmclm.training.checkpointer import Checkpointer, Start, earlier_run, find_start
-from megatron_mlmclm.training.continued import init_from_tokenizer
-from megatron_mlmclm.training.datasets import build_datasets, index_summary
-from megatron_mlmclm.training.engine import Engine
-from megatron_mlmclm.training.faults import FaultMonitor, describe_samples
-from megatron_mlmclm.training.host_syncs import RunSyncs, refuse_uncountable
-from megatron_mlmclm.training.inject import Injector
-from megatron_mlmclm.training.loader import SyncLoader, build_loader
-from megatron_mlmclm.training.metrics import Metrics, log
-from megatron_mlmclm.training.phase_entry import PhaseEntry
-from megatron_mlmclm.training.preemption import Preempted, StopSignals
-from megatron_mlmclm.training.resume import fingerprint
-from megatron_mlmclm.training.update import OnTheWayToHost
+from megatron_mlmclm.training.batches.batch_plan import Plan
+from megatron_mlmclm.training.batches.datasets import build_datasets, index_summary
+from megatron_mlmclm.training.batches.loader import SyncLoader, build_loader
+from megatron_mlmclm.training.checkpointer import Checkpointer
+from megatron_mlmclm.training.faults.inject import Injector
+from megatron_mlmclm.training.faults.monitor import FaultMonitor, describe_samples
+from megatron_mlmclm.training.faults.preemption import Preempted, StopSignals
+from megatron_mlmclm.training.logs import sinks
+from megatron_mlmclm.training.logs.metrics import Metrics, log
+from megatron_mlmclm.training.start import history
+from megatron_mlmclm.training.start.continued import init_from_tokenizer
+from megatron_mlmclm.training.start.decide import Start, decide_start
+from megatron_mlmclm.training.start.fingerprint import fingerprint
+from megatron_mlmclm.training.step.engine import Engine
+from megatron_mlmclm.training.step.host_syncs import RunSyncs, refuse_uncountable
+from megatron_mlmclm.training.step.phase_entry import PhaseEntry
+from megatron_mlmclm.training.step.update import OnTheWayToHost
 from megatron_mlmclm.training.validator import Validator
 
 
 class Trainer:
     """One pretraining run of `cfg`: `setup()`, `train()`, `close()`.
 
-    Its components, built by setup() in this order: the fault monitor (training/faults.py), the
-    engine (training/engine.py: megatron-core's model, data parallelism, optimizer, schedule and
-    update), the phase entry (training/phase_entry.py), the validator (training/validator.py),
-    the checkpointer (training/checkpointer.py), data.loader (training/loader.py); the metrics
-    (training/metrics.py) exist from the start.
+    Its components, built by setup() in this order: the fault monitor (training/faults/monitor.py),
+    the engine (training/step/engine.py: megatron-core's model, data parallelism, optimizer,
+    schedule and update), the phase entry (training/step/phase_entry.py), the validator
+    (training/validator.py), the checkpointer (training/checkpointer.py), data.loader
+    (training/batches/loader.py); the metrics (training/logs/metrics.py) exist from the start.
     """
 
     spec: TokenSpec
@@ -81,7 +83,7 @@ class Trainer:
         self.steps = resolved(cfg.train.steps)
         self.stop_at = stop_at  # `pretrain --stop-at`: save at this step and end (exit 0)
         self.end = self.steps if stop_at is None else min(self.steps, stop_at)
-        # `pretrain --count-syncs`: each step's host synchronisations (training/host_syncs.py)
+        # `pretrain --count-syncs`: each step's host synchronisations (training/step/host_syncs.py)
         self.syncs = RunSyncs() if count_syncs else None
         self.metrics = Metrics(cfg)
         self.stop = StopSignals()  # SIGTERM / SIGUSR1: save after the step in flight, then stop
@@ -119,15 +121,18 @@ class Trainer:
         self.shards, scanned = rt.on_main(check_run_shards, cfg, self.spec.tokenizer)
         for line in scanned:  # what the scans of shards without a fingerprint inferred
             log(line)
-        # Where the run starts: its ranks share the checksums of the checkpoint it starts from.
-        self.start = find_start(cfg, self.fingerprint, self.spec)
+        # Where the run starts (resume, branch, train.init_from or fresh) and its checks: its
+        # ranks share the checksums of the checkpoint it starts from.
+        self.start = decide_start(cfg, self.spec, self.fingerprint)
+        for line in [self.start.summary(), *self.start.notes]:
+            log(line)
         rank, world = dist.get_rank(), dist.get_world_size()
         faults = self._faults = FaultMonitor(
             cfg, rank, world, Injector(rank, Path(cfg.output_dir) / "faults")
         )
         faults.start()
         faults.enter("setup", self.step)
-        # Batches are a function of the step (training/loader.py).
+        # Batches are a function of the step (training/batches/loader.py).
         self.plan = Plan.of_run(
             cfg,
             self.spec,
@@ -168,9 +173,6 @@ class Trainer:
                 f"took over the lock of a run that has ended (pid {holder.get('pid')} on "
                 f"{holder.get('host')}, started {holder.get('started')})"
             )
-        moved = earlier_run(self.cfg, move=True)  # checkpoint.resume=false: refused, or aside
-        if moved:
-            log(moved)
 
     # --------------------------------------------------------------------------------- loop
     def train(self) -> dict[str, Any]:
@@ -247,14 +249,14 @@ class Trainer:
             batches = ready[1]
         else:
             batches = e.to_device(loader.get(self.step, first, phase), phase)
-        scale = faults.loss_scale(self.step + 1)  # the test hook (training/inject.py)
+        scale = faults.loss_scale(self.step + 1)  # the test hook (training/faults/inject.py)
         if scale != 1.0:
             batches = [dict(batches[0], loss_scale=scale)] + batches[1:]
         totals = e.run_schedule(batches, forward_only=False)
         # The step's figures (loss, token and accuracy totals, gradient norm, non-finite check)
         # and their one transfer to the host; the update goes before the host's read (the kernel
         # plan's queued_update: decided on the device, which runs it while the host waits for the
-        # figures) or after it (host-first: decided from the read figures). training/update.py.
+        # figures) or after it (host-first: decided from the read figures). training/step/update.py.
         figures = e.step_figures(totals)
         on_the_way = OnTheWayToHost(figures)
         queued = e.update.before_read(figures)
@@ -318,10 +320,10 @@ class Trainer:
     # ----------------------------------------------------------------- checkpoint state, close
     def state_dict(self) -> dict[str, Any]:
         """The trainer's part of a checkpoint: the config, where the data stream stands, the
-        data fingerprint a resume must match (training/resume.py), the run's history up to this
-        step (training/history.py), the tokenizer (checked by a run that continues from it and by
-        `convert to-hf`) and the rule of the shards it read (data/shards.py: copied into an
-        export's record, for evaluation)."""
+        data fingerprint a resume must match (training/start/resume.py), the run's history up to
+        this step (training/start/history.py), the tokenizer (checked by a run that continues from
+        it and by `convert to-hf`) and the rule of the shards it read (data/shards.py: copied into
+        an export's record, for evaluation)."""
         began = self.start.history[-1]["step"] if self.start.history else 0
         phases = history.phase_events(self.cfg, self.start.sample_offset, began, self.step)
         tokenizer = self.spec.tokenizer and {**self.spec.tokenizer, "path": self.cfg.data.tokenizer}

@@ -10,10 +10,10 @@ import torch
 
 from megatron_mlmclm.config import PhaseConfig, RunConfig, resolved
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.batch_plan import Plan
-from megatron_mlmclm.training.engine import Engine
-from megatron_mlmclm.training.faults import FaultMonitor
-from megatron_mlmclm.training.phase_entry import PhaseEntry
+from megatron_mlmclm.training.batches.batch_plan import Plan
+from megatron_mlmclm.training.faults.monitor import FaultMonitor
+from megatron_mlmclm.training.step.engine import Engine
+from megatron_mlmclm.training.step.phase_entry import PhaseEntry
 
 
 class Validator:

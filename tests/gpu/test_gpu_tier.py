@@ -79,7 +79,7 @@ def test_a_training_step_synchronises_at_most_four_times(record, tmp_path):
     suite holds the same step to the same budget by counting operations
     (tests/test_host_sync.py)."""
     from megatron_mlmclm.config import load_config
-    from megatron_mlmclm.training.host_syncs import cuda_sync_debug_count
+    from megatron_mlmclm.training.step.host_syncs import cuda_sync_debug_count
     from megatron_mlmclm.training.trainer import Trainer
 
     cfg = load_config(
@@ -128,7 +128,7 @@ def test_a_non_finite_step_changes_no_weight_or_optimizer_state(record, tmp_path
     after step 2 (the CPU suite: tests/test_queued_update.py)."""
     import test_queued_update as queued
 
-    from megatron_mlmclm.training.faults import NonFinite
+    from megatron_mlmclm.training.faults.monitor import NonFinite
 
     trainer = queued.trainer_for(tmp_path, "nan", "train.precision=bf16")
     try:

@@ -28,7 +28,7 @@ defer_kernel_compilation()  # before megatron-core is imported, as `mlmclm` does
 
 from megatron_mlmclm.config import load_config  # noqa: E402
 from megatron_mlmclm.runtime import distributed as rt  # noqa: E402
-from megatron_mlmclm.training import engine  # noqa: E402
+from megatron_mlmclm.training.step import engine  # noqa: E402
 from megatron_mlmclm.training.trainer import Trainer  # noqa: E402
 
 FROZEN = ("embedding.word_embeddings.weight",)

@@ -15,17 +15,19 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_mlmclm import checkpoint as ckpt
+from megatron_mlmclm.checkpoint import folders, integrity
 from megatron_mlmclm.errors import UsageError
 
 root = Path(sys.argv[1])
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 read = []
-digest = ckpt._digest
-ckpt._digest = lambda path, sync=False: read.append(path.name) or digest(path, sync)
+digest = integrity.digest
+integrity.digest = lambda path, sync=False: read.append(path.name) or digest(path, sync)
 if rank == 1:  # a stale view of the folder: the newest checkpoint is not there yet
-    listing = ckpt.complete_checkpoints
-    ckpt.complete_checkpoints = lambda d: [p for p in listing(d) if p.name != "iter_0000004"]
+    listing = folders.complete_checkpoints
+    stale = lambda d: [p for p in listing(d) if p.name != "iter_0000004"]  # noqa: E731
+    folders.complete_checkpoints = integrity.complete_checkpoints = stale
 
 out = {}
 latest, damaged, cost = ckpt.latest_verified_checkpoint(root / "run")

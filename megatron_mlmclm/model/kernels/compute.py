@@ -206,7 +206,7 @@ def batched_grad_accumulation(cfg: RunConfig, fusions: dict, stack: Choice) -> C
     layers' gradients arrive together at the end of its one backward anyway, and no reduction
     waits on a hook: there they go into main_grad at the end of the backward pass in one foreach
     kernel (the embedding's and output layer's as they arrive), a copy where main_grad is still
-    as zeroed (0 + g: the same value) and an add after that (training/data_parallel.py)."""
+    as zeroed (0 + g: the same value) and an add after that (training/step/data_parallel.py)."""
     if fusions["gradient_accumulation_fusion"].on:
         return Choice(False, "Apex accumulates into main_grad inside the weight-gradient GEMM")
     if cfg.model.fusions == "off":

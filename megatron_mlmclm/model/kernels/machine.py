@@ -135,10 +135,41 @@ def compile_cache_dir(output_dir: str) -> str:
 
 
 def use_compile_cache(folder: str) -> None:
-    """Inductor's caches in `folder` (compile_cache_dir) for this run: set for every run, since a
-    process may run several (tests, the study, a notebook), unless the user chose a folder."""
+    """Inductor's caches in `folder` (compile_cache_dir) for this run, and Triton's under it: set
+    for every run, since a process may run several (tests, the study, a notebook), unless the user
+    chose a folder (then torch puts Triton's under it, as it does for its default)."""
     if users_compile_cache() is None:
         os.environ[INDUCTOR_CACHE] = os.environ[RUN_SET_CACHE] = folder
+        if users_triton_cache() is None:
+            triton = triton_cache_dir(folder)
+            os.environ[TRITON_CACHE] = os.environ[RUN_SET_TRITON] = triton
+
+
+# Triton's kernel cache. Inductor sets TRITON_CACHE_DIR itself, once per process, where it is unset
+# when it first compiles a Triton kernel (torch/_inductor/runtime/triton_heuristics.py, torch
+# 2.13: `<TORCHINDUCTOR_CACHE_DIR>/triton/<device>`), and keeps it: a process's later runs would
+# write their Triton kernels into its first run's folder. So a run sets it, as Inductor would name
+# it under the run's own folder, unless the user chose one; RUN_SET_TRITON records that a run did.
+TRITON_CACHE = "TRITON_CACHE_DIR"
+RUN_SET_TRITON = "MLMCLM_RUN_TRITON_CACHE_DIR"
+
+
+def triton_cache_dir(inductor_folder: str) -> str:
+    """Triton's folder under an Inductor cache folder, as torch names it for this process's GPU
+    (its local rank's, the device a run's rank takes)."""
+    return os.path.join(inductor_folder, "triton", os.environ.get("LOCAL_RANK", "0"))
+
+
+def users_triton_cache() -> str | None:
+    """A TRITON_CACHE_DIR the user chose: set, and neither the one a run set nor the one Inductor
+    derived from its default folder in a process that compiled before any run set one."""
+    value = os.environ.get(TRITON_CACHE)
+    if not value or value == os.environ.get(RUN_SET_TRITON):
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    inductors = os.path.dirname(os.path.dirname(os.path.abspath(value)))
+    return None if inductors == os.path.abspath(default_cache_dir()) else value
 
 
 def compile_cache_line() -> str:

@@ -157,7 +157,7 @@ def collectives(
 ) -> tuple[str, str]:
     """(value, why) of what communicates each step at this layout: the collectives over each
     group of more than one rank, and the reductions a group of one rank skips
-    (training/data_parallel.py)."""
+    (training/step/data_parallel.py)."""
     p = cfg.parallel
     tp, pp, cp = (
         p.tensor_model_parallel_size,

@@ -34,14 +34,14 @@ class KernelPlan:
     attention_why: str
     # torch's fused AdamW behind megatron's optimizer (its fallback without TE/Apex is unfused).
     fused_adamw: Choice = Choice(False, "")
-    # The update queued before the step's figures reach the host (training/update.py).
+    # The update queued before the step's figures reach the host (training/step/update.py).
     queued_update: Choice = Choice(False, "")
     # megatron's layer or the plain-torch one (model/layers.py), and what torch.compile covers.
     plain_layers: Choice = Choice(False, "")
     plain_stack: Choice = Choice(False, "")
     compile: Choice = Choice(False, "")
     # The backward's gradients into megatron's fp32 main_grad: one foreach kernel per backward
-    # pass, or megatron's one kernel per parameter (training/data_parallel.py, DataParallel).
+    # pass, or megatron's one kernel per parameter (training/step/data_parallel.py, DataParallel).
     batched_grad_accumulation: Choice = Choice(False, "")
     # The stack as consecutive chunks of layers, one compiled graph each (model/layers.py).
     stack_chunks: int = 1
@@ -184,5 +184,5 @@ INIT_WHY = (
 HOST_SYNCS_WHY = (
     "batches laid out and labelled positions, cu_seqlens and RoPE positions computed on the "
     "host; loss totals, gradient norm and the non-finite check come back in one transfer, "
-    "which with queued_update waits for them only, not the update (training/host_syncs.py)"
+    "which with queued_update waits for them only, not the update (training/step/host_syncs.py)"
 )

@@ -7,15 +7,15 @@ starts at, what started it (`start`: fresh or from train.init_from; `resume`; `b
 another run's checkpoint, whose own history comes before it; `phase N`: the phase schedule
 entering phase N), the sample position its first step reads, and the settings in force from
 there: the run's config, flattened (`settings`), and its data fingerprint (`data`, from
-training/resume.py), each given only where it changed since the event before (the first event
-gives all of them; a phase event none: the config decides the phases), with the keys that are gone
-since (`settings_removed`, `data_removed`: a section set to null, or a fingerprint key no longer
-made). A resume that changed the data by checkpoint.allow_data_change names the keys it changed
-(`data_changed`). A checkpoint saved before histories were kept reads as one `start` event with its
-own config (`unrecorded`): what its steps trained with before its last resume is not known, and a
-branch of it says so (`unrecorded_steps`).
+training/start/fingerprint.py), each given only where it changed since the event before (the first
+event gives all of them; a phase event none: the config decides the phases), with the keys that are
+gone since (`settings_removed`, `data_removed`: a section set to null, or a fingerprint key no
+longer made). A resume that changed the data by checkpoint.allow_data_change names the keys it
+changed (`data_changed`). A checkpoint saved before histories were kept reads as one `start` event
+with its own config (`unrecorded`): what its steps trained with before its last resume is not known,
+and a branch of it says so (`unrecorded_steps`).
 
-training/branch.py compares a branch source's history, segment by segment, with the run the
+training/start/branch.py compares a branch source's history, segment by segment, with the run the
 branch would be from scratch.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_mlmclm.config import PhasePlan, RunConfig, to_dict
-from megatron_mlmclm.training.resume import same_value
+from megatron_mlmclm.training.start.fingerprint import same_value
 
 
 def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """Which samples make up each training step's micro-batches on this data-parallel rank: a pure
-function of the step number (`Plan`), what makes every loader (training/loader.py) hand over the
-same batches and a resumed run continue exactly.
+function of the step number (`Plan`), what makes every loader (training/batches/loader.py) hand over
+the same batches and a resumed run continue exactly.
 
 The phase plan (config/phases.py) names the phase and sample stream of step s and the stream
 position where its global batch starts, first_sample(s) (s x GBS + sample_offset in a run of one
 stream; sample_offset is 0 unless a resume continued the stream from another consumed_samples,
-training/resume.py); each DP rank reads its contiguous share of it, micro-batch after
+training/start/resume.py); each DP rank reads its contiguous share of it, micro-batch after
 micro-batch, and the phase fixes the objective and the step's mask ratio. MLM masks are a
 function of (data.seed, stream position).
 """

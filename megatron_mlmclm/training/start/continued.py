@@ -5,9 +5,9 @@ config that sets one differently is refused), and the tokenizer recorded with it
 the run's `data.tokenizer` (the shards are checked against that one, data/shards.py): ids of
 another vocabulary would train rows that meant other tokens.
 
-Importing this module registers `checkpoint_model` as the reader `load_config` uses by default
-(config/continued.py), so that `Trainer(load_config(path))` takes the checkpoint's model as
-`mlmclm pretrain` does.
+`checkpoint_model` is the reader `mlmclm pretrain` hands to `load_config` (config/continued.py),
+so that a config may leave its model to the checkpoint; a library caller passes it the same way:
+`load_config(path, overrides, checkpoint_model=checkpoint_model)`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from megatron_mlmclm.config import (
     compare_with_checkpoint,
     missing_init_from,
     own_checkpoints,
-    register_checkpoint_reader,
     to_dict,
 )
 from megatron_mlmclm.data.tokenizer import (
@@ -46,12 +45,20 @@ def trained_model(state: dict[str, Any], where: Path) -> dict[str, Any]:
     return model
 
 
-def init_from_checkpoint(init_from: str, verify: bool = True) -> Path:
+def init_from_checkpoint(init_from: str) -> Path:
     """The checkpoint train.init_from names (a checkpoint folder, or a run's checkpoints folder:
-    its latest), verified against its manifest unless `verify` is off; one line otherwise."""
+    its latest), not verified; one line where there is none."""
     if not Path(init_from).exists():
         raise missing_init_from(init_from)
-    return ckpt.resolve_checkpoint(init_from, verify=verify)
+    return ckpt.resolve_checkpoint(init_from, verify=False)
+
+
+def verified_init_from(init_from: str) -> tuple[Path, str | None]:
+    """(`init_from_checkpoint`'s checkpoint verified against its manifest, what verifying it
+    cost: a line to log); one line where it fails. Collective once process groups exist."""
+    if not Path(init_from).exists():
+        raise missing_init_from(init_from)
+    return ckpt.verified_checkpoint(init_from)
 
 
 def checkpoint_model(init_from: str) -> dict[str, Any] | None:
@@ -61,16 +68,13 @@ def checkpoint_model(init_from: str) -> dict[str, Any] | None:
     run verifies the whole checkpoint before it loads a weight."""
     if not Path(init_from).exists():
         return None
-    found = init_from_checkpoint(init_from, verify=False)
+    found = init_from_checkpoint(init_from)
     problem = ckpt.verify_file(found, ckpt.COMMON)
     if problem is not None:
         raise UsageError(
             f"checkpoint {found} fails verification: {problem}; give an earlier iter_NNNNNNN folder"
         )
     return trained_model(ckpt.read_trainer_state(found)["trainer"], found)
-
-
-register_checkpoint_reader(checkpoint_model)
 
 
 def check_init_from(found: Path, cfg: RunConfig, spec: TokenSpec) -> list[str]:
@@ -94,7 +98,7 @@ def init_from_tokenizer(cfg: RunConfig) -> dict[str, Any] | None:
     if not init_from or not Path(init_from).exists() or own_checkpoints(to_dict(cfg)):
         return None
     try:
-        found = init_from_checkpoint(init_from, verify=False)
+        found = init_from_checkpoint(init_from)
         if ckpt.verify_file(found, ckpt.COMMON) is not None:
             return None
         return ckpt.read_trainer_state(found)["trainer"].get("tokenizer")

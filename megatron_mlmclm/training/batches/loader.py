@@ -1,8 +1,8 @@
 """The trainer's micro-batches, built ahead of the step that uses them: `data.loader`.
 
-Which samples a training step reads is a pure function of its number (training/batch_plan.py,
-`Plan`). So a loader can prepare the next steps while the current one runs, and a resumed run's
-loader simply starts at its step: there is no iterator state to save.
+Which samples a training step reads is a pure function of its number
+(training/batches/batch_plan.py, `Plan`). So a loader can prepare the next steps while the current
+one runs, and a resumed run's loader simply starts at its step: there is no iterator state to save.
 
 - `sync`: built in the training process when the step asks (the reference; validation uses it).
 - `workers`: torch DataLoader worker processes over "micro-batch m = s x num_microbatches + j",
@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader, Sampler
 from megatron_mlmclm.config import PhaseConfig
 from megatron_mlmclm.objectives import batch_arrays
 from megatron_mlmclm.runtime.lifetime import children_die_with_us
-from megatron_mlmclm.training.batch_plan import Plan
-from megatron_mlmclm.training.preemption import SIGNALS
+from megatron_mlmclm.training.batches.batch_plan import Plan
+from megatron_mlmclm.training.faults.preemption import SIGNALS
 
 FIELDS = {
     "tokens": torch.int64,
@@ -163,8 +163,8 @@ def starting_workers():
     they inherit from it.
     - The trainer's stop signals are blocked, so workers inherit a mask that never delivers them: a
       signal sent to every process of a job (SLURM's process tracking) then stops the trainer after
-      a save (training/preemption.py) and not a worker in mid-step, which would fail the step.
-      Workers end with the trainer (or on SIGKILL), and get SIGKILL when the trainer is gone
+      a save (training/faults/preemption.py) and not a worker in mid-step, which would fail the
+      step. Workers end with the trainer (or on SIGKILL), and get SIGKILL when the trainer is gone
       (runtime/lifetime.py), so none outlives a killed run.
     - The garbage collector is frozen, so a forked worker never collects an object it inherited.
       Among them may be cyclic garbage the trainer has not collected yet, such as a dropped DALI

@@ -1,9 +1,9 @@
 """The fault monitor: a hung rank, a non-finite step and a straggler are caught, named and survived
 (docs/cluster.md#faults-hangs-nans-stragglers).
 
-- **Hang watchdog** (training/watchdog.py). A thread of each rank watches the section the rank is
-  in against its allowance; a rank that overruns one dumps its threads' stacks, names itself, its
-  step and section in one line and exits EXIT_HANG, and the requeued job resumes.
+- **Hang watchdog** (training/faults/watchdog.py). A thread of each rank watches the section the
+  rank is in against its allowance; a rank that overruns one dumps its threads' stacks, names
+  itself, its step and section in one line and exits EXIT_HANG, and the requeued job resumes.
 - **Non-finite steps.** A non-finite loss or gradient stops the step before the update with
   EXIT_NONFINITE and a record of the step and its samples (`faults/nonfinite.json`). The restart
   re-runs that step from the last checkpoint: finite this time, the fault was transient (logged,
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_mlmclm.training.watchdog import HangWatchdog
+from megatron_mlmclm.training.faults.watchdog import HangWatchdog
 
 EXIT_NONFINITE = 16  # re-run the step from the last checkpoint: transient or persistent?
 EXIT_NONFINITE_PERSISTENT = 17  # the same step is non-finite again: stop for good

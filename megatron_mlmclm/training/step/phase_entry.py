@@ -3,7 +3,7 @@
 A phase's RoPE base (phases.N.rotary_base) rebuilds the rotary frequencies of every chunk; on the
 packed THD path the attention kernels take the mask kind rather than a mask (causal for CLM, none
 for MLM). Everything else of a phase (objective, mask ratio, stream) reaches the step through its
-batches (training/loader.py).
+batches (training/batches/loader.py).
 """
 
 from __future__ import annotations

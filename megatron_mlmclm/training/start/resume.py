@@ -1,149 +1,28 @@
 """What a checkpoint must agree with to be resumed: the data stream, the masks, the optimizer kind.
 
-Sample i of the packed stream is fixed by the data shards, model.seq_length and data.seed (it does
-not depend on the run length); its MLM mask by (data.seed, i), the tokenizer's special ids and the
-phase that trains on it. Step k of a run reads the global batch at samples
-`consumed + (k - resume_step) x GBS`, where `consumed` is the checkpoint's consumed_samples (0 for
-a fresh run): `k x GBS` for a run whose batch size never changed. Every checkpoint stores a
-fingerprint of all of this; a resume that would change it stops with one line, unless
-checkpoint.allow_data_change=true says the change is on purpose. A distributed optimizer's state
-saved before it was stored at each parameter's own place is refused too (check_optimizer_state).
+Step k of a run reads the global batch at samples `consumed + (k - resume_step) x GBS`, where
+`consumed` is the checkpoint's consumed_samples (0 for a fresh run): `k x GBS` for a run whose
+batch size never changed. Every checkpoint stores the data fingerprint (fingerprint.py); a resume
+that would change it stops with one line, unless checkpoint.allow_data_change=true says the change
+is on purpose. A distributed optimizer's state saved before it was stored at each parameter's own
+place is refused too (check_optimizer_state).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
-import re
 from pathlib import Path
 from typing import Any
 
 from megatron_mlmclm.checkpoint.reading import read_objects, tensor_shapes
-from megatron_mlmclm.config import (
-    PhaseConfig,
-    RunConfig,
-    phase_rotary_base,
-    phase_seq_length,
-)
-from megatron_mlmclm.data.dataset import parse_prefixes
-from megatron_mlmclm.data.sample_index import SAMPLE_ORDER
-from megatron_mlmclm.data.tokenizer import TokenSpec
+from megatron_mlmclm.config import RunConfig
 from megatron_mlmclm.errors import UsageError
-
-
-def shard_list(items: list[str]) -> list[dict[str, Any]]:
-    """Each prefix of a data list with its normalised blend weight and its .idx size and sha256."""
-    prefixes, weights = parse_prefixes(items)
-    total = sum(weights) if weights else 0.0  # unused without weights
-    out = []
-    for k, prefix in enumerate(prefixes):
-        idx = prefix + ".idx"
-        if not os.path.isfile(idx):
-            raise UsageError(
-                f"{idx} does not exist; check the data prefix (give it without "
-                f".bin/.idx) or write the shard with `mlmclm preprocess`"
-            )
-        digest = hashlib.sha256()
-        with open(idx, "rb") as f:  # document lengths and offsets: small next to the .bin
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        out.append(
-            {
-                "prefix": prefix,
-                "weight": weights[k] / total if weights else None,
-                "idx_bytes": os.path.getsize(idx),
-                "idx_sha256": digest.hexdigest(),
-            }
-        )
-    return out
-
-
-def fingerprint(cfg: RunConfig, spec: TokenSpec) -> dict[str, Any]:
-    """Everything that decides which tokens and masks step k trains on, keyed by config key."""
-    d = cfg.data
-    if d.mock:
-        kind = "" if d.mock_kind == "uniform" else f"{d.mock_kind} "  # uniform: as before kinds
-        lengths = "" if d.mock_doc_length == "short" else f"{d.mock_doc_length}-length "
-        train = valid = f"mock {kind}{lengths}(vocab {spec.vocab_size})"
-    else:
-        train, valid = shard_list(d.train), shard_list(d.valid) if d.valid else []
-    phases, start = [], 0
-    for ph in cfg.phases:
-        if ph.steps:  # a phase of no steps trains nothing
-            end = start + ph.steps
-            phases.append(phase_description(cfg, ph, start, end))
-            start = end
-    fp = {
-        "data.train": train,
-        "data.valid": valid,
-        "data.seed": d.seed,
-        "data.tokenizer": f"mask {spec.mask_id}, specials {list(spec.special_ids)}",
-        "model.seq_length": cfg.model.seq_length,
-        "train.global_batch_size": cfg.train.global_batch_size,
-        "phases": "[" + ", ".join(phases) + "]",
-    }
-    if not d.mock:  # synthetic samples are a function of their index, whatever the order rule
-        fp[ORDER_KEY] = SAMPLE_ORDER
-    return fp
-
-
-ORDER_KEY = "data.sample_order"
-
-
-def phase_description(cfg: RunConfig, ph: PhaseConfig, start: int, end: int) -> str:
-    """What decides a phase's tokens and masks. Settings a phase inherits unchanged add nothing,
-    so a run written before phases could change them keeps its fingerprint."""
-    text = f"{ph.objective} steps {start}-{end}"
-    if ph.objective == "mlm":
-        text += f" (mask_ratio {ph.mask_ratio_text()}, mask_replace {ph.mask_replace})"
-    if phase_seq_length(cfg, ph) != cfg.model.seq_length:
-        text += f" seq_length {phase_seq_length(cfg, ph)}"
-    if phase_rotary_base(cfg, ph) != cfg.model.rotary_base:
-        text += f" rotary_base {phase_rotary_base(cfg, ph):g}"
-    if ph.data is not None:
-        text += (
-            f" data temperature {ph.data.temperature:g} over data.train"
-            if ph.data.temperature is not None
-            else " data " + show_value(shard_list(ph.data.train))
-        )
-    return text
-
-
-PHASE_START = re.compile(r", (?=(?:clm|mlm) steps \d+-\d+)")
-
-
-def first_changed_phase(saved: str, now: str) -> int | None:
-    """The index of the first phase whose description differs between two fingerprints."""
-    a, b = (PHASE_START.split(x.strip("[]")) for x in (saved, now))
-    for i in range(max(len(a), len(b))):
-        if i >= len(a) or i >= len(b) or a[i] != b[i]:
-            return i
-    return None
-
-
-def same_value(a, b) -> bool:
-    """Shards compare by content and weight, not by path: moved or staged data resumes."""
-    if isinstance(a, list) and isinstance(b, list):
-        return [_content(e) for e in a] == [_content(e) for e in b]
-    return a == b
-
-
-def _content(entry: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in entry.items() if k != "prefix"}
-
-
-def show_value(value) -> str:
-    if isinstance(value, list):
-        return (
-            "["
-            + ", ".join(
-                f"{e['prefix']} (idx {e['idx_bytes']} B, sha256 {e['idx_sha256'][:12]})"
-                for e in value
-            )
-            + "]"
-        )
-    return str(value)
+from megatron_mlmclm.training.start.fingerprint import (
+    ORDER_KEY,
+    first_changed_phase,
+    same_value,
+    show_value,
+)
 
 
 def check_optimizer_state(ckpt: Path, state: dict[str, Any], cfg: RunConfig) -> list[str]:
@@ -151,7 +30,7 @@ def check_optimizer_state(ckpt: Path, state: dict[str, Any], cfg: RunConfig) -> 
     saved before the fully_reshardable save stored each parameter's state at its own place
     (format_version < 2, checkpoint/__init__.py) whose gradient buckets may have ended in padding:
     past such a bucket each parameter was saved with a neighbour's Adam state and main copy, which
-    loading now gives it. Notes to log: a warning where checkpoint.accept_shifted_optimizer_state
+    loading now gives it. Notes to log: a warning where checkpoint.allow_shifted_optimizer_state
     takes the state as saved."""
     saved = state.get("config") or {}
     if state.get("format_version", 1) >= 2 or not saved.get("parallel", {}).get(
@@ -166,12 +45,12 @@ def check_optimizer_state(ckpt: Path, state: dict[str, Any], cfg: RunConfig) -> 
         "bucket ending in padding, stored each parameter's Adam state at a neighbour's place, "
         f"and the run that saved it {why}"
     )
-    if cfg.checkpoint.accept_shifted_optimizer_state:
-        return [f"warning: {what}; loading its state as saved (accept_shifted_optimizer_state)"]
+    if cfg.checkpoint.allow_shifted_optimizer_state:
+        return [f"warning: {what}; loading its state as saved (allow_shifted_optimizer_state)"]
     raise UsageError(
         f"{what}; loading it could train those parameters from other parameters' state: start "
         f"a run in a new output_dir from its weights alone with train.init_from={ckpt} (a fresh "
-        "optimizer and schedule), or set checkpoint.accept_shifted_optimizer_state=true to load "
+        "optimizer and schedule), or set checkpoint.allow_shifted_optimizer_state=true to load "
         "its state as saved"
     )
 

@@ -1,8 +1,8 @@
-"""The hang watchdog of the fault monitor (training/faults.py): a thread of each rank watches the
-section the rank is in (setup, load, first step, step, evaluation, save) against its allowance.
-When one overruns, the rank writes every thread's Python stack to `<output_dir>/faults/`, prints
-one line naming the rank, the step and the section, and exits EXIT_HANG; torchrun then tears the
-other ranks down and the sbatch script requeues the job, which resumes from the last verified
+"""The hang watchdog of the fault monitor (training/faults/monitor.py): a thread of each rank
+watches the section the rank is in (setup, load, first step, step, evaluation, save) against its
+allowance. When one overruns, the rank writes every thread's Python stack to `<output_dir>/faults/`,
+prints one line naming the rank, the step and the section, and exits EXIT_HANG; torchrun then tears
+the other ranks down and the sbatch script requeues the job, which resumes from the last verified
 checkpoint. A rank that runs nothing at all (stopped, its node gone) is caught by the ranks
 waiting for it in a collective: theirs overrun.
 """

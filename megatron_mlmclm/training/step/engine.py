@@ -2,12 +2,12 @@
 
 `Engine.build` makes, in order, what a TorchTitan reader would look for in one place:
 - the model chunks (model/build.py: the kernel plan's decoder, initialised by global parameter);
-- data parallelism (training/data_parallel.py: Float16Module and megatron's DDP, wired into
+- data parallelism (training/step/data_parallel.py: Float16Module and megatron's DDP, wired into
   megatron's schedules);
-- the optimizer and learning-rate schedule (training/optimizer.py);
-- the update of each step, in the plan's order (training/update.py).
-A step's micro-batches are laid out and sent to the device by training/microbatch.py, which also
-holds the forward step and loss function that megatron's forward/backward schedule (run here)
+- the optimizer and learning-rate schedule (training/step/optimizer.py);
+- the update of each step, in the plan's order (training/step/update.py).
+A step's micro-batches are laid out and sent to the device by training/step/microbatch.py, which
+also holds the forward step and loss function that megatron's forward/backward schedule (run here)
 calls. The trainer (training/trainer.py) decides which step runs and what is done with its
 figures.
 """
@@ -29,9 +29,9 @@ from megatron_mlmclm.config import PhaseConfig, RunConfig
 from megatron_mlmclm.model.build import build_model, transformer_config
 from megatron_mlmclm.model.kernels import KernelPlan
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training import data_parallel, microbatch
-from megatron_mlmclm.training.optimizer import build_optimizer, new_scheduler, use_plans_adamw
-from megatron_mlmclm.training.update import Update
+from megatron_mlmclm.training.step import data_parallel, microbatch
+from megatron_mlmclm.training.step.optimizer import build_optimizer, new_scheduler, use_plans_adamw
+from megatron_mlmclm.training.step.update import Update
 
 
 class Engine:
@@ -88,7 +88,7 @@ class Engine:
     # ------------------------------------------------------------------------------ one step
     def to_device(self, host: list[dict[str, Any]], phase: PhaseConfig) -> list[dict[str, Any]]:
         """Host micro-batches laid out for the attention path and sent to the device
-        (training/microbatch.py)."""
+        (training/step/microbatch.py)."""
         return microbatch.to_device(host, phase, self.kernels)
 
     def zero_grad(self) -> None:
@@ -130,7 +130,7 @@ class Engine:
         return totals
 
     def step_figures(self, totals: torch.Tensor) -> torch.Tensor:
-        """The step's figures on the device (training/update.py, Update.figures)."""
+        """The step's figures on the device (training/step/update.py, Update.figures)."""
         return self.update.figures(totals)
 
     def ranks_with_nonfinite_loss(self) -> list[int]:

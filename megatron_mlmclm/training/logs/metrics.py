@@ -1,11 +1,11 @@
 """What a run reports, from rank 0: the `[mlmclm]` lines, metrics.jsonl (one record per step, and
 step 0's validation loss; a resumed run first drops the records past its checkpoint), TensorBoard
-/ Weights & Biases (training/sinks.py), the progress bar with a line every logging interval, and
-each step's figures: throughput, MFU (flops.mfu_step_flops, the "for MFU" convention) and, every
+/ Weights & Biases (training/logs/sinks.py), the progress bar with a line every logging interval,
+and each step's figures: throughput, MFU (flops.mfu_step_flops, the "for MFU" convention) and, every
 logging interval, the straggler figures of the fault monitor.
 
 The run's folder gets its config.yaml here too, and a decay branch the curve of its source up to
-the branch point (training/branch.py).
+the branch point (`inherit_metrics`; training/start/branch.py says what a branch is).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from megatron_mlmclm import checkpoint as ckpt
 from megatron_mlmclm.config import PhaseConfig, RunConfig, dump_yaml, resolved
 from megatron_mlmclm.flops import mfu_step_flops
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training import sinks
-from megatron_mlmclm.training.branch import inherit_metrics
-from megatron_mlmclm.training.faults import FaultMonitor
+from megatron_mlmclm.training.faults.monitor import FaultMonitor
+from megatron_mlmclm.training.logs import sinks
 
 
 def log(message: str) -> None:
@@ -185,3 +184,19 @@ class Metrics:
             self.sinks.close()
         if self.file is not None:
             self.file.close()
+
+
+def inherit_metrics(state_config: dict[str, Any], step: int, out: Path) -> bool:
+    """Start this branch's metrics.jsonl with its source's records up to the branch point (so the
+    folder holds the whole curve); False when the source's log is not where its config says."""
+    source = Path(state_config.get("output_dir", "")) / "metrics.jsonl"
+    target = out / "metrics.jsonl"
+    if target.exists() or not source.is_file():
+        return False
+    lines = [
+        line
+        for line in source.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
+    target.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return True

@@ -86,7 +86,7 @@ class DataParallel(DDP):
     - a parameter frozen mid-run is handled: the forward pre-hook waits for its overlapped
       parameter gather (megatron's asserts that every parameter in a bucket requires a
       gradient), and a process whose first step it misses records its bucket as complete with
-      it (`_complete_first_counts`); its value stays as it was (training/update.py);
+      it (`_complete_first_counts`); its value stays as it was (training/step/update.py);
     - with `batched_accumulation` (the kernel plan's batched_grad_accumulation), gradients go
       into main_grad by foreach kernels: a copy where main_grad is still as the buffer was zeroed
       (0 + g is g: the same values, where megatron's add turns a -0.0 into +0.0), an add after
@@ -140,7 +140,7 @@ class DataParallel(DDP):
     def _make_forward_pre_hook(self):
         """megatron's wait for the overlapped parameter all-gather before a module's forward, for
         every parameter in a bucket, frozen or not: a parameter frozen mid-run keeps its place in
-        the buffers, the optimizer leaves its value as it is (training/update.py,
+        the buffers, the optimizer leaves its value as it is (training/step/update.py,
         leave_frozen_alone) and the gather brings it back; megatron's hook asserts that it
         requires a gradient."""
 

@@ -5,7 +5,7 @@ schedule calls (what Megatron-LM's pretrain_gpt.py calls get_batch, forward_step
 A laid-out micro-batch holds `tokens` and `position_ids` [b, s] (or one [1, t] row), the head's
 labelled positions `label_index` with their targets `labels`, and the attention's input:
 `attention_mask` (sdpa) or `packed_seq_params` (thd, varlen, flex); `loss_scale` is the
-fault-injection hook's (training/inject.py).
+fault-injection hook's (training/faults/inject.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron_mlmclm.model.packed import (
 )
 from megatron_mlmclm.objectives import document_attention_mask
 from megatron_mlmclm.runtime import distributed as rt
-from megatron_mlmclm.training.host_syncs import on_host
+from megatron_mlmclm.training.step.host_syncs import on_host
 
 
 def to_device(
@@ -36,7 +36,7 @@ def to_device(
 ) -> list[dict[str, Any]]:
     """Host micro-batches laid out on the host for the attention path, then copied to the
     device without waiting for it (pinned memory, non-blocking): nothing here makes the host
-    wait (training/host_syncs.py). A batch's `loss_scale` rides along."""
+    wait (training/step/host_syncs.py). A batch's `loss_scale` rides along."""
     device = rt.device()
     with on_host():
         laid = [layout(dict(batch), phase, kernels) for batch in host]

@@ -26,16 +26,16 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import to_local_if_dtensor
 
 from megatron_mlmclm.mcore_patches.optimizer import model_and_updated_params, skip_step_where
-from megatron_mlmclm.training.faults import SpikePolicy
-from megatron_mlmclm.training.metrics import log
-from megatron_mlmclm.training.optimizer import chained
+from megatron_mlmclm.training.faults.monitor import SpikePolicy
+from megatron_mlmclm.training.logs.metrics import log
+from megatron_mlmclm.training.step.optimizer import chained
 
 
 class OnTheWayToHost:
     """A small device tensor sent to the host now, read later: the copy is queued on the stream
     (into pinned memory, non-blocking) and `values()` waits for that copy alone, not for the
     work queued after it. On CPU, where the device is the host, it holds a copy and `values()`
-    reads it: the one read that training/host_syncs.py's counter sees either way."""
+    reads it: the one read that training/step/host_syncs.py's counter sees either way."""
 
     def __init__(self, tensor: torch.Tensor):
         self._done: torch.cuda.Event | None = None
@@ -57,8 +57,8 @@ def leave_frozen_alone(optimizer: MegatronOptimizer) -> list[tuple[Any, torch.Te
     """A parameter frozen after the optimizer was built (requires_grad set false mid-run) keeps
     its value from then on, as torch's AdamW keeps a parameter without a gradient: megatron's
     optimizer still hands AdamW the gradient of the parameter's place in the buffers (zero,
-    training/data_parallel.py), from which AdamW's momentum and weight decay would move it. That
-    gradient is taken away after prepare_grads. Returns (AdamW, what it updates for a frozen
+    training/step/data_parallel.py), from which AdamW's momentum and weight decay would move it.
+    That gradient is taken away after prepare_grads. Returns (AdamW, what it updates for a frozen
     parameter, for a trained one) for `keep_pace` after the update."""
     frozen = []
     for opt in chained(optimizer):

@@ -24,7 +24,7 @@ budget, and the result is bitwise the run trained from scratch with that config.
   both have one schedule, and the source must have read its stream as a fresh run does (no
   checkpoint.allow_data_change history).
 
-The source's checkpoint holds its history (training/history.py): the settings and data of each
+The source's checkpoint holds its history (training/start/history.py): the settings and data of each
 segment of its steps, from its start, each resume and each branch it came from. Each segment
 before N is held to those rules, not only the config the checkpoint was saved with: a trunk
 resumed with another learning rate, or onto other data, before N is no source of this branch.
@@ -36,7 +36,6 @@ folder left by another branch (another source, budget or setting) is not resumed
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +50,14 @@ from megatron_mlmclm.config import (
     to_dict,
 )
 from megatron_mlmclm.errors import UsageError
-from megatron_mlmclm.training import history
-from megatron_mlmclm.training.history import flat
-from megatron_mlmclm.training.resume import ORDER_KEY, phase_description, same_value, show_value
+from megatron_mlmclm.training.start import history
+from megatron_mlmclm.training.start.fingerprint import (
+    ORDER_KEY,
+    phase_description,
+    same_value,
+    show_value,
+)
+from megatron_mlmclm.training.start.history import flat
 
 # Keys a branch may change: the budget and the output folder, and how the run executes.
 # Compared as prefixes of dotted keys. data.train / valid / tokenizer are compared by content (the
@@ -153,7 +157,7 @@ def check_trajectory(
     end: int,
 ) -> list[str]:
     """UsageError unless steps [0, end) of the run whose history is `events`
-    (training/history.py) are those of `cfg`'s run from scratch, segment by segment: the data,
+    (training/start/history.py) are those of `cfg`'s run from scratch, segment by segment: the data,
     the settings, every step's phase and samples, the learning rate, and the sample position at
     each event. Returns a warning to log for the steps of an `unrecorded` history (saved before
     histories were kept), which are held to the config and data of its checkpoint only."""
@@ -286,19 +290,3 @@ def _check_schedule(where: str, saved: RunConfig, cfg: RunConfig, step: int) -> 
                 f"starts after step {end}): branch from a checkpoint at or before step "
                 f"{min(ends.values())} (checkpoint.keep_steps keeps one)"
             )
-
-
-def inherit_metrics(state_config: dict[str, Any], step: int, out: Path) -> bool:
-    """Start this branch's metrics.jsonl with its source's records up to the branch point (so the
-    folder holds the whole curve); False when the source's log is not where its config says."""
-    source = Path(state_config.get("output_dir", "")) / "metrics.jsonl"
-    target = out / "metrics.jsonl"
-    if target.exists() or not source.is_file():
-        return False
-    lines = [
-        line
-        for line in source.read_text(encoding="utf-8").splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
-    target.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return True

@@ -52,7 +52,7 @@ def scalars(stats: dict[str, Any]) -> dict[str, float]:
     }
     if "mfu" in stats:
         out["throughput/mfu"] = stats["mfu"]
-    if "straggler_ratio" in stats:  # training/faults.py, at each logging interval
+    if "straggler_ratio" in stats:  # training/faults/monitor.py, at each logging interval
         out["faults/straggler_ratio"] = stats["straggler_ratio"]
         out["faults/straggler_rank"] = stats["straggler_rank"]
     if "val_loss" in stats:
