@@ -6,8 +6,9 @@
   equals that of an uninterrupted run, bitwise.
 * pretrain.sbatch with rank 1 hung at step 5 (fault injection): the watchdog's exit 76 requeues
   the job, which resumes and completes.
-* evaluate_array.sbatch: an element cancelled once its fine-tuning run has saved a state, then
-  submitted again, resumes the run and ends with the uninterrupted run's result, bitwise.
+* evaluate_array.sbatch: an element ended by its (one-minute) time limit after its fine-tuning
+  run saved states, then submitted again, resumes the run and ends with the uninterrupted run's
+  result, bitwise.
 * the submit script `mlmclm plan` writes (`mlmclm submit` on its job table), on a one-run grid
   whose pretraining job fails once: every job ends (none pending on the failure); run again, it
   completes pretrain -> convert -> an evaluate_array.sbatch array (its time limit the plan's) ->
@@ -363,11 +364,14 @@ time.sleep(120)
 """
 
 
-def test_an_evaluation_element_killed_mid_run_resumes_when_resubmitted(slurm, data_dir, tmp_path):
+def test_an_evaluation_element_killed_by_its_time_limit_resumes_when_resubmitted(
+    slurm, data_dir, tmp_path
+):
     """evaluate_array.sbatch, one element running one fine-tuning run that saves its state at
-    every validation point: cancelled (`scancel`: SIGTERM to the job's steps, SIGKILL after
-    KillWait, as at a time limit) once a state is saved, then the same array submitted again:
-    the element resumes the run and ends with the result of the uninterrupted run, bitwise."""
+    every validation point, submitted with a one-minute time limit (SLURM's smallest) and slowed
+    so that it cannot finish in it: SLURM ends it (SIGTERM to the job's steps, SIGKILL after
+    KillWait, state TIMEOUT) after states were saved. The same array submitted again resumes the
+    run and ends with the result of the uninterrupted run, bitwise."""
     from megatron_mlmclm.eval.tiny import build_tiny_model, sample_texts
 
     model = build_tiny_model(tmp_path / "tiny", sample_texts(data_dir, 2000), vocab_size=2000)
@@ -375,20 +379,21 @@ def test_an_evaluation_element_killed_mid_run_resumes_when_resubmitted(slurm, da
             "--max-steps", "30", "--eval-every", "5", "--state-every", "0", "--batch-size", "8",
             "--max-train-examples", "400", "--max-eval-examples", "32", "--max-length", "64",
             "--threads", "1", "--no-progress"]  # fmt: skip
-    slow = tmp_path / "slow"  # every optimizer step of the first job sleeps: killed mid-run
+    slow = tmp_path / "slow"  # every optimizer step of the first job sleeps: 30 steps, 150 s
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(
         "import time, torch.optim.optimizer as o\n"
-        "o.register_optimizer_step_post_hook(lambda *a: time.sleep(0.25))\n"
+        "o.register_optimizer_step_post_hook(lambda *a: time.sleep(5))\n"
     )
     (tmp_path / "logs").mkdir()
     env = job_environment(MLMCLM_DATA_DIR=str(data_dir))
     out = tmp_path / "results"
 
-    def submit(**extra) -> str:
+    def submit(*sbatch: str, **extra) -> str:
         return slurm.sbatch(
             "--cpus-per-task=1",
             "--array=0-0",
+            *sbatch,
             str(SLURM_DIR / "evaluate_array.sbatch"),
             *args,
             "--out",
@@ -397,12 +402,12 @@ def test_an_evaluation_element_killed_mid_run_resumes_when_resubmitted(slurm, da
             cwd=tmp_path,
         )
 
-    first = submit(PYTHONPATH=f"{slow}:{env['PYTHONPATH']}")
-    until(lambda: any(out.glob("*/sst2/*.state/state.pt")), 120, "the run's first saved state")
-    slurm.run(["scancel", first])
-    slurm.wait([first], timeout=120)
+    first = submit("--time=1", PYTHONPATH=f"{slow}:{env['PYTHONPATH']}")
+    # SLURM checks time limits every 30 s and waits KillWait (30 s) before SIGKILL
+    slurm.wait([first], timeout=240)
     log = (tmp_path / "logs" / f"mlmclm-eval-{first}_0.out").read_text()
-    assert slurm.state(first) == ["CANCELLED"], log + slurm.daemon_logs()
+    assert slurm.state(first) == ["TIMEOUT"], log + slurm.daemon_logs()
+    assert list(out.glob("*/sst2/*.state/state.pt")), log  # states saved before the limit
     assert not list(out.glob("*/sst2/*.json")), log  # no result: the run did not finish
 
     second = submit()
