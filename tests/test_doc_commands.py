@@ -34,7 +34,7 @@ import pytest
 import yaml
 from jobs import job_env, launch
 
-from megatron_mlmclm.cli import COMMANDS, command_parser, parse_command_args
+from megatron_mlmclm.cli import COMMANDS, command_parser, main, parse_command_args
 from megatron_mlmclm.errors import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -401,6 +401,16 @@ def test_the_cluster_walkthrough_runs_on_cpu(tmp_path, monkeypatch):
     words, args = arrays[True]  # K runs an element: ceil(runs / K) elements
     k = int(args[args.index("--runs-per-element") + 1])
     assert int(re.search(r"--array=0-(\d+)", words).group(1)) + 1 == -(-runs // k)
+    # each time limit is the one the plan gives its array at the cost model's price
+    for per_element, (words, _) in ((k, arrays[True]), (1, arrays[False])):
+        plan = tmp_path / f"limit-{per_element}"
+        argv = ["plan", "--out", str(plan), "--sizes", "610m", "--eval-tasks", "sst2"]
+        argv += ["--eval-protocol", "encodeval", "--eval-runs-per-job", str(per_element)]
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(argv) == 0
+        summary = (plan / "SUMMARY.md").read_text()
+        limit = re.search(rf"\| sst2 \| 610m \| {per_element} \| \d+ \| (\S+) \|", summary)
+        assert limit and f"--time {limit.group(1)} " in words, (limit, words)
 
 
 def args_tasks(args: list[str]) -> list[str]:

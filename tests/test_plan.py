@@ -100,6 +100,40 @@ def test_the_docs_give_the_encodeval_plans_figures(tmp_path):
     assert f"| `--eval-tasks paper --eval-protocol encodeval` {row}" in doc
 
 
+def test_the_docs_give_the_mini_studys_figures_and_retrievals_share(plan_dir, tmp_path, data_dir):
+    """docs/plan.md's rows for the mini-study's subsets under each protocol, and its sentence on
+    what retrieval takes under `default`, are those `mlmclm plan` writes."""
+    doc = " ".join((REPO / "docs" / "plan.md").read_text().split())
+    mini = ["sst2", "mnli", "qqp", "conll2003", "squad", "scifact"]
+    cost = {}
+    for protocol in ("default", "encodeval"):
+        out = tmp_path / protocol
+        argv = ["plan", "--out", str(out), "--eval-tasks", *mini, "--eval-protocol", protocol]
+        assert main([*argv, "--eval-data-dir", str(data_dir)]) == 0
+        with open(out / "SUMMARY.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        evaluation = round(sum(float(r["eval_gpu_hours"]) for r in rows))
+        total = round(sum(float(r["total_gpu_hours"]) for r in rows))
+        flag = "" if protocol == "default" else " --eval-protocol encodeval"
+        row = f"| `--eval-tasks {' '.join(mini)}{flag}` | `{protocol}` | 6 | {evaluation:,} | "
+        assert f"{row}{total:,} |" in doc, row
+        cost[protocol] = evaluation
+    assert cost["encodeval"] > cost["default"]  # "cost more under encodeval than under default"
+    rows = eval_rows(plan_dir)
+    hours = {k: float(r["gpu_hours"]) for k, r in rows.items()}
+    share = sum(h for (task, _), h in hours.items() if task in ("msmarco", "nq", "mldr_en"))
+    share = round(100 * share / sum(hours.values()))
+    assert f"MS MARCO, NQ and MLDR take {share}% of the paper suite's hours" in doc
+    seconds = {k: float(r["seconds_per_run"]) for k, r in rows.items()}
+    minutes = " / ".join(f"{seconds[('msmarco', s)] / 60:.0f}" for s in SIZES)
+    assert f"a run takes {minutes} minutes at 210m / 610m / 1B" in doc
+    mldr = [seconds[("mldr_en", s)] for s in SIZES]
+    assert (
+        f"{mldr[0] / 60:.0f} minutes / {mldr[1] / 3600:.1f} hours / {mldr[2] / 3600:.1f} hours"
+        in doc
+    )
+
+
 def test_configs_load_and_phases_fill_the_budget(plan_dir):
     for path in sorted((plan_dir / "configs").glob("*.yaml")):
         cfg = load_config(path)
@@ -331,7 +365,9 @@ def test_a_new_measurement_is_a_data_only_change(tmp_path, capsys):
             "--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps",
             "--step-times", str(times)]  # fmt: skip
     assert main(argv) == 0
-    assert "priced measured: 610m" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "pretraining priced measured: 610m;" in said
+    assert "evaluation priced assumed: 13 (task x size)" in said  # no probe: the cost model
     with open(out / "SUMMARY.csv", newline="") as f:
         [r] = list(csv.DictReader(f))
     assert float(r["gpu_hours"]) == pytest.approx(12000 * 1152 * 2048 / 102400 / 3600, abs=0.01)
@@ -628,7 +664,8 @@ def test_a_probe_prices_what_it_measured_and_calibrates_its_family(tmp_path, cap
     model = eval_rows(out)
     probe = probe_file(tmp_path / "probe.json", "210m", {"sst2": SST2_PROBE})
     assert main([*argv, "--force", "--eval-probe", probe]) == 0
-    capsys.readouterr()
+    said = capsys.readouterr().out
+    assert "evaluation priced assumed: 1, calibrated: 1, measured: 1 (task x size)" in said
     got = eval_rows(out)
     sst2 = got[("sst2", "210m")]
     scored = 9 * 2000 + 3377 + 872

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 from pathlib import Path
@@ -336,6 +337,7 @@ def run(args) -> int:
     by_source: dict[str, list[str]] = {}
     for size, price in totals["prices"].items():
         by_source.setdefault(price.source, []).append(size)
+    eval_sources = collections.Counter(p.source for p in totals["eval_prices"].values())
     if options.branches:
         how = f"with branches ({totals['gpu_hours_from_scratch']:,.0f} with every run from scratch)"
     else:
@@ -346,9 +348,11 @@ def run(args) -> int:
         f"{totals['startup_gpu_hours']:,.0f} for job starts, "
         f"{totals['eval_gpu_hours']:,.0f} of evaluation ({len(options.eval_tasks)} tasks, "
         f"protocol {options.eval_protocol}), "
-        f"{totals['total_gpu_hours']:,.0f} in total; priced "
+        f"{totals['total_gpu_hours']:,.0f} in total; pretraining priced "
         + ", ".join(f"{source}: {' '.join(sizes)}" for source, sizes in by_source.items())
-        + f" -> {out}"
+        + "; evaluation priced "
+        + ", ".join(f"{source}: {n}" for source, n in sorted(eval_sources.items()))
+        + f" (task x size) -> {out}"
     )
     print(
         f"  {out}/SUMMARY.md, {out}/jobs.json (submit: mlmclm submit {out}, or "

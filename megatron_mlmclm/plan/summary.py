@@ -63,7 +63,8 @@ def summary_md(
     w(
         "\nFiles: `configs/NAME.yaml`, `jobs/NAME.sh`, `jobs.json` (the job table) and "
         "`submit_slurm.sh` (`mlmclm submit` on it), `manifest.tsv`, "
-        "`SUMMARY.csv`. See docs/plan.md.\n"
+        "`SUMMARY.csv`, `SUMMARY_EVAL.csv` (the evaluation's price per task and size). See "
+        "docs/plan.md.\n"
     )
     return out.getvalue()
 

@@ -89,7 +89,13 @@ def write_plan(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     install(tmp, root)  # --force: only the files an earlier plan wrote are replaced or removed
-    return dict(totals, runs=len(plan.runs), prices=plan.prices, arrays=plan.arrays)
+    return dict(
+        totals,
+        runs=len(plan.runs),
+        prices=plan.prices,
+        eval_prices=plan.eval_prices,
+        arrays=plan.arrays,
+    )
 
 
 def check_options(opts: PlanOptions) -> None:
