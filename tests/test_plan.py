@@ -142,6 +142,8 @@ def test_configs_load_and_phases_fill_the_budget(plan_dir):
         assert cfg.train.global_batch_size * cfg.model.seq_length == 1152 * 2048
         assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.clip_grad) == (5e-4, 0.1, 1.0)
         assert cfg.train.warmup_steps + cfg.train.decay_steps <= cfg.train.steps
+        # unset: every start reads the sample indexes `mlmclm index` wrote beside the shards
+        assert cfg.data.cache_dir is None
     cfg = load_config(plan_dir / "configs" / "610m-clm-10k-mlm40-42k.yaml")
     assert [(p.objective, p.steps) for p in cfg.phases] == [("clm", 10500), ("mlm", 31500)]
     assert cfg.phases[1].mask_ratio == 0.4

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 import yaml
@@ -172,7 +173,7 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
     4. Run again: everything is done, nothing submitted.
     5-6. The export converted again to the same bytes: nothing submitted; given another
        tokenizer: its array is held back while the jobs' data folder lacks the task's data (one
-       line says what to fetch), then submitted."""
+       line says what to fetch), then submitted, and both its runs run again."""
     plan = tmp_path / "plan"
     argv = ["plan", "--out", str(plan), "--sizes", "tiny", "--budgets", "4000"]
     argv += ["--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps"]
@@ -182,8 +183,8 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
     overrides = (
         "train.steps=4 train.global_batch_size=4 train.micro_batch_size=2 "
         "train.warmup_steps=1 train.decay_steps=1 model.seq_length=64 "
-        f"data.cache_dir={shards['cache']} logging.tensorboard=false checkpoint.save_interval=2"
-    )
+        "logging.tensorboard=false checkpoint.save_interval=2"
+    )  # data.cache_dir as the plan leaves it: unset, so cache/ beside the shards
     env = job_environment(
         GPUS_PER_NODE="0",
         MASTER_PORT=str(free_port()),
@@ -274,11 +275,17 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
 
     last, out = submit()
     assert last == ["done"] * 4 and "nothing submitted" in out, out
-    # the second start read its sample index from the cache the failed first one wrote
-    assert "sample indexes: 1 of 1 loaded from the cache, 0 built" in resumed
+    # the second start read its sample index from the default cache (beside the shards), which
+    # the failed first start wrote
+    cache = Path(shards["cache"]).resolve()
+    assert f"sample indexes: 1 of 1 loaded from the cache, 0 built (cache {cache})" in resumed
 
     # 5. The export converted again by hand from the same checkpoint (the same model, its files
     #    written anew): its evaluation is not submitted again.
+    [first_identity] = {
+        json.loads(p.read_text())["model_identity"]
+        for p in (plan / "results" / "eval").rglob("*.json")
+    }
     ckpt = run / "checkpoints" / "iter_0000004"
     assert main(["convert", "to-hf", str(ckpt), str(hf), "--force"]) == 0
     again, out = submit()
@@ -296,7 +303,14 @@ def test_plan_submit_script_survives_a_failed_job_and_completes_when_run_again(
     env["MLMCLM_DATA_DIR"] = str(data_dir)
     rerun, out = submit()
     assert rerun and rerun[:2] == ["done", "done"] and rerun[2] != "done", out
-    slurm.run(["scancel", *[j for j in rerun if j != "done"]])
+    slurm.wait(rerun[2:], timeout=400)
+    for job in rerun[2:]:  # the evaluation and the report
+        assert set(slurm.state(job)) == {"COMPLETED"}, (job, logs())
+    identities = {
+        json.loads(p.read_text())["model_identity"]
+        for p in (plan / "results" / "eval").rglob("*.json")
+    }
+    assert len(identities) == 1 and identities != {first_identity}, identities  # both runs anew
 
 
 def test_pretrain_sbatch_requeues_a_hung_rank_and_the_job_completes(slurm, tmp_path):
