@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import pytest
 import yaml
 from jobs import REPO
@@ -9,6 +12,7 @@ from jobs import REPO
 from megatron_mlmclm.cli import COMMANDS, main
 from megatron_mlmclm.config import (
     PhaseConfig,
+    RunConfig,
     dump_yaml,
     load_config,
     phase_at,
@@ -294,3 +298,47 @@ def test_version_is_the_changelogs_newest_release(capsys):
     assert main(["--version"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"mlmclm {released[0]} (megatron-core "), out
+
+
+def _allow_keys(cls, prefix: str = "") -> dict[str, tuple]:
+    """{dotted key: (type, default)} of every `allow_*` setting of a config schema, sections and
+    list items (written `N`) included."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        key, tp = prefix + f.name, hints[f.name]
+        if f.name.startswith("allow_"):
+            out[key] = (tp, f.default)
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+            out |= _allow_keys(args[0], f"{key}.N.")
+        for inner in [a for a in (tp, *args) if dataclasses.is_dataclass(a)]:
+            out |= _allow_keys(inner, key + ".")
+    return out
+
+
+def test_the_risk_table_lists_every_allow_key_of_the_schema():
+    """docs/pretrain.md's "Accepting a risk" table has one row per `allow_*` key of the run
+    config, no more and no fewer, so a new way to lift a check cannot land without its row; each
+    is a boolean, false by default, as the page says."""
+    import re
+
+    schema = _allow_keys(RunConfig)
+    assert schema, "no allow_* key found: the schema walk is broken"
+    for key, (tp, default) in schema.items():
+        assert tp is bool and default is False, f"{key}: not a bool, false by default"
+    page = (REPO / "docs" / "pretrain.md").read_text()
+    section = page.split("\n## Accepting a risk\n", 1)[1].split("\n## ", 1)[0]
+    switches = [
+        line.strip().strip("|").split("|")[0].strip()
+        for line in section.splitlines()
+        if line.startswith("|")
+    ][2:]  # past the header and its rule
+    documented = []
+    for cell in switches:
+        documented += re.findall(r"`([\w.]*\ballow_\w+)=true`", cell)
+    assert len(documented) == len(set(documented)), f"a key listed twice: {documented}"
+    assert sorted(documented) == sorted(schema), (
+        f"table lacks {sorted(set(schema) - set(documented))}, "
+        f"lists keys not in the schema {sorted(set(documented) - set(schema))}"
+    )

@@ -34,10 +34,13 @@ PAGE = REPO / "docs" / "continued_pretraining.md"
 KINDS = ("qwen3", "llama32")
 
 
-def make_standin(kind: str, out: Path, corpus: list[str], zero_reserved: bool = True) -> Path:
-    """A 2-layer decoder of the family with a byte-level BPE trained on `corpus`. The Llama 3.2's
-    reserved special tokens have zero rows, as in Meta's base releases (`zero_reserved`), or
-    trained ones."""
+def make_standin(
+    kind: str, out: Path, corpus: list[str], zero_reserved: bool = True, tied: bool = True
+) -> Path:
+    """A 2-layer decoder of the family with a byte-level BPE trained on `corpus`, its embeddings
+    tied (as Qwen3-0.6B's and Llama-3.2-1B's) or not (`tied`: Llama 3 8B's). The Llama 3.2's
+    reserved special tokens have zero rows, input and output, as in Meta's base releases
+    (`zero_reserved`), or trained ones."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -66,7 +69,7 @@ def make_standin(kind: str, out: Path, corpus: list[str], zero_reserved: bool = 
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
@@ -98,7 +101,8 @@ def make_standin(kind: str, out: Path, corpus: list[str], zero_reserved: bool = 
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
         if kind == "llama32" and zero_reserved:
-            model.model.embed_tokens.weight[reserved_ids(tok)] = 0  # tied: the head's too
+            model.model.embed_tokens.weight[reserved_ids(tok)] = 0
+            model.lm_head.weight[reserved_ids(tok)] = 0  # tied: the same matrix
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
@@ -145,13 +149,18 @@ def run_page(folder: Path, hf_model: Path, text: Path, data_dir: Path) -> list:
     return done
 
 
+def book_pieces(data_dir: Path) -> list[str]:
+    """60 pieces of 1,500 characters of a Gutenberg book: the stand-ins' text."""
+    with gzip.open(data_dir / "gutenberg_en" / "valid.jsonl.gz", "rt", encoding="utf-8") as f:
+        book = json.loads(next(f))["text"]
+    return [book[i : i + 1500] for i in range(0, 60 * 1500, 1500)]
+
+
 @pytest.fixture(scope="module")
 def pages(tmp_path_factory, data_dir) -> dict[str, dict]:
     """Each stand-in, taken through the page: {kind: {folder, hf, commands, corpus}}."""
     root = tmp_path_factory.mktemp("cpt")
-    with gzip.open(data_dir / "gutenberg_en" / "valid.jsonl.gz", "rt", encoding="utf-8") as f:
-        book = json.loads(next(f))["text"]
-    pieces = [book[i : i + 1500] for i in range(0, 60 * 1500, 1500)]
+    pieces = book_pieces(data_dir)
     text = root / "text.jsonl"
     text.write_text("".join(json.dumps({"text": p}) + "\n" for p in pieces))
     out = {}
@@ -271,6 +280,55 @@ def test_untrained_reserved_rows_start_at_the_mean_and_trained_ones_are_kept(
     kept = read_global_tensors(tmp_path / "imp" / "checkpoints" / "iter_0000000")
     theirs = load_file(str(hf / "model.safetensors"))["model.embed_tokens.weight"]
     assert torch.equal(kept["embedding.word_embeddings.weight"][:512], theirs)
+
+
+@pytest.mark.parametrize("zero_reserved", [True, False], ids=["zero", "trained"])
+def test_untied_reserved_rows_set_in_both_matrices_or_kept(tmp_path, data_dir, zero_reserved):
+    """Untied embeddings (Llama 3 8B's): with the reserved rows zero in the input embedding and
+    the output layer, the import starts mask and pad at the mean of each matrix's trained rows
+    (computed here from the source's weights) and says so for both; trained reserved rows are
+    kept, in both."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from megatron_mlmclm.convert.common import read_global_tensors
+
+    hf = make_standin(
+        "llama32", tmp_path / "hf", book_pieces(data_dir), zero_reserved=zero_reserved, tied=False
+    )
+    env = dict(MLMCLM_DATA_DIR=str(data_dir), PYTHONPATH=str(REPO))
+    proc = run_forked(f"mlmclm convert from-hf {hf} {tmp_path / 'imp'}", tmp_path, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "imp" / "tokenizer"))
+    reserved = reserved_ids(tok)
+    mask, pad = tok.mask_token_id, tok.pad_token_id
+    assert {mask, pad} < set(reserved) and len(tok) == 512  # reused: the vocabulary unchanged
+    source = load_file(str(hf / "model.safetensors"))
+    ours = read_global_tensors(tmp_path / "imp" / "checkpoints" / "iter_0000000")
+    trained = [i for i in range(512) if i not in reserved]
+    others = [i for i in range(512) if i not in (mask, pad)]
+    assert not torch.equal(source["model.embed_tokens.weight"], source["lm_head.weight"])
+    for theirs, mine in (
+        ("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+        ("lm_head.weight", "output_layer.weight"),
+    ):
+        src, got = source[theirs], ours[mine]
+        assert (src[reserved].abs().max() == 0) == zero_reserved, theirs
+        for i in (mask, pad):
+            if zero_reserved:
+                torch.testing.assert_close(got[i], src[trained].mean(dim=0), rtol=0, atol=1e-6)
+            else:
+                assert torch.equal(got[i], src[i]), (theirs, i)
+        assert torch.equal(got[others], src[others]), theirs
+    for name, i in (("mask", mask), ("pad", pad)):
+        said = f"{name} token {tok.convert_ids_to_tokens(i)} (id {i})"
+        if zero_reserved:
+            assert f"{said}: the source never trained its row" in proc.stdout, proc.stdout
+            assert "mean of the trained rows in the input embedding and the output layer" in next(
+                line for line in proc.stdout.splitlines() if line.startswith(said)
+            )
+        else:
+            assert f"{said} keeps its trained row" in proc.stdout, proc.stdout
 
 
 def _dry_run(capsys, folder: Path, *overrides: str) -> tuple[int, str, list[str]]:

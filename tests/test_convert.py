@@ -819,52 +819,91 @@ def _python_blocks(readme: Path) -> list[str]:
     return [part.split("```")[0] for part in readme.read_text().split("```python\n")[1:]]
 
 
-def test_the_model_card_gives_the_mlm_loss_and_the_fill_mask_pipeline(ws, exported, tmp_path):
-    """The README of a Llama-family encoder export says its built-in `labels` loss shifts, and its
-    MLM-loss snippet gives the cross-entropy at the masked positions (computed here position by
-    position); EuroBERT's built-in loss is that one. Each card's fill-mask example runs."""
+def _masked_batch() -> dict[str, torch.Tensor]:
+    """Two rows of random ids, 40% of positions masked: `labels` holds their ids, -100 elsewhere."""
+    g = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(4, VOCAB_TOKENIZER, (2, 24), generator=g)
+    labels = torch.full_like(input_ids, -100)
+    masked = torch.rand(input_ids.shape, generator=g) < 0.4
+    labels[masked] = input_ids[masked]
+    return dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), labels=labels)
+
+
+def _check_encoder_card(folder: Path, auto: str, shifts: bool, eurobert_advice: bool) -> None:
+    """The card of an encoder export: whether it warns that the built-in `labels` loss shifts
+    (and then its MLM-loss snippet gives the cross-entropy at the masked positions, computed here
+    position by position; else the built-in loss is that one), whether it offers `--arch
+    eurobert`, and its fill-mask example runs."""
     import transformers
 
+    card = (folder / "README.md").read_text()
+    assert "pipeline_tag: fill-mask" in card and "A bidirectional text encoder" in card
+    assert ("shifts the labels by one position" in card) == shifts, card
+    assert ("--arch eurobert" in card) == eurobert_advice, card
+    model = getattr(transformers, auto).from_pretrained(str(folder), dtype=torch.float32)
+    assert f"`{type(model).__name__}`" in card  # the class it names is the one that loads
+    batch = _masked_batch()
+    labels = batch["labels"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        builtin = model(input_ids=batch["input_ids"], labels=labels).loss
+    at = (labels != -100).nonzero().tolist()
+    mlm = sum(-logits[b, i].log_softmax(-1)[labels[b, i]] for b, i in at) / len(at)
+    blocks = _python_blocks(folder / "README.md")
+    loss_block = [b for b in blocks if "cross_entropy" in b]
+    if shifts:
+        scope = dict(model=model, **batch)
+        with torch.no_grad():
+            exec(loss_block[0], scope)
+        torch.testing.assert_close(scope["loss"], mlm)
+        assert (builtin - mlm).abs() > 1e-3  # the built-in loss is another objective
+    else:
+        assert not loss_block
+        torch.testing.assert_close(builtin, mlm)
+    fill = [b for b in blocks if "fill-mask" in b]
+    assert len(fill) == 1 and str(folder) in fill[0]
+    exec(fill[0], {})
+
+
+def test_the_model_card_gives_the_mlm_loss_and_the_fill_mask_pipeline(ws, exported, tmp_path):
+    """The README of a Llama-family encoder export says its built-in `labels` loss shifts, gives
+    the MLM loss and offers `--arch eurobert`; EuroBERT's built-in loss is MLM's."""
     imp = from_hf(ws["hf"]["llama"], tmp_path / "imp", verbose=False)
     llama = to_hf(imp.path / "checkpoints", tmp_path / "llama", verbose=False).path
     # the import's own checkpoint, exported: its record says it is the import, trained nothing
     record = json.loads((llama / "mlmclm_export.json").read_text())
     assert record["objective"] is None and record["pretraining_tokens"] is None
     assert record["imported"] == f"llama model imported from {ws['hf']['llama']}"
-    g = torch.Generator().manual_seed(5)
-    input_ids = torch.randint(4, VOCAB_TOKENIZER, (2, 24), generator=g)
-    attention_mask = torch.ones_like(input_ids)
-    labels = torch.full_like(input_ids, -100)
-    masked = torch.rand(input_ids.shape, generator=g) < 0.4
-    labels[masked] = input_ids[masked]
-    for folder, auto, shifts in (
-        (llama, "AutoModelForCausalLM", True),
-        (exported.path, "AutoModelForMaskedLM", False),
-    ):
-        card = (folder / "README.md").read_text()
-        assert ("shifts the labels by one position" in card) == shifts, card
-        assert ("--arch eurobert" in card) == shifts
-        model = getattr(transformers, auto).from_pretrained(str(folder), dtype=torch.float32)
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-            builtin = model(input_ids=input_ids, labels=labels).loss
-        at = masked.nonzero().tolist()
-        mlm = sum(-logits[b, i].log_softmax(-1)[labels[b, i]] for b, i in at) / len(at)
-        blocks = _python_blocks(folder / "README.md")
-        loss_block = [b for b in blocks if "cross_entropy" in b]
-        if shifts:
-            scope = dict(model=model, input_ids=input_ids, attention_mask=attention_mask)
-            scope["labels"] = labels
-            with torch.no_grad():
-                exec(loss_block[0], scope)
-            torch.testing.assert_close(scope["loss"], mlm)
-            assert (builtin - mlm).abs() > 1e-3  # the built-in loss is another objective
-        else:
-            assert not loss_block
-            torch.testing.assert_close(builtin, mlm)
-        fill = [b for b in blocks if "fill-mask" in b]
-        assert len(fill) == 1 and str(folder) in fill[0]
-        exec(fill[0], {})
+    _check_encoder_card(llama, "AutoModelForCausalLM", shifts=True, eurobert_advice=True)
+    _check_encoder_card(exported.path, "AutoModelForMaskedLM", shifts=False, eurobert_advice=False)
+
+
+def test_the_qwen3_and_causal_lm_cards(ws, tmp_path):
+    """A Qwen3-family encoder export's card: `Qwen3ForCausalLM`, its shifted built-in loss and the
+    MLM loss, and no `--arch eurobert` (EuroBERT has no qk-norm). The `--causal-lm` export's
+    card: a causal model for generation whose built-in loss, the next-token one (computed here
+    from the logits), is what it was trained with; no MLM loss, fill-mask or EuroBERT advice."""
+    import transformers
+
+    imp = from_hf(ws["hf"]["qwen3"], tmp_path / "imp", verbose=False)
+    qwen3 = to_hf(imp.path / "checkpoints", tmp_path / "qwen3", verbose=False).path
+    _check_encoder_card(qwen3, "AutoModelForCausalLM", shifts=True, eurobert_advice=False)
+
+    clm = to_hf(imp.path / "checkpoints", tmp_path / "clm", causal_lm=True, verbose=False).path
+    card = (clm / "README.md").read_text()
+    assert "pipeline_tag: text-generation" in card and "A causal language model" in card
+    assert "`Qwen3ForCausalLM`, `is_causal: true`" in card and "next-token loss" in card
+    assert not _python_blocks(clm / "README.md")  # no MLM loss, no fill-mask
+    for absent in ("--arch eurobert", "fill-mask", "is not the MLM loss", "Mask token"):
+        assert absent not in card, absent
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(clm), dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.is_causal
+    ids = _masked_batch()["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        builtin = model(input_ids=ids, labels=ids).loss
+    nll = -logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])
+    torch.testing.assert_close(builtin, nll.mean())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -747,6 +747,29 @@ def test_eval_tasks_by_name_and_their_data_checked(tmp_path, capsys, data_dir):
     assert "no evaluation task" in capsys.readouterr().err
 
 
+def test_eval_tasks_mix_suites_and_tasks_once_each(tmp_path, capsys, data_dir):
+    """`--eval-tasks paper scifact sst2 scifact` (docs/plan.md's mixed list, with repeats): the
+    paper suite's tasks, then SciFact, each evaluated once, in the job table and the evaluation
+    summary; an unknown name is refused in one line, naming it, before anything is written."""
+    paper = {n for n, t in load_registry().items() if "paper" in t.suites}
+    assert len(paper) == 13 and "scifact" not in paper and "sst2" in paper
+    out = tmp_path / "p"
+    argv = ["plan", "--out", str(out), *SMALL, "--eval-data-dir", str(data_dir)]
+    assert main([*argv, "--eval-tasks", "paper", "scifact", "sst2", "scifact"]) == 0
+    assert "(14 tasks, protocol default)" in capsys.readouterr().out
+    table = json.loads((out / "jobs.json").read_text())
+    arrays = [r["task"] for r in table["jobs"] if r["kind"] == "evaluate"]
+    assert len(arrays) == 14 and set(arrays[:13]) == paper and arrays[13] == "scifact", arrays
+    assert {task for task, _ in eval_rows(out)} == paper | {"scifact"}
+    again = tmp_path / "q"
+    bad = ["plan", "--out", str(again), *SMALL, "--eval-data-dir", str(data_dir)]
+    assert main([*bad, "--eval-tasks", "paper", "scifat"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown suite or task 'scifat'" in err[0], err
+    assert "suites: paper" in err[0] and "--task-file" not in err[0]  # a flag plan does not have
+    assert not again.exists()
+
+
 def test_job_scripts_are_valid_bash(plan_dir):
     """One template: a single-objective, a biphasic, a CPT and a branch job (`bash -n a b`
     checks a only). The submission's order and dependencies: tests/test_submit.py."""

@@ -23,6 +23,12 @@ from megatron_mlmclm.errors import UsageError
 def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="{to-hf,from-hf,from-megatron-lm}")
     sub.required = True
+    _to_hf_arguments(sub)
+    _from_hf_arguments(sub)
+    _from_megatron_lm_arguments(sub)
+
+
+def _to_hf_arguments(sub) -> None:
     p = sub.add_parser(
         "to-hf",
         help="megatron checkpoint -> Hugging Face folder",
@@ -78,40 +84,44 @@ def add_arguments(parser) -> None:
         help="export these steps' checkpoints of the CKPT folder into OUT/step<N>-tokens<T>/",
     )
 
-    q = sub.add_parser(
+
+def _from_hf_arguments(sub) -> None:
+    p = sub.add_parser(
         "from-hf",
         help="Hugging Face decoder -> megatron checkpoint for MLM",
         description="Import a local Llama-family / Qwen3 / EuroBERT folder as a "
         "megatron checkpoint plus a run config for continued MLM "
         "pretraining; verified.",
     )
-    q.add_argument("hf_dir", metavar="HF_DIR", help="local Hugging Face model folder")
-    q.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
-    q.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
-    q.add_argument("--seed", type=int, default=1234, help="seed of the run config (default 1234)")
+    p.add_argument("hf_dir", metavar="HF_DIR", help="local Hugging Face model folder")
+    p.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the run config (default 1234)")
 
-    r = sub.add_parser(
+
+def _from_megatron_lm_arguments(sub) -> None:
+    p = sub.add_parser(
         "from-megatron-lm",
         help="Megatron-LM GPT checkpoint -> ours for MLM",
         description="Import a Megatron-LM GPT checkpoint (torch_dist format; "
         "RMSNorm, SwiGLU, RoPE, no biases) as a megatron checkpoint "
         "plus a run config for continued MLM pretraining; verified.",
     )
-    r.add_argument(
+    p.add_argument(
         "checkpoint",
         metavar="CKPT",
         help="Megatron-LM save dir (with "
         "latest_checkpointed_iteration.txt) or one iter_NNNNNNN folder",
     )
-    r.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
-    r.add_argument(
+    p.add_argument("out", metavar="OUT", help="output folder (must not exist unless --force)")
+    p.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="required: the tokenizer the model was "
         "trained with, as a folder written by `mlmclm tokenize` (with a mask token)",
     )
-    r.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
-    r.add_argument("--seed", type=int, default=1234, help="seed of the run config (default 1234)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists (atomically)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the run config (default 1234)")
 
 
 def run(args) -> int:

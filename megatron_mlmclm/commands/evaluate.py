@@ -69,32 +69,47 @@ RUN_FLAGS = (
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", nargs="+", default=[], help="HF model folder(s) with a tokenizer")
-    p.add_argument("--task", nargs="+", default=[], help="task name(s); see --list-tasks")
-    p.add_argument(
+    _model_and_task_flags(p.add_argument_group("models and tasks"))
+    _grid_flags(p.add_argument_group("grid, workers and results"))
+    _listing_flags(p.add_argument_group("listings and checks (each prints or checks, then exits)"))
+    _probe_flags(p.add_argument_group("the evaluation probe"))
+    _run_flags(p.add_argument_group("fine-tuning (defaults: the protocol's, else those shown)"))
+
+
+def _model_and_task_flags(group) -> None:
+    """What is fine-tuned on what, and how it is scored."""
+    group.add_argument("--model", nargs="+", default=[], help="HF model folder(s) with a tokenizer")
+    group.add_argument("--task", nargs="+", default=[], help="task name(s); see --list-tasks")
+    group.add_argument(
         "--suite",
         default=None,
         help="every task of a suite (e.g. paper: the paper's 13 evaluation sets)",
     )
-    p.add_argument(
+    group.add_argument(
         "--protocol",
         choices=tuple(PROTOCOLS),
         default="default",
         help="evaluation protocol: default (the field's usual metrics) or encodeval "
         "(the paper's, as its code runs it); see docs/evaluate.md",
     )
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
-    p.add_argument("--lrs", nargs="+", type=float, default=list(DEFAULT_LRS))
-    p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
-    p.add_argument("--task-file", action="append", default=[], help="extra task YAML (repeatable)")
-    p.add_argument("--workers", type=int, default=1, help="parallel runs on this machine")
-    p.add_argument(
+    group.add_argument(
+        "--task-file", action="append", default=[], help="extra task YAML (repeatable)"
+    )
+
+
+def _grid_flags(group) -> None:
+    """The learning-rate x seed grid, the share of it this process runs, and what it keeps."""
+    group.add_argument("--out", default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
+    group.add_argument("--lrs", nargs="+", type=float, default=list(DEFAULT_LRS))
+    group.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
+    group.add_argument("--workers", type=int, default=1, help="parallel runs on this machine")
+    group.add_argument(
         "--array-index",
         type=int,
         default=None,
         help="run one grid element (default: $SLURM_ARRAY_TASK_ID when set)",
     )
-    p.add_argument(
+    group.add_argument(
         "--runs-per-element",
         type=int,
         default=1,
@@ -102,7 +117,7 @@ def add_arguments(p) -> None:
         help="with --array-index I: runs I*K .. I*K+K-1 of the grid, in this process (or "
         "--workers processes sharing its GPU); the array then has ceil(runs / K) elements",
     )
-    p.add_argument(
+    group.add_argument(
         "--done-file",
         default=None,
         metavar="PATH",
@@ -110,79 +125,90 @@ def add_arguments(p) -> None:
         "model folders as they are now (`mlmclm submit` skips an array whose file is newer "
         "than its export)",
     )
-    p.add_argument("--list", action="store_true", help="print the grid with indices and exit")
-    p.add_argument("--list-tasks", action="store_true", help="print the known tasks and exit")
-    p.add_argument(
+    group.add_argument(
+        "--save-models",
+        action="store_true",
+        help="keep each fine-tuned model beside its result (<result>.model/; IR: a "
+        "sentence-transformers folder)",
+    )
+
+
+def _listing_flags(group) -> None:
+    """Modes that look at the grid, the tasks or their data instead of fine-tuning."""
+    group.add_argument("--list", action="store_true", help="print the grid with indices and exit")
+    group.add_argument("--list-tasks", action="store_true", help="print the known tasks and exit")
+    group.add_argument(
         "--fetch",
         action="store_true",
         help="write the --task/--suite data from the Hugging Face Hub into $MLMCLM_DATA_DIR in "
         "the local layouts (needs internet and `datasets`; present tasks are kept), verify it, "
         "and exit",
     )
-    p.add_argument(
-        "--probe",
-        metavar="SIZE",
-        help="the evaluation probe: fine-tune each --task for --probe-steps steps on a random-init "
-        "encoder of model preset SIZE (210m, 610m, 1b, tiny) with --tokenizer's vocabulary, and "
-        "write start-up, seconds per step, tokens and evaluation throughput to --out FILE.json",
-    )
-    p.add_argument("--tokenizer", help="--probe: the tokenizer folder (`mlmclm tokenize`'s)")
-    p.add_argument("--probe-steps", type=int, default=200, help="--probe: steps (default 200)")
-    p.add_argument(
+    group.add_argument(
         "--check-data",
         action="store_true",
         help="check that the --task/--suite data are in $MLMCLM_DATA_DIR (no --model needed, "
         "nothing read or downloaded): one line per task missing with the command that fetches "
         "it, exit 2; exit 0 when all are there",
     )
-    p.add_argument(
+    group.add_argument(
         "--show-inputs",
         type=int,
         default=None,
         metavar="N",
         help="print the first N training inputs of each task as tokens with their labels, and exit",
     )
-    p.add_argument(
-        "--save-models",
-        action="store_true",
-        help="keep each fine-tuned model beside its result (<result>.model/; IR: a "
-        "sentence-transformers folder)",
+
+
+def _probe_flags(group) -> None:
+    """The probe that measures fine-tuning's cost for `mlmclm plan`."""
+    group.add_argument(
+        "--probe",
+        metavar="SIZE",
+        help="the evaluation probe: fine-tune each --task for --probe-steps steps on a random-init "
+        "encoder of model preset SIZE (210m, 610m, 1b, tiny) with --tokenizer's vocabulary, and "
+        "write start-up, seconds per step, tokens and evaluation throughput to --out FILE.json",
     )
-    g = p.add_argument_group("fine-tuning (defaults: the protocol's, else those shown)")
+    group.add_argument("--tokenizer", help="--probe: the tokenizer folder (`mlmclm tokenize`'s)")
+    group.add_argument("--probe-steps", type=int, default=200, help="--probe: steps (default 200)")
+
+
+def _run_flags(group) -> None:
+    """One fine-tuning run's settings (RUN_FLAGS): unset, they fall back to the protocol's."""
     d = DEFAULTS
-    g.add_argument("--batch-size", type=int, help=f"default {d.batch_size}")
-    g.add_argument("--eval-batch-size", type=int, help=f"default {d.eval_batch_size}")
-    g.add_argument("--max-steps", type=int, help=f"default {d.max_steps}")
-    g.add_argument("--epochs", type=float, help=f"default {d.epochs}")
-    g.add_argument("--warmup-ratio", type=float, help=f"default {d.warmup_ratio}")
-    g.add_argument("--weight-decay", type=float, help=f"default {d.weight_decay}")
-    g.add_argument("--eval-every", type=int, help=f"default {d.eval_every}")
-    g.add_argument(
+    group.add_argument("--batch-size", type=int, help=f"default {d.batch_size}")
+    group.add_argument("--eval-batch-size", type=int, help=f"default {d.eval_batch_size}")
+    group.add_argument("--max-steps", type=int, help=f"default {d.max_steps}")
+    group.add_argument("--epochs", type=float, help=f"default {d.epochs}")
+    group.add_argument("--warmup-ratio", type=float, help=f"default {d.warmup_ratio}")
+    group.add_argument("--weight-decay", type=float, help=f"default {d.weight_decay}")
+    group.add_argument("--eval-every", type=int, help=f"default {d.eval_every}")
+    group.add_argument(
         "--curve-examples",
         type=int,
         help=f"validation examples the curve's intermediate points score (a fixed sample; the "
         f"last point scores all); default {d.curve_examples}",
     )
-    g.add_argument("--max-length", type=int, help="cap on 0.99 x max positions")
-    g.add_argument("--max-train-examples", type=int)
-    g.add_argument("--max-eval-examples", type=int)
-    g.add_argument("--ir-mini-batch-size", type=int, help=f"default {d.ir_mini_batch_size}")
-    g.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
-    g.add_argument(
+    group.add_argument("--max-length", type=int, help="cap on 0.99 x max positions")
+    group.add_argument("--max-train-examples", type=int)
+    group.add_argument("--max-eval-examples", type=int)
+    group.add_argument("--ir-mini-batch-size", type=int, help=f"default {d.ir_mini_batch_size}")
+    group.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    group.add_argument(
         "--precision",
         choices=PRECISIONS,
         help="auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32 | bf16-pure (bf16 "
         "weights, no fp32 copy); default: the protocol's, else auto",
     )
-    g.add_argument(
+    group.add_argument(
         "--inputs",
         choices=INPUT_RULES,
         help="the input form: folder (the folder's tokenizer as saved, template included; "
         "protocol default), document (the pretraining document rule: text, EOS, no template) "
         "or eos (EncodEval's: text and eos_token; protocol encodeval)",
     )
-    g.add_argument("--threads", type=int, help="torch CPU threads per run")
-    g.add_argument(
+    group.add_argument("--threads", type=int, help="torch CPU threads per run")
+    group.add_argument(
         "--state-every",
         dest="state_every_s",
         type=float,
@@ -191,10 +217,10 @@ def add_arguments(p) -> None:
         f"many seconds have passed since it started or last saved; 0: at every validation "
         f"point (default {d.state_every_s:g})",
     )
-    g.add_argument(
+    group.add_argument(
         "--no-state", action="store_true", help="never save a run's state (a killed run restarts)"
     )
-    g.add_argument("--no-progress", action="store_true")
+    group.add_argument("--no-progress", action="store_true")
 
 
 def fetch_data(tasks) -> int:

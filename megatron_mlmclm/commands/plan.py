@@ -276,6 +276,12 @@ def evaluation(options: PlanOptions) -> tuple[PlanOptions, list[str]]:
     (UsageError)."""
     registry = load_registry()
     suites = {s for t in registry.values() for s in t.suites} - set(registry)
+    unknown = [i for i in options.eval_tasks if i not in suites and i not in registry]
+    if unknown:  # get_task's line would advise --task-file, a flag of evaluate, not of plan
+        raise UsageError(
+            f"--eval-tasks: unknown suite or task {', '.join(map(repr, unknown))}; suites: "
+            f"{', '.join(sorted(suites))}; tasks: {', '.join(sorted(registry))}"
+        )
     names = [
         n
         for item in options.eval_tasks

@@ -15,9 +15,23 @@ def add_arguments(parser) -> None:
         help="folder with gutenberg_en/ and the tasks' folders (default: "
         "$MLMCLM_DATA_DIR, else ../shared/data)",
     )
-    g = parser.add_argument_group(
-        "pretraining (defaults: the 60-minute design, docs/mini_study.md)"
+    _pretraining_flags(
+        parser.add_argument_group(
+            "pretraining (defaults: the 60-minute design, docs/mini_study.md)"
+        )
     )
+    _finetuning_flags(parser.add_argument_group("fine-tuning"))
+    _curve_flags(parser.add_argument_group("learning curve"))
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=_D.workers,
+        help="runs side by side, one thread each (default %(default)s)",
+    )
+
+
+def _pretraining_flags(g) -> None:
+    """The recipes' pretraining runs."""
     g.add_argument("--preset", default=_D.preset, help="model preset (default %(default)s)")
     g.add_argument(
         "--steps", type=int, default=_D.steps, help="steps per recipe (default %(default)s)"
@@ -51,7 +65,10 @@ def add_arguments(parser) -> None:
         help="tokenize only the first N documents (books) of the corpus's train split "
         "(default: all)",
     )
-    g = parser.add_argument_group("fine-tuning")
+
+
+def _finetuning_flags(g) -> None:
+    """The fine-tuning grid each model is evaluated on."""
     g.add_argument("--tasks", nargs="+", default=list(TASKS))
     g.add_argument(
         "--lrs",
@@ -72,7 +89,10 @@ def add_arguments(parser) -> None:
         default=_D.max_widen,
         help="times a task's LR grid may be widened (default %(default)s)",
     )
-    g = parser.add_argument_group("learning curve")
+
+
+def _curve_flags(g) -> None:
+    """The learning curve: smaller budgets branched from the full runs."""
     g.add_argument(
         "--curve-shares",
         nargs="*",
@@ -87,12 +107,6 @@ def add_arguments(parser) -> None:
         default=_D.curve_tasks,
         help="tasks the learning-curve models are fine-tuned on, among --tasks "
         "(default %(default)s)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=_D.workers,
-        help="runs side by side, one thread each (default %(default)s)",
     )
 
 

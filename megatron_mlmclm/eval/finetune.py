@@ -408,6 +408,25 @@ def train(
     }
 
 
+def _run_state(
+    cfg: FinetuneConfig,
+    task,
+    setup: Setup,
+    identity: str,
+    device: torch.device,
+    state_dir: str | Path | None,
+    log,
+) -> RunState | None:
+    """The run's saved state in `state_dir` (None: it saves none), keyed by what a resume must
+    match (`run_key`): the model folder's content, the protocol, device, precision, inputs."""
+    if state_dir is None or cfg.state_every_s is None:
+        return None
+    precision = resolved_precision(cfg, device)
+    pid, n = protocol(cfg, task)["id"], len(setup.train_items)
+    key = run_key(cfg, identity, pid, device, precision, n)
+    return RunState(state_dir, key, cfg.state_every_s, device, log)
+
+
 def run_finetune(
     cfg: FinetuneConfig,
     log=print,
@@ -428,12 +447,7 @@ def run_finetune(
     device = resolve_device(cfg)
     seed_everything(cfg.seed)
     setup = build_setup(cfg, task, tokenizer, device)
-    state = None
-    if state_dir is not None and cfg.state_every_s is not None:
-        precision = resolved_precision(cfg, device)
-        pid, n = protocol(cfg, task)["id"], len(setup.train_items)
-        key = run_key(cfg, identity, pid, device, precision, n)
-        state = RunState(state_dir, key, cfg.state_every_s, device, log)
+    state = _run_state(cfg, task, setup, identity, device, state_dir, log)
     out = train(setup, cfg, device, log=log, state=state)
     model = setup.model
     model.eval()
