@@ -9,6 +9,7 @@ the processes a script starts itself are fresh interpreters."""
 
 from __future__ import annotations
 
+import csv
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from jobs import launch
+
+from megatron_mlmclm.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
@@ -227,3 +230,24 @@ def test_device_work_counts_each_kernel_once():
         event(DeviceType.CPU, 9000.0),  # the host's operator
     ]
     assert device_ms(SimpleNamespace(events=lambda: events)) == 3.5
+
+
+def test_the_probe_form_writes_figures_the_plan_prices_from(tmp_path, data_dir):
+    """`finetune_throughput.py --probe SIZE` (the GPU form's planner figures, run here at the
+    tiny preset for a few steps on CPU) writes a file `mlmclm plan --eval-probe` reads: the
+    probed task at that size is priced as measured."""
+    probe = tmp_path / "probe.json"
+    flags = ["--probe", "tiny", "--tasks", "sst2", "--probe-steps", "3", "--device", "cpu"]
+    proc = run_script("finetune_throughput.py", *flags, "--out", str(probe),
+                      MLMCLM_DATA_DIR=str(data_dir))  # fmt: skip
+    tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-3000:]).strip()
+    assert proc.returncode == 0, tail
+    assert proc.stdout.strip().splitlines()[-1].startswith("RESULT finetune_probe size=tiny"), tail
+    out = tmp_path / "plan"
+    argv = ["plan", "--out", str(out), "--sizes", "tiny", "--budgets", "4000", "--objectives",
+            "mlm", "--mask-ratios", "0.4", "--clm-shares", "--cpt-steps", "--eval-tasks", "sst2",
+            "--eval-data-dir", str(data_dir), "--eval-probe", str(probe)]  # fmt: skip
+    assert cli_main(argv) == 0
+    with open(out / "SUMMARY_EVAL.csv", newline="") as f:
+        [row] = list(csv.DictReader(f))
+    assert (row["task"], row["size"], row["priced_from"]) == ("sst2", "tiny", "measured"), row
