@@ -393,12 +393,14 @@ class Submission:
         return folder / value["file"] if "file" in value else folder
 
     def run_line(self, run: str) -> str:
-        s = self.status
-        tasks = [
-            r["task"] for r in self.table["jobs"] if r["kind"] == "evaluate" and r["run"] == run
-        ]
-        evaluate = ", ".join(f"{t} {s[f'ev-{run}-{t}']}" for t in tasks)
-        return f"{run}: pretrain {s[f'pt-{run}']}, convert {s[f'cv-{run}']}, evaluate {evaluate}"
+        """`run`'s jobs and what became of each, its keys as the table names them."""
+        rows = [r for r in self.table["jobs"] if r.get("run") == run]
+        [pretrain] = [self.status[r["key"]] for r in rows if r["kind"] == "pretrain"]
+        [convert] = [self.status[r["key"]] for r in rows if r["kind"] == "convert"]
+        evaluate = ", ".join(
+            f"{r['task']} {self.status[r['key']]}" for r in rows if r["kind"] == "evaluate"
+        )
+        return f"{run}: pretrain {pretrain}, convert {convert}, evaluate {evaluate}"
 
 
 def submit(plan_dir: str | Path, env: dict[str, str] | None = None, slurm=None, say=print):
