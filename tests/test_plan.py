@@ -779,6 +779,112 @@ def test_job_scripts_are_valid_bash(plan_dir):
     subprocess.run(["bash", "-n", str(plan_dir / "submit_slurm.sh")], check=True)
 
 
+# A folder name a shell would run, unquote or split: command substitutions, quotes, a line break.
+HOSTILE = "a $(touch pwned) `touch pwned` 'q' \"d\"\nnl  two"
+
+# Stand-ins for SLURM on PATH: sbatch runs the job at once, here (as the cluster would once the
+# jobs it waits on ended: it touches the file the job needs, as they would have written it); srun
+# runs its command; scontrol names one node.
+FAKE_SLURM = {
+    "sbatch": """set -euo pipefail
+while [[ "$1" == --* ]]; do shift; done  # --parsable, --dependency=..., the row's options
+n=$(( $(cat "$FAKE_SLURM/jobs" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$FAKE_SLURM/jobs"
+if [ -n "$MLMCLM_NEEDS" ] && [ ! -e "$MLMCLM_NEEDS" ]; then
+  mkdir -p "$(dirname "$MLMCLM_NEEDS")"; touch "$MLMCLM_NEEDS"
+fi
+if [ -n "$MLMCLM_NEEDS_NEWER_THAN" ]; then touch -d '1 minute ago' "$MLMCLM_NEEDS_NEWER_THAN"; fi
+SLURM_JOB_ID=$n SLURM_JOB_NAME=job SLURM_JOB_NODELIST=node1 SLURM_NNODES=1 \\
+  SLURM_ARRAY_TASK_ID=0 bash "$@" >&2
+echo "$n"
+""",
+    "srun": 'while [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
+    "scontrol": "echo node1\n",
+    "squeue": "true\n",
+}
+
+
+def stub_interpreter(path: Path, log: Path) -> None:
+    """An executable that appends its name and arguments to `log` as a JSON line and exits 0;
+    `python -m megatron_mlmclm submit` is passed on to this Python (submit_slurm.sh's)."""
+    path.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"with open({str(log)!r}, 'a') as f:\n"
+        "    f.write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + '\\n')\n"
+        "if sys.argv[1:4] == ['-m', 'megatron_mlmclm', 'submit']:\n"
+        "    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+    )
+    path.chmod(0o755)
+
+
+def test_job_scripts_pass_every_path_as_one_argument_and_run_nothing(tmp_path, data_dir):
+    """A plan whose every folder (plan, runs, exports, results, data, tokenizer, task data) holds
+    `$(...)`, backticks, quotes, spaces and a line break: its job script (pretrain, convert,
+    evaluate) and the SLURM jobs submit_slurm.sh submits (examples/slurm/*.sbatch, run by a
+    stand-in sbatch) hand each path to the interpreter, a stub, as one argument, exactly; nothing
+    in a name runs."""
+    root = tmp_path / HOSTILE
+    plan, runs, hf, res = root / "plan", root / "runs", root / "hf", root / "res"
+    train, valid, tok = root / "data" / "train_text_document", root / "data" / "valid", root / "tok"
+    tasks = root / "task data"
+    tasks.mkdir(parents=True)
+    (tasks / "sst2").symlink_to(data_dir / "sst2")
+    argv = ["plan", "--out", plan, "--runs-dir", runs, "--hf-dir", hf, "--results-dir", res]
+    argv += ["--data", train, "--valid", valid, "--tokenizer", tok, "--eval-data-dir", tasks]
+    argv += ["--eval-tasks", "sst2", "--eval-lrs", "1e-4", "--eval-seeds", "0", "--sizes", "210m"]
+    argv += ["--budgets", "12000", "--objectives", "mlm", "--mask-ratios", "0.4", "--clm-shares"]
+    assert main([*map(str, argv), "--cpt-steps"]) == 0
+    run = "210m-mlm40-12k"
+    config = plan / "configs" / f"{run}.yaml"
+    cfg = load_config(config)  # the YAML holds the paths as given
+    assert (cfg.output_dir, cfg.data.tokenizer) == (str(runs / run), str(tok))
+    assert (cfg.data.train, cfg.data.valid) == ([str(train)], [str(valid)])
+
+    bin_, work, log = tmp_path / "bin", tmp_path / "work", tmp_path / "calls.jsonl"
+    bin_.mkdir()
+    work.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_ / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_ / name).chmod(0o755)
+    for name in ("launch", "mlmclm", "python"):
+        stub_interpreter(bin_ / name, log)
+    env = {k: v for k, v in os.environ.items() if k not in ("REPO", "MLMCLM_DATA_DIR")}
+    env.update(PATH=f"{bin_}{os.pathsep}{env['PATH']}", FAKE_SLURM=str(tmp_path))
+    env.update(LAUNCH=str(bin_ / "launch"), MLMCLM_PYTHON=str(bin_ / "python"))
+
+    def calls(script: Path, *args: str) -> list[list[str]]:
+        log.unlink(missing_ok=True)
+        p = subprocess.run(["bash", str(script), *args], cwd=work, env=env, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    grid = ["--task", "sst2", "--protocol", "default", "--lrs", "0.0001", "--seeds", "0"]
+    export, results = str(hf / run), str(res / "eval")
+    assert calls(plan / "jobs" / f"{run}.sh", "all") == [
+        ["launch", "-m", "megatron_mlmclm", "pretrain", str(config)],
+        ["mlmclm", "convert", "to-hf", str(runs / run / "checkpoints"), export, "--force"],
+        ["mlmclm", "evaluate", "--model", export, *grid, "--out", results],
+    ]
+
+    submitted = calls(plan / "submit_slurm.sh")
+    assert submitted[0] == ["python", "-m", "megatron_mlmclm", "submit", str(plan)]
+    tails = [c[c.index("megatron_mlmclm") + 1 :] for c in submitted[1:]]
+    last = str(runs / run / "checkpoints" / "iter_0012000")
+    assert tails[:3] == [
+        ["pretrain", str(config)],
+        ["convert", "to-hf", last, export, "--force"],
+        ["evaluate", "--array-index", "0", "--model", export, *grid, "--out", results,
+         "--runs-per-element", "1", "--workers", tails[2][-3], "--done-file", tails[2][-1]],
+    ]  # fmt: skip
+    assert Path(tails[2][-1]).parent == res / "eval" / run
+    assert tails[3:] == [
+        ["report", results, "--out", str(res / "report")],
+        ["status", str(plan), "--quiet"],
+    ]
+    ran = [*tmp_path.rglob("pwned"), *(d / "pwned" for d in (REPO, Path.cwd()))]
+    assert not [p for p in ran if p.exists()], ran
+
+
 def test_every_pretraining_job_start_is_priced(plan_dir):
     """The summary prices one start per pretraining job of the job table (no job reaches 48
     hours here)."""

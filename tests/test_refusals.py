@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import yaml
 from jobs import REPO, snapshot, word_tokenizer
 
 from megatron_mlmclm.cli import main
+from megatron_mlmclm.data import sample_index
 from megatron_mlmclm.data.preprocess import preprocess
 from megatron_mlmclm.data.sample_index import build_sample_index, check_index
 from megatron_mlmclm.errors import UsageError
@@ -108,6 +110,32 @@ def test_yaml_alias_bombs_and_duplicate_keys_are_refused(tmp_path, capsys):
     refused(capsys, tmp_path, ["pretrain", deep, "--dry-run"], "nested too deeply")
 
 
+# YAML tags that make PyYAML's unsafe loaders run or import code
+PAYLOADS = ['!!python/object/apply:os.system ["touch pwned"]', "!!python/name:os.system",
+            '!!python/object/new:subprocess.Popen [["touch", "pwned"]]']  # fmt: skip
+
+
+@pytest.mark.parametrize("payload", PAYLOADS, ids=["apply", "name", "new"])
+def test_yaml_that_would_run_code_is_refused(tmp_path, capsys, monkeypatch, payload):
+    """A config, an override and a task file holding a Python tag: one line naming the file or
+    flag, exit 2, nothing run (the payload would touch `pwned` here) and nothing written."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data: {{mock: true}}\ntrain:\n  lr: {payload}\n")
+    entry = yaml.safe_load((REPO / "megatron_mlmclm/eval/tasks/sc.yaml").read_text())["sst2"]
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text(yaml.safe_dump({"t": entry}) + f"  extra: {payload}\n")
+    out = f"output_dir={tmp_path / 'run'}"
+    line = refused(capsys, tmp_path, ["pretrain", config, out], "tag:yaml.org,2002:python/")
+    assert str(config) in line and "line 3" in line
+    refused(capsys, tmp_path, ["pretrain", TINY, out, f"train.lr={payload}"], "train.lr")
+    evaluate = ["evaluate", "--task-file", tasks, "--model", tmp_path, "--out", tmp_path / "e"]
+    line = refused(capsys, tmp_path, [*evaluate, "--task", "t"], "tag:yaml.org,2002:python/")
+    assert str(tasks) in line
+    refused(capsys, tmp_path, ["evaluate", "--task-file", tasks, "--list-tasks"], str(tasks))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.yaml", "tasks.yaml"]
+
+
 @pytest.mark.parametrize(
     "override,limit",
     [
@@ -149,6 +177,30 @@ def test_index_sizes_are_checked_against_memory_and_disk(made, tmp_path, capsys)
     refused(capsys, tmp_path, [*index, "--epochs", "1", "--seq-length", "2000000"], "seq_length")
     assert not (tmp_path / "cache").exists()
     assert main([*map(str, index), "--num-samples", "100"]) == 0
+
+
+def test_an_index_past_the_free_disk_of_its_cache_is_refused(made, tmp_path, capsys, monkeypatch):
+    """The disk half of the size check: memory to spare, but the cache folder's disk (made to
+    hold 1,000 bytes free here) too small: one line naming the limit, the folder and the
+    override; the override lets it through."""
+    real = shutil.disk_usage
+
+    def tiny(path):
+        usage = real(path)
+        return usage._replace(free=1000) if Path(path).is_relative_to(tmp_path) else usage
+
+    monkeypatch.setattr(sample_index.shutil, "disk_usage", tiny)
+    cache = tmp_path / "cache"
+    index = ["index", "--data-prefix", made["shard"], "--seq-length", "32", "--cache-dir", cache]
+    line = refused(capsys, tmp_path, [*index, "--num-samples", "100"], f"disk in {tmp_path} free")
+    assert "past --limit index_memory=0.9 of the 1000 bytes" in line
+    assert line.endswith("raise --limit index_memory")
+    lengths = np.array([7, 5, 9] * 20, dtype=np.int32)  # the same check where a run builds it
+    with pytest.raises(UsageError, match=r"runtime\.limits\.index_memory=0\.9 of the 1000 bytes"):
+        build_sample_index(lengths, 32, seed=1, num_samples=100, cache_dir=cache / "run")
+    assert not cache.exists()
+    assert main([*map(str, index), "--num-samples", "100", "--limit", "index_memory=1e6"]) == 0
+    assert any(cache.iterdir())
 
 
 def test_a_tampered_sample_index_is_rebuilt(made, tmp_path, capsys):

@@ -1,4 +1,6 @@
-"""`logging.wandb`: the same scalars as metrics.jsonl and TensorBoard, offline, with the run config.
+"""`logging.wandb`: the same scalars as metrics.jsonl and TensorBoard, offline, with the run config;
+and no secret of the environment (a W&B key, Hugging Face tokens) in any file that run, its export
+or a plan writes.
 
 The run goes through an interpreter that has wandb: this one if it has, else `make test`'s
 .venv-wandb, a layer over the venv that adds the [wandb] extra (megatron-core imports wandb
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from jobs import read_metrics
+from jobs import read_metrics, word_tokenizer
 
 from megatron_mlmclm.cli import main as cli_main
 
@@ -42,9 +44,29 @@ def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-def test_wandb_offline_logs_the_tensorboard_scalars_and_config(tmp_path):
-    out = tmp_path / "run"
-    cfg = tmp_path / "run.yaml"
+# Secrets a user's environment holds, as sentinels: no file any command writes may hold one.
+SECRETS = {
+    "WANDB_API_KEY": "sentinel0wandb0key0000000000000000000000",  # a W&B key's 40 characters
+    "HF_TOKEN": "hf_sentinelHfToken0000000000000000",
+    "HUGGING_FACE_HUB_TOKEN": "hf_sentinelHubToken000000000000000",
+}
+
+
+def secret_env(root: Path) -> dict[str, str]:
+    """This environment with the SECRETS set, and home and temporary folders under `root`, so
+    that every file a command writes (W&B's settings and logs included) lies under `root`."""
+    for name in ("home", "tmp"):
+        (root / name).mkdir(exist_ok=True)
+    return dict(os.environ, **SECRETS, HOME=str(root / "home"), TMPDIR=str(root / "tmp"))
+
+
+@pytest.fixture(scope="module")
+def wandb_run(tmp_path_factory) -> tuple[Path, str]:
+    """A 3-step run logging to W&B offline, with SECRETS in its environment: (its folder, the
+    interpreter that has wandb)."""
+    root = tmp_path_factory.mktemp("wandb")
+    out = root / "run"
+    cfg = root / "run.yaml"
     cfg.write_text(
         yaml.safe_dump(
             {
@@ -65,7 +87,7 @@ def test_wandb_offline_logs_the_tensorboard_scalars_and_config(tmp_path):
         )
     )
     python = wandb_python()
-    env = dict(os.environ, WANDB_MODE="offline")
+    env = dict(secret_env(root), WANDB_MODE="offline")
     run = subprocess.run(
         [python, "-m", "megatron_mlmclm", "pretrain", str(cfg)],
         env=env,
@@ -74,7 +96,11 @@ def test_wandb_offline_logs_the_tensorboard_scalars_and_config(tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    return out, python
 
+
+def test_wandb_offline_logs_the_tensorboard_scalars_and_config(wandb_run):
+    out, python = wandb_run
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs
     read = subprocess.run(
@@ -133,3 +159,31 @@ def test_wandb_configured_but_missing_is_one_line_before_any_work(tmp_path, monk
         err = capsys.readouterr().err
         assert rc == 2 and err.strip().count("\n") == 0 and match in err, err
         assert not out.exists()
+
+
+def test_no_secret_reaches_a_written_file(wandb_run, data_dir):
+    """With a W&B key and Hugging Face tokens in the environment: the W&B run above, the export
+    of its checkpoint and a plan write none of them (names or bytes) into any file they write,
+    W&B's own files, home and temporary folders included."""
+    root = wandb_run[0].parent
+    env = secret_env(root)
+    commands = [
+        ["convert", "to-hf", str(root / "run" / "checkpoints"), str(root / "hf"),
+         "--tokenizer", str(word_tokenizer(root, 300))],
+        ["plan", "--out", str(root / "plan"), "--sizes", "210m", "--budgets", "12000",
+         "--clm-shares", "--cpt-steps", "--eval-tasks", "sst2", "--eval-data-dir", str(data_dir)],
+    ]  # fmt: skip
+    for argv in commands:
+        p = subprocess.run([sys.executable, "-m", "megatron_mlmclm", *argv], env=env,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+    files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert any(p.parent.name == "hf" for p in files) and (root / "plan" / "jobs.json").is_file()
+    assert list((root / "run" / "wandb").rglob("*.wandb"))
+    leaks = [
+        (str(p), name)
+        for p in files
+        for name, secret in SECRETS.items()
+        if secret.encode() in p.read_bytes() or secret in str(p)
+    ]
+    assert not leaks, leaks

@@ -96,6 +96,33 @@ def test_sc_test_labels_unseen_in_train_are_refused(bert, tmp_path, capsys):
     preflight([cfg], log=lambda *_: None)  # every label declared: accepted
 
 
+def test_sc_validation_labels_unseen_in_train_are_refused(bert, tmp_path, capsys):
+    """The validation split is checked as the test split is: 3 of 10 validation rows labelled
+    `neutral` (test clean), refused against train's labels and against declared `labels`."""
+    train = [{"a": f"premise {i}", "y": "yes no".split()[i % 2]} for i in range(20)]
+    validation = [dict(r, y="neutral" if i < 3 else r["y"]) for i, r in enumerate(train[:10])]
+    for name, rows in (("train", train), ("validation", validation), ("test", train)):
+        jsonl(tmp_path / f"{name}.jsonl", rows)
+    entry = {"family": "sc", "format": "jsonl", "path": str(tmp_path), "text_a": "a",
+             "label": "y", "splits": {s: f"{s}.jsonl" for s in SPLITS}}  # fmt: skip
+    tasks = task_file(tmp_path, single=entry, declared={**entry, "labels": ["no", "yes"]})
+    out = tmp_path / "results"
+    base = ["evaluate", "--model", str(bert), "--task-file", tasks, "--out", str(out)]
+    refused(
+        [*base, "--task", "single"],
+        capsys,
+        "task 'single': validation labels outside train's labels (no, yes): ",
+        "'neutral' (3 of 10 rows)",
+    )
+    refused(
+        [*base, "--task", "declared"],
+        capsys,
+        "task 'declared': validation labels outside the declared `labels` (no, yes): ",
+        "'neutral' (3 of 10 rows)",
+    )
+    assert not out.exists()
+
+
 def conll(path: Path, sentences: list[list[tuple[str, str]]], delimiter: str) -> None:
     """A UNER-style file: a comment, then per token "index, token, tag, -, -" columns."""
     lines = []
@@ -173,6 +200,46 @@ def test_a_conll_token_holding_a_unicode_separator_stays_one_token(bert, tmp_pat
         capsys,
         "test labels outside train's labels (O, B-LOC, B-ORG): 'B-PER' (1 of 2 sentences)",
     )
+
+
+def test_tc_tags_outside_the_declared_labels_are_refused(bert, tmp_path, capsys):
+    """TC with declared `labels`: a validation or test tag outside them is refused naming the
+    declared set (not train's), the tag and its sentences; declared, it is accepted."""
+    sentence = [("EU", "B-ORG"), ("rejects", "O"), ("Paris", "B-LOC")]
+    conll(tmp_path / "train.iob2", [sentence] * 3, "\t")
+    conll(tmp_path / "validation.iob2", [sentence, [("Peter", "B-PER")], sentence], "\t")
+    conll(tmp_path / "test.iob2", [sentence, [("Bonn", "B-MISC")]], "\t")
+    entry = {
+        k: v
+        for k, v in vars(conll_task(tmp_path)).items()
+        if k
+        in ("family", "format", "path", "splits", "token_column", "tag_column", "comment_prefix")
+    }
+    declared = ["O", "B-ORG", "B-LOC", "B-MISC"]  # B-MISC: declared, though train lacks it
+    tasks = task_file(
+        tmp_path,
+        declared={**entry, "labels": declared},
+        no_misc={**entry, "labels": ["O", "B-ORG", "B-LOC", "B-PER"]},
+        complete={**entry, "labels": [*declared, "B-PER"]},
+    )
+    out = tmp_path / "results"
+    base = ["evaluate", "--model", str(bert), "--task-file", tasks, "--out", str(out)]
+    refused(
+        [*base, "--task", "declared"],
+        capsys,
+        "task 'declared': validation labels outside the declared `labels` (O, B-ORG, B-LOC, "
+        "B-MISC): 'B-PER' (1 of 3 sentences); no model can predict them",
+        "add them to `labels`",
+    )
+    refused(
+        [*base, "--task", "no_misc"],
+        capsys,
+        "task 'no_misc': test labels outside the declared `labels` (O, B-ORG, B-LOC, B-PER): "
+        "'B-MISC' (1 of 2 sentences)",
+    )
+    assert not out.exists()
+    cfg = FinetuneConfig(model=str(bert), task="complete", task_files=[tasks])
+    preflight([cfg], log=lambda *_: None)  # every tag declared: accepted
 
 
 TEXT = st.text(
