@@ -395,7 +395,7 @@ class Submission:
     def run_line(self, run: str) -> str:
         """`run`'s jobs and what became of each, its keys as the table names them."""
         rows = [r for r in self.table["jobs"] if r.get("run") == run]
-        [pretrain] = [self.status[r["key"]] for r in rows if r["kind"] == "pretrain"]
+        *_, pretrain = [self.status[r["key"]] for r in rows if r["kind"] == "pretrain"]  # final
         [convert] = [self.status[r["key"]] for r in rows if r["kind"] == "convert"]
         evaluate = ", ".join(
             f"{r['task']} {self.status[r['key']]}" for r in rows if r["kind"] == "evaluate"
