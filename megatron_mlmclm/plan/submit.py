@@ -411,5 +411,12 @@ def submit(plan_dir: str | Path, env: dict[str, str] | None = None, slurm=None, 
     plan = Path(plan_dir).resolve()
     table = read_table(plan)
     settings = read_settings(env, table)
-    Path("logs").mkdir(exist_ok=True)  # every job's #SBATCH --output=logs/... (relative to here)
-    return Submission(plan, table, settings, env, slurm or Slurm(), say).run()
+    logs = Path("logs")  # every job's #SBATCH --output=logs/... (relative to here)
+    made = not logs.exists()
+    logs.mkdir(exist_ok=True)
+    try:
+        return Submission(plan, table, settings, env, slurm or Slurm(), say).run()
+    except BaseException:
+        if made and not any(logs.iterdir()):  # a refusal leaves no folder of ours behind
+            logs.rmdir()
+        raise
