@@ -291,7 +291,7 @@ def export_dims(m, vocab: int) -> mapping.Dims:
 
 def max_positions(m, source: dict[str, Any] | None) -> int:
     """The export's max_position_embeddings: the imported source's, else the run's sequence
-    length; with RoPE scaling, at least the context it scales to."""
+    length; the context RoPE scaling reaches where that length is within its original one."""
     max_pos = int(
         (source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length
     )
