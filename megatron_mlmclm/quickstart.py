@@ -123,37 +123,7 @@ def run_quickstart(
         f"5/6 fine-tune on {', '.join(tasks)} over lr {list(lrs)} x seeds {list(seeds)} "
         "(finished runs are skipped)"
     )
-    cli(
-        [
-            "evaluate",
-            "--model",
-            *[str(exports / n) for n in MODELS],
-            "--task",
-            *tasks,
-            "--out",
-            str(results),
-            "--lrs",
-            *map(str, lrs),
-            "--seeds",
-            *map(str, seeds),
-            # Validation once, at the end: it is what picks the LR (a curve nobody reads costs
-            # time).
-            "--max-steps",
-            str(finetune_steps),
-            "--eval-every",
-            str(finetune_steps),
-            "--batch-size",
-            "32",
-            "--max-length",
-            "128",
-            "--max-eval-examples",
-            "1000",
-            "--workers",
-            str(workers),
-            "--threads",
-            "1",
-        ]
-    )
+    cli(evaluate_args(exports, tasks, results, lrs, seeds, finetune_steps, workers))
 
     log("6/6 report")
     cli(["report", str(results), "--out", str(out)])
@@ -162,6 +132,47 @@ def run_quickstart(
         f"{out / 'plots'}, models in {exports}/"
     )
     return out
+
+
+def evaluate_args(
+    exports: Path,
+    tasks: Sequence[str],
+    results: Path,
+    lrs: Sequence[float],
+    seeds: Sequence[int],
+    finetune_steps: int,
+    workers: int,
+) -> list[str]:
+    """`mlmclm evaluate`'s arguments for the quickstart's fine-tuning grid over its exports."""
+    return [
+        "evaluate",
+        "--model",
+        *[str(exports / n) for n in MODELS],
+        "--task",
+        *tasks,
+        "--out",
+        str(results),
+        "--lrs",
+        *map(str, lrs),
+        "--seeds",
+        *map(str, seeds),
+        # Validation once, at the end: it is what picks the LR (a curve nobody reads costs
+        # time).
+        "--max-steps",
+        str(finetune_steps),
+        "--eval-every",
+        str(finetune_steps),
+        "--batch-size",
+        "32",
+        "--max-length",
+        "128",
+        "--max-eval-examples",
+        "1000",
+        "--workers",
+        str(workers),
+        "--threads",
+        "1",
+    ]
 
 
 def build_corpus(

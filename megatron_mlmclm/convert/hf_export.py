@@ -244,24 +244,9 @@ def to_hf(
     source = find_source(ckpt, trainer)
     arch = resolve_arch(arch, causal_lm, m.qk_layernorm, source)
     family = arch
-    dims = mapping.Dims(
-        num_layers=m.num_layers,
-        num_heads=m.num_attention_heads,
-        num_groups=m.num_query_groups,
-        head_dim=m.kv_channels,
-        vocab_size=vocab,
-        padded_vocab_size=padded_vocab_size(vocab, 1),
-        tied=m.tie_embeddings,
-        qk_norm=m.qk_layernorm,
-    )
+    dims = export_dims(m, vocab)
     torch_dtype = DTYPES[dtype] if dtype is not None else common.saved_dtype(ckpt)
-    max_pos = int(
-        (source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length
-    )
-    r = m.rope_scaling
-    if r is not None and max_pos <= r.original_max_position_embeddings:
-        max_pos = int(r.original_max_position_embeddings * r.factor)  # the context it scales to
-    hf_cfg = hf_config(arch, m, vocab, ids, causal_lm, max_pos, clf_pooling)
+    hf_cfg = hf_config(arch, m, vocab, ids, causal_lm, max_positions(m, source), clf_pooling)
     if verbose:
         _notes(arch, causal_lm, cfg, source)
 
@@ -286,13 +271,44 @@ def to_hf(
         write_model_card(tmp, record, hf_cfg, tok, str(out))
     result = ExportResult(out, arch, causal_lm, vocab, ckpt, ver)
     if verbose:
-        kind = "causal LM" if causal_lm else "bidirectional encoder"
-        print(f"{result.verification.line()}")
-        print(
-            f"exported {ckpt} (saved at {_layout_text(trainer.get('layout'))}) to {out}: "
-            f"{arch} {kind}, vocab {vocab}, {m.num_layers} layers"
-        )
+        _print_export(result, trainer, m.num_layers)
     return result
+
+
+def export_dims(m, vocab: int) -> mapping.Dims:
+    """The shapes the tensor mapping needs of the final model `m` (config.final_model)."""
+    return mapping.Dims(
+        num_layers=m.num_layers,
+        num_heads=m.num_attention_heads,
+        num_groups=m.num_query_groups,
+        head_dim=m.kv_channels,
+        vocab_size=vocab,
+        padded_vocab_size=padded_vocab_size(vocab, 1),
+        tied=m.tie_embeddings,
+        qk_norm=m.qk_layernorm,
+    )
+
+
+def max_positions(m, source: dict[str, Any] | None) -> int:
+    """The export's max_position_embeddings: the imported source's, else the run's sequence
+    length; the context RoPE scaling reaches where that length is within its original one."""
+    max_pos = int(
+        (source or {}).get("hf_config", {}).get("max_position_embeddings") or m.seq_length
+    )
+    r = m.rope_scaling
+    if r is not None and max_pos <= r.original_max_position_embeddings:
+        max_pos = int(r.original_max_position_embeddings * r.factor)  # the context it scales to
+    return max_pos
+
+
+def _print_export(result: ExportResult, trainer: dict[str, Any], num_layers: int) -> None:
+    """The verification and what was exported."""
+    kind = "causal LM" if result.causal_lm else "bidirectional encoder"
+    print(f"{result.verification.line()}")
+    print(
+        f"exported {result.checkpoint} (saved at {_layout_text(trainer.get('layout'))}) to "
+        f"{result.path}: {result.arch} {kind}, vocab {result.vocab_size}, {num_layers} layers"
+    )
 
 
 def run_tokenizer(ckpt: Path, trainer: dict[str, Any], cfg, tokenizer: str | None, verbose: bool):

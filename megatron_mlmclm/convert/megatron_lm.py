@@ -256,36 +256,12 @@ def from_megatron_lm(
         )
     fields = model_fields(args, vocab)
     tensors = common.read_global_tensors(ckpt)
-    padded = padded_vocab_size(vocab, 1)
-    ours = {
-        k: (
-            _resize_vocab(v, padded)
-            if k in ("embedding.word_embeddings.weight", "output_layer.weight")
-            else v
-        )
-        for k, v in tensors.items()
-    }
+    ours = _resize_vocab_tensors(tensors, padded_vocab_size(vocab, 1))
 
     with common.staged_output(out, force, "import", inputs) as tmp:
         shutil.copytree(tok_src, tmp / "tokenizer")
         raw, cfg = common.continued_mlm_config(out, fields, seed)
-        source = json.loads(
-            json.dumps(
-                {
-                    "family": FAMILY,
-                    "checkpoint": str(ckpt),
-                    "attention": "causal",
-                    "iteration": info.get("iteration"),
-                    "checkpoint_version": info.get("checkpoint_version"),
-                    "megatron_lm_args": {
-                        k: v
-                        for k, v in vars(args).items()
-                        if isinstance(v, (int, float, str, bool, type(None)))
-                    },
-                },
-                default=str,
-            )
-        )
+        source = source_record(ckpt, args, info)
         record = {**tokenizer_fingerprint(tok), "path": str(out / "tokenizer")}
         build_cfg, saved = common.save_imported_checkpoint(
             tmp / "checkpoints", cfg, ours, source, vocab, seed, record
@@ -301,15 +277,58 @@ def from_megatron_lm(
         )
     result = ImportResult(out, out / "checkpoints" / iter_name(0), FAMILY, vocab, False, ver)
     if verbose:
-        print(ver.line())
-        print(
-            f"imported Megatron-LM iteration {info.get('iteration')} from {ckpt} to {out}: "
-            f"{fields['num_layers']} layers, hidden {fields['hidden_size']}, heads "
-            f"{fields['num_attention_heads']}/{fields['num_query_groups']} kv, vocab {vocab} "
-            f"(padded {args.padded_vocab_size} in the source), tied={fields['tie_embeddings']}"
-        )
-        print(f"continue with MLM: mlmclm pretrain {out / 'config.yaml'} data.train=[PREFIX]")
+        _print_import(result, ckpt, info, fields, args)
     return result
+
+
+def _resize_vocab_tensors(tensors: dict[str, torch.Tensor], padded: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with the embedding and output rows cut or padded to our padded
+    vocabulary."""
+    return {
+        k: (
+            _resize_vocab(v, padded)
+            if k in ("embedding.word_embeddings.weight", "output_layer.weight")
+            else v
+        )
+        for k, v in tensors.items()
+    }
+
+
+def source_record(ckpt: Path, args: Namespace, info: dict[str, Any]) -> dict[str, Any]:
+    """mlmclm_source.json: where the import came from, with Megatron-LM's plain-valued args (as
+    JSON holds them)."""
+    return json.loads(
+        json.dumps(
+            {
+                "family": FAMILY,
+                "checkpoint": str(ckpt),
+                "attention": "causal",
+                "iteration": info.get("iteration"),
+                "checkpoint_version": info.get("checkpoint_version"),
+                "megatron_lm_args": {
+                    k: v
+                    for k, v in vars(args).items()
+                    if isinstance(v, (int, float, str, bool, type(None)))
+                },
+            },
+            default=str,
+        )
+    )
+
+
+def _print_import(
+    result: ImportResult, ckpt: Path, info: dict[str, Any], fields: dict[str, Any], args: Namespace
+) -> None:
+    """The verification, what was imported, and the command that continues it with MLM."""
+    out, vocab = result.path, result.vocab_size
+    print(result.verification.line())
+    print(
+        f"imported Megatron-LM iteration {info.get('iteration')} from {ckpt} to {out}: "
+        f"{fields['num_layers']} layers, hidden {fields['hidden_size']}, heads "
+        f"{fields['num_attention_heads']}/{fields['num_query_groups']} kv, vocab {vocab} "
+        f"(padded {args.padded_vocab_size} in the source), tied={fields['tie_embeddings']}"
+    )
+    print(f"continue with MLM: mlmclm pretrain {out / 'config.yaml'} data.train=[PREFIX]")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ Names follow the released models (see docs/plan.md): `610m-mlm40-42k`, `610m-clm
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +93,21 @@ class Run:
 
 def build_grid(opts: PlanOptions) -> list[Run]:
     """The runs of the plan, sources before the runs that depend on them."""
+    check_grid(opts)
+    runs: dict[str, Run] = {}
+    # one at a time, in the grid's order: a name clash is refused before the next run is made
+    for run in itertools.chain(single_runs(opts), biphasic_runs(opts), cpt_runs(opts)):
+        old = runs.get(run.name)
+        if old is not None and (old.phases, old.steps) != (run.phases, run.steps):
+            raise UsageError(f"two different runs would be named {run.name}; change the grid")
+        runs.setdefault(run.name, run)
+    if opts.branches:
+        plan_branches(list(runs.values()))
+    return sorted(runs.values(), key=start_order)
+
+
+def check_grid(opts: PlanOptions) -> None:
+    """The grid's options that no run could be made of, refused (UsageError, one line)."""
     sizes, budgets = list(opts.sizes), list(opts.budgets)
     for s in sizes + [opts.split_size] + ([opts.cpt_size] if opts.cpt_size else []):
         check_size(s)
@@ -120,96 +137,91 @@ def build_grid(opts: PlanOptions) -> list[Run]:
     if opts.cpt_warmup_steps < 0:
         raise UsageError("--cpt-warmup-steps must be >= 0")
 
-    runs: dict[str, Run] = {}
 
-    def add(run: Run) -> None:
-        old = runs.get(run.name)
-        if old is not None and (old.phases, old.steps) != (run.phases, run.steps):
-            raise UsageError(f"two different runs would be named {run.name}; change the grid")
-        runs.setdefault(run.name, run)
+def single_run(size: str, objective: str, budget: int, ratio: float | None) -> Run:
+    """The run of one objective (MLM at `ratio`) from scratch."""
+    ph = {"objective": "clm"} if objective == "clm" else {"objective": "mlm", "mask_ratio": ratio}
+    return Run(
+        single_name(size, objective, budget, ratio), size, "single", budget, [ph], WARMUP, DECAY
+    )
 
-    def single(size, objective, budget, ratio) -> Run:
-        ph = (
-            {"objective": "clm"}
-            if objective == "clm"
-            else {"objective": "mlm", "mask_ratio": ratio}
-        )
-        return Run(
-            single_name(size, objective, budget, ratio), size, "single", budget, [ph], WARMUP, DECAY
-        )
 
-    for size in sizes:
-        for budget in budgets:
+def single_runs(opts: PlanOptions) -> Iterator[Run]:
+    """Every size x budget x (CLM, and MLM at every masking ratio)."""
+    for size in opts.sizes:
+        for budget in opts.budgets:
             for objective in opts.objectives:
                 ratios = [None] if objective == "clm" else opts.mask_ratios
                 for ratio in ratios:
-                    add(single(size, objective, budget, ratio))
+                    yield single_run(size, objective, budget, ratio)
 
-    for budget in budgets:
+
+def biphasic_runs(opts: PlanOptions) -> Iterator[Run]:
+    """split_size at every budget, CLM for each share of the budget then MLM; shares 0 and 1 are
+    the single-objective runs."""
+    for budget in opts.budgets:
         for share in opts.clm_shares:
             if share <= 0.0:
-                add(single(opts.split_size, "mlm", budget, opts.split_mask_ratio))
+                yield single_run(opts.split_size, "mlm", budget, opts.split_mask_ratio)
             elif share >= 1.0:
-                add(single(opts.split_size, "clm", budget, None))
+                yield single_run(opts.split_size, "clm", budget, None)
             else:
                 clm_steps = int(round(share * budget))  # what config.resolve_phase_steps gives
                 name = (
                     f"{opts.split_size}-clm-{k_steps(clm_steps, floor=True)}-"
                     f"{mlm_tag(opts.split_mask_ratio)}-{k_steps(budget)}"
                 )
-                add(
-                    Run(
-                        name,
-                        opts.split_size,
-                        "biphasic",
-                        budget,
-                        [
-                            {"objective": "clm", "share": share},
-                            {
-                                "objective": "mlm",
-                                "share": round(1.0 - share, 12),
-                                "mask_ratio": opts.split_mask_ratio,
-                            },
-                        ],
-                        WARMUP,
-                        DECAY,
-                    )
+                yield Run(
+                    name,
+                    opts.split_size,
+                    "biphasic",
+                    budget,
+                    [
+                        {"objective": "clm", "share": share},
+                        {
+                            "objective": "mlm",
+                            "share": round(1.0 - share, 12),
+                            "mask_ratio": opts.split_mask_ratio,
+                        },
+                    ],
+                    WARMUP,
+                    DECAY,
                 )
 
-    if opts.cpt_steps:
-        size = opts.cpt_size or opts.split_size
-        src_budget = opts.cpt_budget or max(budgets)
-        if not opts.cpt_from:
-            raise UsageError("--cpt-from is empty but --cpt-steps is not; give clm and/or mlm")
-        for objective in opts.cpt_from:
-            if objective not in ("clm", "mlm"):
-                raise UsageError(f"--cpt-from: '{objective}' must be clm or mlm")
-            src = single(size, objective, src_budget, opts.cpt_mask_ratio)
-            add(src)  # the source run is part of the plan (a no-op when the grid has it)
-            src_tag = "clm" if objective == "clm" else mlm_tag(opts.cpt_mask_ratio)
-            for n in opts.cpt_steps:
-                warmup = min(opts.cpt_warmup_steps, n)
-                decay = min(DECAY, n - warmup)
-                name = (
-                    f"{size}-{src_tag}-dec{k_steps(src_budget)}-"
-                    f"{mlm_tag(opts.cpt_mask_ratio)}-{k_steps(src_budget + n)}"
-                )
-                add(
-                    Run(
-                        name,
-                        size,
-                        "cpt",
-                        n,
-                        [{"objective": "mlm", "mask_ratio": opts.cpt_mask_ratio}],
-                        warmup,
-                        decay,
-                        depends_on=src.name,
-                        init_from=src.name,
-                    )
-                )
-    if opts.branches:
-        plan_branches(list(runs.values()))
-    return sorted(runs.values(), key=start_order)
+
+def cpt_runs(opts: PlanOptions) -> Iterator[Run]:
+    """Per source objective: the decayed source run of cpt_size at cpt_budget (part of the plan,
+    a no-op where the grid has it), then its +N MLM continuations."""
+    if not opts.cpt_steps:
+        return
+    size = opts.cpt_size or opts.split_size
+    src_budget = opts.cpt_budget or max(opts.budgets)
+    if not opts.cpt_from:
+        raise UsageError("--cpt-from is empty but --cpt-steps is not; give clm and/or mlm")
+    for objective in opts.cpt_from:
+        if objective not in ("clm", "mlm"):
+            raise UsageError(f"--cpt-from: '{objective}' must be clm or mlm")
+        src = single_run(size, objective, src_budget, opts.cpt_mask_ratio)
+        yield src
+        src_tag = "clm" if objective == "clm" else mlm_tag(opts.cpt_mask_ratio)
+        for n in opts.cpt_steps:
+            warmup = min(opts.cpt_warmup_steps, n)
+            decay = min(DECAY, n - warmup)
+            name = (
+                f"{size}-{src_tag}-dec{k_steps(src_budget)}-"
+                f"{mlm_tag(opts.cpt_mask_ratio)}-{k_steps(src_budget + n)}"
+            )
+            yield Run(
+                name,
+                size,
+                "cpt",
+                n,
+                [{"objective": "mlm", "mask_ratio": opts.cpt_mask_ratio}],
+                warmup,
+                decay,
+                depends_on=src.name,
+                init_from=src.name,
+            )
 
 
 def start_order(run: Run) -> int:

@@ -32,7 +32,7 @@ from collections import defaultdict
 from megatron_mlmclm.eval.report.render import format_interval
 from megatron_mlmclm.eval.report.stats import add_interval, mean_ci
 from megatron_mlmclm.eval.report.summary import summarize
-from megatron_mlmclm.study.design import RECIPES, parse_run_name
+from megatron_mlmclm.study.design import RECIPE, RECIPES, parse_run_name
 
 MARGIN = 1.0  # points: "matches" = at most this much worse, with 95% confidence
 MIN_PAIRS = 3
@@ -129,121 +129,78 @@ def compare(
     return row
 
 
+# The study's claims in the report's order: (claim, recipe A, recipe B, kind, measured on), where
+# "measured on" is a family (the mean score over its tasks; no row when the study has none),
+# "all" (the mean score over every task) or "lr spread" (the LR sensitivity, task_samples).
+CLAIMS = (
+    ("MLM beats CLM on sequence classification", "mlm40", "clm", "beats", "sc"),
+    ("MLM beats CLM on question answering", "mlm40", "clm", "beats", "qa"),
+    ("MLM beats CLM overall", "mlm40", "clm", "beats", "all"),
+    ("CLM is competitive with MLM on token classification", "clm", "mlm40", "matches", "tc"),
+    (
+        "CLM is less sensitive to the fine-tuning learning rate",
+        "mlm40",
+        "clm",
+        "beats",
+        "lr spread",
+    ),
+    ("At equal compute (the CLM run's FLOPs), MLM beats CLM", "mlm40-flops", "clm", "beats", "all"),
+    (
+        "At a fixed budget, CLM then MLM matches or beats MLM alone",
+        "clm25-mlm40",
+        "mlm40",
+        "matches",
+        "all",
+    ),
+    (
+        "Continuing a CLM model with MLM matches or beats MLM from scratch",
+        "clm-cpt-mlm40",
+        "mlm40",
+        "matches",
+        "all",
+    ),
+    (
+        "The MLM continuation improves the CLM model it starts from",
+        "clm-cpt-mlm40",
+        "clm",
+        "beats",
+        "all",
+    ),
+)
+
+
 def study_comparisons(results: list[dict], families: dict[str, str]) -> list[dict]:
-    """The study's claims (docs/study.md) on these fine-tuning results. `families`: task -> family
-    of the tasks present."""
+    """The study's claims (docs/study.md, CLAIMS) on these fine-tuning results. `families`: task
+    -> family of the tasks present."""
     scores, spreads = task_samples(results)
-    tasks = sorted(families)
-    fam = {f: [t for t in tasks if families[t] == f] for f in ("sc", "tc", "qa", "ir")}
-
-    def score(recipe, of):
-        return averaged(scores, recipe, of)
-
     rows = []
-    for f, claim in (
-        ("sc", "MLM beats CLM on sequence classification"),
-        ("qa", "MLM beats CLM on question answering"),
-    ):
-        if fam[f]:
-            rows.append(
-                compare(
-                    claim,
-                    score("mlm40", fam[f]),
-                    score("clm", fam[f]),
-                    "MLM 40%",
-                    "CLM",
-                    "beats",
-                    f"{f.upper()} score ({', '.join(fam[f])})",
-                    f.upper(),
-                )
-            )
-    rows.append(
-        compare(
-            "MLM beats CLM overall",
-            score("mlm40", tasks),
-            score("clm", tasks),
-            "MLM 40%",
-            "CLM",
-            "beats",
-            "mean score over all tasks",
-            "overall",
-        )
-    )
-    if fam["tc"]:
+    for claim, a, b, kind, on in CLAIMS:
+        measure = claim_measure(on, families, scores, spreads)
+        if measure is None:
+            continue
+        samples, tasks, what, tag = measure
+        a_samples, b_samples = averaged(samples, a, tasks), averaged(samples, b, tasks)
         rows.append(
-            compare(
-                "CLM is competitive with MLM on token classification",
-                score("clm", fam["tc"]),
-                score("mlm40", fam["tc"]),
-                "CLM",
-                "MLM 40%",
-                "matches",
-                f"TC score ({', '.join(fam['tc'])})",
-                "TC",
-            )
+            compare(claim, a_samples, b_samples, RECIPE[a].label, RECIPE[b].label, kind, what, tag)
         )
-    rows.append(
-        compare(
-            "CLM is less sensitive to the fine-tuning learning rate",
-            averaged(spreads, "mlm40", tasks),
-            averaged(spreads, "clm", tasks),
-            "MLM 40%",
-            "CLM",
-            "beats",
-            "best - worst score across the LR grid, mean over tasks (A - B > 0: "
-            "MLM more sensitive)",
-            "LR spread",
-        )
-    )
-    rows.append(
-        compare(
-            "At equal compute (the CLM run's FLOPs), MLM beats CLM",
-            score("mlm40-flops", tasks),
-            score("clm", tasks),
-            "MLM 40% at CLM's FLOPs",
-            "CLM",
-            "beats",
-            "mean score over all tasks",
-            "overall",
-        )
-    )
-    rows.append(
-        compare(
-            "At a fixed budget, CLM then MLM matches or beats MLM alone",
-            score("clm25-mlm40", tasks),
-            score("mlm40", tasks),
-            "CLM 25% -> MLM 75%",
-            "MLM 40%",
-            "matches",
-            "mean score over all tasks",
-            "overall",
-        )
-    )
-    rows.append(
-        compare(
-            "Continuing a CLM model with MLM matches or beats MLM from scratch",
-            score("clm-cpt-mlm40", tasks),
-            score("mlm40", tasks),
-            "CLM + MLM continuation",
-            "MLM 40%",
-            "matches",
-            "mean score over all tasks",
-            "overall",
-        )
-    )
-    rows.append(
-        compare(
-            "The MLM continuation improves the CLM model it starts from",
-            score("clm-cpt-mlm40", tasks),
-            score("clm", tasks),
-            "CLM + MLM continuation",
-            "CLM",
-            "beats",
-            "mean score over all tasks",
-            "overall",
-        )
-    )
     return rows
+
+
+def claim_measure(
+    on: str, families: dict[str, str], scores: dict, spreads: dict
+) -> tuple[dict, list[str], str, str] | None:
+    """(the samples, the tasks they are averaged over, the measure's description, its tag in a
+    plot label) of a claim measured `on` (CLAIMS); None for a family the study has no task of."""
+    tasks = sorted(families)
+    if on == "lr spread":
+        what = (
+            "best - worst score across the LR grid, mean over tasks (A - B > 0: MLM more sensitive)"
+        )
+        return spreads, tasks, what, "LR spread"
+    if on == "all":
+        return scores, tasks, "mean score over all tasks", "overall"
+    of = [t for t in tasks if families[t] == on]
+    return (scores, of, f"{on.upper()} score ({', '.join(of)})", on.upper()) if of else None
 
 
 def recipe_table(results: list[dict], families: dict[str, str]) -> list[dict]:

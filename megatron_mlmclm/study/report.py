@@ -169,14 +169,10 @@ def write_plots(
 def write_study_report(
     out: Path, design: StudyDesign, grids: dict[str, dict], plots: bool = True
 ) -> Path:
+    """OUT/report.md with its CSVs and plots, and the per-model report in OUT/models/, from the
+    study's pretraining runs and fine-tuning `grids` (pipeline.finetune_all)."""
     unigram = json.loads((out / "unigram.json").read_text())["unigram_nats"]
     invocations = json.loads((out / "study.json").read_text()).get("invocations", [])  # pipeline
-    wall = (
-        f" Wall time: {sum(i['minutes'] for i in invocations):.1f} min over "
-        f"{len(invocations)} invocation(s) (a resumed invocation reuses finished stages)."
-        if invocations
-        else ""
-    )
     results = [r for g in grids.values() for r in g["results"]]
     families = _families(results)
     metric_of = {r["task"]: r["metric"] for r in results}
@@ -202,8 +198,38 @@ def write_study_report(
     if plots and learning:
         written.append(plot_curves(out, learning, metric_of))
 
-    d = design
-    lines = [
+    lines = (
+        design_section(design, families, invocations)
+        + pretraining_section(design, pre, unigram)
+        + grids_section(grids)
+        + scores_section(grids, table)
+        + comparisons_section(comparisons)
+    )
+    if learning:
+        lines += [""] + curve_section(design, learning, learning_cmp)
+    if written:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in written]
+    lines += [
+        "",
+        "Per-model tables (every model and task, ties, LR stability): "
+        "[models/report.md](models/report.md).",
+        "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def design_section(d: StudyDesign, families: dict[str, str], invocations: list[dict]) -> list[str]:
+    """The report's title and what was run: the design's sizes, seeds and fine-tuning settings,
+    and the wall time of the pipeline's invocations."""
+    wall = (
+        f" Wall time: {sum(i['minutes'] for i in invocations):.1f} min over "
+        f"{len(invocations)} invocation(s) (a resumed invocation reuses finished stages)."
+        if invocations
+        else ""
+    )
+    return [
         "# Mini-study report",
         "",
         f"Model preset `{d.preset}`; {len(d.pretrain_seeds)} pretraining seeds "
@@ -214,6 +240,13 @@ def write_study_report(
         f"examples; seeds {d.finetune_seeds}; validation carved out of train, the score is "
         f"on the test split." + wall,
         "",
+    ]
+
+
+def pretraining_section(design: StudyDesign, pre: list[dict], unigram: float) -> list[str]:
+    """Each run's final validation loss against the unigram floor, the recipes' FLOPs, and the
+    context check's outcome."""
+    lines = [
         "## Pretraining: does MLM use context?",
         "",
         f"Unigram entropy of the validation tokens (the best a context-free predictor can do "
@@ -245,7 +278,7 @@ def write_study_report(
         f"{steps['clm']}.",
     ]
     failed = [r["run"] for r in pre if r["context_check"] == "FAIL"]
-    lines += [
+    return lines + [
         "",
         (
             "**Context check failed** for " + ", ".join(failed) + ": these MLM models do "
@@ -256,7 +289,11 @@ def write_study_report(
         "",
     ]
 
-    lines += ["## Fine-tuning learning-rate grids", ""]
+
+def grids_section(grids: dict[str, dict]) -> list[str]:
+    """Per task, its final LR grid, how it was widened and whether a chosen LR is still at an
+    edge."""
+    lines = ["## Fine-tuning learning-rate grids", ""]
     for task, g in grids.items():
         note = (
             "; ".join(
@@ -271,8 +308,13 @@ def write_study_report(
             else " Every chosen LR is interior."
         )
         lines.append(f"- {task}: {[float(x) for x in g['lrs']]}: {note}.{edge}")
+    return lines
 
-    lines += [
+
+def scores_section(grids: dict[str, dict], table: list[dict]) -> list[str]:
+    """The scores per recipe and task (compare.recipe_table), with the IR tasks' deviation from
+    evaluate's default protocol."""
+    lines = [
         "",
         "## Scores per recipe",
         "",
@@ -290,7 +332,7 @@ def write_study_report(
             "(docs/mini_study.md).",
             "",
         ]
-    lines += md_table(
+    return lines + md_table(
         table,
         [
             ("recipe", "recipe", "s"),
@@ -301,7 +343,11 @@ def write_study_report(
         ],
     )
 
-    lines += [
+
+def comparisons_section(comparisons: list[dict]) -> list[str]:
+    """The study's claims (compare.study_comparisons) as a table and in words; adds each row's
+    interval text ("interval")."""
+    lines = [
         "",
         "## The study's comparisons",
         "",
@@ -342,16 +388,4 @@ def write_study_report(
             )
             + "."
         )
-    if learning:
-        lines += [""] + curve_section(design, learning, learning_cmp)
-    if written:
-        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in written]
-    lines += [
-        "",
-        "Per-model tables (every model and task, ties, LR stability): "
-        "[models/report.md](models/report.md).",
-        "",
-    ]
-    path = out / "report.md"
-    path.write_text("\n".join(lines))
-    return path
+    return lines

@@ -47,19 +47,30 @@ def fmt(value, f: str) -> str:
 
 
 def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
+    """report.md of a summary, linking the `plots` written beside it."""
     fam_cols = sorted({r["family"] for r in s.per_family}, key=FAMILY_ORDER.index)
-    overview = []
-    for model in s.models:
-        row = {"model": model}
-        fams = {r["family"]: r for r in s.per_family if r["model"] == model}
-        for f in fam_cols:
-            r = fams.get(f)
-            row[f] = format_interval(r) if r else "-"
-        scored = [r["score"] for r in fams.values() if r["score"] is not None]
-        row["avg"] = (
-            f"{statistics.mean(scored):.2f}" if scored and len(scored) == len(fam_cols) else "-"
-        )
-        overview.append(row)
+    lines = (
+        intro_section(s)
+        + caveats(s)
+        + family_section(s, fam_cols)
+        + ties_section(s, fam_cols)
+        + per_task_section(s)
+        + incomplete_section(s)
+        + stability_section(s)
+    )
+    if s.inputs:
+        lines += ["", "## Inputs", ""] + inputs_section(s.inputs)
+    if s.learning_curve:
+        lines += ["", "## Learning curve: score against pretraining tokens", ""]
+        lines += learning_curve_section(s.learning_curve)
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def intro_section(s: Summary) -> list[str]:
+    """The title, what the scores are, the protocol and its task entries, and the paper's runs
+    beside ours."""
     run = ", ".join(f"{k}={v}" for k, v in s.protocol.items())
     tasks = ", ".join(f"{t} `{i}`" for t, i in sorted(s.task_ids.items()))
     lines = [
@@ -81,8 +92,24 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
             "the same LR choice, intervals and ties.",
             "",
         ]
-    lines += caveats(s)
-    lines += [
+    return lines
+
+
+def family_section(s: Summary, fam_cols: list[str]) -> list[str]:
+    """Per model, its score per family and their average (over models with every family)."""
+    overview = []
+    for model in s.models:
+        row = {"model": model}
+        fams = {r["family"]: r for r in s.per_family if r["model"] == model}
+        for f in fam_cols:
+            r = fams.get(f)
+            row[f] = format_interval(r) if r else "-"
+        scored = [r["score"] for r in fams.values() if r["score"] is not None]
+        row["avg"] = (
+            f"{statistics.mean(scored):.2f}" if scored and len(scored) == len(fam_cols) else "-"
+        )
+        overview.append(row)
+    lines = [
         "## Family averages",
         "",
         "Family score = mean of the family's task scores; its interval treats each seed's "
@@ -90,13 +117,17 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
         "chosen LR) as one sample. A model missing a task of the family has none.",
         "",
     ]
-    lines += md_table(
+    return lines + md_table(
         overview,
         [("model", "model", "s")]
         + [(f, f.upper(), "s") for f in fam_cols]
         + [("avg", "average", "s")],
     )
-    lines += [
+
+
+def ties_section(s: Summary, fam_cols: list[str]) -> list[str]:
+    """Per family, the models tied with its best (the paired t-test), and the test's table."""
+    lines = [
         "",
         "## Ties with the best model per family",
         "",
@@ -114,7 +145,8 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
                 f"- {fam.upper()}: best {rows[0]['best']}; statistically tied with the "
                 f"best: {', '.join(tied)}"
             )
-    lines += [""] + md_table(
+    lines.append("")
+    return lines + md_table(
         s.ties,
         [
             ("family", "family", "s"),
@@ -127,8 +159,11 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
             ("verdict", "verdict", "s"),
         ],
     )
-    lines += ["", "## Per task", ""]
-    lines += md_table(
+
+
+def per_task_section(s: Summary) -> list[str]:
+    """Per (model, task): the LR chosen, the score and its interval, the seeds and steps."""
+    return ["", "## Per task", ""] + md_table(
         s.per_task,
         [
             ("model", "model", "s"),
@@ -145,20 +180,29 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
             ("lr_edge", "LR at edge", "s"),
         ],
     )
-    if s.incomplete:
-        lines += ["", "## Incomplete learning rates (not eligible for the LR choice)", ""]
-        for r in s.incomplete:
-            if r["lr"] == "none complete":
-                lines.append(
-                    f"- {r['model']} / {r['task']}: no learning rate has all {r['seeds']} "
-                    f"seeds; not scored"
-                )
-            else:
-                lines.append(
-                    f"- {r['model']} / {r['task']} / lr {r['lr']:g}: missing seeds "
-                    f"{r['missing_seeds']}"
-                )
-    lines += [
+
+
+def incomplete_section(s: Summary) -> list[str]:
+    """The LRs left out of the LR choice for missing seeds, and what was not scored at all."""
+    if not s.incomplete:
+        return []
+    lines = ["", "## Incomplete learning rates (not eligible for the LR choice)", ""]
+    for r in s.incomplete:
+        if r["lr"] == "none complete":
+            lines.append(
+                f"- {r['model']} / {r['task']}: no learning rate has all {r['seeds']} "
+                f"seeds; not scored"
+            )
+        else:
+            lines.append(
+                f"- {r['model']} / {r['task']} / lr {r['lr']:g}: missing seeds {r['missing_seeds']}"
+            )
+    return lines
+
+
+def stability_section(s: Summary) -> list[str]:
+    """How much each (model, task)'s score moves across its LR grid."""
+    lines = [
         "",
         "## Learning-rate sensitivity (stability)",
         "",
@@ -166,7 +210,7 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
         "LRs, and how many LRs land within 1 point of the best. Smaller spread = more stable.",
         "",
     ]
-    lines += md_table(
+    return lines + md_table(
         s.stability,
         [
             ("model", "model", "s"),
@@ -180,14 +224,6 @@ def write_markdown(s: Summary, path: Path, plots: list[str]) -> None:
             ("lrs", "LRs", "d"),
         ],
     )
-    if s.inputs:
-        lines += ["", "## Inputs", ""] + inputs_section(s.inputs)
-    if s.learning_curve:
-        lines += ["", "## Learning curve: score against pretraining tokens", ""]
-        lines += learning_curve_section(s.learning_curve)
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
-    path.write_text("\n".join(lines) + "\n")
 
 
 def learning_curve_section(rows: list[dict]) -> list[str]:

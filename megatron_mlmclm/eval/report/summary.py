@@ -70,8 +70,44 @@ def edge_of_grid(chosen: float, grid: list[float]) -> str:
 
 def summarize(results: list[dict]) -> Summary:
     """All numbers of the report (percent), without any formatting. `results`: one protocol."""
-    runs = defaultdict(lambda: defaultdict(dict))  # (model, task) -> lr -> seed -> result
-    want_seeds, want_lrs = defaultdict(set), defaultdict(set)  # requested or seen
+    runs, want_seeds, want_lrs, family, metric = index_runs(results)
+    tables: dict[str, list[dict]] = {
+        k: [] for k in ("per_task", "stability", "lr_curves", "incomplete", "seed_points")
+    }
+    seed_scores = {}  # (model, task) -> {seed: test score at the chosen lr}
+    for (model, task), by_lr in sorted(runs.items()):
+        seeds, grid = want_seeds[(model, task)], sorted(want_lrs[(model, task)])
+        complete, incomplete = complete_lrs(model, task, by_lr, seeds, grid)
+        tables["incomplete"] += incomplete
+        if complete:
+            seed_scores[(model, task)] = score_task(
+                model, task, family[task], metric[task], complete, grid, tables
+            )
+    models = sorted({m for m, _ in runs})
+    per_family, family_seeds = _families(runs, family, seed_scores, tables["per_task"], models)
+    return Summary(
+        per_task=tables["per_task"],
+        per_family=per_family,
+        ties=_ties(per_family, family_seeds),
+        stability=tables["stability"],
+        lr_curves=tables["lr_curves"],
+        seed_points=tables["seed_points"],
+        family_seed_points=[
+            {"model": model, "family": fam, "seed": seed, "score": v}
+            for (model, fam), samples in sorted(family_seeds.items())
+            for seed, v in sorted(samples.items())
+        ],
+        incomplete=tables["incomplete"],
+        models=models,
+        **what_ran(results),
+    )
+
+
+def index_runs(results: list[dict]):
+    """(model, task) -> lr -> seed -> result; per (model, task) the seeds and the LRs requested
+    (the grid each result records) or seen; each task's family and metric."""
+    runs = defaultdict(lambda: defaultdict(dict))
+    want_seeds, want_lrs = defaultdict(set), defaultdict(set)
     family, metric = {}, {}
     for r in results:
         key = (r["model"], r["task"])
@@ -79,132 +115,140 @@ def summarize(results: list[dict]) -> Summary:
         want_seeds[key].update([r["seed"], *r["grid"]["seeds"]])
         want_lrs[key].update([r["lr"], *r["grid"]["lrs"]])
         family[r["task"]], metric[r["task"]] = r["family"], r["metric"]
-    per_task, stability, curves, incomplete, seed_points = [], [], [], [], []
-    seed_scores = {}  # (model, task) -> {seed: test score at the chosen lr}
-    for (model, task), by_lr in sorted(runs.items()):
-        m, seeds = metric[task], want_seeds[(model, task)]
-        complete = {}
-        for lr in sorted(want_lrs[(model, task)]):
-            lack = sorted(seeds - set(by_lr.get(lr, {})))
-            if lack:
-                incomplete.append(
-                    {
-                        "model": model,
-                        "task": task,
-                        "lr": lr,
-                        "missing_seeds": " ".join(map(str, lack)),
-                        "seeds_done": len(by_lr.get(lr, {})),
-                        "seeds": len(seeds),
-                    }
-                )
-            else:
-                complete[lr] = by_lr[lr]
-        if not complete:
+    return runs, want_seeds, want_lrs, family, metric
+
+
+def complete_lrs(
+    model: str, task: str, by_lr: dict, seeds: set, grid: list[float]
+) -> tuple[dict, list[dict]]:
+    """({lr: {seed: result}} of the LRs whose whole seed set finished, an incomplete row per LR
+    that lacks seeds, and one "none complete" row when no LR is complete)."""
+    complete, incomplete = {}, []
+    for lr in grid:
+        lack = sorted(seeds - set(by_lr.get(lr, {})))
+        if lack:
             incomplete.append(
                 {
                     "model": model,
                     "task": task,
-                    "lr": "none complete",
-                    "missing_seeds": "",
-                    "seeds_done": 0,
+                    "lr": lr,
+                    "missing_seeds": " ".join(map(str, lack)),
+                    "seeds_done": len(by_lr.get(lr, {})),
                     "seeds": len(seeds),
                 }
             )
-            continue
-        val = {
-            lr: statistics.mean(100 * s["metrics"]["validation"][m] for s in done.values())
-            for lr, done in complete.items()
-        }
-        test = {
-            lr: {seed: 100 * s["metrics"]["test"][m] for seed, s in done.items()}
-            for lr, done in complete.items()
-        }
-        best_lr = max(val, key=lambda lr: (val[lr], -lr))
-        mean, ci = mean_ci(list(test[best_lr].values()))
-        seed_scores[(model, task)] = test[best_lr]
-        grid = sorted(want_lrs[(model, task)])
-        per_task.append(
-            add_interval(
-                {
-                    "model": model,
-                    "family": family[task],
-                    "task": task,
-                    "metric": m,
-                    "best_lr": best_lr,
-                    "validation": val[best_lr],
-                    "score": mean,
-                    "ci95": ci,
-                    "seeds": len(test[best_lr]),
-                    "lrs": len(complete),
-                    "lrs_incomplete": len(grid) - len(complete),
-                    "lr_edge": edge_of_grid(best_lr, grid),
-                    "grid": " ".join(f"{lr:g}" for lr in grid),
-                    "steps": " ".join(
-                        str(x)
-                        for x in sorted(
-                            {
-                                s["steps"]
-                                for s in complete[best_lr].values()
-                                if s.get("steps") is not None
-                            }
-                        )
-                    ),
-                }
-            )
-        )
-        lr_means = {lr: statistics.mean(v.values()) for lr, v in test.items()}
-        for lr in sorted(complete):
-            lm, lci = mean_ci(list(test[lr].values()))
-            curves.append(
-                add_interval(
-                    {
-                        "model": model,
-                        "task": task,
-                        "lr": lr,
-                        "validation": val[lr],
-                        "score": lm,
-                        "ci95": lci,
-                        "seeds": len(test[lr]),
-                    }
-                )
-            )
-            seed_points += [
-                {"model": model, "task": task, "lr": lr, "seed": seed, "score": v}
-                for seed, v in sorted(test[lr].items())
-            ]
-        vals = list(lr_means.values())
-        stability.append(
+        else:
+            complete[lr] = by_lr[lr]
+    if not complete:
+        incomplete.append(
             {
                 "model": model,
                 "task": task,
-                "best_lr": best_lr,
-                "best": max(vals),
-                "worst": min(vals),
-                "worst_lr": min(lr_means, key=lr_means.get),
-                "spread": max(vals) - min(vals),
-                "sd_across_lrs": statistics.pstdev(vals),
-                "lrs_within_1pt": sum(v >= max(vals) - 1.0 for v in vals),
-                "lrs": len(vals),
+                "lr": "none complete",
+                "missing_seeds": "",
+                "seeds_done": 0,
+                "seeds": len(seeds),
             }
         )
-    models = sorted({m for m, _ in runs})
-    per_family, family_seeds = _families(runs, family, seed_scores, per_task, models)
+    return complete, incomplete
+
+
+def score_task(
+    model: str, task: str, family: str, m: str, complete: dict, grid: list[float], tables: dict
+) -> dict:
+    """One (model, task)'s rows of `tables` (per_task, lr_curves, seed_points, stability) from
+    its complete LRs; returns {seed: test score} at the LR chosen on validation."""
+    val = {
+        lr: statistics.mean(100 * s["metrics"]["validation"][m] for s in done.values())
+        for lr, done in complete.items()
+    }
+    test = {
+        lr: {seed: 100 * s["metrics"]["test"][m] for seed, s in done.items()}
+        for lr, done in complete.items()
+    }
+    best_lr = max(val, key=lambda lr: (val[lr], -lr))
+    mean, ci = mean_ci(list(test[best_lr].values()))
+    tables["per_task"].append(
+        add_interval(
+            {
+                "model": model,
+                "family": family,
+                "task": task,
+                "metric": m,
+                "best_lr": best_lr,
+                "validation": val[best_lr],
+                "score": mean,
+                "ci95": ci,
+                "seeds": len(test[best_lr]),
+                "lrs": len(complete),
+                "lrs_incomplete": len(grid) - len(complete),
+                "lr_edge": edge_of_grid(best_lr, grid),
+                "grid": " ".join(f"{lr:g}" for lr in grid),
+                "steps": " ".join(
+                    str(x)
+                    for x in sorted(
+                        {
+                            s["steps"]
+                            for s in complete[best_lr].values()
+                            if s.get("steps") is not None
+                        }
+                    )
+                ),
+            }
+        )
+    )
+    lr_rows(model, task, val, test, tables)
+    lr_means = {lr: statistics.mean(v.values()) for lr, v in test.items()}
+    tables["stability"].append(stability_row(model, task, best_lr, lr_means))
+    return test[best_lr]
+
+
+def lr_rows(model: str, task: str, val: dict, test: dict, tables: dict) -> None:
+    """One (model, task)'s score at each complete LR (lr_curves) and each seed's (seed_points)."""
+    for lr in sorted(test):
+        lm, lci = mean_ci(list(test[lr].values()))
+        tables["lr_curves"].append(
+            add_interval(
+                {
+                    "model": model,
+                    "task": task,
+                    "lr": lr,
+                    "validation": val[lr],
+                    "score": lm,
+                    "ci95": lci,
+                    "seeds": len(test[lr]),
+                }
+            )
+        )
+        tables["seed_points"] += [
+            {"model": model, "task": task, "lr": lr, "seed": seed, "score": v}
+            for seed, v in sorted(test[lr].items())
+        ]
+
+
+def stability_row(model: str, task: str, best_lr: float, lr_means: dict[float, float]) -> dict:
+    """How much one (model, task)'s mean test score moves across its complete LRs."""
+    vals = list(lr_means.values())
+    return {
+        "model": model,
+        "task": task,
+        "best_lr": best_lr,
+        "best": max(vals),
+        "worst": min(vals),
+        "worst_lr": min(lr_means, key=lr_means.get),
+        "spread": max(vals) - min(vals),
+        "sd_across_lrs": statistics.pstdev(vals),
+        "lrs_within_1pt": sum(v >= max(vals) - 1.0 for v in vals),
+        "lrs": len(vals),
+    }
+
+
+def what_ran(results: list[dict]) -> dict:
+    """The Summary's fields that say what ran: the run count, our runs' protocol (the paper's
+    runs' only when there are none of ours), the paper's runs beside them, each input form."""
     ours = [r for r in results if not r["protocol"].get("external")] or results
     theirs = [r for r in results if r["protocol"].get("external")]
-    return Summary(
-        per_task=per_task,
-        per_family=per_family,
-        ties=_ties(per_family, family_seeds),
-        stability=stability,
-        lr_curves=curves,
-        seed_points=seed_points,
-        family_seed_points=[
-            {"model": model, "family": fam, "seed": seed, "score": v}
-            for (model, fam), samples in sorted(family_seeds.items())
-            for seed, v in sorted(samples.items())
-        ],
-        incomplete=incomplete,
-        models=models,
+    return dict(
         runs=len(results),
         protocol=ours[0]["protocol"]["run"],
         run_id=ours[0]["protocol"]["run_id"],
