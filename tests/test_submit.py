@@ -487,7 +487,8 @@ def test_a_job_sbatch_refuses_is_one_line(tmp_path, fake_slurm_on_path, monkeypa
         f"invalid partition; the jobs submitted before it are recorded in {plan}/.submitted: fix "
         "it and run again"
     ]
-    assert not (tmp_path / "logs").exists()  # nothing submitted: the jobs' log folder not left
+    # nothing submitted: neither the jobs' log folder nor the plan's record of its jobs is left
+    assert not (tmp_path / "logs").exists() and not (plan / ".submitted").exists()
 
 
 def test_the_wrapper_submits_on_a_login_node_without_torch_or_yaml(

@@ -251,7 +251,6 @@ class Submission:
     def run(self) -> list[str]:
         """Every row, in order, with the lines a reader follows: each run's jobs under its name
         and a line on it, then the report's. Returns the jobs submitted."""
-        self.state.mkdir(exist_ok=True)
         rows = self.table["jobs"]
         for i, row in enumerate(rows):
             run = row["run"]
@@ -295,6 +294,7 @@ class Submission:
                 f"{key}: {e}; the jobs submitted before it are recorded in {self.state}: fix it "
                 "and run again"
             ) from None
+        self.state.mkdir(exist_ok=True)  # made with the first job it records
         (self.state / key).write_text(job + "\n")
         with open(self.state.parent / HISTORY, "a", encoding="utf-8") as f:
             f.write(f"{key}\t{job}\n")
